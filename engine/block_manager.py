@@ -1,0 +1,300 @@
+"""Paged KV blocks with prefix caching: `BlockPool` owns the `Block`s (0 is the null block),
+the LRU free queue and the hash -> block map; `KVCacheManager` owns per-request block tables.
+Chained block hashes are stable across processes and machines (cluster-wide prefix index)."""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from engine.request import Request
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Chained hash of one block: stable across processes, seeds and machines.
+
+    Args:
+        parent_hash: the previous block's hash, None for the first block.
+        token_ids: the block's token ids.
+
+    Returns:
+        A 64-bit unsigned int: blake2b over the little-endian parent hash and int64 tokens.
+    """
+    parent = b"\x00" if parent_hash is None else b"\x01" + struct.pack("<Q", parent_hash)
+    data = parent + struct.pack(f"<{len(token_ids)}q", *token_ids)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+@dataclass(eq=False)
+class Block:
+    """One physical KV block. Identity (not value) equality: blocks are unique."""
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None  # set while the block is in the hash map
+
+
+class BlockPool:
+    """Owns the Blocks, the LRU free queue and the prefix-cache hash map. The free queue
+    (OrderedDict: O(1) append, popleft, remove) holds exactly the non-null blocks with
+    ref_cnt == 0, head evicted first."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+        self.num_blocks, self.enable_caching = num_blocks, enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self._free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self._cached: dict[int, Block] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (cached-but-unreferenced ones included)."""
+        return len(self._free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the non-null blocks referenced by some request, in [0, 1]."""
+        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+
+    def get_new_blocks(self, num_blocks: int) -> list[Block]:
+        """Take blocks from the head of the free queue, evicting their cached hashes.
+
+        Args:
+            num_blocks: how many blocks to take.
+
+        Returns:
+            The blocks, each with ref_cnt == 1 and no hash.
+        """
+        if num_blocks < 0 or num_blocks > self.num_free_blocks:
+            raise ValueError(f"cannot get {num_blocks} blocks, {self.num_free_blocks} free")
+        blocks = [self._free_queue.popitem(last=False)[1] for _ in range(num_blocks)]
+        for block in blocks:
+            assert block.ref_cnt == 0 and block is not self.null_block
+            if block.block_hash is not None:  # evict it from the prefix cache
+                evicted = self._cached.pop(block.block_hash)
+                assert evicted is block
+                block.block_hash = None
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Add a reference to each block; unreferenced ones leave the free queue.
+
+        Args:
+            blocks: blocks to share (prefix-cache hits).
+        """
+        for block in blocks:
+            assert block is not self.null_block
+            if block.ref_cnt == 0:
+                del self._free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[Block]) -> None:
+        """Drop a reference from each block, in order; those reaching 0 join the tail.
+
+        Args:
+            blocks: blocks to release, in the order they should become evictable.
+        """
+        for block in blocks:
+            assert block is not self.null_block and block.ref_cnt > 0, block
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free_queue[block.block_id] = block
+
+    def cache_block(self, block: Block, block_hash: int) -> bool:
+        """Register a full block under its hash; an existing mapping is kept, not duplicated.
+
+        Args:
+            block: a referenced, full block.
+            block_hash: its chained hash.
+
+        Returns:
+            True if the map now points `block_hash` at `block`.
+        """
+        assert block.ref_cnt > 0 and block is not self.null_block
+        if block.block_hash is not None:
+            assert block.block_hash == block_hash, "a block's content cannot change while referenced"
+            return True
+        if not self.enable_caching or block_hash in self._cached:
+            return False
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+        return True
+
+    def get_cached_block(self, block_hash: int) -> Block | None:
+        """Returns the block cached under `block_hash`, or None (a miss)."""
+        return self._cached.get(block_hash)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash.
+
+        Returns:
+            True, or False (nothing changed) if some block is still referenced.
+        """
+        if self.num_free_blocks != self.num_blocks - 1:
+            return False
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+        return True
+
+
+class KVCacheManager:
+    """Per-request block tables on top of a BlockPool. Every request passed to
+    `get_computed_blocks` or `allocate_slots` must end with `free(request)`."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.req_to_blocks: dict[str, list[Block]] = {}
+        # Per request: hashes of its full known blocks; how many table blocks went to the map.
+        self.req_to_block_hashes: dict[str, list[int]] = {}
+        self.num_cached_block: dict[str, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.req_to_blocks)
+
+    def _update_block_hashes(self, request: Request) -> list[int]:
+        """Extend the request's hash list to all its full blocks; returns it."""
+        hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
+        num_full = request.num_tokens // self.block_size
+        if len(hashes) < num_full:
+            token_ids = request.all_token_ids
+            parent = hashes[-1] if hashes else None
+            for i in range(len(hashes), num_full):
+                parent = hash_block_tokens(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+                hashes.append(parent)
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """Longest cached prefix of the request's full blocks. No ref-count change.
+
+        Args:
+            request: a request without a block table yet.
+
+        Returns:
+            (blocks, num_computed_tokens), at most `(num_tokens - 1) // block_size` blocks so
+            the model still computes the last token (for logits); ([], 0) with caching off.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        hashes = self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in hashes[:max_blocks]:
+            if (block := self.block_pool.get_cached_block(block_hash)) is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[Block] | None = None) -> list[Block] | None:
+        """Grow the request's block table to hold its computed and new tokens.
+
+        Args:
+            request: the request; `num_computed_tokens` is what its table already holds.
+            num_new_tokens: tokens to be computed this step (>= 0).
+            new_computed_blocks: hits from `get_computed_blocks`; first call only.
+
+        Returns:
+            The new blocks (maybe []), or None if too few are free (then nothing changed).
+        """
+        # |<- num_computed_tokens ->|<- len(hits) * block_size ->|<- num_new_tokens ->|
+        # | table before this call  | hits (touched, shared)     | new_blocks         |
+        # |<--------------------------- num_tokens_needed --------------------------->|
+        # Full blocks within min(num_tokens_needed, request.num_tokens) are hashed and cached.
+        hits = new_computed_blocks or []
+        req_id = request.request_id
+        self._check_allocate_args(request, num_new_tokens, hits)
+        blocks = self.req_to_blocks.get(req_id, ())
+        num_tokens_needed = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        num_new_blocks = max(0, -(-num_tokens_needed // self.block_size) - len(blocks) - len(hits))
+        # Touching an unreferenced hit takes it out of the free queue.
+        num_evictable_hits = sum(b.ref_cnt == 0 for b in hits)
+        if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
+            return None
+        self.block_pool.touch(hits)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        self.req_to_blocks.setdefault(req_id, []).extend(hits + new_blocks)
+        self.num_cached_block.setdefault(req_id, len(hits))
+        self._cache_full_blocks(request, num_tokens_needed)
+        return new_blocks
+
+    def _check_allocate_args(self, request: Request, num_new_tokens: int, hits: list[Block]) -> None:
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if hits and (request.request_id in self.req_to_blocks or request.num_computed_tokens):
+            raise ValueError(f"request {request.request_id}: computed blocks only start a new table")
+        assert all(self.block_pool.get_cached_block(b.block_hash) is b for b in hits), "hit evicted"
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Offer to the hash map the table's full blocks within the first `num_tokens`."""
+        req_id, blocks = request.request_id, self.req_to_blocks[request.request_id]
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        num_done = self.num_cached_block[req_id]
+        if not self.enable_prefix_caching or num_full <= num_done:
+            return
+        hashes = self._update_block_hashes(request)
+        assert len(hashes) >= num_full and len(blocks) >= num_full
+        for i in range(num_done, num_full):
+            self.block_pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_block[req_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks tail first and forget its state.
+
+        Args:
+            request: the request (a no-op if the manager holds nothing for it).
+        """
+        req_id = request.request_id
+        self.block_pool.free_blocks(reversed(self.req_to_blocks.pop(req_id, [])))
+        self.req_to_block_hashes.pop(req_id, None)
+        self.num_cached_block.pop(req_id, None)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table.
+
+        Args:
+            request_id: a request with a block table (KeyError otherwise).
+
+        Returns:
+            Physical block ids in logical order.
+        """
+        return [b.block_id for b in self.req_to_blocks[request_id]]
+
+    def get_block_hashes(self, request_id: str) -> list[int]:
+        """Hashes of the full blocks in the request's table (computed or being computed).
+
+        Args:
+            request_id: a request with a block table (KeyError otherwise).
+
+        Returns:
+            Chained hashes, head first, for the cluster prefix index; [] with caching off.
+        """
+        return self.req_to_block_hashes.get(request_id, [])[:self.num_cached_block[request_id]]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; False (no change) if some block is in use."""
+        return self.block_pool.reset_prefix_cache()
+
+    def assert_no_leaks(self) -> None:
+        """Raise AssertionError unless all requests are freed and all blocks free."""
+        left = self.req_to_blocks.keys() | self.req_to_block_hashes.keys() | self.num_cached_block.keys()
+        held = [b.block_id for b in self.block_pool.blocks if b.ref_cnt != 0]
+        num_free, num_usable = self.num_free_blocks, self.block_pool.num_blocks - 1
+        if left or held or num_free != num_usable:
+            raise AssertionError(f"leak: requests {sorted(left)}, held {held}, {num_free}/{num_usable} free")

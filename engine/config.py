@@ -1,0 +1,82 @@
+"""Frozen configuration of the engine: the model's shape, the KV cache, the scheduler.
+
+Runtime values that depend on the machine (the number of KV blocks that fit) live in
+`CacheConfig.num_blocks` once resolved by the model runner, never in module globals.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family model, read from GGUF metadata or a HF `config.json`."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF-style {"rope_type": "llama3", "factor": ..., ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    name: str = "llama"
+
+    def __post_init__(self):
+        assert self.num_heads % self.num_kv_heads == 0, "GQA needs num_heads divisible by num_kv_heads"
+        assert self.head_dim % 2 == 0
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Either a fixed number of blocks, or a memory budget from which the runner derives it.
+    num_blocks: int | None = None
+    memory_gib: float = 1.0
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048  # token budget per step; long prompts are chunked to fit
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2"
+    dtype: str = "bfloat16"
+    device: str = "auto"  # auto = cuda when present, else cpu
+    attention_backend: str = "auto"  # auto = flash_attn when importable on CUDA, else torch
+    num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+    tp_size: int = 1
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

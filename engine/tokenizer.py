@@ -1,0 +1,247 @@
+"""Text <-> token ids, the chat template, and incremental detokenization for streaming.
+
+`Tokenizer.from_path` reads either a GGUF (vocabulary, merges and chat template are metadata
+there; we rebuild a `tokenizers.Tokenizer` from them) or a Hugging Face folder (`tokenizer.json`,
+`tokenizer_config.json`, optional `chat_template.jinja`).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+from pathlib import Path
+
+import gguf
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+
+from engine.gguf_loader import read_gguf_metadata
+from engine.loader import resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# llama.cpp `tokenizer.ggml.pre` values whose pre-tokenizer isolates every digit before the GPT-2
+# regex (llama.cpp: regexes "\p{N}" then GPT-2's; HF tokenizer.json: Digits + ByteLevel).
+_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_SPLIT_THEN_BYTES = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+                     "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+
+
+def _gguf_pre_tokenizer(pre: str | None):
+    """The HF pre-tokenizer equivalent to llama.cpp's `tokenizer.ggml.pre` for byte-level BPE."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGITS_THEN_GPT2:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in _SPLIT_THEN_BYTES:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLIT_THEN_BYTES[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if pre not in (None, "default", "gpt2", "gpt-2"):
+        logger.warning("unknown GGUF pre-tokenizer %r; using GPT-2's byte-level regex", pre)
+    return byte_level
+
+
+def _gguf_backend(meta: dict) -> BackendTokenizer:
+    """A byte-level BPE `tokenizers.Tokenizer` from GGUF tokenizer metadata."""
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise ValueError(f"GGUF tokenizer model {meta.get('tokenizer.ggml.model')!r} is not supported "
+                         "(only byte-level BPE, 'gpt2'); use a Hugging Face folder with tokenizer.json")
+    tokens = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", ())]
+    backend = BackendTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                          fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+    backend.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>, ...) must match whole in text and be skippable on decode.
+    token_types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, kind in zip(tokens, token_types) if kind == _CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED])
+    return backend
+
+
+def _raise_exception(message: str):
+    raise ValueError(f"chat template error: {message}")
+
+
+def _compile_chat_template(source: str) -> jinja2.Template:
+    """Compile like transformers does: sandboxed, trim/lstrip blocks, loop controls, `raise_exception`."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _token_content(value) -> str | None:
+    """tokenizer_config.json spells a special token as a string or an AddedToken dict."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+class Tokenizer:
+    """Encode, decode and chat-template rendering for one model."""
+
+    def __init__(self, backend: BackendTokenizer, *, bos_token: str | None, eos_token: str | None,
+                 add_bos_token: bool, chat_template: str | None, name: str):
+        self.backend = backend
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template
+        self._template = _compile_chat_template(chat_template) if chat_template else None
+        self._name = name
+
+    @classmethod
+    def from_path(cls, path: str | os.PathLike) -> Tokenizer:
+        """Load from a GGUF, a built-in model name, or a folder holding `tokenizer.json`."""
+        folder = Path(path).expanduser()
+        if folder.is_dir() and (folder / "tokenizer.json").is_file():
+            return cls._from_hf_folder(folder)
+        resolved = resolve_model_path(path)
+        if resolved.is_dir():
+            raise ValueError(f"{resolved} has no tokenizer.json")
+        return cls._from_gguf(resolved)
+
+    @classmethod
+    def _from_gguf(cls, path: Path) -> Tokenizer:
+        meta = read_gguf_metadata(gguf.GGUFReader(path))
+        tokens = meta["tokenizer.ggml.tokens"]
+        bos_id, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+        return cls(_gguf_backend(meta),
+                   bos_token=tokens[bos_id] if bos_id is not None else None,
+                   eos_token=tokens[eos_id] if eos_id is not None else None,
+                   add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                   chat_template=meta.get("tokenizer.chat_template"),
+                   name=meta.get("general.name") or path.stem)
+
+    @classmethod
+    def _from_hf_folder(cls, folder: Path) -> Tokenizer:
+        config = _read_json(folder / "tokenizer_config.json")
+        template = config.get("chat_template")
+        if (folder / "chat_template.jinja").is_file():  # transformers >= 4.43 saves it separately
+            template = (folder / "chat_template.jinja").read_text()
+        elif not template:
+            template = _read_json(folder / "chat_template.json").get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
+            template = {t["name"]: t["template"] for t in template}.get("default")
+        return cls(BackendTokenizer.from_file(str(folder / "tokenizer.json")),
+                   bos_token=_token_content(config.get("bos_token")),
+                   eos_token=_token_content(config.get("eos_token")),
+                   add_bos_token=bool(config.get("add_bos_token", False)),
+                   chat_template=template, name=folder.resolve().name)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.backend.token_to_id(self.bos_token) if self.bos_token else None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.backend.token_to_id(self.eos_token) if self.eos_token else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. Special tokens in the text (`<|im_start|>`) map to their single id.
+
+        Args:
+            add_special_tokens: run the tokenizer's post-processor and prepend BOS when the model
+                asks for it (GGUF `tokenizer.ggml.add_bos_token`, HF `add_bos_token`).
+        """
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
+            ids = [bos] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; incomplete UTF-8 at either end shows as U+FFFD."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render `messages` ([{"role": ..., "content": ...}]) with the model's chat template.
+
+        Raises:
+            ValueError: the model has no chat template, or the template rejects the messages.
+        """
+        if self._template is None:
+            raise ValueError(f"model {self.name!r} has no chat template")
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """Prompt ids for a chat: the template writes any BOS itself, so none is added here."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into a stream of text without breaking multi-byte characters.
+
+    vLLM's technique: decode the window `ids[prefix_offset:]` and the window
+    `ids[prefix_offset:read_offset]`; the text the first has beyond the second is new. If it ends in
+    U+FFFD the last token(s) hold part of a UTF-8 character, so nothing is emitted until it completes.
+
+        ids:  ... prompt tail | emitted            | not yet emitted
+                              ^prefix_offset       ^read_offset       ^len(ids)
+
+    Decoding a window (not everything) keeps each step O(window); starting the window a few tokens
+    back keeps tokenizers that strip a leading space (SentencePiece) from eating it.
+    """
+
+    CONTEXT_TOKENS = 5  # prompt tokens decoded as left context
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids = list(prompt_token_ids[-self.CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self._ids)
+        self._text_parts: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All output text emitted so far."""
+        return "".join(self._text_parts)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _advance(self, force: bool) -> str:
+        prefix_text = self._decode(self._ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self._ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not force):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self._ids)
+        self._text_parts.append(delta)
+        return delta
+
+    def step(self, new_token_ids: list[int]) -> str:
+        """Append generated ids; return the text they complete ("" while a character is split)."""
+        self._ids.extend(new_token_ids)
+        return self._advance(force=False)
+
+    def flush(self) -> str:
+        """At the end of a sequence: emit held-back bytes too, as U+FFFD, like `decode` would."""
+        return self._advance(force=True)

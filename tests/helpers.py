@@ -1,0 +1,82 @@
+"""Factories shared by the tests: tiny random Llama models and engines over them."""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+            bos_token_id=1, eos_token_id=2)
+
+
+def make_hf_tiny_llama(seed: int = 0, **overrides):
+    """A tiny random `transformers.LlamaForCausalLM` with GQA, in fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**TINY, **overrides})
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # random init leaves norms at 1; perturb them so the test sees them
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.mul_(2.5)  # sharper distributions: greedy choices far from ties
+    return model
+
+
+def model_config_of(hf_model) -> ModelConfig:
+    c = hf_model.config
+    return ModelConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                       num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
+                       num_kv_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
+                       rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta if hasattr(c, "rope_theta") else
+                       c.rope_parameters["rope_theta"], rope_scaling=None,
+                       max_position_embeddings=c.max_position_embeddings,
+                       tie_word_embeddings=c.tie_word_embeddings, bos_token_id=1, eos_token_id=2, name="tiny")
+
+
+def save_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
+    """Writes a tiny random Llama as a HF safetensors folder; returns the folder."""
+    make_hf_tiny_llama(seed, **overrides).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def engine_config(dtype: str = "float32", num_blocks: int = 256, block_size: int = 16,
+                  max_num_batched_tokens: int = 256, max_num_seqs: int = 64, prefix_caching: bool = True,
+                  model: str = "smollm2") -> EngineConfig:
+    return EngineConfig(model=model, dtype=dtype, device="cpu",
+                        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                          enable_prefix_caching=prefix_caching),
+                        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                  max_num_batched_tokens=max_num_batched_tokens))
+
+
+def tiny_engine(hf_model, **knobs):
+    """A ColocatedEngine over an in-memory tiny HF model (no tokenizer)."""
+    from decode_worker.engine import ColocatedEngine
+    from engine.model_runner import ModelRunner
+    cfg = engine_config(**knobs)
+    runner = ModelRunner(cfg, model_config=model_config_of(hf_model), weights=hf_model.state_dict().items())
+    return ColocatedEngine(cfg, runner=runner)
+
+
+_ids = itertools.count()
+
+
+def random_prompts(n: int, lengths, vocab: int = 256, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(lengths[i % len(lengths)]),), generator=g).tolist() for i in range(n)]
+
+
+def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
+    """Reference greedy continuation by transformers, EOS ignored."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model.generate(ids, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens,
+                                pad_token_id=0)
+    return out[0, len(prompt):].tolist()
