@@ -62,17 +62,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions: (num_tokens,); q: (num_tokens, heads, head_dim); k: (num_tokens, kv_heads, head_dim)."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # (num_tokens, 1, head_dim)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Once per step: (num_tokens, 1, head_dim) cos and sin for `positions`, in `dtype`."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: (num_tokens, heads, head_dim) -> rotated, HF's rotate_half convention."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

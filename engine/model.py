@@ -20,24 +20,22 @@ from engine.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVPara
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, tp=tp)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp=tp)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.rotary = rotary
 
-    def forward(self, positions, hidden, kv_cache, meta: AttentionMetadata, backend: BaseAttentionBackend):
+    def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata, backend: BaseAttentionBackend):
         n = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # (n, (heads + 2 * kv_heads) * head_dim), this rank's heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        # rotate q and k in one pass: (n, heads + kv_heads, head_dim)
+        qk = RotaryEmbedding.apply(qkv[:, :q_size + kv_size].view(n, -1, self.head_dim), *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, q_size + kv_size:].view(n, self.num_kv_heads, self.head_dim)
         o = backend.forward(q, k, v, kv_cache, meta, self.scale)  # (n, heads, head_dim)
         return self.o_proj(o.reshape(n, q_size))
 
@@ -53,19 +51,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, tp)
+        self.self_attn = LlamaAttention(cfg, tp)
         self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, kv_cache, meta, backend):
+    def forward(self, rope, hidden, residual, kv_cache, meta, backend):
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta, backend)
+        hidden = self.self_attn(rope, hidden, kv_cache, meta, backend)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -79,9 +77,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup()):
         super().__init__()
         self.config = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
@@ -92,8 +90,9 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: (num_tokens,); kv_caches: (num_layers, 2, num_blocks, block_size,
         kv_heads, head_dim). Returns the final-normed hidden states, (num_tokens, hidden_size)."""
         hidden, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.cos_sin(positions, hidden.dtype)  # shared by every layer
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(positions, hidden, residual, kv_caches[i], meta, backend)
+            hidden, residual = layer(rope, hidden, residual, kv_caches[i], meta, backend)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -19,7 +19,8 @@ from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.kv_cache import allocate_kv_cache, num_blocks_for
 from engine.loader import load_model_config, load_weights, resolve_model_path
 from engine.model import LlamaForCausalLM
-from engine.parallel import TPGroup
+from engine.parallel import (PackableLinear, ParallelLMHead, TPGroup, VocabParallelEmbedding,
+                             mkldnn_packing_available)
 from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
 
@@ -89,7 +90,22 @@ class ModelRunner:
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
         logger.info("loaded weights in %.2f s", time.perf_counter() - start)
+        self._pack_linears(model)
         return model.eval()
+
+    def _pack_linears(self, model: LlamaForCausalLM) -> None:
+        """On CPU in bf16, prepack every linear weight for oneDNN (see PackableLinear)."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
+            logger.info("linear layers: F.linear (%s, %s)", self.device.type, self.dtype)
+            return
+        if not mkldnn_packing_available():
+            logger.warning("linear layers: F.linear (oneDNN weight packing unavailable in this torch build)")
+            return
+        for module in model.modules():
+            if isinstance(module, PackableLinear) and not isinstance(module, VocabParallelEmbedding) \
+                    or isinstance(module, ParallelLMHead):
+                module.pack_for_cpu()
+        logger.info("linear layers: oneDNN prepacked bf16 weights")
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:

