@@ -18,6 +18,8 @@ class RequestOutput:
     new_text: str
     finished: bool
     finish_reason: str | None = None
+    num_output_tokens: int = 0  # after these tokens; lets a consumer drop tokens it already has
+    error: str | None = None
 
 
 class _TextState:
@@ -76,7 +78,8 @@ class OutputProcessor:
                 if not req.is_finished:
                     stopped.append(req.request_id)
             reason = "stop" if stop is not None else req.status.finish_reason
-            outputs.append(RequestOutput(req.request_id, new_ids, st.take(finished), finished, reason))
+            outputs.append(RequestOutput(req.request_id, new_ids, st.take(finished), finished, reason,
+                                         req.num_output_tokens))
             if finished:
                 del self.states[req.request_id]
         return outputs, stopped

@@ -1,4 +1,9 @@
-"""Continuous-batching scheduler (colocated mode: prefills and decodes on one instance).
+"""Continuous-batching scheduler of a decode instance.
+
+Colocated mode prefills and decodes here; in disaggregated mode a request is first *reserved*
+(`reserve`: blocks for its prompt, or a refusal, which is admission control), waits in
+WAITING_FOR_REMOTE_KVS while a prefill instance streams its KV in, and joins the running batch
+only once its KV is complete (`remote_kv_ready`), so a slow transfer never blocks the batch.
 
 Each step spends a token budget: running requests first (one token per decoding sequence, the
 next chunk for a sequence still prefilling), then waiting requests, whose prompts are chunked
@@ -28,6 +33,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.remote: dict[str, Request] = {}  # reserved, KV still arriving
+        self._unknown_to_runner: set[str] = set()  # remote requests that joined the batch
         self._finished_ids: list[str] = []  # told to the runner on the next step
         self.num_preemptions = 0
 
@@ -40,11 +47,47 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
+    def reserve(self, req: Request) -> bool:
+        """Allocates blocks for a remote-prefilled prompt; False (and no change) if they don't fit."""
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if req.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {req.num_prompt_tokens} tokens; the limit is {self.max_model_len - 1}")
+        if len(self.running) + len(self.remote) >= self.config.max_num_seqs:
+            return False
+        if self.kv.allocate_slots(req, req.num_prompt_tokens) is None:
+            self.kv.free(req)  # forget hashes it may have computed
+            return False
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.requests[req.request_id] = req
+        self.remote[req.request_id] = req
+        return True
+
+    def remote_kv_ready(self, request_id: str, first_token: int) -> Request | None:
+        """The prompt's KV is in place and the prefill sampled `first_token`: join the batch.
+
+        Returns the request (it got a token), or None if it is no longer known (aborted)."""
+        req = self.remote.pop(request_id, None)
+        if req is None:
+            return None
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.output_token_ids.append(first_token)
+        status = self._check_stop(req, first_token)
+        if status is not None:
+            self.finish_request(request_id, status)
+            return req
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._unknown_to_runner.add(request_id)
+        return req
+
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """Ends a request (abort, or a stop found by the output processor) and frees its blocks."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return
+        self.remote.pop(request_id, None)
+        self._unknown_to_runner.discard(request_id)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -77,16 +120,23 @@ class Scheduler:
                 if victim is req:
                     break
                 continue
-            out.cached_requests.append(CachedRequestData(
-                req.request_id, req.all_token_ids[req.num_computed_tokens:req.num_computed_tokens + num_new],
-                req.num_computed_tokens, [b.block_id for b in new_blocks],
-                sample=req.num_computed_tokens + num_new == req.num_tokens))
+            token_ids = req.all_token_ids[req.num_computed_tokens:req.num_computed_tokens + num_new]
+            sample = req.num_computed_tokens + num_new == req.num_tokens
+            if req.request_id in self._unknown_to_runner:  # remote-prefilled: first step here
+                self._unknown_to_runner.discard(req.request_id)
+                out.new_requests.append(NewRequestData(req.request_id, token_ids, req.num_computed_tokens,
+                                                       self.kv.get_block_ids(req.request_id),
+                                                       req.sampling_params, sample))
+            else:
+                out.cached_requests.append(CachedRequestData(req.request_id, token_ids, req.num_computed_tokens,
+                                                             [b.block_id for b in new_blocks], sample))
             scheduled.append(req)
             budget -= num_new
             i += 1
         return budget
 
     def _preempt(self, req: Request) -> None:
+        self._unknown_to_runner.discard(req.request_id)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0

@@ -7,7 +7,7 @@ says which checkpoint tensors are packed into them.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -86,13 +86,18 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-                meta: AttentionMetadata, backend: BaseAttentionBackend) -> torch.Tensor:
+                meta: AttentionMetadata, backend: BaseAttentionBackend,
+                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """input_ids, positions: (num_tokens,); kv_caches: (num_layers, 2, num_blocks, block_size,
-        kv_heads, head_dim). Returns the final-normed hidden states, (num_tokens, hidden_size)."""
+        kv_heads, head_dim). `after_layer(i)` runs once layer i's K/V are in the cache (the prefill
+        side ships them from there while later layers compute). Returns the final-normed hidden
+        states, (num_tokens, hidden_size)."""
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.cos_sin(positions, hidden.dtype)  # shared by every layer
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(rope, hidden, residual, kv_caches[i], meta, backend)
+            if after_layer is not None:
+                after_layer(i)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -99,7 +99,7 @@ class ModelRunner:
             logger.info("linear layers: F.linear (%s, %s)", self.device.type, self.dtype)
             return
         if not mkldnn_packing_available():
-            logger.warning("linear layers: F.linear (oneDNN weight packing unavailable in this torch build)")
+            logger.warning("linear layers: F.linear (oneDNN bf16 weight packing unavailable: torch build or CPU lacks it)")
             return
         for module in model.modules():
             if isinstance(module, PackableLinear) and not isinstance(module, VocabParallelEmbedding) \
@@ -108,13 +108,14 @@ class ModelRunner:
         logger.info("linear layers: oneDNN prepacked bf16 weights")
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput, after_layer=None) -> RunnerOutput:
+        """One step on a single rank (tp=1, or rank 0 after broadcasting `prepare_inputs`)."""
         self._update_states(sched)
         if sched.is_empty:
             return RunnerOutput()
         inp = self.prepare_inputs(sched)
-        logits = self.execute_model(inp)
-        return self._sample(inp, logits)
+        logits = self.execute_model(inp, after_layer)
+        return self.sample(inp, logits)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for rid in sched.finished_req_ids:
@@ -168,15 +169,15 @@ class ModelRunner:
                           torch.tensor(sample_indices, dtype=torch.int64, device=dev), sample_req_ids)
 
     @torch.inference_mode()
-    def execute_model(self, inp: ModelInput) -> torch.Tensor | None:
+    def execute_model(self, inp: ModelInput, after_layer=None) -> torch.Tensor | None:
         """Runs the forward on this rank; returns logits (num_sampled, vocab) on rank 0, else None."""
         self.backend.prepare(inp.meta)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta, self.backend)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta, self.backend, after_layer)
         if not inp.sample_req_ids:
             return None
         return self.model.compute_logits(hidden[inp.sample_indices])
 
-    def _sample(self, inp: ModelInput, logits: torch.Tensor | None) -> RunnerOutput:
+    def sample(self, inp: ModelInput, logits: torch.Tensor | None) -> RunnerOutput:
         out = RunnerOutput()
         if logits is None:
             return out

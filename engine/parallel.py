@@ -46,8 +46,30 @@ class TPGroup:
         return torch.cat(parts, dim=dim) if self.rank == 0 else None
 
 
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's `obj` on every rank (the step a driver hands its followers)."""
+        if self.size == 1:
+            return obj
+        self._need_group()
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        self._need_group()
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
 def mkldnn_packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """oneDNN bf16 weight packing needs the op in this torch build and a CPU with native bf16
+    support (avx512bw/vl/dq or avx_ne_convert); an AVX2-only CPU has neither."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackableLinear(nn.Module):

@@ -75,8 +75,10 @@ def random_prompts(n: int, lengths, vocab: int = 256, seed: int = 0) -> list[lis
 
 def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
     """Reference greedy continuation by transformers, EOS ignored."""
+    from transformers import GenerationConfig
     ids = torch.tensor([prompt])
+    # eos_token_id=[] really ignores EOS; min_new_tokens would instead forbid it (a different sequence)
+    cfg = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=[], pad_token_id=0)
     with torch.no_grad():
-        out = hf_model.generate(ids, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens,
-                                pad_token_id=0)
+        out = hf_model.generate(ids, generation_config=cfg)
     return out[0, len(prompt):].tolist()

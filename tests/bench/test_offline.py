@@ -1,0 +1,64 @@
+"""Smoke tests of the benchmark scripts: they run end to end and print the JSON they promise."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import offline
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--num-requests", "2", "--prompt-len", "16", "--output-len", "4", "--batch1-output-len", "4",
+        "--skip-hf", "--json"]
+
+
+@pytest.fixture
+def keep_num_threads():
+    """bench.offline sets torch's thread count for the process; put it back for the other tests."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.timeout(60)
+def test_offline_json_smoke(capsys, keep_num_threads):
+    """A tiny pdserve-only run prints exactly one JSON object on stdout, with every key, and the
+    pdserve measurements positive."""
+    assert offline.main(TINY) == 0
+    result = json.loads(capsys.readouterr().out)
+    for key in ("pdserve_output_tok_s", "pdserve_batch1_ms_per_step", "pdserve_ttft_mean_s"):
+        assert result[key] > 0, key
+    assert result["hf_output_tok_s"] is None and result["hf_batch1_ms_per_step"] is None
+    assert result["workload"]["num_requests"] == 2 and result["workload"]["output_len"] == 4
+    assert result["threads"] == 2 and result["torch_version"] == torch.__version__
+    assert result["machine"]["cpu_count"] > 0
+
+
+def test_workload_rejects_bad_sizes():
+    """A batch-1 run needs at least one decode step; sizes must be positive."""
+    with pytest.raises(ValueError):
+        offline.Workload(batch1_output_len=1)
+    with pytest.raises(ValueError):
+        offline.Workload(num_requests=0)
+
+
+def test_random_prompts_fixed_and_in_range():
+    """The same seed gives the same prompts; ids stay in the range clear of special tokens."""
+    a = offline.random_prompts(3, 50, seed=5)
+    assert a == offline.random_prompts(3, 50, seed=5) != offline.random_prompts(3, 50, seed=6)
+    lo, hi = offline.TOKEN_ID_RANGE
+    assert all(lo <= t < hi for p in a for t in p) and [len(p) for p in a] == [50] * 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the script runs the full check")
+@pytest.mark.timeout(60)
+def test_gpu_check_without_cuda_exits_0():
+    """Without a CUDA device, bench.gpu_check exits 0 and prints {"cuda": false, ...} on stdout."""
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["cuda"] is False
