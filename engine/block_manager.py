@@ -27,6 +27,14 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The chained hashes of every full block of `token_ids`."""
+    out: list[int] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        out.append(hash_block_tokens(out[-1] if out else None, token_ids[start:start + block_size]))
+    return out
+
+
 @dataclass(eq=False)
 class Block:
     """One physical KV block. Identity (not value) equality: blocks are unique."""

@@ -1,0 +1,75 @@
+"""The Ray actor that hosts one rank of an instance (see cluster/rank.py). Typed methods only."""
+from __future__ import annotations
+
+import logging
+
+import ray
+import torch
+
+from cluster.rank import RankHost, free_address
+from engine.config import EngineConfig
+from engine.request import Request, SamplingParams
+from kvtransfer.params import KVEndpoint, KVTransferParams
+
+
+@ray.remote(max_concurrency=16)  # long polls must not block reserve/submit calls
+class RankActor:
+    def __init__(self, config: EngineConfig, role: str, instance_id: str, rank: int, tp_size: int,
+                 host: str, kv_timeout_s: float, log_level: str = "INFO"):
+        logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._args = (config, role, instance_id, rank, tp_size)
+        self._host_name, self._kv_timeout_s = host, kv_timeout_s
+        self.host: RankHost | None = None
+
+    def rendezvous_address(self) -> str:
+        """Rank 0: where the instance's TP group meets."""
+        return free_address(self._host_name)
+
+    def setup(self, tp_address: str | None) -> KVEndpoint | None:
+        """Loads the model, joins the TP group, starts the loop. Returns this rank's KV endpoint."""
+        config, role, instance_id, rank, tp_size = self._args
+        self.host = RankHost(config, role, instance_id, rank, tp_size, tp_address, self._host_name, self._kv_timeout_s)
+        return self.host.kv_endpoint()
+
+    def set_followers(self, followers: list) -> None:
+        """Decode rank 0: the other ranks' actors, so a reservation reaches every rank's receiver."""
+        def expect_on_followers(request_id: str, slots: torch.Tensor, prefill_tp: int) -> None:
+            ray.get([f.expect.remote(request_id, slots, prefill_tp) for f in followers])
+        self.host.worker._expect_on_followers = expect_on_followers
+
+    # prefill
+    def submit(self, req: Request, params: KVTransferParams) -> None:
+        self.host.worker.submit(req, params)
+
+    def poll_results(self, timeout: float) -> list:
+        return self.host.worker.poll_results(timeout)
+
+    # decode
+    def reserve(self, req: Request, prefill_tp: int) -> bool:
+        return self.host.worker.reserve(req, prefill_tp)
+
+    def expect(self, request_id: str, slots: torch.Tensor, prefill_tp: int) -> None:
+        self.host.worker.expect(request_id, slots, prefill_tp)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.host.worker.add_request(request_id, prompt_token_ids, params)
+
+    def get_outputs(self, timeout: float) -> list:
+        return self.host.worker.get_outputs(timeout)
+
+    # both
+    def abort(self, request_id: str) -> None:
+        self.host.worker.abort(request_id)
+
+    def load(self) -> dict[str, float]:
+        return self.host.worker.load()
+
+    def assert_no_leaks(self) -> None:
+        """Tests: every block of this rank's allocator is free (rank 0 owns the allocator)."""
+        worker = self.host.worker
+        kv = worker.scheduler.kv if hasattr(worker, "scheduler") and worker.scheduler else worker.engine.kv
+        kv.assert_no_leaks()
+
+    def shutdown(self) -> None:
+        if self.host is not None:
+            self.host.shutdown()

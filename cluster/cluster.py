@@ -1,0 +1,234 @@
+"""The cluster: prefill and decode instances (each a TP group of rank hosts), the router over
+them, cluster state, and an offline `generate` API.
+
+    Cluster(spec).start()
+      start or join Ray (token auth on)      -> one placement group per instance (a bundle per rank)
+      RankActor per rank: setup(rendezvous)  -> model loaded, TP group joined, KV endpoint returned
+      Router(prefill clients, decode clients, policy)  -> generate() / submit() go through it
+
+With `use_ray=False` the instances run in this process (tp=1 only): quick tests and tools.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from cluster.clients import LocalDecodeClient, LocalPrefillClient, RayDecodeClient, RayPrefillClient
+from cluster.spec import ClusterSpec
+from cluster.state import ClusterState, InstanceRecord, create_state
+from engine.block_manager import block_hashes
+from engine.request import SamplingParams
+from router.client import InstanceInfo
+from router.policy import create_routing_policy
+from router.router import Router
+from router.stream import RequestStream
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Instance:
+    instance_id: str
+    role: str
+    tp_size: int
+    ranks: list  # RankHost (in-process) or RankActor handles, rank order
+    client: object
+    placement_group: object = None
+    extra: dict = field(default_factory=dict)
+
+
+def setup_ray_auth() -> None:
+    """Token authentication for a local Ray cluster: on, with a fresh per-cluster token unless the
+    operator provided one (RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH). Nothing is written to ~/.ray."""
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if os.environ["RAY_AUTH_MODE"] == "token" and not (os.environ.get("RAY_AUTH_TOKEN")
+                                                       or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
+class Cluster:
+    def __init__(self, spec: ClusterSpec, state: ClusterState | None = None, use_ray: bool = True,
+                 log_level: str = "WARNING"):
+        if not use_ray and (spec.prefill_tp > 1 or spec.decode_tp > 1):
+            raise ValueError("tensor parallelism needs one process per rank: use_ray=True")
+        self.spec, self.use_ray, self.log_level = spec, use_ray, log_level
+        self.state = state or create_state(spec.redis_url)
+        self.instances: dict[str, Instance] = {}
+        self.router: Router | None = None
+        self._started_ray = False
+        self._next_id = {"prefill": 0, "decode": 0, "colocated": 0}
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> Cluster:
+        if self.use_ray:
+            self._init_ray()
+        for role, n in self.spec.instance_counts.items():
+            for _ in range(n):
+                self._create(role)
+        policy_kw = {"cached_prefix": self._cached_prefix, "record": self._record_prefix} \
+            if self.spec.router_policy == "prefix_aware" else {}
+        by_role = lambda *roles: [i.client for i in self.instances.values() if i.role in roles]  # noqa: E731
+        self.router = Router(by_role("prefill"), by_role("decode", "colocated"),
+                             create_routing_policy(self.spec.router_policy, **policy_kw), mode=self.spec.mode,
+                             disagg_threshold_tokens=self.spec.disagg_threshold_tokens)
+        self.router.start()
+        logger.info("cluster up: %s", ", ".join(f"{i.instance_id} (tp={i.tp_size})" for i in self.instances.values()))
+        return self
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        if self.router is not None:
+            self.router.close()
+        for iid in list(self.instances):
+            self._destroy(self.instances.pop(iid))
+        if self._started_ray:
+            import ray
+            ray.shutdown()
+        self.state.close()
+
+    # -- serving ---------------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        return self.router.submit(request_id, prompt_token_ids, params)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 timeout_s: float | None = 600.0) -> list[RequestStream]:
+        """All prompts at once through the router; returns their finished streams in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        streams = [self.submit(f"gen-{time.monotonic_ns()}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        return [s.result(timeout=timeout_s) for s in streams]
+
+    # -- membership ------------------------------------------------------------------------------
+    def add_instance(self, role: str) -> str:
+        """Start one more instance of `role` while serving; the router uses it from now on."""
+        inst = self._create(role)
+        self.router.add_instance(inst.client)
+        return inst.instance_id
+
+    def remove_instance(self, instance_id: str) -> None:
+        """Take an instance out while serving: no new requests go there, its in-flight requests
+        are retried elsewhere, then its ranks stop."""
+        inst = self.instances.pop(instance_id)
+        self.router.remove_instance(instance_id)
+        self._destroy(inst)
+
+    def kill_instance(self, instance_id: str) -> None:
+        """Kill an instance's processes without telling anyone (failure testing)."""
+        import ray
+        for actor in self.instances[instance_id].ranks:
+            ray.kill(actor, no_restart=True)
+
+    def assert_no_leaks(self, timeout_s: float = 15.0) -> None:
+        """Every live instance's allocator ends with all blocks free (releases are asynchronous)."""
+        deadline = time.monotonic() + timeout_s
+        for inst in self.instances.values():
+            if not inst.client.info.healthy:
+                continue
+            while True:
+                try:
+                    self._call(inst, "assert_no_leaks")
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _init_ray(self) -> None:
+        import ray
+        if ray.is_initialized():
+            return
+        if self.spec.ray_address is None:
+            setup_ray_auth()
+            ranks = sum(n * self.spec.tp_size(r) for r, n in self.spec.instance_counts.items())
+            ray.init(num_cpus=max(os.cpu_count() or 1, ranks + 2), include_dashboard=False,
+                     logging_level=self.log_level, log_to_driver=self.log_level == "DEBUG")
+        else:
+            ray.init(address=self.spec.ray_address, logging_level=self.log_level)
+        self._started_ray = True
+
+    def _create(self, role: str) -> Instance:
+        iid = f"{role}-{self._next_id[role]}"
+        self._next_id[role] += 1
+        tp = self.spec.tp_size(role)
+        inst = self._create_ray(role, iid, tp) if self.use_ray else self._create_local(role, iid)
+        self.instances[iid] = inst
+        eps = [(e.host, e.port) for e in inst.client.info.kv_endpoints]
+        self.state.register(InstanceRecord(iid, role, tp, eps))
+        return inst
+
+    def _create_local(self, role: str, iid: str) -> Instance:
+        from cluster.rank import RankHost
+        host = RankHost(self.spec.engine_config(role), role, iid, kv_timeout_s=self.spec.kv_transfer_timeout_s)
+        ep = host.kv_endpoint()
+        info = InstanceInfo(iid, role, 1, (ep,) if ep else ())
+        client = (LocalPrefillClient if role == "prefill" else LocalDecodeClient)(info, host.worker)
+        return Instance(iid, role, 1, [host], client)
+
+    def _create_ray(self, role: str, iid: str, tp: int) -> Instance:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from cluster.actor import RankActor
+        gpu = self._use_gpus()
+        pg = placement_group([{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}] * tp, strategy="PACK")
+        ray.get(pg.ready(), timeout=120)
+        host = "127.0.0.1" if self.spec.ray_address is None else ray.util.get_node_ip_address()
+        actors = [RankActor.options(num_cpus=1, num_gpus=1 if gpu else 0, scheduling_strategy=
+                                    PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote(
+            self.spec.engine_config(role), role, iid, r, tp, host, self.spec.kv_transfer_timeout_s, self.log_level)
+            for r in range(tp)]
+        address = ray.get(actors[0].rendezvous_address.remote()) if tp > 1 else None
+        endpoints = ray.get([a.setup.remote(address) for a in actors], timeout=600)
+        if role == "decode" and tp > 1:
+            ray.get(actors[0].set_followers.remote(actors[1:]))
+        info = InstanceInfo(iid, role, tp, tuple(endpoints) if role == "decode" else ())
+        client = (RayPrefillClient if role == "prefill" else RayDecodeClient)(info, actors[0])
+        return Instance(iid, role, tp, actors, client, pg)
+
+    def _use_gpus(self) -> bool:
+        import ray
+        if self.spec.device == "cpu":
+            return False
+        return self.spec.device.startswith("cuda") or ray.cluster_resources().get("GPU", 0) > 0
+
+    def _call(self, inst: Instance, method: str):
+        if self.use_ray:
+            import ray
+            return ray.get(getattr(inst.ranks[0], method).remote(), timeout=30)
+        host = inst.ranks[0]
+        worker = host.worker
+        kv = worker.scheduler.kv if inst.role == "prefill" else worker.engine.kv
+        return kv.assert_no_leaks()
+
+    def _destroy(self, inst: Instance) -> None:
+        try:
+            self.state.drop_instance_hashes(inst.instance_id)
+            self.state.remove(inst.instance_id)
+        except KeyError:
+            pass
+        if not self.use_ray:
+            inst.ranks[0].shutdown()
+            return
+        import ray
+        from ray.util.placement_group import remove_placement_group
+        try:
+            ray.get(inst.ranks[0].shutdown.remote(), timeout=10)
+        except Exception:  # already dead: nothing to stop
+            pass
+        for actor in inst.ranks:
+            ray.kill(actor, no_restart=True)
+        remove_placement_group(inst.placement_group)
+
+    def _cached_prefix(self, prompt_token_ids: list[int]) -> dict[str, int]:
+        return self.state.longest_prefix(block_hashes(prompt_token_ids, self.spec.block_size), role="prefill")
+
+    def _record_prefix(self, instance_id: str, prompt_token_ids: list[int]) -> None:
+        self.state.add_block_hashes(instance_id, block_hashes(prompt_token_ids, self.spec.block_size))

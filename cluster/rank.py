@@ -1,0 +1,113 @@
+"""One rank of one instance, wherever it runs (a Ray actor, or in-process in tests).
+
+`RankHost` builds the rank's model runner (joining its instance's tensor-parallel group),
+its KV transport end (prefill: sender; decode: receiver) and its worker, and runs the worker's
+loop on a thread: rank 0 drives, the other ranks follow the steps rank 0 broadcasts.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from decode_worker.engine import ColocatedEngine
+from decode_worker.worker import DecodeWorker
+from engine.config import EngineConfig
+from engine.loader import resolve_model_path
+from engine.model_runner import ModelRunner
+from engine.parallel import TPGroup
+from engine.tokenizer import Tokenizer
+from kvtransfer.base import create_kv_transport
+from kvtransfer.params import CompatRecord, KVEndpoint, kv_heads_of_rank
+from prefill_worker.worker import PrefillWorker
+
+logger = logging.getLogger(__name__)
+
+
+def free_address(host: str = "127.0.0.1") -> str:
+    """host:port with a port that was free a moment ago (for a TP group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"{host}:{s.getsockname()[1]}"
+
+
+def load_tokenizer(model: str) -> Tokenizer | None:
+    try:
+        return Tokenizer.from_path(resolve_model_path(model))
+    except ValueError as exc:
+        logger.warning("no tokenizer for %s (%s): stop strings and text output are off", model, exc)
+        return None
+
+
+class RankHost:
+    def __init__(self, config: EngineConfig, role: str, instance_id: str, rank: int = 0, tp_size: int = 1,
+                 tp_address: str | None = None, host: str = "127.0.0.1", kv_timeout_s: float = 10.0,
+                 model_config=None, weights=None):
+        self.role, self.instance_id, self.rank, self.host = role, instance_id, rank, host
+        tp = TPGroup()
+        if tp_size > 1:
+            dist.init_process_group("gloo", init_method=f"tcp://{tp_address}", rank=rank, world_size=tp_size,
+                                    timeout=timedelta(hours=24))  # followers may idle for long
+            tp = TPGroup(rank, tp_size, dist.group.WORLD)
+        self.runner = ModelRunner(config, tp, model_config=model_config, weights=weights)
+        mc = self.runner.model_config
+        compat = CompatRecord(model=mc.name, dtype=str(config.dtype), num_layers=mc.num_layers,
+                              num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, block_size=self.runner.block_size,
+                              tp_size=tp_size, device_type=self.runner.device.type)
+        self.sender = self.receiver = None
+        if role == "prefill":
+            self.sender = create_kv_transport("torch").sender(compat, f"{instance_id}/{rank}", timeout_s=kv_timeout_s,
+                                                              host=host)
+            self.worker = PrefillWorker(self.runner, self.sender, instance_id)
+        else:
+            if role == "decode":
+                heads = kv_heads_of_rank(mc.num_kv_heads, tp_size, rank)
+                self.receiver = create_kv_transport("torch").receiver(
+                    compat, self.runner.kv_cache, heads.start, host=host, timeout_s=kv_timeout_s)
+            tokenizer = load_tokenizer(config.model) if rank == 0 and model_config is None else None
+            engine = ColocatedEngine(config, runner=self.runner, tokenizer=tokenizer)
+            self.worker = DecodeWorker(engine, self.receiver, instance_id)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"{role}-rank{rank}")
+        self._thread.start()
+
+    def kv_endpoint(self) -> KVEndpoint | None:
+        if self.receiver is None:
+            return None
+        host, port = self.receiver.endpoint_address
+        return KVEndpoint(self.instance_id, self.rank, host, port)
+
+    def _loop(self) -> None:
+        try:
+            if self.rank > 0:
+                while self.worker.follow():
+                    pass
+            elif self.role == "prefill":
+                self._prefill_loop()
+            else:
+                self.worker.run(self._stop)
+        except Exception:  # a dead loop must be loud: the router sees the instance stop answering
+            logger.exception("%s rank %d loop died", self.instance_id, self.rank)
+
+    def _prefill_loop(self) -> None:
+        last = time.monotonic()
+        while not self._stop.is_set():
+            if self.worker.has_work() or time.monotonic() - last > 1.0:
+                self.worker.step()  # idle steps keep followers' collectives from timing out
+                last = time.monotonic()
+            else:
+                time.sleep(0.002)
+        if self.worker.tp.size > 1:
+            self.worker.stop_followers()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self.rank == 0:
+            self._thread.join(timeout=5)
+        for end in (self.sender, self.receiver):
+            if end is not None:
+                end.close()

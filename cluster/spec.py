@@ -1,0 +1,246 @@
+"""The cluster spec: every knob of `pdserve serve`, from defaults, a YAML file and CLI flags.
+
+`ClusterSpec` is flat so that each field is exactly one YAML key and one `--flag-name`;
+the engine's own frozen configs (`EngineConfig`, `CacheConfig`, `SchedulerConfig`) are derived
+from it per role by `engine_config(role)`. Precedence: explicit CLI flag > YAML > default.
+
+A leaf module: any layer may import it. It imports only `engine.config` (whose configs it
+composes), nothing else of ours.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import re
+import typing
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+import yaml
+
+from engine.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+
+MODES = ("disaggregated", "colocated")
+ROLES = ("prefill", "decode", "colocated")
+ATTENTION_BACKENDS = ("auto", "torch", "flash_attn")
+# The names of router/policy.py's registry (create_routing_policy); keep the two in step.
+ROUTER_POLICIES = ("least_loaded", "prefix_aware", "round_robin")
+STATE_URL_SCHEMES = ("memory://", "redis://", "rediss://", "unix://")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+_HELP = {
+    "model": "smollm2, a .gguf file or a HF safetensors folder",
+    "dtype": "weights and activations dtype",
+    "device": "auto (cuda when present, else cpu), cpu, cuda or cuda:N",
+    "mode": "disaggregated (prefill and decode pools) or colocated (each instance does both)",
+    "num_prefill": "prefill instances (disaggregated mode)",
+    "num_decode": "decode instances; in colocated mode, the number of colocated instances",
+    "prefill_tp": "tensor-parallel ranks per prefill instance",
+    "decode_tp": "tensor-parallel ranks per decode (or colocated) instance",
+    "redis_url": "cluster state in Redis (redis://host:port/db); None = in-process memory",
+    "ray_address": "join this Ray cluster (e.g. auto, ray://host:10001); None = start a local one",
+    "host": "gateway bind address",
+    "port": "gateway port (0 = any free port)",
+    "block_size": "tokens per KV block",
+    "kv_memory_gib": "KV cache memory budget per rank, GiB (ignored when --num-kv-blocks is set)",
+    "num_kv_blocks": "fixed number of KV blocks per rank",
+    "max_num_seqs": "most sequences running at once per instance",
+    "max_num_batched_tokens": "token budget per engine step; long prompts are chunked to fit",
+    "attention_backend": "auto (flash_attn when importable on CUDA, else torch), torch or flash_attn",
+    "num_threads": "torch intra-op threads on CPU",
+    "router_policy": "how the router picks instances",
+    "disagg_threshold_tokens": "prompts shorter than this are prefilled on the decode instance "
+                               "(0 = always disaggregate)",
+    "kv_transfer_timeout_s": "seconds before a KV transfer is given up and the request retried",
+    "heartbeat_ttl_s": "an instance missing heartbeats this long is considered dead",
+    "api_key": "require this bearer token on the HTTP API",
+}
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Everything `pdserve serve` needs to bring a cluster up. Frozen; bad values raise ValueError."""
+
+    model: str = "smollm2"
+    dtype: str = "bfloat16"
+    device: str = "auto"  # auto = cuda when present, else cpu
+    # topology
+    num_prefill: int = 1
+    num_decode: int = 1
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    mode: str = "disaggregated"
+    # services
+    redis_url: str | None = None  # None = in-process memory state
+    ray_address: str | None = None  # None = start a local Ray
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # KV cache and scheduling (per rank)
+    block_size: int = 16
+    kv_memory_gib: float = 1.0
+    num_kv_blocks: int | None = None  # overrides kv_memory_gib when set
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # auto = flash_attn when importable on CUDA, else torch
+    num_threads: int | None = None
+    # routing, transfer, health
+    router_policy: str = "least_loaded"
+    disagg_threshold_tokens: int = 0
+    kv_transfer_timeout_s: float = 10.0
+    heartbeat_ttl_s: float = 5.0
+    api_key: str | None = field(default=None, repr=False)  # a secret: kept out of logs and reprs
+
+    def __post_init__(self):
+        self._check_types()
+        self._check_choices()
+        self._check_ranges()
+
+    def _check_types(self) -> None:
+        for name, tp in _field_types().items():
+            value = getattr(self, name)
+            if value is None and _optional(tp):
+                continue
+            base = _base_type(tp)
+            if base is float and isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, name, float(value))  # YAML `kv_memory_gib: 2` means 2.0
+            elif not isinstance(value, base) or (base is int and isinstance(value, bool)):
+                raise ValueError(f"{name} must be {base.__name__}{' or null' if _optional(tp) else ''}, "
+                                 f"got {type(value).__name__} {value!r}")
+
+    def _check_choices(self) -> None:
+        for name, choices in (("dtype", tuple(DTYPES)), ("mode", MODES), ("router_policy", ROUTER_POLICIES),
+                              ("attention_backend", ATTENTION_BACKENDS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        if self.redis_url is not None and not self.redis_url.startswith(STATE_URL_SCHEMES):
+            raise ValueError(f"redis_url must start with one of {', '.join(STATE_URL_SCHEMES)}; "
+                             f"got {self.redis_url!r}")
+        for name in ("model", "host", "ray_address", "api_key"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name} must not be empty")
+
+    def _check_ranges(self) -> None:
+        minimum = {"num_decode": 1, "prefill_tp": 1, "decode_tp": 1, "port": 0, "block_size": 1,
+                   "num_kv_blocks": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "num_threads": 1,
+                   "disagg_threshold_tokens": 0, "num_prefill": 1 if self.mode == "disaggregated" else 0}
+        for name, low in minimum.items():
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        for name in ("kv_memory_gib", "kv_transfer_timeout_s", "heartbeat_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.port > 65535:
+            raise ValueError(f"port must be <= 65535, got {self.port}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): a decode step schedules one token per running sequence")
+
+    @property
+    def instance_counts(self) -> dict[str, int]:
+        """Role -> number of instances. Colocated mode runs `num_decode` colocated instances
+        (with `decode_tp`); `num_prefill` and `prefill_tp` are ignored there."""
+        if self.mode == "colocated":
+            return {"colocated": self.num_decode}
+        return {"prefill": self.num_prefill, "decode": self.num_decode}
+
+    def tp_size(self, role: str) -> int:
+        """Tensor-parallel ranks of an instance of `role`."""
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
+        return self.prefill_tp if role == "prefill" else self.decode_tp
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(block_size=self.block_size, num_blocks=self.num_kv_blocks, memory_gib=self.kv_memory_gib,
+                           enable_prefix_caching=self.enable_prefix_caching)
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
+
+    def engine_config(self, role: str) -> EngineConfig:
+        """The engine config of one instance.
+
+        Args:
+            role: "prefill", "decode" or "colocated"; picks the TP size.
+        Returns:
+            A frozen `EngineConfig` with this spec's model, cache and scheduler settings.
+        """
+        return EngineConfig(model=self.model, dtype=self.dtype, device=self.device,
+                            attention_backend=self.attention_backend, num_threads=self.num_threads,
+                            tp_size=self.tp_size(role), cache=self.cache_config, scheduler=self.scheduler_config)
+
+    def to_dict(self) -> dict:
+        """Plain dict with one key per field: what `from_yaml` reads back."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "spec") -> ClusterSpec:
+        """Builds a spec from a mapping of field names; unknown keys raise ValueError naming them."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected a mapping of spec keys, got {type(data).__name__}")
+        unknown = sorted(map(str, set(data) - set(_field_types())))
+        if unknown:
+            raise ValueError(f"{source}: unknown key(s) {', '.join(unknown)}; "
+                             f"valid keys: {', '.join(_field_types())}")
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ClusterSpec:
+        """Reads a YAML mapping of field names (underscores, e.g. `num_decode: 2`); an empty
+        file is the defaults. Unknown keys and bad values raise ValueError."""
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ValueError(f"cannot read cluster spec {path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: invalid YAML: {exc}") from exc
+        return cls.from_dict({} if data is None else data, source=str(path))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ClusterSpec:
+        """Builds the spec from a namespace parsed with `add_cli_flags`: explicit flags
+        override the `--config` YAML, which overrides the defaults."""
+        config = getattr(args, "config", None)
+        base = cls.from_yaml(config) if config else cls()
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return replace(base, **given)
+
+
+def add_cli_flags(parser: argparse.ArgumentParser) -> None:
+    """Adds `--config spec.yaml` and one `--flag-name` per `ClusterSpec` field (bools as
+    `--x/--no-x`). Flags not given stay absent from the namespace (argparse.SUPPRESS), which is
+    how `ClusterSpec.from_args` tells an explicit flag from a default."""
+    parser.add_argument("--config", default=None, metavar="SPEC.yaml",
+                        help="cluster spec YAML; explicit flags override its keys")
+    choices = {"dtype": tuple(DTYPES), "mode": MODES, "router_policy": ROUTER_POLICIES,
+               "attention_backend": ATTENTION_BACKENDS}
+    for f in fields(ClusterSpec):
+        base = _base_type(_field_types()[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{_HELP.get(f.name, f.name.replace('_', ' '))} (default: {f.default})"
+        if base is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=help_text)
+        else:
+            parser.add_argument(flag, type=base, choices=choices.get(f.name), default=argparse.SUPPRESS,
+                                help=help_text)
+
+
+@functools.cache
+def _field_types() -> dict[str, typing.Any]:
+    return typing.get_type_hints(ClusterSpec)
+
+
+def _optional(tp) -> bool:
+    return type(None) in typing.get_args(tp)
+
+
+def _base_type(tp) -> type:
+    """int for `int` and `int | None`."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if args else tp

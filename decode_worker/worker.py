@@ -1,0 +1,173 @@
+"""One rank of a decode instance.
+
+Rank 0 drives: it reserves blocks for requests that a prefill instance will fill, runs the
+continuous-batching loop, and queues each step's new tokens for the router's collector, which
+long-polls `get_outputs` (one call per step at most, never one per token). Every rank owns a
+KV receiver for its heads; a request joins the batch only when all ranks hold its complete KV.
+In colocated mode (`add_request`) rank 0 also prefills locally.
+
+Per step, with tensor parallelism:  rank 0 schedules -> broadcast(step) -> all ranks execute
+-> all_gather(each rank's finished/failed transfers) -> rank 0 admits requests complete everywhere.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from decode_worker.engine import ColocatedEngine
+from decode_worker.output import RequestOutput
+from engine.request import Request, RequestStatus, SamplingParams
+from kvtransfer.base import KVReceiver
+from kvtransfer.plan import expected_parts
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeWorker:
+    def __init__(self, engine: ColocatedEngine, receiver: KVReceiver | None, instance_id: str = "decode-0",
+                 expect_on_followers: Callable[[str, torch.Tensor, int], None] | None = None):
+        self.engine, self.receiver, self.instance_id = engine, receiver, instance_id
+        self.tp = engine.runner.tp
+        self._expect_on_followers = expect_on_followers
+        self._lock = threading.Lock()
+        self._outputs: list[RequestOutput] = []
+        self._outputs_ready = threading.Condition()
+        self._complete: dict[str, list[int | None]] = {}  # request id -> first token per rank (None: not yet)
+
+    # -- rank 0 API (thread-safe) ---------------------------------------------------------------
+    def reserve(self, req: Request, prefill_tp: int) -> bool:
+        """Admission control: blocks for the prompt, or False. Registers the expected KV on all ranks."""
+        with self._lock:
+            req.eos_token_id = self.engine.eos_token_id
+            if not self.engine.scheduler.reserve(req):
+                return False
+            self.engine.output.add_request(req)
+            slots = self._prompt_slots(req)
+            self._complete[req.request_id] = [None] * self.tp.size
+        self.expect(req.request_id, slots, prefill_tp)
+        if self._expect_on_followers is not None:
+            self._expect_on_followers(req.request_id, slots, prefill_tp)
+        return True
+
+    def expect(self, request_id: str, slots: torch.Tensor, prefill_tp: int) -> None:
+        """Any rank: tell this rank's receiver what to expect for `request_id`."""
+        mc = self.engine.runner.model_config
+        self.receiver.expect(request_id, slots, expected_parts(mc.num_kv_heads, prefill_tp, self.tp.size, self.tp.rank))
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Colocated: prefill here too."""
+        with self._lock:
+            self.engine.add_request(request_id, prompt_token_ids, params)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self.engine.abort_request(request_id)
+            if self._complete.pop(request_id, None) is not None and self.receiver is not None:
+                self.receiver.cancel(request_id)
+
+    def get_outputs(self, timeout: float = 1.0) -> list[RequestOutput]:
+        """Long poll: everything produced since the last call, waiting up to `timeout` for something."""
+        with self._outputs_ready:
+            if not self._outputs:
+                self._outputs_ready.wait(timeout)
+            out, self._outputs = self._outputs, []
+        return out
+
+    def load(self) -> dict[str, float]:
+        s = self.engine.scheduler
+        return {"running": float(len(s.running)), "waiting": float(len(s.waiting)),
+                "reserved": float(len(s.remote)), "kv_usage": self.engine.kv.usage,
+                "num_preemptions": float(s.num_preemptions)}
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished()
+
+    # -- the step --------------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Rank 0: one step. Returns whether a batch ran."""
+        with self._lock:
+            sched = self.engine.scheduler.schedule()
+            runner = self.engine.runner
+            runner._update_states(sched)
+            inp = None if sched.is_empty else runner.prepare_inputs(sched)
+        self.tp.broadcast_object(inp)
+        result = None
+        if inp is not None:
+            result = runner.sample(inp, runner.execute_model(inp))
+        polls = self.tp.all_gather_object(self._poll_receiver())
+        with self._lock:
+            outputs = self._admit_transfers(polls)
+            if result is not None:
+                touched = self.engine.scheduler.update(sched, result)
+                outputs += self._process(touched)
+        self._publish(outputs)
+        return inp is not None
+
+    def follow(self) -> bool:
+        """Ranks > 0: run the step rank 0 broadcast. Returns False when told to stop."""
+        inp = self.tp.broadcast_object(None)
+        if inp == "stop":
+            return False
+        if inp is not None:
+            self.engine.runner.execute_model(inp)
+        self.tp.all_gather_object(self._poll_receiver())
+        return True
+
+    def stop_followers(self) -> None:
+        self.tp.broadcast_object("stop")
+
+    def _poll_receiver(self):
+        return ([], []) if self.receiver is None else self.receiver.poll()
+
+    def _admit_transfers(self, polls) -> list[RequestOutput]:
+        """Requests whose KV is complete on every rank join the batch; failed ones end with an error."""
+        touched, failed = [], {}
+        for rank, (done, errors) in enumerate(polls):
+            for request_id, first_token in done:
+                if request_id in self._complete:
+                    self._complete[request_id][rank] = first_token
+            for request_id, reason in errors:
+                failed[request_id] = f"KV transfer to rank {rank} failed: {reason}"
+        for request_id, tokens in list(self._complete.items()):
+            if request_id in failed or None in tokens:
+                continue
+            del self._complete[request_id]
+            req = self.engine.scheduler.remote_kv_ready(request_id, tokens[0])
+            if req is not None:
+                touched.append(req)
+        outputs = self._process(touched)
+        for request_id, reason in failed.items():
+            if self._complete.pop(request_id, None) is not None:
+                self.engine.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+                self.engine.output.abort(request_id)
+                outputs.append(RequestOutput(request_id, [], "", True, "error", error=reason))
+        return outputs
+
+    def _process(self, touched: list[Request]) -> list[RequestOutput]:
+        outputs, stopped = self.engine.output.process(touched)
+        for rid in stopped:
+            self.engine.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        if outputs:
+            with self._outputs_ready:
+                self._outputs.extend(outputs)
+                self._outputs_ready.notify_all()
+
+    def _prompt_slots(self, req: Request) -> torch.Tensor:
+        bs = self.engine.runner.block_size
+        blocks = self.engine.kv.get_block_ids(req.request_id)
+        return torch.tensor([blocks[p // bs] * bs + p % bs for p in range(req.num_prompt_tokens)],
+                            dtype=torch.int64)
+
+    def run(self, stop: threading.Event, idle_wait_s: float = 0.002) -> None:
+        """Rank 0's loop, on its own thread, until `stop` is set; then releases the followers."""
+        while not stop.is_set():
+            if not self.step() and not self._complete:
+                time.sleep(idle_wait_s)
+        self.stop_followers()

@@ -1,0 +1,116 @@
+"""The KV transport interface: a prefill rank's `KVSender`, a decode rank's `KVReceiver`, and the
+`KVTransport` factory that makes both. torch.distributed is one implementation (`torch_dist.py`);
+NIXL or Mooncake would be others behind the same calls.
+
+A request's transfer to one decode rank is one *part*: the KV heads [head_start, head_end) of
+all layers for all of its prompt tokens, in logical token order, then a trailer with the first
+token. A decode rank may receive several parts of one request (one per prefill rank holding
+some of its heads); it reports the request complete when all of them arrived.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from kvtransfer.params import CompatRecord, KVEndpoint
+
+
+class TransferError(RuntimeError):
+    """A transfer failed: dead or silent peer, refused handshake, or a receiver-side error."""
+
+
+class IncompatiblePeerError(TransferError):
+    """The peer's CompatRecord disagrees with ours; nothing was sent."""
+
+
+class Transfer(ABC):
+    """One part in flight. Calls are queued; a background thread does the sending."""
+
+    @abstractmethod
+    def send_layer(self, layer: int, kv: torch.Tensor) -> None:
+        """Queue one layer's KV.
+
+        Args:
+            kv: (2, num_tokens, head_end - head_start, head_dim), contiguous, the cache dtype;
+                the caller must not modify it afterwards (pass a copy).
+        """
+
+    @abstractmethod
+    def finish(self, first_token: int) -> None:
+        """Queue the trailer: all layers sent; `first_token` (-1 from ranks that do not sample)."""
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the receiver acknowledged the part. Raises TransferError on failure."""
+
+
+class KVSender(ABC):
+    @abstractmethod
+    def begin(self, request_id: str, dest: KVEndpoint, head_start: int, head_end: int,
+              num_tokens: int) -> Transfer:
+        """Open a part for `request_id` to `dest`: heads [head_start, head_end) of `num_tokens` tokens."""
+
+    @property
+    @abstractmethod
+    def stats(self) -> dict[str, int]:
+        """Counters: bytes_sent, parts_sent, parts_failed, groups_created, groups_evicted, ..."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Drop every connection; later `begin` calls fail."""
+
+
+class KVReceiver(ABC):
+    @property
+    @abstractmethod
+    def endpoint_address(self) -> tuple[str, int]:
+        """(host, port) that senders connect to; published as a KVEndpoint."""
+
+    @abstractmethod
+    def expect(self, request_id: str, slots: torch.Tensor, num_parts: int) -> None:
+        """Register a request: its KV goes to `slots` (num_tokens,) of this rank's cache, logical
+        order; it is complete once `num_parts` parts arrived. KV for unregistered ids is dropped."""
+
+    @abstractmethod
+    def poll(self) -> tuple[list[tuple[str, int]], list[tuple[str, str]]]:
+        """Returns (completed [(request_id, first_token)], failed [(request_id, reason)]) since the
+        last call. first_token is -1 when no part to this rank carried it."""
+
+    @abstractmethod
+    def cancel(self, request_id: str) -> None:
+        """Forget a request; once this returns no more of its KV is written to the cache."""
+
+    @property
+    @abstractmethod
+    def stats(self) -> dict[str, int]:
+        """Counters: bytes_received, completed, failed, garbage_headers, unknown_requests, refused_peers, ..."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop listening and drop every connection."""
+
+
+class KVTransport(ABC):
+    name: str
+
+    @abstractmethod
+    def sender(self, compat: CompatRecord, sender_id: str, timeout_s: float = 10.0, host: str = "127.0.0.1",
+               max_groups: int = 64) -> KVSender:
+        """A prefill rank's sending end; `host` is this rank's address as peers see it, and at
+        most `max_groups` peer connections stay open (least recently used ones are closed)."""
+
+    @abstractmethod
+    def receiver(self, compat: CompatRecord, kv_cache: torch.Tensor, head_offset: int,
+                 host: str = "127.0.0.1", timeout_s: float = 10.0) -> KVReceiver:
+        """A decode rank's receiving end, writing into `kv_cache`
+        (num_layers, 2, num_blocks, block_size, local_kv_heads, head_dim), whose first local head is
+        global head `head_offset`."""
+
+
+def create_kv_transport(name: str = "torch") -> KVTransport:
+    from kvtransfer.torch_dist import TorchDistTransport
+    registry: dict[str, type[KVTransport]] = {"torch": TorchDistTransport}
+    if name not in registry:
+        raise ValueError(f"unknown KV transport {name!r}; choose one of {sorted(registry)}")
+    return registry[name]()

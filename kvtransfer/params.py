@@ -1,0 +1,97 @@
+"""Typed data that crosses process boundaries for KV transfer: who talks to whom, and whether
+their KV layouts agree. No block ids: the receiver owns the mapping from request to slots."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CompatRecord:
+    """What both ends of a KV transfer must agree on; exchanged in the handshake.
+
+    `block_size` and `tp_size` are informational (no block ids cross the wire and the sender
+    slices heads per decode rank), so they may differ; everything in MUST_MATCH may not.
+    """
+    model: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 0
+    tp_size: int = 1
+    device_type: str = "cpu"
+    protocol_version: int = PROTOCOL_VERSION
+
+    MUST_MATCH = ("protocol_version", "model", "dtype", "num_layers", "num_kv_heads", "head_dim", "device_type")
+
+    def __post_init__(self):
+        assert self.num_layers > 0 and self.num_kv_heads > 0 and self.head_dim > 0, self
+
+    def mismatch(self, other: CompatRecord) -> str | None:
+        """A readable description of every disagreeing field, or None when compatible."""
+        diffs = [f"{k}: {getattr(self, k)!r} here vs {getattr(other, k)!r} at the peer"
+                 for k in self.MUST_MATCH if getattr(self, k) != getattr(other, k)]
+        return "; ".join(diffs) or None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: object) -> CompatRecord:
+        """Raises ValueError on anything but a dict with exactly the known fields."""
+        if not isinstance(d, dict):
+            raise ValueError(f"compat record must be a map, got {type(d).__name__}")
+        names = {f.name for f in fields(cls)}
+        if set(d) - names or {"model", "dtype", "num_layers", "num_kv_heads", "head_dim"} - set(d):
+            raise ValueError(f"compat record has fields {sorted(d)}, expected {sorted(names)}")
+        try:
+            return cls(**d)
+        except (TypeError, AssertionError) as exc:
+            raise ValueError(f"bad compat record {d!r}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class KVEndpoint:
+    """Where one decode rank listens for KV (its TCPStore)."""
+    instance_id: str
+    rank: int
+    host: str
+    port: int
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    """Travels with a request from the router to its prefill instance: where its KV goes."""
+    request_id: str
+    decode_instance_id: str
+    decode_tp_size: int
+    endpoints: tuple[KVEndpoint, ...]  # one per decode rank, in rank order
+
+    def __post_init__(self):
+        assert len(self.endpoints) == self.decode_tp_size, self
+        assert [e.rank for e in self.endpoints] == list(range(self.decode_tp_size)), self
+
+
+def kv_heads_of_rank(num_kv_heads: int, tp_size: int, rank: int) -> range:
+    """The KV heads rank `rank` of a `tp_size` group holds (as QKVParallelLinear shards them).
+
+    tp <= heads: a contiguous slice of heads / tp heads.
+    tp >  heads: one head, replicated on tp / heads consecutive ranks.
+    """
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank {rank} outside a group of {tp_size}")
+    if tp_size >= num_kv_heads:
+        if tp_size % num_kv_heads:
+            raise ValueError(f"tp {tp_size} is not a multiple of {num_kv_heads} KV heads")
+        head = rank // (tp_size // num_kv_heads)
+        return range(head, head + 1)
+    if num_kv_heads % tp_size:
+        raise ValueError(f"{num_kv_heads} KV heads do not split over tp {tp_size}")
+    per = num_kv_heads // tp_size
+    return range(rank * per, (rank + 1) * per)

@@ -1,0 +1,67 @@
+"""The router's door to an instance. `cluster` supplies implementations (Ray actors, or
+in-process workers in tests); the router never imports Ray."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from engine.request import Request, SamplingParams
+from kvtransfer.params import KVEndpoint, KVTransferParams
+
+
+class InstanceDeadError(RuntimeError):
+    """The instance (one of its ranks) is gone; its requests must finish elsewhere."""
+
+    def __init__(self, instance_id: str, reason: str = ""):
+        super().__init__(f"instance {instance_id} is dead: {reason}")
+        self.instance_id = instance_id
+
+
+@dataclass
+class InstanceInfo:
+    instance_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    tp_size: int
+    kv_endpoints: tuple[KVEndpoint, ...] = ()  # decode: one per rank
+    load: dict[str, float] = field(default_factory=dict)
+    healthy: bool = True
+
+
+class PrefillClient(ABC):
+    info: InstanceInfo
+
+    @abstractmethod
+    def submit(self, req: Request, params: KVTransferParams) -> None:
+        """Queue a prompt for prefill; its KV goes to `params.endpoints`."""
+
+    @abstractmethod
+    def poll_results(self, timeout: float) -> list:
+        """PrefillResults (first token or error) since the last call; long-polls up to `timeout`."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def load(self) -> dict[str, float]: ...
+
+
+class DecodeClient(ABC):
+    info: InstanceInfo
+
+    @abstractmethod
+    def reserve(self, req: Request, prefill_tp: int) -> bool:
+        """Reserve KV blocks for `req`'s prompt (admission control); False if they don't fit now."""
+
+    @abstractmethod
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Prefill and decode here (colocated, or conditional disaggregation's short prompts)."""
+
+    @abstractmethod
+    def get_outputs(self, timeout: float) -> list:
+        """RequestOutputs of every request on the instance since the last call (long poll)."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def load(self) -> dict[str, float]: ...

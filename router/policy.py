@@ -1,0 +1,79 @@
+"""Routing policies: which prefill and which decode instance serve a request.
+
+Each is a `BaseRoutingPolicy`; `create_routing_policy(name)` is the registry.
+"""
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from typing import Callable
+
+from router.client import InstanceInfo
+
+
+class BaseRoutingPolicy(ABC):
+    name = "base"
+
+    @abstractmethod
+    def pick_prefill(self, candidates: list[InstanceInfo], prompt_token_ids: list[int]) -> InstanceInfo:
+        """One of `candidates` (non-empty, healthy) to prefill the prompt."""
+
+    @abstractmethod
+    def pick_decode(self, candidates: list[InstanceInfo], prompt_token_ids: list[int]) -> InstanceInfo:
+        """One of `candidates` (non-empty, healthy) to decode the request."""
+
+
+class RoundRobin(BaseRoutingPolicy):
+    name = "round_robin"
+
+    def __init__(self):
+        self._p, self._d = itertools.count(), itertools.count()
+
+    def pick_prefill(self, candidates, prompt_token_ids):
+        return candidates[next(self._p) % len(candidates)]
+
+    def pick_decode(self, candidates, prompt_token_ids):
+        return candidates[next(self._d) % len(candidates)]
+
+
+class LeastLoaded(BaseRoutingPolicy):
+    """Prefill: fewest queued prompt tokens. Decode: lowest KV use, then fewest running."""
+
+    name = "least_loaded"
+
+    def pick_prefill(self, candidates, prompt_token_ids):
+        return min(candidates, key=lambda c: (c.load.get("queued_prefill_tokens", 0.0), c.instance_id))
+
+    def pick_decode(self, candidates, prompt_token_ids):
+        return min(candidates, key=lambda c: (round(c.load.get("kv_usage", 0.0), 2),
+                                              c.load.get("running", 0.0) + c.load.get("reserved", 0.0),
+                                              c.instance_id))
+
+
+class PrefixAware(LeastLoaded):
+    """Prefill where the longest prefix of the prompt is cached (from the cluster's prefix index),
+    ties broken by load; decode as LeastLoaded.
+
+    The index is approximate, as llm-d's: `record` notes each prompt's blocks on the instance it
+    was sent to (that instance's prefix cache keeps them until evicted)."""
+
+    name = "prefix_aware"
+
+    def __init__(self, cached_prefix: Callable[[list[int]], dict[str, int]] | None = None,
+                 record: Callable[[str, list[int]], None] | None = None):
+        self.cached_prefix, self.record = cached_prefix, record
+
+    def pick_prefill(self, candidates, prompt_token_ids):
+        hits = self.cached_prefix(prompt_token_ids) if self.cached_prefix else {}
+        chosen = min(candidates, key=lambda c: (-hits.get(c.instance_id, 0),
+                                                c.load.get("queued_prefill_tokens", 0.0), c.instance_id))
+        if self.record is not None:
+            self.record(chosen.instance_id, prompt_token_ids)
+        return chosen
+
+
+def create_routing_policy(name: str, **kwargs) -> BaseRoutingPolicy:
+    policies = {p.name: p for p in (RoundRobin, LeastLoaded, PrefixAware)}
+    if name not in policies:
+        raise ValueError(f"unknown router policy {name!r}; choose one of {sorted(policies)}")
+    return policies[name](**kwargs)

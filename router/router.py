@@ -1,0 +1,262 @@
+"""The router: places requests on (prefill, decode) pairs, streams their tokens, retries failures.
+
+Lifecycle of one attempt (disaggregated):
+    pick D, pick P  ->  D.reserve(prompt)  ->  P.submit(prompt, D's KV endpoints)
+    P's first token  ->  client  (while the KV is still moving)
+    D's tokens (one long-poll per D per step, every request's tokens together)  ->  client
+On an error from P or D, or an instance found dead, the attempt is aborted on both and the
+request is placed again (prompt + tokens already delivered as the new prompt) on instances that
+have not failed it, up to `max_attempts`; then the client gets an error. Nobody hangs.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import replace
+
+from engine.request import Request, SamplingParams
+from kvtransfer.params import KVTransferParams
+from router.client import DecodeClient, InstanceDeadError, PrefillClient
+from router.policy import BaseRoutingPolicy
+from router.stream import RequestStream, StreamEvent, Tracked
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The router's admission queue is full: try again later (HTTP 429)."""
+
+
+class Router:
+    def __init__(self, prefill: list[PrefillClient], decode: list[DecodeClient], policy: BaseRoutingPolicy,
+                 mode: str = "disaggregated", disagg_threshold_tokens: int = 0, max_attempts: int = 3,
+                 max_queued: int = 4096, poll_s: float = 0.2):
+        self.prefill = {c.info.instance_id: c for c in prefill}
+        self.decode = {c.info.instance_id: c for c in decode}
+        self.policy, self.mode = policy, mode
+        self.disagg_threshold_tokens, self.max_attempts = disagg_threshold_tokens, max_attempts
+        self.max_queued, self.poll_s = max_queued, poll_s
+        self._lock = threading.RLock()
+        self._by_attempt: dict[str, Tracked] = {}
+        self._pending: deque[Tracked] = deque()  # waiting for a decode instance to accept
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.stats = {"retries": 0, "failed": 0, "completed": 0}
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        for iid in self.decode:
+            self._spawn(self._collect_decode, iid)
+        for iid in self.prefill:
+            self._spawn(self._collect_prefill, iid)
+        self._spawn(self._place_pending)
+        self._spawn(self._refresh_loads)
+
+    def _spawn(self, target, *args) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True, name=f"router-{target.__name__}")
+        t.start()
+        self._threads.append(t)
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=2 * self.poll_s + 1)
+
+    def add_instance(self, client: PrefillClient | DecodeClient) -> None:
+        """A new instance joins while serving (placement starts using it at once)."""
+        iid, role = client.info.instance_id, client.info.role
+        with self._lock:
+            (self.prefill if role == "prefill" else self.decode)[iid] = client
+        if self._threads:
+            self._spawn(self._collect_prefill if role == "prefill" else self._collect_decode, iid)
+
+    def remove_instance(self, instance_id: str) -> None:
+        """An instance leaves while serving: nothing new goes there; its in-flight requests are
+        retried elsewhere (as for a dead one), then it is forgotten."""
+        self._mark_dead(instance_id, RuntimeError("removed"))
+        with self._lock:
+            self.prefill.pop(instance_id, None)
+            self.decode.pop(instance_id, None)
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        tracked = Tracked(request_id, list(prompt_token_ids), params, RequestStream(request_id))
+        with self._lock:
+            if len(self._pending) >= self.max_queued:
+                raise QueueFullError(f"{len(self._pending)} requests already queued")
+            self._place(tracked)
+        return tracked.stream
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            for tracked in [t for t in self._by_attempt.values() if t.request_id == request_id]:
+                self._abort_attempt(tracked)
+                self._finish(tracked, StreamEvent([], True, "abort"))
+
+    @property
+    def num_active(self) -> int:
+        with self._lock:
+            return len(self._by_attempt) + len(self._pending)
+
+    # -- placement -------------------------------------------------------------------------------------
+    def _healthy(self, pool: dict, tracked: Tracked) -> list:
+        return [c.info for c in pool.values() if c.info.healthy and c.info.instance_id not in tracked.excluded]
+
+    def _place(self, tracked: Tracked) -> None:
+        """Try to start an attempt now; else queue it (the placement thread retries)."""
+        decodes = self._healthy(self.decode, tracked)
+        prefills = self._healthy(self.prefill, tracked)
+        if not decodes:
+            return self._give_up(tracked, "no healthy decode instance")
+        prompt = tracked.prompt_token_ids + tracked.delivered
+        params = replace(tracked.params, max_tokens=tracked.params.max_tokens - len(tracked.delivered))
+        tracked.base = len(tracked.delivered)
+        req = Request(tracked.attempt_id, prompt, params)
+        local = self.mode == "colocated" or not prefills or len(prompt) < self.disagg_threshold_tokens
+        ordered = sorted(decodes, key=lambda d: d is not self.policy.pick_decode(decodes, prompt))
+        try:
+            if local:
+                d = self.decode[ordered[0].instance_id]
+                d.add_request(req.request_id, prompt, params)
+                return self._started(tracked, None, d.info.instance_id)
+            p = self.prefill[self.policy.pick_prefill(prefills, prompt).instance_id]
+            for info in ordered:
+                d = self.decode[info.instance_id]
+                if d.reserve(req, p.info.tp_size):
+                    self._started(tracked, p.info.instance_id, d.info.instance_id)
+                    kv = KVTransferParams(req.request_id, d.info.instance_id, d.info.tp_size, d.info.kv_endpoints)
+                    p.submit(Request(req.request_id, prompt, params), kv)
+                    return
+        except InstanceDeadError as exc:
+            tracked.excluded.add(exc.instance_id)
+            self._mark_dead(exc.instance_id, exc)
+            if not tracked.done and tracked.attempt_id not in self._by_attempt:
+                self._retry(tracked, str(exc))
+        except ValueError as exc:  # the request itself is bad (e.g. prompt too long)
+            return self._give_up(tracked, str(exc))
+        self._pending.append(tracked)  # every decode instance is full: admission control
+
+    def _started(self, tracked: Tracked, prefill_id: str | None, decode_id: str) -> None:
+        tracked.prefill_id, tracked.decode_id = prefill_id, decode_id
+        self._by_attempt[tracked.attempt_id] = tracked
+
+    def _place_pending(self) -> None:
+        while not self._stop.wait(0.005):
+            with self._lock:
+                for _ in range(len(self._pending)):
+                    self._place(self._pending.popleft())
+
+    # -- events from instances -------------------------------------------------------------------------
+    def _collect_decode(self, iid: str) -> None:
+        client = self.decode[iid]
+        while not self._stop.is_set() and client.info.healthy:
+            try:
+                outputs = client.get_outputs(self.poll_s)
+            except InstanceDeadError as exc:
+                self._mark_dead(iid, exc)
+                return
+            with self._lock:
+                for o in outputs:
+                    self._on_decode_output(o)
+
+    def _collect_prefill(self, iid: str) -> None:
+        client = self.prefill[iid]
+        while not self._stop.is_set() and client.info.healthy:
+            try:
+                results = client.poll_results(self.poll_s)
+            except InstanceDeadError as exc:
+                self._mark_dead(iid, exc)
+                return
+            with self._lock:
+                for r in results:
+                    self._on_prefill_result(r)
+
+    def _on_prefill_result(self, r) -> None:
+        tracked = self._by_attempt.get(r.request_id)
+        if tracked is None:
+            return
+        if r.first_token is None:
+            return self._fail(tracked, tracked.prefill_id, r.error or "prefill failed")
+        if len(tracked.delivered) == tracked.base:  # the decode side may have been faster
+            self._deliver(tracked, [r.first_token])
+
+    def _on_decode_output(self, o) -> None:
+        tracked = self._by_attempt.get(o.request_id)
+        if tracked is None:
+            return
+        if o.error:
+            return self._fail(tracked, tracked.decode_id, o.error)
+        have = len(tracked.delivered) - tracked.base  # tokens of this attempt already delivered
+        start = o.num_output_tokens - len(o.new_token_ids)
+        self._deliver(tracked, o.new_token_ids[max(0, have - start):])
+        if o.finished:
+            del self._by_attempt[tracked.attempt_id]
+            if tracked.prefill_id is not None:
+                self._safe(self.prefill[tracked.prefill_id].abort, tracked.attempt_id)
+            self.stats["completed"] += 1
+            self._finish(tracked, StreamEvent([], True, o.finish_reason))
+
+    def _deliver(self, tracked: Tracked, token_ids: list[int]) -> None:
+        if token_ids:
+            tracked.delivered += token_ids
+            tracked.stream.put(StreamEvent(list(token_ids)))
+
+    def _finish(self, tracked: Tracked, event: StreamEvent) -> None:
+        if not tracked.done:
+            tracked.done = True
+            tracked.stream.put(event)
+
+    # -- failures --------------------------------------------------------------------------------------
+    def _fail(self, tracked: Tracked, instance_id: str | None, reason: str) -> None:
+        logger.warning("request %s attempt %d failed on %s: %s", tracked.request_id, tracked.attempt,
+                       instance_id, reason)
+        if instance_id is not None:
+            tracked.excluded.add(instance_id)
+        self._abort_attempt(tracked)
+        self._retry(tracked, reason)
+
+    def _retry(self, tracked: Tracked, reason: str) -> None:
+        if tracked.attempt + 1 >= self.max_attempts or tracked.done:
+            return self._give_up(tracked, reason)
+        tracked.attempt += 1
+        self.stats["retries"] += 1
+        self._place(tracked)
+
+    def _give_up(self, tracked: Tracked, reason: str) -> None:
+        self._by_attempt.pop(tracked.attempt_id, None)
+        self.stats["failed"] += 1
+        self._finish(tracked, StreamEvent([], True, "error", reason))
+
+    def _abort_attempt(self, tracked: Tracked) -> None:
+        self._by_attempt.pop(tracked.attempt_id, None)
+        if tracked.prefill_id in self.prefill:
+            self._safe(self.prefill[tracked.prefill_id].abort, tracked.attempt_id)
+        if tracked.decode_id in self.decode:
+            self._safe(self.decode[tracked.decode_id].abort, tracked.attempt_id)
+
+    def _safe(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except InstanceDeadError:
+            pass
+
+    def _mark_dead(self, iid: str, exc: Exception | None = None) -> None:
+        """An instance died: every attempt on it is retried elsewhere."""
+        with self._lock:
+            client = self.prefill.get(iid) or self.decode.get(iid)
+            if client is None or not client.info.healthy:
+                return
+            client.info.healthy = False
+            logger.error("instance %s is dead (%s); retrying its requests", iid, exc)
+            for tracked in [t for t in self._by_attempt.values() if iid in (t.prefill_id, t.decode_id)]:
+                self._fail(tracked, iid, f"instance {iid} died")
+
+    def _refresh_loads(self) -> None:
+        while not self._stop.wait(0.1):
+            for client in list(self.prefill.values()) + list(self.decode.values()):
+                if client.info.healthy:
+                    try:
+                        client.info.load = client.load()
+                    except InstanceDeadError as exc:
+                        self._mark_dead(client.info.instance_id, exc)

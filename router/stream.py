@@ -1,0 +1,80 @@
+"""What a caller gets back from the router: a stream of token batches for one request."""
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+
+from engine.request import SamplingParams
+
+
+@dataclass
+class StreamEvent:
+    token_ids: list[int]  # new output tokens, in order, never repeated
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+
+
+class RequestStream:
+    """Iterate for events; `result()` waits for the end. Thread-safe producer side (`put`)."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._events: queue.Queue[StreamEvent] = queue.Queue()
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.arrival_s = time.monotonic()
+        self.first_token_s: float | None = None
+        self.finished_s: float | None = None
+
+    def put(self, event: StreamEvent) -> None:
+        self._events.put(event)
+
+    def get(self, timeout: float | None = None) -> StreamEvent:
+        """The next event; raises queue.Empty after `timeout`."""
+        event = self._events.get(timeout=timeout)
+        now = time.monotonic()
+        if event.token_ids and self.first_token_s is None:
+            self.first_token_s = now
+        self.token_ids += event.token_ids
+        if event.finished:
+            self.finish_reason, self.error, self.finished_s = event.finish_reason, event.error, now
+        return event
+
+    def __iter__(self):
+        while True:
+            event = self.get()
+            yield event
+            if event.finished:
+                return
+
+    def result(self, timeout: float | None = None) -> "RequestStream":
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.finished_s is None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self.get(timeout=left)
+        return self
+
+
+@dataclass
+class Tracked:
+    """The router's record of one request across attempts (a failed pair is retried elsewhere)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: RequestStream
+    delivered: list[int] = field(default_factory=list)  # output tokens the client has
+    attempt: int = 0
+    base: int = 0  # len(delivered) when this attempt started
+    prefill_id: str | None = None
+    decode_id: str | None = None
+    excluded: set[str] = field(default_factory=set)  # instances that failed this request
+    done: bool = False
+
+    @property
+    def attempt_id(self) -> str:
+        """The id the instances see: a late message from an earlier attempt can't be mistaken."""
+        return f"{self.request_id}#{self.attempt}"

@@ -1,0 +1,237 @@
+"""The torch.distributed KV transport, both ends in one process (each pair group's two ranks on
+separate threads): bytes land in the reserved slots exactly, failures are bounded and counted."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import msgpack
+import pytest
+import torch
+import torch.distributed as dist
+
+from kvtransfer import wire
+from kvtransfer.base import IncompatiblePeerError, TransferError, create_kv_transport
+from kvtransfer.params import CompatRecord, KVEndpoint, kv_heads_of_rank
+from kvtransfer.plan import expected_parts, plan_head_slices
+from kvtransfer.torch_dist import SENDER, make_pair_group, send
+
+LAYERS, HEADS, HEAD_DIM, BLOCKS, BLOCK = 3, 4, 8, 16, 4
+COMPAT = CompatRecord("tiny", "float32", LAYERS, HEADS, HEAD_DIM, block_size=BLOCK)
+pytestmark = pytest.mark.timeout(60)
+
+
+def make_cache(local_heads: int = HEADS, fill: float | None = None) -> torch.Tensor:
+    shape = (LAYERS, 2, BLOCKS, BLOCK, local_heads, HEAD_DIM)
+    return torch.randn(shape) if fill is None else torch.full(shape, fill)
+
+
+def flat(cache: torch.Tensor, layer: int) -> torch.Tensor:
+    return cache[layer].view(2, BLOCKS * BLOCK, cache.shape[4], HEAD_DIM)
+
+
+def make_receiver(local_heads=HEADS, head_offset=0, compat=COMPAT, timeout_s=5.0):
+    cache = make_cache(local_heads, fill=0.0)
+    rx = create_kv_transport("torch").receiver(compat, cache, head_offset, timeout_s=timeout_s)
+    host, port = rx.endpoint_address
+    return rx, cache, KVEndpoint("d", 0, host, port)
+
+
+def send_part(tx, rid, dest, src_cache, src_slots, head_start, head_end, first_token=7, src_head_offset=0):
+    """Ships heads [head_start, head_end) of src_cache's `src_slots`, every layer; returns the Transfer."""
+    t = tx.begin(rid, dest, head_start, head_end, len(src_slots))
+    lo = head_start - src_head_offset
+    for layer in range(LAYERS):
+        t.send_layer(layer, flat(src_cache, layer)[:, src_slots, lo:lo + head_end - head_start].clone())
+    t.finish(first_token)
+    return t
+
+
+def poll_until(rx, n_events=1, timeout=10.0):
+    done, failed = [], []
+    deadline = time.monotonic() + timeout
+    while len(done) + len(failed) < n_events and time.monotonic() < deadline:
+        d, f = rx.poll()
+        done += d
+        failed += f
+        time.sleep(0.01)
+    return done, failed
+
+
+def test_round_trip_bytes_land_in_reserved_slots():
+    """The receiver's cache at the reserved slots equals the sender's KV (checksums, every layer),
+    other slots stay untouched, and poll reports the first token."""
+    rx, dst, dest = make_receiver()
+    tx = create_kv_transport("torch").sender(COMPAT, "p0")
+    src = make_cache()
+    src_slots, dst_slots = torch.tensor([5, 6, 7, 20, 21]), torch.tensor([40, 41, 42, 60, 3])
+    rx.expect("r1", dst_slots, num_parts=1)
+    send_part(tx, "r1", dest, src, src_slots, 0, HEADS, first_token=42).wait(10)
+    assert poll_until(rx) == ([("r1", 42)], [])
+    for layer in range(LAYERS):
+        sent, got = flat(src, layer)[:, src_slots], flat(dst, layer)[:, dst_slots]
+        assert torch.equal(sent, got) and sent.sum().item() == pytest.approx(got.sum().item())
+    mask = torch.ones(BLOCKS * BLOCK, dtype=torch.bool)
+    mask[dst_slots] = False
+    assert flat(dst, 0)[:, mask].abs().sum() == 0
+    assert rx.stats["bytes_received"] == tx.stats["bytes_sent"] == LAYERS * 2 * 5 * HEADS * HEAD_DIM * 4
+    assert tx.stats["groups_created"] == 1 and tx.stats["parts_sent"] == 1
+    tx.close(), rx.close()
+
+
+@pytest.mark.parametrize("ptp,dtp", [(1, 2), (2, 1), (2, 2), (1, 4), (4, 8)])
+def test_heterogeneous_tp_each_decode_rank_gets_its_heads(ptp, dtp):
+    """Prefill ranks slice heads per the plan; every decode rank's cache ends equal to the full
+    KV's slice of its own heads (including tp > num_kv_heads, heads replicated)."""
+    full = make_cache()
+    slots = torch.arange(9)
+    receivers = []
+    for d in range(dtp):
+        heads = kv_heads_of_rank(HEADS, dtp, d)
+        rx, cache, ep = make_receiver(len(heads), heads.start)
+        receivers.append((rx, cache, KVEndpoint("d", d, ep.host, ep.port), heads))
+        rx.expect("r", slots + 10, expected_parts(HEADS, ptp, dtp, d))
+    senders = [create_kv_transport("torch").sender(COMPAT, f"p{p}") for p in range(ptp)]
+    transfers = []
+    for s in plan_head_slices(HEADS, ptp, dtp):
+        held = kv_heads_of_rank(HEADS, ptp, s.prefill_rank)
+        local = full[:, :, :, :, held.start:held.stop]  # what prefill rank p holds
+        transfers.append(send_part(senders[s.prefill_rank], "r", receivers[s.decode_rank][2], local.contiguous(),
+                                   slots, s.head_start, s.head_end, first_token=5 if s.prefill_rank == 0 else -1,
+                                   src_head_offset=held.start))
+    for t in transfers:
+        t.wait(10)
+    for d, (rx, cache, _, heads) in enumerate(receivers):
+        done, failed = poll_until(rx)
+        from_rank0 = any(s.prefill_rank == 0 and s.decode_rank == d for s in plan_head_slices(HEADS, ptp, dtp))
+        assert failed == [] and done == [("r", 5 if from_rank0 else -1)]
+        for layer in range(LAYERS):
+            assert torch.equal(flat(cache, layer)[:, slots + 10], flat(full, layer)[:, slots, heads.start:heads.stop])
+        rx.close()
+    for tx in senders:
+        tx.close()
+
+
+def test_incompatible_peer_refused_with_clear_error():
+    """A receiver of another dtype refuses the handshake: the sender's wait names the field,
+    nothing is written, the receiver counts the refusal."""
+    other = CompatRecord("tiny", "bfloat16", LAYERS, HEADS, HEAD_DIM)
+    rx, dst, dest = make_receiver(compat=other)
+    rx.expect("r1", torch.arange(3), 1)
+    tx = create_kv_transport("torch").sender(COMPAT, "p0")
+    t = send_part(tx, "r1", dest, make_cache(), torch.arange(3), 0, HEADS)
+    with pytest.raises(IncompatiblePeerError, match="dtype"):
+        t.wait(10)
+    assert rx.stats["refused_peers"] == 1 and dst.abs().sum() == 0
+    tx.close(), rx.close()
+
+
+def _raw_connection(dest: KVEndpoint) -> dist.ProcessGroup:
+    """A hand-made sender connection, to inject frames the real sender would never send."""
+    store = dist.TCPStore(dest.host, dest.port, is_master=False, wait_for_workers=False)
+    index = store.add("conn", 1) - 1
+    store.set(f"hello/{index}", msgpack.packb({"sender_id": "evil", "compat": COMPAT.to_dict()}))
+    store.wait([f"reply/{index}"])
+    from datetime import timedelta
+    return make_pair_group(store, index, SENDER, "cpu", "127.0.0.1", timedelta(seconds=5))
+
+
+def test_garbage_header_dropped_counted_and_serving_goes_on():
+    """Random bytes as a header: the receiver counts it and drops that connection; a real
+    transfer afterwards succeeds."""
+    rx, dst, dest = make_receiver()
+    pg = _raw_connection(dest)
+    send(pg, torch.randint(0, 255, (wire.HEADER_BYTES,), dtype=torch.uint8), 1)
+    deadline = time.monotonic() + 10
+    while rx.stats.get("garbage_headers", 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rx.stats["garbage_headers"] == 1
+    tx = create_kv_transport("torch").sender(COMPAT, "p0")
+    rx.expect("ok", torch.arange(4), 1)
+    send_part(tx, "ok", dest, make_cache(), torch.arange(4), 0, HEADS).wait(10)
+    assert poll_until(rx)[0] == [("ok", 7)]
+    tx.close(), rx.close()
+
+
+def test_unknown_request_dropped_counted_then_serving_goes_on():
+    """KV for an id nobody expects (or a cancelled one) is drained, counted and rejected in the
+    ack; the cache is untouched and the next transfer on the same connection succeeds."""
+    rx, dst, dest = make_receiver()
+    tx = create_kv_transport("torch").sender(COMPAT, "p0")
+    rx.expect("cancelled", torch.arange(4), 1)
+    rx.cancel("cancelled")
+    for rid in ("nobody", "cancelled"):
+        with pytest.raises(TransferError, match="unknown"):
+            send_part(tx, rid, dest, make_cache(), torch.arange(4), 0, HEADS).wait(10)
+    assert dst.abs().sum() == 0 and rx.stats["unknown_requests"] == 2 * (LAYERS + 1)
+    rx.expect("ok", torch.arange(4), 1)
+    send_part(tx, "ok", dest, make_cache(), torch.arange(4), 0, HEADS).wait(10)
+    assert poll_until(rx)[0] == [("ok", 7)] and tx.stats["groups_created"] == 1
+    tx.close(), rx.close()
+
+
+def test_token_count_mismatch_fails_request_not_connection():
+    rx, dst, dest = make_receiver()
+    tx = create_kv_transport("torch").sender(COMPAT, "p0")
+    rx.expect("r", torch.arange(5), 1)
+    with pytest.raises(TransferError):
+        send_part(tx, "r", dest, make_cache(), torch.arange(3), 0, HEADS).wait(10)
+    assert [rid for rid, _ in poll_until(rx)[1]] == ["r"]
+    tx.close(), rx.close()
+
+
+def test_silent_sender_fails_transfer_after_timeout():
+    """A sender that starts a part and goes quiet: the receiver fails the request after timeout_s."""
+    rx, dst, dest = make_receiver(timeout_s=0.5)
+    tx = create_kv_transport("torch").sender(COMPAT, "p0")
+    rx.expect("r", torch.arange(4), 1)
+    t = tx.begin("r", dest, 0, HEADS, 4)
+    t.send_layer(0, flat(make_cache(), 0)[:, :4].clone())  # and never finish
+    start = time.monotonic()
+    done, failed = poll_until(rx, timeout=10)
+    assert done == [] and failed[0][0] == "r" and "no KV" in failed[0][1]
+    assert time.monotonic() - start < 5
+    tx.close(), rx.close()
+
+
+def _child_receiver(conn):
+    rx = create_kv_transport("torch").receiver(COMPAT, make_cache(fill=0.0), 0, timeout_s=5)
+    rx.expect("r1", torch.arange(4), 1)
+    rx.expect("r2", torch.arange(4), 1)
+    conn.send(rx.endpoint_address)
+    time.sleep(60)
+
+
+def test_dead_receiver_fails_transfer_and_group_is_rebuilt():
+    """Kill the receiving process: the next transfer fails within the timeout, the group is
+    dropped from the pool, and a new receiver at another address is served."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_child_receiver, args=(child,), daemon=True)
+    proc.start()
+    host, port = parent.recv()
+    dest = KVEndpoint("d", 0, host, port)
+    tx = create_kv_transport("torch").sender(COMPAT, "p0", timeout_s=2.0)
+    send_part(tx, "r1", dest, make_cache(), torch.arange(4), 0, HEADS).wait(10)
+    proc.kill()
+    proc.join()
+    start = time.monotonic()
+    with pytest.raises(TransferError):
+        send_part(tx, "r2", dest, make_cache(), torch.arange(4), 0, HEADS).wait(15)
+    assert time.monotonic() - start < 10 and tx.num_groups == 0 and tx.stats["groups_failed"] == 1
+    rx, _, dest2 = make_receiver()
+    rx.expect("r3", torch.arange(4), 1)
+    send_part(tx, "r3", dest2, make_cache(), torch.arange(4), 0, HEADS).wait(10)
+    tx.close(), rx.close()
+
+
+def test_lru_pool_evicts_and_rebuilds_groups():
+    """With room for one group, alternating between two receivers evicts and rebuilds; all succeed."""
+    a, _, dest_a = make_receiver()
+    b, _, dest_b = make_receiver()
+    tx = create_kv_transport("torch").sender(COMPAT, "p0", max_groups=1)
+    for i, (rx, dest) in enumerate([(a, dest_a), (b, dest_b), (a, dest_a)]):
+        rx.expect(f"r{i}", torch.arange(4), 1)
+        send_part(tx, f"r{i}", dest, make_cache(), torch.arange(4), 0, HEADS).wait(10)
+    assert tx.num_groups == 1 and tx.stats["groups_evicted"] == 2 and tx.stats["groups_created"] == 3
+    tx.close(), a.close(), b.close()
