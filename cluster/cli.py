@@ -22,7 +22,45 @@ def _add_generate(sub) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--threads", type=int, default=None, help="torch threads on CPU")
+    g = p.add_argument_group("cluster", "any of these runs the prompt through a cluster of Ray actors")
+    g.add_argument("--prefill", type=int, default=None, help="prefill instances")
+    g.add_argument("--decode", type=int, default=None, help="decode (or colocated) instances")
+    g.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks per instance")
+    g.add_argument("--prefill-tp", type=int, default=None, help="tensor-parallel ranks per prefill instance "
+                                                                "(default: --tp)")
+    g.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
     p.set_defaults(func=cmd_generate)
+
+
+def _cluster_spec(args):
+    """The ClusterSpec the cluster flags ask for, or None when none was given."""
+    flags = (args.prefill, args.decode, args.tp, args.prefill_tp, args.mode)
+    if all(f is None for f in flags):
+        return None
+    from cluster.spec import ClusterSpec
+    tp = args.tp or 1
+    return ClusterSpec(model=args.model, dtype=args.dtype, num_prefill=1 if args.prefill is None else args.prefill,
+                       num_decode=args.decode or 1, decode_tp=tp, prefill_tp=args.prefill_tp or tp,
+                       mode=args.mode or "disaggregated", num_threads=args.threads)
+
+
+def _generate_on_cluster(spec, args, params) -> dict:
+    """One prompt through a fresh cluster; the same fields as the in-process path."""
+    from cluster.cluster import Cluster
+    from engine.loader import resolve_model_path
+    from engine.tokenizer import Tokenizer
+    tok = Tokenizer.from_path(resolve_model_path(args.model))
+    prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat \
+        else tok.encode(args.prompt)
+    with Cluster(spec) as cluster:
+        stream = cluster.submit("cli-0", prompt_ids, params).result(timeout=600)
+    if stream.error:
+        raise RuntimeError(f"generation failed: {stream.error}")
+    decode_s = stream.finished_s - stream.first_token_s
+    return {"text": tok.decode(stream.token_ids, skip_special_tokens=True), "token_ids": stream.token_ids,
+            "prompt_token_ids": prompt_ids, "finish_reason": stream.finish_reason,
+            "ttft_s": stream.first_token_s - stream.arrival_s,
+            "tokens_per_s": (len(stream.token_ids) - 1) / decode_s if decode_s > 0 else None}
 
 
 def cmd_generate(args) -> int:
@@ -30,14 +68,15 @@ def cmd_generate(args) -> int:
     from engine.request import SamplingParams
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-    llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads)
-    out = llm.generate([args.prompt], params, chat=args.chat)[0]
-    if args.json:
-        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
-                          "finish_reason": out.finish_reason, "ttft_s": out.ttft_s,
-                          "tokens_per_s": out.tokens_per_s}))
+    spec = _cluster_spec(args)
+    if spec is not None:
+        result = _generate_on_cluster(spec, args, params)
     else:
-        print(out.text)
+        llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads)
+        out = llm.generate([args.prompt], params, chat=args.chat)[0]
+        result = {"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
+                  "finish_reason": out.finish_reason, "ttft_s": out.ttft_s, "tokens_per_s": out.tokens_per_s}
+    print(json.dumps(result) if args.json else result["text"])
     return 0
 
 

@@ -47,6 +47,9 @@ def setup_ray_auth() -> None:
     if os.environ["RAY_AUTH_MODE"] == "token" and not (os.environ.get("RAY_AUTH_TOKEN")
                                                        or os.environ.get("RAY_AUTH_TOKEN_PATH")):
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    # NOTE: Ray caches its config (auth mode included) when imported; re-read it from the env.
+    from ray._raylet import Config
+    Config.initialize("")
 
 
 class Cluster:
@@ -142,11 +145,12 @@ class Cluster:
 
     # -- internals -------------------------------------------------------------------------------
     def _init_ray(self) -> None:
+        if self.spec.ray_address is None:
+            setup_ray_auth()
         import ray
         if ray.is_initialized():
             return
         if self.spec.ray_address is None:
-            setup_ray_auth()
             ranks = sum(n * self.spec.tp_size(r) for r, n in self.spec.instance_counts.items())
             ray.init(num_cpus=max(os.cpu_count() or 1, ranks + 2), include_dashboard=False,
                      logging_level=self.log_level, log_to_driver=self.log_level == "DEBUG")
@@ -185,8 +189,11 @@ class Cluster:
                                     PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote(
             self.spec.engine_config(role), role, iid, r, tp, host, self.spec.kv_transfer_timeout_s, self.log_level)
             for r in range(tp)]
+        start = time.monotonic()
         address = ray.get(actors[0].rendezvous_address.remote()) if tp > 1 else None
+        logger.info("%s: %d rank actors up in %.1f s", iid, tp, time.monotonic() - start)
         endpoints = ray.get([a.setup.remote(address) for a in actors], timeout=600)
+        logger.info("%s: ranks ready in %.1f s", iid, time.monotonic() - start)
         if role == "decode" and tp > 1:
             ray.get(actors[0].set_followers.remote(actors[1:]))
         info = InstanceInfo(iid, role, tp, tuple(endpoints) if role == "decode" else ())

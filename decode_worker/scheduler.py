@@ -55,7 +55,8 @@ class Scheduler:
             raise ValueError(f"prompt has {req.num_prompt_tokens} tokens; the limit is {self.max_model_len - 1}")
         if len(self.running) + len(self.remote) >= self.config.max_num_seqs:
             return False
-        if self.kv.allocate_slots(req, req.num_prompt_tokens) is None:
+        # No prefix caching of these blocks until their KV has arrived (see remote_kv_ready).
+        if self.kv.allocate_slots(req, req.num_prompt_tokens, num_tokens_to_cache=0) is None:
             self.kv.free(req)  # forget hashes it may have computed
             return False
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -71,6 +72,7 @@ class Scheduler:
         if req is None:
             return None
         req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_blocks(req, req.num_prompt_tokens)  # the KV is there now: cacheable
         req.output_token_ids.append(first_token)
         status = self._check_stop(req, first_token)
         if status is not None:

@@ -210,13 +210,17 @@ class KVCacheManager:
         return blocks, len(blocks) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[Block] | None = None) -> list[Block] | None:
+                       new_computed_blocks: list[Block] | None = None,
+                       num_tokens_to_cache: int | None = None) -> list[Block] | None:
         """Grow the request's block table to hold its computed and new tokens.
 
         Args:
             request: the request; `num_computed_tokens` is what its table already holds.
             num_new_tokens: tokens to be computed this step (>= 0).
             new_computed_blocks: hits from `get_computed_blocks`; first call only.
+            num_tokens_to_cache: how many leading tokens will hold valid KV after this step
+                (default: all of them). Blocks beyond stay out of the prefix cache until
+                `cache_blocks` says their KV is there (allocation ahead of compute or transfer).
 
         Returns:
             The new blocks (maybe []), or None if too few are free (then nothing changed).
@@ -239,8 +243,13 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         self.req_to_blocks.setdefault(req_id, []).extend(hits + new_blocks)
         self.num_cached_block.setdefault(req_id, len(hits))
-        self._cache_full_blocks(request, num_tokens_needed)
+        self._cache_full_blocks(request, num_tokens_needed if num_tokens_to_cache is None else num_tokens_to_cache)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """The first `num_tokens` tokens of the request now hold valid KV: offer their full
+        blocks to the prefix cache (after `allocate_slots(..., num_tokens_to_cache=...)`)."""
+        self._cache_full_blocks(request, num_tokens)
 
     def _check_allocate_args(self, request: Request, num_new_tokens: int, hits: list[Block]) -> None:
         if num_new_tokens < 0:

@@ -1,7 +1,8 @@
 """The prefill instance's scheduler: prompts only, batched under a token budget.
 
 A request's whole prompt is allocated at admission (after prefix-cache hits), so a prefill
-never needs preemption; long prompts are then computed in chunks of the budget. The step that
+never needs preemption; long prompts are then computed in chunks of the budget, and each
+chunk's full blocks join the prefix cache in the step that computes them. The step that
 computes a prompt's last chunk samples its first token. The request keeps its blocks until
 its KV has been delivered (`release`), after which its full blocks stay in the prefix cache.
 
@@ -72,6 +73,7 @@ class PrefillScheduler:
             if budget <= 0:
                 break
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            self.kv.cache_blocks(req, req.num_computed_tokens + n)  # computed in this step
             out.cached_requests.append(CachedRequestData(
                 req.request_id, req.prompt_token_ids[req.num_computed_tokens:req.num_computed_tokens + n],
                 req.num_computed_tokens, [], sample=req.num_computed_tokens + n == req.num_tokens))
@@ -85,11 +87,14 @@ class PrefillScheduler:
 
     def _admit(self, req: Request, out: SchedulerOutput, budget: int) -> bool:
         hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-        if self.kv.allocate_slots(req, req.num_tokens - num_hit, hit_blocks) is None:
+        n = min(req.num_tokens - num_hit, budget)
+        # Blocks enter the prefix cache chunk by chunk, as their KV gets computed: an abort
+        # mid-prompt must not leave hashed blocks holding no KV.
+        if self.kv.allocate_slots(req, req.num_tokens - num_hit, hit_blocks, num_tokens_to_cache=num_hit + n) is None:
+            self.kv.free(req)  # forget the hashes get_computed_blocks computed
             return False
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = req.num_cached_tokens = num_hit
-        n = min(req.num_tokens - num_hit, budget)
         out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids[num_hit:num_hit + n], num_hit,
                                                self.kv.get_block_ids(req.request_id), req.sampling_params,
                                                sample=num_hit + n == req.num_tokens))

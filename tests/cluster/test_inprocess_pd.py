@@ -3,6 +3,7 @@ real KV transport and router give exactly the colocated engine's greedy tokens."
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cluster.cluster import Cluster
 from cluster.spec import ClusterSpec
@@ -48,3 +49,37 @@ def test_2p2d_matches_colocated(tiny_path):
     prompts = random_prompts(10, [9, 33], seed=4)
     colocated = run(spec_for(tiny_path, mode="colocated"), prompts, 8)
     assert run(spec_for(tiny_path, num_prefill=2, num_decode=2, router_policy="round_robin"), prompts, 8) == colocated
+
+
+def test_decode_kv_equals_prefill_kv_checksums(tiny_path):
+    """After a 1P1D request, the KV blocks the decode instance holds for the prompt (found through
+    its prefix cache) equal, layer by layer, the blocks the prefill computed."""
+    from engine.request import Request
+    prompt = random_prompts(1, [41], seed=9)[0]  # 5 full blocks of 8
+    with Cluster(spec_for(tiny_path), use_ray=False) as cluster:
+        cluster.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), timeout_s=60)
+        cluster.assert_no_leaks()
+        p, d = cluster.instances["prefill-0"].ranks[0], cluster.instances["decode-0"].ranks[0]
+        found = []
+        for kv in (p.worker.scheduler.kv, d.worker.engine.kv):
+            blocks, n = kv.get_computed_blocks(Request("probe", prompt))
+            assert n == 40
+            found.append([b.block_id for b in blocks])
+        for layer in range(p.runner.kv_cache.shape[0]):
+            sent = p.runner.kv_cache[layer][:, found[0]]  # (2, 5, block_size, kv_heads, head_dim)
+            got = d.runner.kv_cache[layer][:, found[1]]
+            assert sent.abs().sum() > 0 and torch.equal(sent, got), f"layer {layer}"
+            assert sent.double().sum().item() == got.double().sum().item()
+
+
+def test_smollm2_1p1d_matches_colocated():
+    """SmolLM2 (fp32) through 1P1D gives the colocated engine's greedy tokens."""
+    prompts = [[1, 504, 3458, 282, 4649, 314, 2], random_prompts(1, [70], vocab=40000, seed=2)[0]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    out = {}
+    for mode in ("colocated", "disaggregated"):
+        with Cluster(spec_for("smollm2", mode=mode, num_kv_blocks=32, block_size=16), use_ray=False) as c:
+            streams = c.generate(prompts, params, timeout_s=120)
+            c.assert_no_leaks()
+            out[mode] = [s.token_ids for s in streams]
+    assert out["colocated"] == out["disaggregated"] and all(len(t) == 8 for t in out["colocated"])

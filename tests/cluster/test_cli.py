@@ -1,0 +1,33 @@
+"""`pdserve generate` with cluster flags runs through Ray actors and prints the same JSON."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cluster.cli import _cluster_spec, build_parser
+
+
+def test_cluster_flags_build_the_spec():
+    """No cluster flag: in-process engine. --tp sets both pools unless --prefill-tp overrides."""
+    parse = lambda *a: build_parser().parse_args(["generate", "hi", *a])  # noqa: E731
+    assert _cluster_spec(parse()) is None
+    spec = _cluster_spec(parse("--prefill", "2", "--decode", "3", "--tp", "3", "--prefill-tp", "1"))
+    assert (spec.num_prefill, spec.num_decode, spec.prefill_tp, spec.decode_tp, spec.mode) == (2, 3, 1, 3,
+                                                                                               "disaggregated")
+    assert _cluster_spec(parse("--mode", "colocated")).instance_counts == {"colocated": 1}
+
+
+@pytest.mark.timeout(300)
+def test_generate_through_1p1d_cluster_json():
+    """SmolLM2 through one prefill and one decode actor: greedy JSON output with every field, and
+    the same tokens as the in-process engine."""
+    args = [sys.executable, "-m", "cluster.cli", "--log-level", "WARNING", "generate",
+            "What is the capital of France?", "--chat", "--dtype", "float32", "--max-tokens", "8", "--json"]
+    outs = [json.loads(subprocess.run(args + extra, capture_output=True, text=True, timeout=280, check=True)
+                       .stdout.strip().splitlines()[-1]) for extra in (["--prefill", "1", "--decode", "1"], [])]
+    for out in outs:
+        assert {"text", "token_ids", "prompt_token_ids", "ttft_s", "tokens_per_s"} <= set(out)
+    assert outs[0]["token_ids"] == outs[1]["token_ids"] and "Paris" in outs[0]["text"]
