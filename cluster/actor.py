@@ -64,6 +64,10 @@ class RankActor:
     def load(self) -> dict[str, float]:
         return self.host.worker.load()
 
+    def kv_transfer_log(self) -> list[dict]:
+        """Prefill ranks: the recent acknowledged transfers, with monotonic timestamps."""
+        return list(self.host.sender.recent_transfers) if self.host.sender is not None else []
+
     def assert_no_leaks(self) -> None:
         """Tests: every block of this rank's allocator is free (rank 0 owns the allocator)."""
         worker = self.host.worker

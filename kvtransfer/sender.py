@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections import Counter, OrderedDict
+import time
+from collections import Counter, OrderedDict, deque
 from datetime import timedelta
 
 import msgpack
@@ -30,15 +31,18 @@ class _Transfer(Transfer):
     def __init__(self, peer: _Peer, request_id: str, head_start: int, head_end: int, num_tokens: int):
         self.peer, self.request_id = peer, request_id
         self.head_start, self.head_end, self.num_tokens = head_start, head_end, num_tokens
-        self.num_layers_sent = 0
+        self.num_layers_sent = self.num_bytes = 0
         self.error: str | None = None
         self._done = threading.Event()
+        # time.monotonic() stamps: begin, finish() called (first token known), acknowledged
+        self.begin_s, self.finish_s, self.acked_s = time.monotonic(), None, None
 
     def send_layer(self, layer: int, kv: torch.Tensor) -> None:
         assert kv.shape[:3] == (2, self.num_tokens, self.head_end - self.head_start), kv.shape
         self.peer.submit(("layer", self, layer, kv))
 
     def finish(self, first_token: int) -> None:
+        self.finish_s = time.monotonic()
         self.peer.submit(("done", self, first_token, None))
 
     def fail(self, reason: str) -> None:
@@ -47,6 +51,8 @@ class _Transfer(Transfer):
             self._done.set()
 
     def succeed(self) -> None:
+        self.acked_s = time.monotonic()
+        self.peer.owner._log(self)
         self._done.set()
 
     def wait(self, timeout: float | None = None) -> None:
@@ -124,6 +130,7 @@ class _Peer:
         send(self.pg, wire.encode_frame(msg, kv.device), RECEIVER)
         send(self.pg, payload, RECEIVER)
         t.num_layers_sent += 1
+        t.num_bytes += payload.numel()
         self.owner._count("bytes_sent", payload.numel())
 
     def _finish(self, t: _Transfer, first_token: int) -> None:
@@ -155,6 +162,7 @@ class TorchDistSender(KVSender):
         self._lock = threading.Lock()
         self._stats: Counter = Counter()
         self._closed = False
+        self.recent_transfers: deque[dict] = deque(maxlen=1024)  # for benchmarks and debugging
 
     def begin(self, request_id: str, dest: KVEndpoint, head_start: int, head_end: int,
               num_tokens: int) -> Transfer:
@@ -177,6 +185,10 @@ class TorchDistSender(KVSender):
                 del self._peers[peer.dest.address]
             self._stats["groups_failed"] += 1
         peer.close()
+
+    def _log(self, t: _Transfer) -> None:
+        self.recent_transfers.append({"request_id": t.request_id, "bytes": t.num_bytes, "begin_s": t.begin_s,
+                                      "finish_s": t.finish_s, "acked_s": t.acked_s})
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:

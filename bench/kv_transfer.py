@@ -1,0 +1,170 @@
+"""KV transfer bandwidth, prefill process -> decode process: pdserve's transport against raw gloo
+send/recv of the same bytes, in the same run, between the same two processes.
+
+    python -m bench.kv_transfer                 # SmolLM2's KV shape (30 layers, 3 KV heads, 64, bf16)
+    python -m bench.kv_transfer --tokens 1024 4096 --reps 5 --json
+
+Raw gloo sends each layer's bytes as one message (what the transport sends, minus its header
+frame and the receiver's scatter into paged blocks); "raw gloo, one message" sends a request's
+whole KV at once, the best case. pdserve's numbers include the handshake-free steady state: the
+pair group is built by a warm-up transfer first, as in serving.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from kvtransfer.params import CompatRecord, KVEndpoint
+from kvtransfer.receiver import TorchDistReceiver
+from kvtransfer.sender import TorchDistSender
+from kvtransfer.torch_dist import RECEIVER, SENDER, make_pair_group, recv, send
+
+BLOCK = 16
+DONE = torch.zeros(1, dtype=torch.uint8)
+
+
+def _shape(args, tokens: int) -> tuple[int, int]:
+    """(bytes per layer message, bytes per request)."""
+    layer = 2 * tokens * args.kv_heads * args.head_dim * 2  # bf16
+    return layer, layer * args.layers
+
+
+def _compat(args) -> CompatRecord:
+    return CompatRecord("bench", "bfloat16", args.layers, args.kv_heads, args.head_dim, block_size=BLOCK)
+
+
+def receiver_main(conn, args) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    conn.send(store.port)
+    pg = make_pair_group(store, 0, RECEIVER, "cpu", "127.0.0.1", timedelta(seconds=120))
+    max_tokens = max(args.tokens)
+    num_blocks = 2 * max_tokens // BLOCK + 2
+    cache = torch.zeros(args.layers, 2, num_blocks, BLOCK, args.kv_heads, args.head_dim, dtype=torch.bfloat16)
+    rx = TorchDistReceiver(_compat(args), cache, 0)
+    conn.send(rx.endpoint_address)
+    for tokens in args.tokens:
+        layer_bytes, request_bytes = _shape(args, tokens)
+        buf = torch.empty(request_bytes, dtype=torch.uint8)
+        for _ in range(args.reps * args.layers):  # raw, per layer
+            recv(pg, buf[:layer_bytes], SENDER)
+        for _ in range(args.reps):  # raw, one message
+            recv(pg, buf, SENDER)
+        send(pg, DONE, SENDER)
+        # pdserve: block-scattered slots, as a real reservation gets
+        blocks = torch.randperm(num_blocks - 1)[:tokens // BLOCK] + 1
+        slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).flatten()
+        for r in range(args.reps + 1):
+            rx.expect(f"{tokens}-{r}", slots, 1)
+        conn.send("ready")
+        got = 0
+        while got < args.reps + 1:
+            done, failed = rx.poll()
+            assert not failed, failed
+            got += len(done)
+            time.sleep(0.001)
+    conn.send(rx.stats)
+    conn.recv()
+    os._exit(0)  # NOTE: skip interpreter teardown, which aborts on gloo's still-running threads
+
+
+def _time_raw(pg, args, tokens: int) -> tuple[float, float]:
+    layer_bytes, request_bytes = _shape(args, tokens)
+    layer = torch.randint(0, 255, (layer_bytes,), dtype=torch.uint8)
+    whole = torch.randint(0, 255, (request_bytes,), dtype=torch.uint8)
+    start = time.perf_counter()
+    for _ in range(args.reps * args.layers):
+        send(pg, layer, RECEIVER)
+    mid = time.perf_counter()
+    for _ in range(args.reps):
+        send(pg, whole, RECEIVER)
+    ack = torch.empty(1, dtype=torch.uint8)
+    recv(pg, ack, RECEIVER)
+    end = time.perf_counter()
+    return mid - start, end - mid
+
+
+def _time_pdserve(tx, dest, args, tokens: int) -> float:
+    kv = [torch.randn(2, tokens, args.kv_heads, args.head_dim).to(torch.bfloat16) for _ in range(args.layers)]
+
+    def one(rid: str):
+        t = tx.begin(rid, dest, 0, args.kv_heads, tokens)
+        for layer in range(args.layers):
+            t.send_layer(layer, kv[layer])
+        t.finish(1)
+        return t
+
+    one(f"{tokens}-{args.reps}").wait(60)  # warm-up: the first transfer of a size
+    start = time.perf_counter()
+    transfers = [one(f"{tokens}-{r}") for r in range(args.reps)]
+    for t in transfers:
+        t.wait(120)
+    return time.perf_counter() - start
+
+
+def run(args) -> dict:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=receiver_main, args=(child, args), daemon=True)
+    proc.start()
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", parent.recv(), is_master=False, wait_for_workers=False)
+    pg = make_pair_group(store, 0, SENDER, "cpu", "127.0.0.1", timedelta(seconds=120))
+    host, port = parent.recv()
+    tx = TorchDistSender(_compat(args), "bench")
+    dest = KVEndpoint("bench", 0, host, port)
+    rows = []
+    for tokens in args.tokens:
+        _, request_bytes = _shape(args, tokens)
+        raw_layer_s, raw_whole_s = _time_raw(pg, args, tokens)
+        assert parent.recv() == "ready"
+        ours_s = _time_pdserve(tx, dest, args, tokens)
+        total = request_bytes * args.reps
+        rows.append({"tokens": tokens, "bytes_per_request": request_bytes,
+                     "raw_gloo_per_layer_GBps": total / raw_layer_s / 1e9,
+                     "raw_gloo_one_message_GBps": total / raw_whole_s / 1e9,
+                     "pdserve_GBps": total / ours_s / 1e9,
+                     "pdserve_ms_per_request": ours_s / args.reps * 1e3})
+        rows[-1]["pdserve_vs_raw_per_layer"] = rows[-1]["pdserve_GBps"] / rows[-1]["raw_gloo_per_layer_GBps"]
+    rx_stats = parent.recv()
+    parent.send("bye")
+    proc.join(timeout=10)
+    tx.close()
+    return {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16",
+            "reps": args.reps, "rows": rows, "receiver_stats": rx_stats}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.kv_transfer", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if any(t % BLOCK for t in args.tokens):
+        p.error(f"--tokens must be multiples of {BLOCK}")
+    result = run(args)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"KV of {args.layers} layers x {args.kv_heads} heads x {args.head_dim}, bf16; {args.reps} requests each")
+    print(f"{'tokens':>7} {'MB/req':>8} {'raw/layer':>10} {'raw/whole':>10} {'pdserve':>9} {'ratio':>6} {'ms/req':>7}")
+    for r in result["rows"]:
+        print(f"{r['tokens']:>7} {r['bytes_per_request'] / 1e6:>8.1f} {r['raw_gloo_per_layer_GBps']:>9.2f}G "
+              f"{r['raw_gloo_one_message_GBps']:>9.2f}G {r['pdserve_GBps']:>8.2f}G {r['pdserve_vs_raw_per_layer']:>6.2f} "
+              f"{r['pdserve_ms_per_request']:>7.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

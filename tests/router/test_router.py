@@ -1,0 +1,198 @@
+"""The router against fake instances (no model): placement, policies, conditional
+disaggregation, token de-duplication, retries on failure, and no hangs."""
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+
+from decode_worker.output import RequestOutput
+from engine.request import SamplingParams
+from kvtransfer.params import KVEndpoint
+from prefill_worker.worker import PrefillResult
+from router.client import DecodeClient, InstanceDeadError, InstanceInfo, PrefillClient
+from router.policy import create_routing_policy
+from router.router import Router
+
+pytestmark = pytest.mark.timeout(30)
+PARAMS = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+
+class FakePrefill(PrefillClient):
+    def __init__(self, iid: str, load: float = 0.0):
+        self.info = InstanceInfo(iid, "prefill", 1, load={"queued_prefill_tokens": load})
+        self.submitted, self.aborted, self.results, self.dead = [], [], queue.Queue(), False
+
+    def _check(self):
+        if self.dead:
+            raise InstanceDeadError(self.info.instance_id, "fake death")
+
+    def submit(self, req, params):
+        self._check()
+        self.submitted.append((req, params))
+
+    def poll_results(self, timeout):
+        self._check()
+        try:
+            return [self.results.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    def load(self):
+        self._check()
+        return self.info.load
+
+
+class FakeDecode(DecodeClient):
+    def __init__(self, iid: str, capacity: int = 100, load: dict | None = None):
+        self.info = InstanceInfo(iid, "decode", 1, (KVEndpoint(iid, 0, "127.0.0.1", 1),), load=load or {})
+        self.capacity, self.reserved, self.local, self.aborted = capacity, [], [], []
+        self.outputs, self.dead = queue.Queue(), False
+
+    def _check(self):
+        if self.dead:
+            raise InstanceDeadError(self.info.instance_id, "fake death")
+
+    def reserve(self, req, prefill_tp):
+        self._check()
+        if len(self.reserved) >= self.capacity:
+            return False
+        self.reserved.append(req)
+        return True
+
+    def add_request(self, request_id, prompt_token_ids, params):
+        self._check()
+        self.local.append((request_id, prompt_token_ids))
+
+    def get_outputs(self, timeout):
+        self._check()
+        try:
+            return [self.outputs.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    def load(self):
+        self._check()
+        return self.info.load
+
+
+def make_router(prefills, decodes, policy="round_robin", **kw) -> Router:
+    r = Router(prefills, decodes, create_routing_policy(policy), poll_s=0.02, **kw)
+    r.start()
+    return r
+
+
+def test_disaggregated_lifecycle_dedups_tokens():
+    """Reserve on D, submit to P with D's endpoints; the first token comes from P, D's outputs
+    repeat it (num_output_tokens tells), the client sees each token once."""
+    p, d = FakePrefill("p0"), FakeDecode("d0")
+    r = make_router([p], [d])
+    stream = r.submit("a", [1, 2, 3], PARAMS)
+    (req, kv), = p.submitted
+    assert req.request_id == "a#0" and d.reserved[0].request_id == "a#0" and kv.endpoints == d.info.kv_endpoints
+    p.results.put(PrefillResult("a#0", 11))
+    d.outputs.put(RequestOutput("a#0", [11, 12], "", False, num_output_tokens=2))
+    d.outputs.put(RequestOutput("a#0", [13], "", True, "length", num_output_tokens=3))
+    assert stream.result(timeout=5).token_ids == [11, 12, 13] and stream.finish_reason == "length"
+    r.close()
+
+
+def test_conditional_disaggregation_short_prompts_stay_on_decode():
+    """Prompts shorter than the threshold are prefilled on the decode instance."""
+    p, d = FakePrefill("p0"), FakeDecode("d0")
+    r = make_router([p], [d], disagg_threshold_tokens=5)
+    r.submit("short", [1, 2, 3], PARAMS)
+    r.submit("long", list(range(10)), PARAMS)
+    assert [rid for rid, _ in d.local] == ["short#0"] and [q.request_id for q, _ in p.submitted] == ["long#0"]
+    r.close()
+
+
+def test_prefill_failure_retries_on_another_pair():
+    """P reports an error: the attempt is aborted on both and retried on the other prefill."""
+    p0, p1, d = FakePrefill("p0"), FakePrefill("p1"), FakeDecode("d0")
+    r = make_router([p0, p1], [d])
+    stream = r.submit("a", [1, 2], PARAMS)
+    first = p0 if p0.submitted else p1
+    other = p1 if first is p0 else p0
+    first.results.put(PrefillResult("a#0", None, "KV transfer failed"))
+    for _ in range(200):
+        if other.submitted:
+            break
+        threading.Event().wait(0.01)
+    assert other.submitted[0][0].request_id == "a#1" and "a#0" in d.aborted
+    d.outputs.put(RequestOutput("a#1", [5, 6, 7], "", True, "length", num_output_tokens=3))
+    assert stream.result(timeout=5).token_ids == [5, 6, 7] and r.stats["retries"] == 1
+    r.close()
+
+
+def test_dead_decode_retries_with_delivered_tokens():
+    """D dies after 2 tokens: the retry's prompt is prompt + those tokens, asking for the rest."""
+    p, d0, d1 = FakePrefill("p0"), FakeDecode("d0"), FakeDecode("d1")
+    r = make_router([p], [d0, d1])
+    stream = r.submit("a", [1, 2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    first, second = (d0, d1) if d0.reserved else (d1, d0)
+    first.outputs.put(RequestOutput("a#0", [8, 9], "", False, num_output_tokens=2))
+    for _ in range(200):
+        if stream._events.qsize():
+            break
+        threading.Event().wait(0.01)
+    first.dead = True
+    for _ in range(300):
+        if second.reserved:
+            break
+        threading.Event().wait(0.01)
+    retry = second.reserved[0]
+    assert retry.request_id == "a#1" and retry.prompt_token_ids == [1, 2, 8, 9]
+    assert retry.sampling_params.max_tokens == 2
+    second.outputs.put(RequestOutput("a#1", [3, 4], "", True, "length", num_output_tokens=2))
+    assert stream.result(timeout=5).token_ids == [8, 9, 3, 4]
+    r.close()
+
+
+def test_everything_dead_ends_with_error_not_hang():
+    p, d = FakePrefill("p0"), FakeDecode("d0")
+    d.dead = True
+    r = make_router([p], [d])
+    stream = r.submit("a", [1, 2], PARAMS).result(timeout=5)
+    assert stream.finish_reason == "error" and stream.error
+    r.close()
+
+
+def test_full_decode_queues_until_capacity():
+    """Admission control: with no room on D the request waits, and is placed once room appears."""
+    p, d = FakePrefill("p0"), FakeDecode("d0", capacity=0)
+    r = make_router([p], [d])
+    r.submit("a", [1], PARAMS)
+    threading.Event().wait(0.1)
+    assert not p.submitted and r.num_active == 1
+    d.capacity = 1
+    for _ in range(200):
+        if p.submitted:
+            break
+        threading.Event().wait(0.01)
+    assert p.submitted[0][0].request_id == "a#0"
+    r.close()
+
+
+def test_policies_pick_by_load_and_prefix():
+    infos = [InstanceInfo("p0", "prefill", 1, load={"queued_prefill_tokens": 50.0}),
+             InstanceInfo("p1", "prefill", 1, load={"queued_prefill_tokens": 5.0})]
+    assert create_routing_policy("least_loaded").pick_prefill(infos, [1]).instance_id == "p1"
+    decodes = [InstanceInfo("d0", "decode", 1, load={"kv_usage": 0.9, "running": 1.0}),
+               InstanceInfo("d1", "decode", 1, load={"kv_usage": 0.1, "running": 9.0})]
+    assert create_routing_policy("least_loaded").pick_decode(decodes, [1]).instance_id == "d1"
+    recorded = []
+    pa = create_routing_policy("prefix_aware", cached_prefix=lambda ids: {"p0": 3},
+                               record=lambda iid, ids: recorded.append(iid))
+    assert pa.pick_prefill(infos, [1]).instance_id == "p0" and recorded == ["p0"]
+    rr = create_routing_policy("round_robin")
+    assert [rr.pick_prefill(infos, [1]).instance_id for _ in range(3)] == ["p0", "p1", "p0"]
+    with pytest.raises(ValueError):
+        create_routing_policy("nope")
