@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test bench generate clean
+.PHONY: venv test bench serve generate clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.offline
+
+# The main job: the cluster (1 prefill + 1 decode instance, SmolLM2) behind the OpenAI API on 127.0.0.1:8000.
+serve: $(STAMP)
+	$(BIN)/pdserve serve $(ARGS)
 
 generate: $(STAMP)
 	$(BIN)/pdserve generate "What is the capital of France?" --chat

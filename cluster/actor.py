@@ -31,6 +31,9 @@ class RankActor:
         self.host = RankHost(config, role, instance_id, rank, tp_size, tp_address, self._host_name, self._kv_timeout_s)
         return self.host.kv_endpoint()
 
+    def max_model_len(self) -> int:
+        return self.host.max_model_len
+
     def set_followers(self, followers: list) -> None:
         """Decode rank 0: the other ranks' actors, so a reservation reaches every rank's receiver."""
         def expect_on_followers(request_id: str, slots: torch.Tensor, prefill_tp: int) -> None:

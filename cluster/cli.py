@@ -80,11 +80,48 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _add_serve(sub) -> None:
+    from cluster.spec import add_cli_flags
+    p = sub.add_parser("serve", help="start the cluster and the OpenAI-compatible HTTP gateway")
+    add_cli_flags(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from cluster.spec import ClusterSpec
+    from gateway.server import serve
+    return serve(ClusterSpec.from_args(args), log_level=args.log_level.lower())
+
+
+def _add_status(sub) -> None:
+    p = sub.add_parser("status", help="the instances of a running server, as a table")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's address")
+    p.set_defaults(func=cmd_status)
+
+
+def cmd_status(args) -> int:
+    import httpx
+    try:
+        instances = httpx.get(f"{args.url.rstrip('/')}/status", timeout=10).raise_for_status().json()["instances"]
+    except httpx.HTTPError as exc:
+        raise ValueError(f"cannot read {args.url}/status: {exc}") from None
+    print(f"{'instance':<14}{'role':<11}{'tp':>3}  {'health':<8}{'running':>8}{'waiting':>8}{'queued tok':>11}"
+          f"{'KV use':>8}")
+    for i in instances:
+        load = i["load"]
+        print(f"{i['instance_id']:<14}{i['role']:<11}{i['tp_size']:>3}  {'ok' if i['healthy'] else 'dead':<8}"
+              f"{load.get('running', 0):>8.0f}{load.get('waiting', 0):>8.0f}"
+              f"{load.get('queued_prefill_tokens', 0):>11.0f}{load.get('kv_usage', 0):>8.1%}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_serve(sub)
+    _add_status(sub)
     return parser
 
 

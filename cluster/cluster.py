@@ -98,8 +98,25 @@ class Cluster:
         self.state.close()
 
     # -- serving ---------------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        return self.router.submit(request_id, prompt_token_ids, params)
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               listener=None) -> RequestStream:
+        return self.router.submit(request_id, prompt_token_ids, params, listener)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request on every instance it touches; its blocks are freed."""
+        self.router.abort(request_id)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + output every instance can hold."""
+        return min(i.client.info.max_model_len for i in self.instances.values())
+
+    def ready(self) -> bool:
+        """At least one healthy decode instance and, when disaggregated, one healthy prefill."""
+        infos = [i.client.info for i in self.instances.values() if i.client.info.healthy]
+        has = lambda *roles: any(i.role in roles for i in infos)  # noqa: E731
+        return self.router is not None and has("decode", "colocated") and (self.spec.mode == "colocated"
+                                                                           or has("prefill"))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  timeout_s: float | None = 600.0) -> list[RequestStream]:
@@ -172,7 +189,7 @@ class Cluster:
         from cluster.rank import RankHost
         host = RankHost(self.spec.engine_config(role), role, iid, kv_timeout_s=self.spec.kv_transfer_timeout_s)
         ep = host.kv_endpoint()
-        info = InstanceInfo(iid, role, 1, (ep,) if ep else ())
+        info = InstanceInfo(iid, role, 1, (ep,) if ep else (), max_model_len=host.max_model_len)
         client = (LocalPrefillClient if role == "prefill" else LocalDecodeClient)(info, host.worker)
         return Instance(iid, role, 1, [host], client)
 
@@ -196,7 +213,8 @@ class Cluster:
         logger.info("%s: ranks ready in %.1f s", iid, time.monotonic() - start)
         if role == "decode" and tp > 1:
             ray.get(actors[0].set_followers.remote(actors[1:]))
-        info = InstanceInfo(iid, role, tp, tuple(endpoints) if role == "decode" else ())
+        info = InstanceInfo(iid, role, tp, tuple(endpoints) if role == "decode" else (),
+                            max_model_len=ray.get(actors[0].max_model_len.remote()))
         client = (RayPrefillClient if role == "prefill" else RayDecodeClient)(info, actors[0])
         return Instance(iid, role, tp, actors, client, pg)
 

@@ -75,6 +75,11 @@ class RankHost:
         self._thread = threading.Thread(target=self._loop, daemon=True, name=f"{role}-rank{rank}")
         self._thread.start()
 
+    @property
+    def max_model_len(self) -> int:
+        w = self.worker
+        return w.scheduler.max_model_len if self.role == "prefill" else w.engine.max_model_len
+
     def kv_endpoint(self) -> KVEndpoint | None:
         if self.receiver is None:
             return None

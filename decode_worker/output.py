@@ -22,7 +22,10 @@ class RequestOutput:
     error: str | None = None
 
 
-class _TextState:
+class TextState:
+    """One request's output text: incremental detokenization, stop strings, hold-back. Used by
+    the decode worker (to stop generation) and by the gateway (to stream text)."""
+
     def __init__(self, tokenizer: Tokenizer | None, req: Request):
         self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids) if tokenizer else None
         self.stops = req.sampling_params.stop
@@ -54,12 +57,12 @@ class _TextState:
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer = tokenizer
-        self.states: dict[str, _TextState] = {}
+        self.states: dict[str, TextState] = {}
 
     def add_request(self, req: Request) -> None:
         if req.sampling_params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
-        self.states[req.request_id] = _TextState(self.tokenizer, req)
+        self.states[req.request_id] = TextState(self.tokenizer, req)
 
     def text(self, request_id: str) -> str:
         return self.states[request_id].text

@@ -79,9 +79,11 @@ class DecodeWorker:
 
     def load(self) -> dict[str, float]:
         s = self.engine.scheduler
+        st = self.receiver.stats if self.receiver is not None else {}
         return {"running": float(len(s.running)), "waiting": float(len(s.waiting)),
                 "reserved": float(len(s.remote)), "kv_usage": self.engine.kv.usage,
-                "num_preemptions": float(s.num_preemptions)}
+                "num_preemptions": float(s.num_preemptions), "kv_bytes_received": float(st.get("bytes_received", 0)),
+                "kv_transfer_failures": float(st.get("failed", 0))}
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished()

@@ -163,6 +163,7 @@ class TorchDistSender(KVSender):
         self._stats: Counter = Counter()
         self._closed = False
         self.recent_transfers: deque[dict] = deque(maxlen=1024)  # for benchmarks and debugging
+        self.transfer_seconds = 0.0  # sum over acknowledged parts of (acked - begin)
 
     def begin(self, request_id: str, dest: KVEndpoint, head_start: int, head_end: int,
               num_tokens: int) -> Transfer:
@@ -187,6 +188,7 @@ class TorchDistSender(KVSender):
         peer.close()
 
     def _log(self, t: _Transfer) -> None:
+        self.transfer_seconds += t.acked_s - t.begin_s
         self.recent_transfers.append({"request_id": t.request_id, "bytes": t.num_bytes, "begin_s": t.begin_s,
                                       "finish_s": t.finish_s, "acked_s": t.acked_s})
 

@@ -82,9 +82,11 @@ class PrefillWorker:
             return out
 
     def load(self) -> dict[str, float]:
-        s = self.scheduler
+        s, st = self.scheduler, self.sender.stats
         return {"queued_prefill_tokens": float(s.num_queued_tokens), "waiting": float(len(s.waiting)),
-                "running": float(len(s.running)), "kv_usage": s.kv.usage}
+                "running": float(len(s.running)), "kv_usage": s.kv.usage,
+                "kv_bytes_sent": float(st.get("bytes_sent", 0)), "kv_transfer_seconds": self.sender.transfer_seconds,
+                "kv_transfer_failures": float(st.get("groups_failed", 0) + st.get("parts_rejected", 0))}
 
     def has_work(self) -> bool:
         return not self._inbox.empty() or self.scheduler.has_work()

@@ -80,8 +80,10 @@ class Router:
             self.prefill.pop(instance_id, None)
             self.decode.pop(instance_id, None)
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        tracked = Tracked(request_id, list(prompt_token_ids), params, RequestStream(request_id))
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               listener=None) -> RequestStream:
+        """Starts a request; its tokens arrive on the returned stream (or at `listener`)."""
+        tracked = Tracked(request_id, list(prompt_token_ids), params, RequestStream(request_id, listener))
         with self._lock:
             if len(self._pending) >= self.max_queued:
                 raise QueueFullError(f"{len(self._pending)} requests already queued")
@@ -89,7 +91,11 @@ class Router:
         return tracked.stream
 
     def abort(self, request_id: str) -> None:
+        """The client went away: stop the request wherever it is (queued, prefilling, decoding)."""
         with self._lock:
+            for tracked in [t for t in self._pending if t.request_id == request_id]:
+                self._pending.remove(tracked)
+                self._finish(tracked, StreamEvent([], True, "abort"))
             for tracked in [t for t in self._by_attempt.values() if t.request_id == request_id]:
                 self._abort_attempt(tracked)
                 self._finish(tracked, StreamEvent([], True, "abort"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import queue
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.request import SamplingParams
 
@@ -17,10 +18,13 @@ class StreamEvent:
 
 
 class RequestStream:
-    """Iterate for events; `result()` waits for the end. Thread-safe producer side (`put`)."""
+    """Iterate for events; `result()` waits for the end. Thread-safe producer side (`put`).
 
-    def __init__(self, request_id: str):
-        self.request_id = request_id
+    With a `listener`, events go to it instead (called on the router's threads: an asyncio
+    consumer passes `lambda e: loop.call_soon_threadsafe(queue.put_nowait, e)`)."""
+
+    def __init__(self, request_id: str, listener: Callable[[StreamEvent], None] | None = None):
+        self.request_id, self.listener = request_id, listener
         self._events: queue.Queue[StreamEvent] = queue.Queue()
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
@@ -30,7 +34,10 @@ class RequestStream:
         self.finished_s: float | None = None
 
     def put(self, event: StreamEvent) -> None:
-        self._events.put(event)
+        if self.listener is not None:
+            self.listener(event)
+        else:
+            self._events.put(event)
 
     def get(self, timeout: float | None = None) -> StreamEvent:
         """The next event; raises queue.Empty after `timeout`."""

@@ -1,0 +1,60 @@
+"""Prometheus metrics of one gateway: request outcomes and latencies it observes, plus the
+router's queue and every instance's load figures, read at scrape time."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# load key -> (metric name, help); every instance reports these through `load()`
+INSTANCE_GAUGES = {
+    "running": ("pdserve_instance_running_requests", "sequences in the running batch"),
+    "waiting": ("pdserve_instance_waiting_requests", "requests waiting to be scheduled"),
+    "reserved": ("pdserve_instance_reserved_requests", "decode: requests whose KV is still arriving"),
+    "queued_prefill_tokens": ("pdserve_instance_queued_prefill_tokens", "prefill: prompt tokens not yet computed"),
+    "kv_usage": ("pdserve_instance_kv_usage_ratio", "fraction of KV blocks in use"),
+    "num_preemptions": ("pdserve_instance_recomputes_total", "preemptions by recompute, since start"),
+    "kv_bytes_sent": ("pdserve_kv_transfer_sent_bytes_total", "KV bytes sent, since start"),
+    "kv_bytes_received": ("pdserve_kv_transfer_received_bytes_total", "KV bytes received, since start"),
+    "kv_transfer_seconds": ("pdserve_kv_transfer_seconds_total", "seconds spent in acknowledged KV transfers"),
+    "kv_transfer_failures": ("pdserve_kv_transfer_failures_total", "failed or rejected KV transfers"),
+}
+
+
+class GatewayMetrics:
+    def __init__(self, cluster):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("pdserve_requests", "finished HTTP generation requests", ["endpoint", "status"],
+                                registry=self.registry)
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "time to first token", buckets=_LATENCY,
+                              registry=self.registry)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "time between output token batches",
+                             buckets=_LATENCY, registry=self.registry)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "request latency, arrival to last token",
+                             buckets=_LATENCY, registry=self.registry)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens of admitted requests",
+                                     registry=self.registry)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "generated tokens", registry=self.registry)
+        self.cluster = cluster
+        self.registry.register(self)
+
+    def collect(self):
+        """Scrape-time gauges from the router's view (refreshed every 0.1 s)."""
+        router = self.cluster.router
+        queue = GaugeMetricFamily("pdserve_router_queue_depth", "requests waiting for a decode instance")
+        queue.add_metric([], float(len(router._pending)) if router else 0.0)
+        active = GaugeMetricFamily("pdserve_router_active_requests", "requests placed on instances")
+        active.add_metric([], float(len(router._by_attempt)) if router else 0.0)
+        healthy = GaugeMetricFamily("pdserve_instance_healthy", "1 if the instance is serving", labels=["instance", "role"])
+        families = {k: GaugeMetricFamily(name, doc, labels=["instance", "role"])
+                    for k, (name, doc) in INSTANCE_GAUGES.items()}
+        for inst in list(self.cluster.instances.values()):
+            info = inst.client.info
+            healthy.add_metric([info.instance_id, info.role], 1.0 if info.healthy else 0.0)
+            for key, fam in families.items():
+                if key in info.load:
+                    fam.add_metric([info.instance_id, info.role], info.load[key])
+        yield from [queue, active, healthy, *families.values()]
+
+    def describe(self):
+        return []

@@ -1,0 +1,45 @@
+"""`pdserve serve`: the cluster and the OpenAI-compatible gateway in one process."""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from cluster.cluster import Cluster
+from cluster.spec import ClusterSpec
+from engine.loader import resolve_model_path
+from engine.tokenizer import Tokenizer
+from gateway.app import create_app
+
+logger = logging.getLogger(__name__)
+
+
+def build(spec: ClusterSpec, api_key: str | None = None, use_ray: bool = True):
+    """Starts the cluster; returns (cluster, app). The caller shuts the cluster down."""
+    tokenizer = Tokenizer.from_path(resolve_model_path(spec.model))
+    cluster = Cluster(spec, use_ray=use_ray).start()
+    app = create_app(cluster, tokenizer, spec.model, cluster.max_model_len, api_key)
+    return cluster, app
+
+
+def _paths(spec: ClusterSpec) -> str:
+    cuda = spec.device.startswith("cuda") or (spec.device == "auto" and torch.cuda.is_available())
+    attention = spec.attention_backend if spec.attention_backend != "auto" else (
+        "flash_attn if importable, else torch" if cuda else "torch")
+    return f"{'cuda' if cuda else 'cpu'}, {spec.dtype}, attention {attention}"
+
+
+def serve(spec: ClusterSpec, api_key: str | None = None, log_level: str = "info") -> int:
+    import uvicorn
+    api_key = api_key or spec.api_key or os.environ.get("PDSERVE_API_KEY")
+    cluster, app = build(spec, api_key)
+    counts = ", ".join(f"{n} {role} (tp={spec.tp_size(role)})" for role, n in spec.instance_counts.items())
+    logger.info("pdserve: %s on %s [%s]; %s", spec.model, counts, _paths(spec),
+                "API key required" if api_key else "no API key")
+    logger.info("OpenAI API at http://%s:%d/v1", spec.host, spec.port)
+    try:
+        uvicorn.run(app, host=spec.host, port=spec.port, log_level=log_level, timeout_graceful_shutdown=5)
+    finally:
+        cluster.shutdown()
+    return 0

@@ -1,0 +1,128 @@
+"""The gateway's HTTP layer over a fake cluster: OpenAI formats, validation and error bodies,
+health/ready/metrics, and no 5xx for any body schemathesis can think of."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from engine.loader import resolve_model_path
+from engine.tokenizer import Tokenizer
+from gateway.app import create_app
+from tests.gateway.fakes import FakeCluster
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.from_path(resolve_model_path("smollm2"))
+
+
+@pytest.fixture
+def cluster():
+    return FakeCluster()
+
+
+@pytest.fixture
+def client(cluster, tokenizer):
+    return TestClient(create_app(cluster, tokenizer, "smollm2", FakeCluster.max_model_len))
+
+
+def chat(**kw):
+    return {"model": "smollm2", "messages": [{"role": "user", "content": "Capital of France?"}], **kw}
+
+
+def test_chat_completion_body_and_usage(client, cluster):
+    r = client.post("/v1/chat/completions", json=chat(max_tokens=3, temperature=0))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == "The capital of"
+    assert body["choices"][0]["finish_reason"] == "length"
+    prompt_len = len(cluster.submitted[0][1])
+    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 3, "total_tokens": prompt_len + 3}
+
+
+def test_completion_stream_chunks_usage_and_done(client):
+    with client.stream("POST", "/v1/completions", json={"model": "smollm2", "prompt": "The", "max_tokens": 10,
+                                                        "stream": True, "stream_options": {"include_usage": True}}) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == "The capital of France is Paris."
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["usage"]["completion_tokens"] == 7
+
+
+def test_stop_string_cuts_text(client):
+    r = client.post("/v1/completions", json={"model": "smollm2", "prompt": "x", "max_tokens": 10, "stop": " France"})
+    assert r.json()["choices"][0]["text"] == "The capital of" and r.json()["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (chat(model="gpt-4"), 404, "model"),
+    (chat(max_tokens=0), 400, "max_tokens"),
+    (chat(max_tokens=10_000), 400, "max_tokens"),
+    (chat(temperature=3.5), 400, "temperature"),
+    (chat(presence_penalty=0.5), 400, "presence_penalty"),
+    (chat(n=2), 400, "n"),
+    (chat(logprobs=True), 400, "logprobs"),
+    (chat(tools=[{"type": "function"}]), 400, "tools"),
+    ({"model": "smollm2", "prompt": "hi " * 300}, 400, "prompt"),
+    ({"model": "smollm2", "prompt": [1, 99999999]}, 400, "prompt"),
+    ({"model": "smollm2"}, 422, None),
+    ({"model": "smollm2", "messages": "not a list"}, 422, None),
+])
+def test_bad_requests_get_openai_errors(client, cluster, body, status, param):
+    """Each bad request gets its status with an OpenAI error body naming the parameter; nothing
+    reaches the cluster."""
+    path = "/v1/completions" if "prompt" in body or "messages" not in body and status != 422 else "/v1/chat/completions"
+    r = client.post(path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if param:
+        assert err["param"] == param
+    assert cluster.submitted == []
+
+
+def test_malformed_json_is_422(client):
+    r = client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "error" in r.json()
+
+
+def test_api_key(cluster, tokenizer):
+    c = TestClient(create_app(cluster, tokenizer, "smollm2", 256, api_key="sekret"))
+    assert c.post("/v1/chat/completions", json=chat()).status_code == 401
+    assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert c.get("/v1/models", headers={"Authorization": "Bearer sekret"}).json()["data"][0]["id"] == "smollm2"
+    assert c.get("/health").status_code == 200  # probes need no key
+
+
+def test_not_ready_is_503_with_retry_after(client, cluster):
+    cluster.is_ready = False
+    for r in (client.get("/ready"), client.post("/v1/chat/completions", json=chat())):
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and "error" in r.json()
+
+
+def test_queue_full_is_429(client, cluster):
+    from router.router import QueueFullError
+
+    def full(*a, **k):
+        raise QueueFullError("4096 requests already queued")
+    cluster.submit = full
+    r = client.post("/v1/chat/completions", json=chat())
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+
+
+def test_metrics_health_models(client):
+    client.post("/v1/chat/completions", json=chat(max_tokens=2))
+    text = client.get("/metrics").text
+    for name in ("pdserve_requests_total", "pdserve_time_to_first_token_seconds_bucket",
+                 "pdserve_inter_token_latency_seconds", "pdserve_e2e_request_latency_seconds",
+                 "pdserve_router_queue_depth"):
+        assert name in text, name
+    assert 'pdserve_requests_total{endpoint="chat",status="ok"} 1.0' in text
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/nope").status_code == 404 and "error" in client.get("/nope").json()
