@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.cluster", description=__doc__.split("\n\n")[0])
     p.add_argument("--part", choices=["ttft", "w1", "all"], default="all")
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--num-requests", type=int, default=32)

@@ -15,6 +15,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import time
 from datetime import timedelta
@@ -54,23 +55,24 @@ def receiver_main(conn, args) -> None:
     for tokens in args.tokens:
         layer_bytes, request_bytes = _shape(args, tokens)
         buf = torch.empty(request_bytes, dtype=torch.uint8)
-        for _ in range(args.reps * args.layers):  # raw, per layer
-            recv(pg, buf[:layer_bytes], SENDER)
-        for _ in range(args.reps):  # raw, one message
-            recv(pg, buf, SENDER)
-        send(pg, DONE, SENDER)
         # pdserve: block-scattered slots, as a real reservation gets
         blocks = torch.randperm(num_blocks - 1)[:tokens // BLOCK] + 1
         slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).flatten()
-        for r in range(args.reps + 1):
-            rx.expect(f"{tokens}-{r}", slots, 1)
-        conn.send("ready")
-        got = 0
-        while got < args.reps + 1:
-            done, failed = rx.poll()
-            assert not failed, failed
-            got += len(done)
-            time.sleep(0.001)
+        for rnd in range(args.rounds):
+            for _ in range(args.reps * args.layers):  # raw, per layer
+                recv(pg, buf[:layer_bytes], SENDER)
+            for _ in range(args.reps):  # raw, one message
+                recv(pg, buf, SENDER)
+            send(pg, DONE, SENDER)
+            for r in range(args.reps + 1):
+                rx.expect(f"{tokens}-{rnd}-{r}", slots, 1)
+            conn.send("ready")
+            got = 0
+            while got < args.reps + 1:
+                done, failed = rx.poll()
+                assert not failed, failed
+                got += len(done)
+                time.sleep(0.01)
     conn.send(rx.stats)
     conn.recv()
     os._exit(0)  # NOTE: skip interpreter teardown, which aborts on gloo's still-running threads
@@ -92,7 +94,7 @@ def _time_raw(pg, args, tokens: int) -> tuple[float, float]:
     return mid - start, end - mid
 
 
-def _time_pdserve(tx, dest, args, tokens: int) -> float:
+def _time_pdserve(tx, dest, args, tokens: int, prefix: str) -> float:
     kv = [torch.randn(2, tokens, args.kv_heads, args.head_dim).to(torch.bfloat16) for _ in range(args.layers)]
 
     def one(rid: str):
@@ -102,9 +104,9 @@ def _time_pdserve(tx, dest, args, tokens: int) -> float:
         t.finish(1)
         return t
 
-    one(f"{tokens}-{args.reps}").wait(60)  # warm-up: the first transfer of a size
+    one(f"{prefix}-{args.reps}").wait(60)  # warm-up: the first transfer of a size
     start = time.perf_counter()
-    transfers = [one(f"{tokens}-{r}") for r in range(args.reps)]
+    transfers = [one(f"{prefix}-{r}") for r in range(args.reps)]
     for t in transfers:
         t.wait(120)
     return time.perf_counter() - start
@@ -124,16 +126,21 @@ def run(args) -> dict:
     rows = []
     for tokens in args.tokens:
         _, request_bytes = _shape(args, tokens)
-        raw_layer_s, raw_whole_s = _time_raw(pg, args, tokens)
-        assert parent.recv() == "ready"
-        ours_s = _time_pdserve(tx, dest, args, tokens)
         total = request_bytes * args.reps
-        rows.append({"tokens": tokens, "bytes_per_request": request_bytes,
-                     "raw_gloo_per_layer_GBps": total / raw_layer_s / 1e9,
-                     "raw_gloo_one_message_GBps": total / raw_whole_s / 1e9,
-                     "pdserve_GBps": total / ours_s / 1e9,
-                     "pdserve_ms_per_request": ours_s / args.reps * 1e3})
-        rows[-1]["pdserve_vs_raw_per_layer"] = rows[-1]["pdserve_GBps"] / rows[-1]["raw_gloo_per_layer_GBps"]
+        per_layer, whole, ours = [], [], []
+        for rnd in range(args.rounds):  # alternate the methods: drift on a shared machine hits both
+            raw_layer_s, raw_whole_s = _time_raw(pg, args, tokens)
+            assert parent.recv() == "ready"
+            ours_s = _time_pdserve(tx, dest, args, tokens, f"{tokens}-{rnd}")
+            per_layer.append(total / raw_layer_s / 1e9)
+            whole.append(total / raw_whole_s / 1e9)
+            ours.append(total / ours_s / 1e9)
+        med = statistics.median
+        rows.append({"tokens": tokens, "bytes_per_request": request_bytes, "rounds": args.rounds,
+                     "raw_gloo_per_layer_GBps": med(per_layer), "raw_gloo_one_message_GBps": med(whole),
+                     "pdserve_GBps": med(ours), "pdserve_ms_per_request": request_bytes / med(ours) / 1e6,
+                     "pdserve_vs_raw_per_layer": med(o / r for o, r in zip(ours, per_layer)),
+                     "pdserve_vs_raw_one_message": med(o / r for o, r in zip(ours, whole))})
     rx_stats = parent.recv()
     parent.send("bye")
     proc.join(timeout=10)
@@ -148,7 +155,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=5, help="requests per timed batch")
+    p.add_argument("--rounds", type=int, default=5, help="alternating raw/pdserve rounds; medians are reported")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if any(t % BLOCK for t in args.tokens):
@@ -158,11 +166,13 @@ def main(argv=None) -> int:
         print(json.dumps(result))
         return 0
     print(f"KV of {args.layers} layers x {args.kv_heads} heads x {args.head_dim}, bf16; {args.reps} requests each")
-    print(f"{'tokens':>7} {'MB/req':>8} {'raw/layer':>10} {'raw/whole':>10} {'pdserve':>9} {'ratio':>6} {'ms/req':>7}")
+    print(f"medians of {args.rounds} alternating rounds")
+    print(f"{'tokens':>7} {'MB/req':>8} {'raw/layer':>10} {'raw/whole':>10} {'pdserve':>9} {'vs layer':>9} "
+          f"{'vs whole':>9} {'ms/req':>7}")
     for r in result["rows"]:
         print(f"{r['tokens']:>7} {r['bytes_per_request'] / 1e6:>8.1f} {r['raw_gloo_per_layer_GBps']:>9.2f}G "
-              f"{r['raw_gloo_one_message_GBps']:>9.2f}G {r['pdserve_GBps']:>8.2f}G {r['pdserve_vs_raw_per_layer']:>6.2f} "
-              f"{r['pdserve_ms_per_request']:>7.1f}")
+              f"{r['raw_gloo_one_message_GBps']:>9.2f}G {r['pdserve_GBps']:>8.2f}G {r['pdserve_vs_raw_per_layer']:>9.2f} "
+              f"{r['pdserve_vs_raw_one_message']:>9.2f} {r['pdserve_ms_per_request']:>7.1f}")
     return 0
 
 

@@ -11,7 +11,8 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate a completion for one prompt")
     p.add_argument("prompt")
     p.add_argument("--model", default="smollm2", help="smollm2, a .gguf file or a HF safetensors folder")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="auto: bfloat16 on CUDA or a CPU with native bf16, else float32")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -89,7 +90,7 @@ def _add_serve(sub) -> None:
 
 def cmd_serve(args) -> int:
     from cluster.spec import ClusterSpec
-    from gateway.server import serve
+    from cluster.serve import serve
     return serve(ClusterSpec.from_args(args), log_level=args.log_level.lower())
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cluster.clients import LocalDecodeClient, LocalPrefillClient, RayDecodeClient, RayPrefillClient
 from cluster.spec import ClusterSpec
@@ -78,6 +79,8 @@ class Cluster:
                              create_routing_policy(self.spec.router_policy, **policy_kw), mode=self.spec.mode,
                              disagg_threshold_tokens=self.spec.disagg_threshold_tokens)
         self.router.start()
+        self._stop_publishing = threading.Event()
+        threading.Thread(target=self._publish_state, daemon=True, name="cluster-state").start()
         logger.info("cluster up: %s", ", ".join(f"{i.instance_id} (tp={i.tp_size})" for i in self.instances.values()))
         return self
 
@@ -89,6 +92,7 @@ class Cluster:
 
     def shutdown(self) -> None:
         if self.router is not None:
+            self._stop_publishing.set()
             self.router.close()
         for iid in list(self.instances):
             self._destroy(self.instances.pop(iid))
@@ -202,9 +206,13 @@ class Cluster:
         pg = placement_group([{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}] * tp, strategy="PACK")
         ray.get(pg.ready(), timeout=120)
         host = "127.0.0.1" if self.spec.ray_address is None else ray.util.get_node_ip_address()
+        config = self.spec.engine_config(role)
+        if config.num_threads is None and not gpu:  # share this node's cores among the ranks, not oversubscribe
+            ranks = sum(n * self.spec.tp_size(r) for r, n in self.spec.instance_counts.items())
+            config = replace(config, num_threads=max(1, (os.cpu_count() or 1) // ranks))
         actors = [RankActor.options(num_cpus=1, num_gpus=1 if gpu else 0, scheduling_strategy=
                                     PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote(
-            self.spec.engine_config(role), role, iid, r, tp, host, self.spec.kv_transfer_timeout_s, self.log_level)
+            config, role, iid, r, tp, host, self.spec.kv_transfer_timeout_s, self.log_level)
             for r in range(tp)]
         start = time.monotonic()
         address = ray.get(actors[0].rendezvous_address.remote()) if tp > 1 else None
@@ -251,6 +259,24 @@ class Cluster:
         for actor in inst.ranks:
             ray.kill(actor, no_restart=True)
         remove_placement_group(inst.placement_group)
+
+    def _publish_state(self) -> None:
+        """Heartbeats (TTL `heartbeat_ttl_s`), health and the router's load figures into the
+        cluster state, so other processes (a second gateway, `pdserve status`, autoscalers) see them."""
+        ttl = self.spec.heartbeat_ttl_s
+        while not self._stop_publishing.wait(ttl / 3):
+            for inst in list(self.instances.values()):
+                info = inst.client.info
+                try:
+                    if info.healthy:
+                        self.state.heartbeat(inst.instance_id, ttl)
+                        self.state.update_load(inst.instance_id, info.load)
+                    else:
+                        self.state.set_health(inst.instance_id, "dead")
+                except KeyError:  # removed meanwhile
+                    pass
+                except Exception:  # the state store is down: serving goes on, say so
+                    logger.warning("cannot publish %s to the cluster state", inst.instance_id, exc_info=True)
 
     def _cached_prefix(self, prompt_token_ids: list[int]) -> dict[str, int]:
         return self.state.longest_prefix(block_hashes(prompt_token_ids, self.spec.block_size), role="prefill")

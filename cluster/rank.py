@@ -55,7 +55,7 @@ class RankHost:
             tp = TPGroup(rank, tp_size, dist.group.WORLD)
         self.runner = ModelRunner(config, tp, model_config=model_config, weights=weights)
         mc = self.runner.model_config
-        compat = CompatRecord(model=mc.name, dtype=str(config.dtype), num_layers=mc.num_layers,
+        compat = CompatRecord(model=mc.name, dtype=str(self.runner.dtype).removeprefix("torch."), num_layers=mc.num_layers,
                               num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, block_size=self.runner.block_size,
                               tp_size=tp_size, device_type=self.runner.device.type)
         self.sender = self.receiver = None

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from engine.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import DTYPE_CHOICES, CacheConfig, EngineConfig, SchedulerConfig
 
 MODES = ("disaggregated", "colocated")
 ROLES = ("prefill", "decode", "colocated")
@@ -30,7 +30,7 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 _HELP = {
     "model": "smollm2, a .gguf file or a HF safetensors folder",
-    "dtype": "weights and activations dtype",
+    "dtype": "weights and activations dtype (auto: bfloat16 on CUDA or a CPU with native bf16, else float32)",
     "device": "auto (cuda when present, else cpu), cpu, cuda or cuda:N",
     "mode": "disaggregated (prefill and decode pools) or colocated (each instance does both)",
     "num_prefill": "prefill instances (disaggregated mode)",
@@ -62,7 +62,7 @@ class ClusterSpec:
     """Everything `pdserve serve` needs to bring a cluster up. Frozen; bad values raise ValueError."""
 
     model: str = "smollm2"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # bf16 on CUDA or a CPU with native bf16, else float32
     device: str = "auto"  # auto = cuda when present, else cpu
     # topology
     num_prefill: int = 1
@@ -109,7 +109,7 @@ class ClusterSpec:
                                  f"got {type(value).__name__} {value!r}")
 
     def _check_choices(self) -> None:
-        for name, choices in (("dtype", tuple(DTYPES)), ("mode", MODES), ("router_policy", ROUTER_POLICIES),
+        for name, choices in (("dtype", DTYPE_CHOICES), ("mode", MODES), ("router_policy", ROUTER_POLICIES),
                               ("attention_backend", ATTENTION_BACKENDS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
@@ -217,7 +217,7 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
     how `ClusterSpec.from_args` tells an explicit flag from a default."""
     parser.add_argument("--config", default=None, metavar="SPEC.yaml",
                         help="cluster spec YAML; explicit flags override its keys")
-    choices = {"dtype": tuple(DTYPES), "mode": MODES, "router_policy": ROUTER_POLICIES,
+    choices = {"dtype": DTYPE_CHOICES, "mode": MODES, "router_policy": ROUTER_POLICIES,
                "attention_backend": ATTENTION_BACKENDS}
     for f in fields(ClusterSpec):
         base = _base_type(_field_types()[f.name])

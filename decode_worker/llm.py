@@ -36,9 +36,9 @@ class CompletionOutput:
 
 
 class LLM:
-    """`LLM(model="smollm2", dtype="bfloat16").generate(["Hello"], SamplingParams(max_tokens=32))`."""
+    """`LLM(model="smollm2").generate(["Hello"], SamplingParams(max_tokens=32))`."""
 
-    def __init__(self, model: str = "smollm2", dtype: str = "bfloat16", engine: ColocatedEngine | None = None,
+    def __init__(self, model: str = "smollm2", dtype: str = "auto", engine: ColocatedEngine | None = None,
                  **overrides):
         if engine is None:
             cache = CacheConfig(**{k: overrides.pop(k) for k in list(overrides) if k in CacheConfig.__dataclass_fields__})

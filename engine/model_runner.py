@@ -15,7 +15,7 @@ import torch
 
 from engine.attention import AttentionMetadata, create_attention_backend
 from engine.batch import RunnerOutput, SchedulerOutput
-from engine.config import EngineConfig, ModelConfig, parse_dtype
+from engine.config import EngineConfig, ModelConfig, cpu_has_native_bf16, resolve_dtype
 from engine.kv_cache import allocate_kv_cache, num_blocks_for
 from engine.loader import load_model_config, load_weights, resolve_model_path
 from engine.model import LlamaForCausalLM
@@ -55,7 +55,10 @@ class ModelRunner:
         """Loads the model named by `config.model` (or the given config and weights, for tests)."""
         self.config, self.tp = config, tp
         self.device = select_device(config.device)
-        self.dtype = parse_dtype(config.dtype)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.dtype == "auto":
+            logger.info("dtype auto -> %s on %s (native bf16 on this CPU: %s)", self.dtype, self.device.type,
+                        cpu_has_native_bf16())
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         path = None

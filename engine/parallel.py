@@ -68,8 +68,8 @@ class TPGroup:
 def mkldnn_packing_available() -> bool:
     """oneDNN bf16 weight packing needs the op in this torch build and a CPU with native bf16
     support (avx512bw/vl/dq or avx_ne_convert); an AVX2-only CPU has neither."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    from engine.config import cpu_has_native_bf16
+    return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and cpu_has_native_bf16()
 
 
 class PackableLinear(nn.Module):

@@ -54,67 +54,72 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(APIError(500, f"internal error: {type(exc).__name__}", "internal_error"))
 
 
-def create_app(cluster, tokenizer, model_name: str, max_model_len: int, api_key: str | None = None) -> FastAPI:
-    """The gateway over a started `Cluster` (anything with submit/abort/ready/instances/router)."""
-    app = FastAPI(title="pdserve", version="0.1.0")
-    metrics = GatewayMetrics(cluster)
-    _install_error_handlers(app)
+class _Gateway:
+    """What the routes share: the cluster, tokenizer, limits and metrics."""
 
-    def check_key(request: Request) -> None:
-        if api_key is None:
+    def __init__(self, cluster, tokenizer, model_name: str, max_model_len: int, api_key: str | None):
+        self.cluster, self.tokenizer, self.model_name = cluster, tokenizer, model_name
+        self.max_model_len, self.api_key = max_model_len, api_key
+        self.metrics = GatewayMetrics(cluster)
+
+    def check_key(self, request: Request) -> None:
+        if self.api_key is None:
             return
         auth = request.headers.get("authorization", "")
-        if not (auth.startswith("Bearer ") and secrets.compare_digest(auth[7:], api_key)):
+        if not (auth.startswith("Bearer ") and secrets.compare_digest(auth[7:], self.api_key)):
             raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error",
                            code="invalid_api_key")
 
-    def check_model(model: str) -> None:
-        if model != model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r}",
-                           "not_found_error", param="model", code="model_not_found")
+    def check_ready(self) -> None:
+        if not self.cluster.ready():
+            raise APIError(503, "not ready: need a healthy decode instance (and prefill, disaggregated)",
+                           "service_unavailable", headers={"Retry-After": RETRY_AFTER_S})
 
-    def start(body, prompt_ids: list[int], kind: str) -> Generation:
-        check_model(body.model)
-        if any(not 0 <= t < tokenizer.vocab_size for t in prompt_ids):
-            raise APIError(400, f"prompt token ids must be in [0, {tokenizer.vocab_size})", param="prompt")
-        params = body.sampling_params(len(prompt_ids), max_model_len)
-        if not cluster.ready():
-            raise APIError(503, "no instance is ready to serve", "service_unavailable",
-                           headers={"Retry-After": RETRY_AFTER_S})
+    def start(self, body, prompt_ids: list[int], kind: str) -> Generation:
+        """Validates, submits to the router, returns the generation to stream or wait for."""
+        if body.model != self.model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                           "not_found_error", param="model", code="model_not_found")
+        if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt_ids):
+            raise APIError(400, f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", param="prompt")
+        params = body.sampling_params(len(prompt_ids), self.max_model_len)
+        self.check_ready()
         rid = make_id("chatcmpl" if kind == "chat" else "cmpl")
-        text = TextState(tokenizer, EngineRequest(rid, prompt_ids, params))
-        gen = Generation(rid, kind, body.model, prompt_ids, text, metrics, asyncio.get_running_loop())
+        text = TextState(self.tokenizer, EngineRequest(rid, prompt_ids, params))
+        gen = Generation(rid, kind, body.model, prompt_ids, text, self.metrics, asyncio.get_running_loop())
         try:
-            cluster.submit(rid, prompt_ids, params, listener=gen.listener)
+            self.cluster.submit(rid, prompt_ids, params, listener=gen.listener)
         except QueueFullError as exc:
             raise APIError(429, f"too many requests queued: {exc}", "rate_limit_exceeded",
                            headers={"Retry-After": RETRY_AFTER_S}) from None
-        metrics.prompt_tokens.inc(len(prompt_ids))
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
         return gen
 
-    async def respond(gen: Generation, body, request: Request):
+    async def respond(self, gen: Generation, body, request: Request):
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(gen.sse(cluster, include_usage), media_type="text/event-stream")
-        return JSONResponse(await gen.complete(cluster, request))
+            return StreamingResponse(gen.sse(self.cluster, include_usage), media_type="text/event-stream")
+        return JSONResponse(await gen.complete(self.cluster, request))
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+
+def _add_generation_routes(app: FastAPI, gw: _Gateway) -> None:
+    @app.post("/v1/chat/completions", dependencies=[Depends(gw.check_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
                     for m in body.messages]
-        gen = start(body, tokenizer.encode_chat(messages), "chat")
-        return await respond(gen, body, request)
+        return await gw.respond(gw.start(body, gw.tokenizer.encode_chat(messages), "chat"), body, request)
 
-    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    @app.post("/v1/completions", dependencies=[Depends(gw.check_key)])
     async def completions(body: CompletionRequest, request: Request):
-        ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        gen = start(body, ids, "completion")
-        return await respond(gen, body, request)
+        ids = gw.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        return await gw.respond(gw.start(body, ids, "completion"), body, request)
 
-    @app.get("/v1/models", dependencies=[Depends(check_key)])
+
+def _add_service_routes(app: FastAPI, gw: _Gateway) -> None:
+    @app.get("/v1/models", dependencies=[Depends(gw.check_key)])
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": now(),
-                                            "owned_by": "pdserve", "max_model_len": max_model_len}]}
+        return {"object": "list", "data": [{"id": gw.model_name, "object": "model", "created": now(),
+                                            "owned_by": "pdserve", "max_model_len": gw.max_model_len}]}
 
     @app.get("/health")
     async def health():
@@ -122,19 +127,25 @@ def create_app(cluster, tokenizer, model_name: str, max_model_len: int, api_key:
 
     @app.get("/ready")
     async def ready():
-        if not cluster.ready():
-            raise APIError(503, "not ready: need a healthy decode instance (and prefill, disaggregated)",
-                           "service_unavailable", headers={"Retry-After": RETRY_AFTER_S})
+        gw.check_ready()
         return {"status": "ready"}
 
     @app.get("/metrics")
-    async def metrics_endpoint():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics():
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/status")
     async def status():
         return {"instances": [{"instance_id": i.instance_id, "role": i.role, "tp_size": i.tp_size,
                                "healthy": i.client.info.healthy, "load": i.client.info.load}
-                              for i in list(cluster.instances.values())]}
+                              for i in list(gw.cluster.instances.values())]}
 
+
+def create_app(cluster, tokenizer, model_name: str, max_model_len: int, api_key: str | None = None) -> FastAPI:
+    """The gateway over a started `Cluster` (anything with submit/abort/ready/instances/router)."""
+    app = FastAPI(title="pdserve", version="0.1.0")
+    gw = _Gateway(cluster, tokenizer, model_name, max_model_len, api_key)
+    _install_error_handlers(app)
+    _add_generation_routes(app, gw)
+    _add_service_routes(app, gw)
     return app

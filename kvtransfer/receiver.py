@@ -38,6 +38,7 @@ IDLE_CONNECTION_TIMEOUT = timedelta(days=7)
 class _Expected:
     slots: torch.Tensor  # (num_tokens,) int64
     num_parts: int
+    block_ids: torch.Tensor | None  # (num_tokens // block_size,) when the slots fill whole blocks in order
     layers_per_part: Counter = field(default_factory=Counter)  # (connection, head_start) -> layers
     parts_done: int = 0
     first_token: int = -1
@@ -51,7 +52,8 @@ class TorchDistReceiver(KVReceiver):
         assert kv_cache.dim() == 6 and kv_cache.shape[0] == compat.num_layers, kv_cache.shape
         self.compat, self.kv_cache, self.head_offset = compat, kv_cache, head_offset
         self.num_local_heads, self.timeout_s, self.host = kv_cache.shape[4], timeout_s, host
-        self.num_slots = kv_cache.shape[2] * kv_cache.shape[3]
+        self.block_size = kv_cache.shape[3]
+        self.num_slots = kv_cache.shape[2] * self.block_size
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=timeout_s))
         self._lock = threading.Lock()
@@ -70,8 +72,9 @@ class TorchDistReceiver(KVReceiver):
     # -- KVReceiver API -------------------------------------------------------------------------
     def expect(self, request_id: str, slots: torch.Tensor, num_parts: int) -> None:
         assert slots.dim() == 1 and num_parts >= 1
+        slots = slots.to(self.kv_cache.device, torch.int64)
         with self._lock:
-            self._expected[request_id] = _Expected(slots.to(self.kv_cache.device, torch.int64), num_parts)
+            self._expected[request_id] = _Expected(slots, num_parts, _whole_blocks(slots, self.block_size))
 
     def cancel(self, request_id: str) -> None:
         with self._lock:  # a reader scatters under this lock, so no write lands after we return
@@ -206,11 +209,27 @@ class TorchDistReceiver(KVReceiver):
             if msg["num_tokens"] != e.slots.numel():
                 self._fail(msg["request_id"], f"sent {msg['num_tokens']} tokens, expected {e.slots.numel()}")
                 return
-            layer = self.kv_cache[msg["layer"]]  # (2, num_blocks, block_size, local_kv_heads, head_dim)
-            flat = layer.view(2, self.num_slots, self.num_local_heads, self.compat.head_dim)
-            flat[:, e.slots, lo:lo + n_heads] = kv
+            self._scatter(self.kv_cache[msg["layer"]], e, kv, lo)
             e.layers_per_part[(index, msg["head_start"])] += 1
             e.last_activity = time.monotonic()
+
+    def _scatter(self, layer: torch.Tensor, e: _Expected, kv: torch.Tensor, lo: int) -> None:
+        """Writes kv (2, num_tokens, n_heads, head_dim) into the request's slots of one layer
+        (2, num_blocks, block_size, local_kv_heads, head_dim). Holding the lock.
+
+        Fast path (a part with all of this rank's heads, the usual case): whole blocks are copied as
+        rows of 4-byte words, 3-4x faster than per-token indexing of 2-byte elements here."""
+        if lo != 0 or kv.shape[2] != self.num_local_heads:
+            flat = layer.view(2, self.num_slots, self.num_local_heads, self.compat.head_dim)
+            flat[:, e.slots, lo:lo + kv.shape[2]] = kv
+            return
+        n_full = 0 if e.block_ids is None else e.block_ids.numel() * self.block_size
+        if n_full:  # (2, blocks, block_size * heads * head_dim) as wide words
+            dst = _words(layer.view(2, layer.shape[1], -1))
+            dst.index_copy_(1, e.block_ids, _words(kv[:, :n_full].reshape(2, e.block_ids.numel(), -1)))
+        if n_full < kv.shape[1]:  # the rest token by token: (2, slots, heads * head_dim)
+            _words(layer.view(2, self.num_slots, -1)).index_copy_(1, e.slots[n_full:],
+                                                                  _words(kv[:, n_full:].reshape(2, kv.shape[1] - n_full, -1)))
 
     def _on_done(self, index: int, msg: dict) -> tuple[bool, str | None]:
         rid = msg["request_id"]
@@ -232,3 +251,26 @@ class TorchDistReceiver(KVReceiver):
                 self._completed.append((rid, e.first_token))
                 self._stats["completed"] += 1
         return True, None
+
+
+def _whole_blocks(slots: torch.Tensor, block_size: int) -> torch.Tensor | None:
+    """Block ids if the leading full blocks' worth of slots are whole blocks in order, else None.
+
+        slots  [b0*bs .. b0*bs+bs-1 | b1*bs .. b1*bs+bs-1 | ... | tail (< bs)]  ->  [b0, b1, ...]
+    """
+    n = slots.numel() // block_size
+    if n == 0:
+        return None
+    head = slots[:n * block_size].view(n, block_size)
+    starts = head[:, 0]
+    if bool((starts % block_size == 0).all()) and torch.equal(head, starts[:, None] + torch.arange(
+            block_size, device=slots.device)):
+        return starts // block_size
+    return None
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as 4-byte words when rows allow it (index_copy_ moves wide elements faster)."""
+    if t.element_size() < 4 and (t.shape[-1] * t.element_size()) % 4 == 0:
+        return t.view(torch.int32)
+    return t

@@ -30,10 +30,16 @@ class RequestStream:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.arrival_s = time.monotonic()
-        self.first_token_s: float | None = None
-        self.finished_s: float | None = None
+        self.first_token_s: float | None = None  # when the router produced the first token
+        self.finished_at_s: float | None = None  # when the router produced the end
+        self.finished_s: float | None = None  # finished_at_s, once the consumer has read the end
 
     def put(self, event: StreamEvent) -> None:
+        now = time.monotonic()  # stamped when produced, not when a (maybe busy) consumer reads it
+        if event.token_ids and self.first_token_s is None:
+            self.first_token_s = now
+        if event.finished:
+            self.finished_at_s = now
         if self.listener is not None:
             self.listener(event)
         else:
@@ -42,12 +48,9 @@ class RequestStream:
     def get(self, timeout: float | None = None) -> StreamEvent:
         """The next event; raises queue.Empty after `timeout`."""
         event = self._events.get(timeout=timeout)
-        now = time.monotonic()
-        if event.token_ids and self.first_token_s is None:
-            self.first_token_s = now
         self.token_ids += event.token_ids
         if event.finished:
-            self.finish_reason, self.error, self.finished_s = event.finish_reason, event.error, now
+            self.finish_reason, self.error, self.finished_s = event.finish_reason, event.error, self.finished_at_s
         return event
 
     def __iter__(self):

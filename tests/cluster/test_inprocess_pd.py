@@ -2,6 +2,8 @@
 real KV transport and router give exactly the colocated engine's greedy tokens."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -72,14 +74,22 @@ def test_decode_kv_equals_prefill_kv_checksums(tiny_path):
             assert sent.double().sum().item() == got.double().sum().item()
 
 
-def test_smollm2_1p1d_matches_colocated():
-    """SmolLM2 (fp32) through 1P1D gives the colocated engine's greedy tokens."""
-    prompts = [[1, 504, 3458, 282, 4649, 314, 2], random_prompts(1, [70], vocab=40000, seed=2)[0]]
+def test_smollm2_1p1d_and_2p2d_match_colocated(redis_url):
+    """SmolLM2 (fp32) through 1P1D and 2P2D gives the colocated engine's greedy tokens; the 2P2D
+    cluster keeps its state in Redis (heartbeats and loads published there)."""
+    prompts = [[1, 504, 3458, 282, 4649, 314, 2], *random_prompts(3, [70, 20], vocab=40000, seed=2)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     out = {}
-    for mode in ("colocated", "disaggregated"):
-        with Cluster(spec_for("smollm2", mode=mode, num_kv_blocks=32, block_size=16), use_ray=False) as c:
+    for name, kw in (("colocated", dict(mode="colocated")), ("1p1d", {}),
+                     ("2p2d", dict(num_prefill=2, num_decode=2, router_policy="round_robin", redis_url=redis_url,
+                                   heartbeat_ttl_s=0.6))):
+        with Cluster(spec_for("smollm2", num_kv_blocks=32, block_size=16, **kw), use_ray=False) as c:
             streams = c.generate(prompts, params, timeout_s=120)
             c.assert_no_leaks()
-            out[mode] = [s.token_ids for s in streams]
-    assert out["colocated"] == out["disaggregated"] and all(len(t) == 8 for t in out["colocated"])
+            out[name] = [s.token_ids for s in streams]
+            if name == "2p2d":
+                time.sleep(0.5)
+                records = {r.instance_id: r for r in c.state.list_instances()}
+                assert set(records) == {"prefill-0", "prefill-1", "decode-0", "decode-1"}
+                assert c.state.expired_instances() == [] and "kv_usage" in records["decode-0"].load
+    assert out["colocated"] == out["1p1d"] == out["2p2d"] and all(len(t) == 8 for t in out["colocated"])

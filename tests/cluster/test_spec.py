@@ -30,7 +30,7 @@ def write_yaml(tmp_path: Path, data) -> Path:
 def test_defaults():
     """The defaults are one prefill + one decode instance of smollm2 at TP 1, memory state, port 8000."""
     spec = ClusterSpec()
-    assert (spec.model, spec.dtype, spec.device, spec.mode) == ("smollm2", "bfloat16", "auto", "disaggregated")
+    assert (spec.model, spec.dtype, spec.device, spec.mode) == ("smollm2", "auto", "auto", "disaggregated")
     assert (spec.num_prefill, spec.num_decode, spec.prefill_tp, spec.decode_tp) == (1, 1, 1, 1)
     assert (spec.redis_url, spec.ray_address, spec.host, spec.port) == (None, None, "127.0.0.1", 8000)
     assert (spec.block_size, spec.kv_memory_gib, spec.num_kv_blocks) == (16, 1.0, None)

@@ -82,3 +82,13 @@ def test_llama3_rope_scaling_matches_transformers():
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_auto_dtype_follows_native_bf16_support():
+    """auto is bf16 on CUDA and on CPUs with native bf16 kernels, float32 on CPUs that emulate it."""
+    import torch
+    from engine.config import cpu_has_native_bf16, resolve_dtype
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    cpu = resolve_dtype("auto", torch.device("cpu"))
+    assert cpu == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    assert resolve_dtype("float32", torch.device("cuda")) == torch.float32

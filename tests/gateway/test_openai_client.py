@@ -15,7 +15,7 @@ import uvicorn
 from cluster.spec import ClusterSpec
 from decode_worker.llm import LLM
 from engine.request import SamplingParams
-from gateway.server import build
+from cluster.serve import build
 
 pytestmark = pytest.mark.timeout(300)
 QUESTIONS = [f"What is {a} plus {b}?" for a, b in zip(range(2, 12), range(5, 15))]  # 10 distinct chats

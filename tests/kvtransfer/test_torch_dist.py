@@ -235,3 +235,25 @@ def test_lru_pool_evicts_and_rebuilds_groups():
         send_part(tx, f"r{i}", dest, make_cache(), torch.arange(4), 0, HEADS).wait(10)
     assert tx.num_groups == 1 and tx.stats["groups_evicted"] == 2 and tx.stats["groups_created"] == 3
     tx.close(), a.close(), b.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_block_slots_take_the_block_copy_path(dtype):
+    """Slots that fill whole blocks (in any block order) plus a partial tail land exactly as the
+    per-token reference scatter would put them."""
+    compat = CompatRecord("tiny", str(dtype).removeprefix("torch."), LAYERS, HEADS, HEAD_DIM, block_size=BLOCK)
+    dst = torch.zeros(LAYERS, 2, BLOCKS, BLOCK, HEADS, HEAD_DIM, dtype=dtype)
+    rx = create_kv_transport("torch").receiver(compat, dst, 0)
+    dest = KVEndpoint("d", 0, *rx.endpoint_address)
+    slots = torch.cat([torch.arange(5 * BLOCK, 6 * BLOCK), torch.arange(2 * BLOCK, 3 * BLOCK),
+                       torch.arange(9 * BLOCK, 9 * BLOCK + 2)])
+    src = make_cache().to(dtype)
+    tx = create_kv_transport("torch").sender(compat, "p0")
+    rx.expect("r", slots, 1)
+    send_part(tx, "r", dest, src, torch.arange(len(slots)), 0, HEADS).wait(10)
+    assert poll_until(rx)[0] == [("r", 7)]
+    expected = torch.zeros_like(dst)
+    for layer in range(LAYERS):
+        flat(expected, layer)[:, slots] = flat(src, layer)[:, :len(slots)]
+    assert torch.equal(dst, expected)
+    tx.close(), rx.close()

@@ -1,4 +1,5 @@
-"""`pdserve serve`: the cluster and the OpenAI-compatible gateway in one process."""
+"""`pdserve serve`: the cluster and the OpenAI-compatible gateway in one process (cluster wires
+the gateway on top of the router, so this lives in the top layer)."""
 from __future__ import annotations
 
 import logging
