@@ -167,9 +167,12 @@ class DecodeWorker:
         return torch.tensor([blocks[p // bs] * bs + p % bs for p in range(req.num_prompt_tokens)],
                             dtype=torch.int64)
 
-    def run(self, stop: threading.Event, idle_wait_s: float = 0.002) -> None:
-        """Rank 0's loop, on its own thread, until `stop` is set; then releases the followers."""
+    def run(self, stop: threading.Event, idle_wait_s: float = 0.001) -> None:
+        """Rank 0's loop, on its own thread, until `stop` is set; then releases the followers.
+
+        With no batch to run it sleeps between steps even while KV is arriving: a busy loop here
+        would hold the GIL and starve this process's KV receiver threads (transfers took 100x longer)."""
         while not stop.is_set():
-            if not self.step() and not self._complete:
+            if not self.step():
                 time.sleep(idle_wait_s)
         self.stop_followers()

@@ -8,7 +8,9 @@ straight into the slots reserved for its request. Requests are tracked in `_Expe
       -> poll() reports (rid, first_token);  silent for timeout_s once started -> poll() reports failure
 
 Garbage frames close their connection (the stream cannot be resynchronized; the sender rebuilds
-it); frames for unknown ids are drained and dropped. Both are counted.
+it); frames for unknown ids are drained and dropped. Both are counted. A started part fails when
+neither it nor its connection has moved for timeout_s (a long queue of other requests' KV on the
+same connection is not a dead sender).
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ class TorchDistReceiver(KVReceiver):
         self._failed: list[tuple[str, str]] = []
         self._stats: Counter = Counter()
         self._groups: dict[int, dist.ProcessGroup] = {}
+        self._conn_activity: dict[int, float] = {}  # connection -> time.monotonic() of its last frame
         self._closed = threading.Event()
         threading.Thread(target=self._listen, daemon=True, name=f"kv-listen-{self._store.port}").start()
 
@@ -84,7 +87,11 @@ class TorchDistReceiver(KVReceiver):
         now = time.monotonic()
         with self._lock:
             for rid, e in list(self._expected.items()):
-                if e.last_activity is not None and now - e.last_activity > self.timeout_s:
+                if e.last_activity is None:
+                    continue
+                # A connection busy with other requests' KV is alive: this part waits in its queue.
+                busy = max((self._conn_activity.get(i, 0.0) for i, _ in e.layers_per_part), default=0.0)
+                if now - max(e.last_activity, busy) > self.timeout_s:
                     self._fail(rid, f"no KV for {self.timeout_s:.0f} s after the transfer began")
             done, self._completed = self._completed, []
             failed, self._failed = self._failed, []
@@ -160,6 +167,7 @@ class TorchDistReceiver(KVReceiver):
         try:
             while not self._closed.is_set():
                 recv(pg, frame, SENDER)
+                self._conn_activity[index] = time.monotonic()
                 msg = self._validated(wire.decode_frame(frame))
                 if msg["kind"] == "layer":
                     n = wire.payload_bytes(msg, self.compat.head_dim, self.kv_cache.dtype)
@@ -180,6 +188,7 @@ class TorchDistReceiver(KVReceiver):
                 logger.warning("KV connection %d from %s closed: %s", index, sender_id, exc)
         with self._lock:
             self._groups.pop(index, None)
+            self._conn_activity.pop(index, None)
             for rid in [r for r, e in self._expected.items() if any(k[0] == index for k in e.layers_per_part)]:
                 if self._expected[rid].parts_done < self._expected[rid].num_parts:
                     self._fail(rid, f"connection from {sender_id} closed mid-transfer")

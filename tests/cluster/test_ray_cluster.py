@@ -33,7 +33,7 @@ def tiny_path(tmp_path_factory):
 
 def spec_for(model: str, **kw) -> ClusterSpec:
     base = dict(model=model, dtype="float32", device="cpu", num_kv_blocks=128, block_size=8, max_num_seqs=16,
-                max_num_batched_tokens=128, kv_transfer_timeout_s=3.0, num_threads=1, router_policy="round_robin")
+                max_num_batched_tokens=128, kv_transfer_timeout_s=10.0, num_threads=1, router_policy="round_robin")
     return ClusterSpec(**{**base, **kw})
 
 

@@ -24,7 +24,7 @@ QUESTIONS = [f"What is {a} plus {b}?" for a, b in zip(range(2, 12), range(5, 15)
 @pytest.fixture(scope="module")
 def server():
     spec = ClusterSpec(model="smollm2", dtype="float32", device="cpu", num_kv_blocks=512, block_size=16,
-                       max_num_seqs=128, max_num_batched_tokens=1024, num_threads=2, kv_transfer_timeout_s=5.0)
+                       max_num_seqs=128, max_num_batched_tokens=1024, num_threads=2, kv_transfer_timeout_s=30.0)
     cluster, app = build(spec, use_ray=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
