@@ -47,10 +47,8 @@ class Router:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
-        for iid in self.decode:
-            self._spawn(self._collect_decode, iid)
-        for iid in self.prefill:
-            self._spawn(self._collect_prefill, iid)
+        for iid in [*self.decode, *self.prefill]:
+            self._spawn(self._collect, iid)
         self._spawn(self._place_pending)
         self._spawn(self._refresh_loads)
 
@@ -70,7 +68,7 @@ class Router:
         with self._lock:
             (self.prefill if role == "prefill" else self.decode)[iid] = client
         if self._threads:
-            self._spawn(self._collect_prefill if role == "prefill" else self._collect_decode, iid)
+            self._spawn(self._collect, iid)
 
     def remove_instance(self, instance_id: str) -> None:
         """An instance leaves while serving: nothing new goes there; its in-flight requests are
@@ -154,29 +152,21 @@ class Router:
                     self._place(self._pending.popleft())
 
     # -- events from instances -------------------------------------------------------------------------
-    def _collect_decode(self, iid: str) -> None:
-        client = self.decode[iid]
+    def _collect(self, iid: str) -> None:
+        """One thread per instance: long-polls its events (decode outputs or prefill results)."""
+        if iid in self.prefill:
+            client, fetch, handle = self.prefill[iid], self.prefill[iid].poll_results, self._on_prefill_result
+        else:
+            client, fetch, handle = self.decode[iid], self.decode[iid].get_outputs, self._on_decode_output
         while not self._stop.is_set() and client.info.healthy:
             try:
-                outputs = client.get_outputs(self.poll_s)
+                events = fetch(self.poll_s)
             except InstanceDeadError as exc:
                 self._mark_dead(iid, exc)
                 return
             with self._lock:
-                for o in outputs:
-                    self._on_decode_output(o)
-
-    def _collect_prefill(self, iid: str) -> None:
-        client = self.prefill[iid]
-        while not self._stop.is_set() and client.info.healthy:
-            try:
-                results = client.poll_results(self.poll_s)
-            except InstanceDeadError as exc:
-                self._mark_dead(iid, exc)
-                return
-            with self._lock:
-                for r in results:
-                    self._on_prefill_result(r)
+                for event in events:
+                    handle(event)
 
     def _on_prefill_result(self, r) -> None:
         tracked = self._by_attempt.get(r.request_id)
