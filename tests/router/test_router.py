@@ -19,23 +19,20 @@ pytestmark = pytest.mark.timeout(30)
 PARAMS = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
 
-class FakePrefill(PrefillClient):
-    def __init__(self, iid: str, load: float = 0.0):
-        self.info = InstanceInfo(iid, "prefill", 1, load={"queued_prefill_tokens": load})
-        self.submitted, self.aborted, self.results, self.dead = [], [], queue.Queue(), False
+class _FakeInstance:
+    """What both fakes share: a death switch, an event queue for the long poll, abort and load."""
+
+    def __init__(self, info: InstanceInfo):
+        self.info, self.events, self.aborted, self.dead = info, queue.Queue(), [], False
 
     def _check(self):
         if self.dead:
             raise InstanceDeadError(self.info.instance_id, "fake death")
 
-    def submit(self, req, params):
-        self._check()
-        self.submitted.append((req, params))
-
-    def poll_results(self, timeout):
+    def _poll(self, timeout):
         self._check()
         try:
-            return [self.results.get(timeout=timeout)]
+            return [self.events.get(timeout=timeout)]
         except queue.Empty:
             return []
 
@@ -47,15 +44,23 @@ class FakePrefill(PrefillClient):
         return self.info.load
 
 
-class FakeDecode(DecodeClient):
-    def __init__(self, iid: str, capacity: int = 100, load: dict | None = None):
-        self.info = InstanceInfo(iid, "decode", 1, (KVEndpoint(iid, 0, "127.0.0.1", 1),), load=load or {})
-        self.capacity, self.reserved, self.local, self.aborted = capacity, [], [], []
-        self.outputs, self.dead = queue.Queue(), False
+class FakePrefill(_FakeInstance, PrefillClient):
+    def __init__(self, iid: str, load: float = 0.0):
+        super().__init__(InstanceInfo(iid, "prefill", 1, load={"queued_prefill_tokens": load}))
+        self.submitted, self.results = [], self.events
 
-    def _check(self):
-        if self.dead:
-            raise InstanceDeadError(self.info.instance_id, "fake death")
+    def submit(self, req, params):
+        self._check()
+        self.submitted.append((req, params))
+
+    def poll_results(self, timeout):
+        return self._poll(timeout)
+
+
+class FakeDecode(_FakeInstance, DecodeClient):
+    def __init__(self, iid: str, capacity: int = 100, load: dict | None = None):
+        super().__init__(InstanceInfo(iid, "decode", 1, (KVEndpoint(iid, 0, "127.0.0.1", 1),), load=load or {}))
+        self.capacity, self.reserved, self.local, self.outputs = capacity, [], [], self.events
 
     def reserve(self, req, prefill_tp):
         self._check()
@@ -69,18 +74,7 @@ class FakeDecode(DecodeClient):
         self.local.append((request_id, prompt_token_ids))
 
     def get_outputs(self, timeout):
-        self._check()
-        try:
-            return [self.outputs.get(timeout=timeout)]
-        except queue.Empty:
-            return []
-
-    def abort(self, request_id):
-        self.aborted.append(request_id)
-
-    def load(self):
-        self._check()
-        return self.info.load
+        return self._poll(timeout)
 
 
 def make_router(prefills, decodes, policy="round_robin", **kw) -> Router:
