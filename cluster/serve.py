@@ -9,6 +9,7 @@ import torch
 
 from cluster.cluster import Cluster
 from cluster.spec import ClusterSpec
+from engine.config import resolve_dtype
 from engine.loader import resolve_model_path
 from engine.tokenizer import Tokenizer
 from gateway.app import create_app
@@ -25,10 +26,12 @@ def build(spec: ClusterSpec, api_key: str | None = None, use_ray: bool = True):
 
 
 def _paths(spec: ClusterSpec) -> str:
+    """Device, dtype and attention backend the instances run (as they resolve "auto")."""
     cuda = spec.device.startswith("cuda") or (spec.device == "auto" and torch.cuda.is_available())
     attention = spec.attention_backend if spec.attention_backend != "auto" else (
         "flash_attn if importable, else torch" if cuda else "torch")
-    return f"{'cuda' if cuda else 'cpu'}, {spec.dtype}, attention {attention}"
+    dtype = str(resolve_dtype(spec.dtype, torch.device("cuda" if cuda else "cpu"))).removeprefix("torch.")
+    return f"{'cuda' if cuda else 'cpu'}, {dtype}{' (auto)' if spec.dtype == 'auto' else ''}, attention {attention}"
 
 
 def serve(spec: ClusterSpec, api_key: str | None = None, log_level: str = "info") -> int:
