@@ -6,7 +6,9 @@ from pathlib import Path
 
 import torch
 
+from engine.batch import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.request import SamplingParams
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -82,3 +84,30 @@ def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
     with torch.no_grad():
         out = hf_model.generate(ids, generation_config=cfg)
     return out[0, len(prompt):].tolist()
+
+
+def all_logits(runner, prompt: list[int], chunk: int) -> torch.Tensor:
+    """Logits at every position of `prompt`, fed in chunks through the paged cache.
+
+    Writes blocks 1.. of the runner's cache directly, so only call it while the engine that owns
+    the runner is idle; the caller then drops the engine's prefix cache (those blocks changed)."""
+    bs, rid = runner.block_size, "logits-probe"
+    blocks = list(range(1, -(-len(prompt) // bs) + 1))
+    assert len(blocks) < runner.num_blocks
+    out = []
+    try:
+        for start in range(0, len(prompt), chunk):
+            toks = prompt[start:start + chunk]
+            if start == 0:
+                sched = SchedulerOutput(new_requests=[NewRequestData(rid, toks, 0, blocks, SamplingParams(), True)])
+            else:
+                sched = SchedulerOutput(cached_requests=[CachedRequestData(rid, toks, start, [], True)])
+            runner._update_states(sched)
+            inp = runner.prepare_inputs(sched)
+            runner.backend.prepare(inp.meta)
+            with torch.inference_mode():
+                hidden = runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta, runner.backend)
+                out.append(runner.model.compute_logits(hidden))
+    finally:
+        runner._update_states(SchedulerOutput(finished_req_ids=[rid]))
+    return torch.cat(out)

@@ -28,8 +28,7 @@ def create_requests(n: int, num_tokens: int, prefix: tuple[int, ...] | list[int]
     """`n` requests whose prompts are `prefix` followed by distinct tokens, `num_tokens` in all.
 
     Suffix tokens of request `start + i` are unique to it (as long as callers use disjoint
-    `start` ranges), so two requests share full blocks only through `prefix`.
-    """
+    `start` ranges), so two requests share full blocks only through `prefix`."""
     assert len(prefix) <= num_tokens < 10_000
     reqs = []
     for i in range(start, start + n):

@@ -4,11 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.batch import NewRequestData, SchedulerOutput, CachedRequestData
-from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from engine.request import SamplingParams
-from tests.helpers import engine_config, make_hf_tiny_llama, model_config_of, random_prompts, save_tiny_llama
+from tests.helpers import all_logits, engine_config, make_hf_tiny_llama, model_config_of, random_prompts, save_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -21,33 +18,13 @@ def _runner(hf_model, **knobs) -> ModelRunner:
                        weights=hf_model.state_dict().items())
 
 
-def _all_logits(runner: ModelRunner, prompt: list[int], chunk: int) -> torch.Tensor:
-    """Feeds `prompt` in chunks through the paged cache; returns logits at every position."""
-    bs = runner.block_size
-    blocks = list(range(1, -(-len(prompt) // bs) + 1))
-    out = []
-    for start in range(0, len(prompt), chunk):
-        toks = prompt[start:start + chunk]
-        if start == 0:
-            sched = SchedulerOutput(new_requests=[NewRequestData("r", toks, 0, blocks, SamplingParams(), True)])
-        else:
-            sched = SchedulerOutput(cached_requests=[CachedRequestData("r", toks, start, [], True)])
-        runner._update_states(sched)
-        inp = runner.prepare_inputs(sched)
-        runner.backend.prepare(inp.meta)
-        with torch.inference_mode():
-            hidden = runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta, runner.backend)
-            out.append(runner.model.compute_logits(hidden))
-    return torch.cat(out)
-
-
 @pytest.mark.parametrize("chunk", [1000, 7, 1])
 def test_logits_match_transformers(hf_model, chunk):
     """Logits at every position equal HF's, whether the prompt is prefilled at once, in chunks
     over cached context, or token by token (the decode path)."""
     runner = _runner(hf_model)
     prompt = random_prompts(1, [45], seed=3)[0]
-    ours = _all_logits(runner, prompt, chunk)
+    ours = all_logits(runner, prompt, chunk)
     with torch.no_grad():
         ref = hf_model(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
@@ -62,7 +39,7 @@ def test_tied_embeddings_and_safetensors_folder(tmp_path):
     runner = ModelRunner(cfg)
     assert runner.model_config.tie_word_embeddings
     prompt = random_prompts(1, [20], seed=4)[0]
-    ours = _all_logits(runner, prompt, 1000)
+    ours = all_logits(runner, prompt, 1000)
     with torch.no_grad():
         ref = ref_model(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
@@ -78,7 +55,7 @@ def test_llama3_rope_scaling_matches_transformers():
     runner = ModelRunner(engine_config(), model_config=replace(cfg, rope_scaling=scaling),
                          weights=hf.state_dict().items())
     prompt = random_prompts(1, [100], seed=6)[0]
-    ours = _all_logits(runner, prompt, 1000)
+    ours = all_logits(runner, prompt, 1000)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)

@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from decode_worker.llm import LLM
-from engine.batch import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.loader import resolve_model_path
-from engine.model_runner import ModelRunner
 from engine.request import SamplingParams
+from tests.helpers import all_logits
 
 pytestmark = pytest.mark.slow
 
@@ -71,33 +70,6 @@ def fp32_outputs(llm, prompts):
     return outs
 
 
-def _all_logits(runner: ModelRunner, prompt: list[int], chunk: int) -> torch.Tensor:
-    """Logits at every position of `prompt`, fed in chunks through the paged cache.
-
-    Writes blocks 1.. of the runner's cache directly, so only call it while the engine that owns
-    the runner is idle; the caller then drops the engine's prefix cache (those blocks changed)."""
-    bs, rid = runner.block_size, "logits-probe"
-    blocks = list(range(1, -(-len(prompt) // bs) + 1))
-    assert len(blocks) < runner.num_blocks
-    out = []
-    try:
-        for start in range(0, len(prompt), chunk):
-            toks = prompt[start:start + chunk]
-            if start == 0:
-                sched = SchedulerOutput(new_requests=[NewRequestData(rid, toks, 0, blocks, SamplingParams(), True)])
-            else:
-                sched = SchedulerOutput(cached_requests=[CachedRequestData(rid, toks, start, [], True)])
-            runner._update_states(sched)
-            inp = runner.prepare_inputs(sched)
-            runner.backend.prepare(inp.meta)
-            with torch.inference_mode():
-                hidden = runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta, runner.backend)
-                out.append(runner.model.compute_logits(hidden))
-    finally:
-        runner._update_states(SchedulerOutput(finished_req_ids=[rid]))
-    return torch.cat(out)
-
-
 def _first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
@@ -135,7 +107,7 @@ def test_logits_match_transformers(llm, hf_model, prompts):
             with torch.no_grad():
                 ref = hf_model(torch.tensor([prompt])).logits[0]
             for chunk in ([len(prompt), 16] if i == 0 else [len(prompt)]):
-                ours = _all_logits(runner, prompt, chunk)
+                ours = all_logits(runner, prompt, chunk)
                 assert ours.shape == ref.shape
                 diffs[i, chunk] = ((ours - ref).abs().max().item(), (ours[-1] - ref[-1]).abs().max().item())
                 torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-5)
