@@ -94,6 +94,26 @@ def cmd_serve(args) -> int:
     return serve(ClusterSpec.from_args(args), log_level=args.log_level.lower())
 
 
+def _add_bench(sub) -> None:
+    from cluster.spec import add_cli_flags
+    p = sub.add_parser("bench", help="measure this machine: --profile writes the autoscaler's instance profile")
+    p.add_argument("--profile", metavar="OUT.json", required=True,
+                   help="measure one instance (prefill tokens/s, decode step time by batch, KV capacity) into OUT.json")
+    add_cli_flags(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    from cluster.profiler import measure_profile
+    from cluster.spec import ClusterSpec
+    profile, raw = measure_profile(ClusterSpec.from_args(args))
+    profile.save(args.profile, **raw)
+    print(f"prefill {profile.prefill_tokens_per_s:.0f} tokens/s; decode step {profile.decode_itl_base_s * 1000:.1f} ms "
+          f"+ {profile.decode_itl_per_seq_s * 1000:.2f} ms/sequence; KV {profile.kv_capacity_tokens} tokens; "
+          f"startup {profile.startup_s:.1f} s -> {args.profile}")
+    return 0
+
+
 def _add_status(sub) -> None:
     p = sub.add_parser("status", help="the instances of a running server, as a table")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's address")
@@ -122,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
+    _add_bench(sub)
     _add_status(sub)
     return parser
 

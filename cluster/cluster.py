@@ -62,6 +62,7 @@ class Cluster:
         self.state = state or create_state(spec.redis_url)
         self.instances: dict[str, Instance] = {}
         self.router: Router | None = None
+        self.autoscaler = None  # cluster/autoscale_loop.Autoscaler when the spec asks for one
         self._started_ray = False
         self._next_id = {"prefill": 0, "decode": 0, "colocated": 0}
 
@@ -91,6 +92,8 @@ class Cluster:
         self.shutdown()
 
     def shutdown(self) -> None:
+        if self.autoscaler is not None:
+            self.autoscaler.close()
         if self.router is not None:
             self._stop_publishing.set()
             self.router.close()
@@ -142,6 +145,19 @@ class Cluster:
         inst = self.instances.pop(instance_id)
         self.router.remove_instance(instance_id)
         self._destroy(inst)
+
+    def drain_instance(self, instance_id: str, timeout_s: float = 120.0) -> bool:
+        """Scale-down: no new requests go to the instance, the running ones finish, then it is
+        removed. Returns False when `timeout_s` ran out first (what was left is retried elsewhere)."""
+        self.router.drain(instance_id)
+        deadline = time.monotonic() + timeout_s
+        while not (drained := self.router.is_drained(instance_id)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not drained:
+            logger.warning("%s not drained after %.0f s; its remaining requests are retried elsewhere",
+                           instance_id, timeout_s)
+        self.remove_instance(instance_id)
+        return drained
 
     def kill_instance(self, instance_id: str) -> None:
         """Kill an instance's processes without telling anyone (failure testing)."""
@@ -203,7 +219,10 @@ class Cluster:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         from cluster.actor import RankActor
         gpu = self._use_gpus()
-        pg = placement_group([{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}] * tp, strategy="PACK")
+        bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
+        if self.spec.ray_resources:  # Kubernetes: only worker pods of this role carry the resource
+            bundle["prefill" if role == "prefill" else "decode"] = 1
+        pg = placement_group([bundle] * tp, strategy="PACK")
         ray.get(pg.ready(), timeout=120)
         host = "127.0.0.1" if self.spec.ray_address is None else ray.util.get_node_ip_address()
         config = self.spec.engine_config(role)

@@ -21,6 +21,9 @@ def build(spec: ClusterSpec, api_key: str | None = None, use_ray: bool = True):
     """Starts the cluster; returns (cluster, app). The caller shuts the cluster down."""
     tokenizer = Tokenizer.from_path(resolve_model_path(spec.model))
     cluster = Cluster(spec, use_ray=use_ray).start()
+    if spec.autoscale:
+        from cluster.autoscale_loop import create_autoscaler
+        cluster.autoscaler = create_autoscaler(cluster, spec).start()
     app = create_app(cluster, tokenizer, spec.model, cluster.max_model_len, api_key)
     return cluster, app
 

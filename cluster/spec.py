@@ -25,6 +25,8 @@ ROLES = ("prefill", "decode", "colocated")
 ATTENTION_BACKENDS = ("auto", "torch", "flash_attn")
 # The names of router/policy.py's registry (create_routing_policy); keep the two in step.
 ROUTER_POLICIES = ("least_loaded", "prefix_aware", "round_robin")
+AUTOSCALE_POLICIES = ("slo", "queue")  # cluster/autoscaler.py: SLOPlanner, QueueThreshold
+AUTOSCALE_ACTUATORS = ("ray", "kubernetes", "dry_run")
 STATE_URL_SCHEMES = ("memory://", "redis://", "rediss://", "unix://")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -54,6 +56,18 @@ _HELP = {
     "kv_transfer_timeout_s": "seconds before a KV transfer is given up and the request retried",
     "heartbeat_ttl_s": "an instance missing heartbeats this long is considered dead",
     "api_key": "require this bearer token on the HTTP API",
+    "ray_resources": "rank actors need a `prefill` or `decode` Ray resource (worker pods that carry it)",
+    "autoscale": "size the prefill and decode pools from load (cluster/autoscaler.py)",
+    "autoscale_policy": "slo (SLOPlanner: TTFT/TBT targets) or queue (QueueThreshold)",
+    "autoscale_actuator": "ray (add/remove instances here), kubernetes (patch worker Deployments) or dry_run",
+    "autoscale_interval_s": "seconds between autoscaling decisions",
+    "autoscale_profile": "JSON profile from `pdserve bench --profile` (None: measured online)",
+    "ttft_slo_s": "time-to-first-token target, seconds (queueing included)",
+    "tbt_slo_s": "time-between-tokens target, seconds",
+    "scale_headroom": "capacity kept spare above the predicted need (0.2 = 20%)",
+    "scale_up_cooldown_s": "least seconds between two scale-ups of a pool",
+    "scale_down_cooldown_s": "least seconds after any change before a pool shrinks",
+    "k8s_namespace": "namespace of the worker Deployments (None: this pod's own)",
 }
 
 
@@ -90,6 +104,25 @@ class ClusterSpec:
     kv_transfer_timeout_s: float = 10.0
     heartbeat_ttl_s: float = 5.0
     api_key: str | None = field(default=None, repr=False)  # a secret: kept out of logs and reprs
+    ray_resources: bool = False  # Kubernetes: actors land on worker pods carrying `prefill`/`decode`
+    # autoscaling (cluster/autoscaler.py)
+    autoscale: bool = False
+    autoscale_policy: str = "slo"
+    autoscale_actuator: str = "ray"
+    autoscale_interval_s: float = 10.0
+    autoscale_profile: str | None = None
+    ttft_slo_s: float = 2.0
+    tbt_slo_s: float = 0.1
+    min_prefill: int = 1
+    max_prefill: int = 4
+    min_decode: int = 1
+    max_decode: int = 4
+    scale_headroom: float = 0.2
+    scale_up_cooldown_s: float = 10.0
+    scale_down_cooldown_s: float = 60.0
+    k8s_namespace: str | None = None
+    k8s_prefill_deployment: str = "pdserve-prefill"
+    k8s_decode_deployment: str = "pdserve-decode"
 
     def __post_init__(self):
         self._check_types()
@@ -110,7 +143,8 @@ class ClusterSpec:
 
     def _check_choices(self) -> None:
         for name, choices in (("dtype", DTYPE_CHOICES), ("mode", MODES), ("router_policy", ROUTER_POLICIES),
-                              ("attention_backend", ATTENTION_BACKENDS)):
+                              ("attention_backend", ATTENTION_BACKENDS), ("autoscale_policy", AUTOSCALE_POLICIES),
+                              ("autoscale_actuator", AUTOSCALE_ACTUATORS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if not _DEVICE.fullmatch(self.device):
@@ -118,21 +152,27 @@ class ClusterSpec:
         if self.redis_url is not None and not self.redis_url.startswith(STATE_URL_SCHEMES):
             raise ValueError(f"redis_url must start with one of {', '.join(STATE_URL_SCHEMES)}; "
                              f"got {self.redis_url!r}")
-        for name in ("model", "host", "ray_address", "api_key"):
+        for name in ("model", "host", "ray_address", "api_key", "autoscale_profile", "k8s_namespace",
+                     "k8s_prefill_deployment", "k8s_decode_deployment"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name} must not be empty")
 
     def _check_ranges(self) -> None:
         minimum = {"num_decode": 1, "prefill_tp": 1, "decode_tp": 1, "port": 0, "block_size": 1,
                    "num_kv_blocks": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "num_threads": 1,
-                   "disagg_threshold_tokens": 0, "num_prefill": 1 if self.mode == "disaggregated" else 0}
+                   "disagg_threshold_tokens": 0, "num_prefill": 1 if self.mode == "disaggregated" else 0,
+                   "min_prefill": 0, "min_decode": 1, "max_prefill": self.min_prefill, "max_decode": self.min_decode}
         for name, low in minimum.items():
             value = getattr(self, name)
             if value is not None and value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
-        for name in ("kv_memory_gib", "kv_transfer_timeout_s", "heartbeat_ttl_s"):
+        for name in ("kv_memory_gib", "kv_transfer_timeout_s", "heartbeat_ttl_s", "autoscale_interval_s",
+                     "ttft_slo_s", "tbt_slo_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("scale_headroom", "scale_up_cooldown_s", "scale_down_cooldown_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.port > 65535:
             raise ValueError(f"port must be <= 65535, got {self.port}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -218,7 +258,8 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, metavar="SPEC.yaml",
                         help="cluster spec YAML; explicit flags override its keys")
     choices = {"dtype": DTYPE_CHOICES, "mode": MODES, "router_policy": ROUTER_POLICIES,
-               "attention_backend": ATTENTION_BACKENDS}
+               "attention_backend": ATTENTION_BACKENDS, "autoscale_policy": AUTOSCALE_POLICIES,
+               "autoscale_actuator": AUTOSCALE_ACTUATORS}
     for f in fields(ClusterSpec):
         base = _base_type(_field_types()[f.name])
         flag = "--" + f.name.replace("_", "-")

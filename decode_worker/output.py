@@ -20,6 +20,7 @@ class RequestOutput:
     finish_reason: str | None = None
     num_output_tokens: int = 0  # after these tokens; lets a consumer drop tokens it already has
     error: str | None = None
+    new_logprobs: list[dict[int, float]] | None = None  # one per new token, when the request asked
 
 
 class TextState:
@@ -73,6 +74,10 @@ class OutputProcessor:
         for req in reqs:
             st = self.states[req.request_id]
             new_ids = req.output_token_ids[st.num_seen_tokens:]
+            logprobs = None
+            if req.sampling_params.logprobs is not None:
+                logprobs = req.output_logprobs[st.num_seen_tokens:]
+                assert len(logprobs) == len(new_ids), (req.request_id, len(logprobs), len(new_ids))
             st.num_seen_tokens = req.num_output_tokens
             stop = st.feed(new_ids)
             finished = req.is_finished or stop is not None
@@ -82,7 +87,7 @@ class OutputProcessor:
                     stopped.append(req.request_id)
             reason = "stop" if stop is not None else req.status.finish_reason
             outputs.append(RequestOutput(req.request_id, new_ids, st.take(finished), finished, reason,
-                                         req.num_output_tokens))
+                                         req.num_output_tokens, new_logprobs=logprobs))
             if finished:
                 del self.states[req.request_id]
         return outputs, stopped

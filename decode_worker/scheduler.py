@@ -64,8 +64,10 @@ class Scheduler:
         self.remote[req.request_id] = req
         return True
 
-    def remote_kv_ready(self, request_id: str, first_token: int) -> Request | None:
-        """The prompt's KV is in place and the prefill sampled `first_token`: join the batch.
+    def remote_kv_ready(self, request_id: str, first_token: int,
+                        logprobs: dict[int, float] | None = None) -> Request | None:
+        """The prompt's KV is in place and the prefill sampled `first_token` (with `logprobs`, when
+        the request asked for them): join the batch.
 
         Returns the request (it got a token), or None if it is no longer known (aborted)."""
         req = self.remote.pop(request_id, None)
@@ -74,6 +76,9 @@ class Scheduler:
         req.num_computed_tokens = req.num_prompt_tokens
         self.kv.cache_blocks(req, req.num_prompt_tokens)  # the KV is there now: cacheable
         req.output_token_ids.append(first_token)
+        if req.sampling_params.logprobs is not None:
+            assert logprobs is not None, f"{request_id} asked for logprobs; its first token came without"
+            req.output_logprobs.append(logprobs)
         status = self._check_stop(req, first_token)
         if status is not None:
             self.finish_request(request_id, status)

@@ -21,7 +21,7 @@ import torch
 from decode_worker.engine import ColocatedEngine
 from decode_worker.output import RequestOutput
 from engine.request import Request, RequestStatus, SamplingParams
-from kvtransfer.base import KVReceiver
+from kvtransfer.base import CompletedTransfer, KVReceiver
 from kvtransfer.plan import expected_parts
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,9 @@ class DecodeWorker:
         self._lock = threading.Lock()
         self._outputs: list[RequestOutput] = []
         self._outputs_ready = threading.Condition()
-        self._complete: dict[str, list[int | None]] = {}  # request id -> first token per rank (None: not yet)
+        self._complete: dict[str, list[CompletedTransfer | None]] = {}  # request id -> per rank (None: not yet)
+        # cumulative, for the autoscaler's online profile: steps, their seconds, sequences in them
+        self.num_steps, self.step_s, self.num_step_seqs = 0, 0.0, 0
 
     # -- rank 0 API (thread-safe) ---------------------------------------------------------------
     def reserve(self, req: Request, prefill_tp: int) -> bool:
@@ -83,7 +85,9 @@ class DecodeWorker:
         return {"running": float(len(s.running)), "waiting": float(len(s.waiting)),
                 "reserved": float(len(s.remote)), "kv_usage": self.engine.kv.usage,
                 "num_preemptions": float(s.num_preemptions), "kv_bytes_received": float(st.get("bytes_received", 0)),
-                "kv_transfer_failures": float(st.get("failed", 0))}
+                "kv_transfer_failures": float(st.get("failed", 0)), "decode_steps": float(self.num_steps),
+                "decode_step_s": self.step_s, "decode_step_seqs": float(self.num_step_seqs),
+                "kv_capacity_tokens": float((self.engine.runner.num_blocks - 1) * self.engine.runner.block_size)}
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished()
@@ -99,7 +103,11 @@ class DecodeWorker:
         self.tp.broadcast_object(inp)
         result = None
         if inp is not None:
+            start = time.monotonic()
             result = runner.sample(inp, runner.execute_model(inp))
+            self.num_steps += 1
+            self.step_s += time.monotonic() - start
+            self.num_step_seqs += len(sched.new_requests) + len(sched.cached_requests)
         polls = self.tp.all_gather_object(self._poll_receiver())
         with self._lock:
             outputs = self._admit_transfers(polls)
@@ -129,16 +137,21 @@ class DecodeWorker:
         """Requests whose KV is complete on every rank join the batch; failed ones end with an error."""
         touched, failed = [], {}
         for rank, (done, errors) in enumerate(polls):
-            for request_id, first_token in done:
-                if request_id in self._complete:
-                    self._complete[request_id][rank] = first_token
+            for completed in done:
+                if completed.request_id in self._complete:
+                    self._complete[completed.request_id][rank] = completed
             for request_id, reason in errors:
                 failed[request_id] = f"KV transfer to rank {rank} failed: {reason}"
-        for request_id, tokens in list(self._complete.items()):
-            if request_id in failed or None in tokens:
+        for request_id, ranks in list(self._complete.items()):
+            if request_id in failed or None in ranks:
+                continue
+            req = self.engine.scheduler.remote.get(request_id)
+            if req is not None and req.sampling_params.logprobs is not None and ranks[0].logprobs is None:
+                failed[request_id] = "the prefill sent the first token without the logprobs asked for"
                 continue
             del self._complete[request_id]
-            req = self.engine.scheduler.remote_kv_ready(request_id, tokens[0])
+            # rank 0's heads always overlap the sampling prefill rank's, so rank 0 has the first token
+            req = self.engine.scheduler.remote_kv_ready(request_id, ranks[0].first_token, ranks[0].logprobs)
             if req is not None:
                 touched.append(req)
         outputs = self._process(touched)

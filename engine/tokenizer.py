@@ -51,6 +51,21 @@ def _gguf_pre_tokenizer(pre: str | None):
     return byte_level
 
 
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, char -> byte: printable bytes stand for themselves, the rest
+    are shifted to U+0100 onwards (the inverse of `bytes_to_unicode`)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, shifted = {chr(b): b for b in printable}, 0
+    for b in range(256):
+        if b not in printable:
+            out[chr(256 + shifted)] = b
+            shifted += 1
+    return out
+
+
+_BYTE_LEVEL = _byte_level_decoder()
+
+
 def _gguf_backend(meta: dict) -> BackendTokenizer:
     """A byte-level BPE `tokenizers.Tokenizer` from GGUF tokenizer metadata."""
     if meta.get("tokenizer.ggml.model") != "gpt2":
@@ -105,6 +120,8 @@ class Tokenizer:
         self.chat_template = chat_template
         self._template = _compile_chat_template(chat_template) if chat_template else None
         self._name = name
+        self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+        self._added_ids = set(backend.get_added_tokens_decoder())
 
     @classmethod
     def from_path(cls, path: str | os.PathLike) -> Tokenizer:
@@ -177,6 +194,16 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; incomplete UTF-8 at either end shows as U+FFFD."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for; with byte-level BPE that may be part of a UTF-8
+        character (which `decode([token_id])` would show as U+FFFD). Special tokens give their text."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            raise ValueError(f"token id {token_id} is not in the vocabulary")
+        if self._byte_level and token_id not in self._added_ids and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        return self.backend.decode([token_id], skip_special_tokens=False).encode()
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Render `messages` ([{"role": ..., "content": ...}]) with the model's chat template.

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from decode_worker.output import TextState
 from engine.request import Request as EngineRequest
+from gateway.logprobs import LogprobsFormatter
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import APIError, ChatCompletionRequest, CompletionRequest, make_id, now
 from gateway.session import Generation
@@ -86,7 +87,8 @@ class _Gateway:
         self.check_ready()
         rid = make_id("chatcmpl" if kind == "chat" else "cmpl")
         text = TextState(self.tokenizer, EngineRequest(rid, prompt_ids, params))
-        gen = Generation(rid, kind, body.model, prompt_ids, text, self.metrics, asyncio.get_running_loop())
+        logprobs = None if params.logprobs is None else LogprobsFormatter(self.tokenizer, kind, params.logprobs)
+        gen = Generation(rid, kind, body.model, prompt_ids, text, self.metrics, asyncio.get_running_loop(), logprobs)
         try:
             self.cluster.submit(rid, prompt_ids, params, listener=gen.listener)
         except QueueFullError as exc:

@@ -37,6 +37,8 @@ class GatewayMetrics:
         self.generation_tokens = Counter("pdserve_generation_tokens", "generated tokens", registry=self.registry)
         self.cluster = cluster
         self.registry.register(self)
+        if getattr(cluster, "autoscaler", None) is not None:  # its decisions, desired and current sizes
+            self.registry.register(cluster.autoscaler)
 
     def collect(self):
         """Scrape-time gauges from the router's view (refreshed every 0.1 s)."""
@@ -45,8 +47,8 @@ class GatewayMetrics:
         queue.add_metric([], float(len(router._pending)) if router else 0.0)
         active = GaugeMetricFamily("pdserve_router_active_requests", "requests placed on instances")
         active.add_metric([], float(len(router._by_attempt)) if router else 0.0)
-        healthy = GaugeMetricFamily("pdserve_instance_healthy", "1 if the instance is serving", labels=["instance", "role"])
-        families = {k: GaugeMetricFamily(name, doc, labels=["instance", "role"])
+        healthy = GaugeMetricFamily("pdserve_instance_healthy", "1 if the instance is serving", labels=["instance_id", "role"])
+        families = {k: GaugeMetricFamily(name, doc, labels=["instance_id", "role"])
                     for k, (name, doc) in INSTANCE_GAUGES.items()}
         for inst in list(self.cluster.instances.values()):
             info = inst.client.info

@@ -14,8 +14,8 @@ from engine.request import SamplingParams
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 # Accepted only at their neutral value.
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "n": 1, "best_of": 1,
-           "echo": False, "suffix": None, "tools": None, "tool_choice": None, "response_format": None,
-           "logprobs": None, "top_logprobs": None}
+           "echo": False, "suffix": None, "tools": None, "tool_choice": None, "response_format": None}
+MAX_LOGPROBS = 20  # top logprobs per token (OpenAI allows 20 in chat, 5 in completions; vLLM 20 in both)
 
 
 class APIError(Exception):
@@ -71,6 +71,16 @@ class _Sampling(BaseModel):
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def _logprobs(self) -> int | None:
+        """How many top logprobs per token the request wants (None: no logprobs)."""
+        return None
+
+    @staticmethod
+    def _check_top(name: str, value: int) -> int:
+        if not 0 <= value <= MAX_LOGPROBS:
+            raise APIError(400, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", param=name)
+        return value
+
     def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
         """Checks every field against what we support; raises APIError(400) naming the first that isn't."""
         for name in sorted(set(self.model_extra or {}) | set(NEUTRAL)):
@@ -98,19 +108,33 @@ class _Sampling(BaseModel):
             raise APIError(400, f"top_k must be >= 0, got {self.top_k}", param="top_k")
         return SamplingParams(max_tokens=max_tokens or room, temperature=1.0 if self.temperature is None
                               else self.temperature, top_p=1.0 if self.top_p is None else self.top_p,
-                              top_k=self.top_k or 0, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
+                              top_k=self.top_k or 0, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
+                              logprobs=self._logprobs())
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def _logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+            return None
+        return self._check_top("top_logprobs", self.top_logprobs or 0)
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] = Field(min_length=1)
+    logprobs: int | None = None
+
+    def _logprobs(self) -> int | None:
+        return None if self.logprobs is None else self._check_top("logprobs", self.logprobs)
 
 
 class Usage(BaseModel):

@@ -12,6 +12,7 @@ import time
 from typing import AsyncIterator
 
 from decode_worker.output import TextState
+from gateway.logprobs import LogprobsFormatter
 from gateway.protocol import APIError, now
 from router.stream import StreamEvent
 
@@ -20,8 +21,9 @@ RETRY_AFTER = {"Retry-After": "1"}
 
 class Generation:
     def __init__(self, request_id: str, kind: str, model: str, prompt_ids: list[int], text: TextState, metrics,
-                 loop: asyncio.AbstractEventLoop):
+                 loop: asyncio.AbstractEventLoop, logprobs: LogprobsFormatter | None = None):
         self.request_id, self.kind, self.model, self.text, self.metrics = request_id, kind, model, text, metrics
+        self.logprobs = logprobs
         self.num_prompt_tokens = len(prompt_ids)
         self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self.listener = lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, event)
@@ -44,8 +46,11 @@ class Generation:
             self.last_token_s = t
             self.num_tokens += len(event.token_ids)
             self.metrics.generation_tokens.inc(len(event.token_ids))
-            if not self.stopped and self.text.feed(event.token_ids) is not None:
-                self.stopped = True  # the decode worker stops too; text after the stop is dropped
+            if not self.stopped:
+                if self.logprobs is not None:
+                    self.logprobs.add(event.token_ids, event.logprobs)
+                if self.text.feed(event.token_ids) is not None:
+                    self.stopped = True  # the decode worker stops too; text after the stop is dropped
         if event.finished:
             self.finished, self.error = True, event.error
             self.finish_reason = "stop" if self.stopped else event.finish_reason
@@ -88,20 +93,25 @@ class Generation:
         self._account("ok")
         text = "".join(parts)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self._take_logprobs(),
                       "finish_reason": self.finish_reason}
             return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": self._take_logprobs(), "finish_reason": self.finish_reason}
         return {**self._head("text_completion"), "choices": [choice], "usage": self.usage}
+
+    def _take_logprobs(self) -> dict | None:
+        return None if self.logprobs is None else self.logprobs.take()
 
     # -- streaming ----------------------------------------------------------------------------
     def _chunk(self, text: str | None, finish_reason: str | None, include_usage: bool, role: bool = False) -> str:
+        """One SSE chunk; it carries the logprobs of every token received since the last chunk."""
+        logprobs = None if role else self._take_logprobs()
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             body = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             body = {**self._head("text_completion"), "choices": [choice]}
         if include_usage:
             body["usage"] = None

@@ -10,10 +10,18 @@ some of its heads); it reports the request complete when all of them arrived.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 import torch
 
 from kvtransfer.params import CompatRecord, KVEndpoint
+
+
+class CompletedTransfer(NamedTuple):
+    """A request whose KV is all in this rank's cache."""
+    request_id: str
+    first_token: int  # -1 when no part to this rank came from the sampling prefill rank
+    logprobs: dict[int, float] | None  # the first token's, when asked for and carried
 
 
 class TransferError(RuntimeError):
@@ -37,8 +45,9 @@ class Transfer(ABC):
         """
 
     @abstractmethod
-    def finish(self, first_token: int) -> None:
-        """Queue the trailer: all layers sent; `first_token` (-1 from ranks that do not sample)."""
+    def finish(self, first_token: int, logprobs: dict[int, float] | None = None) -> None:
+        """Queue the trailer: all layers sent; `first_token` (-1 from ranks that do not sample) and,
+        when the request asked for them, its logprobs ({token_id: logprob}, sampled token first)."""
 
     @abstractmethod
     def wait(self, timeout: float | None = None) -> None:
@@ -73,9 +82,8 @@ class KVReceiver(ABC):
         order; it is complete once `num_parts` parts arrived. KV for unregistered ids is dropped."""
 
     @abstractmethod
-    def poll(self) -> tuple[list[tuple[str, int]], list[tuple[str, str]]]:
-        """Returns (completed [(request_id, first_token)], failed [(request_id, reason)]) since the
-        last call. first_token is -1 when no part to this rank carried it."""
+    def poll(self) -> tuple[list[CompletedTransfer], list[tuple[str, str]]]:
+        """Returns (completed, failed [(request_id, reason)]) since the last call."""
 
     @abstractmethod
     def cancel(self, request_id: str) -> None:

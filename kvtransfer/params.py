@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: 1024-byte header frames; done carries the first token's logprobs
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ torch_dist.py); one reader thread per connection receives frames and scatters ea
 straight into the slots reserved for its request. Requests are tracked in `_Expected`:
 
     expect(rid, slots, num_parts) -> layers arrive (any order across parts) -> every part "done"
-      -> poll() reports (rid, first_token);  silent for timeout_s once started -> poll() reports failure
+      -> poll() reports (rid, first_token, logprobs);  silent for timeout_s once started -> poll() reports failure
 
 Garbage frames close their connection (the stream cannot be resynchronized; the sender rebuilds
 it); frames for unknown ids are drained and dropped. Both are counted. A started part fails when
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer import wire
-from kvtransfer.base import KVReceiver
+from kvtransfer.base import CompletedTransfer, KVReceiver
 from kvtransfer.params import CompatRecord
 from kvtransfer.torch_dist import RECEIVER, SENDER, destroy_group, make_pair_group, recv, send
 
@@ -44,6 +44,7 @@ class _Expected:
     layers_per_part: Counter = field(default_factory=Counter)  # (connection, head_start) -> layers
     parts_done: int = 0
     first_token: int = -1
+    logprobs: dict[int, float] | None = None
     last_activity: float | None = None  # set by the first layer
 
 
@@ -60,7 +61,7 @@ class TorchDistReceiver(KVReceiver):
                                     timeout=timedelta(seconds=timeout_s))
         self._lock = threading.Lock()
         self._expected: dict[str, _Expected] = {}
-        self._completed: list[tuple[str, int]] = []
+        self._completed: list[CompletedTransfer] = []
         self._failed: list[tuple[str, str]] = []
         self._stats: Counter = Counter()
         self._groups: dict[int, dist.ProcessGroup] = {}
@@ -83,7 +84,7 @@ class TorchDistReceiver(KVReceiver):
         with self._lock:  # a reader scatters under this lock, so no write lands after we return
             self._expected.pop(request_id, None)
 
-    def poll(self) -> tuple[list[tuple[str, int]], list[tuple[str, str]]]:
+    def poll(self) -> tuple[list[CompletedTransfer], list[tuple[str, str]]]:
         now = time.monotonic()
         with self._lock:
             for rid, e in list(self._expected.items()):
@@ -253,11 +254,13 @@ class TorchDistReceiver(KVReceiver):
                 return False, f"received {got} of {self.compat.num_layers} layers"
             e.parts_done += 1
             e.first_token = max(e.first_token, msg["first_token"])
+            if msg["logprobs"] is not None:
+                e.logprobs = wire.unpack_logprobs(msg["logprobs"])
             if e.parts_done == e.num_parts:
                 del self._expected[rid]
                 if self.kv_cache.is_cuda:
                     torch.cuda.current_stream().synchronize()
-                self._completed.append((rid, e.first_token))
+                self._completed.append(CompletedTransfer(rid, e.first_token, e.logprobs))
                 self._stats["completed"] += 1
         return True, None
 

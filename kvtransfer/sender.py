@@ -41,9 +41,9 @@ class _Transfer(Transfer):
         assert kv.shape[:3] == (2, self.num_tokens, self.head_end - self.head_start), kv.shape
         self.peer.submit(("layer", self, layer, kv))
 
-    def finish(self, first_token: int) -> None:
+    def finish(self, first_token: int, logprobs: dict[int, float] | None = None) -> None:
         self.finish_s = time.monotonic()
-        self.peer.submit(("done", self, first_token, None))
+        self.peer.submit(("done", self, first_token, logprobs))
 
     def fail(self, reason: str) -> None:
         if not self._done.is_set():
@@ -96,7 +96,7 @@ class _Peer:
             try:
                 if self.pg is None:
                     self.pg = self._connect()
-                self._send_layer(transfer, a, b) if kind == "layer" else self._finish(transfer, a)
+                self._send_layer(transfer, a, b) if kind == "layer" else self._finish(transfer, a, b)
             except Exception as exc:  # refused, timeout, peer gone: this connection is done for
                 broken = str(exc) if isinstance(exc, IncompatiblePeerError) else (
                     f"KV connection to {self.dest.instance_id} rank {self.dest.rank} failed: {exc}")
@@ -133,9 +133,9 @@ class _Peer:
         t.num_bytes += payload.numel()
         self.owner._count("bytes_sent", payload.numel())
 
-    def _finish(self, t: _Transfer, first_token: int) -> None:
+    def _finish(self, t: _Transfer, first_token: int, logprobs: dict[int, float] | None) -> None:
         msg = {"kind": "done", "request_id": t.request_id, "num_layers": t.num_layers_sent,
-               "first_token": first_token}
+               "first_token": first_token, "logprobs": wire.pack_logprobs(logprobs)}
         device = "cuda" if self.owner.compat.device_type == "cuda" else "cpu"
         send(self.pg, wire.encode_frame(msg, device), RECEIVER)
         frame = torch.empty(wire.HEADER_BYTES, dtype=torch.uint8, device=device)

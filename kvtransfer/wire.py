@@ -5,7 +5,8 @@ then a msgpack map), followed for "layer" messages by one payload of raw bytes:
 
     layer  {kind, request_id, layer, num_tokens, head_start, head_end}  + payload
            payload = K and V of those heads, (2, num_tokens, head_end - head_start, head_dim)
-    done   {kind, request_id, num_layers, first_token}                  (sender -> receiver)
+    done   {kind, request_id, num_layers, first_token, logprobs}        (sender -> receiver)
+           logprobs = None, or the first token's [[token_id, logprob], ...] (sampled token first)
     ack    {kind, request_id, ok, error}                                (receiver -> sender)
 
 One frame instead of a length tensor plus a header saves a round of gloo's send/recv rendezvous
@@ -18,10 +19,10 @@ import struct
 import msgpack
 import torch
 
-HEADER_BYTES = 512
+HEADER_BYTES = 1024  # a done message with 21 logprobs and a long request id fits
 _FIELDS = {
     "layer": {"request_id": str, "layer": int, "num_tokens": int, "head_start": int, "head_end": int},
-    "done": {"request_id": str, "num_layers": int, "first_token": int},
+    "done": {"request_id": str, "num_layers": int, "first_token": int, "logprobs": (list, type(None))},
     "ack": {"request_id": str, "ok": bool, "error": (str, type(None))},
 }
 
@@ -59,7 +60,23 @@ def decode_frame(frame: torch.Tensor) -> dict:
         value = msg[name]
         if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
             raise WireError(f"{msg['kind']}.{name} has type {type(value).__name__}")
+    if msg.get("logprobs") is not None and not all(_is_logprob_pair(p) for p in msg["logprobs"]):
+        raise WireError("done.logprobs is not a list of [token_id, logprob] pairs")
     return msg
+
+
+def _is_logprob_pair(pair) -> bool:
+    return (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int
+            and isinstance(pair[1], float))
+
+
+def pack_logprobs(logprobs: dict[int, float] | None) -> list[list] | None:
+    """{token_id: logprob} (insertion order kept) -> the wire's pairs."""
+    return None if logprobs is None else [[int(t), float(lp)] for t, lp in logprobs.items()]
+
+
+def unpack_logprobs(pairs: list[list] | None) -> dict[int, float] | None:
+    return None if pairs is None else {t: lp for t, lp in pairs}
 
 
 def payload_bytes(msg: dict, head_dim: int, dtype: torch.dtype) -> int:

@@ -32,6 +32,7 @@ class PrefillResult:
     request_id: str
     first_token: int | None  # None when the prefill failed
     error: str | None = None
+    logprobs: dict[int, float] | None = None  # the first token's, when the request asked for them
     num_cached_tokens: int = 0
     finished_at: float = field(default_factory=time.monotonic)
 
@@ -62,6 +63,8 @@ class PrefillWorker:
         self._delivered: queue.Queue[tuple[str, str | None]] = queue.Queue()  # (request id, error)
         self._watch: queue.Queue = queue.Queue()
         self._open: dict[str, list] = {}  # request id -> its transfers of the running step
+        # cumulative, for the autoscaler's online profile: tokens computed and seconds spent doing it
+        self.num_computed_tokens, self.busy_s = 0, 0.0
         threading.Thread(target=self._watch_transfers, daemon=True, name="kv-ack").start()
 
     # -- driver API (rank 0; thread-safe) -----------------------------------------------------
@@ -86,7 +89,8 @@ class PrefillWorker:
         return {"queued_prefill_tokens": float(s.num_queued_tokens), "waiting": float(len(s.waiting)),
                 "running": float(len(s.running)), "kv_usage": s.kv.usage,
                 "kv_bytes_sent": float(st.get("bytes_sent", 0)), "kv_transfer_seconds": self.sender.transfer_seconds,
-                "kv_transfer_failures": float(st.get("groups_failed", 0) + st.get("parts_rejected", 0))}
+                "kv_transfer_failures": float(st.get("groups_failed", 0) + st.get("parts_rejected", 0)),
+                "prefill_tokens_computed": float(self.num_computed_tokens), "prefill_busy_s": self.busy_s}
 
     def has_work(self) -> bool:
         return not self._inbox.empty() or self.scheduler.has_work()
@@ -103,11 +107,16 @@ class PrefillWorker:
         self.tp.broadcast_object((inp, shipments))
         if inp is None:
             return
+        start = time.monotonic()
         logits = self._execute(inp, shipments)
         result = self.runner.sample(inp, logits)
+        self.busy_s += time.monotonic() - start
+        self.num_computed_tokens += sched.total_num_scheduled_tokens
         for req, token in self.scheduler.update(sched, result):
-            self._finish_shipment(req.request_id, token)
-            self._results.put(PrefillResult(req.request_id, token, num_cached_tokens=req.num_cached_tokens))
+            logprobs = result.logprobs.get(req.request_id)
+            self._finish_shipment(req.request_id, token, logprobs)
+            self._results.put(PrefillResult(req.request_id, token, num_cached_tokens=req.num_cached_tokens,
+                                            logprobs=logprobs))
 
     def follow(self) -> bool:
         """Ranks > 0: run the step rank 0 broadcast. Returns False when told to stop."""
@@ -152,10 +161,10 @@ class PrefillWorker:
                         self.sender.begin(s.request_id, dest, hs.head_start, hs.head_end, s.num_tokens)))
         return out
 
-    def _finish_shipment(self, request_id: str, first_token: int) -> None:
+    def _finish_shipment(self, request_id: str, first_token: int, logprobs: dict[int, float] | None = None) -> None:
         transfers = self._open.pop(request_id, [])
         for *_, transfer in transfers:
-            transfer.finish(first_token)
+            transfer.finish(first_token, logprobs)
         self._watch.put((request_id, [t for *_, t in transfers]))
 
     def _shipments(self, sched) -> list[_Shipment]:

@@ -25,6 +25,7 @@ class InstanceInfo:
     kv_endpoints: tuple[KVEndpoint, ...] = ()  # decode: one per rank
     load: dict[str, float] = field(default_factory=dict)
     healthy: bool = True
+    draining: bool = False  # being taken out: no new requests, running ones finish
     max_model_len: int = 0  # longest sequence (prompt + output) the instance can hold
 
 

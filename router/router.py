@@ -43,7 +43,9 @@ class Router:
         self._pending: deque[Tracked] = deque()  # waiting for a decode instance to accept
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self.stats = {"retries": 0, "failed": 0, "completed": 0}
+        # cumulative counters (the autoscaler's arrival rate and request shape come from these)
+        self.stats = {"retries": 0, "failed": 0, "completed": 0, "submitted": 0, "prompt_tokens": 0,
+                      "cached_prompt_tokens": 0, "output_tokens": 0}
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -70,9 +72,28 @@ class Router:
         if self._threads:
             self._spawn(self._collect, iid)
 
+    def drain(self, instance_id: str) -> None:
+        """No new requests go to the instance; the ones it has run to completion."""
+        with self._lock:
+            client = self.prefill.get(instance_id) or self.decode.get(instance_id)
+            if client is not None:
+                client.info.draining = True
+
+    def is_drained(self, instance_id: str) -> bool:
+        """True when nothing needs the instance any more: no attempt decodes there, and every
+        attempt it prefilled has its KV on the decode side."""
+        with self._lock:
+            return not any(t.decode_id == instance_id or (t.prefill_id == instance_id and not t.decoding)
+                           for t in self._by_attempt.values())
+
     def remove_instance(self, instance_id: str) -> None:
         """An instance leaves while serving: nothing new goes there; its in-flight requests are
-        retried elsewhere (as for a dead one), then it is forgotten."""
+        retried elsewhere (as for a dead one), then it is forgotten. Attempts it prefilled whose
+        KV already reached their decode instance keep going."""
+        with self._lock:
+            for t in self._by_attempt.values():
+                if t.prefill_id == instance_id and t.decoding:
+                    t.prefill_id = None
         self._mark_dead(instance_id, RuntimeError("removed"))
         with self._lock:
             self.prefill.pop(instance_id, None)
@@ -85,6 +106,8 @@ class Router:
         with self._lock:
             if len(self._pending) >= self.max_queued:
                 raise QueueFullError(f"{len(self._pending)} requests already queued")
+            self.stats["submitted"] += 1
+            self.stats["prompt_tokens"] += len(tracked.prompt_token_ids)
             self._place(tracked)
         return tracked.stream
 
@@ -105,7 +128,8 @@ class Router:
 
     # -- placement -------------------------------------------------------------------------------------
     def _healthy(self, pool: dict, tracked: Tracked) -> list:
-        return [c.info for c in pool.values() if c.info.healthy and c.info.instance_id not in tracked.excluded]
+        return [c.info for c in pool.values()
+                if c.info.healthy and not c.info.draining and c.info.instance_id not in tracked.excluded]
 
     def _place(self, tracked: Tracked) -> None:
         """Try to start an attempt now; else queue it (the placement thread retries)."""
@@ -115,10 +139,11 @@ class Router:
             return self._give_up(tracked, "no healthy decode instance")
         prompt = tracked.prompt_token_ids + tracked.delivered
         params = replace(tracked.params, max_tokens=tracked.params.max_tokens - len(tracked.delivered))
-        tracked.base = len(tracked.delivered)
+        tracked.base, tracked.decoding = len(tracked.delivered), False
         req = Request(tracked.attempt_id, prompt, params)
         local = self.mode == "colocated" or not prefills or len(prompt) < self.disagg_threshold_tokens
-        ordered = sorted(decodes, key=lambda d: d is not self.policy.pick_decode(decodes, prompt))
+        first = self.policy.pick_decode(decodes, prompt)  # once: a policy may keep state (round robin)
+        ordered = [first] + [d for d in decodes if d is not first]
         try:
             if local:
                 d = self.decode[ordered[0].instance_id]
@@ -174,8 +199,10 @@ class Router:
             return
         if r.first_token is None:
             return self._fail(tracked, tracked.prefill_id, r.error or "prefill failed")
+        if tracked.attempt == 0:
+            self.stats["cached_prompt_tokens"] += r.num_cached_tokens
         if len(tracked.delivered) == tracked.base:  # the decode side may have been faster
-            self._deliver(tracked, [r.first_token])
+            self._deliver(tracked, [r.first_token], None if r.logprobs is None else [r.logprobs])
 
     def _on_decode_output(self, o) -> None:
         tracked = self._by_attempt.get(o.request_id)
@@ -183,20 +210,22 @@ class Router:
             return
         if o.error:
             return self._fail(tracked, tracked.decode_id, o.error)
+        tracked.decoding = True
         have = len(tracked.delivered) - tracked.base  # tokens of this attempt already delivered
-        start = o.num_output_tokens - len(o.new_token_ids)
-        self._deliver(tracked, o.new_token_ids[max(0, have - start):])
+        skip = max(0, have - (o.num_output_tokens - len(o.new_token_ids)))
+        self._deliver(tracked, o.new_token_ids[skip:], None if o.new_logprobs is None else o.new_logprobs[skip:])
         if o.finished:
             del self._by_attempt[tracked.attempt_id]
             if tracked.prefill_id is not None:
                 self._safe(self.prefill[tracked.prefill_id].abort, tracked.attempt_id)
             self.stats["completed"] += 1
+            self.stats["output_tokens"] += len(tracked.delivered)
             self._finish(tracked, StreamEvent([], True, o.finish_reason))
 
-    def _deliver(self, tracked: Tracked, token_ids: list[int]) -> None:
+    def _deliver(self, tracked: Tracked, token_ids: list[int], logprobs: list[dict] | None = None) -> None:
         if token_ids:
             tracked.delivered += token_ids
-            tracked.stream.put(StreamEvent(list(token_ids)))
+            tracked.stream.put(StreamEvent(list(token_ids), logprobs=logprobs))
 
     def _finish(self, tracked: Tracked, event: StreamEvent) -> None:
         if not tracked.done:

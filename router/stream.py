@@ -15,6 +15,7 @@ class StreamEvent:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    logprobs: list[dict[int, float]] | None = None  # one {token_id: logprob} per token, when asked for
 
 
 class RequestStream:
@@ -27,6 +28,7 @@ class RequestStream:
         self.request_id, self.listener = request_id, listener
         self._events: queue.Queue[StreamEvent] = queue.Queue()
         self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] = []  # one per token, when the request asked for them
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.arrival_s = time.monotonic()
@@ -49,6 +51,7 @@ class RequestStream:
         """The next event; raises queue.Empty after `timeout`."""
         event = self._events.get(timeout=timeout)
         self.token_ids += event.token_ids
+        self.logprobs += event.logprobs or []
         if event.finished:
             self.finish_reason, self.error, self.finished_s = event.finish_reason, event.error, self.finished_at_s
         return event
@@ -82,6 +85,7 @@ class Tracked:
     prefill_id: str | None = None
     decode_id: str | None = None
     excluded: set[str] = field(default_factory=set)  # instances that failed this request
+    decoding: bool = False  # this attempt's decode instance has its KV (it reported tokens)
     done: bool = False
 
     @property

@@ -111,3 +111,14 @@ def all_logits(runner, prompt: list[int], chunk: int) -> torch.Tensor:
     finally:
         runner._update_states(SchedulerOutput(finished_req_ids=[rid]))
     return torch.cat(out)
+
+
+def assert_logprobs_close(got: list[dict[int, float]], want: list[dict[int, float]], tol: float = 1e-4) -> None:
+    """Per token: the same sampled token (each map's first key) with a close logprob, and close
+    top-n values (compared sorted, so a near-tie ordered differently does not fail)."""
+    assert len(got) == len(want) > 0
+    for i, (g, w) in enumerate(zip(got, want)):
+        (gt, glp), (wt, wlp) = next(iter(g.items())), next(iter(w.items()))
+        assert gt == wt and abs(glp - wlp) <= tol, (i, gt, glp, wt, wlp)
+        gv, wv = sorted(g.values(), reverse=True), sorted(w.values(), reverse=True)
+        assert len(gv) == len(wv) and max(abs(a - b) for a, b in zip(gv, wv)) <= tol, (i, gv, wv)

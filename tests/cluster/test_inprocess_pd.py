@@ -10,7 +10,7 @@ import torch
 from cluster.cluster import Cluster
 from cluster.spec import ClusterSpec
 from engine.request import SamplingParams
-from tests.helpers import random_prompts, save_tiny_llama
+from tests.helpers import assert_logprobs_close, random_prompts, save_tiny_llama
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,10 +26,14 @@ def spec_for(model: str, **kw) -> ClusterSpec:
     return ClusterSpec(**{**base, **kw})
 
 
-def run(spec: ClusterSpec, prompts, max_tokens: int) -> list[list[int]]:
+def run(spec: ClusterSpec, prompts, max_tokens: int, logprobs: list | None = None) -> list[list[int]]:
+    """Greedy token ids per prompt; with a `logprobs` list, asks for top-2 logprobs and fills it."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=None if logprobs is None else 2)
     with Cluster(spec, use_ray=False) as cluster:
-        streams = cluster.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                                   timeout_s=60)
+        streams = cluster.generate(prompts, params, timeout_s=60)
+        if logprobs is not None:
+            logprobs += [s.logprobs for s in streams]
         cluster.assert_no_leaks()
         assert all(s.error is None for s in streams), [s.error for s in streams]
         if spec.mode == "disaggregated":  # every prompt's KV really crossed the transport
@@ -40,11 +44,15 @@ def run(spec: ClusterSpec, prompts, max_tokens: int) -> list[list[int]]:
 
 
 def test_1p1d_matches_colocated(tiny_path):
-    """12 prompts (some longer than a step's token budget, so chunked) through 1P1D equal colocated."""
+    """12 prompts (some longer than a step's token budget, so chunked) through 1P1D equal colocated,
+    with their logprobs."""
     prompts = random_prompts(12, [5, 17, 40, 150], seed=3)
-    colocated = run(spec_for(tiny_path, mode="colocated"), prompts, 12)
-    assert run(spec_for(tiny_path), prompts, 12) == colocated
+    want, got = [], []
+    colocated = run(spec_for(tiny_path, mode="colocated"), prompts, 12, logprobs=want)
+    assert run(spec_for(tiny_path), prompts, 12, logprobs=got) == colocated
     assert all(len(t) == 12 for t in colocated)
+    for g, w in zip(got, want):  # logprobs too: the first token's came over the KV transport
+        assert_logprobs_close(g, w)
 
 
 def test_2p2d_matches_colocated(tiny_path):

@@ -3,17 +3,20 @@ prefill and decode, failover and membership changes. Greedy fp32 outputs must eq
 engine's token for token."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
+from cluster.actuators import PoolSizes, RayActuator
 from cluster.cluster import Cluster, setup_ray_auth
 from cluster.spec import ClusterSpec
 from engine.request import SamplingParams
-from tests.helpers import random_prompts, save_tiny_llama
+from tests.helpers import assert_logprobs_close, random_prompts, save_tiny_llama
 
 pytestmark = pytest.mark.timeout(300)
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+GREEDY_LOGPROBS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +40,13 @@ def spec_for(model: str, **kw) -> ClusterSpec:
     return ClusterSpec(**{**base, **kw})
 
 
-def colocated_tokens(model: str, prompts, params=GREEDY) -> list[list[int]]:
+def colocated_streams(model: str, prompts, params=GREEDY) -> list:
     with Cluster(spec_for(model, mode="colocated"), use_ray=False) as c:
-        return [s.token_ids for s in c.generate(prompts, params, timeout_s=120)]
+        return c.generate(prompts, params, timeout_s=120)
+
+
+def colocated_tokens(model: str, prompts, params=GREEDY) -> list[list[int]]:
+    return [s.token_ids for s in colocated_streams(model, prompts, params)]
 
 
 def checked(streams) -> list[list[int]]:
@@ -50,12 +57,17 @@ def checked(streams) -> list[list[int]]:
 @pytest.mark.parametrize("ptp,dtp", [(1, 2), (2, 1), (2, 2)])
 def test_tp_mixes_match_colocated(ray_session, tiny_path, ptp, dtp):
     """P tp=1 -> D tp=2, P tp=2 -> D tp=1, and TP=2 on both: each decode rank gets its KV heads
-    from the right prefill ranks; outputs equal colocated; every allocator ends empty."""
+    from the right prefill ranks; outputs and their logprobs (the first token's from the prefill
+    driver, the rest from the decode driver) equal colocated; every allocator ends empty."""
     prompts = random_prompts(6, [7, 30, 140], seed=ptp * 10 + dtp)
     with Cluster(spec_for(tiny_path, prefill_tp=ptp, decode_tp=dtp), log_level="WARNING") as c:
-        got = checked(c.generate(prompts, GREEDY, timeout_s=120))
+        streams = c.generate(prompts, GREEDY_LOGPROBS, timeout_s=120)
+        got = checked(streams)
         c.assert_no_leaks()
-    assert got == colocated_tokens(tiny_path, prompts)
+    want = colocated_streams(tiny_path, prompts, GREEDY_LOGPROBS)
+    assert got == [s.token_ids for s in want]
+    for s, w in zip(streams, want):
+        assert_logprobs_close(s.logprobs, w.logprobs)
 
 
 def test_killed_decode_before_first_token_finishes_elsewhere(ray_session, tiny_path):
@@ -90,6 +102,43 @@ def test_add_and_remove_instances_while_serving(ray_session, tiny_path):
         c.assert_no_leaks()
     ref = colocated_tokens(tiny_path, prompts, params)
     assert got == ref and more == ref[:2]
+
+
+def test_ray_actuator_1p1d_to_2p2d_and_back_under_load(ray_session, tiny_path):
+    """Requests keep arriving while the RayActuator grows the pools to 2P2D (the new instances
+    take work) and shrinks them back to 1P1D by draining: every request finishes with the
+    colocated tokens, none needed a retry (drained, not killed), every allocator ends full."""
+    prompts = random_prompts(10, [12, 40, 90], seed=12)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    with Cluster(spec_for(tiny_path)) as c:
+        act = RayActuator(c, drain_timeout_s=60)
+        assert act.current() == PoolSizes(1, 1)
+        streams, stop = [], threading.Event()
+
+        def load():  # a request every 0.1 s until the pools are back to 1P1D
+            while not stop.is_set():
+                i = len(streams)
+                streams.append((i % len(prompts), c.submit(f"load-{i}", prompts[i % len(prompts)], params)))
+                time.sleep(0.1)
+        feeder = threading.Thread(target=load)
+        feeder.start()
+        act.apply(PoolSizes(2, 2))
+        assert act.current() == PoolSizes(2, 2)
+        new = {i.instance_id: i.client.info for i in c.instances.values() if i.instance_id.endswith("-1")}
+        deadline = time.monotonic() + 60
+        while not (new["prefill-1"].load.get("prefill_tokens_computed") and new["decode-1"].load.get("decode_steps")):
+            assert time.monotonic() < deadline, "the added instances never got work"
+            time.sleep(0.1)
+        act.apply(PoolSizes(1, 1))
+        assert act.current() == PoolSizes(1, 1) and len(c.instances) == 2
+        stop.set()
+        feeder.join()
+        got = [(i, s) for i, s in ((i, s.result(timeout=120)) for i, s in streams)]
+        assert [s.error for _, s in got] == [None] * len(got) and len(got) > 20
+        assert c.router.stats["retries"] == 0
+        c.assert_no_leaks()
+    want = colocated_tokens(tiny_path, prompts, params)
+    assert [s.token_ids for _, s in got] == [want[i] for i, _ in got]
 
 
 @pytest.mark.parametrize("ptp,dtp", [(1, 3), (3, 1)])

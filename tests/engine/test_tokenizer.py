@@ -90,6 +90,18 @@ def test_decode_roundtrips(tok, ref):
         assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
 
 
+def test_token_bytes_concatenate_to_the_utf8_text(tok):
+    """Each token's exact bytes (some hold part of a character) join to the text's UTF-8; a
+    special token gives its own text; every vocabulary entry has bytes."""
+    for text in STRINGS + ["héllo — 日本 😀<|im_end|>"]:
+        ids = tok.encode(text)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert tok.token_bytes(tok.eos_token_id) == tok.eos_token.encode()
+    split = [i for i in tok.encode("😀") if "\ufffd" in tok.decode([i])]
+    assert split and all(len(tok.token_bytes(i)) >= 1 for i in split)
+    assert all(tok.token_bytes(i) for i in range(tok.vocab_size))
+
+
 def test_chat_template_matches_transformers(tok, ref):
     """apply_chat_template renders exactly as transformers' (with and without a system message)."""
     for messages in CHATS:

@@ -10,6 +10,11 @@ from router.stream import StreamEvent
 TOKENS = [504, 3575, 282, 4649, 314, 7042, 30]  # "The capital of France is Paris."
 
 
+def fake_logprobs(i: int, token: int, top_n: int) -> dict[int, float]:
+    """Sampled token first; it is the most likely on even positions, below the top n on odd ones."""
+    return {token: -0.25 if i % 2 == 0 else -9.0, **{1000 + k: -1.0 - k for k in range(top_n)}}
+
+
 class FakeCluster:
     max_model_len = 256
 
@@ -26,8 +31,8 @@ class FakeCluster:
         n = min(params.max_tokens, len(TOKENS))
 
         def emit():
-            for t in TOKENS[:n]:
-                listener(StreamEvent([t]))
+            for i, t in enumerate(TOKENS[:n]):
+                listener(StreamEvent([t], logprobs=None if params.logprobs is None else [fake_logprobs(i, t, params.logprobs)]))
             listener(StreamEvent([], True, "length" if n == params.max_tokens else "stop"))
         threading.Thread(target=emit, daemon=True).start()
 

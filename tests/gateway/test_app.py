@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from engine.loader import resolve_model_path
 from engine.tokenizer import Tokenizer
 from gateway.app import create_app
-from tests.gateway.fakes import FakeCluster
+from tests.gateway.fakes import TOKENS, FakeCluster, fake_logprobs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,7 +67,9 @@ def test_stop_string_cuts_text(client):
     (chat(temperature=3.5), 400, "temperature"),
     (chat(presence_penalty=0.5), 400, "presence_penalty"),
     (chat(n=2), 400, "n"),
-    (chat(logprobs=True), 400, "logprobs"),
+    (chat(top_logprobs=2), 400, "top_logprobs"),
+    (chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ({"model": "smollm2", "prompt": "x", "logprobs": -1}, 400, "logprobs"),
     (chat(tools=[{"type": "function"}]), 400, "tools"),
     ({"model": "smollm2", "prompt": "hi " * 300}, 400, "prompt"),
     ({"model": "smollm2", "prompt": [1, 99999999]}, 400, "prompt"),
@@ -126,3 +128,35 @@ def test_metrics_health_models(client):
     assert 'pdserve_requests_total{endpoint="chat",status="ok"} 1.0' in text
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/nope").status_code == 404 and "error" in client.get("/nope").json()
+
+
+def test_chat_logprobs_format(client, tokenizer):
+    """Chat logprobs: one entry per token with its text, bytes and the top n, best first."""
+    r = client.post("/v1/chat/completions", json=chat(max_tokens=3, logprobs=True, top_logprobs=2))
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert "".join(e["token"] for e in content) == "The capital of"
+    for i, (e, t) in enumerate(zip(content, TOKENS)):
+        assert e["logprob"] == fake_logprobs(i, t, 2)[t] and e["bytes"] == list(e["token"].encode())
+        want = sorted(fake_logprobs(i, t, 2).items(), key=lambda kv: -kv[1])[:2]
+        assert [(x["token"], x["logprob"]) for x in e["top_logprobs"]] == [
+            (tokenizer.decode([tok], skip_special_tokens=False), lp) for tok, lp in want]
+    r = client.post("/v1/chat/completions", json=chat(max_tokens=2, logprobs=True))
+    assert [e["top_logprobs"] for e in r.json()["choices"][0]["logprobs"]["content"]] == [[], []]
+    assert client.post("/v1/chat/completions", json=chat(max_tokens=2)).json()["choices"][0]["logprobs"] is None
+
+
+def test_completion_logprobs_streamed(client):
+    """Streamed completions logprobs: over all chunks, every token once with offsets into the text
+    and top n plus the sampled token."""
+    with client.stream("POST", "/v1/completions", json={"model": "smollm2", "prompt": "The", "max_tokens": 10,
+                                                        "logprobs": 1, "stream": True}) as r:
+        chunks = [json.loads(ln[len("data: "):]) for ln in r.iter_lines() if ln and ln != "data: [DONE]"]
+    lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    tokens = [t for lp in lps for t in lp["tokens"]]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert "".join(tokens) == text == "The capital of France is Paris."
+    offsets = [o for lp in lps for o in lp["text_offset"]]
+    assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+    tops = [top for lp in lps for top in lp["top_logprobs"]]
+    assert [len(top) for top in tops] == [1 if i % 2 == 0 else 2 for i in range(len(TOKENS))]
+    assert all(tok in top for tok, top in zip(tokens, tops))

@@ -41,11 +41,16 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """Greedy colocated outputs of the test chats (the in-process engine, fp32)."""
+def reference_outputs():
+    """Greedy colocated outputs of the test chats, with top-3 logprobs (the in-process engine, fp32)."""
     llm = LLM(model="smollm2", dtype="float32", num_blocks=256)
-    outs = llm.generate(QUESTIONS, SamplingParams(max_tokens=6, temperature=0.0), chat=True)
-    return {q: o.text for q, o in zip(QUESTIONS, outs)}
+    outs = llm.generate(QUESTIONS, SamplingParams(max_tokens=6, temperature=0.0, logprobs=3), chat=True)
+    return {q: o for q, o in zip(QUESTIONS, outs)}
+
+
+@pytest.fixture(scope="module")
+def reference(reference_outputs):
+    return {q: o.text for q, o in reference_outputs.items()}
 
 
 def client(url: str) -> openai.OpenAI:
@@ -67,6 +72,30 @@ def test_chat_streamed_and_not_equal_colocated(server, reference):
                                             stream=True, stream_options={"include_usage": True}))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == reference[q]
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    cluster.assert_no_leaks()
+
+
+def test_chat_logprobs_equal_colocated(server, reference_outputs):
+    """Logprobs through 1P1D (the first token's sampled on the prefill instance, the rest on the
+    decode instance) equal the colocated engine's, streamed and not; the tokens spell the text."""
+    cluster, url = server
+    c = client(url)
+    q = QUESTIONS[1]
+    want = reference_outputs[q]
+    r = c.chat.completions.create(model="smollm2", messages=ask(q), max_tokens=6, temperature=0, logprobs=True,
+                                  top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == r.choices[0].message.content == want.text
+    for e, wanted in zip(content, want.logprobs, strict=True):
+        assert abs(e.logprob - next(iter(wanted.values()))) < 1e-3
+        assert [t.logprob for t in e.top_logprobs] == pytest.approx(sorted(wanted.values(), reverse=True)[:3],
+                                                                    abs=1e-3)
+        assert e.top_logprobs[0].token == e.token and bytes(e.bytes).decode() == e.token
+    chunks = list(c.chat.completions.create(model="smollm2", messages=ask(q), max_tokens=6, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-3)
     cluster.assert_no_leaks()
 
 

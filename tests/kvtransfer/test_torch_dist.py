@@ -37,13 +37,14 @@ def make_receiver(local_heads=HEADS, head_offset=0, compat=COMPAT, timeout_s=5.0
     return rx, cache, KVEndpoint("d", 0, host, port)
 
 
-def send_part(tx, rid, dest, src_cache, src_slots, head_start, head_end, first_token=7, src_head_offset=0):
+def send_part(tx, rid, dest, src_cache, src_slots, head_start, head_end, first_token=7, src_head_offset=0,
+              logprobs=None):
     """Ships heads [head_start, head_end) of src_cache's `src_slots`, every layer; returns the Transfer."""
     t = tx.begin(rid, dest, head_start, head_end, len(src_slots))
     lo = head_start - src_head_offset
     for layer in range(LAYERS):
         t.send_layer(layer, flat(src_cache, layer)[:, src_slots, lo:lo + head_end - head_start].clone())
-    t.finish(first_token)
+    t.finish(first_token, logprobs)
     return t
 
 
@@ -60,14 +61,16 @@ def poll_until(rx, n_events=1, timeout=10.0):
 
 def test_round_trip_bytes_land_in_reserved_slots():
     """The receiver's cache at the reserved slots equals the sender's KV (checksums, every layer),
-    other slots stay untouched, and poll reports the first token."""
+    other slots stay untouched, and poll reports the first token with its logprobs."""
     rx, dst, dest = make_receiver()
     tx = create_kv_transport("torch").sender(COMPAT, "p0")
     src = make_cache()
     src_slots, dst_slots = torch.tensor([5, 6, 7, 20, 21]), torch.tensor([40, 41, 42, 60, 3])
     rx.expect("r1", dst_slots, num_parts=1)
-    send_part(tx, "r1", dest, src, src_slots, 0, HEADS, first_token=42).wait(10)
-    assert poll_until(rx) == ([("r1", 42)], [])
+    logprobs = {42: -0.125, 7: -0.5, **{100 + k: -3.0 - k / 7 for k in range(19)}}  # sampled + top 20
+    send_part(tx, "r1", dest, src, src_slots, 0, HEADS, first_token=42, logprobs=logprobs).wait(10)
+    done, failed = poll_until(rx)
+    assert done == [("r1", 42, logprobs)] and list(done[0].logprobs) == list(logprobs) and failed == []
     for layer in range(LAYERS):
         sent, got = flat(src, layer)[:, src_slots], flat(dst, layer)[:, dst_slots]
         assert torch.equal(sent, got) and sent.sum().item() == pytest.approx(got.sum().item())
@@ -104,7 +107,7 @@ def test_heterogeneous_tp_each_decode_rank_gets_its_heads(ptp, dtp):
     for d, (rx, cache, _, heads) in enumerate(receivers):
         done, failed = poll_until(rx)
         from_rank0 = any(s.prefill_rank == 0 and s.decode_rank == d for s in plan_head_slices(HEADS, ptp, dtp))
-        assert failed == [] and done == [("r", 5 if from_rank0 else -1)]
+        assert failed == [] and done == [("r", 5 if from_rank0 else -1, None)]
         for layer in range(LAYERS):
             assert torch.equal(flat(cache, layer)[:, slots + 10], flat(full, layer)[:, slots, heads.start:heads.stop])
         rx.close()
@@ -149,7 +152,7 @@ def test_garbage_header_dropped_counted_and_serving_goes_on():
     tx = create_kv_transport("torch").sender(COMPAT, "p0")
     rx.expect("ok", torch.arange(4), 1)
     send_part(tx, "ok", dest, make_cache(), torch.arange(4), 0, HEADS).wait(10)
-    assert poll_until(rx)[0] == [("ok", 7)]
+    assert poll_until(rx)[0] == [("ok", 7, None)]
     tx.close(), rx.close()
 
 
@@ -166,7 +169,7 @@ def test_unknown_request_dropped_counted_then_serving_goes_on():
     assert dst.abs().sum() == 0 and rx.stats["unknown_requests"] == 2 * (LAYERS + 1)
     rx.expect("ok", torch.arange(4), 1)
     send_part(tx, "ok", dest, make_cache(), torch.arange(4), 0, HEADS).wait(10)
-    assert poll_until(rx)[0] == [("ok", 7)] and tx.stats["groups_created"] == 1
+    assert poll_until(rx)[0] == [("ok", 7, None)] and tx.stats["groups_created"] == 1
     tx.close(), rx.close()
 
 
@@ -251,7 +254,7 @@ def test_whole_block_slots_take_the_block_copy_path(dtype):
     tx = create_kv_transport("torch").sender(compat, "p0")
     rx.expect("r", slots, 1)
     send_part(tx, "r", dest, src, torch.arange(len(slots)), 0, HEADS).wait(10)
-    assert poll_until(rx)[0] == [("r", 7)]
+    assert poll_until(rx)[0] == [("r", 7, None)]
     expected = torch.zeros_like(dst)
     for layer in range(LAYERS):
         flat(expected, layer)[:, slots] = flat(src, layer)[:, :len(slots)]

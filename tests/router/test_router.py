@@ -98,6 +98,36 @@ def test_disaggregated_lifecycle_dedups_tokens():
     r.close()
 
 
+@pytest.mark.parametrize("decode_first", [False, True])
+def test_logprobs_follow_their_tokens(decode_first):
+    """Each token's logprobs reach the client once, with it, whichever side reports it first."""
+    p, d = FakePrefill("p0"), FakeDecode("d0")
+    r = make_router([p], [d])
+    stream = r.submit("a", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0, logprobs=1))
+    lp = {t: {t: -t / 10, 99: -5.0} for t in (11, 12, 13)}
+    first = PrefillResult("a#0", 11, logprobs=lp[11])
+    if not decode_first:
+        p.results.put(first)
+    d.outputs.put(RequestOutput("a#0", [11, 12], "", False, num_output_tokens=2, new_logprobs=[lp[11], lp[12]]))
+    d.outputs.put(RequestOutput("a#0", [13], "", True, "length", num_output_tokens=3, new_logprobs=[lp[13]]))
+    if decode_first:
+        stream.result(timeout=5)
+        p.results.put(first)  # late: nothing repeats
+    assert stream.result(timeout=5).token_ids == [11, 12, 13] and stream.logprobs == [lp[11], lp[12], lp[13]]
+    r.close()
+
+
+def test_round_robin_spreads_requests_over_decode_instances():
+    """The decode policy is asked once per placement (asking per candidate pinned every request
+    to the first instance under round robin)."""
+    p, d0, d1 = FakePrefill("p0"), FakeDecode("d0"), FakeDecode("d1")
+    r = make_router([p], [d0, d1])
+    for i in range(4):
+        r.submit(f"r{i}", [1, 2, 3], PARAMS)
+    assert len(d0.reserved) == len(d1.reserved) == 2
+    r.close()
+
+
 def test_conditional_disaggregation_short_prompts_stay_on_decode():
     """Prompts shorter than the threshold are prefilled on the decode instance."""
     p, d = FakePrefill("p0"), FakeDecode("d0")

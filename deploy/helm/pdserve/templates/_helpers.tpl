@@ -1,0 +1,166 @@
+{{/* Chart name, truncated to the 63 characters a label value allows. */}}
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Release-qualified name every object is prefixed with; 63 characters minus room for "-autoscaler". */}}
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 52 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels that select one component's pods; call with (dict "root" $ "component" "head"). */}}
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Every object's labels; call with (dict "root" $ "component" "head"). */}}
+{{- define "pdserve.labels" -}}
+{{ include "pdserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: pdserve
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+helm.sh/chart: {{ include "pdserve.chart" .root }}
+{{- end }}
+
+{{- define "pdserve.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{- define "pdserve.headService" -}}
+{{ include "pdserve.fullname" . }}-head
+{{- end }}
+
+{{/* What Ray workers and the gateway pass to `ray start --address`. */}}
+{{- define "pdserve.headAddress" -}}
+{{ include "pdserve.headService" . }}:6379
+{{- end }}
+
+{{- define "pdserve.workerName" -}}
+{{ include "pdserve.fullname" .root }}-{{ .role }}
+{{- end }}
+
+{{- define "pdserve.rayAuthSecret" -}}
+{{ .Values.ray.auth.existingSecret | default (printf "%s-ray-auth" (include "pdserve.fullname" .)) }}
+{{- end }}
+
+{{- define "pdserve.autoscalerServiceAccount" -}}
+{{ include "pdserve.fullname" . }}-autoscaler
+{{- end }}
+
+{{/* Env of every Ray process: token authentication with the release's token. */}}
+{{- define "pdserve.rayEnv" -}}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.rayAuthSecret" . }}
+      key: {{ .Values.ray.auth.existingSecretKey }}
+{{- end }}
+
+{{/* Pod-level fields shared by all pdserve pods. */}}
+{{- define "pdserve.podCommon" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* nodeSelector, tolerations and affinity of one component's values. */}}
+{{- define "pdserve.scheduling" -}}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Ray keeps its object store in /dev/shm; the container default (64 MiB) is far too small. */}}
+{{- define "pdserve.shmVolume" -}}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ . }}
+{{- end }}
+
+{{- define "pdserve.shmMount" -}}
+- name: dshm
+  mountPath: /dev/shm
+{{- end }}
+
+{{/*
+Pods in a pool: replicas x instancesPerPod. Fails when the spec asks for more instances than
+that, since the extra instances would wait for a Ray resource no pod carries.
+Call with (dict "root" $ "role" "prefill").
+*/}}
+{{- define "pdserve.poolInstances" -}}
+{{- $pool := index .root.Values .role }}
+{{- $capacity := mul $pool.replicas $pool.instancesPerPod }}
+{{- $key := printf "num_%s" .role }}
+{{- $asked := index .root.Values.spec $key | default $capacity }}
+{{- if gt (int $asked) (int $capacity) }}
+{{- fail (printf "spec.%s=%d exceeds %s.replicas x %s.instancesPerPod = %d: the extra instances would find no pod" $key (int $asked) .role .role (int $capacity)) }}
+{{- end }}
+{{- int $asked }}
+{{- end }}
+
+{{/* The cluster spec the gateway runs: values.spec plus the keys the chart owns. */}}
+{{- define "pdserve.spec" -}}
+{{- $spec := deepCopy .Values.spec }}
+{{- $_ := set $spec "num_prefill" (include "pdserve.poolInstances" (dict "root" . "role" "prefill") | int) }}
+{{- $_ = set $spec "num_decode" (include "pdserve.poolInstances" (dict "root" . "role" "decode") | int) }}
+{{- $_ = set $spec "ray_resources" true }}
+{{- $_ = set $spec "k8s_namespace" .Release.Namespace }}
+{{- $_ = set $spec "k8s_prefill_deployment" (include "pdserve.workerName" (dict "root" . "role" "prefill")) }}
+{{- $_ = set $spec "k8s_decode_deployment" (include "pdserve.workerName" (dict "root" . "role" "decode")) }}
+{{- with .Values.autoscaler }}
+{{- if .enabled }}
+{{- /* The Kubernetes actuator sets replicas to the number of instances it wants. */}}
+{{- if or (ne (int $.Values.prefill.instancesPerPod) 1) (ne (int $.Values.decode.instancesPerPod) 1) }}
+{{- fail "autoscaler.enabled scales pods one instance at a time: set prefill.instancesPerPod and decode.instancesPerPod to 1" }}
+{{- end }}
+{{- if gt (int .minPrefill) (int .maxPrefill) }}
+{{- fail (printf "autoscaler.minPrefill (%d) > autoscaler.maxPrefill (%d)" (int .minPrefill) (int .maxPrefill)) }}
+{{- end }}
+{{- if gt (int .minDecode) (int .maxDecode) }}
+{{- fail (printf "autoscaler.minDecode (%d) > autoscaler.maxDecode (%d)" (int .minDecode) (int .maxDecode)) }}
+{{- end }}
+{{- $_ = set $spec "autoscale" true }}
+{{- $_ = set $spec "autoscale_actuator" "kubernetes" }}
+{{- $_ = set $spec "autoscale_policy" .policy }}
+{{- $_ = set $spec "ttft_slo_s" .ttftSloS }}
+{{- $_ = set $spec "tbt_slo_s" .tbtSloS }}
+{{- $_ = set $spec "min_prefill" .minPrefill }}
+{{- $_ = set $spec "max_prefill" .maxPrefill }}
+{{- $_ = set $spec "min_decode" .minDecode }}
+{{- $_ = set $spec "max_decode" .maxDecode }}
+{{- end }}
+{{- end }}
+{{- toYaml $spec }}
+{{- end }}

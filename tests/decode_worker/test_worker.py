@@ -1,0 +1,60 @@
+"""The decode worker's admission of transferred requests (a fake receiver, a tiny model): the
+first token and its logprobs come from the transfer, the rest from the decode steps."""
+from __future__ import annotations
+
+import torch
+
+from decode_worker.worker import DecodeWorker
+from engine.request import Request, SamplingParams
+from kvtransfer.base import CompletedTransfer, KVReceiver
+from tests.helpers import make_hf_tiny_llama, tiny_engine
+
+
+class FakeReceiver(KVReceiver):
+    """Reports whatever the test puts in `done` as complete at the next poll."""
+
+    def __init__(self):
+        self.done: list[CompletedTransfer] = []
+        self.expected: dict[str, int] = {}
+
+    endpoint_address = ("127.0.0.1", 0)
+    stats = {}
+
+    def expect(self, request_id: str, slots: torch.Tensor, num_parts: int) -> None:
+        self.expected[request_id] = num_parts
+
+    def poll(self):
+        done, self.done = self.done, []
+        return done, []
+
+    def cancel(self, request_id: str) -> None:
+        self.expected.pop(request_id, None)
+
+    def close(self) -> None:
+        pass
+
+
+def test_transferred_logprobs_lead_and_missing_ones_fail_the_request():
+    """A request that asked for logprobs gets the transferred first token's logprobs first, then
+    one map per decoded token; one whose first token came without them ends with an error (the
+    router retries it) instead of streaming tokens without logprobs."""
+    engine = tiny_engine(make_hf_tiny_llama(), num_blocks=32, block_size=8)
+    rx = FakeReceiver()
+    worker = DecodeWorker(engine, rx)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=1)
+    for rid in ("ok", "bad"):
+        assert worker.reserve(Request(rid, list(range(3, 20)), params), prefill_tp=1)
+    assert rx.expected == {"ok": 1, "bad": 1}
+    rx.done = [CompletedTransfer("ok", 5, {5: -0.5}), CompletedTransfer("bad", 5, None)]
+    outputs = []
+    for _ in range(10):
+        worker.step()
+        outputs += worker.get_outputs(0)
+    ok = [o for o in outputs if o.request_id == "ok"]
+    (bad,) = [o for o in outputs if o.request_id == "bad"]
+    assert bad.finished and bad.error and "logprobs" in bad.error and bad.new_token_ids == []
+    tokens = [t for o in ok for t in o.new_token_ids]
+    logprobs = [lp for o in ok for lp in o.new_logprobs]
+    assert ok[-1].finished and len(tokens) == len(logprobs) == 3 and tokens[0] == 5 and logprobs[0] == {5: -0.5}
+    assert all(next(iter(lp)) == t and len(lp) in (1, 2) for t, lp in zip(tokens, logprobs))
+    engine.kv.assert_no_leaks()

@@ -1,0 +1,340 @@
+"""The Helm chart (deploy/helm/pdserve), rendered offline by real Helm (helm-python-sdk, no
+binary, no cluster) and checked three ways: against the Kubernetes API schemas
+(kubernetes-validate, strict), against its own values.schema.json, and against the cluster spec
+the gateway will load from it (`ClusterSpec.from_dict`)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from pathlib import Path
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from cluster import spec as cluster_spec
+from cluster.spec import ClusterSpec
+from engine.config import DTYPE_CHOICES
+
+pytestmark = pytest.mark.timeout(300)
+
+CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "pdserve"
+GPU_VALUES = yaml.safe_load((CHART / "ci" / "gpu-values.yaml").read_text())
+RELEASE, NAMESPACE = "pdserve", "serving"
+# Cluster spec keys the chart sets itself (from the pod or from other values), so values.spec refuses them.
+CHART_OWNED_SPEC_KEYS = {
+    "host", "port", "ray_address", "redis_url", "api_key", "ray_resources", "autoscale", "autoscale_policy",
+    "autoscale_actuator", "ttft_slo_s", "tbt_slo_s", "min_prefill", "max_prefill", "min_decode", "max_decode",
+    "k8s_namespace", "k8s_prefill_deployment", "k8s_decode_deployment",
+}
+AUTOSCALED = {"autoscaler": {"enabled": True, "policy": "queue", "ttftSloS": 1.5, "minDecode": 2, "maxDecode": 6},
+              "decode": {"replicas": 2}}
+VALUE_SETS = {
+    "default": None,
+    "gpu": GPU_VALUES,
+    "everything-on": {**AUTOSCALED, "redis": {"enabled": True}, "imagePullSecrets": [{"name": "regcred"}],
+                      "ingress": {"enabled": True, "className": "nginx", "tls": {"enabled": True, "secretName": "t"}},
+                      "gateway": {"apiKey": {"existingSecret": "pdserve-api-key"}}},
+}
+
+
+def render(values: dict | None = None) -> dict[str, str]:
+    """Template path -> rendered text, as `helm template` would produce."""
+    with helm.Chart.load(CHART) as chart:
+        return chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+def manifests(values: dict | None = None) -> list[dict]:
+    """Every object the chart renders: multi-document templates split, NOTES.txt and empty documents skipped."""
+    objects = []
+    for path, text in render(values).items():
+        if not path.endswith("NOTES.txt"):
+            objects += [doc for doc in yaml.safe_load_all(text) if doc]
+    return objects
+
+
+def find(objects: list[dict], kind: str, name: str | None = None) -> list[dict]:
+    return [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+
+
+def one(objects: list[dict], kind: str, name: str) -> dict:
+    (found,) = find(objects, kind, name)
+    return found
+
+
+def container(deployment: dict) -> dict:
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def merged_values(values: dict | None) -> dict:
+    """The chart's defaults with `values` over them: what the templates see."""
+    with helm.Chart.load(CHART) as chart:
+        return chart.merge_values(values)
+
+
+def loaded_spec(objects: list[dict]) -> ClusterSpec:
+    return ClusterSpec.from_dict(yaml.safe_load(one(objects, "ConfigMap", "pdserve-spec")["data"]["spec.yaml"]))
+
+
+@pytest.fixture(scope="module", params=list(VALUE_SETS))
+def rendered(request) -> tuple[dict | None, list[dict]]:
+    """(values, objects) for each value set: rendering once per module keeps the suite quick."""
+    return VALUE_SETS[request.param], manifests(VALUE_SETS[request.param])
+
+
+@pytest.mark.parametrize("values", list(VALUE_SETS.values()), ids=list(VALUE_SETS))
+def test_lint_has_no_errors(values):
+    """`helm lint` (schema, templates, Chart.yaml) reports no error; warnings are printed, not fatal."""
+    report = helm.lint(CHART, values, namespace=NAMESPACE, kube_version="v1.30.0")
+    for message in report["messages"]:
+        if message["severity"] == 2:
+            print(f"helm lint warning: {message['path']}: {message['error']}")
+    assert report["errors"] == [], report["errors"]
+
+
+@pytest.mark.parametrize("kube_version", ["1.30.0", kubernetes_validate.latest_version()])
+def test_manifests_validate_against_kubernetes(rendered, kube_version):
+    """Every rendered object is valid for the oldest supported (1.30) and the newest Kubernetes
+    the installed kubernetes-validate knows, in strict mode (unknown fields are errors)."""
+    _, objects = rendered
+    assert objects
+    for obj in objects:
+        try:
+            kubernetes_validate.validate(obj, kube_version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} invalid for {kube_version}: {exc.message} "
+                        f"at {'.'.join(map(str, exc.path))}")
+
+
+def test_renders_every_component(rendered):
+    """Head, both worker pools and the gateway always render; Redis, Ingress and RBAC only when asked."""
+    values, objects = rendered
+    values = values or {}
+    names = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    assert {("Deployment", f"pdserve-{c}") for c in ("head", "prefill", "decode", "gateway")} <= names
+    assert {("Service", "pdserve-head"), ("Service", "pdserve-gateway"), ("ConfigMap", "pdserve-spec")} <= names
+    assert (("Deployment", "pdserve-redis") in names) == values.get("redis", {}).get("enabled", False)
+    assert bool(find(objects, "Ingress")) == values.get("ingress", {}).get("enabled", False)
+    assert bool(find(objects, "Role")) == values.get("autoscaler", {}).get("enabled", False)
+    assert {o["metadata"]["name"] for o in find(objects, "PodDisruptionBudget")} == {
+        "pdserve-prefill", "pdserve-decode", "pdserve-gateway"}
+    for obj in objects:
+        labels = obj["metadata"]["labels"]
+        assert labels["app.kubernetes.io/instance"] == RELEASE and labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert labels["helm.sh/chart"] == "pdserve-0.1.0" and "app.kubernetes.io/component" in labels
+
+
+@pytest.mark.parametrize("bad, where", [
+    ({"prefill": {"replicas": -1}}, "/prefill/replicas"),
+    ({"replicaCount": 2}, "replicaCount"),
+    ({"spec": {"num_prefil": 2}}, "num_prefil"),
+    ({"spec": {"max_num_seqs": "many"}}, "/spec/max_num_seqs"),
+    ({"spec": {"dtype": "fp8"}}, "/spec/dtype"),
+    ({"spec": {"api_key": "sk-leaked-into-a-configmap"}}, "api_key"),
+    ({"gateway": {"service": {"port": "8000"}}}, "/gateway/service/port"),
+    ({"decode": {"resources": {"limit": {"cpu": 1}}}}, "limit"),
+    ({"autoscaler": {"policy": "fast"}}, "/autoscaler/policy"),
+], ids=["negative-replicas", "misspelled-top-level", "misspelled-spec-key", "wrong-type", "bad-enum",
+        "chart-owned-spec-key", "port-as-string", "misspelled-nested", "unknown-policy"])
+def test_schema_rejects_bad_values(bad, where):
+    """A typo or a wrong type fails the render and the lint, naming the offending key."""
+    with pytest.raises(helm.HelmValuesError, match=where):
+        render(bad)
+    errors = helm.lint(CHART, bad)["errors"]
+    assert errors and any(where in e for e in errors), errors
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"spec": {"num_decode": 3}}, "spec.num_decode=3 exceeds"),
+    ({"autoscaler": {"enabled": True, "minPrefill": 3, "maxPrefill": 2}}, "minPrefill"),
+    ({"autoscaler": {"enabled": True}, "decode": {"instancesPerPod": 2}}, "instancesPerPod to 1"),
+    ({"redis": {"enabled": True, "external": {"existingSecret": "r"}}}, "not both"),
+    ({"ingress": {"enabled": True, "tls": {"enabled": True}}}, "ingress.tls.secretName"),
+])
+def test_templates_refuse_inconsistent_values(bad, message):
+    """Combinations a schema cannot express fail the render with a message saying what to fix."""
+    with pytest.raises(helm.HelmError, match=message):
+        render(bad)
+
+
+def _json_type(tp) -> set[str]:
+    names = {bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null"}
+    return {names[arg] for arg in (typing.get_args(tp) or (tp,))}
+
+
+def test_schema_spec_keys_are_cluster_spec_fields():
+    """values.spec accepts exactly the ClusterSpec fields the chart does not own, each with its
+    Python type, and the same choices; so a new spec field without a schema entry fails here."""
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["spec"]["properties"]
+    hints = typing.get_type_hints(ClusterSpec)
+    assert set(schema) == {f.name for f in dataclasses.fields(ClusterSpec)} - CHART_OWNED_SPEC_KEYS
+    for key, prop in schema.items():
+        if "enum" in prop:
+            assert all(type(choice).__name__ == hints[key].__name__ for choice in prop["enum"]), key
+        else:
+            declared = {prop["type"]} if isinstance(prop["type"], str) else set(prop["type"])
+            assert declared == _json_type(hints[key]), key
+    assert tuple(schema["dtype"]["enum"]) == DTYPE_CHOICES
+    assert tuple(schema["router_policy"]["enum"]) == cluster_spec.ROUTER_POLICIES
+    assert tuple(schema["attention_backend"]["enum"]) == cluster_spec.ATTENTION_BACKENDS
+    assert set(schema["mode"]["enum"]) <= set(cluster_spec.MODES)
+    root = json.loads((CHART / "values.schema.json").read_text())["properties"]
+    assert tuple(root["autoscaler"]["properties"]["policy"]["enum"]) == cluster_spec.AUTOSCALE_POLICIES
+
+
+def test_spec_configmap_loads_as_cluster_spec(rendered):
+    """The gateway's spec.yaml is a valid ClusterSpec that names the rendered worker Deployments,
+    the release namespace, and pools no larger than the worker pods can hold."""
+    values, objects = rendered
+    spec = loaded_spec(objects)
+    deployments = {d["metadata"]["name"]: d for d in find(objects, "Deployment")}
+    assert spec.k8s_prefill_deployment == "pdserve-prefill" and spec.k8s_prefill_deployment in deployments
+    assert spec.k8s_decode_deployment == "pdserve-decode" and spec.k8s_decode_deployment in deployments
+    assert spec.k8s_namespace == NAMESPACE and spec.ray_resources is True
+    for role, count in spec.instance_counts.items():
+        pool = deployments[f"pdserve-{role}"]
+        resources = next(a for a in container(pool)["command"] if a.startswith("--resources="))
+        units_per_pod = json.loads(resources.removeprefix("--resources="))[role]  # one per rank
+        assert count * spec.tp_size(role) <= pool["spec"]["replicas"] * units_per_pod, role
+    user_spec = (values or {}).get("spec", {})
+    assert all(getattr(spec, key) == value for key, value in user_spec.items())
+
+
+def test_autoscaler_keys_reach_the_spec():
+    """With the autoscaler on, the spec turns autoscaling on with the Kubernetes actuator and the
+    chart's SLOs and bounds; with it off, the spec keeps autoscaling off."""
+    spec = loaded_spec(manifests(AUTOSCALED))
+    assert spec.autoscale and spec.autoscale_actuator == "kubernetes" and spec.autoscale_policy == "queue"
+    assert (spec.ttft_slo_s, spec.tbt_slo_s) == (1.5, 0.1)
+    assert (spec.min_prefill, spec.max_prefill, spec.min_decode, spec.max_decode) == (1, 4, 2, 6)
+    assert not loaded_spec(manifests()).autoscale
+
+
+def test_autoscaler_rbac_is_least_privilege():
+    """The autoscaler may only get and patch the scale of Deployments, in its own namespace, and
+    the gateway pod (where it runs) uses that ServiceAccount; without it, no RBAC and no token."""
+    objects = manifests(AUTOSCALED)
+    (role,) = find(objects, "Role")
+    assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["get", "patch"]}]
+    assert not find(objects, "ClusterRole") and not find(objects, "ClusterRoleBinding")
+    (binding,) = find(objects, "RoleBinding")
+    (account,) = find(objects, "ServiceAccount")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
+                                    "namespace": NAMESPACE}]
+    pod = one(objects, "Deployment", "pdserve-gateway")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
+    default_pod = one(manifests(), "Deployment", "pdserve-gateway")["spec"]["template"]["spec"]
+    assert "serviceAccountName" not in default_pod and default_pod["automountServiceAccountToken"] is False
+
+
+def test_gateway_probes_and_command(rendered):
+    """The gateway is probed on /health (liveness, startup) and /ready (readiness) on its http
+    port, joins Ray without CPUs, then execs `pdserve serve` on the mounted spec."""
+    values, objects = rendered
+    gateway = container(one(objects, "Deployment", "pdserve-gateway"))
+    assert gateway["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert gateway["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert {"name": "http", "containerPort": 8000} in gateway["ports"]
+    shell = gateway["command"][-1]
+    assert shell.startswith("ray start --address=pdserve-head:6379 --num-cpus=0 && exec pdserve serve ")
+    assert "--config /etc/pdserve/spec.yaml --host 0.0.0.0 --port 8000 --ray-address auto" in shell
+    env = {e["name"]: e for e in gateway["env"]}
+    redis = (values or {}).get("redis", {}).get("enabled", False)
+    assert ('--redis-url "$PDSERVE_REDIS_URL"' in shell) == redis == ("PDSERVE_REDIS_URL" in env)
+    if redis:
+        assert env["PDSERVE_REDIS_URL"]["value"] == "redis://pdserve-redis:6379/0"
+    api_key = (values or {}).get("gateway", {}).get("apiKey", {}).get("existingSecret")
+    assert ("PDSERVE_API_KEY" in env) == bool(api_key)
+    if api_key:
+        assert env["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": api_key, "key": "api-key"}
+
+
+def test_external_redis_url_comes_from_its_secret():
+    """An external Redis is reached through the URL in the named Secret; no Redis is deployed."""
+    objects = manifests({"redis": {"external": {"existingSecret": "redis-conn", "key": "url"}}})
+    env = {e["name"]: e for e in container(one(objects, "Deployment", "pdserve-gateway"))["env"]}
+    assert env["PDSERVE_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "redis-conn", "key": "url"}
+    assert not find(objects, "Deployment", "pdserve-redis")
+
+
+def test_ray_pods_use_token_auth(rendered):
+    """Head, workers and gateway all run Ray with token auth, reading the token from one Secret the
+    release renders, and get a memory-backed /dev/shm for Ray's object store."""
+    _, objects = rendered
+    (secret,) = find(objects, "Secret")
+    assert len(secret["data"]["token"]) > 48  # base64 of 48 random characters
+    for name in ("pdserve-head", "pdserve-prefill", "pdserve-decode", "pdserve-gateway"):
+        pod = one(objects, "Deployment", name)["spec"]["template"]["spec"]
+        env = {e["name"]: e for e in container(one(objects, "Deployment", name))["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token", name
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "token"}
+        shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+        assert shm["emptyDir"]["medium"] == "Memory", name
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+
+
+def test_existing_ray_secret_is_used_not_generated():
+    """With ray.auth.existingSecret the chart renders no token Secret and points every Ray pod at the given one."""
+    objects = manifests({"ray": {"auth": {"existingSecret": "ray-token", "existingSecretKey": "t"}}})
+    assert not find(objects, "Secret")
+    for name in ("pdserve-head", "pdserve-prefill", "pdserve-decode", "pdserve-gateway"):
+        env = {e["name"]: e for e in container(one(objects, "Deployment", name))["env"]}
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "ray-token", "key": "t"}
+
+
+def test_ray_head_command_and_ports(rendered):
+    """The head schedules no work (num-cpus 0) and serves GCS, client and dashboard ports through its Service."""
+    _, objects = rendered
+    head = container(one(objects, "Deployment", "pdserve-head"))
+    assert head["command"] == ["ray", "start", "--head", "--port=6379", "--num-cpus=0", "--dashboard-host=0.0.0.0",
+                               "--block"]
+    ports = {p["name"]: p["port"] for p in one(objects, "Service", "pdserve-head")["spec"]["ports"]}
+    assert ports == {"gcs": 6379, "client": 10001, "dashboard": 8265}
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_worker_pods_carry_role_resource_and_gpus(rendered, role):
+    """A worker pod joins the head as a Ray node with the pool's CPUs, GPUs and one unit of its role
+    resource per rank it hosts (instancesPerPod x TP, as cluster/cluster.py asks one per rank); its
+    `nvidia.com/gpu` limit equals the GPUs it advertises to Ray, and its grace period outlasts the
+    preStop drain."""
+    values, objects = rendered
+    pool = merged_values(values)[role]
+    ranks = pool["instancesPerPod"] * loaded_spec(objects).tp_size(role)
+    deployment = one(objects, "Deployment", f"pdserve-{role}")
+    worker = container(deployment)
+    command = worker["command"]
+    assert command[:3] == ["ray", "start", "--address=pdserve-head:6379"] and command[-1] == "--block"
+    assert f"--num-cpus={pool['cpus']}" in command and f"--num-gpus={pool['gpu']}" in command
+    assert f'--resources={{"{role}":{ranks}}}' in command
+    limits = worker["resources"]["limits"]
+    assert limits.get("nvidia.com/gpu", 0) == pool["gpu"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod.get("nodeSelector", {}) == pool["nodeSelector"] and pod.get("tolerations", []) == pool["tolerations"]
+    assert worker["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(pool["drainSeconds"])]
+    assert pod["terminationGracePeriodSeconds"] > pool["drainSeconds"]
+
+
+def test_gpu_values_request_gpus():
+    """The GPU variant puts an `nvidia.com/gpu` limit on every worker pod, and none on the others."""
+    for deployment in find(manifests(GPU_VALUES), "Deployment"):
+        limits = container(deployment).get("resources", {}).get("limits", {})
+        is_worker = deployment["metadata"]["name"] in ("pdserve-prefill", "pdserve-decode")
+        assert (limits.get("nvidia.com/gpu", 0) >= 1) == is_worker, deployment["metadata"]["name"]
+
+
+def test_gpu_values_give_each_tp_group_one_pod():
+    """In the GPU variant a pod holds the GPUs of all the instances it hosts (instancesPerPod x TP),
+    so no tensor-parallel group is split across pods."""
+    spec = loaded_spec(manifests(GPU_VALUES))
+    assert spec.device == "cuda" and spec.dtype == "bfloat16" and spec.prefill_tp == 2
+    for role in ("prefill", "decode"):
+        pool = GPU_VALUES[role]
+        assert pool["gpu"] == pool["instancesPerPod"] * spec.tp_size(role), role
+        assert pool["cpus"] >= pool["gpu"], role
