@@ -60,22 +60,22 @@ class OnlineProfile:
         self.prefill_tokens_per_s: float | None = None
         self.points: deque[tuple[float, float]] = deque(maxlen=64)
         self._last: dict[str, dict[str, float]] = {}
+        self._tokens = self._busy = 0.0  # prefill work not yet folded in (sparse load spans intervals)
 
     def update(self, cluster) -> Profile | None:
         """Folds in the counters since the last call; None until both pools have been measured."""
-        tokens = busy = 0.0
         for inst in list(cluster.instances.values()):
             load, last = inst.client.info.load, self._last.get(inst.instance_id, {})
             delta = {k: load.get(k, 0.0) - last.get(k, 0.0) for k in load}
             self._last[inst.instance_id] = dict(load)
             self.kv_capacity_tokens = max(self.kv_capacity_tokens, int(load.get("kv_capacity_tokens", 0)))
-            tokens += delta.get("prefill_tokens_computed", 0.0)
-            busy += delta.get("prefill_busy_s", 0.0)
+            self._tokens += delta.get("prefill_tokens_computed", 0.0)
+            self._busy += delta.get("prefill_busy_s", 0.0)
             if delta.get("decode_steps", 0.0) >= self.MIN_STEPS:
                 steps = delta["decode_steps"]
                 self.points.append((delta["decode_step_seqs"] / steps, delta["decode_step_s"] / steps))
-        if busy >= self.MIN_BUSY_S:
-            tps = tokens / busy
+        if self._busy >= self.MIN_BUSY_S:
+            tps, self._tokens, self._busy = self._tokens / self._busy, 0.0, 0.0
             self.prefill_tokens_per_s = tps if self.prefill_tokens_per_s is None else \
                 0.5 * self.prefill_tokens_per_s + 0.5 * tps
         if self.prefill_tokens_per_s is None or not self.points or not self.kv_capacity_tokens:
@@ -94,6 +94,7 @@ class Autoscaler:
         self.desired: PoolSizes | None = None
         self.decisions = {(role, d): 0 for role in ("prefill", "decode") for d in ("up", "down")}
         self.errors = 0
+        self._said_profiling = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -106,7 +107,9 @@ class Autoscaler:
         self.last = obs
         if isinstance(self.policy, SLOPlanner):
             if self.profile is None:
-                logger.info("autoscaler: profiling (no decision until both pools have been measured)")
+                if not self._said_profiling:
+                    logger.info("autoscaler: profiling (no decision until both pools have been measured)")
+                    self._said_profiling = True
                 return None
             self.policy.profile = self.profile
         target = self.policy.decide(obs)

@@ -95,17 +95,30 @@ def cmd_serve(args) -> int:
 
 
 def _add_bench(sub) -> None:
+    from bench.loadgen import add_flags
     from cluster.spec import add_cli_flags
-    p = sub.add_parser("bench", help="measure this machine: --profile writes the autoscaler's instance profile")
-    p.add_argument("--profile", metavar="OUT.json", required=True,
-                   help="measure one instance (prefill tokens/s, decode step time by batch, KV capacity) into OUT.json")
-    add_cli_flags(p)
+    p = sub.add_parser("bench", help="load-test a running server over HTTP, or --profile one instance",
+                       description="Without --profile: stream /v1/completions at a running server and report "
+                                   "TTFT, TBT, end-to-end latency, throughput and goodput. With --profile: measure "
+                                   "one in-process instance for the autoscaler.")
+    p.add_argument("--profile", metavar="OUT.json", default=None,
+                   help="measure one instance (prefill tokens/s, decode step time by batch, KV capacity) into OUT.json "
+                        "instead of load-testing; takes the cluster spec flags")
+    add_flags(p.add_argument_group("load generator", "the default mode: a running server at --url"))
+    add_cli_flags(p.add_argument_group("cluster spec", "with --profile: the instance to measure"))
     p.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args) -> int:
-    from cluster.profiler import measure_profile
+    from dataclasses import fields
     from cluster.spec import ClusterSpec
+    if args.profile is None:
+        given = [f"--{f.name.replace('_', '-')}" for f in fields(ClusterSpec) if hasattr(args, f.name)]
+        if given or args.config:  # they would be ignored: say so instead
+            raise ValueError(f"{', '.join(given or ['--config'])}: cluster spec flags only apply with --profile")
+        from bench.loadgen import run_from_args
+        return run_from_args(args)
+    from cluster.profiler import measure_profile
     profile, raw = measure_profile(ClusterSpec.from_args(args))
     profile.save(args.profile, **raw)
     print(f"prefill {profile.prefill_tokens_per_s:.0f} tokens/s; decode step {profile.decode_itl_base_s * 1000:.1f} ms "
