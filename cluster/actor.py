@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import ray
 import torch
@@ -28,11 +29,16 @@ class RankActor:
     def setup(self, tp_address: str | None) -> KVEndpoint | None:
         """Loads the model, joins the TP group, starts the loop. Returns this rank's KV endpoint."""
         config, role, instance_id, rank, tp_size = self._args
-        self.host = RankHost(config, role, instance_id, rank, tp_size, tp_address, self._host_name, self._kv_timeout_s)
+        self.host = RankHost(config, role, instance_id, rank, tp_size, tp_address, self._host_name, self._kv_timeout_s,
+                             on_loop_death=lambda: os._exit(1))
         return self.host.kv_endpoint()
 
     def max_model_len(self) -> int:
         return self.host.max_model_len
+
+    def pid(self) -> int:
+        """This rank's process id (fault-injection tests kill it)."""
+        return os.getpid()
 
     def set_followers(self, followers: list) -> None:
         """Decode rank 0: the other ranks' actors, so a reservation reaches every rank's receiver."""

@@ -82,6 +82,8 @@ class Cluster:
         self.router.start()
         self._stop_publishing = threading.Event()
         threading.Thread(target=self._publish_state, daemon=True, name="cluster-state").start()
+        if self.spec.replace_dead_instances:
+            threading.Thread(target=self._replace_dead, daemon=True, name="cluster-supervisor").start()
         logger.info("cluster up: %s", ", ".join(f"{i.instance_id} (tp={i.tp_size})" for i in self.instances.values()))
         return self
 
@@ -296,6 +298,20 @@ class Cluster:
                     pass
                 except Exception:  # the state store is down: serving goes on, say so
                     logger.warning("cannot publish %s to the cluster state", inst.instance_id, exc_info=True)
+
+    def _replace_dead(self) -> None:
+        """An instance the router found dead (its requests already retried elsewhere) is removed
+        and a new one of its role started, so the pools keep their sizes."""
+        while not self._stop_publishing.wait(0.5):
+            for iid, inst in list(self.instances.items()):
+                if inst.client.info.healthy or inst.client.info.draining:
+                    continue
+                logger.warning("replacing dead instance %s", iid)
+                try:
+                    self.remove_instance(iid)
+                    logger.info("%s replaced by %s", iid, self.add_instance(inst.role))
+                except Exception:  # no room left in Ray, model load failed: keep serving, say so
+                    logger.exception("could not replace %s", iid)
 
     def _cached_prefix(self, prompt_token_ids: list[int]) -> dict[str, int]:
         return self.state.longest_prefix(block_hashes(prompt_token_ids, self.spec.block_size), role="prefill")

@@ -46,8 +46,11 @@ def load_tokenizer(model: str) -> Tokenizer | None:
 class RankHost:
     def __init__(self, config: EngineConfig, role: str, instance_id: str, rank: int = 0, tp_size: int = 1,
                  tp_address: str | None = None, host: str = "127.0.0.1", kv_timeout_s: float = 10.0,
-                 model_config=None, weights=None):
+                 model_config=None, weights=None, on_loop_death=None):
+        """`on_loop_death`: called if the step loop dies (a Ray actor exits, so the instance is
+        seen dead and its requests retried elsewhere, instead of hanging alive but idle)."""
         self.role, self.instance_id, self.rank, self.host = role, instance_id, rank, host
+        self.on_loop_death = on_loop_death
         tp = TPGroup()
         if tp_size > 1:
             dist.init_process_group("gloo", init_method=f"tcp://{tp_address}", rank=rank, world_size=tp_size,
@@ -62,7 +65,9 @@ class RankHost:
         if role == "prefill":
             self.sender = create_kv_transport("torch").sender(compat, f"{instance_id}/{rank}", timeout_s=kv_timeout_s,
                                                               host=host)
-            self.worker = PrefillWorker(self.runner, self.sender, instance_id)
+            # a request's blocks are leased to its transfer: freed on the decode side's ack, or after
+            # 3 transfer timeouts if no ack ever comes (a hung peer cannot pin them forever)
+            self.worker = PrefillWorker(self.runner, self.sender, instance_id, lease_s=3 * kv_timeout_s)
         else:
             if role == "decode":
                 heads = kv_heads_of_rank(mc.num_kv_heads, tp_size, rank)
@@ -95,8 +100,10 @@ class RankHost:
                 self._prefill_loop()
             else:
                 self.worker.run(self._stop)
-        except Exception:  # a dead loop must be loud: the router sees the instance stop answering
+        except Exception:  # a dead loop must be loud, and must not leave a live-looking instance
             logger.exception("%s rank %d loop died", self.instance_id, self.rank)
+            if self.on_loop_death is not None:
+                self.on_loop_death()
 
     def _prefill_loop(self) -> None:
         last = time.monotonic()

@@ -55,6 +55,7 @@ _HELP = {
                                "(0 = always disaggregate)",
     "kv_transfer_timeout_s": "seconds before a KV transfer is given up and the request retried",
     "heartbeat_ttl_s": "an instance missing heartbeats this long is considered dead",
+    "replace_dead_instances": "start a new instance for each one that dies, keeping the pools' sizes",
     "api_key": "require this bearer token on the HTTP API",
     "ray_resources": "rank actors need a `prefill` or `decode` Ray resource (worker pods that carry it)",
     "autoscale": "size the prefill and decode pools from load (cluster/autoscaler.py)",
@@ -64,7 +65,7 @@ _HELP = {
     "autoscale_profile": "JSON profile from `pdserve bench --profile` (None: measured online)",
     "ttft_slo_s": "time-to-first-token target, seconds (queueing included)",
     "tbt_slo_s": "time-between-tokens target, seconds",
-    "scale_headroom": "capacity kept spare above the predicted need (0.2 = 20%)",
+    "scale_headroom": "capacity kept spare above the predicted need (0.2 = 20 percent)",
     "scale_up_cooldown_s": "least seconds between two scale-ups of a pool",
     "scale_down_cooldown_s": "least seconds after any change before a pool shrinks",
     "k8s_namespace": "namespace of the worker Deployments (None: this pod's own)",
@@ -103,6 +104,7 @@ class ClusterSpec:
     disagg_threshold_tokens: int = 0
     kv_transfer_timeout_s: float = 10.0
     heartbeat_ttl_s: float = 5.0
+    replace_dead_instances: bool = True
     api_key: str | None = field(default=None, repr=False)  # a secret: kept out of logs and reprs
     ray_resources: bool = False  # Kubernetes: actors land on worker pods carrying `prefill`/`decode`
     # autoscaling (cluster/autoscaler.py)

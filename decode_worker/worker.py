@@ -85,7 +85,9 @@ class DecodeWorker:
         return {"running": float(len(s.running)), "waiting": float(len(s.waiting)),
                 "reserved": float(len(s.remote)), "kv_usage": self.engine.kv.usage,
                 "num_preemptions": float(s.num_preemptions), "kv_bytes_received": float(st.get("bytes_received", 0)),
-                "kv_transfer_failures": float(st.get("failed", 0)), "decode_steps": float(self.num_steps),
+                "kv_transfer_failures": float(st.get("failed", 0)),
+                "kv_messages_dropped": float(st.get("garbage_headers", 0) + st.get("unknown_requests", 0)),
+                "decode_steps": float(self.num_steps),
                 "decode_step_s": self.step_s, "decode_step_seqs": float(self.num_step_seqs),
                 "kv_capacity_tokens": float((self.engine.runner.num_blocks - 1) * self.engine.runner.block_size)}
 

@@ -3,7 +3,7 @@ router's queue and every instance's load figures, read at scrape time."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # load key -> (metric name, help); every instance reports these through `load()`
@@ -18,6 +18,13 @@ INSTANCE_GAUGES = {
     "kv_bytes_received": ("pdserve_kv_transfer_received_bytes_total", "KV bytes received, since start"),
     "kv_transfer_seconds": ("pdserve_kv_transfer_seconds_total", "seconds spent in acknowledged KV transfers"),
     "kv_transfer_failures": ("pdserve_kv_transfer_failures_total", "failed or rejected KV transfers"),
+    "kv_messages_dropped": ("pdserve_kv_messages_dropped_total", "malformed KV frames or frames for unknown requests"),
+}
+# router counter -> (metric name, help): every failure path the router handles
+ROUTER_COUNTERS = {
+    "retries": ("pdserve_router_retries", "request attempts placed again after a failure"),
+    "failed": ("pdserve_router_failed_requests", "requests that ended with an error after their retries"),
+    "instance_deaths": ("pdserve_router_instance_deaths", "instances found dead (their requests were retried)"),
 }
 
 
@@ -56,7 +63,10 @@ class GatewayMetrics:
             for key, fam in families.items():
                 if key in info.load:
                     fam.add_metric([info.instance_id, info.role], info.load[key])
-        yield from [queue, active, healthy, *families.values()]
+        counters = []
+        for key, (name, doc) in ROUTER_COUNTERS.items():
+            counters.append(CounterMetricFamily(name, doc, value=router.stats[key] if router else 0))
+        yield from [queue, active, healthy, *families.values(), *counters]
 
     def describe(self):
         return []

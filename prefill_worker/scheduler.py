@@ -34,6 +34,8 @@ class PrefillScheduler:
         return sum(r.num_tokens - r.num_computed_tokens for r in list(self.waiting) + self.running)
 
     def add_request(self, req: Request) -> None:
+        if req.request_id in self.done or any(r.request_id == req.request_id for r in (*self.waiting, *self.running)):
+            raise ValueError(f"duplicate request id {req.request_id!r}")
         if req.num_prompt_tokens >= self.max_model_len:
             raise ValueError(f"prompt has {req.num_prompt_tokens} tokens; the limit is {self.max_model_len - 1}")
         self.waiting.append(req)

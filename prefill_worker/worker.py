@@ -47,8 +47,10 @@ class _Shipment:
 
 
 class PrefillWorker:
-    def __init__(self, runner: ModelRunner, sender: KVSender, instance_id: str = "prefill-0"):
-        self.runner, self.sender, self.instance_id = runner, sender, instance_id
+    def __init__(self, runner: ModelRunner, sender: KVSender, instance_id: str = "prefill-0", lease_s: float = 30.0):
+        """`lease_s`: how long a finished prompt's blocks wait for the decode side's ack before they
+        are freed anyway (and the request reported failed, so the router retries it)."""
+        self.runner, self.sender, self.instance_id, self.lease_s = runner, sender, instance_id, lease_s
         self.tp = runner.tp
         mc = runner.model_config
         self.my_heads = kv_heads_of_rank(mc.num_kv_heads, self.tp.size, self.tp.rank)
@@ -165,7 +167,7 @@ class PrefillWorker:
         transfers = self._open.pop(request_id, [])
         for *_, transfer in transfers:
             transfer.finish(first_token, logprobs)
-        self._watch.put((request_id, [t for *_, t in transfers]))
+        self._watch.put((request_id, [t for *_, t in transfers], time.monotonic() + self.lease_s))
 
     def _shipments(self, sched) -> list[_Shipment]:
         out = []
@@ -196,14 +198,15 @@ class PrefillWorker:
                 self._params.pop(a, None)
 
     def _watch_transfers(self) -> None:
-        """Waits for each request's transfers in order; reports delivery or failure."""
+        """Waits for each request's transfers in order, each until its lease ends; reports delivery
+        or failure."""
         while True:
-            request_id, transfers = self._watch.get()
+            request_id, transfers, lease_end = self._watch.get()
             error = None
             for t in transfers:
                 try:
-                    t.wait()
-                except Exception as exc:  # TransferError, peer death: the router retries elsewhere
+                    t.wait(timeout=max(0.0, lease_end - time.monotonic()))
+                except Exception as exc:  # TransferError (lease over), peer death: the router retries elsewhere
                     error = f"KV transfer failed: {exc}"
             self._delivered.put((request_id, error))
 

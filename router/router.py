@@ -45,7 +45,7 @@ class Router:
         self._threads: list[threading.Thread] = []
         # cumulative counters (the autoscaler's arrival rate and request shape come from these)
         self.stats = {"retries": 0, "failed": 0, "completed": 0, "submitted": 0, "prompt_tokens": 0,
-                      "cached_prompt_tokens": 0, "output_tokens": 0}
+                      "cached_prompt_tokens": 0, "output_tokens": 0, "instance_deaths": 0}
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -88,12 +88,7 @@ class Router:
 
     def remove_instance(self, instance_id: str) -> None:
         """An instance leaves while serving: nothing new goes there; its in-flight requests are
-        retried elsewhere (as for a dead one), then it is forgotten. Attempts it prefilled whose
-        KV already reached their decode instance keep going."""
-        with self._lock:
-            for t in self._by_attempt.values():
-                if t.prefill_id == instance_id and t.decoding:
-                    t.prefill_id = None
+        retried elsewhere (as for a dead one), then it is forgotten."""
         self._mark_dead(instance_id, RuntimeError("removed"))
         with self._lock:
             self.prefill.pop(instance_id, None)
@@ -159,9 +154,10 @@ class Router:
                     return
         except InstanceDeadError as exc:
             tracked.excluded.add(exc.instance_id)
-            self._mark_dead(exc.instance_id, exc)
+            self._mark_dead(exc.instance_id, exc)  # fails this attempt too if it had started there
             if not tracked.done and tracked.attempt_id not in self._by_attempt:
                 self._retry(tracked, str(exc))
+            return  # placed again (or queued, or given up) by the retry: never queue it twice
         except ValueError as exc:  # the request itself is bad (e.g. prompt too long)
             return self._give_up(tracked, str(exc))
         self._pending.append(tracked)  # every decode instance is full: admission control
@@ -273,8 +269,12 @@ class Router:
             if client is None or not client.info.healthy:
                 return
             client.info.healthy = False
+            self.stats["instance_deaths"] += 1
             logger.error("instance %s is dead (%s); retrying its requests", iid, exc)
             for tracked in [t for t in self._by_attempt.values() if iid in (t.prefill_id, t.decode_id)]:
+                if tracked.prefill_id == iid and tracked.decoding:
+                    tracked.prefill_id = None  # its KV is on the decode side already: it goes on there
+                    continue
                 self._fail(tracked, iid, f"instance {iid} died")
 
     def _refresh_loads(self) -> None:

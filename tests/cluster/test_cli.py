@@ -20,6 +20,14 @@ def test_cluster_flags_build_the_spec():
     assert _cluster_spec(parse("--mode", "colocated")).instance_counts == {"colocated": 1}
 
 
+@pytest.mark.parametrize("command", ["generate", "serve", "bench", "status"])
+def test_help_renders(command, capsys):
+    """Every subcommand's --help prints (a stray % in a help string makes argparse crash)."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([command, "--help"])
+    assert exit_info.value.code == 0 and "usage: pdserve" in capsys.readouterr().out
+
+
 @pytest.mark.timeout(300)
 def test_generate_through_1p1d_cluster_json():
     """SmolLM2 through one prefill and one decode actor: greedy JSON output with every field, and

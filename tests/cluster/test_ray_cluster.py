@@ -81,7 +81,7 @@ def test_killed_decode_before_first_token_finishes_elsewhere(ray_session, tiny_p
         c.kill_instance(doomed)
         got = checked([stream.result(timeout=120)])
         assert c.router.stats["retries"] >= 1
-        assert not c.instances[doomed].client.info.healthy
+        assert doomed not in c.instances or not c.instances[doomed].client.info.healthy  # replaced, or about to be
         c.assert_no_leaks()
     assert got == colocated_tokens(tiny_path, [prompt])
 

@@ -20,7 +20,8 @@ class FakeCluster:
 
     def __init__(self):
         self.instances, self.aborted, self.submitted = {}, [], []
-        self.router = SimpleNamespace(_pending=[], _by_attempt={})
+        self.router = SimpleNamespace(_pending=[], _by_attempt={}, stats={"retries": 2, "failed": 1,
+                                                                           "instance_deaths": 1})
         self.is_ready = True
 
     def ready(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import pytest
 
@@ -125,6 +126,28 @@ def test_round_robin_spreads_requests_over_decode_instances():
     for i in range(4):
         r.submit(f"r{i}", [1, 2, 3], PARAMS)
     assert len(d0.reserved) == len(d1.reserved) == 2
+    r.close()
+
+
+def test_prefill_found_dead_at_submit_places_the_request_once():
+    """The prefill dies between placement and submit: the request goes to the other prefill
+    instance exactly once (it used to be queued as well, then submitted a second time), and a
+    request already decoding from the dead prefill goes on without a retry."""
+    p0, p1, d = FakePrefill("p0"), FakePrefill("p1"), FakeDecode("d0")
+    r = make_router([p0, p1], [d])
+    decoding = r.submit("old", [1, 2, 3], PARAMS)  # round robin: on p0
+    d.outputs.put(RequestOutput("old#0", [11], "", False, num_output_tokens=1))
+    while not r._by_attempt["old#0"].decoding:
+        pass
+    p0.dead = True
+    r.submit("a", [1, 2, 3], PARAMS)  # round robin: p1
+    r.submit("b", [1, 2, 3], PARAMS)  # p0: its submit fails, the router learns p0 is dead, b goes to p1
+    time.sleep(0.2)  # the placement thread would place a wrongly queued copy now
+    ids = [req.request_id for req, _ in p1.submitted]
+    assert sorted(ids) == sorted(set(ids)) and len(ids) == 2
+    assert r.stats["retries"] <= 1 and "old#0" in r._by_attempt  # decoding one untouched
+    d.outputs.put(RequestOutput("old#0", [12, 13], "", True, "length", num_output_tokens=3))
+    assert decoding.result(timeout=5).token_ids == [11, 12, 13]
     r.close()
 
 
