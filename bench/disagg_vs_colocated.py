@@ -1,6 +1,7 @@
 """Does disaggregation pay? The same mixed workload, on the same cores, against two clusters:
 colocated (two instances, each prefilling and decoding) and 1P1D (one prefill, one decode
-instance), each rank on one thread, through the HTTP gateway.
+instance; also with conditional disaggregation, prompts under 256 tokens prefilled on the
+decode instance), each rank on one thread, through the HTTP gateway.
 `python -m bench.disagg_vs_colocated --duration 120 --out bench/results/disagg_vs_colocated`
 
 Workload: chat-like requests (short prompt, long answer) arrive as a Poisson stream with long
@@ -109,7 +110,9 @@ def main() -> None:
     base = dict(model=args.model, dtype="float32", device="cpu", num_threads=1, kv_memory_gib=0.5,
                 max_num_seqs=64, max_num_batched_tokens=2048)
     clusters = {"colocated (2 instances)": ClusterSpec(mode="colocated", num_decode=2, **base),
-                "1P1D": ClusterSpec(num_prefill=1, num_decode=1, **base)}
+                "1P1D": ClusterSpec(num_prefill=1, num_decode=1, **base),
+                # conditional disaggregation: short prompts are prefilled on the decode instance
+                "1P1D, short local": ClusterSpec(num_prefill=1, num_decode=1, disagg_threshold_tokens=256, **base)}
     slo = Slo(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo)
     with tempfile.TemporaryDirectory() as tmp:
         dataset = Path(tmp) / "mixed.jsonl"
