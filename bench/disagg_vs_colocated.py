@@ -17,14 +17,12 @@ import asyncio
 import json
 import logging
 import random
-import socket
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-from bench.loadgen import LoadConfig, run_load
-from bench.loadgen_report import Slo, inter_chunk_gaps, summarize
+from cluster.loadgen import LoadConfig, run_load
+from cluster.loadgen_report import Slo, inter_chunk_gaps, summarize
+from cluster.serve import build, serve_in_thread
 from cluster.spec import ClusterSpec
 
 
@@ -39,35 +37,17 @@ def write_dataset(path: Path, n: int, short: tuple[int, int], long: tuple[int, i
                                 "output_tokens": output}) + "\n")
 
 
-def serve_in_thread(spec: ClusterSpec):
-    """The cluster and gateway in this process; returns (cluster, url, stop)."""
-    import uvicorn
-    from cluster.serve import build
-    cluster, app = build(spec)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-
-    def stop():
-        server.should_exit = True
-        thread.join(timeout=10)
-        cluster.shutdown()
-    return cluster, f"http://127.0.0.1:{port}", stop
-
-
 def run_one(name: str, spec: ClusterSpec, dataset: Path, rate: float, duration_s: float, slo: Slo) -> dict:
-    cluster, url, stop = serve_in_thread(spec)
+    """The cluster and gateway in this process, the load generator against them."""
+    cluster, app = build(spec)
+    url, stop = serve_in_thread(app)
     try:
         result = asyncio.run(run_load(LoadConfig(url=url, dataset=str(dataset), rate=rate, arrival="poisson",
                                                  duration_s=duration_s, progress=False, seed=1)))
         cluster.assert_no_leaks()
     finally:
         stop()
+        cluster.shutdown()
     summary = summarize(result.records, slo)
     summary["name"] = name
     summary["gaps"] = inter_chunk_gaps(result.records)

@@ -59,15 +59,17 @@ def soak(spec: ClusterSpec, num_requests: int, concurrency: int = 50, abort_frac
         gc.collect()
         before, start = rss_mib(), time.monotonic()
         totals = {"finished": 0, "aborted": 0, "error": 0}
+        trace = []  # RSS after each wave: growth that keeps going is a leak, a plateau is the allocator
         for first in range(0, num_requests, concurrency):
             counts = _wave(cluster, first, min(concurrency, num_requests - first), rng, abort_fraction, vocab,
                            max_tokens)
             totals = {k: totals[k] + counts[k] for k in totals}
+            trace.append(round(rss_mib(), 1))
         seconds = time.monotonic() - start
         cluster.assert_no_leaks()
         gc.collect()
         return {**totals, "requests": num_requests, "rss_before_mib": round(before, 1),
-                "rss_after_mib": round(rss_mib(), 1), "seconds": round(seconds, 1)}
+                "rss_after_mib": round(rss_mib(), 1), "rss_by_wave_mib": trace, "seconds": round(seconds, 1)}
 
 
 def main() -> None:

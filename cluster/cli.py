@@ -95,7 +95,7 @@ def cmd_serve(args) -> int:
 
 
 def _add_bench(sub) -> None:
-    from bench.loadgen import add_flags
+    from cluster.loadgen import add_flags
     from cluster.spec import add_cli_flags
     p = sub.add_parser("bench", help="load-test a running server over HTTP, or --profile one instance",
                        description="Without --profile: stream /v1/completions at a running server and report "
@@ -116,7 +116,7 @@ def cmd_bench(args) -> int:
         given = [f"--{f.name.replace('_', '-')}" for f in fields(ClusterSpec) if hasattr(args, f.name)]
         if given or args.config:  # they would be ignored: say so instead
             raise ValueError(f"{', '.join(given or ['--config'])}: cluster spec flags only apply with --profile")
-        from bench.loadgen import run_from_args
+        from cluster.loadgen import run_from_args
         return run_from_args(args)
     from cluster.profiler import measure_profile
     profile, raw = measure_profile(ClusterSpec.from_args(args))

@@ -28,6 +28,35 @@ def build(spec: ClusterSpec, api_key: str | None = None, use_ray: bool = True):
     return cluster, app
 
 
+def serve_in_thread(app, host: str = "127.0.0.1", start_timeout_s: float = 30.0):
+    """Runs `app` on uvicorn in a daemon thread on a free port (tests and benchmarks).
+
+    Returns:
+        (base url "http://host:port", stop): `stop()` shuts the server down and joins the thread.
+    """
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True, name="uvicorn")
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError(f"uvicorn did not start on {host}:{port}")
+        time.sleep(0.05)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(timeout=10)
+    return f"http://{host}:{port}", stop
+
+
 def _paths(spec: ClusterSpec) -> str:
     """Device, dtype and attention backend the instances run (as they resolve "auto")."""
     cuda = spec.device.startswith("cuda") or (spec.device == "auto" and torch.cuda.is_available())

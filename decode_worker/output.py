@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.request import Request, RequestStatus
+from engine.request import Request
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

@@ -14,14 +14,9 @@ from cluster.cluster import Cluster
 from cluster.spec import ClusterSpec
 from engine.request import SamplingParams
 from gateway.metrics import GatewayMetrics
-from tests.helpers import random_prompts, save_tiny_llama
+from tests.helpers import random_prompts
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    return str(save_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama"))
 
 
 def test_slo_planner_grows_and_shrinks_a_live_cluster(tiny_path, tmp_path):

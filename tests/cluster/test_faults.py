@@ -11,28 +11,14 @@ import time
 
 import pytest
 
-from cluster.cluster import Cluster, setup_ray_auth
+from cluster.cluster import Cluster
 from cluster.spec import ClusterSpec
 from engine.request import SamplingParams
-from tests.helpers import random_prompts, save_tiny_llama
+from tests.helpers import random_prompts
 
 pytestmark = pytest.mark.timeout(300)
 PARAMS = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 RECOVERY_S = 5.0
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    setup_ray_auth()
-    import ray
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    return str(save_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama"))
 
 
 def spec_for(model: str, **kw) -> ClusterSpec:

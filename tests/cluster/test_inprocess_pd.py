@@ -10,14 +10,9 @@ import torch
 from cluster.cluster import Cluster
 from cluster.spec import ClusterSpec
 from engine.request import SamplingParams
-from tests.helpers import assert_logprobs_close, random_prompts, save_tiny_llama
+from tests.helpers import assert_logprobs_close, random_prompts
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    return str(save_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama"))
 
 
 def spec_for(model: str, **kw) -> ClusterSpec:

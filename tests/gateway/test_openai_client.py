@@ -3,19 +3,16 @@ one prefill and one decode instance in-process. Greedy outputs equal the colocat
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from cluster.spec import ClusterSpec
 from decode_worker.llm import LLM
 from engine.request import SamplingParams
-from cluster.serve import build
+from cluster.serve import build, serve_in_thread
 
 pytestmark = pytest.mark.timeout(300)
 QUESTIONS = [f"What is {a} plus {b}?" for a, b in zip(range(2, 12), range(5, 15))]  # 10 distinct chats
@@ -26,17 +23,9 @@ def server():
     spec = ClusterSpec(model="smollm2", dtype="float32", device="cpu", num_kv_blocks=512, block_size=16,
                        max_num_seqs=128, max_num_batched_tokens=1024, num_threads=2, kv_transfer_timeout_s=30.0)
     cluster, app = build(spec, use_ray=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    yield cluster, f"http://127.0.0.1:{port}/v1"
-    srv.should_exit = True
-    thread.join(timeout=10)
+    url, stop = serve_in_thread(app)
+    yield cluster, f"{url}/v1"
+    stop()
     cluster.shutdown()
 
 

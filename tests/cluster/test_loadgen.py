@@ -14,13 +14,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import uvicorn
 
-from bench.loadgen import LoadConfig, RequestRecord, arrival_times, load_dataset, request_specs, run_load
-from bench.loadgen_report import Slo, summarize, write_outputs
+from cluster.loadgen import LoadConfig, RequestRecord, arrival_times, load_dataset, request_specs, run_load
+from cluster.loadgen_report import Slo, summarize, write_outputs
 from cluster.cli import build_parser, main
 from engine.loader import resolve_model_path
 from engine.tokenizer import Tokenizer
+from cluster.serve import serve_in_thread
 from gateway.app import create_app
 from router.router import QueueFullError
 from router.stream import StreamEvent
@@ -75,22 +75,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(app) -> tuple[uvicorn.Server, threading.Thread, str]:
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not srv.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    return srv, thread, f"http://127.0.0.1:{srv.config.port}"
-
-
-def _stop(srv: uvicorn.Server, thread: threading.Thread) -> None:
-    srv.should_exit = True
-    thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     return Tokenizer.from_path(resolve_model_path("smollm2"))
@@ -99,9 +83,9 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def served(tokenizer):
     cluster = LoadFakeCluster()
-    srv, thread, url = _start(create_app(cluster, tokenizer, "smollm2", FakeCluster.max_model_len))
+    url, stop = serve_in_thread(create_app(cluster, tokenizer, "smollm2", FakeCluster.max_model_len))
     yield cluster, url
-    _stop(srv, thread)
+    stop()
 
 
 @pytest.fixture
@@ -275,13 +259,13 @@ def test_wrong_model_or_unreachable_server_is_a_clear_error(server):
 
 def test_api_key_is_sent(tokenizer):
     """The key goes out as a bearer token: with it the run succeeds, without it the 401 is the error."""
-    srv, thread, url = _start(create_app(LoadFakeCluster(), tokenizer, "smollm2", 256, api_key="k3y"))
+    url, stop = serve_in_thread(create_app(LoadFakeCluster(), tokenizer, "smollm2", 256, api_key="k3y"))
     try:
         assert all(r.ok for r in run(url + "/v1", num_requests=2, api_key="k3y").records)
         with pytest.raises(ValueError, match="HTTP 401"):
             run(url, num_requests=2)
     finally:
-        _stop(srv, thread)
+        stop()
 
 
 def test_cli_load_mode(server, tmp_path, capsys):
