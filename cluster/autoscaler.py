@@ -171,8 +171,8 @@ class SLOPlanner(Policy):
         super().__init__(limits)
         self.profile, self.ttft_slo_s, self.tbt_slo_s = profile, ttft_slo_s, tbt_slo_s
         self.rate_window_s = rate_window_s
-        self._rates: deque[tuple[float, float]] = deque()  # (now, arrival rate) over the scale-down window
-        self._smoothed: deque[tuple[float, float]] = deque()  # (now, windowed mean rate), same span
+        # (now, arrival rate, its mean over rate_window_s) for the longer of the two windows
+        self._history: deque[tuple[float, float, float]] = deque()
 
     def predicted_ttft(self, n: int, obs: Observation) -> float:
         """Queue-inclusive TTFT with `n` prefill instances (inf when they cannot keep up)."""
@@ -211,15 +211,12 @@ class SLOPlanner(Policy):
         the scale-down window, with more headroom (a quiet spell in a busy period does not shrink
         a pool only to grow it back)."""
         span = max(self.limits.scale_down_cooldown_s, self.rate_window_s)
-        self._rates.append((obs.now, obs.arrival_rate))
-        while obs.now - self._rates[0][0] > span:
-            self._rates.popleft()
-        recent = [rate for t, rate in self._rates if obs.now - t < self.rate_window_s]
+        while self._history and obs.now - self._history[0][0] > span:
+            self._history.popleft()
+        recent = [rate for t, rate, _ in self._history if obs.now - t < self.rate_window_s] + [obs.arrival_rate]
         now = replace(obs, arrival_rate=sum(recent) / len(recent))
-        self._smoothed.append((obs.now, now.arrival_rate))
-        while obs.now - self._smoothed[0][0] > span:
-            self._smoothed.popleft()
-        peak = replace(obs, arrival_rate=max(rate for _, rate in self._smoothed))
+        self._history.append((obs.now, obs.arrival_rate, now.arrival_rate))
+        peak = replace(obs, arrival_rate=max(mean for *_, mean in self._history))
         h = self.limits.headroom
         return {"prefill": (self._prefill_needed(now, h), self._prefill_needed(peak, h + HYSTERESIS)),
                 "decode": (self._decode_needed(now, h), self._decode_needed(peak, h + HYSTERESIS))}

@@ -74,9 +74,12 @@ class Router:
     def drain(self, instance_id: str) -> None:
         """No new requests go to the instance; the ones it has run to completion."""
         with self._lock:
-            client = self.prefill.get(instance_id) or self.decode.get(instance_id)
+            client = self._client(instance_id)
             if client is not None:
                 client.info.draining = True
+
+    def _client(self, instance_id: str) -> PrefillClient | DecodeClient | None:
+        return self.prefill.get(instance_id) or self.decode.get(instance_id)
 
     def is_drained(self, instance_id: str) -> bool:
         """True when nothing needs the instance any more: no attempt decodes there, and every
@@ -264,7 +267,7 @@ class Router:
     def _mark_dead(self, iid: str, exc: Exception | None = None) -> None:
         """An instance died: every attempt on it is retried elsewhere."""
         with self._lock:
-            client = self.prefill.get(iid) or self.decode.get(iid)
+            client = self._client(iid)
             if client is None or not client.info.healthy:
                 return
             client.info.healthy = False
