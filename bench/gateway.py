@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 import statistics
 import sys
 import threading
@@ -27,7 +26,7 @@ import httpx
 from bench.offline import random_prompts
 from cluster.spec import ClusterSpec
 from engine.request import SamplingParams
-from cluster.serve import build
+from cluster.serve import build, serve_in_thread
 
 logger = logging.getLogger("bench.gateway")
 
@@ -35,18 +34,6 @@ logger = logging.getLogger("bench.gateway")
 def _pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
-
-
-def _serve(app) -> tuple[object, str]:
-    import uvicorn
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=srv.run, daemon=True).start()
-    while not srv.started:
-        time.sleep(0.05)
-    return srv, f"http://127.0.0.1:{port}"
 
 
 async def _http_run(url: str, prompts, max_tokens: int, concurrency: int) -> list[float]:
@@ -92,7 +79,7 @@ def _direct_run(cluster, prompts, max_tokens: int, concurrency: int) -> list[flo
 def run(args) -> dict:
     spec = ClusterSpec(model="smollm2", dtype=args.dtype, device="cpu", num_threads=2, max_num_seqs=128)
     cluster, app = build(spec, use_ray=False)
-    srv, url = _serve(app)
+    url, stop = serve_in_thread(app)
     out = {"dtype": args.dtype, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len, "rows": []}
     try:
         warm = random_prompts(4, args.prompt_len, seed=7)
@@ -113,7 +100,7 @@ def run(args) -> dict:
             out["rows"].append(row)
             logger.info("%s", row)
     finally:
-        srv.should_exit = True
+        stop()
         cluster.shutdown()
     return out
 
