@@ -1,4 +1,9 @@
-"""The Ray actor that hosts one rank of an instance (see cluster/rank.py). Typed methods only."""
+"""The Ray actor that hosts one rank of an instance (see cluster/rank.py). Typed methods only.
+
+The actor finds its own node's address (cluster/nodes.py: PDSERVE_NODE_IP, else Ray's address of
+the node it runs on; 127.0.0.1 on a single-host Ray) and binds its TP rendezvous and KV endpoint
+there; gloo and NCCL are pointed at the interface that holds it before any process group exists.
+"""
 from __future__ import annotations
 
 import logging
@@ -7,6 +12,7 @@ import os
 import ray
 import torch
 
+from cluster.nodes import RankPlacement, node_address, set_socket_ifnames, unreachable
 from cluster.rank import RankHost, free_address
 from engine.config import EngineConfig
 from engine.request import Request, SamplingParams
@@ -16,11 +22,26 @@ from kvtransfer.params import KVEndpoint, KVTransferParams
 @ray.remote(max_concurrency=16)  # long polls must not block reserve/submit calls
 class RankActor:
     def __init__(self, config: EngineConfig, role: str, instance_id: str, rank: int, tp_size: int,
-                 host: str, kv_timeout_s: float, log_level: str = "INFO"):
+                 kv_timeout_s: float, log_level: str = "INFO", loopback: bool = False):
+        """`loopback`: the driver started Ray on this one host; bind 127.0.0.1."""
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._args = (config, role, instance_id, rank, tp_size)
-        self._host_name, self._kv_timeout_s = host, kv_timeout_s
+        self._kv_timeout_s = kv_timeout_s
+        self._host_name = node_address(loopback)
+        self._ifname = set_socket_ifnames(self._host_name)  # before any process group: gloo/NCCL read them once
         self.host: RankHost | None = None
+
+    def placement(self) -> RankPlacement:
+        """Where this rank runs: the address it binds and advertises, and its process id."""
+        return RankPlacement(self._args[3], self._host_name, os.getpid())
+
+    def socket_interface(self) -> str | None:
+        """The network interface that holds this rank's address (gloo/NCCL use it), or None."""
+        return self._ifname
+
+    def probe(self, endpoints: list[tuple[str, int]], timeout_s: float) -> list[str]:
+        """The endpoints ("host:port") a plain TCP connection from this rank's node cannot reach."""
+        return unreachable(endpoints, timeout_s)
 
     def rendezvous_address(self) -> str:
         """Rank 0: where the instance's TP group meets."""

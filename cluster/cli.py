@@ -8,7 +8,7 @@ import sys
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate a completion for one prompt")
+    p = sub.add_parser("generate", allow_abbrev=False, help="generate a completion for one prompt")
     p.add_argument("prompt")
     p.add_argument("--model", default="smollm2", help="smollm2, a .gguf file or a HF safetensors folder")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
@@ -83,7 +83,7 @@ def cmd_generate(args) -> int:
 
 def _add_serve(sub) -> None:
     from cluster.spec import add_cli_flags
-    p = sub.add_parser("serve", help="start the cluster and the OpenAI-compatible HTTP gateway")
+    p = sub.add_parser("serve", allow_abbrev=False, help="start the cluster and the OpenAI-compatible HTTP gateway")
     add_cli_flags(p)
     p.set_defaults(func=cmd_serve)
 
@@ -97,7 +97,7 @@ def cmd_serve(args) -> int:
 def _add_bench(sub) -> None:
     from cluster.loadgen import add_flags
     from cluster.spec import add_cli_flags
-    p = sub.add_parser("bench", help="load-test a running server over HTTP, or --profile one instance",
+    p = sub.add_parser("bench", allow_abbrev=False, help="load-test a running server over HTTP, or --profile one instance",
                        description="Without --profile: stream /v1/completions at a running server and report "
                                    "TTFT, TBT, end-to-end latency, throughput and goodput. With --profile: measure "
                                    "one in-process instance for the autoscaler.")
@@ -128,7 +128,7 @@ def cmd_bench(args) -> int:
 
 
 def _add_status(sub) -> None:
-    p = sub.add_parser("status", help="the instances of a running server, as a table")
+    p = sub.add_parser("status", allow_abbrev=False, help="the instances of a running server, as a table")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's address")
     p.set_defaults(func=cmd_status)
 
@@ -140,17 +140,19 @@ def cmd_status(args) -> int:
     except httpx.HTTPError as exc:
         raise ValueError(f"cannot read {args.url}/status: {exc}") from None
     print(f"{'instance':<14}{'role':<11}{'tp':>3}  {'health':<8}{'running':>8}{'waiting':>8}{'queued tok':>11}"
-          f"{'KV use':>8}")
+          f"{'KV use':>8}  ranks (node address/pid)")
     for i in instances:
         load = i["load"]
+        ranks = " ".join(f"{r['node_ip']}/{r['pid']}" for r in i.get("ranks", []))
         print(f"{i['instance_id']:<14}{i['role']:<11}{i['tp_size']:>3}  {'ok' if i['healthy'] else 'dead':<8}"
               f"{load.get('running', 0):>8.0f}{load.get('waiting', 0):>8.0f}"
-              f"{load.get('queued_prefill_tokens', 0):>11.0f}{load.get('kv_usage', 0):>8.1%}")
+              f"{load.get('queued_prefill_tokens', 0):>11.0f}{load.get('kv_usage', 0):>8.1%}  {ranks}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
+    parser = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving",
+                                     allow_abbrev=False)
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)

@@ -1,5 +1,7 @@
 """Router clients for instances: in-process (`Local*`, for tests and single-process use) and
-Ray actors (`Ray*`). A Ray call to a dead actor becomes InstanceDeadError."""
+Ray actors (`Ray*`). A Ray call to a dead actor, or one that does not answer within the liveness
+deadline (`liveness_s`, the spec's heartbeat TTL: a host whose link was cut answers nothing),
+becomes InstanceDeadError. Aborts are sent without waiting for an answer."""
 from __future__ import annotations
 
 from router.client import DecodeClient, InstanceDeadError, InstanceInfo, PrefillClient
@@ -43,17 +45,20 @@ class LocalDecodeClient(DecodeClient):
 
 
 class _RayClient:
-    call_timeout_s = 60.0
+    def __init__(self, info: InstanceInfo, actor, liveness_s: float = 60.0):
+        self.info, self.actor, self.liveness_s = info, actor, liveness_s
 
-    def __init__(self, info: InstanceInfo, actor):
-        self.info, self.actor = info, actor
-
-    def _call(self, method: str, *args, timeout: float | None = None):
+    def _call(self, method: str, *args, wait_s: float = 0.0):
+        """The actor's answer; an actor that is dead, or silent for `wait_s` (the time the call
+        itself may take) + `liveness_s`, raises InstanceDeadError."""
         import ray
         try:
-            return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout or self.call_timeout_s)
+            return ray.get(getattr(self.actor, method).remote(*args), timeout=wait_s + self.liveness_s)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
             raise InstanceDeadError(self.info.instance_id, type(exc).__name__) from exc
+
+    def abort(self, request_id):
+        self.actor.abort.remote(request_id)  # fire and forget: a dead instance has nothing to abort
 
 
 class RayPrefillClient(_RayClient, PrefillClient):
@@ -61,10 +66,7 @@ class RayPrefillClient(_RayClient, PrefillClient):
         self._call("submit", req, params)
 
     def poll_results(self, timeout):
-        return self._call("poll_results", timeout, timeout=timeout + self.call_timeout_s)
-
-    def abort(self, request_id):
-        self._call("abort", request_id)
+        return self._call("poll_results", timeout, wait_s=timeout)
 
     def load(self):
         return self._call("load")
@@ -78,10 +80,7 @@ class RayDecodeClient(_RayClient, DecodeClient):
         self._call("add_request", request_id, prompt_token_ids, params)
 
     def get_outputs(self, timeout):
-        return self._call("get_outputs", timeout, timeout=timeout + self.call_timeout_s)
-
-    def abort(self, request_id):
-        self._call("abort", request_id)
+        return self._call("get_outputs", timeout, wait_s=timeout)
 
     def load(self):
         return self._call("load")

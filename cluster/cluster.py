@@ -2,8 +2,10 @@
 them, cluster state, and an offline `generate` API.
 
     Cluster(spec).start()
-      start or join Ray (token auth on)      -> one placement group per instance (a bundle per rank)
+      start or join Ray (token auth on)      -> one STRICT_PACK placement group per instance, pinned to
+                                                the node cluster/nodes.py chooses (a bundle per rank)
       RankActor per rank: setup(rendezvous)  -> model loaded, TP group joined, KV endpoint returned
+      joined Ray: every decode KV endpoint reachable from every prefill node, or a one-line error
       Router(prefill clients, decode clients, policy)  -> generate() / submit() go through it
 
 With `use_ray=False` the instances run in this process (tp=1 only): quick tests and tools.
@@ -17,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
+from cluster import nodes
 from cluster.clients import LocalDecodeClient, LocalPrefillClient, RayDecodeClient, RayPrefillClient
 from cluster.spec import ClusterSpec
 from cluster.state import ClusterState, InstanceRecord, create_state
@@ -39,6 +42,8 @@ class Instance:
     client: object
     placement_group: object = None
     extra: dict = field(default_factory=dict)
+    placements: list[nodes.RankPlacement] = field(default_factory=list)  # rank order
+    node_id: str | None = None  # the Ray node all its ranks run on (None in-process)
 
 
 def setup_ray_auth() -> None:
@@ -65,14 +70,30 @@ class Cluster:
         self.autoscaler = None  # cluster/autoscale_loop.Autoscaler when the spec asks for one
         self._started_ray = False
         self._next_id = {"prefill": 0, "decode": 0, "colocated": 0}
+        self._nodes = nodes.PlacementManager()
+        self._dead_ids: list[str] = []  # dead instances, kept in the cluster state as such until shutdown
+
+    @property
+    def multihost(self) -> bool:
+        """Joined a Ray cluster that may span hosts (ranks bind their node's address, checks on)."""
+        return self.use_ray and self.spec.ray_address is not None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> Cluster:
-        if self.use_ray:
-            self._init_ray()
-        for role, n in self.spec.instance_counts.items():
-            for _ in range(n):
-                self._create(role)
+        """Starts every instance and the router; on failure, what was started is stopped again."""
+        try:
+            if self.use_ray:
+                self._init_ray()
+            if self.multihost:
+                nodes.check_unique_addresses(nodes.alive_nodes())
+            for role, n in self.spec.instance_counts.items():
+                for _ in range(n):
+                    self._create(role)
+            if self.multihost:
+                nodes.check_network(list(self.instances.values()))
+        except BaseException:
+            self.shutdown()
+            raise
         policy_kw = {"cached_prefix": self._cached_prefix, "record": self._record_prefix} \
             if self.spec.router_policy == "prefix_aware" else {}
         by_role = lambda *roles: [i.client for i in self.instances.values() if i.role in roles]  # noqa: E731
@@ -101,6 +122,8 @@ class Cluster:
             self.router.close()
         for iid in list(self.instances):
             self._destroy(self.instances.pop(iid))
+        for iid in self._dead_ids:
+            self.state.remove(iid)
         if self._started_ray:
             import ray
             ray.shutdown()
@@ -138,6 +161,13 @@ class Cluster:
     def add_instance(self, role: str) -> str:
         """Start one more instance of `role` while serving; the router uses it from now on."""
         inst = self._create(role)
+        if self.multihost:
+            try:
+                nodes.check_network(list(self.instances.values()), inst)
+            except ValueError:
+                self.instances.pop(inst.instance_id)
+                self._destroy(inst)
+                raise
         self.router.add_instance(inst.client)
         return inst.instance_id
 
@@ -213,39 +243,55 @@ class Cluster:
         ep = host.kv_endpoint()
         info = InstanceInfo(iid, role, 1, (ep,) if ep else (), max_model_len=host.max_model_len)
         client = (LocalPrefillClient if role == "prefill" else LocalDecodeClient)(info, host.worker)
-        return Instance(iid, role, 1, [host], client)
+        return Instance(iid, role, 1, [host], client, placements=[nodes.RankPlacement(0, nodes.LOOPBACK, os.getpid())])
 
     def _create_ray(self, role: str, iid: str, tp: int) -> Instance:
+        """Chooses a node, reserves a STRICT_PACK placement group on it, starts the ranks there."""
         import ray
-        from ray.util.placement_group import placement_group
+        gpu = self._use_gpus()
+        node, pg = self._nodes.place(iid, role, tp, nodes.rank_resources(role, gpu, self.spec.ray_resources))
+        actors: list = []
+        try:
+            return self._start_ranks(role, iid, tp, gpu, node, pg, actors)
+        except BaseException:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            self._nodes.release(iid, pg)
+            raise
+
+    def _start_ranks(self, role: str, iid: str, tp: int, gpu: bool, node: nodes.NodeInfo, pg,
+                     actors: list) -> Instance:
+        """One RankActor per bundle of `pg` (appended to `actors` as they start); returns the ready instance."""
+        import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         from cluster.actor import RankActor
-        gpu = self._use_gpus()
-        bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
-        if self.spec.ray_resources:  # Kubernetes: only worker pods of this role carry the resource
-            bundle["prefill" if role == "prefill" else "decode"] = 1
-        pg = placement_group([bundle] * tp, strategy="PACK")
-        ray.get(pg.ready(), timeout=120)
-        host = "127.0.0.1" if self.spec.ray_address is None else ray.util.get_node_ip_address()
-        config = self.spec.engine_config(role)
-        if config.num_threads is None and not gpu:  # share this node's cores among the ranks, not oversubscribe
-            ranks = sum(n * self.spec.tp_size(r) for r, n in self.spec.instance_counts.items())
-            config = replace(config, num_threads=max(1, (os.cpu_count() or 1) // ranks))
-        actors = [RankActor.options(num_cpus=1, num_gpus=1 if gpu else 0, scheduling_strategy=
-                                    PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote(
-            config, role, iid, r, tp, host, self.spec.kv_transfer_timeout_s, self.log_level)
+        config = self._engine_config(role, gpu, node)
+        actors += [RankActor.options(num_cpus=1, num_gpus=1 if gpu else 0, scheduling_strategy=
+                                     PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote(
+            config, role, iid, r, tp, self.spec.kv_transfer_timeout_s, self.log_level, not self.multihost)
             for r in range(tp)]
         start = time.monotonic()
+        placements = ray.get([a.placement.remote() for a in actors], timeout=300)
         address = ray.get(actors[0].rendezvous_address.remote()) if tp > 1 else None
-        logger.info("%s: %d rank actors up in %.1f s", iid, tp, time.monotonic() - start)
+        logger.info("%s: %d rank actors up on %s (interface %s, pids %s) in %.1f s", iid, tp, placements[0].node_ip,
+                    ray.get(actors[0].socket_interface.remote()), [p.pid for p in placements], time.monotonic() - start)
         endpoints = ray.get([a.setup.remote(address) for a in actors], timeout=600)
         logger.info("%s: ranks ready in %.1f s", iid, time.monotonic() - start)
         if role == "decode" and tp > 1:
             ray.get(actors[0].set_followers.remote(actors[1:]))
         info = InstanceInfo(iid, role, tp, tuple(endpoints) if role == "decode" else (),
                             max_model_len=ray.get(actors[0].max_model_len.remote()))
-        client = (RayPrefillClient if role == "prefill" else RayDecodeClient)(info, actors[0])
-        return Instance(iid, role, tp, actors, client, pg)
+        client = (RayPrefillClient if role == "prefill" else RayDecodeClient)(info, actors[0],
+                                                                              self.spec.heartbeat_ttl_s)
+        return Instance(iid, role, tp, actors, client, pg, placements=placements, node_id=node.node_id)
+
+    def _engine_config(self, role: str, gpu: bool, node: nodes.NodeInfo):
+        config = self.spec.engine_config(role)
+        if config.num_threads is None and not gpu:  # share the node's cores among the ranks, not oversubscribe
+            ranks = sum(n * self.spec.tp_size(r) for r, n in self.spec.instance_counts.items())
+            cores = node.resources.get("CPU", 1) if self.multihost else os.cpu_count() or 1
+            config = replace(config, num_threads=max(1, int(cores) // ranks))
+        return config
 
     def _use_gpus(self) -> bool:
         import ray
@@ -262,24 +308,30 @@ class Cluster:
         kv = worker.scheduler.kv if inst.role == "prefill" else worker.engine.kv
         return kv.assert_no_leaks()
 
-    def _destroy(self, inst: Instance) -> None:
+    def _destroy(self, inst: Instance, dead: bool = False) -> None:
+        """Stops the instance's ranks and frees its node. A `dead` one keeps its record in the
+        cluster state, marked dead (until shutdown), and is not asked to stop: it cannot answer."""
         try:
             self.state.drop_instance_hashes(inst.instance_id)
-            self.state.remove(inst.instance_id)
+            if dead:
+                self.state.set_health(inst.instance_id, "dead")
+                self._dead_ids.append(inst.instance_id)
+            else:
+                self.state.remove(inst.instance_id)
         except KeyError:
             pass
         if not self.use_ray:
             inst.ranks[0].shutdown()
             return
         import ray
-        from ray.util.placement_group import remove_placement_group
         try:
-            ray.get(inst.ranks[0].shutdown.remote(), timeout=10)
+            if not dead:
+                ray.get(inst.ranks[0].shutdown.remote(), timeout=10)
         except Exception:  # already dead: nothing to stop
             pass
         for actor in inst.ranks:
             ray.kill(actor, no_restart=True)
-        remove_placement_group(inst.placement_group)
+        self._nodes.release(inst.instance_id, inst.placement_group)
 
     def _publish_state(self) -> None:
         """Heartbeats (TTL `heartbeat_ttl_s`), health and the router's load figures into the
@@ -299,19 +351,30 @@ class Cluster:
                 except Exception:  # the state store is down: serving goes on, say so
                     logger.warning("cannot publish %s to the cluster state", inst.instance_id, exc_info=True)
 
-    def _replace_dead(self) -> None:
-        """An instance the router found dead (its requests already retried elsewhere) is removed
-        and a new one of its role started, so the pools keep their sizes."""
+    def _replace_dead(self, retry_s: float = 5.0) -> None:
+        """An instance the router found dead (its requests already retried elsewhere) is removed,
+        marked dead in the cluster state, and a new one of its role started, so the pools keep
+        their sizes: on another node if one has room (its node is suspect), else on its own, and
+        while no node has room, tried again every `retry_s` (a node may join)."""
+        owed: list[str] = []  # roles whose replacement could not start yet
+        last_try = 0.0
         while not self._stop_publishing.wait(0.5):
             for iid, inst in list(self.instances.items()):
-                if inst.client.info.healthy or inst.client.info.draining:
-                    continue
-                logger.warning("replacing dead instance %s", iid)
+                if not (inst.client.info.healthy or inst.client.info.draining):
+                    logger.warning("instance %s is dead; replacing it", iid)
+                    self._nodes.suspect(inst.node_id)
+                    self.instances.pop(iid)
+                    self.router.remove_instance(iid)
+                    self._destroy(inst, dead=True)
+                    owed.append(inst.role)
+            if owed and time.monotonic() - last_try >= retry_s:
+                last_try = time.monotonic()
                 try:
-                    self.remove_instance(iid)
-                    logger.info("%s replaced by %s", iid, self.add_instance(inst.role))
-                except Exception:  # no room left in Ray, model load failed: keep serving, say so
-                    logger.exception("could not replace %s", iid)
+                    logger.info("replacement %s instance: %s", owed[0], self.add_instance(owed[0]))
+                    owed.pop(0)
+                except Exception as exc:  # no room in Ray, model load failed: keep serving, say so
+                    logger.warning("cannot start a replacement %s instance yet (retry in %.0f s): %s",
+                                   owed[0], retry_s, exc)
 
     def _cached_prefix(self, prompt_token_ids: list[int]) -> dict[str, int]:
         return self.state.longest_prefix(block_hashes(prompt_token_ids, self.spec.block_size), role="prefill")

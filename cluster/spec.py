@@ -40,7 +40,8 @@ _HELP = {
     "prefill_tp": "tensor-parallel ranks per prefill instance",
     "decode_tp": "tensor-parallel ranks per decode (or colocated) instance",
     "redis_url": "cluster state in Redis (redis://host:port/db); None = in-process memory",
-    "ray_address": "join this Ray cluster (e.g. auto, ray://host:10001); None = start a local one",
+    "ray_address": "join this Ray cluster (auto, HEAD:6379, ray://HEAD:10001); None = start a local one. Ranks bind "
+                   "their node's Ray address, or $PDSERVE_NODE_IP set on that node (docs/multihost.md)",
     "host": "gateway bind address",
     "port": "gateway port (0 = any free port)",
     "block_size": "tokens per KV block",

@@ -76,8 +76,9 @@ class _Gateway:
             raise APIError(503, "not ready: need a healthy decode instance (and prefill, disaggregated)",
                            "service_unavailable", headers={"Retry-After": RETRY_AFTER_S})
 
-    def start(self, body, prompt_ids: list[int], kind: str) -> Generation:
-        """Validates, submits to the router, returns the generation to stream or wait for."""
+    async def start(self, body, prompt_ids: list[int], kind: str) -> Generation:
+        """Validates, submits to the router, returns the generation to stream or wait for. The
+        router calls instances while placing, so it runs on a worker thread, not the event loop."""
         if body.model != self.model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            "not_found_error", param="model", code="model_not_found")
@@ -90,7 +91,7 @@ class _Gateway:
         logprobs = None if params.logprobs is None else LogprobsFormatter(self.tokenizer, kind, params.logprobs)
         gen = Generation(rid, kind, body.model, prompt_ids, text, self.metrics, asyncio.get_running_loop(), logprobs)
         try:
-            self.cluster.submit(rid, prompt_ids, params, listener=gen.listener)
+            await asyncio.to_thread(self.cluster.submit, rid, prompt_ids, params, gen.listener)
         except QueueFullError as exc:
             raise APIError(429, f"too many requests queued: {exc}", "rate_limit_exceeded",
                            headers={"Retry-After": RETRY_AFTER_S}) from None
@@ -109,12 +110,12 @@ def _add_generation_routes(app: FastAPI, gw: _Gateway) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
                     for m in body.messages]
-        return await gw.respond(gw.start(body, gw.tokenizer.encode_chat(messages), "chat"), body, request)
+        return await gw.respond(await gw.start(body, gw.tokenizer.encode_chat(messages), "chat"), body, request)
 
     @app.post("/v1/completions", dependencies=[Depends(gw.check_key)])
     async def completions(body: CompletionRequest, request: Request):
         ids = gw.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        return await gw.respond(gw.start(body, ids, "completion"), body, request)
+        return await gw.respond(await gw.start(body, ids, "completion"), body, request)
 
 
 def _add_service_routes(app: FastAPI, gw: _Gateway) -> None:
@@ -139,7 +140,8 @@ def _add_service_routes(app: FastAPI, gw: _Gateway) -> None:
     @app.get("/status")
     async def status():
         return {"instances": [{"instance_id": i.instance_id, "role": i.role, "tp_size": i.tp_size,
-                               "healthy": i.client.info.healthy, "load": i.client.info.load}
+                               "healthy": i.client.info.healthy, "load": i.client.info.load,
+                               "ranks": [{"rank": p.rank, "node_ip": p.node_ip, "pid": p.pid} for p in i.placements]}
                               for i in list(gw.cluster.instances.values())]}
 
 

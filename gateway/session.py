@@ -2,7 +2,8 @@
 
 Events come from the router's threads through `listener` (call_soon_threadsafe into an asyncio
 queue), so hundreds of concurrent streams cost no threads. A client that goes away mid-request
-aborts it on every instance (`cluster.abort`), which frees its blocks.
+aborts it on every instance (`cluster.abort`, on a worker thread: the event loop never waits on
+the router), which frees its blocks.
 """
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ class Generation:
             self.metrics.e2e.observe(time.monotonic() - self.arrival_s)
         return self.text.take(self.finished)
 
+    def _abort(self, cluster) -> None:
+        asyncio.get_running_loop().run_in_executor(None, cluster.abort, self.request_id)
+
     def _account(self, status: str) -> None:
         self.metrics.requests.labels(self.kind, status).inc()
 
@@ -85,7 +89,7 @@ class Generation:
                 parts.append(self._consume(event))
         finally:
             if not self.finished:
-                cluster.abort(self.request_id)
+                self._abort(cluster)
                 self._account("cancelled")
         if self.error:
             self._account("error")
@@ -137,5 +141,5 @@ class Generation:
             yield "data: [DONE]\n\n"
         finally:
             if not self.finished:  # the client disconnected (the generator was cancelled)
-                cluster.abort(self.request_id)
+                self._abort(cluster)
                 self._account("cancelled")

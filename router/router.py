@@ -7,13 +7,19 @@ Lifecycle of one attempt (disaggregated):
 On an error from P or D, or an instance found dead, the attempt is aborted on both and the
 request is placed again (prompt + tokens already delivered as the new prompt) on instances that
 have not failed it, up to `max_attempts`; then the client gets an error. Nobody hangs.
+
+Locking: one lock guards the router's tables; it is never held across a call to an instance.
+A placement decides under the lock (`_plan`), calls the instances without it (`_call`), then
+settles under it again (`_settle`); an attempt failed or aborted meanwhile is undone there.
+Calls that other code wants while holding the lock (aborts) are deferred until it is released.
 """
 from __future__ import annotations
 
 import logging
 import threading
 from collections import deque
-from dataclasses import replace
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 from engine.request import Request, SamplingParams
 from kvtransfer.params import KVTransferParams
@@ -28,6 +34,22 @@ class QueueFullError(RuntimeError):
     """The router's admission queue is full: try again later (HTTP 429)."""
 
 
+@dataclass
+class _Plan:
+    """One placement attempt, decided under the lock and carried out without it."""
+    attempt_id: str
+    req: Request
+    prefill: PrefillClient | None  # None: prefilled on the decode instance
+    decodes: list[DecodeClient]  # candidates, policy's pick first
+
+
+@dataclass
+class _Outcome:
+    decode: DecodeClient | None = None  # the instance that took the request (None: all full)
+    dead: InstanceDeadError | None = None
+    bad_request: str | None = None
+
+
 class Router:
     def __init__(self, prefill: list[PrefillClient], decode: list[DecodeClient], policy: BaseRoutingPolicy,
                  mode: str = "disaggregated", disagg_threshold_tokens: int = 0, max_attempts: int = 3,
@@ -38,6 +60,10 @@ class Router:
         self.disagg_threshold_tokens, self.max_attempts = disagg_threshold_tokens, max_attempts
         self.max_queued, self.poll_s = max_queued, poll_s
         self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)  # the placement thread: queue or capacity changed
+        self._deferred: list[tuple] = []  # (fn, *args) wanted under the lock, run once it is released
+        self._tls = threading.local()  # per thread: nesting of _locked() (a Condition wait lets others in)
+        self._live: dict[str, Tracked] = {}  # request id -> request, until it has finished
         self._by_attempt: dict[str, Tracked] = {}
         self._pending: deque[Tracked] = deque()  # waiting for a decode instance to accept
         self._stop = threading.Event()
@@ -45,6 +71,22 @@ class Router:
         # cumulative counters (the autoscaler's arrival rate and request shape come from these)
         self.stats = {"retries": 0, "failed": 0, "completed": 0, "submitted": 0, "prompt_tokens": 0,
                       "cached_prompt_tokens": 0, "output_tokens": 0, "instance_deaths": 0}
+
+    @contextmanager
+    def _locked(self):
+        """The router's lock; calls deferred while it was held run after the outermost release."""
+        with self._lock:
+            depth = getattr(self._tls, "depth", 0)
+            self._tls.depth = depth + 1
+            try:
+                yield
+            finally:
+                self._tls.depth = depth
+                calls = []
+                if depth == 0:
+                    calls, self._deferred = self._deferred, []
+        for fn, *args in calls:
+            self._safe(fn, *args)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -60,20 +102,23 @@ class Router:
 
     def close(self) -> None:
         self._stop.set()
+        with self._lock:
+            self._wake.notify_all()
         for t in self._threads:
             t.join(timeout=2 * self.poll_s + 1)
 
     def add_instance(self, client: PrefillClient | DecodeClient) -> None:
         """A new instance joins while serving (placement starts using it at once)."""
         iid, role = client.info.instance_id, client.info.role
-        with self._lock:
+        with self._locked():
             (self.prefill if role == "prefill" else self.decode)[iid] = client
+            self._wake.notify_all()
         if self._threads:
             self._spawn(self._collect, iid)
 
     def drain(self, instance_id: str) -> None:
         """No new requests go to the instance; the ones it has run to completion."""
-        with self._lock:
+        with self._locked():
             client = self._client(instance_id)
             if client is not None:
                 client.info.draining = True
@@ -84,43 +129,54 @@ class Router:
     def is_drained(self, instance_id: str) -> bool:
         """True when nothing needs the instance any more: no attempt decodes there, and every
         attempt it prefilled has its KV on the decode side."""
-        with self._lock:
+        with self._locked():
             return not any(t.decode_id == instance_id or (t.prefill_id == instance_id and not t.decoding)
-                           for t in self._by_attempt.values())
+                           or instance_id in t.placing for t in self._by_attempt.values())
 
     def remove_instance(self, instance_id: str) -> None:
         """An instance leaves while serving: nothing new goes there; its in-flight requests are
         retried elsewhere (as for a dead one), then it is forgotten."""
         self._mark_dead(instance_id, RuntimeError("removed"))
-        with self._lock:
+        with self._locked():
             self.prefill.pop(instance_id, None)
             self.decode.pop(instance_id, None)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                listener=None) -> RequestStream:
-        """Starts a request; its tokens arrive on the returned stream (or at `listener`)."""
+        """Starts a request; its tokens arrive on the returned stream (or at `listener`). Calls the
+        chosen instances from the caller's thread (an event loop should call this from a worker)."""
         tracked = Tracked(request_id, list(prompt_token_ids), params, RequestStream(request_id, listener))
-        with self._lock:
+        with self._locked():
             if len(self._pending) >= self.max_queued:
                 raise QueueFullError(f"{len(self._pending)} requests already queued")
             self.stats["submitted"] += 1
             self.stats["prompt_tokens"] += len(tracked.prompt_token_ids)
-            self._place(tracked)
+            self._live[request_id] = tracked
+            queue_behind = bool(self._pending)  # first come, first placed
+            if queue_behind:
+                self._pending.append(tracked)
+                self._wake.notify_all()
+        if not queue_behind and not self._place(tracked):
+            with self._locked():
+                self._pending.append(tracked)
         return tracked.stream
 
     def abort(self, request_id: str) -> None:
-        """The client went away: stop the request wherever it is (queued, prefilling, decoding)."""
-        with self._lock:
-            for tracked in [t for t in self._pending if t.request_id == request_id]:
+        """The client went away: stop the request wherever it is (queued, placing, prefilling,
+        decoding). Never waits for an instance."""
+        with self._locked():
+            tracked = self._live.get(request_id)
+            if tracked is None:
+                return
+            if tracked in self._pending:
                 self._pending.remove(tracked)
-                self._finish(tracked, StreamEvent([], True, "abort"))
-            for tracked in [t for t in self._by_attempt.values() if t.request_id == request_id]:
+            if self._by_attempt.get(tracked.attempt_id) is tracked:
                 self._abort_attempt(tracked)
-                self._finish(tracked, StreamEvent([], True, "abort"))
+            self._finish(tracked, StreamEvent([], True, "abort"))
 
     @property
     def num_active(self) -> int:
-        with self._lock:
+        with self._locked():
             return len(self._by_attempt) + len(self._pending)
 
     # -- placement -------------------------------------------------------------------------------------
@@ -128,51 +184,109 @@ class Router:
         return [c.info for c in pool.values()
                 if c.info.healthy and not c.info.draining and c.info.instance_id not in tracked.excluded]
 
-    def _place(self, tracked: Tracked) -> None:
-        """Try to start an attempt now; else queue it (the placement thread retries)."""
+    def _place(self, tracked: Tracked) -> bool:
+        """Tries to start an attempt now. Returns False when every decode instance is full (the
+        caller queues the request; admission control), True when it started or ended."""
+        with self._locked():
+            plan = self._plan(tracked)
+        if plan is None:
+            return True
+        outcome = self._call(plan)
+        with self._locked():
+            return self._settle(tracked, plan, outcome)
+
+    def _plan(self, tracked: Tracked) -> _Plan | None:
+        """Under the lock: picks the instances and registers the attempt (so its events are not
+        dropped if they come before the calls return). None when the request has ended."""
+        if tracked.done:
+            return None
         decodes = self._healthy(self.decode, tracked)
         prefills = self._healthy(self.prefill, tracked)
         if not decodes:
-            return self._give_up(tracked, "no healthy decode instance")
+            self._give_up(tracked, "no healthy decode instance")
+            return None
         prompt = tracked.prompt_token_ids + tracked.delivered
         params = replace(tracked.params, max_tokens=tracked.params.max_tokens - len(tracked.delivered))
         tracked.base, tracked.decoding = len(tracked.delivered), False
-        req = Request(tracked.attempt_id, prompt, params)
         local = self.mode == "colocated" or not prefills or len(prompt) < self.disagg_threshold_tokens
         first = self.policy.pick_decode(decodes, prompt)  # once: a policy may keep state (round robin)
-        ordered = [first] + [d for d in decodes if d is not first]
-        try:
-            if local:
-                d = self.decode[ordered[0].instance_id]
-                d.add_request(req.request_id, prompt, params)
-                return self._started(tracked, None, d.info.instance_id)
-            p = self.prefill[self.policy.pick_prefill(prefills, prompt).instance_id]
-            for info in ordered:
-                d = self.decode[info.instance_id]
-                if d.reserve(req, p.info.tp_size):
-                    self._started(tracked, p.info.instance_id, d.info.instance_id)
-                    kv = KVTransferParams(req.request_id, d.info.instance_id, d.info.tp_size, d.info.kv_endpoints)
-                    p.submit(Request(req.request_id, prompt, params), kv)
-                    return
-        except InstanceDeadError as exc:
-            tracked.excluded.add(exc.instance_id)
-            self._mark_dead(exc.instance_id, exc)  # fails this attempt too if it had started there
-            if not tracked.done and tracked.attempt_id not in self._by_attempt:
-                self._retry(tracked, str(exc))
-            return  # placed again (or queued, or given up) by the retry: never queue it twice
-        except ValueError as exc:  # the request itself is bad (e.g. prompt too long)
-            return self._give_up(tracked, str(exc))
-        self._pending.append(tracked)  # every decode instance is full: admission control
-
-    def _started(self, tracked: Tracked, prefill_id: str | None, decode_id: str) -> None:
-        tracked.prefill_id, tracked.decode_id = prefill_id, decode_id
+        ordered = [self.decode[i.instance_id] for i in [first] + [d for d in decodes if d is not first]]
+        prefill = None if local else self.prefill[self.policy.pick_prefill(prefills, prompt).instance_id]
+        tracked.prefill_id = None if prefill is None else prefill.info.instance_id
+        tracked.decode_id = None
+        tracked.placing = tuple(c.info.instance_id for c in ([prefill] if prefill else []) + ordered)
         self._by_attempt[tracked.attempt_id] = tracked
+        return _Plan(tracked.attempt_id, Request(tracked.attempt_id, prompt, params), prefill,
+                     ordered[:1] if local else ordered)
+
+    def _call(self, plan: _Plan) -> _Outcome:
+        """Without the lock: reserve on a decode instance and submit to the prefill instance (or
+        add the request to the decode instance, prefilled there)."""
+        req, p, d = plan.req, plan.prefill, None
+        try:
+            if p is None:
+                d = plan.decodes[0]
+                d.add_request(req.request_id, req.prompt_token_ids, req.sampling_params)
+                return _Outcome(d)
+            for candidate in plan.decodes:
+                if candidate.reserve(req, p.info.tp_size):
+                    d = candidate
+                    kv = KVTransferParams(req.request_id, d.info.instance_id, d.info.tp_size, d.info.kv_endpoints)
+                    # NOTE: its own Request: in-process, the two workers must not share one object
+                    p.submit(Request(req.request_id, req.prompt_token_ids, req.sampling_params), kv)
+                    return _Outcome(d)
+            return _Outcome(None)
+        except InstanceDeadError as exc:
+            return _Outcome(d, dead=exc)
+        except ValueError as exc:  # the request itself is bad (e.g. prompt too long)
+            return _Outcome(d, bad_request=str(exc))
+
+    def _settle(self, tracked: Tracked, plan: _Plan, outcome: _Outcome) -> bool:
+        """Under the lock: records where the attempt runs, or undoes it if it was failed or
+        aborted while the calls were out."""
+        tracked.placing = ()
+        if self._by_attempt.get(plan.attempt_id) is not tracked:
+            for client in (plan.prefill, outcome.decode):
+                if client is not None:
+                    self._deferred.append((client.abort, plan.attempt_id))
+            return True
+        tracked.decode_id = None if outcome.decode is None else outcome.decode.info.instance_id
+        if outcome.dead is not None:
+            iid = outcome.dead.instance_id
+            tracked.excluded.add(iid)
+            self._mark_dead(iid, outcome.dead)  # fails this attempt too (it involves iid)
+            if self._by_attempt.get(plan.attempt_id) is tracked:
+                self._fail(tracked, iid, str(outcome.dead))
+        elif outcome.bad_request is not None:
+            self._abort_attempt(tracked)
+            self._give_up(tracked, outcome.bad_request)
+        elif outcome.decode is None:  # every decode instance is full: the caller queues it
+            del self._by_attempt[plan.attempt_id]
+            tracked.prefill_id = None
+            return False
+        else:
+            for client in (plan.prefill, outcome.decode):
+                if client is not None and not client.info.healthy:  # died while the calls were out
+                    self._fail(tracked, client.info.instance_id, f"instance {client.info.instance_id} died")
+                    break
+        return True
 
     def _place_pending(self) -> None:
-        while not self._stop.wait(0.005):
-            with self._lock:
-                for _ in range(len(self._pending)):
-                    self._place(self._pending.popleft())
+        """The placement thread: queued and retried requests, first come first placed. When the
+        head of the queue fits nowhere, it waits for capacity (a request finishing, an instance
+        joining) or 50 ms."""
+        while not self._stop.is_set():
+            with self._locked():
+                if not self._pending:
+                    self._wake.wait(0.05)
+                batch = list(self._pending)
+                self._pending.clear()
+            for i, tracked in enumerate(batch):
+                if not self._place(tracked):
+                    with self._locked():
+                        self._pending.extendleft(reversed(batch[i:]))
+                        self._wake.wait(0.05)
+                    break
 
     # -- events from instances -------------------------------------------------------------------------
     def _collect(self, iid: str) -> None:
@@ -187,7 +301,7 @@ class Router:
             except InstanceDeadError as exc:
                 self._mark_dead(iid, exc)
                 return
-            with self._lock:
+            with self._locked():
                 for event in events:
                     handle(event)
 
@@ -214,11 +328,12 @@ class Router:
         self._deliver(tracked, o.new_token_ids[skip:], None if o.new_logprobs is None else o.new_logprobs[skip:])
         if o.finished:
             del self._by_attempt[tracked.attempt_id]
-            if tracked.prefill_id is not None:
-                self._safe(self.prefill[tracked.prefill_id].abort, tracked.attempt_id)
+            if tracked.prefill_id in self.prefill:
+                self._deferred.append((self.prefill[tracked.prefill_id].abort, tracked.attempt_id))
             self.stats["completed"] += 1
             self.stats["output_tokens"] += len(tracked.delivered)
             self._finish(tracked, StreamEvent([], True, o.finish_reason))
+            self._wake.notify_all()  # its blocks come free: queued requests may fit now
 
     def _deliver(self, tracked: Tracked, token_ids: list[int], logprobs: list[dict] | None = None) -> None:
         if token_ids:
@@ -228,6 +343,8 @@ class Router:
     def _finish(self, tracked: Tracked, event: StreamEvent) -> None:
         if not tracked.done:
             tracked.done = True
+            if self._live.get(tracked.request_id) is tracked:
+                del self._live[tracked.request_id]
             tracked.stream.put(event)
 
     # -- failures --------------------------------------------------------------------------------------
@@ -240,11 +357,14 @@ class Router:
         self._retry(tracked, reason)
 
     def _retry(self, tracked: Tracked, reason: str) -> None:
+        """Queues the request's next attempt at the head of the queue (the placement thread
+        makes it: the caller holds the lock)."""
         if tracked.attempt + 1 >= self.max_attempts or tracked.done:
             return self._give_up(tracked, reason)
         tracked.attempt += 1
         self.stats["retries"] += 1
-        self._place(tracked)
+        self._pending.appendleft(tracked)
+        self._wake.notify_all()
 
     def _give_up(self, tracked: Tracked, reason: str) -> None:
         self._by_attempt.pop(tracked.attempt_id, None)
@@ -252,11 +372,12 @@ class Router:
         self._finish(tracked, StreamEvent([], True, "error", reason))
 
     def _abort_attempt(self, tracked: Tracked) -> None:
+        """Under the lock: forgets the attempt; its instances are told once the lock is released."""
         self._by_attempt.pop(tracked.attempt_id, None)
-        if tracked.prefill_id in self.prefill:
-            self._safe(self.prefill[tracked.prefill_id].abort, tracked.attempt_id)
-        if tracked.decode_id in self.decode:
-            self._safe(self.decode[tracked.decode_id].abort, tracked.attempt_id)
+        for iid in (tracked.prefill_id, tracked.decode_id):
+            client = self._client(iid) if iid is not None else None
+            if client is not None:
+                self._deferred.append((client.abort, tracked.attempt_id))
 
     def _safe(self, fn, *args) -> None:
         try:
@@ -266,7 +387,7 @@ class Router:
 
     def _mark_dead(self, iid: str, exc: Exception | None = None) -> None:
         """An instance died: every attempt on it is retried elsewhere."""
-        with self._lock:
+        with self._locked():
             client = self._client(iid)
             if client is None or not client.info.healthy:
                 return

@@ -86,6 +86,7 @@ class Tracked:
     decode_id: str | None = None
     excluded: set[str] = field(default_factory=set)  # instances that failed this request
     decoding: bool = False  # this attempt's decode instance has its KV (it reported tokens)
+    placing: tuple[str, ...] = ()  # while a placement's calls are out: the instances it may start on
     done: bool = False
 
     @property

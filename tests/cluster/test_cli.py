@@ -28,6 +28,15 @@ def test_help_renders(command, capsys):
     assert exit_info.value.code == 0 and "usage: pdserve" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("argv", [["serve", "--ray-addr", "x"], ["status", "--ur", "http://x"]])
+def test_abbreviated_flags_are_refused(argv, capsys):
+    """A prefix of a flag is an unknown flag, refused by name (argparse would take it otherwise)."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"unrecognized arguments: {argv[1]}" in err, err
+
+
 @pytest.mark.timeout(300)
 def test_generate_through_1p1d_cluster_json():
     """SmolLM2 through one prefill and one decode actor: greedy JSON output with every field, and

@@ -24,7 +24,7 @@ RECOVERY_S = 5.0
 def spec_for(model: str, **kw) -> ClusterSpec:
     base = dict(model=model, dtype="float32", device="cpu", num_kv_blocks=256, block_size=8, max_num_seqs=32,
                 max_num_batched_tokens=256, kv_transfer_timeout_s=5.0, num_threads=1, router_policy="round_robin",
-                num_prefill=2, num_decode=2, heartbeat_ttl_s=1.0)
+                num_prefill=2, num_decode=2, heartbeat_ttl_s=3.0)
     return ClusterSpec(**{**base, **kw})
 
 
@@ -87,4 +87,4 @@ def test_kill_under_load_every_request_recovers(ray_session, tiny_path, victim):
             assert time.monotonic() < deadline, "no replacement started"
             time.sleep(0.2)
         c.assert_no_leaks()
-        assert victim not in {r.instance_id for r in c.state.list_instances()}
+        assert c.state.get(victim).health == "dead"  # kept, marked dead, until shutdown

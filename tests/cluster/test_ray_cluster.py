@@ -7,9 +7,11 @@ import threading
 import time
 
 import pytest
+import ray
 
 from cluster.actuators import PoolSizes, RayActuator
 from cluster.cluster import Cluster
+from cluster.nodes import PlacementError, RankPlacement
 from cluster.spec import ClusterSpec
 from engine.request import SamplingParams
 from tests.helpers import assert_logprobs_close, random_prompts
@@ -49,10 +51,26 @@ def test_tp_mixes_match_colocated(ray_session, tiny_path, ptp, dtp):
         streams = c.generate(prompts, GREEDY_LOGPROBS, timeout_s=120)
         got = checked(streams)
         c.assert_no_leaks()
+        for inst in c.instances.values():  # where the ranks are: loopback on a driver-started Ray
+            pids = ray.get([r.pid.remote() for r in inst.ranks])
+            assert inst.placements == [RankPlacement(r, "127.0.0.1", pid) for r, pid in enumerate(pids)]
     want = colocated_streams(tiny_path, prompts, GREEDY_LOGPROBS)
     assert got == [s.token_ids for s in want]
     for s, w in zip(streams, want):
         assert_logprobs_close(s.logprobs, w.logprobs)
+
+
+def test_no_room_fails_fast_and_leaves_nothing(ray_session, tiny_path):
+    """An instance no node can hold (tp=9 on an 8-CPU Ray) fails at once with a one-line error naming
+    the role and TP size (not after the 120 s placement wait); nothing it reserved is left behind."""
+    start = time.monotonic()
+    with pytest.raises(PlacementError, match=r"no Ray node has room for a decode instance \(tp=9") as exc:
+        Cluster(spec_for(tiny_path, decode_tp=9)).start()
+    assert time.monotonic() - start < 60 and "\n" not in str(exc.value)
+    deadline = time.monotonic() + 10  # prefill-0 started first: its group and actor are gone again
+    while any(pg["state"] != "REMOVED" for pg in ray.util.placement_group_table().values()):
+        assert time.monotonic() < deadline, ray.util.placement_group_table()
+        time.sleep(0.1)
 
 
 def test_killed_decode_before_first_token_finishes_elsewhere(ray_session, tiny_path):

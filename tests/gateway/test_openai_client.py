@@ -141,3 +141,18 @@ def test_disconnect_mid_stream_frees_blocks_within_a_second(server):
     start = time.monotonic()
     cluster.assert_no_leaks(timeout_s=1.0)
     assert time.monotonic() - start <= 1.0
+
+
+def test_status_shows_each_rank_node_and_pid(server, capsys):
+    """/status and `pdserve status` give every rank's node address and process id."""
+    import os
+
+    from cluster.cli import main
+    cluster, url = server
+    base = url.removesuffix("/v1")
+    instances = httpx.get(f"{base}/status", timeout=10).json()["instances"]
+    assert {i["instance_id"] for i in instances} == set(cluster.instances)
+    assert all(i["ranks"] == [{"rank": 0, "node_ip": "127.0.0.1", "pid": os.getpid()}] for i in instances)
+    assert main(["status", "--url", base]) == 0
+    table = capsys.readouterr().out
+    assert all(f"127.0.0.1/{os.getpid()}" in line for line in table.splitlines()[1:]) and len(instances) == 2
