@@ -3,6 +3,8 @@ send/recv of the same bytes, in the same run, between the same two processes.
 
     python -m bench.kv_transfer                 # SmolLM2's KV shape (30 layers, 3 KV heads, 64, bf16)
     python -m bench.kv_transfer --tokens 1024 4096 --reps 5 --json
+    ip netns exec A python -m bench.kv_transfer --receiver-netns B --sender-host IP_A --receiver-host IP_B
+                                                # two hosts (network namespaces: bench/multihost.py)
 
 Raw gloo sends each layer's bytes as one message (what the transport sends, minus its header
 frame and the receiver's scatter into paged blocks); "raw gloo, one message" sends a request's
@@ -42,15 +44,26 @@ def _compat(args) -> CompatRecord:
     return CompatRecord("bench", "bfloat16", args.layers, args.kv_heads, args.head_dim, block_size=BLOCK)
 
 
+def enter_netns(name: str) -> None:
+    """Moves this (single-threaded) process into the network namespace `name` (`ip netns`)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/var/run/netns/{name}") as f:
+        if libc.setns(f.fileno(), 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name} failed")
+
+
 def receiver_main(conn, args) -> None:
+    if args.receiver_netns:
+        enter_netns(args.receiver_netns)
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = dist.TCPStore(args.receiver_host, 0, is_master=True, wait_for_workers=False)
     conn.send(store.port)
-    pg = make_pair_group(store, 0, RECEIVER, "cpu", "127.0.0.1", timedelta(seconds=120))
+    pg = make_pair_group(store, 0, RECEIVER, "cpu", args.receiver_host, timedelta(seconds=120))
     max_tokens = max(args.tokens)
     num_blocks = 2 * max_tokens // BLOCK + 2
     cache = torch.zeros(args.layers, 2, num_blocks, BLOCK, args.kv_heads, args.head_dim, dtype=torch.bfloat16)
-    rx = TorchDistReceiver(_compat(args), cache, 0)
+    rx = TorchDistReceiver(_compat(args), cache, 0, host=args.receiver_host)
     conn.send(rx.endpoint_address)
     for tokens in args.tokens:
         layer_bytes, request_bytes = _shape(args, tokens)
@@ -118,10 +131,10 @@ def run(args) -> dict:
     proc = ctx.Process(target=receiver_main, args=(child, args), daemon=True)
     proc.start()
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", parent.recv(), is_master=False, wait_for_workers=False)
-    pg = make_pair_group(store, 0, SENDER, "cpu", "127.0.0.1", timedelta(seconds=120))
+    store = dist.TCPStore(args.receiver_host, parent.recv(), is_master=False, wait_for_workers=False)
+    pg = make_pair_group(store, 0, SENDER, "cpu", args.sender_host, timedelta(seconds=120))
     host, port = parent.recv()
-    tx = TorchDistSender(_compat(args), "bench")
+    tx = TorchDistSender(_compat(args), "bench", host=args.sender_host)
     dest = KVEndpoint("bench", 0, host, port)
     rows = []
     for tokens in args.tokens:
@@ -150,7 +163,8 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.kv_transfer", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.kv_transfer", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False)
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--kv-heads", type=int, default=3)
@@ -158,6 +172,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5, help="requests per timed batch")
     p.add_argument("--rounds", type=int, default=5, help="alternating raw/pdserve rounds; medians are reported")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--sender-host", default="127.0.0.1", help="the sender's address (its host's, across hosts)")
+    p.add_argument("--receiver-host", default="127.0.0.1", help="the receiver's address")
+    p.add_argument("--receiver-netns", default=None, help="run the receiver in this network namespace")
     args = p.parse_args(argv)
     if any(t % BLOCK for t in args.tokens):
         p.error(f"--tokens must be multiples of {BLOCK}")
@@ -177,4 +194,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # NOTE: skip interpreter teardown, which may abort on gloo's still-running threads
