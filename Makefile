@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q --durations=15 tests
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.offline
