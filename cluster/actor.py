@@ -22,11 +22,11 @@ from kvtransfer.params import KVEndpoint, KVTransferParams
 @ray.remote(max_concurrency=16)  # long polls must not block reserve/submit calls
 class RankActor:
     def __init__(self, config: EngineConfig, role: str, instance_id: str, rank: int, tp_size: int,
-                 kv_timeout_s: float, log_level: str = "INFO", loopback: bool = False):
+                 kv_timeout_s: float, log_level: str = "INFO", loopback: bool = False, client_ttl_s: float = 30.0):
         """`loopback`: the driver started Ray on this one host; bind 127.0.0.1."""
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._args = (config, role, instance_id, rank, tp_size)
-        self._kv_timeout_s = kv_timeout_s
+        self._kv_timeout_s, self._client_ttl_s = kv_timeout_s, client_ttl_s
         self._host_name = node_address(loopback)
         self._ifname = set_socket_ifnames(self._host_name)  # before any process group: gloo/NCCL read them once
         self.host: RankHost | None = None
@@ -51,7 +51,7 @@ class RankActor:
         """Loads the model, joins the TP group, starts the loop. Returns this rank's KV endpoint."""
         config, role, instance_id, rank, tp_size = self._args
         self.host = RankHost(config, role, instance_id, rank, tp_size, tp_address, self._host_name, self._kv_timeout_s,
-                             on_loop_death=lambda: os._exit(1))
+                             on_loop_death=lambda: os._exit(1), client_ttl_s=self._client_ttl_s)
         return self.host.kv_endpoint()
 
     def max_model_len(self) -> int:
@@ -71,8 +71,8 @@ class RankActor:
     def submit(self, req: Request, params: KVTransferParams) -> None:
         self.host.worker.submit(req, params)
 
-    def poll_results(self, timeout: float) -> list:
-        return self.host.worker.poll_results(timeout)
+    def poll_results(self, timeout: float, client_id: str = "") -> list:
+        return self.host.worker.poll_results(timeout, client_id)
 
     # decode
     def reserve(self, req: Request, prefill_tp: int) -> bool:
@@ -81,11 +81,12 @@ class RankActor:
     def expect(self, request_id: str, slots: torch.Tensor, prefill_tp: int) -> None:
         self.host.worker.expect(request_id, slots, prefill_tp)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.host.worker.add_request(request_id, prompt_token_ids, params)
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    client_id: str = "") -> None:
+        self.host.worker.add_request(request_id, prompt_token_ids, params, client_id)
 
-    def get_outputs(self, timeout: float) -> list:
-        return self.host.worker.get_outputs(timeout)
+    def get_outputs(self, timeout: float, client_id: str = "") -> list:
+        return self.host.worker.get_outputs(timeout, client_id)
 
     # both
     def abort(self, request_id: str) -> None:

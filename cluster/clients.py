@@ -14,8 +14,8 @@ class LocalPrefillClient(PrefillClient):
     def submit(self, req, params):
         self.worker.submit(req, params)
 
-    def poll_results(self, timeout):
-        return self.worker.poll_results(timeout)
+    def poll_results(self, timeout, client_id=""):
+        return self.worker.poll_results(timeout, client_id)
 
     def abort(self, request_id):
         self.worker.abort(request_id)
@@ -31,11 +31,11 @@ class LocalDecodeClient(DecodeClient):
     def reserve(self, req, prefill_tp):
         return self.worker.reserve(req, prefill_tp)
 
-    def add_request(self, request_id, prompt_token_ids, params):
-        self.worker.add_request(request_id, prompt_token_ids, params)
+    def add_request(self, request_id, prompt_token_ids, params, client_id=""):
+        self.worker.add_request(request_id, prompt_token_ids, params, client_id)
 
-    def get_outputs(self, timeout):
-        return self.worker.get_outputs(timeout)
+    def get_outputs(self, timeout, client_id=""):
+        return self.worker.get_outputs(timeout, client_id)
 
     def abort(self, request_id):
         self.worker.abort(request_id)
@@ -65,8 +65,8 @@ class RayPrefillClient(_RayClient, PrefillClient):
     def submit(self, req, params):
         self._call("submit", req, params)
 
-    def poll_results(self, timeout):
-        return self._call("poll_results", timeout, wait_s=timeout)
+    def poll_results(self, timeout, client_id=""):
+        return self._call("poll_results", timeout, client_id, wait_s=timeout)
 
     def load(self):
         return self._call("load")
@@ -76,11 +76,11 @@ class RayDecodeClient(_RayClient, DecodeClient):
     def reserve(self, req, prefill_tp):
         return self._call("reserve", req, prefill_tp)
 
-    def add_request(self, request_id, prompt_token_ids, params):
-        self._call("add_request", request_id, prompt_token_ids, params)
+    def add_request(self, request_id, prompt_token_ids, params, client_id=""):
+        self._call("add_request", request_id, prompt_token_ids, params, client_id)
 
-    def get_outputs(self, timeout):
-        return self._call("get_outputs", timeout, wait_s=timeout)
+    def get_outputs(self, timeout, client_id=""):
+        return self._call("get_outputs", timeout, client_id, wait_s=timeout)
 
     def load(self):
         return self._call("load")

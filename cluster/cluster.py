@@ -239,7 +239,8 @@ class Cluster:
 
     def _create_local(self, role: str, iid: str) -> Instance:
         from cluster.rank import RankHost
-        host = RankHost(self.spec.engine_config(role), role, iid, kv_timeout_s=self.spec.kv_transfer_timeout_s)
+        host = RankHost(self.spec.engine_config(role), role, iid, kv_timeout_s=self.spec.kv_transfer_timeout_s,
+                        client_ttl_s=self.spec.client_ttl_s)
         ep = host.kv_endpoint()
         info = InstanceInfo(iid, role, 1, (ep,) if ep else (), max_model_len=host.max_model_len)
         client = (LocalPrefillClient if role == "prefill" else LocalDecodeClient)(info, host.worker)
@@ -268,7 +269,8 @@ class Cluster:
         config = self._engine_config(role, gpu, node)
         actors += [RankActor.options(num_cpus=1, num_gpus=1 if gpu else 0, scheduling_strategy=
                                      PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote(
-            config, role, iid, r, tp, self.spec.kv_transfer_timeout_s, self.log_level, not self.multihost)
+            config, role, iid, r, tp, self.spec.kv_transfer_timeout_s, self.log_level, not self.multihost,
+            self.spec.client_ttl_s)
             for r in range(tp)]
         start = time.monotonic()
         placements = ray.get([a.placement.remote() for a in actors], timeout=300)

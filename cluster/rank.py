@@ -46,7 +46,7 @@ def load_tokenizer(model: str) -> Tokenizer | None:
 class RankHost:
     def __init__(self, config: EngineConfig, role: str, instance_id: str, rank: int = 0, tp_size: int = 1,
                  tp_address: str | None = None, host: str = "127.0.0.1", kv_timeout_s: float = 10.0,
-                 model_config=None, weights=None, on_loop_death=None):
+                 model_config=None, weights=None, on_loop_death=None, client_ttl_s: float = 30.0):
         """`on_loop_death`: called if the step loop dies (a Ray actor exits, so the instance is
         seen dead and its requests retried elsewhere, instead of hanging alive but idle)."""
         self.role, self.instance_id, self.rank, self.host = role, instance_id, rank, host
@@ -67,7 +67,8 @@ class RankHost:
                                                               host=host)
             # a request's blocks are leased to its transfer: freed on the decode side's ack, or after
             # 3 transfer timeouts if no ack ever comes (a hung peer cannot pin them forever)
-            self.worker = PrefillWorker(self.runner, self.sender, instance_id, lease_s=3 * kv_timeout_s)
+            self.worker = PrefillWorker(self.runner, self.sender, instance_id, lease_s=3 * kv_timeout_s,
+                                        client_ttl_s=client_ttl_s)
         else:
             if role == "decode":
                 heads = kv_heads_of_rank(mc.num_kv_heads, tp_size, rank)
@@ -75,7 +76,7 @@ class RankHost:
                     compat, self.runner.kv_cache, heads.start, host=host, timeout_s=kv_timeout_s)
             tokenizer = load_tokenizer(config.model) if rank == 0 and model_config is None else None
             engine = ColocatedEngine(config, runner=self.runner, tokenizer=tokenizer)
-            self.worker = DecodeWorker(engine, self.receiver, instance_id)
+            self.worker = DecodeWorker(engine, self.receiver, instance_id, client_ttl_s=client_ttl_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name=f"{role}-rank{rank}")
         self._thread.start()
@@ -106,13 +107,17 @@ class RankHost:
                 self.on_loop_death()
 
     def _prefill_loop(self) -> None:
-        last = time.monotonic()
+        last = checked = time.monotonic()
         while not self._stop.is_set():
             if self.worker.has_work() or time.monotonic() - last > 1.0:
                 self.worker.step()  # idle steps keep followers' collectives from timing out
                 last = time.monotonic()
             else:
                 time.sleep(0.002)
+            if time.monotonic() - checked > 1.0:
+                checked = time.monotonic()
+                if orphans := self.worker.abort_silent_clients():
+                    logger.warning("%s: aborted %d requests of silent clients", self.instance_id, len(orphans))
         if self.worker.tp.size > 1:
             self.worker.stop_followers()
 

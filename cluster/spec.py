@@ -190,6 +190,12 @@ class ClusterSpec:
             return {"colocated": self.num_decode}
         return {"prefill": self.num_prefill, "decode": self.num_decode}
 
+    @property
+    def client_ttl_s(self) -> float:
+        """A router (one per gateway) that has not polled an instance for this long is gone: the
+        instance aborts its requests and frees their blocks."""
+        return 3 * self.heartbeat_ttl_s
+
     def tp_size(self, role: str) -> int:
         """Tensor-parallel ranks of an instance of `role`."""
         if role not in ROLES:

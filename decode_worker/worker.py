@@ -20,6 +20,7 @@ import torch
 
 from decode_worker.engine import ColocatedEngine
 from decode_worker.output import RequestOutput
+from engine.outbox import Outbox
 from engine.request import Request, RequestStatus, SamplingParams
 from kvtransfer.base import CompletedTransfer, KVReceiver
 from kvtransfer.plan import expected_parts
@@ -29,13 +30,17 @@ logger = logging.getLogger(__name__)
 
 class DecodeWorker:
     def __init__(self, engine: ColocatedEngine, receiver: KVReceiver | None, instance_id: str = "decode-0",
-                 expect_on_followers: Callable[[str, torch.Tensor, int], None] | None = None):
+                 expect_on_followers: Callable[[str, torch.Tensor, int], None] | None = None,
+                 client_ttl_s: float = 30.0):
+        """`client_ttl_s`: a client (router) that has not polled for this long is gone; its
+        requests are aborted."""
         self.engine, self.receiver, self.instance_id = engine, receiver, instance_id
+        self.client_ttl_s = client_ttl_s
         self.tp = engine.runner.tp
         self._expect_on_followers = expect_on_followers
         self._lock = threading.Lock()
-        self._outputs: list[RequestOutput] = []
-        self._outputs_ready = threading.Condition()
+        self._outbox = Outbox()  # outputs per client (router): each gateway gets only its own
+        self._client_of: dict[str, str] = {}  # request id -> client id, until its last output
         self._complete: dict[str, list[CompletedTransfer | None]] = {}  # request id -> per rank (None: not yet)
         # cumulative, for the autoscaler's online profile: steps, their seconds, sequences in them
         self.num_steps, self.step_s, self.num_step_seqs = 0, 0.0, 0
@@ -47,6 +52,7 @@ class DecodeWorker:
             req.eos_token_id = self.engine.eos_token_id
             if not self.engine.scheduler.reserve(req):
                 return False
+            self._add_client(req.request_id, req.client_id)
             self.engine.output.add_request(req)
             slots = self._prompt_slots(req)
             self._complete[req.request_id] = [None] * self.tp.size
@@ -60,24 +66,37 @@ class DecodeWorker:
         mc = self.engine.runner.model_config
         self.receiver.expect(request_id, slots, expected_parts(mc.num_kv_heads, prefill_tp, self.tp.size, self.tp.rank))
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    client_id: str = "") -> None:
         """Colocated: prefill here too."""
         with self._lock:
             self.engine.add_request(request_id, prompt_token_ids, params)
+            self._add_client(request_id, client_id)
+
+    def _add_client(self, request_id: str, client_id: str) -> None:
+        self._client_of[request_id] = client_id
+        self._outbox.register(client_id)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             self.engine.abort_request(request_id)
+            self._client_of.pop(request_id, None)
             if self._complete.pop(request_id, None) is not None and self.receiver is not None:
                 self.receiver.cancel(request_id)
 
-    def get_outputs(self, timeout: float = 1.0) -> list[RequestOutput]:
-        """Long poll: everything produced since the last call, waiting up to `timeout` for something."""
-        with self._outputs_ready:
-            if not self._outputs:
-                self._outputs_ready.wait(timeout)
-            out, self._outputs = self._outputs, []
-        return out
+    def get_outputs(self, timeout: float = 1.0, client_id: str = "") -> list[RequestOutput]:
+        """Long poll: the outputs of `client_id`'s requests since its last call, waiting up to
+        `timeout` for something."""
+        return self._outbox.take(client_id, timeout)
+
+    def abort_silent_clients(self, ttl_s: float) -> list[str]:
+        """Aborts the requests of clients that have not polled for `ttl_s` (their gateway died):
+        their blocks are freed. Returns the ids of those requests."""
+        gone = set(self._outbox.drop_silent(ttl_s))
+        orphans = [rid for rid, c in list(self._client_of.items()) if c in gone]
+        for rid in orphans:
+            self.abort(rid)
+        return orphans
 
     def load(self) -> dict[str, float]:
         s = self.engine.scheduler
@@ -171,10 +190,12 @@ class DecodeWorker:
         return outputs
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        if outputs:
-            with self._outputs_ready:
-                self._outputs.extend(outputs)
-                self._outputs_ready.notify_all()
+        by_client: dict[str, list[RequestOutput]] = {}
+        for o in outputs:
+            client = self._client_of.pop(o.request_id, "") if o.finished else self._client_of.get(o.request_id, "")
+            by_client.setdefault(client, []).append(o)
+        for client, outs in by_client.items():
+            self._outbox.put(client, outs)
 
     def _prompt_slots(self, req: Request) -> torch.Tensor:
         bs = self.engine.runner.block_size
@@ -187,7 +208,13 @@ class DecodeWorker:
 
         With no batch to run it sleeps between steps even while KV is arriving: a busy loop here
         would hold the GIL and starve this process's KV receiver threads (transfers took 100x longer)."""
+        checked = time.monotonic()
         while not stop.is_set():
             if not self.step():
                 time.sleep(idle_wait_s)
+            if time.monotonic() - checked > 1.0:
+                checked = time.monotonic()
+                if orphans := self.abort_silent_clients(self.client_ttl_s):
+                    logger.warning("%s: aborted %d requests of clients silent for %.0f s", self.instance_id,
+                                   len(orphans), self.client_ttl_s)
         self.stop_followers()

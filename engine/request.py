@@ -81,6 +81,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    client_id: str = ""  # the router (one per gateway) that placed it: its outputs go there
 
     def __post_init__(self):
         if not self.prompt_token_ids:

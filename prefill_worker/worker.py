@@ -18,6 +18,7 @@ import torch
 
 from engine.block_manager import KVCacheManager
 from engine.model_runner import ModelRunner
+from engine.outbox import Outbox
 from engine.request import Request
 from kvtransfer.base import KVSender
 from kvtransfer.params import KVTransferParams, kv_heads_of_rank
@@ -47,9 +48,11 @@ class _Shipment:
 
 
 class PrefillWorker:
-    def __init__(self, runner: ModelRunner, sender: KVSender, instance_id: str = "prefill-0", lease_s: float = 30.0):
+    def __init__(self, runner: ModelRunner, sender: KVSender, instance_id: str = "prefill-0", lease_s: float = 30.0,
+                 client_ttl_s: float = 30.0):
         """`lease_s`: how long a finished prompt's blocks wait for the decode side's ack before they
-        are freed anyway (and the request reported failed, so the router retries it)."""
+        are freed anyway (and the request reported failed, so the router retries it).
+        `client_ttl_s`: a client (router) silent for this long is gone; its requests are aborted."""
         self.runner, self.sender, self.instance_id, self.lease_s = runner, sender, instance_id, lease_s
         self.tp = runner.tp
         mc = runner.model_config
@@ -61,7 +64,9 @@ class PrefillWorker:
             self.scheduler = PrefillScheduler(runner.config.scheduler, kv, max_len)
         self._params: dict[str, KVTransferParams] = {}
         self._inbox: queue.Queue = queue.Queue()
-        self._results: queue.Queue[PrefillResult] = queue.Queue()
+        self._outbox = Outbox()  # results per client (router): each gateway gets only its own
+        self._client_of: dict[str, str] = {}  # request id -> client id, until its blocks are released
+        self.client_ttl_s = client_ttl_s
         self._delivered: queue.Queue[tuple[str, str | None]] = queue.Queue()  # (request id, error)
         self._watch: queue.Queue = queue.Queue()
         self._open: dict[str, list] = {}  # request id -> its transfers of the running step
@@ -71,20 +76,29 @@ class PrefillWorker:
 
     # -- driver API (rank 0; thread-safe) -----------------------------------------------------
     def submit(self, req: Request, params: KVTransferParams) -> None:
+        self._client_of[req.request_id] = req.client_id
+        self._outbox.register(req.client_id)
         self._inbox.put(("submit", req, params))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, None))
 
-    def poll_results(self, timeout: float = 0.0) -> list[PrefillResult]:
-        """First tokens (or failures) since the last call; waits up to `timeout` for the first."""
-        out = []
-        try:
-            out.append(self._results.get(timeout=timeout) if timeout > 0 else self._results.get_nowait())
-            while True:
-                out.append(self._results.get_nowait())
-        except queue.Empty:
-            return out
+    def poll_results(self, timeout: float = 0.0, client_id: str = "") -> list[PrefillResult]:
+        """First tokens (or failures) of `client_id`'s requests since its last call; waits up to
+        `timeout` for the first."""
+        return self._outbox.take(client_id, timeout)
+
+    def abort_silent_clients(self) -> list[str]:
+        """Aborts the requests of clients that have not polled for `client_ttl_s` (their gateway
+        died); returns their ids."""
+        gone = set(self._outbox.drop_silent(self.client_ttl_s))
+        orphans = [rid for rid, c in list(self._client_of.items()) if c in gone]
+        for rid in orphans:
+            self.abort(rid)
+        return orphans
+
+    def _report(self, result: PrefillResult) -> None:
+        self._outbox.put(self._client_of.get(result.request_id, ""), [result])
 
     def load(self) -> dict[str, float]:
         s, st = self.scheduler, self.sender.stats
@@ -117,7 +131,7 @@ class PrefillWorker:
         for req, token in self.scheduler.update(sched, result):
             logprobs = result.logprobs.get(req.request_id)
             self._finish_shipment(req.request_id, token, logprobs)
-            self._results.put(PrefillResult(req.request_id, token, num_cached_tokens=req.num_cached_tokens,
+            self._report(PrefillResult(req.request_id, token, num_cached_tokens=req.num_cached_tokens,
                                             logprobs=logprobs))
 
     def follow(self) -> bool:
@@ -193,9 +207,10 @@ class PrefillWorker:
                 try:
                     self.scheduler.add_request(a)
                 except ValueError as exc:
-                    self._results.put(PrefillResult(a.request_id, None, str(exc)))
+                    self._report(PrefillResult(a.request_id, None, str(exc)))
             elif self.scheduler.abort(a):
                 self._params.pop(a, None)
+                self._client_of.pop(a, None)
 
     def _watch_transfers(self) -> None:
         """Waits for each request's transfers in order, each until its lease ends; reports delivery
@@ -222,4 +237,5 @@ class PrefillWorker:
             if error:
                 logger.warning("request %s (rank %d): %s", request_id, self.tp.rank, error)
                 if self.scheduler is not None:
-                    self._results.put(PrefillResult(request_id, None, error))
+                    self._report(PrefillResult(request_id, None, error))
+            self._client_of.pop(request_id, None)

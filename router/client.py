@@ -37,8 +37,9 @@ class PrefillClient(ABC):
         """Queue a prompt for prefill; its KV goes to `params.endpoints`."""
 
     @abstractmethod
-    def poll_results(self, timeout: float) -> list:
-        """PrefillResults (first token or error) since the last call; long-polls up to `timeout`."""
+    def poll_results(self, timeout: float, client_id: str = "") -> list:
+        """PrefillResults (first token or error) of `client_id`'s requests since its last call;
+        long-polls up to `timeout`. A client that stops polling has its requests aborted."""
 
     @abstractmethod
     def abort(self, request_id: str) -> None: ...
@@ -55,12 +56,14 @@ class DecodeClient(ABC):
         """Reserve KV blocks for `req`'s prompt (admission control); False if they don't fit now."""
 
     @abstractmethod
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    client_id: str = "") -> None:
         """Prefill and decode here (colocated, or conditional disaggregation's short prompts)."""
 
     @abstractmethod
-    def get_outputs(self, timeout: float) -> list:
-        """RequestOutputs of every request on the instance since the last call (long poll)."""
+    def get_outputs(self, timeout: float, client_id: str = "") -> list:
+        """RequestOutputs of `client_id`'s requests on the instance since its last call (long
+        poll). A client that stops polling has its requests aborted."""
 
     @abstractmethod
     def abort(self, request_id: str) -> None: ...

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -54,6 +55,7 @@ class Router:
     def __init__(self, prefill: list[PrefillClient], decode: list[DecodeClient], policy: BaseRoutingPolicy,
                  mode: str = "disaggregated", disagg_threshold_tokens: int = 0, max_attempts: int = 3,
                  max_queued: int = 4096, poll_s: float = 0.2):
+        self.client_id = f"router-{uuid.uuid4().hex[:12]}"  # instances send this router only its own requests' outputs
         self.prefill = {c.info.instance_id: c for c in prefill}
         self.decode = {c.info.instance_id: c for c in decode}
         self.policy, self.mode = policy, mode
@@ -216,7 +218,7 @@ class Router:
         tracked.decode_id = None
         tracked.placing = tuple(c.info.instance_id for c in ([prefill] if prefill else []) + ordered)
         self._by_attempt[tracked.attempt_id] = tracked
-        return _Plan(tracked.attempt_id, Request(tracked.attempt_id, prompt, params), prefill,
+        return _Plan(tracked.attempt_id, Request(tracked.attempt_id, prompt, params, client_id=self.client_id), prefill,
                      ordered[:1] if local else ordered)
 
     def _call(self, plan: _Plan) -> _Outcome:
@@ -226,14 +228,15 @@ class Router:
         try:
             if p is None:
                 d = plan.decodes[0]
-                d.add_request(req.request_id, req.prompt_token_ids, req.sampling_params)
+                d.add_request(req.request_id, req.prompt_token_ids, req.sampling_params, self.client_id)
                 return _Outcome(d)
             for candidate in plan.decodes:
                 if candidate.reserve(req, p.info.tp_size):
                     d = candidate
                     kv = KVTransferParams(req.request_id, d.info.instance_id, d.info.tp_size, d.info.kv_endpoints)
                     # NOTE: its own Request: in-process, the two workers must not share one object
-                    p.submit(Request(req.request_id, req.prompt_token_ids, req.sampling_params), kv)
+                    p.submit(Request(req.request_id, req.prompt_token_ids, req.sampling_params,
+                                     client_id=self.client_id), kv)
                     return _Outcome(d)
             return _Outcome(None)
         except InstanceDeadError as exc:
@@ -297,7 +300,7 @@ class Router:
             client, fetch, handle = self.decode[iid], self.decode[iid].get_outputs, self._on_decode_output
         while not self._stop.is_set() and client.info.healthy:
             try:
-                events = fetch(self.poll_s)
+                events = fetch(self.poll_s, self.client_id)
             except InstanceDeadError as exc:
                 self._mark_dead(iid, exc)
                 return

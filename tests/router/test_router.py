@@ -54,7 +54,7 @@ class FakePrefill(_FakeInstance, PrefillClient):
         self._check()
         self.submitted.append((req, params))
 
-    def poll_results(self, timeout):
+    def poll_results(self, timeout, client_id=""):
         return self._poll(timeout)
 
 
@@ -70,11 +70,11 @@ class FakeDecode(_FakeInstance, DecodeClient):
         self.reserved.append(req)
         return True
 
-    def add_request(self, request_id, prompt_token_ids, params):
+    def add_request(self, request_id, prompt_token_ids, params, client_id=""):
         self._check()
         self.local.append((request_id, prompt_token_ids))
 
-    def get_outputs(self, timeout):
+    def get_outputs(self, timeout, client_id=""):
         return self._poll(timeout)
 
 
