@@ -40,7 +40,6 @@ class DecodeWorker:
         self._expect_on_followers = expect_on_followers
         self._lock = threading.Lock()
         self._outbox = Outbox()  # outputs per client (router): each gateway gets only its own
-        self._client_of: dict[str, str] = {}  # request id -> client id, until its last output
         self._complete: dict[str, list[CompletedTransfer | None]] = {}  # request id -> per rank (None: not yet)
         # cumulative, for the autoscaler's online profile: steps, their seconds, sequences in them
         self.num_steps, self.step_s, self.num_step_seqs = 0, 0.0, 0
@@ -52,7 +51,7 @@ class DecodeWorker:
             req.eos_token_id = self.engine.eos_token_id
             if not self.engine.scheduler.reserve(req):
                 return False
-            self._add_client(req.request_id, req.client_id)
+            self._outbox.add(req.request_id, req.client_id)
             self.engine.output.add_request(req)
             slots = self._prompt_slots(req)
             self._complete[req.request_id] = [None] * self.tp.size
@@ -71,16 +70,12 @@ class DecodeWorker:
         """Colocated: prefill here too."""
         with self._lock:
             self.engine.add_request(request_id, prompt_token_ids, params)
-            self._add_client(request_id, client_id)
-
-    def _add_client(self, request_id: str, client_id: str) -> None:
-        self._client_of[request_id] = client_id
-        self._outbox.register(client_id)
+            self._outbox.add(request_id, client_id)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             self.engine.abort_request(request_id)
-            self._client_of.pop(request_id, None)
+            self._outbox.forget(request_id)
             if self._complete.pop(request_id, None) is not None and self.receiver is not None:
                 self.receiver.cancel(request_id)
 
@@ -89,11 +84,10 @@ class DecodeWorker:
         `timeout` for something."""
         return self._outbox.take(client_id, timeout)
 
-    def abort_silent_clients(self, ttl_s: float) -> list[str]:
-        """Aborts the requests of clients that have not polled for `ttl_s` (their gateway died):
-        their blocks are freed. Returns the ids of those requests."""
-        gone = set(self._outbox.drop_silent(ttl_s))
-        orphans = [rid for rid, c in list(self._client_of.items()) if c in gone]
+    def abort_silent_clients(self) -> list[str]:
+        """Aborts the requests of clients that have not polled for `client_ttl_s` (their gateway
+        died): their blocks are freed. Returns the ids of those requests."""
+        orphans = self._outbox.drop_silent(self.client_ttl_s)
         for rid in orphans:
             self.abort(rid)
         return orphans
@@ -190,12 +184,8 @@ class DecodeWorker:
         return outputs
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        by_client: dict[str, list[RequestOutput]] = {}
         for o in outputs:
-            client = self._client_of.pop(o.request_id, "") if o.finished else self._client_of.get(o.request_id, "")
-            by_client.setdefault(client, []).append(o)
-        for client, outs in by_client.items():
-            self._outbox.put(client, outs)
+            self._outbox.put(o.request_id, o, last=o.finished)
 
     def _prompt_slots(self, req: Request) -> torch.Tensor:
         bs = self.engine.runner.block_size
@@ -214,7 +204,7 @@ class DecodeWorker:
                 time.sleep(idle_wait_s)
             if time.monotonic() - checked > 1.0:
                 checked = time.monotonic()
-                if orphans := self.abort_silent_clients(self.client_ttl_s):
+                if orphans := self.abort_silent_clients():
                     logger.warning("%s: aborted %d requests of clients silent for %.0f s", self.instance_id,
                                    len(orphans), self.client_ttl_s)
         self.stop_followers()

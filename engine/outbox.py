@@ -3,7 +3,7 @@
 Several routers (one per gateway) share an instance; each long-polls only the outputs of its own
 requests, addressed by `Request.client_id` (vLLM v1 routes EngineCoreOutputs to its API servers
 by `client_index` alike). A client that stops polling for `ttl_s` is gone (its gateway died): the
-worker aborts its requests, so their blocks are freed.
+worker aborts its requests (`drop_silent` names them), so their blocks are freed.
 """
 from __future__ import annotations
 
@@ -15,20 +15,28 @@ class Outbox:
     def __init__(self):
         self._cond = threading.Condition()
         self._queues: dict[str, list] = {}  # client id -> outputs not yet taken
-        self._last_poll: dict[str, float] = {}  # client id -> monotonic time of its last take (or register)
+        self._last_poll: dict[str, float] = {}  # client id -> monotonic time of its last take (or add)
+        self._client_of: dict[str, str] = {}  # request id -> client id, until forgotten
 
-    def register(self, client_id: str) -> None:
-        """A client placed a request here: its outputs are kept for it from now on."""
+    def add(self, request_id: str, client_id: str) -> None:
+        """A client placed `request_id` here: its outputs are kept for that client from now on."""
         with self._cond:
+            self._client_of[request_id] = client_id
             self._queues.setdefault(client_id, [])
             self._last_poll.setdefault(client_id, time.monotonic())
 
-    def put(self, client_id: str, items: list) -> None:
-        """Queues outputs for `client_id`; dropped if the client is gone."""
+    def put(self, request_id: str, item, last: bool = False) -> None:
+        """Queues `item` for the request's client (dropped if the client is gone); `last`: the
+        request has no more outputs (it is forgotten)."""
         with self._cond:
-            if client_id in self._queues and items:
-                self._queues[client_id].extend(items)
+            client = self._client_of.pop(request_id, "") if last else self._client_of.get(request_id, "")
+            if client in self._queues:
+                self._queues[client].append(item)
                 self._cond.notify_all()
+
+    def forget(self, request_id: str) -> None:
+        with self._cond:
+            self._client_of.pop(request_id, None)
 
     def take(self, client_id: str, timeout: float) -> list:
         """Everything queued for `client_id`, waiting up to `timeout` for the first (long poll)."""
@@ -42,10 +50,14 @@ class Outbox:
             return out
 
     def drop_silent(self, ttl_s: float) -> list[str]:
-        """Forgets the clients that have not polled for `ttl_s`; returns their ids."""
+        """Forgets the clients that have not polled for `ttl_s`; returns their requests' ids (the
+        caller aborts them)."""
         with self._cond:
             now = time.monotonic()
-            gone = [c for c, t in self._last_poll.items() if now - t > ttl_s]
+            gone = {c for c, t in self._last_poll.items() if now - t > ttl_s}
             for c in gone:
                 del self._last_poll[c], self._queues[c]
-            return gone
+            orphans = [rid for rid, c in self._client_of.items() if c in gone]
+            for rid in orphans:
+                del self._client_of[rid]
+            return orphans

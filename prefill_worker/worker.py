@@ -65,7 +65,6 @@ class PrefillWorker:
         self._params: dict[str, KVTransferParams] = {}
         self._inbox: queue.Queue = queue.Queue()
         self._outbox = Outbox()  # results per client (router): each gateway gets only its own
-        self._client_of: dict[str, str] = {}  # request id -> client id, until its blocks are released
         self.client_ttl_s = client_ttl_s
         self._delivered: queue.Queue[tuple[str, str | None]] = queue.Queue()  # (request id, error)
         self._watch: queue.Queue = queue.Queue()
@@ -76,8 +75,7 @@ class PrefillWorker:
 
     # -- driver API (rank 0; thread-safe) -----------------------------------------------------
     def submit(self, req: Request, params: KVTransferParams) -> None:
-        self._client_of[req.request_id] = req.client_id
-        self._outbox.register(req.client_id)
+        self._outbox.add(req.request_id, req.client_id)  # until its blocks are released
         self._inbox.put(("submit", req, params))
 
     def abort(self, request_id: str) -> None:
@@ -91,14 +89,13 @@ class PrefillWorker:
     def abort_silent_clients(self) -> list[str]:
         """Aborts the requests of clients that have not polled for `client_ttl_s` (their gateway
         died); returns their ids."""
-        gone = set(self._outbox.drop_silent(self.client_ttl_s))
-        orphans = [rid for rid, c in list(self._client_of.items()) if c in gone]
+        orphans = self._outbox.drop_silent(self.client_ttl_s)
         for rid in orphans:
             self.abort(rid)
         return orphans
 
     def _report(self, result: PrefillResult) -> None:
-        self._outbox.put(self._client_of.get(result.request_id, ""), [result])
+        self._outbox.put(result.request_id, result)
 
     def load(self) -> dict[str, float]:
         s, st = self.scheduler, self.sender.stats
@@ -210,7 +207,7 @@ class PrefillWorker:
                     self._report(PrefillResult(a.request_id, None, str(exc)))
             elif self.scheduler.abort(a):
                 self._params.pop(a, None)
-                self._client_of.pop(a, None)
+                self._outbox.forget(a)
 
     def _watch_transfers(self) -> None:
         """Waits for each request's transfers in order, each until its lease ends; reports delivery
@@ -238,4 +235,4 @@ class PrefillWorker:
                 logger.warning("request %s (rank %d): %s", request_id, self.tp.rank, error)
                 if self.scheduler is not None:
                     self._report(PrefillResult(request_id, None, error))
-            self._client_of.pop(request_id, None)
+            self._outbox.forget(request_id)
