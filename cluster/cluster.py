@@ -171,12 +171,12 @@ class Cluster:
         self.router.add_instance(inst.client)
         return inst.instance_id
 
-    def remove_instance(self, instance_id: str) -> None:
+    def remove_instance(self, instance_id: str, dead: bool = False) -> None:
         """Take an instance out while serving: no new requests go there, its in-flight requests
-        are retried elsewhere, then its ranks stop."""
+        are retried elsewhere, then its ranks stop (`dead`: see `_destroy`)."""
         inst = self.instances.pop(instance_id)
         self.router.remove_instance(instance_id)
-        self._destroy(inst)
+        self._destroy(inst, dead)
 
     def drain_instance(self, instance_id: str, timeout_s: float = 120.0) -> bool:
         """Scale-down: no new requests go to the instance, the running ones finish, then it is
@@ -365,9 +365,7 @@ class Cluster:
                 if not (inst.client.info.healthy or inst.client.info.draining):
                     logger.warning("instance %s is dead; replacing it", iid)
                     self._nodes.suspect(inst.node_id)
-                    self.instances.pop(iid)
-                    self.router.remove_instance(iid)
-                    self._destroy(inst, dead=True)
+                    self.remove_instance(iid, dead=True)
                     owed.append(inst.role)
             if owed and time.monotonic() - last_try >= retry_s:
                 last_try = time.monotonic()
