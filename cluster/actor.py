@@ -19,7 +19,7 @@ from engine.request import Request, SamplingParams
 from kvtransfer.params import KVEndpoint, KVTransferParams
 
 
-@ray.remote(max_concurrency=16)  # long polls must not block reserve/submit calls
+@ray.remote(max_concurrency=32)  # every router long-polls it: those must not block reserve/submit calls
 class RankActor:
     def __init__(self, config: EngineConfig, role: str, instance_id: str, rank: int, tp_size: int,
                  kv_timeout_s: float, log_level: str = "INFO", loopback: bool = False, client_ttl_s: float = 30.0):
@@ -30,6 +30,7 @@ class RankActor:
         self._host_name = node_address(loopback)
         self._ifname = set_socket_ifnames(self._host_name)  # before any process group: gloo/NCCL read them once
         self.host: RankHost | None = None
+        self._complete = False  # rank 0: the controller finished starting the instance
 
     def placement(self) -> RankPlacement:
         """Where this rank runs: the address it binds and advertises, and its process id."""
@@ -42,6 +43,21 @@ class RankActor:
     def probe(self, endpoints: list[tuple[str, int]], timeout_s: float) -> list[str]:
         """The endpoints ("host:port") a plain TCP connection from this rank's node cannot reach."""
         return unreachable(endpoints, timeout_s)
+
+    def describe(self) -> dict:
+        """What a controller that did not start this rank needs to adopt it: role, instance_id,
+        tp_size, rank, ready (model loaded, TP group joined), kv_endpoint, max_model_len, placement,
+        config (the EngineConfig it runs)."""
+        config, role, instance_id, rank, tp_size = self._args
+        ready = self.host is not None and (rank > 0 or self._complete)
+        return {"role": role, "instance_id": instance_id, "tp_size": tp_size, "rank": rank, "ready": ready,
+                "kv_endpoint": self.host.kv_endpoint() if ready else None,
+                "max_model_len": self.host.max_model_len if ready else 0, "placement": self.placement(),
+                "config": config}
+
+    def mark_complete(self) -> None:
+        """Rank 0: every rank is set up (followers known): the instance may be adopted."""
+        self._complete = True
 
     def rendezvous_address(self) -> str:
         """Rank 0: where the instance's TP group meets."""

@@ -1,6 +1,6 @@
 """The autoscaler at run time: observe the cluster, let the policy decide, actuate, export metrics.
 
-Every `interval_s`:  router counters + instance loads -> Observation (LoadWindow)
+Every `interval_s`:  every router's counters + instance loads -> Observation (LoadWindow)
                      instance counters -> Profile (OnlineProfile, unless a profile file was given)
                      policy.decide -> actuator.apply          (a thread of its own; a drain may block it)
 """
@@ -20,18 +20,23 @@ logger = logging.getLogger(__name__)
 
 
 class LoadWindow:
-    """Turns the router's cumulative counters into rates and means over the last interval; keeps
-    the last known request shape while no request arrives."""
+    """Turns the routers' cumulative counters (every gateway's, from the cluster state) into rates
+    and means over the last interval; keeps the last known request shape while no request arrives.
+    A router seen for the first time counts from zero; one that went away stops counting."""
+
+    COUNTERS = ("submitted", "prompt_tokens", "cached_prompt_tokens", "completed", "output_tokens")
 
     def __init__(self, cluster):
         self.cluster = cluster
-        self._last_t, self._last = time.monotonic(), dict(cluster.router.stats)
+        self._last_t, self._last = time.monotonic(), cluster.router_stats()
         self.shape = {"prompt": 0.0, "uncached": 0.0, "output": 0.0}
 
     def observe(self, sizes: PoolSizes) -> Observation:
-        now, stats = time.monotonic(), dict(self.cluster.router.stats)
-        d = {k: stats[k] - self._last.get(k, 0) for k in stats}
-        dt, self._last_t, self._last = max(now - self._last_t, 1e-6), now, stats
+        now, routers = time.monotonic(), self.cluster.router_stats()
+        d = {k: sum(st.get(k, 0.0) - self._last.get(rid, {}).get(k, 0.0) for rid, st in routers.items())
+             for k in self.COUNTERS}
+        dt, self._last_t, self._last = max(now - self._last_t, 1e-6), now, routers
+        pending = sum(st.get("pending", 0.0) for st in routers.values())
         if d["submitted"]:
             self.shape["prompt"] = d["prompt_tokens"] / d["submitted"]
             self.shape["uncached"] = max(1.0, (d["prompt_tokens"] - d["cached_prompt_tokens"]) / d["submitted"])
@@ -44,7 +49,7 @@ class LoadWindow:
             mean_uncached_tokens=self.shape["uncached"], mean_output_tokens=self.shape["output"],
             queued_prefill_tokens=sum(i.load.get("queued_prefill_tokens", 0.0) for i in infos if i.role == "prefill"),
             decode_running=sum(load.get("running", 0.0) for load in decode),
-            decode_waiting=sum(load.get("waiting", 0.0) for load in decode) + len(self.cluster.router._pending),
+            decode_waiting=sum(load.get("waiting", 0.0) for load in decode) + pending,
             decode_kv_usage=sum(load.get("kv_usage", 0.0) for load in decode) / max(len(decode), 1))
 
 

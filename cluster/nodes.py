@@ -230,12 +230,14 @@ def reachability_error(prober: str, missing: Iterable[str], owners: Mapping[str,
     return f"prefill node {prober} cannot reach decode KV endpoint(s) {what}"
 
 
-def create_placement_group(bundles: list[dict[str, float]], node: NodeInfo, role: str, timeout_s: float = 120.0):
+def create_placement_group(bundles: list[dict[str, float]], node: NodeInfo, role: str, timeout_s: float = 120.0,
+                           name: str = ""):
     """A STRICT_PACK placement group of `bundles` (pinned to `node`), ready; removed again and
-    PlacementError raised when Ray cannot place it within `timeout_s` (resources taken by others)."""
+    PlacementError raised when Ray cannot place it within `timeout_s` (resources taken by others).
+    A `name`d group is detached (it outlives this process; a later controller finds it by name)."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
-    pg = placement_group(bundles, strategy="STRICT_PACK")
+    pg = placement_group(bundles, strategy="STRICT_PACK", name=name, lifetime="detached" if name else None)
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
@@ -261,8 +263,9 @@ class PlacementManager:
             with self._lock:
                 self._suspect[node_id] = time.monotonic() + self.suspect_s
 
-    def place(self, instance_id: str, role: str, tp_size: int, per_rank: Mapping[str, float]):
-        """Returns (node, ready placement group) for a new instance; raises PlacementError."""
+    def place(self, instance_id: str, role: str, tp_size: int, per_rank: Mapping[str, float], pg_name: str = ""):
+        """Returns (node, ready placement group) for a new instance; raises PlacementError.
+        `pg_name`: see create_placement_group."""
         with self._lock:
             now = time.monotonic()
             suspect = [n for n, until in self._suspect.items() if until > now]
@@ -271,10 +274,15 @@ class PlacementManager:
             self._placed[instance_id] = PlacedInstance(node.node_id, role, held)
         try:
             bundles = pinned_bundles(per_rank, node, tp_size)
-            return node, create_placement_group(bundles, node, role, self.pg_timeout_s)
+            return node, create_placement_group(bundles, node, role, self.pg_timeout_s, pg_name)
         except BaseException:
             self._placed.pop(instance_id, None)
             raise
+
+    def adopt(self, instance_id: str, role: str, tp_size: int, per_rank: Mapping[str, float], node_id: str) -> None:
+        """An instance started by an earlier controller holds its share of `node_id`."""
+        with self._lock:
+            self._placed[instance_id] = PlacedInstance(node_id, role, {k: v * tp_size for k, v in per_rank.items()})
 
     def release(self, instance_id: str, pg) -> None:
         """The instance is gone: its placement group is removed and its node has room again."""

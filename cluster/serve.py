@@ -1,5 +1,7 @@
-"""`pdserve serve`: the cluster and the OpenAI-compatible gateway in one process (cluster wires
-the gateway on top of the router, so this lives in the top layer)."""
+"""The processes: `pdserve serve` (controller and OpenAI-compatible gateway in one process),
+`pdserve controller` (the instances' owner, alone) and `pdserve gateway` (a stateless gateway over
+a controller's instances; any number). Cluster wires the gateway on top of the router, so this
+lives in the top layer."""
 from __future__ import annotations
 
 import logging
@@ -26,6 +28,76 @@ def build(spec: ClusterSpec, api_key: str | None = None, use_ray: bool = True):
         cluster.autoscaler = create_autoscaler(cluster, spec).start()
     app = create_app(cluster, tokenizer, spec.model, cluster.max_model_len, api_key)
     return cluster, app
+
+
+def _need_shared_cluster(spec: ClusterSpec, command: str) -> None:
+    if spec.ray_address is None or spec.redis_url is None:
+        raise ValueError(f"pdserve {command} needs --ray-address and --redis-url: the controller and the gateways "
+                         "are separate processes that meet in Ray and the cluster state")
+
+
+def _run_uvicorn(app, spec: ClusterSpec, log_level: str, starting=None) -> int:
+    """Serves `app` until SIGTERM/SIGINT. `starting()` (if given) runs on a thread once the port
+    is open (probes answer meanwhile); when it raises, the server stops and 1 is returned."""
+    import threading
+
+    import uvicorn
+    server = uvicorn.Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
+    failed = threading.Event()
+
+    def start() -> None:
+        try:
+            starting()
+        except Exception:
+            logger.exception("start-up failed")
+            failed.set()
+            server.should_exit = True
+    if starting is not None:
+        threading.Thread(target=start, daemon=True, name="start-up").start()
+    server.run()
+    return 1 if failed.is_set() else 0
+
+
+def serve_controller(spec: ClusterSpec, log_level: str = "info") -> int:
+    """`pdserve controller`: adopts or starts the instances, watches and replaces them, runs the
+    autoscaler; answers /health, /ready (every instance up), /status and /metrics on host:port.
+    On exit the instances keep serving: the next controller adopts them."""
+    from cluster.controller import Controller, init_ray
+    from cluster.controller_app import create_controller_app
+    _need_shared_cluster(spec, "controller")
+    init_ray(spec, log_level.upper())  # here, on the main thread: Ray installs its signal handlers
+    controller = Controller(spec, log_level=log_level.upper())
+    app, started = create_controller_app(controller)
+
+    def start() -> None:
+        controller.start()
+        if spec.autoscale:
+            from cluster.autoscale_loop import create_autoscaler
+            controller.autoscaler = create_autoscaler(controller, spec).start()
+        started.set()
+    logger.info("pdserve controller: %s, Ray namespace %s; health at http://%s:%d/health", spec.model,
+                spec.cluster_name, spec.host, spec.port)
+    try:
+        return _run_uvicorn(app, spec, log_level, start)
+    finally:
+        controller.shutdown(stop_instances=False)
+
+
+def serve_gateway(spec: ClusterSpec, api_key: str | None = None, log_level: str = "info") -> int:
+    """`pdserve gateway`: routes over the instances of the cluster state (a controller owns them)."""
+    from cluster.frontend import Frontend
+    _need_shared_cluster(spec, "gateway")
+    api_key = api_key or spec.api_key or os.environ.get("PDSERVE_API_KEY")
+    tokenizer = Tokenizer.from_path(resolve_model_path(spec.model))
+    frontend = Frontend(spec, log_level=log_level.upper()).start()
+    app = create_app(frontend, tokenizer, spec.model, None, api_key)
+    logger.info("pdserve gateway %s: OpenAI API at http://%s:%d/v1 (%d instances known; %s)", frontend.router.client_id,
+                spec.host, spec.port, len(frontend.instances), "API key required" if api_key else "no API key")
+    try:
+        return _run_uvicorn(app, spec, log_level)
+    finally:
+        frontend.shutdown()
 
 
 def serve_in_thread(app, host: str = "127.0.0.1", start_timeout_s: float = 30.0):

@@ -42,6 +42,8 @@ _HELP = {
     "redis_url": "cluster state in Redis (redis://host:port/db); None = in-process memory",
     "ray_address": "join this Ray cluster (auto, HEAD:6379, ray://HEAD:10001); None = start a local one. Ranks bind "
                    "their node's Ray address, or $PDSERVE_NODE_IP set on that node (docs/multihost.md)",
+    "cluster_name": "the cluster's name: the Ray namespace of its named, detached instance actors (joined Ray; a "
+                    "controller that starts adopts the live instances it finds there) and its key prefix in Redis",
     "host": "gateway bind address",
     "port": "gateway port (0 = any free port)",
     "block_size": "tokens per KV block",
@@ -89,6 +91,7 @@ class ClusterSpec:
     # services
     redis_url: str | None = None  # None = in-process memory state
     ray_address: str | None = None  # None = start a local Ray
+    cluster_name: str = "pdserve"  # Ray namespace of the instances' actors (joined Ray) and Redis key prefix
     host: str = "127.0.0.1"
     port: int = 8000
     # KV cache and scheduling (per rank)
@@ -155,6 +158,8 @@ class ClusterSpec:
         if self.redis_url is not None and not self.redis_url.startswith(STATE_URL_SCHEMES):
             raise ValueError(f"redis_url must start with one of {', '.join(STATE_URL_SCHEMES)}; "
                              f"got {self.redis_url!r}")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", self.cluster_name):
+            raise ValueError(f"cluster_name {self.cluster_name!r}: 1-63 of [A-Za-z0-9_.-], starting alphanumeric")
         for name in ("model", "host", "ray_address", "api_key", "autoscale_profile", "k8s_namespace",
                      "k8s_prefill_deployment", "k8s_decode_deployment"):
             if getattr(self, name) == "":

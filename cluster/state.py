@@ -1,8 +1,8 @@
 """Cluster state: instance records, heartbeats, the prefix-hash index and autoscaler metrics.
 
 One interface (`ClusterState`), two backends: `MemoryState` (default, in-process, thread-safe)
-and `RedisState` (shared by every process of the cluster; values are msgpack). A leaf module:
-any layer may import it, and it imports nothing of ours.
+and `RedisState` (cluster/redis_state.py: shared by every process of the cluster; values are
+msgpack). A leaf module: any layer may import it, and it imports nothing of ours.
 
 Times: `updated_at` and metric timestamps are wall-clock (`time.time()`), because they are
 compared across processes and machines. Heartbeat deadlines are relative (a TTL), so the memory
@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import os
 import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 
-import msgpack
 
 ROLES = ("prefill", "decode", "colocated")
 HEALTH_STATES = ("healthy", "draining", "dead")
@@ -37,6 +35,8 @@ class InstanceRecord:
         health: "healthy", "draining" (no new requests) or "dead".
         load: load figures, e.g. queued_prefill_tokens, running, waiting, kv_usage.
         updated_at: wall-clock time of the last write, stamped by the state backend.
+        max_model_len: the longest prompt + output the instance holds (0: unknown).
+        ranks: (node address, process id) of each rank, rank order; a gateway shows them.
     """
 
     instance_id: str
@@ -46,6 +46,8 @@ class InstanceRecord:
     health: str = "healthy"
     load: dict[str, float] = field(default_factory=dict)
     updated_at: float = 0.0
+    max_model_len: int = 0
+    ranks: list[tuple[str, int]] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.instance_id:
@@ -57,12 +59,13 @@ class InstanceRecord:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         self.kv_endpoints = [(str(host), int(port)) for host, port in self.kv_endpoints]
         self.load = {str(k): float(v) for k, v in self.load.items()}
+        self.ranks = [(str(host), int(pid)) for host, pid in self.ranks]
         if self.kv_endpoints and len(self.kv_endpoints) != self.tp_size:
             raise ValueError(f"{len(self.kv_endpoints)} kv_endpoints for tp_size {self.tp_size}: "
                              "give one per rank (or none)")
 
     def copy(self) -> InstanceRecord:
-        return replace(self, kv_endpoints=list(self.kv_endpoints), load=dict(self.load))
+        return replace(self, kv_endpoints=list(self.kv_endpoints), load=dict(self.load), ranks=list(self.ranks))
 
 
 def _check_health(health: str) -> None:
@@ -90,6 +93,8 @@ def _leading_run(held: list[bool]) -> int:
 
 class ClusterState(ABC):
     """Shared view of the cluster. Every method is safe to call from several threads.
+
+    Routers also publish their request counters here (`publish_router`), for the autoscaler.
 
     Mutations of an unknown instance (`update_load`, `set_health`, `heartbeat`,
     `add_block_hashes`) raise KeyError; `remove`, `remove_block_hashes` and
@@ -193,6 +198,15 @@ class ClusterState(ABC):
     def recent_metrics(self, name: str, window_s: float) -> list[tuple[float, float]]:
         """Returns the (ts, value) samples with ts >= now - window_s, oldest first."""
 
+    @abstractmethod
+    def publish_router(self, router_id: str, stats: dict[str, float], ttl_s: float) -> None:
+        """A router's (gateway's) cumulative request counters, kept for `ttl_s` seconds unless
+        published again (the controller's autoscaler sums them over the live routers)."""
+
+    @abstractmethod
+    def router_stats(self) -> dict[str, dict[str, float]]:
+        """router id -> its last published counters, for every router published within its TTL."""
+
     def close(self) -> None:
         """Releases connections; the state must not be used afterwards."""
 
@@ -211,6 +225,7 @@ class MemoryState(ClusterState):
         self._deadlines: dict[str, float] = {}  # instance_id -> time.monotonic() deadline
         self._hashes: dict[str, set[int]] = {}
         self._metrics: dict[str, list[tuple[float, float]]] = {}  # sorted by ts
+        self._routers: dict[str, tuple[float, dict[str, float]]] = {}  # id -> (monotonic deadline, stats)
 
     def _record(self, instance_id: str) -> InstanceRecord:
         record = self._records.get(instance_id)
@@ -310,188 +325,24 @@ class MemoryState(ClusterState):
             return samples[bisect.bisect_left(samples, (horizon,)):]
 
 
-def _pack(value) -> bytes:
-    return msgpack.packb(value, use_bin_type=True)
+    def publish_router(self, router_id: str, stats: dict[str, float], ttl_s: float) -> None:
+        with self._lock:
+            self._routers[router_id] = (time.monotonic() + ttl_s, {str(k): float(v) for k, v in stats.items()})
+
+    def router_stats(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            now = time.monotonic()
+            self._routers = {k: v for k, v in self._routers.items() if v[0] > now}
+            return {k: dict(stats) for k, (_, stats) in self._routers.items()}
 
 
-def _unpack(data: bytes):
-    return msgpack.unpackb(data, raw=False)
-
-
-# Lua scripts make "check the instance exists, then write" atomic against a concurrent remove().
-_HSET_IF_EXISTS = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV))
-return 1
-"""
-_HEARTBEAT = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('SET', KEYS[2], '1', 'PX', ARGV[1])
-redis.call('HSET', KEYS[1], 'heartbeat', ARGV[2], 'updated_at', ARGV[3])
-return 1
-"""
-_SADD_IF_EXISTS = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-for i = 1, #ARGV, 1000 do
-  redis.call('SADD', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
-end
-return 1
-"""
-_LOAD_PREFIX = "load:"
-
-
-class RedisState(ClusterState):
-    """State in Redis, shared by every process of the cluster.
-
-    Keys (all under `namespace`):
-        {ns}:instances          set of instance ids
-        {ns}:inst:{id}          hash: role, tp_size, kv_endpoints, health, updated_at,
-                                heartbeat (armed flag), load:{name}; each value msgpack
-        {ns}:hb:{id}            heartbeat key with PX expiry
-        {ns}:hashes:{id}        set of msgpack-encoded block hashes
-        {ns}:metric:{name}      sorted set scored by timestamp; members msgpack [ts, value, nonce]
-
-    Args:
-        url: e.g. "redis://127.0.0.1:6379/0".
-        namespace: key prefix, so several clusters can share one Redis.
-        metric_retention_s: samples older than this are trimmed when new ones arrive.
-    """
-
-    def __init__(self, url: str, namespace: str = "pdserve", metric_retention_s: float = 3600.0):
-        import redis  # only the Redis backend needs the client
-
-        self.url = url
-        self.namespace = namespace
-        self.metric_retention_s = metric_retention_s
-        self._redis = redis.Redis.from_url(url, decode_responses=False)
-        self._hset_if_exists = self._redis.register_script(_HSET_IF_EXISTS)
-        self._heartbeat = self._redis.register_script(_HEARTBEAT)
-        self._sadd_if_exists = self._redis.register_script(_SADD_IF_EXISTS)
-
-    def _key(self, *parts: str) -> str:
-        return ":".join((self.namespace, *parts))
-
-    def _decode(self, instance_id: str, fields: dict[bytes, bytes]) -> InstanceRecord | None:
-        if not fields:
-            return None
-        values = {k.decode(): _unpack(v) for k, v in fields.items()}
-        load = {k[len(_LOAD_PREFIX):]: v for k, v in values.items() if k.startswith(_LOAD_PREFIX)}
-        return InstanceRecord(instance_id=instance_id, role=values["role"], tp_size=values["tp_size"],
-                              kv_endpoints=[tuple(e) for e in values["kv_endpoints"]], health=values["health"],
-                              load=load, updated_at=values["updated_at"])
-
-    def register(self, record: InstanceRecord) -> None:
-        i = record.instance_id
-        fields = {"role": record.role, "tp_size": record.tp_size,
-                  "kv_endpoints": [list(e) for e in record.kv_endpoints], "health": record.health,
-                  "updated_at": time.time(), **{_LOAD_PREFIX + k: float(v) for k, v in record.load.items()}}
-        with self._redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self._key("inst", i), self._key("hb", i), self._key("hashes", i))
-            pipe.hset(self._key("inst", i), mapping={k: _pack(v) for k, v in fields.items()})
-            pipe.sadd(self._key("instances"), i)
-            pipe.execute()
-
-    def _hset(self, instance_id: str, fields: dict) -> None:
-        args = [x for k, v in fields.items() for x in (k, _pack(v))]
-        _found(self._hset_if_exists(keys=[self._key("inst", instance_id)], args=args), instance_id)
-
-    def update_load(self, instance_id: str, load: dict[str, float]) -> None:
-        self._hset(instance_id, {**{_LOAD_PREFIX + str(k): float(v) for k, v in load.items()},
-                                 "updated_at": time.time()})
-
-    def set_health(self, instance_id: str, health: str) -> None:
-        _check_health(health)
-        self._hset(instance_id, {"health": health, "updated_at": time.time()})
-
-    def get(self, instance_id: str) -> InstanceRecord | None:
-        return self._decode(instance_id, self._redis.hgetall(self._key("inst", instance_id)))
-
-    def _ids(self) -> list[str]:
-        return sorted(i.decode() for i in self._redis.smembers(self._key("instances")))
-
-    def _fetch(self, ids: list[str]) -> list[tuple[InstanceRecord, bool]]:
-        """(record, expired) of each id still registered, in one round trip."""
-        with self._redis.pipeline(transaction=False) as pipe:
-            for i in ids:
-                pipe.hgetall(self._key("inst", i))
-                pipe.exists(self._key("hb", i))
-            replies = pipe.execute()
-        out = []
-        for i, fields, alive in zip(ids, replies[0::2], replies[1::2]):
-            record = self._decode(i, fields)
-            if record is not None:
-                out.append((record, b"heartbeat" in fields and not alive))
-        return out
-
-    def list_instances(self, role: str | None = None, healthy_only: bool = False) -> list[InstanceRecord]:
-        return [r for r, expired in self._fetch(self._ids())
-                if (role is None or r.role == role) and not (healthy_only and (r.health != "healthy" or expired))]
-
-    def remove(self, instance_id: str) -> None:
-        with self._redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self._key("inst", instance_id), self._key("hb", instance_id),
-                        self._key("hashes", instance_id))
-            pipe.srem(self._key("instances"), instance_id)
-            pipe.execute()
-
-    def heartbeat(self, instance_id: str, ttl_s: float) -> None:
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        ok = self._heartbeat(keys=[self._key("inst", instance_id), self._key("hb", instance_id)],
-                             args=[max(1, round(ttl_s * 1000)), _pack(True), _pack(time.time())])
-        _found(ok, instance_id)
-
-    def expired_instances(self) -> list[str]:
-        return [r.instance_id for r, expired in self._fetch(self._ids()) if expired]
-
-    def add_block_hashes(self, instance_id: str, hashes: list[int]) -> None:
-        members = [_pack(h) for h in _check_hashes(hashes)]
-        keys = [self._key("inst", instance_id), self._key("hashes", instance_id)]
-        _found(self._sadd_if_exists(keys=keys, args=members), instance_id)
-
-    def remove_block_hashes(self, instance_id: str, hashes: list[int]) -> None:
-        members = [_pack(h) for h in _check_hashes(hashes)]
-        if members:
-            self._redis.srem(self._key("hashes", instance_id), *members)
-
-    def longest_prefix(self, hashes: list[int], role: str | None = None) -> dict[str, int]:
-        members = [_pack(h) for h in _check_hashes(hashes)]
-        if not members:
-            return {r.instance_id: 0 for r in self.list_instances(role)}
-        ids = self._ids()
-        with self._redis.pipeline(transaction=False) as pipe:
-            for i in ids:  # one round trip: each instance's role and membership of every hash
-                pipe.hget(self._key("inst", i), "role")
-                pipe.smismember(self._key("hashes", i), members)
-            replies = pipe.execute()
-        return {i: _leading_run(held) for i, raw_role, held in zip(ids, replies[0::2], replies[1::2])
-                if raw_role is not None and (role is None or _unpack(raw_role) == role)}
-
-    def drop_instance_hashes(self, instance_id: str) -> None:
-        self._redis.delete(self._key("hashes", instance_id))
-
-    def record_metric(self, name: str, value: float, ts: float | None = None) -> None:
-        ts = time.time() if ts is None else float(ts)
-        member = _pack([ts, float(value), os.urandom(8)])  # the nonce keeps equal samples distinct
-        key = self._key("metric", name)
-        with self._redis.pipeline(transaction=False) as pipe:
-            pipe.zadd(key, {member: ts})
-            pipe.zremrangebyscore(key, "-inf", f"({time.time() - self.metric_retention_s!r}")
-            pipe.execute()
-
-    def recent_metrics(self, name: str, window_s: float) -> list[tuple[float, float]]:
-        members = self._redis.zrangebyscore(self._key("metric", name), repr(time.time() - window_s), "+inf")
-        return [(ts, value) for ts, value, _ in map(_unpack, members)]
-
-    def close(self) -> None:
-        self._redis.close()
-
-
-def create_state(url: str | None = None) -> ClusterState:
+def create_state(url: str | None = None, namespace: str = "pdserve") -> ClusterState:
     """Returns `MemoryState` for None or "memory://", `RedisState` for "redis://...",
-    "rediss://..." or "unix://..."; raises ValueError for anything else."""
+    "rediss://..." or "unix://..." (keys under `namespace`: one cluster's); raises ValueError for
+    anything else."""
     if url is None or url == "memory://":
         return MemoryState()
     if url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisState(url)
+        from cluster.redis_state import RedisState
+        return RedisState(url, namespace)
     raise ValueError(f"unsupported cluster state url {url!r}: use memory:// or redis://host:port/db")

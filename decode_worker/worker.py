@@ -36,6 +36,7 @@ class DecodeWorker:
         requests are aborted."""
         self.engine, self.receiver, self.instance_id = engine, receiver, instance_id
         self.client_ttl_s = client_ttl_s
+        self.num_orphans_aborted = 0  # requests of clients that went silent
         self.tp = engine.runner.tp
         self._expect_on_followers = expect_on_followers
         self._lock = threading.Lock()
@@ -90,6 +91,7 @@ class DecodeWorker:
         orphans = self._outbox.drop_silent(self.client_ttl_s)
         for rid in orphans:
             self.abort(rid)
+        self.num_orphans_aborted += len(orphans)
         return orphans
 
     def load(self) -> dict[str, float]:
@@ -98,7 +100,7 @@ class DecodeWorker:
         return {"running": float(len(s.running)), "waiting": float(len(s.waiting)),
                 "reserved": float(len(s.remote)), "kv_usage": self.engine.kv.usage,
                 "num_preemptions": float(s.num_preemptions), "kv_bytes_received": float(st.get("bytes_received", 0)),
-                "kv_transfer_failures": float(st.get("failed", 0)),
+                "kv_transfer_failures": float(st.get("failed", 0)), "orphans_aborted": float(self.num_orphans_aborted),
                 "kv_messages_dropped": float(st.get("garbage_headers", 0) + st.get("unknown_requests", 0)),
                 "decode_steps": float(self.num_steps),
                 "decode_step_s": self.step_s, "decode_step_seqs": float(self.num_step_seqs),

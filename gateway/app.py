@@ -58,10 +58,15 @@ def _install_error_handlers(app: FastAPI) -> None:
 class _Gateway:
     """What the routes share: the cluster, tokenizer, limits and metrics."""
 
-    def __init__(self, cluster, tokenizer, model_name: str, max_model_len: int, api_key: str | None):
+    def __init__(self, cluster, tokenizer, model_name: str, max_model_len: int | None, api_key: str | None):
         self.cluster, self.tokenizer, self.model_name = cluster, tokenizer, model_name
-        self.max_model_len, self.api_key = max_model_len, api_key
+        self._max_model_len, self.api_key = max_model_len, api_key
         self.metrics = GatewayMetrics(cluster)
+
+    @property
+    def max_model_len(self) -> int:
+        """Fixed at creation, or (None) the cluster's now: instances a controller owns come and go."""
+        return self._max_model_len if self._max_model_len is not None else self.cluster.max_model_len
 
     def check_key(self, request: Request) -> None:
         if self.api_key is None:
@@ -84,8 +89,8 @@ class _Gateway:
                            "not_found_error", param="model", code="model_not_found")
         if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt_ids):
             raise APIError(400, f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", param="prompt")
-        params = body.sampling_params(len(prompt_ids), self.max_model_len)
         self.check_ready()
+        params = body.sampling_params(len(prompt_ids), self.max_model_len)
         rid = make_id("chatcmpl" if kind == "chat" else "cmpl")
         text = TextState(self.tokenizer, EngineRequest(rid, prompt_ids, params))
         logprobs = None if params.logprobs is None else LogprobsFormatter(self.tokenizer, kind, params.logprobs)
@@ -145,8 +150,9 @@ def _add_service_routes(app: FastAPI, gw: _Gateway) -> None:
                               for i in list(gw.cluster.instances.values())]}
 
 
-def create_app(cluster, tokenizer, model_name: str, max_model_len: int, api_key: str | None = None) -> FastAPI:
-    """The gateway over a started `Cluster` (anything with submit/abort/ready/instances/router)."""
+def create_app(cluster, tokenizer, model_name: str, max_model_len: int | None, api_key: str | None = None) -> FastAPI:
+    """The gateway over a started `Cluster` or `Frontend` (anything with submit/abort/ready/
+    instances/router/max_model_len); `max_model_len` None: the cluster's, asked per request."""
     app = FastAPI(title="pdserve", version="0.1.0")
     gw = _Gateway(cluster, tokenizer, model_name, max_model_len, api_key)
     _install_error_handlers(app)

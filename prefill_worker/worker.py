@@ -66,6 +66,7 @@ class PrefillWorker:
         self._inbox: queue.Queue = queue.Queue()
         self._outbox = Outbox()  # results per client (router): each gateway gets only its own
         self.client_ttl_s = client_ttl_s
+        self.num_orphans_aborted = 0  # requests of clients that went silent
         self._delivered: queue.Queue[tuple[str, str | None]] = queue.Queue()  # (request id, error)
         self._watch: queue.Queue = queue.Queue()
         self._open: dict[str, list] = {}  # request id -> its transfers of the running step
@@ -92,6 +93,7 @@ class PrefillWorker:
         orphans = self._outbox.drop_silent(self.client_ttl_s)
         for rid in orphans:
             self.abort(rid)
+        self.num_orphans_aborted += len(orphans)
         return orphans
 
     def _report(self, result: PrefillResult) -> None:
@@ -103,7 +105,8 @@ class PrefillWorker:
                 "running": float(len(s.running)), "kv_usage": s.kv.usage,
                 "kv_bytes_sent": float(st.get("bytes_sent", 0)), "kv_transfer_seconds": self.sender.transfer_seconds,
                 "kv_transfer_failures": float(st.get("groups_failed", 0) + st.get("parts_rejected", 0)),
-                "prefill_tokens_computed": float(self.num_computed_tokens), "prefill_busy_s": self.busy_s}
+                "prefill_tokens_computed": float(self.num_computed_tokens), "prefill_busy_s": self.busy_s,
+                "orphans_aborted": float(self.num_orphans_aborted)}
 
     def has_work(self) -> bool:
         return not self._inbox.empty() or self.scheduler.has_work()

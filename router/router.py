@@ -176,6 +176,11 @@ class Router:
                 self._abort_attempt(tracked)
             self._finish(tracked, StreamEvent([], True, "abort"))
 
+    def snapshot(self) -> dict[str, float]:
+        """The cumulative counters and the queue's length now (published for the autoscaler)."""
+        with self._locked():
+            return {**{k: float(v) for k, v in self.stats.items()}, "pending": float(len(self._pending))}
+
     @property
     def num_active(self) -> int:
         with self._locked():

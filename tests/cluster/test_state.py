@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from cluster.state import ClusterState, InstanceRecord, MemoryState, RedisState, create_state
+from cluster.redis_state import RedisState
+from cluster.state import ClusterState, InstanceRecord, MemoryState, create_state
 
 BIG = 2**64 - 1
 

@@ -76,4 +76,5 @@ def test_silent_router_requests_are_aborted_and_freed(long_context_path):
             time.sleep(0.1)
         assert all(r.status == RequestStatus.FINISHED_ABORTED for r in orphans)
         assert all(r.num_output_tokens < 3000 for r in orphans)
+        assert decode.load()["orphans_aborted"] == 4  # counted, for operators and the bed's tests
         c.assert_no_leaks()

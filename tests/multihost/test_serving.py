@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from bench.multihost import HostSpec
-from cluster.state import RedisState
+from cluster.redis_state import RedisState
 from decode_worker.llm import LLM
 from engine.request import SamplingParams
 

@@ -1,0 +1,548 @@
+"""The controller: owns a cluster's instances. It creates them (cluster/nodes.py places them),
+watches them, replaces the dead, drains and removes them; the autoscaler acts through it. Routers
+(the gateways) find the instances in the cluster state; they never ask the controller.
+
+    start: join or start Ray -> adopt the live instances of an earlier controller -> create the rest
+    every heartbeat_ttl_s / 3: one load() call to every instance, all at once, each with a deadline
+        answered  -> heartbeat + load into the cluster state
+        silent / dead -> marked dead, its ranks killed, a replacement of its role started
+
+Joined to a Ray cluster (`ray_address`), each rank is a detached Ray actor named
+`<instance id>.rank<r>` in the Ray namespace `cluster_name`, in a detached placement group named
+`<namespace>/<instance id>`: instances outlive this process, and a controller that starts adopts
+the complete, ready ones it finds there (kills the incomplete) instead of starting new ones.
+Otherwise (Ray started here, or in-process) instances live and die with this process.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+from cluster import nodes
+from cluster.clients import LocalDecodeClient, LocalPrefillClient, RayDecodeClient, RayPrefillClient
+from cluster.spec import ClusterSpec
+from cluster.state import ClusterState, InstanceRecord, create_state
+from router.client import InstanceDeadError, InstanceInfo
+
+logger = logging.getLogger(__name__)
+DRAIN_GRACE_S = 1.5  # gateways see a draining instance within their sync interval (cluster/frontend.py)
+_RANK_NAME = re.compile(r"(?P<iid>.+)\.rank(?P<rank>\d+)")
+
+
+@dataclass
+class Instance:
+    instance_id: str
+    role: str
+    tp_size: int
+    ranks: list  # RankHost (in-process) or RankActor handles, rank order
+    client: object
+    placement_group: object = None
+    extra: dict = field(default_factory=dict)
+    placements: list[nodes.RankPlacement] = field(default_factory=list)  # rank order
+    node_id: str | None = None  # the Ray node all its ranks run on (None in-process)
+
+
+def rank_actor_name(instance_id: str, rank: int) -> str:
+    """The Ray actor name of one rank (in the cluster's Ray namespace)."""
+    return f"{instance_id}.rank{rank}"
+
+
+def setup_ray_auth() -> None:
+    """Token authentication for a local Ray cluster: on, with a fresh per-cluster token unless the
+    operator provided one (RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH). Nothing is written to ~/.ray."""
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if os.environ["RAY_AUTH_MODE"] == "token" and not (os.environ.get("RAY_AUTH_TOKEN")
+                                                       or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    # NOTE: Ray caches its config (auth mode included) when imported; re-read it from the env.
+    from ray._raylet import Config
+    Config.initialize("")
+
+
+def init_ray(spec: ClusterSpec, log_level: str, ranks: int = 0) -> bool:
+    """Joins `spec.ray_address` (in `spec.cluster_name`) or starts a local Ray for `ranks` rank
+    actors; does nothing when this process is connected already. Returns whether it connected."""
+    if spec.ray_address is None:
+        setup_ray_auth()
+    import ray
+    if ray.is_initialized():
+        return False
+    if spec.ray_address is None:
+        ray.init(num_cpus=max(os.cpu_count() or 1, ranks + 2), include_dashboard=False,
+                 logging_level=log_level, log_to_driver=log_level == "DEBUG")
+    else:
+        ray.init(address=spec.ray_address, namespace=spec.cluster_name, logging_level=log_level)
+    return True
+
+
+class Controller:
+    def __init__(self, spec: ClusterSpec, state: ClusterState | None = None, use_ray: bool = True,
+                 log_level: str = "WARNING"):
+        if not use_ray and (spec.prefill_tp > 1 or spec.decode_tp > 1):
+            raise ValueError("tensor parallelism needs one process per rank: use_ray=True")
+        self.spec, self.use_ray, self.log_level = spec, use_ray, log_level
+        self.state = state or create_state(spec.redis_url, spec.cluster_name)
+        self.instances: dict[str, Instance] = {}
+        self.adopted: list[str] = []  # instances found running at start (an earlier controller's)
+        self.autoscaler = None  # cluster/autoscale_loop.Autoscaler when the spec asks for one
+        self._started_ray = False
+        self._next_id = {"prefill": 0, "decode": 0, "colocated": 0}
+        self._nodes = nodes.PlacementManager()
+        self._dead_ids: list[str] = []  # dead instances, kept in the cluster state as such until shutdown
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        # not joined: a namespace of our own, so leftovers of another cluster on this Ray never collide
+        self._namespace = spec.cluster_name if self.detached else f"pdserve-{secrets.token_hex(4)}"
+
+    @property
+    def multihost(self) -> bool:
+        """Joined a Ray cluster that may span hosts (ranks bind their node's address, checks on)."""
+        return self.use_ray and self.spec.ray_address is not None
+
+    @property
+    def detached(self) -> bool:
+        """Instances outlive this process (named, detached actors) and are adopted on start."""
+        return self.multihost
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> Controller:
+        """Adopts or starts every instance; on failure, what this call started is stopped again."""
+        try:
+            if self.use_ray:
+                ranks = sum(n * self.spec.tp_size(r) for r, n in self.spec.instance_counts.items())
+                self._started_ray = init_ray(self.spec, self.log_level, ranks)
+            if self.multihost:
+                nodes.check_unique_addresses(nodes.alive_nodes())
+            if self.detached:
+                self._adopt()
+            for role, n in self.spec.instance_counts.items():
+                for _ in range(n - sum(i.role == role for i in self.instances.values())):
+                    self._create(role)
+            if self.multihost:
+                nodes.check_network(list(self.instances.values()))
+            self._on_started()
+        except BaseException:
+            self.shutdown(stop_instances=True, adopted_too=False)
+            raise
+        self._spawn(self._supervise)
+        up = ", ".join(f"{i.instance_id} (tp={i.tp_size})" for i in self.instances.values())
+        logger.info("instances up: %s%s", up, f" ({len(self.adopted)} adopted)" if self.adopted else "")
+        return self
+
+    def _spawn(self, target, *args) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True, name=f"controller-{target.__name__}")
+        t.start()
+        self._threads.append(t)
+
+    def __enter__(self) -> Controller:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def shutdown(self, stop_instances: bool = True, adopted_too: bool = True) -> None:
+        """Stops watching. `stop_instances`: also stop every instance (else, joined to Ray, they
+        keep serving and the next controller adopts them); `adopted_too=False` spares the adopted."""
+        if self.autoscaler is not None:
+            self.autoscaler.close()
+        self._stop.set()
+        self._on_shutdown()
+        for t in self._threads:
+            t.join(timeout=5)
+        if stop_instances:
+            for iid in list(self.instances):
+                if adopted_too or iid not in self.adopted:
+                    self._destroy(self.instances.pop(iid))
+            for iid in self._dead_ids:
+                self.state.remove(iid)
+        if self._started_ray:
+            import ray
+            ray.shutdown()
+        self.state.close()
+
+    # -- hooks for a router in this process (cluster/cluster.py) ---------------------------------
+    def _on_started(self) -> None:
+        """Every initial instance is up."""
+
+    def _on_added(self, inst: Instance) -> None:
+        """An instance joined while serving."""
+
+    def _on_draining(self, instance_id: str) -> None:
+        """No new requests may go to the instance."""
+
+    def _on_removed(self, instance_id: str) -> None:
+        """The instance is leaving: whatever still runs there must be retried elsewhere."""
+
+    def _on_lost(self, instance_id: str, exc: Exception) -> None:
+        """The instance stopped answering (its requests must be retried elsewhere)."""
+        client = self.instances[instance_id].client
+        client.info.healthy = False
+
+    def _on_shutdown(self) -> None:
+        """Before the instances stop."""
+
+    def _is_drained(self, inst: Instance) -> bool:
+        """No request runs or waits on the instance (its own counters)."""
+        load = inst.client.load()
+        return not any(load.get(k, 0.0) for k in ("running", "waiting", "reserved", "queued_prefill_tokens"))
+
+    # -- membership ------------------------------------------------------------------------------
+    def add_instance(self, role: str) -> str:
+        """Start one more instance of `role` while serving; routers use it from now on."""
+        inst = self._create(role)
+        if self.multihost:
+            try:
+                nodes.check_network(list(self.instances.values()), inst)
+            except ValueError:
+                self.instances.pop(inst.instance_id)
+                self._destroy(inst)
+                raise
+        self._on_added(inst)
+        return inst.instance_id
+
+    def remove_instance(self, instance_id: str, dead: bool = False) -> None:
+        """Take an instance out while serving: no new requests go there, its in-flight requests
+        are retried elsewhere, then its ranks stop (`dead`: see `_destroy`)."""
+        inst = self.instances.pop(instance_id)
+        self._on_removed(instance_id)
+        self._destroy(inst, dead)
+
+    def drain_instance(self, instance_id: str, timeout_s: float = 120.0) -> bool:
+        """Scale-down: no new requests go to the instance (routers elsewhere learn it from the
+        cluster state within DRAIN_GRACE_S), the running ones finish, then it is removed. Returns
+        False when `timeout_s` ran out first (what was left is retried elsewhere)."""
+        inst = self.instances[instance_id]
+        inst.client.info.draining = True
+        self._set_health(instance_id, "draining")
+        self._on_draining(instance_id)
+        deadline = time.monotonic() + timeout_s
+        if self.detached:
+            time.sleep(DRAIN_GRACE_S)
+        while True:
+            try:
+                drained = self._is_drained(inst)
+            except InstanceDeadError:
+                drained = False
+                break
+            if drained or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if not drained:
+            logger.warning("%s not drained after %.0f s; its remaining requests are retried elsewhere",
+                           instance_id, timeout_s)
+        self.remove_instance(instance_id)
+        return drained
+
+    def kill_instance(self, instance_id: str) -> None:
+        """Kill an instance's processes without telling anyone (failure testing)."""
+        import ray
+        for actor in self.instances[instance_id].ranks:
+            ray.kill(actor, no_restart=True)
+
+    def assert_no_leaks(self, timeout_s: float = 15.0) -> None:
+        """Every live instance's allocator ends with all blocks free (releases are asynchronous)."""
+        deadline = time.monotonic() + timeout_s
+        for inst in self.instances.values():
+            if not inst.client.info.healthy:
+                continue
+            while True:
+                try:
+                    self._call(inst, "assert_no_leaks")
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+
+    def router_stats(self) -> dict[str, dict[str, float]]:
+        """Every live router's (gateway's) request counters, as published in the cluster state."""
+        return self.state.router_stats()
+
+    # -- creating and adopting -------------------------------------------------------------------
+    def _create(self, role: str) -> Instance:
+        iid = f"{role}-{self._next_id[role]}"
+        self._next_id[role] += 1
+        tp = self.spec.tp_size(role)
+        inst = self._create_ray(role, iid, tp) if self.use_ray else self._create_local(role, iid)
+        self.instances[iid] = inst
+        self._register(inst)
+        return inst
+
+    def _register(self, inst: Instance) -> None:
+        info = inst.client.info
+        self.state.register(InstanceRecord(inst.instance_id, inst.role, inst.tp_size,
+                                           [(e.host, e.port) for e in info.kv_endpoints],
+                                           max_model_len=info.max_model_len,
+                                           ranks=[(p.node_ip, p.pid) for p in inst.placements]))
+
+    def _create_local(self, role: str, iid: str) -> Instance:
+        from cluster.rank import RankHost
+        host = RankHost(self.spec.engine_config(role), role, iid, kv_timeout_s=self.spec.kv_transfer_timeout_s,
+                        client_ttl_s=self.spec.client_ttl_s)
+        ep = host.kv_endpoint()
+        info = InstanceInfo(iid, role, 1, (ep,) if ep else (), max_model_len=host.max_model_len)
+        client = (LocalPrefillClient if role == "prefill" else LocalDecodeClient)(info, host.worker)
+        return Instance(iid, role, 1, [host], client, placements=[nodes.RankPlacement(0, nodes.LOOPBACK, os.getpid())])
+
+    def _create_ray(self, role: str, iid: str, tp: int) -> Instance:
+        """Chooses a node, reserves a STRICT_PACK placement group on it, starts the ranks there."""
+        import ray
+        gpu = self._use_gpus()
+        per_rank = nodes.rank_resources(role, gpu, self.spec.ray_resources)
+        pg_name = f"{self._namespace}/{iid}" if self.detached else ""
+        node, pg = self._nodes.place(iid, role, tp, per_rank, pg_name)
+        actors: list = []
+        try:
+            return self._start_ranks(role, iid, tp, gpu, node, pg, actors)
+        except BaseException:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            self._nodes.release(iid, pg)
+            raise
+
+    def _start_ranks(self, role: str, iid: str, tp: int, gpu: bool, node: nodes.NodeInfo, pg,
+                     actors: list) -> Instance:
+        """One RankActor per bundle of `pg` (appended to `actors` as they start); returns the ready instance."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from cluster.actor import RankActor
+        config = self._engine_config(role, gpu, node)
+        for r in range(tp):
+            actors.append(RankActor.options(
+                num_cpus=1, num_gpus=1 if gpu else 0, name=rank_actor_name(iid, r), namespace=self._namespace,
+                lifetime="detached" if self.detached else None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote(
+                config, role, iid, r, tp, self.spec.kv_transfer_timeout_s, self.log_level, not self.multihost,
+                self.spec.client_ttl_s))
+        start = time.monotonic()
+        placements = ray.get([a.placement.remote() for a in actors], timeout=300)
+        address = ray.get(actors[0].rendezvous_address.remote()) if tp > 1 else None
+        logger.info("%s: %d rank actors up on %s (interface %s, pids %s) in %.1f s", iid, tp, placements[0].node_ip,
+                    ray.get(actors[0].socket_interface.remote()), [p.pid for p in placements], time.monotonic() - start)
+        endpoints = ray.get([a.setup.remote(address) for a in actors], timeout=600)
+        logger.info("%s: ranks ready in %.1f s", iid, time.monotonic() - start)
+        if role == "decode" and tp > 1:
+            ray.get(actors[0].set_followers.remote(actors[1:]))
+        ray.get(actors[0].mark_complete.remote())
+        info = InstanceInfo(iid, role, tp, tuple(endpoints) if role == "decode" else (),
+                            max_model_len=ray.get(actors[0].max_model_len.remote()))
+        return Instance(iid, role, tp, actors, self._ray_client(info, actors[0]), pg, placements=placements,
+                        node_id=node.node_id)
+
+    def _ray_client(self, info: InstanceInfo, actor):
+        cls = RayPrefillClient if info.role == "prefill" else RayDecodeClient
+        return cls(info, actor, self.spec.heartbeat_ttl_s)
+
+    def _adopt(self) -> None:
+        """Takes over the complete, ready instances found in this cluster's Ray namespace; kills
+        the ranks of incomplete ones (a controller died while starting them) and forgets the
+        records of instances that are gone. New ids continue after every id seen."""
+        import ray
+        ranks: dict[str, dict[int, str]] = {}
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            m = _RANK_NAME.fullmatch(entry["name"]) if entry["namespace"] == self._namespace else None
+            if m:
+                ranks.setdefault(m["iid"], {})[int(m["rank"])] = entry["name"]
+        records = {r.instance_id: r for r in self.state.list_instances()}
+        for iid in sorted(ranks):
+            self._note_id(iid)
+            try:
+                self._adopt_one(iid, ranks[iid], records.get(iid))
+            except Exception as exc:  # noqa: BLE001 - any failure: the instance is not usable
+                logger.warning("not adopting %s (%s): stopping its ranks", iid, exc)
+                self._kill_named(ranks[iid].values())
+                self._remove_pg(iid)
+        for iid, record in records.items():
+            self._note_id(iid)
+            if iid not in self.instances:
+                self.state.remove(iid)
+        self._remove_orphan_pgs()
+
+    def _adopt_one(self, iid: str, named: dict[int, str], record: InstanceRecord | None) -> None:
+        import ray
+        actors = [ray.get_actor(named[r], namespace=self._namespace) for r in sorted(named)]
+        described = ray.get([a.describe.remote() for a in actors], timeout=2 * self.spec.heartbeat_ttl_s + 10)
+        head = described[0]
+        if sorted(named) != list(range(head["tp_size"])) or not all(d["ready"] for d in described):
+            ready = [d["ready"] for d in described]
+            raise RuntimeError(f"ranks {sorted(named)} of tp={head['tp_size']}, ready {ready}")
+        role, tp = head["role"], head["tp_size"]
+        if role not in self.spec.instance_counts or tp != self.spec.tp_size(role) or \
+                not self._same_engine(head["config"], role):
+            raise RuntimeError(f"it runs another spec ({role}, tp={tp}, {head['config']})")
+        placements = [d["placement"] for d in described]
+        by_ip = {n.address: n for n in nodes.alive_nodes()}
+        node = by_ip[placements[0].node_ip] if placements[0].node_ip in by_ip else None
+        pg = ray.util.get_placement_group(f"{self._namespace}/{iid}")
+        if node is not None:
+            self._nodes.adopt(iid, role, tp, nodes.rank_resources(role, self._use_gpus(), self.spec.ray_resources),
+                              node.node_id)
+        endpoints = tuple(d["kv_endpoint"] for d in described) if role == "decode" else ()
+        info = InstanceInfo(iid, role, tp, endpoints, max_model_len=head["max_model_len"])
+        inst = Instance(iid, role, tp, actors, self._ray_client(info, actors[0]), pg, placements=placements,
+                        node_id=None if node is None else node.node_id)
+        self.instances[iid] = inst
+        self.adopted.append(iid)
+        if record is None or record.health == "dead":
+            self._register(inst)
+        logger.info("adopted %s (%s, tp=%d) on %s", iid, role, tp, placements[0].node_ip)
+
+    def _same_engine(self, config, role: str) -> bool:
+        """`config` is what this spec runs for `role` (threads aside when the spec leaves them to us)."""
+        want = self.spec.engine_config(role)
+        if want.num_threads is None:
+            config = replace(config, num_threads=None)
+        return config == want
+
+    def _note_id(self, iid: str) -> None:
+        role, _, n = iid.rpartition("-")
+        if role in self._next_id and n.isdigit():
+            self._next_id[role] = max(self._next_id[role], int(n) + 1)
+
+    def _kill_named(self, names) -> None:
+        import ray
+        for name in names:
+            try:
+                ray.kill(ray.get_actor(name, namespace=self._namespace), no_restart=True)
+            except ValueError:  # gone meanwhile
+                pass
+
+    def _remove_pg(self, iid: str) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+        try:
+            remove_placement_group(ray.util.get_placement_group(f"{self._namespace}/{iid}"))
+        except ValueError:
+            pass
+
+    def _remove_orphan_pgs(self) -> None:
+        """Named groups of this namespace that no adopted instance holds (a controller died
+        between reserving one and starting its ranks)."""
+        from ray.util.placement_group import placement_group_table
+        prefix = f"{self._namespace}/"
+        for entry in placement_group_table().values():
+            name = entry.get("name") or ""
+            if name.startswith(prefix) and entry.get("state") != "REMOVED" and name[len(prefix):] not in self.instances:
+                logger.info("removing placement group %s (no instance holds it)", name)
+                self._remove_pg(name[len(prefix):])
+
+    # -- watching --------------------------------------------------------------------------------
+    def _supervise(self, retry_s: float = 5.0) -> None:
+        """Every heartbeat_ttl_s / 3: probes every instance (heartbeat + load into the cluster
+        state); one found dead (by the probe, or by a router in this process) is removed, marked
+        dead in the cluster state, and a new one of its role started, so the pools keep their
+        sizes: on another node if one has room (its node is suspect), else on its own, and while
+        no node has room, tried again every `retry_s` (a node may join)."""
+        owed: list[str] = []  # roles whose replacement could not start yet
+        last_try = 0.0
+        ttl = self.spec.heartbeat_ttl_s
+        while not self._stop.wait(ttl / 3):
+            self._probe_all(ttl)
+            if not self.spec.replace_dead_instances:
+                continue
+            for iid, inst in list(self.instances.items()):
+                if not (inst.client.info.healthy or inst.client.info.draining):
+                    logger.warning("instance %s is dead; replacing it", iid)
+                    self._nodes.suspect(inst.node_id)
+                    self.remove_instance(iid, dead=True)
+                    owed.append(inst.role)
+            if owed and time.monotonic() - last_try >= retry_s:
+                last_try = time.monotonic()
+                try:
+                    logger.info("replacement %s instance: %s", owed[0], self.add_instance(owed[0]))
+                    owed.pop(0)
+                except Exception as exc:  # no room in Ray, model load failed: keep serving, say so
+                    logger.warning("cannot start a replacement %s instance yet (retry in %.0f s): %s",
+                                   owed[0], retry_s, exc)
+
+    def _probe_all(self, ttl: float) -> None:
+        """One load() call to every healthy instance at once; an instance dead, or silent for
+        `ttl` seconds, is lost. The answers are the heartbeats and loads of the cluster state."""
+        live = [i for i in list(self.instances.values()) if i.client.info.healthy]
+        answers: dict[str, dict | Exception] = {}
+        if self.use_ray:
+            import ray
+            refs = {i.instance_id: i.ranks[0].load.remote() for i in live}
+            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=ttl) if refs else ([], [])
+            for iid, ref in refs.items():
+                try:
+                    answers[iid] = ray.get(ref, timeout=0) if ref in ready else TimeoutError(f"silent for {ttl:g} s")
+                except ray.exceptions.RayError as exc:
+                    answers[iid] = exc
+        else:
+            answers = {i.instance_id: i.client.load() for i in live}
+        for iid, answer in answers.items():
+            if iid not in self.instances:
+                continue
+            if isinstance(answer, Exception):
+                logger.error("instance %s does not answer (%s)", iid, type(answer).__name__)
+                self._on_lost(iid, InstanceDeadError(iid, type(answer).__name__))
+                continue
+            self.instances[iid].client.info.load = answer
+            try:
+                self.state.heartbeat(iid, ttl)
+                self.state.update_load(iid, answer)
+            except KeyError:  # removed meanwhile
+                pass
+            except Exception:  # the state store is down: serving goes on, say so
+                logger.warning("cannot publish %s to the cluster state", iid, exc_info=True)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _set_health(self, instance_id: str, health: str) -> None:
+        try:
+            self.state.set_health(instance_id, health)
+        except KeyError:
+            pass
+
+    def _engine_config(self, role: str, gpu: bool, node: nodes.NodeInfo):
+        config = self.spec.engine_config(role)
+        if config.num_threads is None and not gpu:  # share the node's cores among the ranks, not oversubscribe
+            ranks = sum(n * self.spec.tp_size(r) for r, n in self.spec.instance_counts.items())
+            cores = node.resources.get("CPU", 1) if self.multihost else os.cpu_count() or 1
+            config = replace(config, num_threads=max(1, int(cores) // ranks))
+        return config
+
+    def _use_gpus(self) -> bool:
+        import ray
+        if self.spec.device == "cpu":
+            return False
+        return self.spec.device.startswith("cuda") or ray.cluster_resources().get("GPU", 0) > 0
+
+    def _call(self, inst: Instance, method: str):
+        if self.use_ray:
+            import ray
+            return ray.get(getattr(inst.ranks[0], method).remote(), timeout=30)
+        host = inst.ranks[0]
+        worker = host.worker
+        kv = worker.scheduler.kv if inst.role == "prefill" else worker.engine.kv
+        return kv.assert_no_leaks()
+
+    def _destroy(self, inst: Instance, dead: bool = False) -> None:
+        """Stops the instance's ranks and frees its node. A `dead` one keeps its record in the
+        cluster state, marked dead (until shutdown), and is not asked to stop: it cannot answer."""
+        try:
+            self.state.drop_instance_hashes(inst.instance_id)
+            if dead:
+                self.state.set_health(inst.instance_id, "dead")
+                self._dead_ids.append(inst.instance_id)
+            else:
+                self.state.remove(inst.instance_id)
+        except KeyError:
+            pass
+        if not self.use_ray:
+            inst.ranks[0].shutdown()
+            return
+        import ray
+        try:
+            if not dead:
+                ray.get(inst.ranks[0].shutdown.remote(), timeout=10)
+        except Exception:  # already dead: nothing to stop
+            pass
+        for actor in inst.ranks:
+            ray.kill(actor, no_restart=True)
+        self._nodes.release(inst.instance_id, inst.placement_group)

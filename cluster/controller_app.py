@@ -1,0 +1,71 @@
+"""The controller's HTTP endpoints (probes and operators; no inference):
+
+    GET /health   200 while the process runs (the port opens before the instances start)
+    GET /ready    200 once every instance is adopted or started, else 503
+    GET /status   its instances: id, role, tp, health, load, ranks, adopted
+    GET /metrics  the autoscaler's families (when on) and instances per role and health
+"""
+from __future__ import annotations
+
+import threading
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+
+class _InstanceCounts:
+    def __init__(self, controller):
+        self.controller = controller
+
+    def collect(self):
+        gauge = GaugeMetricFamily("pdserve_controller_instances", "instances the controller owns",
+                                  labels=["role", "health"])
+        counts: dict[tuple[str, str], int] = {}
+        for inst in list(self.controller.instances.values()):
+            health = "healthy" if inst.client.info.healthy else "dead"
+            key = (inst.role, "draining" if inst.client.info.draining else health)
+            counts[key] = counts.get(key, 0) + 1
+        for (role, health), n in sorted(counts.items()):
+            gauge.add_metric([role, health], n)
+        yield gauge
+
+    def describe(self):
+        return []
+
+
+def create_controller_app(controller) -> tuple[FastAPI, threading.Event]:
+    """The app, and the event to set once `controller.start()` (and its autoscaler) returned."""
+    app = FastAPI(title="pdserve controller", version="0.1.0")
+    started = threading.Event()
+    registry = CollectorRegistry()
+    registry.register(_InstanceCounts(controller))
+    registered: list = []
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if not started.is_set():
+            return JSONResponse({"status": "starting instances"}, status_code=503, headers={"Retry-After": "5"})
+        return {"status": "ready", "instances": len(controller.instances)}
+
+    @app.get("/status")
+    async def status():
+        return {"instances": [{"instance_id": i.instance_id, "role": i.role, "tp_size": i.tp_size,
+                               "healthy": i.client.info.healthy, "draining": i.client.info.draining,
+                               "load": i.client.info.load, "adopted": i.instance_id in controller.adopted,
+                               "ranks": [{"rank": p.rank, "node_ip": p.node_ip, "pid": p.pid} for p in i.placements]}
+                              for i in list(controller.instances.values())]}
+
+    @app.get("/metrics")
+    async def metrics():
+        if controller.autoscaler is not None and not registered:
+            registry.register(controller.autoscaler)
+            registered.append(controller.autoscaler)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app, started

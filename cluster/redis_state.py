@@ -1,0 +1,202 @@
+"""The cluster state in Redis (`RedisState`), shared by every process of the cluster: the
+controller, every gateway, `pdserve status`. Interface and semantics: cluster/state.py."""
+from __future__ import annotations
+
+import os
+import time
+
+import msgpack
+
+from cluster.state import ClusterState, InstanceRecord, _check_hashes, _check_health, _found, _leading_run
+
+
+def _pack(value) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def _unpack(data: bytes):
+    return msgpack.unpackb(data, raw=False)
+
+
+# Lua scripts make "check the instance exists, then write" atomic against a concurrent remove().
+_HSET_IF_EXISTS = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
+_HEARTBEAT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[1])
+redis.call('HSET', KEYS[1], 'heartbeat', ARGV[2], 'updated_at', ARGV[3])
+return 1
+"""
+_SADD_IF_EXISTS = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+for i = 1, #ARGV, 1000 do
+  redis.call('SADD', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+end
+return 1
+"""
+_LOAD_PREFIX = "load:"
+
+
+class RedisState(ClusterState):
+    """State in Redis, shared by every process of the cluster.
+
+    Keys (all under `namespace`):
+        {ns}:instances          set of instance ids
+        {ns}:inst:{id}          hash: role, tp_size, kv_endpoints, health, updated_at,
+                                heartbeat (armed flag), load:{name}; each value msgpack
+        {ns}:hb:{id}            heartbeat key with PX expiry
+        {ns}:hashes:{id}        set of msgpack-encoded block hashes
+        {ns}:metric:{name}      sorted set scored by timestamp; members msgpack [ts, value, nonce]
+        {ns}:router:{id}        a router's counters (msgpack map) with PX expiry
+
+    Args:
+        url: e.g. "redis://127.0.0.1:6379/0".
+        namespace: key prefix, so several clusters can share one Redis.
+        metric_retention_s: samples older than this are trimmed when new ones arrive.
+    """
+
+    def __init__(self, url: str, namespace: str = "pdserve", metric_retention_s: float = 3600.0):
+        import redis  # only the Redis backend needs the client
+
+        self.url = url
+        self.namespace = namespace
+        self.metric_retention_s = metric_retention_s
+        self._redis = redis.Redis.from_url(url, decode_responses=False)
+        self._hset_if_exists = self._redis.register_script(_HSET_IF_EXISTS)
+        self._heartbeat = self._redis.register_script(_HEARTBEAT)
+        self._sadd_if_exists = self._redis.register_script(_SADD_IF_EXISTS)
+
+    def _key(self, *parts: str) -> str:
+        return ":".join((self.namespace, *parts))
+
+    def _decode(self, instance_id: str, fields: dict[bytes, bytes]) -> InstanceRecord | None:
+        if not fields:
+            return None
+        values = {k.decode(): _unpack(v) for k, v in fields.items()}
+        load = {k[len(_LOAD_PREFIX):]: v for k, v in values.items() if k.startswith(_LOAD_PREFIX)}
+        return InstanceRecord(instance_id=instance_id, role=values["role"], tp_size=values["tp_size"],
+                              kv_endpoints=[tuple(e) for e in values["kv_endpoints"]], health=values["health"],
+                              load=load, updated_at=values["updated_at"],
+                              max_model_len=values.get("max_model_len", 0),
+                              ranks=[tuple(r) for r in values.get("ranks", [])])
+
+    def register(self, record: InstanceRecord) -> None:
+        i = record.instance_id
+        fields = {"role": record.role, "tp_size": record.tp_size,
+                  "kv_endpoints": [list(e) for e in record.kv_endpoints], "health": record.health,
+                  "updated_at": time.time(), "max_model_len": record.max_model_len,
+                  "ranks": [list(r) for r in record.ranks],
+                  **{_LOAD_PREFIX + k: float(v) for k, v in record.load.items()}}
+        with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._key("inst", i), self._key("hb", i), self._key("hashes", i))
+            pipe.hset(self._key("inst", i), mapping={k: _pack(v) for k, v in fields.items()})
+            pipe.sadd(self._key("instances"), i)
+            pipe.execute()
+
+    def _hset(self, instance_id: str, fields: dict) -> None:
+        args = [x for k, v in fields.items() for x in (k, _pack(v))]
+        _found(self._hset_if_exists(keys=[self._key("inst", instance_id)], args=args), instance_id)
+
+    def update_load(self, instance_id: str, load: dict[str, float]) -> None:
+        self._hset(instance_id, {**{_LOAD_PREFIX + str(k): float(v) for k, v in load.items()},
+                                 "updated_at": time.time()})
+
+    def set_health(self, instance_id: str, health: str) -> None:
+        _check_health(health)
+        self._hset(instance_id, {"health": health, "updated_at": time.time()})
+
+    def get(self, instance_id: str) -> InstanceRecord | None:
+        return self._decode(instance_id, self._redis.hgetall(self._key("inst", instance_id)))
+
+    def _ids(self) -> list[str]:
+        return sorted(i.decode() for i in self._redis.smembers(self._key("instances")))
+
+    def _fetch(self, ids: list[str]) -> list[tuple[InstanceRecord, bool]]:
+        """(record, expired) of each id still registered, in one round trip."""
+        with self._redis.pipeline(transaction=False) as pipe:
+            for i in ids:
+                pipe.hgetall(self._key("inst", i))
+                pipe.exists(self._key("hb", i))
+            replies = pipe.execute()
+        out = []
+        for i, fields, alive in zip(ids, replies[0::2], replies[1::2]):
+            record = self._decode(i, fields)
+            if record is not None:
+                out.append((record, b"heartbeat" in fields and not alive))
+        return out
+
+    def list_instances(self, role: str | None = None, healthy_only: bool = False) -> list[InstanceRecord]:
+        return [r for r, expired in self._fetch(self._ids())
+                if (role is None or r.role == role) and not (healthy_only and (r.health != "healthy" or expired))]
+
+    def remove(self, instance_id: str) -> None:
+        with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._key("inst", instance_id), self._key("hb", instance_id),
+                        self._key("hashes", instance_id))
+            pipe.srem(self._key("instances"), instance_id)
+            pipe.execute()
+
+    def heartbeat(self, instance_id: str, ttl_s: float) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        ok = self._heartbeat(keys=[self._key("inst", instance_id), self._key("hb", instance_id)],
+                             args=[max(1, round(ttl_s * 1000)), _pack(True), _pack(time.time())])
+        _found(ok, instance_id)
+
+    def expired_instances(self) -> list[str]:
+        return [r.instance_id for r, expired in self._fetch(self._ids()) if expired]
+
+    def add_block_hashes(self, instance_id: str, hashes: list[int]) -> None:
+        members = [_pack(h) for h in _check_hashes(hashes)]
+        keys = [self._key("inst", instance_id), self._key("hashes", instance_id)]
+        _found(self._sadd_if_exists(keys=keys, args=members), instance_id)
+
+    def remove_block_hashes(self, instance_id: str, hashes: list[int]) -> None:
+        members = [_pack(h) for h in _check_hashes(hashes)]
+        if members:
+            self._redis.srem(self._key("hashes", instance_id), *members)
+
+    def longest_prefix(self, hashes: list[int], role: str | None = None) -> dict[str, int]:
+        members = [_pack(h) for h in _check_hashes(hashes)]
+        if not members:
+            return {r.instance_id: 0 for r in self.list_instances(role)}
+        ids = self._ids()
+        with self._redis.pipeline(transaction=False) as pipe:
+            for i in ids:  # one round trip: each instance's role and membership of every hash
+                pipe.hget(self._key("inst", i), "role")
+                pipe.smismember(self._key("hashes", i), members)
+            replies = pipe.execute()
+        return {i: _leading_run(held) for i, raw_role, held in zip(ids, replies[0::2], replies[1::2])
+                if raw_role is not None and (role is None or _unpack(raw_role) == role)}
+
+    def drop_instance_hashes(self, instance_id: str) -> None:
+        self._redis.delete(self._key("hashes", instance_id))
+
+    def record_metric(self, name: str, value: float, ts: float | None = None) -> None:
+        ts = time.time() if ts is None else float(ts)
+        member = _pack([ts, float(value), os.urandom(8)])  # the nonce keeps equal samples distinct
+        key = self._key("metric", name)
+        with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(key, {member: ts})
+            pipe.zremrangebyscore(key, "-inf", f"({time.time() - self.metric_retention_s!r}")
+            pipe.execute()
+
+    def recent_metrics(self, name: str, window_s: float) -> list[tuple[float, float]]:
+        members = self._redis.zrangebyscore(self._key("metric", name), repr(time.time() - window_s), "+inf")
+        return [(ts, value) for ts, value, _ in map(_unpack, members)]
+
+    def publish_router(self, router_id: str, stats: dict[str, float], ttl_s: float) -> None:
+        value = _pack({str(k): float(v) for k, v in stats.items()})
+        self._redis.set(self._key("router", router_id), value, px=max(1, round(ttl_s * 1000)))
+
+    def router_stats(self) -> dict[str, dict[str, float]]:
+        keys = list(self._redis.scan_iter(match=self._key("router", "*"), count=1000))
+        values = self._redis.mget(keys) if keys else []
+        prefix = len(self._key("router", ""))
+        return {k.decode()[prefix:]: _unpack(v) for k, v in zip(keys, values) if v is not None}
+
+    def close(self) -> None:
+        self._redis.close()
