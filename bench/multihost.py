@@ -1,6 +1,7 @@
 """A multi-host test bed on one Linux machine: every "host" is a network namespace (own address
 on a private /24, reachable from the root namespace over a bridge) with its own PID namespace,
-running a real Ray node, redis-server or gateway. Plumbing in `bench/multihost_net.py`.
+running a real Ray node, redis-server or gateway, or nothing yet (a "pod" host: what runs there
+is started by its user, e.g. `bench/chart_pods.py`). Plumbing in `bench/multihost_net.py`.
 
     with Bed(default_hosts()) as bed:          # or bed = Bed(hosts).up() ... bed.down()
         bed.wait_nodes(5, timeout=60)
@@ -33,7 +34,8 @@ from bench import multihost_net as net
 logger = logging.getLogger(__name__)
 
 BIN = Path(sys.executable).parent  # the venv's bin: ray, pdserve
-ROLES = ("head", "gateway", "redis", "prefill", "decode", "worker")
+ROLES = ("head", "gateway", "redis", "prefill", "decode", "worker", "pod")
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PORT = 6379  # the GCS port on the head, redis' port on the redis host
 # The GCS declares a node dead once health checks fail: with Ray's defaults, measured here, ~15 s
 # after its raylet is killed and ~65 s after its link is cut. `Bed(hosts, extra_env=FAST_FAILURE_DETECTION)`
@@ -45,8 +47,9 @@ FAST_FAILURE_DETECTION = {"RAY_health_check_period_ms": "500", "RAY_health_check
 @dataclass(frozen=True)
 class HostSpec:
     """One host. `role`: head (the GCS), gateway (a Ray node with no CPUs, for drivers), redis,
-    prefill / decode / worker (Ray nodes). `num_cpus` and `resources` are what its `ray start`
-    advertises (logical; the machine's real cores are shared by all hosts)."""
+    prefill / decode / worker (Ray nodes), pod (starts nothing and joins no Ray by itself).
+    `num_cpus` and `resources` are what its `ray start` advertises (logical; the machine's real
+    cores are shared by all hosts)."""
     name: str
     role: str
     num_cpus: int = 0
@@ -61,7 +64,7 @@ class HostSpec:
 
     @property
     def joins_ray(self) -> bool:
-        return self.role != "redis"
+        return self.role not in ("redis", "pod")
 
 
 def default_hosts(num_prefill: int = 1, num_decode: int = 2, prefill_cpus: int = 2,
@@ -88,8 +91,8 @@ class Bed:
 
     def __init__(self, hosts: list[HostSpec], extra_env: dict | None = None, start_timeout: float = 180.0):
         names = [h.name for h in hosts]
-        if len(set(names)) != len(names) or [h.role for h in hosts].count("head") != 1:
-            raise ValueError(f"need unique host names and exactly one head: {hosts}")
+        if len(set(names)) != len(names) or [h.role for h in hosts].count("head") > 1:
+            raise ValueError(f"need unique host names and at most one head (none: no Ray of the bed's own): {hosts}")
         self.specs, self.extra_env, self.start_timeout = list(hosts), dict(extra_env or {}), start_timeout
         self.suffix = secrets.token_hex(3)
         self.token = secrets.token_hex(32)
@@ -124,7 +127,9 @@ class Bed:
         """The variables any Ray process of this bed needs (token auth)."""
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, "RAY_USAGE_STATS_ENABLED": "0"}
 
-    def _process_env(self, env: dict | None) -> dict[str, str]:
+    def _process_env(self, env: dict | None, inherit: bool = True) -> dict[str, str]:
+        if not inherit:  # a container's: the image's PATH and HOME, and `env`
+            return {"PATH": f"{BIN}{os.pathsep}{DEFAULT_PATH}", "HOME": os.environ.get("HOME", "/root"), **(env or {})}
         drop = ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH")
         full = {k: v for k, v in os.environ.items() if k not in drop}
         full["PATH"] = f"{BIN}{os.pathsep}{full.get('PATH', '')}"
@@ -141,10 +146,11 @@ class Bed:
             self.switch.create()
             for spec in self.specs:
                 self._plug(spec)
-            head = self._by_role("head")
-            self._start_hosts([head])
-            self._start_hosts([n for n in self.hosts if n != head])
-            self.wait_nodes(sum(h.spec.joins_ray for h in self.hosts.values()), self.start_timeout)
+            heads = [n for n, h in self.hosts.items() if h.spec.role == "head"]
+            self._start_hosts(heads)
+            self._start_hosts([n for n in self.hosts if n not in heads])
+            if heads:
+                self.wait_nodes(sum(h.spec.joins_ray for h in self.hosts.values()), self.start_timeout)
         except BaseException:
             self.down()
             raise
@@ -172,7 +178,8 @@ class Bed:
             (self.dir / name).mkdir(exist_ok=True)
             with open(self.log_path(name), "ab") as log:
                 host.init, host.init_pid = net.start_init(host.link.netns, log)
-            started.append((name, self.popen(name, self._role_argv(host.spec, host.link.ip))))
+            if host.spec.role != "pod":
+                started.append((name, self.popen(name, self._role_argv(host.spec, host.link.ip))))
         for name, proc in started:
             self._await_role(name, proc, deadline)
 
@@ -217,6 +224,11 @@ class Bed:
         self._start_hosts([spec.name])
         if spec.joins_ray:
             self.wait_node(spec.name, alive=True, timeout=self.start_timeout)
+
+    def remove_host(self, name: str) -> None:
+        """Kills the host and unplugs it: its namespaces and address are gone."""
+        self.kill_host(name)
+        net.Switch.unplug(self.hosts.pop(name).link)
 
     def kill_host(self, name: str) -> None:
         """SIGKILLs every process in the host (its init, so its whole PID namespace, included)."""
@@ -268,21 +280,22 @@ class Bed:
         return "\n".join(lines[-num_lines:])
 
     def popen(self, name: str, argv: list[str], env: dict | None = None, log: Path | None = None,
-              cwd: str | None = None) -> net.HostPopen:
+              cwd: str | None = None, inherit_env: bool = True) -> net.HostPopen:
         """Starts `argv` inside the host (its network, PID and mount namespaces) with `env()` and
-        `env` on top of this process' environment; output appends to `log` (default: the host's
-        log). The bed kills it with the host. `terminate()`/`kill()` signal the command itself."""
+        `env` on top of this process' environment (without `inherit_env`: `env` and a PATH with the
+        venv's bin only); output appends to `log` (default: the host's log). The bed kills it with
+        the host. `terminate()`/`kill()` signal the command itself."""
         with open(log or self.log_path(name), "ab") as out:
-            proc = net.HostPopen(self._enter(name, cwd) + list(argv), env=self._process_env(env),
+            proc = net.HostPopen(self._enter(name, cwd) + list(argv), env=self._process_env(env, inherit_env),
                                  stdin=subprocess.DEVNULL, stdout=out, stderr=out)
         self.hosts[name].procs.append(proc)
         return proc
 
-    def run(self, name: str, argv: list[str], timeout: float = 60,
-            env: dict | None = None) -> subprocess.CompletedProcess:
-        """Runs `argv` inside the host to completion; returns its exit status and text output.
-        Past `timeout` the command is killed and TimeoutExpired raised."""
-        with net.HostPopen(self._enter(name, None) + list(argv), env=self._process_env(env), text=True,
+    def run(self, name: str, argv: list[str], timeout: float = 60, env: dict | None = None,
+            inherit_env: bool = True) -> subprocess.CompletedProcess:
+        """Runs `argv` inside the host to completion (env as `popen`'s); returns its exit status and
+        text output. Past `timeout` the command is killed and TimeoutExpired raised."""
+        with net.HostPopen(self._enter(name, None) + list(argv), env=self._process_env(env, inherit_env), text=True,
                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
             try:
                 out, err = proc.communicate(timeout=timeout)
@@ -328,7 +341,10 @@ class Bed:
         lines += ["", "On real machines (one per host), the same token everywhere:",
                   f"  export RAY_AUTH_MODE=token RAY_AUTH_TOKEN={self.token}"]
         for n, h in self.hosts.items():
-            lines.append(f"  [{n}] {shlex.join(self._role_argv(h.spec, h.link.ip, bed_flags=False))}")
+            if h.spec.role != "pod":
+                lines.append(f"  [{n}] {shlex.join(self._role_argv(h.spec, h.link.ip, bed_flags=False))}")
+        if not any(h.spec.role == "gateway" for h in self.hosts.values()):
+            return "\n".join(lines)
         gw = self._by_role("gateway")
         lines.append(f"  [{gw}] pdserve serve --ray-address {self.ray_address} --redis-url {self.redis_url} "
                      f"--ray-resources --host {self.address(gw)} --port 8000")

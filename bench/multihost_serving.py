@@ -42,10 +42,11 @@ def serve_on_bed(bed: Bed, *extra_args: str, port: int = 8000, timeout: float = 
     """
     gw = bed.address("gw")
     log = bed.dir / f"serve-{port}-{time.monotonic_ns()}.log"
-    # NOTE: a Ray namespace of its own: instances a killed server left are never adopted by the next
-    namespace = f"serve-{time.monotonic_ns()}"
+    # NOTE: a cluster name (Ray namespace) of its own unless given: the instances a killed server
+    # left are never adopted by the next one
+    name = [] if "--cluster-name" in extra_args else ["--cluster-name", f"serve-{time.monotonic_ns()}"]
     argv = [str(BIN / "pdserve"), "serve", "--ray-address", bed.ray_address, "--redis-url", bed.redis_url,
-            "--ray-resources", "--cluster-name", namespace, "--host", gw, "--port", str(port), *extra_args]
+            "--ray-resources", *name, "--host", gw, "--port", str(port), *extra_args]
     proc = bed.popen("gw", argv, log=log)
     url, deadline = f"http://{gw}:{port}", time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import threading
 import time
 
-from cluster.controller import Controller, Instance, setup_ray_auth  # noqa: F401 (re-exported)
+from cluster.controller import Controller
+from cluster.instance import Instance, setup_ray_auth  # noqa: F401 (re-exported)
 from cluster.frontend import create_router, publish_stats
 from engine.request import SamplingParams
 from router.router import Router
@@ -82,5 +83,6 @@ class Cluster(Controller):
                  timeout_s: float | None = 600.0) -> list[RequestStream]:
         """All prompts at once through the router; returns their finished streams in order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        streams = [self.submit(f"gen-{time.monotonic_ns()}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        streams = [self.submit(f"gen-{time.monotonic_ns()}-{i}", p, sp)
+                   for i, (p, sp) in enumerate(zip(prompts, plist))]
         return [s.result(timeout=timeout_s) for s in streams]

@@ -9,83 +9,40 @@ watches them, replaces the dead, drains and removes them; the autoscaler acts th
 
 Joined to a Ray cluster (`ray_address`), each rank is a detached Ray actor named
 `<instance id>.rank<r>` in the Ray namespace `cluster_name`, in a detached placement group named
-`<namespace>/<instance id>`: instances outlive this process, and a controller that starts adopts
-the complete, ready ones it finds there (kills the incomplete) instead of starting new ones.
+`<cluster_name>/<instance id>`: instances outlive this process, and a controller that starts adopts
+the complete, ready ones of its spec (cluster/adoption.py) instead of starting new ones.
 Otherwise (Ray started here, or in-process) instances live and die with this process.
 """
 from __future__ import annotations
 
 import logging
 import os
-import re
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from cluster import nodes
+from cluster.adoption import Adoption
 from cluster.clients import LocalDecodeClient, LocalPrefillClient, RayDecodeClient, RayPrefillClient
+from cluster.instance import Instance, init_ray, rank_actor_name, setup_ray_auth  # noqa: F401 (re-exported)
 from cluster.spec import ClusterSpec
 from cluster.state import ClusterState, InstanceRecord, create_state
 from router.client import InstanceDeadError, InstanceInfo
 
 logger = logging.getLogger(__name__)
 DRAIN_GRACE_S = 1.5  # gateways see a draining instance within their sync interval (cluster/frontend.py)
-_RANK_NAME = re.compile(r"(?P<iid>.+)\.rank(?P<rank>\d+)")
 
 
-@dataclass
-class Instance:
-    instance_id: str
-    role: str
-    tp_size: int
-    ranks: list  # RankHost (in-process) or RankActor handles, rank order
-    client: object
-    placement_group: object = None
-    extra: dict = field(default_factory=dict)
-    placements: list[nodes.RankPlacement] = field(default_factory=list)  # rank order
-    node_id: str | None = None  # the Ray node all its ranks run on (None in-process)
-
-
-def rank_actor_name(instance_id: str, rank: int) -> str:
-    """The Ray actor name of one rank (in the cluster's Ray namespace)."""
-    return f"{instance_id}.rank{rank}"
-
-
-def setup_ray_auth() -> None:
-    """Token authentication for a local Ray cluster: on, with a fresh per-cluster token unless the
-    operator provided one (RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH). Nothing is written to ~/.ray."""
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    if os.environ["RAY_AUTH_MODE"] == "token" and not (os.environ.get("RAY_AUTH_TOKEN")
-                                                       or os.environ.get("RAY_AUTH_TOKEN_PATH")):
-        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-    # NOTE: Ray caches its config (auth mode included) when imported; re-read it from the env.
-    from ray._raylet import Config
-    Config.initialize("")
-
-
-def init_ray(spec: ClusterSpec, log_level: str, ranks: int = 0) -> bool:
-    """Joins `spec.ray_address` (in `spec.cluster_name`) or starts a local Ray for `ranks` rank
-    actors; does nothing when this process is connected already. Returns whether it connected."""
-    if spec.ray_address is None:
-        setup_ray_auth()
-    import ray
-    if ray.is_initialized():
-        return False
-    if spec.ray_address is None:
-        ray.init(num_cpus=max(os.cpu_count() or 1, ranks + 2), include_dashboard=False,
-                 logging_level=log_level, log_to_driver=log_level == "DEBUG")
-    else:
-        ray.init(address=spec.ray_address, namespace=spec.cluster_name, logging_level=log_level)
-    return True
-
-
-class Controller:
+class Controller(Adoption):
     def __init__(self, spec: ClusterSpec, state: ClusterState | None = None, use_ray: bool = True,
-                 log_level: str = "WARNING"):
+                 log_level: str = "WARNING", wait_for_room: bool = False):
+        """`wait_for_room`: an instance no node has room for yet is owed and retried (a node may
+        join: `pdserve controller` before its worker pods), instead of failing `start()`."""
         if not use_ray and (spec.prefill_tp > 1 or spec.decode_tp > 1):
             raise ValueError("tensor parallelism needs one process per rank: use_ray=True")
-        self.spec, self.use_ray, self.log_level = spec, use_ray, log_level
+        self.spec, self.use_ray, self.log_level, self.wait_for_room = spec, use_ray, log_level, wait_for_room
+        self.owed: list[str] = []  # roles of instances to start once a node has room
         self.state = state or create_state(spec.redis_url, spec.cluster_name)
         self.instances: dict[str, Instance] = {}
         self.adopted: list[str] = []  # instances found running at start (an earlier controller's)
@@ -117,12 +74,18 @@ class Controller:
                 ranks = sum(n * self.spec.tp_size(r) for r, n in self.spec.instance_counts.items())
                 self._started_ray = init_ray(self.spec, self.log_level, ranks)
             if self.multihost:
-                nodes.check_unique_addresses(nodes.alive_nodes())
+                self._check_unique_addresses()
             if self.detached:
                 self._adopt()
             for role, n in self.spec.instance_counts.items():
                 for _ in range(n - sum(i.role == role for i in self.instances.values())):
-                    self._create(role)
+                    try:
+                        self._create(role)
+                    except nodes.PlacementError as exc:
+                        if not self.wait_for_room:
+                            raise
+                        logger.warning("%s; waiting for a node with room", exc)
+                        self.owed.append(role)
             if self.multihost:
                 nodes.check_network(list(self.instances.values()))
             self._on_started()
@@ -133,6 +96,20 @@ class Controller:
         up = ", ".join(f"{i.instance_id} (tp={i.tp_size})" for i in self.instances.values())
         logger.info("instances up: %s%s", up, f" ({len(self.adopted)} adopted)" if self.adopted else "")
         return self
+
+    def _check_unique_addresses(self, wait_s: float = 60.0) -> None:
+        """Among the nodes that can run ranks (drivers' nodes have no CPUs). A node restarted in
+        place shows twice until Ray declares its old self dead (~15 s): retried for `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return nodes.check_unique_addresses(
+                    n for n in nodes.alive_nodes() if n.resources.get("CPU", 0) > 0 or n.resources.get("GPU", 0) > 0)
+            except ValueError as exc:
+                if time.monotonic() > deadline:
+                    raise
+                logger.warning("%s; waiting for Ray to declare the older one dead", exc)
+                time.sleep(2)
 
     def _spawn(self, target, *args) -> None:
         t = threading.Thread(target=target, args=args, daemon=True, name=f"controller-{target.__name__}")
@@ -338,98 +315,10 @@ class Controller:
         cls = RayPrefillClient if info.role == "prefill" else RayDecodeClient
         return cls(info, actor, self.spec.heartbeat_ttl_s)
 
-    def _adopt(self) -> None:
-        """Takes over the complete, ready instances found in this cluster's Ray namespace; kills
-        the ranks of incomplete ones (a controller died while starting them) and forgets the
-        records of instances that are gone. New ids continue after every id seen."""
-        import ray
-        ranks: dict[str, dict[int, str]] = {}
-        for entry in ray.util.list_named_actors(all_namespaces=True):
-            m = _RANK_NAME.fullmatch(entry["name"]) if entry["namespace"] == self._namespace else None
-            if m:
-                ranks.setdefault(m["iid"], {})[int(m["rank"])] = entry["name"]
-        records = {r.instance_id: r for r in self.state.list_instances()}
-        for iid in sorted(ranks):
-            self._note_id(iid)
-            try:
-                self._adopt_one(iid, ranks[iid], records.get(iid))
-            except Exception as exc:  # noqa: BLE001 - any failure: the instance is not usable
-                logger.warning("not adopting %s (%s): stopping its ranks", iid, exc)
-                self._kill_named(ranks[iid].values())
-                self._remove_pg(iid)
-        for iid, record in records.items():
-            self._note_id(iid)
-            if iid not in self.instances:
-                self.state.remove(iid)
-        self._remove_orphan_pgs()
-
-    def _adopt_one(self, iid: str, named: dict[int, str], record: InstanceRecord | None) -> None:
-        import ray
-        actors = [ray.get_actor(named[r], namespace=self._namespace) for r in sorted(named)]
-        described = ray.get([a.describe.remote() for a in actors], timeout=2 * self.spec.heartbeat_ttl_s + 10)
-        head = described[0]
-        if sorted(named) != list(range(head["tp_size"])) or not all(d["ready"] for d in described):
-            ready = [d["ready"] for d in described]
-            raise RuntimeError(f"ranks {sorted(named)} of tp={head['tp_size']}, ready {ready}")
-        role, tp = head["role"], head["tp_size"]
-        if role not in self.spec.instance_counts or tp != self.spec.tp_size(role) or \
-                not self._same_engine(head["config"], role):
-            raise RuntimeError(f"it runs another spec ({role}, tp={tp}, {head['config']})")
-        placements = [d["placement"] for d in described]
-        by_ip = {n.address: n for n in nodes.alive_nodes()}
-        node = by_ip[placements[0].node_ip] if placements[0].node_ip in by_ip else None
-        pg = ray.util.get_placement_group(f"{self._namespace}/{iid}")
-        if node is not None:
-            self._nodes.adopt(iid, role, tp, nodes.rank_resources(role, self._use_gpus(), self.spec.ray_resources),
-                              node.node_id)
-        endpoints = tuple(d["kv_endpoint"] for d in described) if role == "decode" else ()
-        info = InstanceInfo(iid, role, tp, endpoints, max_model_len=head["max_model_len"])
-        inst = Instance(iid, role, tp, actors, self._ray_client(info, actors[0]), pg, placements=placements,
-                        node_id=None if node is None else node.node_id)
-        self.instances[iid] = inst
-        self.adopted.append(iid)
-        if record is None or record.health == "dead":
-            self._register(inst)
-        logger.info("adopted %s (%s, tp=%d) on %s", iid, role, tp, placements[0].node_ip)
-
-    def _same_engine(self, config, role: str) -> bool:
-        """`config` is what this spec runs for `role` (threads aside when the spec leaves them to us)."""
-        want = self.spec.engine_config(role)
-        if want.num_threads is None:
-            config = replace(config, num_threads=None)
-        return config == want
-
     def _note_id(self, iid: str) -> None:
         role, _, n = iid.rpartition("-")
         if role in self._next_id and n.isdigit():
             self._next_id[role] = max(self._next_id[role], int(n) + 1)
-
-    def _kill_named(self, names) -> None:
-        import ray
-        for name in names:
-            try:
-                ray.kill(ray.get_actor(name, namespace=self._namespace), no_restart=True)
-            except ValueError:  # gone meanwhile
-                pass
-
-    def _remove_pg(self, iid: str) -> None:
-        import ray
-        from ray.util.placement_group import remove_placement_group
-        try:
-            remove_placement_group(ray.util.get_placement_group(f"{self._namespace}/{iid}"))
-        except ValueError:
-            pass
-
-    def _remove_orphan_pgs(self) -> None:
-        """Named groups of this namespace that no adopted instance holds (a controller died
-        between reserving one and starting its ranks)."""
-        from ray.util.placement_group import placement_group_table
-        prefix = f"{self._namespace}/"
-        for entry in placement_group_table().values():
-            name = entry.get("name") or ""
-            if name.startswith(prefix) and entry.get("state") != "REMOVED" and name[len(prefix):] not in self.instances:
-                logger.info("removing placement group %s (no instance holds it)", name)
-                self._remove_pg(name[len(prefix):])
 
     # -- watching --------------------------------------------------------------------------------
     def _supervise(self, retry_s: float = 5.0) -> None:
@@ -438,14 +327,14 @@ class Controller:
         dead in the cluster state, and a new one of its role started, so the pools keep their
         sizes: on another node if one has room (its node is suspect), else on its own, and while
         no node has room, tried again every `retry_s` (a node may join)."""
-        owed: list[str] = []  # roles whose replacement could not start yet
-        last_try = 0.0
+        owed = self.owed  # roles whose (replacement) instance could not start yet
+        last_try = time.monotonic() if owed else 0.0
         ttl = self.spec.heartbeat_ttl_s
         while not self._stop.wait(ttl / 3):
             self._probe_all(ttl)
-            if not self.spec.replace_dead_instances:
-                continue
             for iid, inst in list(self.instances.items()):
+                if not self.spec.replace_dead_instances:
+                    break
                 if not (inst.client.info.healthy or inst.client.info.draining):
                     logger.warning("instance %s is dead; replacing it", iid)
                     self._nodes.suspect(inst.node_id)
@@ -454,10 +343,10 @@ class Controller:
             if owed and time.monotonic() - last_try >= retry_s:
                 last_try = time.monotonic()
                 try:
-                    logger.info("replacement %s instance: %s", owed[0], self.add_instance(owed[0]))
+                    logger.info("owed %s instance started: %s", owed[0], self.add_instance(owed[0]))
                     owed.pop(0)
                 except Exception as exc:  # no room in Ray, model load failed: keep serving, say so
-                    logger.warning("cannot start a replacement %s instance yet (retry in %.0f s): %s",
+                    logger.warning("cannot start the owed %s instance yet (retry in %.0f s): %s",
                                    owed[0], retry_s, exc)
 
     def _probe_all(self, ttl: float) -> None:

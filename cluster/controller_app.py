@@ -1,7 +1,7 @@
 """The controller's HTTP endpoints (probes and operators; no inference):
 
     GET /health   200 while the process runs (the port opens before the instances start)
-    GET /ready    200 once every instance is adopted or started, else 503
+    GET /ready    200 once every instance the spec asks for is adopted or started, else 503
     GET /status   its instances: id, role, tp, health, load, ranks, adopted
     GET /metrics  the autoscaler's families (when on) and instances per role and health
 """
@@ -49,8 +49,9 @@ def create_controller_app(controller) -> tuple[FastAPI, threading.Event]:
 
     @app.get("/ready")
     async def ready():
-        if not started.is_set():
-            return JSONResponse({"status": "starting instances"}, status_code=503, headers={"Retry-After": "5"})
+        if not started.is_set() or controller.owed:
+            waiting = f"waiting for room for {', '.join(controller.owed)}" if started.is_set() else "starting instances"
+            return JSONResponse({"status": waiting}, status_code=503, headers={"Retry-After": "5"})
         return {"status": "ready", "instances": len(controller.instances)}
 
     @app.get("/status")

@@ -16,7 +16,7 @@ import threading
 import time
 
 from cluster.clients import RayDecodeClient, RayPrefillClient
-from cluster.controller import Instance, init_ray, rank_actor_name
+from cluster.instance import Instance, init_ray, rank_actor_name
 from cluster.nodes import RankPlacement
 from cluster.spec import ClusterSpec
 from cluster.state import ClusterState, InstanceRecord, create_state

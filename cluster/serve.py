@@ -67,7 +67,7 @@ def serve_controller(spec: ClusterSpec, log_level: str = "info") -> int:
     from cluster.controller_app import create_controller_app
     _need_shared_cluster(spec, "controller")
     init_ray(spec, log_level.upper())  # here, on the main thread: Ray installs its signal handlers
-    controller = Controller(spec, log_level=log_level.upper())
+    controller = Controller(spec, log_level=log_level.upper(), wait_for_room=True)
     app, started = create_controller_app(controller)
 
     def start() -> None:

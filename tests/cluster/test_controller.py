@@ -113,6 +113,17 @@ def test_instance_of_another_spec_is_replaced_not_adopted(ray_session, tiny_path
             ray.get(old.load.remote(), timeout=30)
 
 
+def test_no_room_yet_is_owed_not_fatal(ray_session, tiny_path, redis_url):
+    """`pdserve controller` starts before any worker node carries the role resources: its
+    instances are owed (retried by the supervisor), not a failed start; a plain start fails."""
+    spec = spec_for(tiny_path, ray_address="auto", redis_url=redis_url, ray_resources=True,
+                    cluster_name=f"test-{secrets.token_hex(3)}")
+    with Controller(spec, wait_for_room=True) as controller:
+        assert controller.owed == ["prefill", "decode"] and controller.instances == {}
+    with pytest.raises(ValueError, match="no Ray node has room for a prefill instance"):
+        Controller(spec).start()
+
+
 def test_load_window_sums_every_router():
     """Two gateways' published counters add up; one that appears counts from zero, one that
     went away stops counting (no negative rates)."""

@@ -1,7 +1,7 @@
 """The Helm chart (deploy/helm/pdserve), rendered offline by real Helm (helm-python-sdk, no
 binary, no cluster) and checked three ways: against the Kubernetes API schemas
 (kubernetes-validate, strict), against its own values.schema.json, and against the cluster spec
-the gateway will load from it (`ClusterSpec.from_dict`)."""
+the controller and the gateways will load from it (`ClusterSpec.from_dict`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,6 +23,8 @@ pytestmark = pytest.mark.timeout(300)
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "pdserve"
 GPU_VALUES = yaml.safe_load((CHART / "ci" / "gpu-values.yaml").read_text())
 RELEASE, NAMESPACE = "pdserve", "serving"
+RAY_PODS = ("pdserve-head", "pdserve-prefill", "pdserve-decode", "pdserve-controller", "pdserve-gateway")
+DRIVERS = ("pdserve-controller", "pdserve-gateway")  # Ray drivers: `ray start` then `pdserve <command>`
 # Cluster spec keys the chart sets itself (from the pod or from other values), so values.spec refuses them.
 CHART_OWNED_SPEC_KEYS = {
     "host", "port", "ray_address", "redis_url", "api_key", "ray_resources", "autoscale", "autoscale_policy",
@@ -110,13 +112,15 @@ def test_manifests_validate_against_kubernetes(rendered, kube_version):
 
 
 def test_renders_every_component(rendered):
-    """Head, both worker pools and the gateway always render; Redis, Ingress and RBAC only when asked."""
+    """Head, both worker pools, the controller and the gateways always render; Redis unless an
+    external one is named; Ingress and RBAC only when asked."""
     values, objects = rendered
     values = values or {}
     names = {(o["kind"], o["metadata"]["name"]) for o in objects}
-    assert {("Deployment", f"pdserve-{c}") for c in ("head", "prefill", "decode", "gateway")} <= names
-    assert {("Service", "pdserve-head"), ("Service", "pdserve-gateway"), ("ConfigMap", "pdserve-spec")} <= names
-    assert (("Deployment", "pdserve-redis") in names) == values.get("redis", {}).get("enabled", False)
+    assert {("Deployment", f"pdserve-{c}") for c in ("head", "prefill", "decode", "controller", "gateway")} <= names
+    assert {("Service", f"pdserve-{c}") for c in ("head", "controller", "gateway")} <= names
+    assert ("ConfigMap", "pdserve-spec") in names
+    assert (("Deployment", "pdserve-redis") in names) == values.get("redis", {}).get("enabled", True)
     assert bool(find(objects, "Ingress")) == values.get("ingress", {}).get("enabled", False)
     assert bool(find(objects, "Role")) == values.get("autoscaler", {}).get("enabled", False)
     assert {o["metadata"]["name"] for o in find(objects, "PodDisruptionBudget")} == {
@@ -152,6 +156,8 @@ def test_schema_rejects_bad_values(bad, where):
     ({"autoscaler": {"enabled": True, "minPrefill": 3, "maxPrefill": 2}}, "minPrefill"),
     ({"autoscaler": {"enabled": True}, "decode": {"instancesPerPod": 2}}, "instancesPerPod to 1"),
     ({"redis": {"enabled": True, "external": {"existingSecret": "r"}}}, "not both"),
+    ({"redis": {"external": {"existingSecret": "r"}}}, "not both"),
+    ({"redis": {"enabled": False}}, "meet in Redis"),
     ({"ingress": {"enabled": True, "tls": {"enabled": True}}}, "ingress.tls.secretName"),
 ])
 def test_templates_refuse_inconsistent_values(bad, message):
@@ -186,7 +192,7 @@ def test_schema_spec_keys_are_cluster_spec_fields():
 
 
 def test_spec_configmap_loads_as_cluster_spec(rendered):
-    """The gateway's spec.yaml is a valid ClusterSpec that names the rendered worker Deployments,
+    """The spec.yaml of the controller and the gateways is a valid ClusterSpec that names the rendered worker Deployments,
     the release namespace, and pools no larger than the worker pods can hold."""
     values, objects = rendered
     spec = loaded_spec(objects)
@@ -203,6 +209,16 @@ def test_spec_configmap_loads_as_cluster_spec(rendered):
     assert all(getattr(spec, key) == value for key, value in user_spec.items())
 
 
+def test_cluster_name_is_the_release_unless_set():
+    """The instances' Ray namespace and Redis key prefix (`cluster_name`) is the release's full
+    name, so releases sharing an external Redis do not mix; a value in spec wins."""
+    assert loaded_spec(manifests()).cluster_name == "pdserve"
+    objects = manifests({"fullnameOverride": "llm-a"})
+    spec = ClusterSpec.from_dict(yaml.safe_load(one(objects, "ConfigMap", "llm-a-spec")["data"]["spec.yaml"]))
+    assert spec.cluster_name == "llm-a"
+    assert loaded_spec(manifests({"spec": {"cluster_name": "shared.1"}})).cluster_name == "shared.1"
+
+
 def test_autoscaler_keys_reach_the_spec():
     """With the autoscaler on, the spec turns autoscaling on with the Kubernetes actuator and the
     chart's SLOs and bounds; with it off, the spec keeps autoscaling off."""
@@ -215,7 +231,8 @@ def test_autoscaler_keys_reach_the_spec():
 
 def test_autoscaler_rbac_is_least_privilege():
     """The autoscaler may only get and patch the scale of Deployments, in its own namespace, and
-    the gateway pod (where it runs) uses that ServiceAccount; without it, no RBAC and no token."""
+    the controller pod (where it runs) uses that ServiceAccount; without it, no RBAC and no token.
+    The gateways never mount a token."""
     objects = manifests(AUTOSCALED)
     (role,) = find(objects, "Role")
     assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["get", "patch"]}]
@@ -226,50 +243,103 @@ def test_autoscaler_rbac_is_least_privilege():
                                   "name": role["metadata"]["name"]}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
                                     "namespace": NAMESPACE}]
-    pod = one(objects, "Deployment", "pdserve-gateway")["spec"]["template"]["spec"]
+    pod = one(objects, "Deployment", "pdserve-controller")["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == account["metadata"]["name"]
-    default_pod = one(manifests(), "Deployment", "pdserve-gateway")["spec"]["template"]["spec"]
-    assert "serviceAccountName" not in default_pod and default_pod["automountServiceAccountToken"] is False
+    default_objects = manifests()
+    for name, objs in (("pdserve-controller", default_objects), ("pdserve-gateway", default_objects),
+                       ("pdserve-gateway", objects)):
+        pod = one(objs, "Deployment", name)["spec"]["template"]["spec"]
+        assert "serviceAccountName" not in pod and pod["automountServiceAccountToken"] is False, name
 
 
-def test_gateway_probes_and_command(rendered):
-    """The gateway is probed on /health (liveness, startup) and /ready (readiness) on its http
-    port, joins Ray without CPUs, then execs `pdserve serve` on the mounted spec."""
+def _driver_shell(deployment: dict) -> str:
+    (shell, flag, script) = container(deployment)["command"]
+    assert (shell, flag) == ("sh", "-c")
+    return script
+
+
+@pytest.mark.parametrize("name, command", [("pdserve-controller", "controller"), ("pdserve-gateway", "gateway")])
+def test_driver_probes_and_command(rendered, name, command):
+    """The controller and the gateways are probed on /health (liveness, startup) and /ready
+    (readiness) on their http port, join Ray as a node without CPUs at their own address, then
+    exec `pdserve controller|gateway` on the mounted spec with the release's Redis."""
     values, objects = rendered
-    gateway = container(one(objects, "Deployment", "pdserve-gateway"))
-    assert gateway["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    assert gateway["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    assert gateway["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
-    assert {"name": "http", "containerPort": 8000} in gateway["ports"]
-    shell = gateway["command"][-1]
-    assert shell.startswith("ray start --address=pdserve-head:6379 --num-cpus=0 && exec pdserve serve ")
-    assert "--config /etc/pdserve/spec.yaml --host 0.0.0.0 --port 8000 --ray-address auto" in shell
-    env = {e["name"]: e for e in gateway["env"]}
-    redis = (values or {}).get("redis", {}).get("enabled", False)
-    assert ('--redis-url "$PDSERVE_REDIS_URL"' in shell) == redis == ("PDSERVE_REDIS_URL" in env)
-    if redis:
-        assert env["PDSERVE_REDIS_URL"]["value"] == "redis://pdserve-redis:6379/0"
+    deployment = one(objects, "Deployment", name)
+    driver = container(deployment)
+    assert driver["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert driver["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert driver["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert {"name": "http", "containerPort": 8000} in driver["ports"]
+    assert _driver_shell(deployment) == (
+        "ray start --address=pdserve-head:6379 --num-cpus=0 --node-ip-address=$(PDSERVE_NODE_IP) && "
+        f"exec pdserve {command} --config /etc/pdserve/spec.yaml --host 0.0.0.0 --port 8000 "
+        '--ray-address auto --redis-url "$PDSERVE_REDIS_URL"')
+    mounts = {m["name"]: m["mountPath"] for m in driver["volumeMounts"]}
+    assert mounts["spec"] == "/etc/pdserve"
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["spec"]["configMap"]["name"] == "pdserve-spec"
+    env = {e["name"]: e for e in driver["env"]}
+    assert env["PDSERVE_REDIS_URL"]["value"] == "redis://pdserve-redis:6379/0"
     api_key = (values or {}).get("gateway", {}).get("apiKey", {}).get("existingSecret")
-    assert ("PDSERVE_API_KEY" in env) == bool(api_key)
-    if api_key:
+    assert ("PDSERVE_API_KEY" in env) == bool(api_key and command == "gateway")
+    if "PDSERVE_API_KEY" in env:
         assert env["PDSERVE_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": api_key, "key": "api-key"}
+
+
+def test_one_controller_never_two(rendered):
+    """The controller owns the instances: one replica, and Recreate, so the old one is gone
+    before a new one starts (two would both start and replace instances)."""
+    _, objects = rendered
+    spec = one(objects, "Deployment", "pdserve-controller")["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+
+
+def test_gateways_are_many_and_roll_without_a_gap():
+    """Two gateways by default (`gateway.replicas`), replaced one at a time with the new one ready
+    first (maxUnavailable 0), behind one Service, each with a disruption budget."""
+    for replicas, values in ((2, None), (5, {"gateway": {"replicas": 5}})):
+        objects = manifests(values)
+        spec = one(objects, "Deployment", "pdserve-gateway")["spec"]
+        assert spec["replicas"] == replicas
+        assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+        assert one(objects, "PodDisruptionBudget", "pdserve-gateway")["spec"]["selector"] == spec["selector"]
+    with pytest.raises(helm.HelmValuesError, match="/gateway/replicas"):
+        render({"gateway": {"replicas": 0}})
+
+
+def test_every_ray_node_advertises_its_pod_address(rendered):
+    """Every pod that joins Ray (head, workers, controller, gateways) gets PDSERVE_NODE_IP from its
+    own pod IP (the downward API) and passes it to every `ray start` as --node-ip-address, which
+    kubelet expands; so Ray nodes and ranks advertise the address other pods reach them at."""
+    _, objects = rendered
+    for name in RAY_PODS:
+        deployment = one(objects, "Deployment", name)
+        env = {e["name"]: e for e in container(deployment)["env"]}
+        assert env["PDSERVE_NODE_IP"] == {"name": "PDSERVE_NODE_IP",
+                                          "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}, name
+        command = container(deployment)["command"]
+        words = _driver_shell(deployment).split() if name in DRIVERS else command
+        starts = [i for i, w in enumerate(words) if w == "ray" and words[i + 1] == "start"]
+        assert len(starts) == 1, name
+        assert "--node-ip-address=$(PDSERVE_NODE_IP)" in words[starts[0]:], name
 
 
 def test_external_redis_url_comes_from_its_secret():
     """An external Redis is reached through the URL in the named Secret; no Redis is deployed."""
-    objects = manifests({"redis": {"external": {"existingSecret": "redis-conn", "key": "url"}}})
-    env = {e["name"]: e for e in container(one(objects, "Deployment", "pdserve-gateway"))["env"]}
-    assert env["PDSERVE_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "redis-conn", "key": "url"}
+    objects = manifests({"redis": {"enabled": False, "external": {"existingSecret": "redis-conn", "key": "url"}}})
+    for name in DRIVERS:
+        env = {e["name"]: e for e in container(one(objects, "Deployment", name))["env"]}
+        assert env["PDSERVE_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "redis-conn", "key": "url"}
     assert not find(objects, "Deployment", "pdserve-redis")
 
 
 def test_ray_pods_use_token_auth(rendered):
-    """Head, workers and gateway all run Ray with token auth, reading the token from one Secret the
+    """Head, workers, controller and gateways all run Ray with token auth, reading the token from one Secret the
     release renders, and get a memory-backed /dev/shm for Ray's object store."""
     _, objects = rendered
     (secret,) = find(objects, "Secret")
     assert len(secret["data"]["token"]) > 48  # base64 of 48 random characters
-    for name in ("pdserve-head", "pdserve-prefill", "pdserve-decode", "pdserve-gateway"):
+    for name in RAY_PODS:
         pod = one(objects, "Deployment", name)["spec"]["template"]["spec"]
         env = {e["name"]: e for e in container(one(objects, "Deployment", name))["env"]}
         assert env["RAY_AUTH_MODE"]["value"] == "token", name
@@ -283,7 +353,7 @@ def test_existing_ray_secret_is_used_not_generated():
     """With ray.auth.existingSecret the chart renders no token Secret and points every Ray pod at the given one."""
     objects = manifests({"ray": {"auth": {"existingSecret": "ray-token", "existingSecretKey": "t"}}})
     assert not find(objects, "Secret")
-    for name in ("pdserve-head", "pdserve-prefill", "pdserve-decode", "pdserve-gateway"):
+    for name in RAY_PODS:
         env = {e["name"]: e for e in container(one(objects, "Deployment", name))["env"]}
         assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "ray-token", "key": "t"}
 
@@ -292,8 +362,8 @@ def test_ray_head_command_and_ports(rendered):
     """The head schedules no work (num-cpus 0) and serves GCS, client and dashboard ports through its Service."""
     _, objects = rendered
     head = container(one(objects, "Deployment", "pdserve-head"))
-    assert head["command"] == ["ray", "start", "--head", "--port=6379", "--num-cpus=0", "--dashboard-host=0.0.0.0",
-                               "--block"]
+    assert head["command"] == ["ray", "start", "--head", "--port=6379", "--num-cpus=0",
+                               "--node-ip-address=$(PDSERVE_NODE_IP)", "--dashboard-host=0.0.0.0", "--block"]
     ports = {p["name"]: p["port"] for p in one(objects, "Service", "pdserve-head")["spec"]["ports"]}
     assert ports == {"gcs": 6379, "client": 10001, "dashboard": 8265}
 
@@ -311,6 +381,7 @@ def test_worker_pods_carry_role_resource_and_gpus(rendered, role):
     worker = container(deployment)
     command = worker["command"]
     assert command[:3] == ["ray", "start", "--address=pdserve-head:6379"] and command[-1] == "--block"
+    assert "--node-ip-address=$(PDSERVE_NODE_IP)" in command
     assert f"--num-cpus={pool['cpus']}" in command and f"--num-gpus={pool['gpu']}" in command
     assert f'--resources={{"{role}":{ranks}}}' in command
     limits = worker["resources"]["limits"]

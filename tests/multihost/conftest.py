@@ -1,5 +1,6 @@
 """Fixtures of the multi-host suite: one test bed (`bench.multihost.Bed`: network and PID
-namespaces, a real Ray node per host, a real redis-server) shared by every test of tests/multihost.
+namespaces, a real Ray node per host, a real redis-server) shared by every test of tests/multihost,
+and the Helm chart's pods (`bench.chart_pods.ChartPods`) on a bed of their own.
 
 Skipped without root, iproute2, util-linux or redis-server; with PDSERVE_REQUIRE_MULTIHOST=1
 (`.ci/run` sets it) a missing prerequisite fails instead, so CI cannot pass by skipping.
@@ -41,17 +42,21 @@ def missing_prerequisite() -> str | None:
     return None
 
 
+def skip_unless_bed_can_run() -> None:
+    why = missing_prerequisite()
+    if why is not None:
+        if os.environ.get("PDSERVE_REQUIRE_MULTIHOST") == "1":
+            pytest.fail(f"PDSERVE_REQUIRE_MULTIHOST=1 but the multi-host bed cannot run: {why}")
+        pytest.skip(why)
+
+
 @pytest.fixture(scope="package")
 def bed():
     """The bed of this test session: head (0 CPUs), gw (gateway, 0 CPUs), redis, p1 (prefill 2),
     d1 (decode 3), d2 (decode 2), all Ray nodes alive. Tests that break a host restore it.
     NOTE: package scope, i.e. built once for tests/multihost and torn down when its last test
     ends, so its Ray nodes do not idle on a 2-core machine through the rest of the suite."""
-    why = missing_prerequisite()
-    if why is not None:
-        if os.environ.get("PDSERVE_REQUIRE_MULTIHOST") == "1":
-            pytest.fail(f"PDSERVE_REQUIRE_MULTIHOST=1 but the multi-host bed cannot run: {why}")
-        pytest.skip(why)
+    skip_unless_bed_can_run()
     bed = Bed(HOSTS).up()
     try:
         yield bed
@@ -80,3 +85,38 @@ def serve(bed):
     yield start
     for proc in procs:
         stop_process(proc)
+
+
+PROMPTS = ["The capital of France is", "Water boils at a temperature of", "One, two, three, four,",
+           "The largest planet in the solar system is", "In the morning I like to drink",
+           "The quick brown fox", "def fibonacci(n):", "Once upon a time, there was a"]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="package")
+def reference() -> dict[str, str]:
+    """Greedy colocated outputs of PROMPTS (MAX_TOKENS each; the in-process engine, fp32)."""
+    from decode_worker.llm import LLM
+    from engine.request import SamplingParams
+    llm = LLM(model="smollm2", dtype="float32", num_blocks=256)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    return {p: o.text for p, o in zip(PROMPTS, outs)}
+
+
+@pytest.fixture(scope="package")
+def chart():
+    """The chart rendered with `bench.chart_pods.BED_VALUES` (SmolLM2 fp32, 1 prefill + 1 decode,
+    Redis, 2 gateways), every pod running and ready, on a bed of its own (no Ray of the bed's:
+    the chart's head is the Ray cluster), so this does not need the `bed` fixture's hosts.
+    Tests that break a pod restore it. Package scope: one deployment for every test."""
+    skip_unless_bed_can_run()
+    from bench.chart_pods import BED_VALUES, ChartPods
+    bed = Bed([]).up()
+    try:
+        pods = ChartPods(bed, BED_VALUES, release="pd")
+        try:
+            yield pods.up(timeout=300)
+        finally:
+            pods.down()
+    finally:
+        bed.down()

@@ -11,14 +11,9 @@ import pytest
 
 from bench.multihost import HostSpec
 from cluster.redis_state import RedisState
-from decode_worker.llm import LLM
-from engine.request import SamplingParams
+from tests.multihost.conftest import MAX_TOKENS, PROMPTS
 
 pytestmark = pytest.mark.timeout(600)
-PROMPTS = ["The capital of France is", "Water boils at a temperature of", "One, two, three, four,",
-           "The largest planet in the solar system is", "In the morning I like to drink",
-           "The quick brown fox", "def fibonacci(n):", "Once upon a time, there was a"]
-MAX_TOKENS = 24
 TTL_S, KV_TIMEOUT_S = 3.0, 6.0
 # A request whose host dies or goes silent streams again within the heartbeat TTL (the router's
 # liveness deadline) + the KV transfer deadline (a transfer to a silent decode host). Measured
@@ -26,14 +21,6 @@ TTL_S, KV_TIMEOUT_S = 3.0, 6.0
 BOUND_S = TTL_S + KV_TIMEOUT_S
 COMMON = ("--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "256", "--max-num-batched-tokens", "512",
           "--heartbeat-ttl-s", str(TTL_S), "--kv-transfer-timeout-s", str(KV_TIMEOUT_S))
-
-
-@pytest.fixture(scope="module")
-def reference() -> dict[str, str]:
-    """Greedy colocated outputs of PROMPTS (the in-process engine, fp32)."""
-    llm = LLM(model="smollm2", dtype="float32", num_blocks=256)
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-    return {p: o.text for p, o in zip(PROMPTS, outs)}
 
 
 class Stream:
@@ -137,20 +124,20 @@ def _burst_then(url: str, reference: dict[str, str], break_host) -> tuple[list[S
     return streams, broke_at
 
 
-def _two_decode_hosts(bed, serve) -> tuple[str, str]:
-    """pdserve with prefill on p1 and one decode instance on each of d1 and d2; returns (url, the
-    id of the instance on d2)."""
-    url = serve(*COMMON, "--num-decode", "2", "--router-policy", "round_robin")
+def _two_decode_hosts(bed, serve, name: str) -> tuple[str, str]:
+    """pdserve (cluster `name`: its Redis key prefix) with prefill on p1 and one decode instance
+    on each of d1 and d2; returns (url, the id of the instance on d2)."""
+    url = serve(*COMMON, "--num-decode", "2", "--router-policy", "round_robin", "--cluster-name", name)
     decodes = nodes_of(url, "decode")
     assert sorted(map(sorted, decodes.values())) == [[bed.address("d1")], [bed.address("d2")]]
     assert list(nodes_of(url, "prefill").values()) == [{bed.address("p1")}]
     return url, next(iid for iid, ips in decodes.items() if ips == {bed.address("d2")})
 
 
-def _dead_in_state_and_replaced(bed, url: str, dead_id: str) -> None:
+def _dead_in_state_and_replaced(bed, url: str, dead_id: str, name: str) -> None:
     """The dead instance is marked dead in the cluster state (redis); a replacement decode
     instance serves from another node with room (d1, or d3 if it joined earlier)."""
-    state = RedisState(bed.redis_url)
+    state = RedisState(bed.redis_url, namespace=name)
     try:
         wait_until(lambda: (r := state.get(dead_id)) is not None and r.health == "dead", 60, f"{dead_id} dead in redis")
     finally:
@@ -164,14 +151,15 @@ def _break_d2_mid_burst(bed, serve, reference, break_host, what: str, equal_firs
     """The fault tests' body: two decode hosts (with `equal_first`, a clean round equal to
     colocated first), a burst, `break_host()` once every stream has text; checks outputs, the
     longest wait for text after the fault, the state and the replacement."""
-    url, on_d2 = _two_decode_hosts(bed, serve)
+    name = f"faults-{time.monotonic_ns()}"
+    url, on_d2 = _two_decode_hosts(bed, serve, name)
     if equal_first:
         assert_equal_colocated(url, reference)
     streams, broke_at = _burst_then(url, reference, break_host)
     gap = max(s.max_gap_after(broke_at) for s in streams)
     print(f"{what}: longest wait for text after it {gap:.2f} s (bound {BOUND_S:.1f} s)")
     assert gap < 4 * BOUND_S, gap
-    _dead_in_state_and_replaced(bed, url, on_d2)
+    _dead_in_state_and_replaced(bed, url, on_d2, name)
 
 
 def test_host_killed_mid_burst(bed, serve, reference):

@@ -45,7 +45,7 @@ helm.sh/chart: {{ include "pdserve.chart" .root }}
 {{ include "pdserve.fullname" . }}-head
 {{- end }}
 
-{{/* What Ray workers and the gateway pass to `ray start --address`. */}}
+{{/* What Ray workers, the controller and the gateways pass to `ray start --address`. */}}
 {{- define "pdserve.headAddress" -}}
 {{ include "pdserve.headService" . }}:6379
 {{- end }}
@@ -62,7 +62,10 @@ helm.sh/chart: {{ include "pdserve.chart" .root }}
 {{ include "pdserve.fullname" . }}-autoscaler
 {{- end }}
 
-{{/* Env of every Ray process: token authentication with the release's token. */}}
+{{/*
+Env of every Ray pod: token authentication with the release's token, and the pod's own address
+(PDSERVE_NODE_IP), which `ray start --node-ip-address=$(PDSERVE_NODE_IP)` and the ranks bind.
+*/}}
 {{- define "pdserve.rayEnv" -}}
 - name: RAY_AUTH_MODE
   value: token
@@ -71,6 +74,70 @@ helm.sh/chart: {{ include "pdserve.chart" .root }}
     secretKeyRef:
       name: {{ include "pdserve.rayAuthSecret" . }}
       key: {{ .Values.ray.auth.existingSecretKey }}
+- name: PDSERVE_NODE_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+{{- end }}
+
+{{/* Every `ray start` names its node by the pod's address (kubelet expands the variable). */}}
+{{- define "pdserve.nodeIpFlag" -}}
+--node-ip-address=$(PDSERVE_NODE_IP)
+{{- end }}
+
+{{/*
+PDSERVE_REDIS_URL for the controller and the gateways: the release's Redis or the external one's
+Secret. They meet only there, so one of the two is required.
+*/}}
+{{- define "pdserve.redisEnv" -}}
+{{- if and .Values.redis.enabled .Values.redis.external.existingSecret }}
+{{- fail "set either redis.enabled or redis.external.existingSecret, not both (redis.enabled=false to use an external Redis)" }}
+{{- else if .Values.redis.enabled }}
+- name: PDSERVE_REDIS_URL
+  value: redis://{{ include "pdserve.fullname" . }}-redis:6379/0
+{{- else if .Values.redis.external.existingSecret }}
+- name: PDSERVE_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.external.existingSecret }}
+      key: {{ .Values.redis.external.key }}
+{{- else }}
+{{- fail "the controller and the gateways meet in Redis: set redis.enabled=true or redis.external.existingSecret" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The command of a Ray driver pod (controller, gateway): join Ray as a node without CPUs, then run
+`pdserve <command>` on the mounted spec. Call with (dict "root" $ "command" "gateway").
+*/}}
+{{- define "pdserve.driverCommand" -}}
+- sh
+- -c
+- >-
+  ray start --address={{ include "pdserve.headAddress" .root }} --num-cpus=0 {{ include "pdserve.nodeIpFlag" .root }} &&
+  exec pdserve {{ .command }} --config /etc/pdserve/spec.yaml --host 0.0.0.0 --port 8000
+  --ray-address auto --redis-url "$PDSERVE_REDIS_URL"
+{{- end }}
+
+{{/* The spec volume of the controller and gateways, their /dev/shm and the user's extras. */}}
+{{- define "pdserve.driverVolumes" -}}
+- name: spec
+  configMap:
+    name: {{ include "pdserve.fullname" .root }}-spec
+{{ include "pdserve.shmVolume" .shmSize }}
+{{- with .root.Values.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.driverVolumeMounts" -}}
+- name: spec
+  mountPath: /etc/pdserve
+  readOnly: true
+{{ include "pdserve.shmMount" . }}
+{{- with .Values.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 
 {{/* Pod-level fields shared by all pdserve pods. */}}
@@ -130,12 +197,17 @@ Call with (dict "root" $ "role" "prefill").
 {{- int $asked }}
 {{- end }}
 
-{{/* The cluster spec the gateway runs: values.spec plus the keys the chart owns. */}}
+{{/* The cluster spec the controller and gateways run: values.spec plus the keys the chart owns. */}}
 {{- define "pdserve.spec" -}}
 {{- $spec := deepCopy .Values.spec }}
 {{- $_ := set $spec "num_prefill" (include "pdserve.poolInstances" (dict "root" . "role" "prefill") | int) }}
 {{- $_ = set $spec "num_decode" (include "pdserve.poolInstances" (dict "root" . "role" "decode") | int) }}
 {{- $_ = set $spec "ray_resources" true }}
+{{- /* The Ray namespace of the instances and their Redis key prefix: one per release, so two
+releases may share an external Redis. */}}
+{{- if not (hasKey $spec "cluster_name") }}
+{{- $_ = set $spec "cluster_name" (include "pdserve.fullname" .) }}
+{{- end }}
 {{- $_ = set $spec "k8s_namespace" .Release.Namespace }}
 {{- $_ = set $spec "k8s_prefill_deployment" (include "pdserve.workerName" (dict "root" . "role" "prefill")) }}
 {{- $_ = set $spec "k8s_decode_deployment" (include "pdserve.workerName" (dict "root" . "role" "decode")) }}

@@ -1,0 +1,142 @@
+"""Stateless gateways over a controller's instances, on the Helm chart's pods (the `chart`
+fixture: every rendered workload running as a pod in a namespace host of the test bed): two
+gateways stream together, one dies mid-stream, a new one joins, the controller restarts. SmolLM2,
+fp32, greedy: every stream equals the colocated engine's output."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.multihost.conftest import MAX_TOKENS, PROMPTS
+
+pytestmark = pytest.mark.timeout(600)
+LONG_TOKENS = 1500  # far more than the time a dead gateway's requests are kept (3 x heartbeat TTL)
+CLIENT_TTL_S = 3 * 3.0  # bench.chart_pods.BED_VALUES: heartbeat_ttl_s 3
+
+
+class Stream:
+    """One streamed /v1/completions request on a thread: text, token count (usage), finish."""
+
+    def __init__(self, url: str, prompt: str, max_tokens: int = MAX_TOKENS):
+        self.prompt, self.text, self.finish_reason, self.error = prompt, "", None, None
+        self.completion_tokens = None
+        body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        self.thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
+        self.thread.start()
+
+    def _run(self, url: str, body: dict) -> None:
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        self.completion_tokens = chunk["usage"]["completion_tokens"]
+                    for choice in chunk.get("choices", []):
+                        self.text += choice["text"] or ""
+                        self.finish_reason = choice["finish_reason"] or self.finish_reason
+        except Exception as exc:  # surfaces in the assertion, not as a thread traceback
+            self.error = repr(exc)
+
+    def checked(self, reference: dict[str, str], timeout: float = 300) -> None:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"stream for {self.prompt!r} hangs"
+        assert (self.error, self.finish_reason, self.completion_tokens) == (None, "length", MAX_TOKENS), self.prompt
+        assert self.text == reference[self.prompt], self.prompt
+
+
+def pods_of(chart, component: str) -> list[str]:
+    return sorted(name for name, c in chart.pods.items() if c == component)
+
+
+def instances(url: str) -> dict[str, dict]:
+    return {i["instance_id"]: i for i in httpx.get(f"{url}/status", timeout=10).json()["instances"]}
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.25)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_two_gateways_stream_16_requests_equal_to_colocated(chart, reference):
+    """16 streams, 8 through each gateway pod at once: every one is the colocated greedy text with
+    exactly MAX_TOKENS tokens; both gateways route over the controller's instances."""
+    gateways = pods_of(chart, "gateway")
+    assert len(gateways) == 2
+    urls = [chart.url(g) for g in gateways]
+    streams = [Stream(urls[i % 2], p) for i, p in enumerate(PROMPTS * 2)]
+    for s in streams:
+        s.checked(reference)
+    owned = instances(chart.url(pods_of(chart, "controller")[0]))
+    assert {r for r, i in owned.items() if i["healthy"]} == {"prefill-0", "decode-0"}
+    for url in urls:
+        assert {k: v["healthy"] for k, v in instances(url).items()} == {k: True for k in owned}
+
+
+def test_gateway_killed_mid_stream(chart, reference):
+    """Gateway A dies (SIGKILL of its pod) while its two long requests stream and gateway B's
+    eight run: B's streams are untouched; A's requests are aborted on the decode instance once A
+    has been silent for the client TTL (counted in its load), freeing every block."""
+    a, b = pods_of(chart, "gateway")
+    ctl = chart.url(pods_of(chart, "controller")[0])
+    decode = lambda: instances(ctl)["decode-0"]["load"]  # noqa: E731 (published every TTL / 3)
+    aborted_before = decode().get("orphans_aborted", 0.0)
+    doomed = [Stream(chart.url(a), p, max_tokens=LONG_TOKENS) for p in PROMPTS[:2]]
+    wait_until(lambda: all(s.text for s in doomed), 120, "gateway A's long requests to stream")
+    survivors = [Stream(chart.url(b), p) for p in PROMPTS]
+    chart.kill_pod(a)
+    killed_at = time.monotonic()
+    try:
+        for s in survivors:
+            s.checked(reference)
+        wait_until(lambda: decode().get("orphans_aborted", 0.0) - aborted_before == 2, 90,
+                   "the dead gateway's two requests aborted on decode-0")
+        print(f"dead gateway's requests aborted {time.monotonic() - killed_at:.1f} s after the kill "
+              f"(client TTL {CLIENT_TTL_S:.0f} s)")
+        wait_until(lambda: (load := decode())["running"] == load["waiting"] == load["kv_usage"] == 0, 30,
+                   "decode-0 idle with every block free")
+        assert all(s.error is not None and s.finish_reason is None for s in doomed)  # cut off, never finished
+    finally:
+        chart.restart_pod(a)  # a container restarted in place (same address) serves again
+        chart.wait_ready(a, 240)
+    for s in [Stream(chart.url(a), p) for p in PROMPTS[:2]]:
+        s.checked(reference)
+
+
+def test_new_gateway_serves_with_every_instance(chart, reference):
+    """A third gateway pod started later finds every instance in the cluster state and serves."""
+    name = chart.start_pod("gateway")
+    try:
+        chart.wait_ready(name, 240)
+        owned = instances(chart.url(pods_of(chart, "controller")[0]))
+        assert set(instances(chart.url(name))) == set(owned)
+        for s in [Stream(chart.url(name), p) for p in PROMPTS]:
+            s.checked(reference)
+    finally:
+        chart.delete_pod(name)
+
+
+def test_restarted_controller_recreates_no_instance(chart, reference):
+    """The controller pod is killed: the gateways go on serving; its container restarted in place
+    (a new raylet on the same address, the old one not yet declared dead by Ray) adopts both
+    instances (same ids, same processes) and starts none."""
+    ctl = pods_of(chart, "controller")[0]
+    before = {iid: [r["pid"] for r in i["ranks"]] for iid, i in instances(chart.url(ctl)).items()}
+    chart.kill_pod(ctl)
+    for s in [Stream(chart.url(pods_of(chart, "gateway")[0]), p) for p in PROMPTS]:
+        s.checked(reference)
+    chart.restart_pod(ctl)
+    chart.wait_ready(ctl, 240)
+    after = instances(chart.url(ctl))
+    assert {iid: [r["pid"] for r in i["ranks"]] for iid, i in after.items()} == before
+    assert all(i["adopted"] for i in after.values())
