@@ -26,7 +26,8 @@ What a kubelet would do, and what happens here:
 - Volumes: configMap and secret volumes are files under the bed dir, bind-mounted (read-only if
   the mount says so); emptyDir is a dir under the bed dir, or a tmpfs (sizeLimit) for medium
   Memory; missing mount points are created on the shared filesystem and removed at `down()`.
-  /tmp is a per-pod dir (the container's own filesystem; Ray nodes need their own), fresh on restart.
+  /tmp is a per-pod dir (the container's own filesystem; Ray nodes need their own), fresh on restart;
+  a checkout or venv that lives under /tmp is bind-mounted into it at its own path (the image's files).
 - Services: each Service name (also NAME.NS, NAME.NS.svc, NAME.NS.svc.cluster.local) resolves to
   the first running pod it selects, through a hosts file per pod (/etc/netns/NETNS/hosts,
   bind-mounted onto /etc/hosts) rewritten as pods come and go. No virtual IP, so a Service port
@@ -52,7 +53,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.multihost import Bed, HostSpec
+from bench.multihost import BIN, Bed, HostSpec
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,12 @@ SHORT = {"ray-head": "head", "controller": "ctl", "gateway": "gw", "prefill": "p
 PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
 _VAR = re.compile(r"\$\$|\$\(([-._a-zA-Z][-._a-zA-Z0-9]*)\)")
 _UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def _under_tmp(*paths: Path) -> list[Path]:
+    """Of `paths`, those inside /tmp, relative to it, outermost only."""
+    rel = sorted({p.resolve().relative_to("/tmp") for p in paths if p.resolve().is_relative_to("/tmp")})
+    return [r for r in rel if not any(r != o and r.is_relative_to(o) for o in rel)]
 
 
 def render_chart(values: dict | None, release: str, namespace: str, chart: Path = CHART) -> list[dict]:
@@ -298,8 +305,11 @@ class ChartPods:
         shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(parents=True)
         self._write_hosts()
-        mounts = self._volume_mounts(pod, c) + [["mount", "--bind", str(self._hosts_file(pod.name)), "/etc/hosts"],
-                                                ["mount", "--bind", str(scratch), "/tmp"]]  # last: sources under /tmp
+        mounts = self._volume_mounts(pod, c) + [["mount", "--bind", str(self._hosts_file(pod.name)), "/etc/hosts"]]
+        for keep in _under_tmp(REPO, BIN.parent):  # the image's files (this checkout, its venv) stay in sight
+            mounts += [["mkdir", "-p", str(scratch / keep)], ["mount", "--bind", str(Path("/tmp") / keep),
+                                                               str(scratch / keep)]]
+        mounts.append(["mount", "--rbind", str(scratch), "/tmp"])  # last: sources under /tmp
         script = "set -e; " + "; ".join(shlex.join(m) for m in mounts)
         out = self.bed.run(pod.name, ["sh", "-c", script], inherit_env=False)
         if out.returncode != 0:

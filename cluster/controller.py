@@ -372,9 +372,17 @@ class Controller(Adoption):
                 logger.error("instance %s does not answer (%s)", iid, type(answer).__name__)
                 self._on_lost(iid, InstanceDeadError(iid, type(answer).__name__))
                 continue
-            self.instances[iid].client.info.load = answer
+            inst = self.instances[iid]
+            inst.client.info.load = answer
             try:
-                self.state.heartbeat(iid, ttl)
+                try:
+                    self.state.heartbeat(iid, ttl)
+                except KeyError:  # the state lost it (a Redis restarted without persistence)
+                    if iid not in self.instances:
+                        continue
+                    logger.warning("%s is missing from the cluster state: registering it again", iid)
+                    self._register(inst)
+                    self.state.heartbeat(iid, ttl)
                 self.state.update_load(iid, answer)
             except KeyError:  # removed meanwhile
                 pass

@@ -5,7 +5,8 @@ router's id, engine/outbox.py) and publishes its request counters for the contro
 
     every SYNC_S:  cluster state records  ->  healthy and new: attach (its rank-0 actor, by name)
                                               draining: no new requests
-                                              gone or dead: removed (its requests retried elsewhere)
+                                              dead, or gone for heartbeat_ttl_s: removed (its
+                                              requests retried elsewhere)
 
 An instance this router found dead itself stays out until the controller replaces it.
 """
@@ -71,6 +72,7 @@ class Frontend:
         self.router: Router | None = None
         self._lost: set[str] = set()  # ids this router found dead: never attached again
         self._missing: set[str] = set()  # records without actors (logged once)
+        self._absent: dict[str, float] = {}  # attached instances whose record vanished: since when
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -125,11 +127,17 @@ class Frontend:
     def sync(self) -> None:
         """Brings the router's instances in line with the cluster state's records."""
         records = {r.instance_id: r for r in self.state.list_instances()}
+        now = time.monotonic()
         for iid, inst in list(self.instances.items()):
             record = records.get(iid)
+            if record is not None:
+                self._absent.pop(iid, None)
+            elif now - self._absent.setdefault(iid, now) < self.spec.heartbeat_ttl_s:
+                continue  # a Redis that restarted empty: the controller registers it again within TTL / 3
             if record is None or record.health == "dead":
                 logger.info("instance %s left the cluster", iid)
                 self.instances.pop(iid)
+                self._absent.pop(iid, None)
                 self.router.remove_instance(iid)
             elif record.health == "draining" and not inst.client.info.draining:
                 self.router.drain(iid)

@@ -14,6 +14,7 @@ from cluster.autoscale_loop import LoadWindow
 from cluster.actuators import PoolSizes
 from cluster.controller import Controller
 from cluster.frontend import Frontend
+from cluster.redis_state import RedisState
 from cluster.state import MemoryState
 from tests.cluster.test_ray_cluster import GREEDY, checked, colocated_tokens, spec_for
 from tests.helpers import random_prompts
@@ -42,7 +43,8 @@ def test_restarted_controller_adopts_and_gateways_follow(ray_session, tiny_path,
     """1P1D under a controller, two gateways: both serve the colocated tokens; with the controller
     gone they still do; a new controller adopts both instances (same processes, nothing started);
     an instance killed is replaced under a new id and the gateways move to it; a drained one
-    leaves both gateways; every allocator ends empty."""
+    leaves both gateways; every allocator ends empty; the cluster state emptied (Redis restarted)
+    is filled again by the controller while the gateways keep their instances."""
     spec = spec_for(tiny_path, ray_address="auto", redis_url=redis_url, heartbeat_ttl_s=1.0,
                     cluster_name=f"test-{secrets.token_hex(3)}")
     prompts = random_prompts(6, [7, 30], seed=31)
@@ -75,6 +77,15 @@ def test_restarted_controller_adopts_and_gateways_follow(ray_session, tiny_path,
             wait_for(lambda g=g: "prefill-0" not in g.instances, 10, "the gateway drops the drained prefill-0")
         assert [checked(generate(g, prompts)) for g in gateways] == [want, want]
         controller.assert_no_leaks()
+
+        state = RedisState(redis_url, namespace=spec.cluster_name)
+        for record in state.list_instances():  # a Redis restarted empty
+            state.remove(record.instance_id)
+        assert checked(generate(gateways[0], prompts)) == want
+        wait_for(lambda: sorted(r.instance_id for r in state.list_instances(healthy_only=True))
+                 == sorted(controller.instances), 10, "the controller registers its instances again")
+        assert all(sorted(g.instances) == sorted(controller.instances) for g in gateways)
+        state.close()
     finally:
         for g in gateways:
             g.shutdown()

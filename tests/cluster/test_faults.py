@@ -61,6 +61,16 @@ def greedy_reference(model: str, prompts) -> list[list[int]]:
         return [s.token_ids for s in c.generate(prompts, PARAMS, timeout_s=120)]
 
 
+def wait_busy(cluster: Cluster, instance_id: str, timeout_s: float) -> None:
+    """Until the instance has a request running, waiting, reserved or queued (or `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    keys = ("running", "waiting", "reserved", "queued_prefill_tokens")
+    while time.monotonic() < deadline:
+        if any(cluster.instances[instance_id].client.load().get(k, 0.0) for k in keys):
+            return
+        time.sleep(0.005)
+
+
 @pytest.mark.parametrize("victim", ["prefill-0", "decode-0"])
 def test_kill_under_load_every_request_recovers(ray_session, tiny_path, victim):
     prompts = random_prompts(24, [10, 60, 150], seed=21)
@@ -70,7 +80,8 @@ def test_kill_under_load_every_request_recovers(ray_session, tiny_path, victim):
         for i, (p, lis) in enumerate(zip(prompts, listeners)):
             c.submit(f"r{i}", p, PARAMS, listener=lis)
             if i == len(prompts) // 2:
-                time.sleep(0.3)  # some requests are mid-stream, some queued, some prefilling
+                time.sleep(0.1)  # some requests are mid-stream, some queued, some prefilling:
+                wait_busy(c, victim, 0.2)  # the victim has some of them
                 killed_at = time.monotonic()
                 kill_instance_hard(c, victim)
         for lis in listeners:
