@@ -12,17 +12,14 @@ With `use_ray=False` the instances run in this process (tp=1 only): quick tests 
 from __future__ import annotations
 
 import threading
-import time
 
 from cluster.controller import Controller
 from cluster.instance import Instance, setup_ray_auth  # noqa: F401 (re-exported)
-from cluster.frontend import create_router, publish_stats
-from engine.request import SamplingParams
+from cluster.frontend import Serving, create_router, publish_stats
 from router.router import Router
-from router.stream import RequestStream
 
 
-class Cluster(Controller):
+class Cluster(Controller, Serving):
     router: Router | None = None
 
     # -- the router follows the controller's membership ------------------------------------------
@@ -57,32 +54,3 @@ class Cluster(Controller):
     def router_stats(self) -> dict[str, dict[str, float]]:
         """As published, with this process' router's counters as they are now."""
         return {**super().router_stats(), self.router.client_id: self.router.snapshot()}
-
-    # -- serving ---------------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               listener=None) -> RequestStream:
-        return self.router.submit(request_id, prompt_token_ids, params, listener)
-
-    def abort(self, request_id: str) -> None:
-        """Stop a request on every instance it touches; its blocks are freed."""
-        self.router.abort(request_id)
-
-    @property
-    def max_model_len(self) -> int:
-        """The longest prompt + output every instance can hold."""
-        return min(i.client.info.max_model_len for i in self.instances.values())
-
-    def ready(self) -> bool:
-        """At least one healthy decode instance and, when disaggregated, one healthy prefill."""
-        infos = [i.client.info for i in self.instances.values() if i.client.info.healthy]
-        has = lambda *roles: any(i.role in roles for i in infos)  # noqa: E731
-        return self.router is not None and has("decode", "colocated") and (self.spec.mode == "colocated"
-                                                                           or has("prefill"))
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 timeout_s: float | None = 600.0) -> list[RequestStream]:
-        """All prompts at once through the router; returns their finished streams in order."""
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        streams = [self.submit(f"gen-{time.monotonic_ns()}-{i}", p, sp)
-                   for i, (p, sp) in enumerate(zip(prompts, plist))]
-        return [s.result(timeout=timeout_s) for s in streams]

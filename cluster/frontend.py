@@ -57,9 +57,45 @@ def publish_stats(router: Router, state: ClusterState, stop: threading.Event, tt
             logger.warning("cannot publish %s's counters to the cluster state", router.client_id, exc_info=True)
 
 
-class Frontend:
-    """What the gateway app needs of a cluster (submit, abort, ready, instances, router) over
-    instances a controller owns. Needs a Ray cluster to join and a shared (Redis) cluster state."""
+class Serving:
+    """What the gateway app calls on a cluster: through `self.router`, over `self.instances`."""
+    router: Router | None
+    instances: dict[str, Instance]
+    spec: ClusterSpec
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               listener=None) -> RequestStream:
+        return self.router.submit(request_id, prompt_token_ids, params, listener)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request on every instance it touches; its blocks are freed."""
+        self.router.abort(request_id)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + output every instance holds (0 while none is known)."""
+        lens = [i.client.info.max_model_len for i in list(self.instances.values())]
+        return min(lens) if lens else 0
+
+    def ready(self) -> bool:
+        """At least one healthy decode instance and, when disaggregated, one healthy prefill."""
+        infos = [i.client.info for i in list(self.instances.values()) if i.client.info.healthy]
+        has = lambda *roles: any(i.role in roles for i in infos)  # noqa: E731
+        return self.router is not None and has("decode", "colocated") and (self.spec.mode == "colocated"
+                                                                           or has("prefill"))
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 timeout_s: float | None = 600.0) -> list[RequestStream]:
+        """All prompts at once through the router; returns their finished streams in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        streams = [self.submit(f"gen-{time.monotonic_ns()}-{i}", p, sp)
+                   for i, (p, sp) in enumerate(zip(prompts, plist))]
+        return [s.result(timeout=timeout_s) for s in streams]
+
+
+class Frontend(Serving):
+    """A gateway's cluster over instances a controller owns. Needs a Ray cluster to join and a
+    shared (Redis) cluster state."""
 
     def __init__(self, spec: ClusterSpec, state: ClusterState | None = None, log_level: str = "WARNING"):
         if spec.ray_address is None or (state is None and spec.redis_url is None):
@@ -96,25 +132,6 @@ class Frontend:
         if self.router is not None:
             self.router.close()
         self.state.close()
-
-    # -- what the gateway calls ------------------------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               listener=None) -> RequestStream:
-        return self.router.submit(request_id, prompt_token_ids, params, listener)
-
-    def abort(self, request_id: str) -> None:
-        self.router.abort(request_id)
-
-    @property
-    def max_model_len(self) -> int:
-        """The longest prompt + output every known instance holds (0 while none is known)."""
-        lens = [i.client.info.max_model_len for i in list(self.instances.values())]
-        return min(lens) if lens else 0
-
-    def ready(self) -> bool:
-        infos = [i.client.info for i in list(self.instances.values()) if i.client.info.healthy]
-        has = lambda *roles: any(i.role in roles for i in infos)  # noqa: E731
-        return has("decode", "colocated") and (self.spec.mode == "colocated" or has("prefill"))
 
     # -- membership from the cluster state -------------------------------------------------------
     def _sync_loop(self) -> None:

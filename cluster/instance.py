@@ -1,13 +1,16 @@
 """An instance as its owner sees it, the name of its rank actors, and joining Ray."""
 from __future__ import annotations
 
+import logging
 import os
 import secrets
+import time
 from dataclasses import dataclass, field
 
 from cluster import nodes
 from cluster.spec import ClusterSpec
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class Instance:
@@ -51,5 +54,32 @@ def init_ray(spec: ClusterSpec, log_level: str, ranks: int = 0) -> bool:
         ray.init(num_cpus=max(os.cpu_count() or 1, ranks + 2), include_dashboard=False,
                  logging_level=log_level, log_to_driver=log_level == "DEBUG")
     else:
+        wait_for_one_node_here(spec.ray_address, nodes.node_address(loopback=False))
         ray.init(address=spec.ray_address, namespace=spec.cluster_name, logging_level=log_level)
+    # NOTE: Ray builds a job's serialization context lazily on the first call, importing modules as
+    # it goes; two threads racing there (the router's) can fail with KeyError: 'pydantic.v1'.
+    ray.get(ray.put(None))
     return True
+
+
+def wait_for_one_node_here(address: str, ip: str, timeout_s: float = 90.0) -> None:
+    """Until the Ray cluster at `address` lists at most one alive node at `ip`. A node restarted
+    in place (a pod's container) registers again at its old address while Ray still lists its
+    dead predecessor as alive (about 15 s): a driver connecting meanwhile may attach to the dead
+    one (Ray picks any node with the driver's address) and hang once Ray declares it dead."""
+    from ray._private.services import canonicalize_bootstrap_address
+    from ray._raylet import GcsClient
+    deadline = time.monotonic() + timeout_s
+    try:
+        gcs = GcsClient(address=canonicalize_bootstrap_address(address))
+        while len(here := [n for n in gcs.get_all_node_info(timeout=10).values()
+                           if n.state == 0 and n.node_manager_address == ip]) > 1:
+            if time.monotonic() > deadline:
+                logger.warning("Ray still lists %d alive nodes at %s after %.0f s; connecting anyway",
+                               len(here), ip, timeout_s)
+                return
+            logger.info("Ray lists %d alive nodes at %s (one restarted in place): waiting until it "
+                        "declares the old one dead", len(here), ip)
+            time.sleep(1)
+    except Exception as exc:  # noqa: BLE001 - a check only: ray.init reports real connection errors
+        logger.warning("cannot list Ray's nodes before connecting (%s); connecting anyway", exc)

@@ -309,6 +309,10 @@ class Router:
             except InstanceDeadError as exc:
                 self._mark_dead(iid, exc)
                 return
+            except Exception:  # anything else must not end the thread: its streams would hang
+                logger.exception("collecting from %s failed; polling again", iid)
+                self._stop.wait(self.poll_s)
+                continue
             with self._locked():
                 for event in events:
                     handle(event)
@@ -416,3 +420,5 @@ class Router:
                         client.info.load = client.load()
                     except InstanceDeadError as exc:
                         self._mark_dead(client.info.instance_id, exc)
+                    except Exception:  # the thread must go on (the policy reads these loads)
+                        logger.exception("reading the load of %s failed", client.info.instance_id)

@@ -4,51 +4,24 @@ gateways stream together, one dies mid-stream, a new one joins, the controller r
 fp32, greedy: every stream equals the colocated engine's output."""
 from __future__ import annotations
 
-import json
-import threading
 import time
 
 import httpx
 import pytest
 
 from tests.multihost.conftest import MAX_TOKENS, PROMPTS
+from tests.multihost.streams import Stream
 
 pytestmark = pytest.mark.timeout(600)
 LONG_TOKENS = 1500  # far more than the time a dead gateway's requests are kept (3 x heartbeat TTL)
 CLIENT_TTL_S = 3 * 3.0  # bench.chart_pods.BED_VALUES: heartbeat_ttl_s 3
 
 
-class Stream:
-    """One streamed /v1/completions request on a thread: text, token count (usage), finish."""
-
-    def __init__(self, url: str, prompt: str, max_tokens: int = MAX_TOKENS):
-        self.prompt, self.text, self.finish_reason, self.error = prompt, "", None, None
-        self.completion_tokens = None
-        body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        self.thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
-        self.thread.start()
-
-    def _run(self, url: str, body: dict) -> None:
-        try:
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        self.completion_tokens = chunk["usage"]["completion_tokens"]
-                    for choice in chunk.get("choices", []):
-                        self.text += choice["text"] or ""
-                        self.finish_reason = choice["finish_reason"] or self.finish_reason
-        except Exception as exc:  # surfaces in the assertion, not as a thread traceback
-            self.error = repr(exc)
-
-    def checked(self, reference: dict[str, str], timeout: float = 300) -> None:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"stream for {self.prompt!r} hangs"
-        assert (self.error, self.finish_reason, self.completion_tokens) == (None, "length", MAX_TOKENS), self.prompt
-        assert self.text == reference[self.prompt], self.prompt
+def checked(stream: Stream, reference: dict[str, str], timeout: float = 300) -> None:
+    """The stream finished with the colocated greedy text and exactly MAX_TOKENS tokens."""
+    stream.result(timeout)
+    assert (stream.error, stream.finish_reason, stream.completion_tokens) == (None, "length", MAX_TOKENS), stream.prompt
+    assert stream.text == reference[stream.prompt], stream.prompt
 
 
 def pods_of(chart, component: str) -> list[str]:
@@ -76,7 +49,7 @@ def test_two_gateways_stream_16_requests_equal_to_colocated(chart, reference):
     urls = [chart.url(g) for g in gateways]
     streams = [Stream(urls[i % 2], p) for i, p in enumerate(PROMPTS * 2)]
     for s in streams:
-        s.checked(reference)
+        checked(s, reference)
     owned = instances(chart.url(pods_of(chart, "controller")[0]))
     assert {r for r, i in owned.items() if i["healthy"]} == {"prefill-0", "decode-0"}
     for url in urls:
@@ -98,7 +71,7 @@ def test_gateway_killed_mid_stream(chart, reference):
     killed_at = time.monotonic()
     try:
         for s in survivors:
-            s.checked(reference)
+            checked(s, reference)
         wait_until(lambda: decode().get("orphans_aborted", 0.0) - aborted_before == 2, 90,
                    "the dead gateway's two requests aborted on decode-0")
         print(f"dead gateway's requests aborted {time.monotonic() - killed_at:.1f} s after the kill "
@@ -110,7 +83,7 @@ def test_gateway_killed_mid_stream(chart, reference):
         chart.restart_pod(a)  # a container restarted in place (same address) serves again
         chart.wait_ready(a, 240)
     for s in [Stream(chart.url(a), p) for p in PROMPTS[:2]]:
-        s.checked(reference)
+        checked(s, reference)
 
 
 def test_new_gateway_serves_with_every_instance(chart, reference):
@@ -121,7 +94,7 @@ def test_new_gateway_serves_with_every_instance(chart, reference):
         owned = instances(chart.url(pods_of(chart, "controller")[0]))
         assert set(instances(chart.url(name))) == set(owned)
         for s in [Stream(chart.url(name), p) for p in PROMPTS]:
-            s.checked(reference)
+            checked(s, reference)
     finally:
         chart.delete_pod(name)
 
@@ -134,7 +107,7 @@ def test_restarted_controller_recreates_no_instance(chart, reference):
     before = {iid: [r["pid"] for r in i["ranks"]] for iid, i in instances(chart.url(ctl)).items()}
     chart.kill_pod(ctl)
     for s in [Stream(chart.url(pods_of(chart, "gateway")[0]), p) for p in PROMPTS]:
-        s.checked(reference)
+        checked(s, reference)
     chart.restart_pod(ctl)
     chart.wait_ready(ctl, 240)
     after = instances(chart.url(ctl))

@@ -3,7 +3,6 @@ node's address, prefill and decode on different hosts, a host killed or cut off 
 host joining later. SmolLM2, fp32, greedy: outputs equal the colocated engine's."""
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
@@ -11,7 +10,8 @@ import pytest
 
 from bench.multihost import HostSpec
 from cluster.redis_state import RedisState
-from tests.multihost.conftest import MAX_TOKENS, PROMPTS
+from tests.multihost.conftest import PROMPTS
+from tests.multihost.streams import Stream
 
 pytestmark = pytest.mark.timeout(600)
 TTL_S, KV_TIMEOUT_S = 3.0, 6.0
@@ -21,46 +21,6 @@ TTL_S, KV_TIMEOUT_S = 3.0, 6.0
 BOUND_S = TTL_S + KV_TIMEOUT_S
 COMMON = ("--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "256", "--max-num-batched-tokens", "512",
           "--heartbeat-ttl-s", str(TTL_S), "--kv-transfer-timeout-s", str(KV_TIMEOUT_S))
-
-
-class Stream:
-    """One streamed /v1/completions request on a thread: its text, chunk times, finish reason."""
-
-    def __init__(self, url: str, prompt: str, max_tokens: int = MAX_TOKENS):
-        self.prompt, self.text, self.times, self.finish_reason, self.error = prompt, "", [], None, None
-        body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True}
-        self.thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
-        self.thread.start()
-
-    def _run(self, url: str, body: dict) -> None:
-        import json
-        try:
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        self.error = chunk["error"]["message"]
-                        continue
-                    choice = chunk["choices"][0]
-                    if choice["text"]:
-                        self.text += choice["text"]
-                        self.times.append(time.monotonic())
-                    self.finish_reason = choice["finish_reason"] or self.finish_reason
-        except Exception as exc:  # surfaces in the assertion, not as a thread traceback
-            self.error = repr(exc)
-
-    def result(self, timeout: float) -> Stream:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"stream for {self.prompt!r} hangs"
-        return self
-
-    def max_gap_after(self, t: float) -> float:
-        """The longest wait for text after `t` (from `t` itself to the first chunk after it)."""
-        after = [x for x in self.times if x > t]
-        return max(b - a for a, b in zip([t] + after, after)) if after else 0.0
 
 
 def status(url: str) -> list[dict]:
