@@ -94,38 +94,30 @@ def cmd_serve(args) -> int:
     return serve(ClusterSpec.from_args(args), log_level=args.log_level.lower())
 
 
-def _add_controller(sub) -> None:
+_PROCESSES = {  # the commands that run one process of a cluster from the spec flags (cluster/serve.py)
+    "controller": ("own the instances (start, adopt, replace, scale) for separate gateways",
+                   "The cluster's controller: joins Ray (--ray-address), adopts the live instances of its Ray "
+                   "namespace or starts them, replaces dead ones, runs the autoscaler. Gateways (`pdserve "
+                   "gateway`) find the instances through --redis-url."),
+    "gateway": ("a stateless OpenAI-compatible gateway over a controller's instances",
+                "Routes over the instances a `pdserve controller` owns, found in the cluster state "
+                "(--redis-url); run any number. Instance counts and engine flags are the controller's."),
+}
+
+
+def _add_process(sub, name: str) -> None:
     from cluster.spec import add_cli_flags
-    p = sub.add_parser("controller", allow_abbrev=False,
-                       help="own the instances (start, adopt, replace, scale) for separate gateways",
-                       description="The cluster's controller: joins Ray (--ray-address), adopts the live instances "
-                                   "of its Ray namespace or starts them, replaces dead ones, runs the autoscaler. "
-                                   "Gateways (`pdserve gateway`) find the instances through --redis-url.")
+    help_, description = _PROCESSES[name]
+    p = sub.add_parser(name, allow_abbrev=False, help=help_, description=description)
     add_cli_flags(p)
-    p.set_defaults(func=cmd_controller)
+    p.set_defaults(func=cmd_process)
 
 
-def cmd_controller(args) -> int:
-    from cluster.serve import serve_controller
+def cmd_process(args) -> int:
+    from cluster import serve
     from cluster.spec import ClusterSpec
-    return serve_controller(ClusterSpec.from_args(args), log_level=args.log_level.lower())
-
-
-def _add_gateway(sub) -> None:
-    from cluster.spec import add_cli_flags
-    p = sub.add_parser("gateway", allow_abbrev=False,
-                       help="a stateless OpenAI-compatible gateway over a controller's instances",
-                       description="Routes over the instances a `pdserve controller` owns, found in the cluster "
-                                   "state (--redis-url); run any number. Instance counts and engine flags are the "
-                                   "controller's.")
-    add_cli_flags(p)
-    p.set_defaults(func=cmd_gateway)
-
-
-def cmd_gateway(args) -> int:
-    from cluster.serve import serve_gateway
-    from cluster.spec import ClusterSpec
-    return serve_gateway(ClusterSpec.from_args(args), log_level=args.log_level.lower())
+    run = {"controller": serve.serve_controller, "gateway": serve.serve_gateway}[args.command]
+    return run(ClusterSpec.from_args(args), log_level=args.log_level.lower())
 
 
 def _add_bench(sub) -> None:
@@ -191,8 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
-    _add_controller(sub)
-    _add_gateway(sub)
+    _add_process(sub, "controller")
+    _add_process(sub, "gateway")
     _add_bench(sub)
     _add_status(sub)
     return parser

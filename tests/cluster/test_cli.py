@@ -20,7 +20,7 @@ def test_cluster_flags_build_the_spec():
     assert _cluster_spec(parse("--mode", "colocated")).instance_counts == {"colocated": 1}
 
 
-@pytest.mark.parametrize("command", ["generate", "serve", "bench", "status"])
+@pytest.mark.parametrize("command", ["generate", "serve", "controller", "gateway", "bench", "status"])
 def test_help_renders(command, capsys):
     """Every subcommand's --help prints (a stray % in a help string makes argparse crash)."""
     with pytest.raises(SystemExit) as exit_info:
@@ -28,13 +28,25 @@ def test_help_renders(command, capsys):
     assert exit_info.value.code == 0 and "usage: pdserve" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [["serve", "--ray-addr", "x"], ["status", "--ur", "http://x"]])
+@pytest.mark.parametrize("argv", [["serve", "--ray-addr", "x"], ["status", "--ur", "http://x"],
+                                  ["gateway", "--redis", "redis://x"]])
 def test_abbreviated_flags_are_refused(argv, capsys):
     """A prefix of a flag is an unknown flag, refused by name (argparse would take it otherwise)."""
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(argv)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and f"unrecognized arguments: {argv[1]}" in err, err
+
+
+@pytest.mark.parametrize("command", ["controller", "gateway"])
+def test_separate_processes_need_ray_and_redis(command, capsys):
+    """`pdserve controller|gateway` without --ray-address or --redis-url: one line naming both,
+    before anything starts (they meet only in Ray and the cluster state)."""
+    from cluster.cli import main
+    assert main([command, "--ray-address", "127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"pdserve: error: pdserve {command} needs --ray-address and --redis-url: the controller and "
+                   "the gateways are separate processes that meet in Ray and the cluster state"]
 
 
 @pytest.mark.timeout(300)
