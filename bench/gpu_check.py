@@ -79,9 +79,9 @@ def last_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:
         next_block += n
     assert next_block <= runner.num_blocks, "the KV pool is too small for the check prompts"
     sched = SchedulerOutput(new_requests=new)
-    runner._update_states(sched)
+    runner.update_states(sched)
     logits = runner.execute_model(runner.prepare_inputs(sched))
-    runner._update_states(SchedulerOutput(finished_req_ids=[r.request_id for r in new]))
+    runner.update_states(SchedulerOutput(finished_req_ids=[r.request_id for r in new]))
     return logits.float()
 
 

@@ -81,7 +81,7 @@ class RankActor:
         """Decode rank 0: the other ranks' actors, so a reservation reaches every rank's receiver."""
         def expect_on_followers(request_id: str, slots: torch.Tensor, prefill_tp: int) -> None:
             ray.get([f.expect.remote(request_id, slots, prefill_tp) for f in followers])
-        self.host.worker._expect_on_followers = expect_on_followers
+        self.host.worker.set_followers(expect_on_followers)
 
     # prefill
     def submit(self, req: Request, params: KVTransferParams) -> None:

@@ -46,6 +46,10 @@ class DecodeWorker:
         self.num_steps, self.step_s, self.num_step_seqs = 0, 0.0, 0
 
     # -- rank 0 API (thread-safe) ---------------------------------------------------------------
+    def set_followers(self, expect_on_followers: Callable[[str, torch.Tensor, int], None]) -> None:
+        """Rank 0 of tp > 1: how a reservation reaches the other ranks' receivers."""
+        self._expect_on_followers = expect_on_followers
+
     def reserve(self, req: Request, prefill_tp: int) -> bool:
         """Admission control: blocks for the prompt, or False. Registers the expected KV on all ranks."""
         with self._lock:
@@ -115,7 +119,7 @@ class DecodeWorker:
         with self._lock:
             sched = self.engine.scheduler.schedule()
             runner = self.engine.runner
-            runner._update_states(sched)
+            runner.update_states(sched)
             inp = None if sched.is_empty else runner.prepare_inputs(sched)
         self.tp.broadcast_object(inp)
         result = None

@@ -113,14 +113,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, after_layer=None) -> RunnerOutput:
         """One step on a single rank (tp=1, or rank 0 after broadcasting `prepare_inputs`)."""
-        self._update_states(sched)
+        self.update_states(sched)
         if sched.is_empty:
             return RunnerOutput()
         inp = self.prepare_inputs(sched)
         logits = self.execute_model(inp, after_layer)
         return self.sample(inp, logits)
 
-    def _update_states(self, sched: SchedulerOutput) -> None:
+    def update_states(self, sched: SchedulerOutput) -> None:
+        """Applies a schedule's bookkeeping (finished, new, grown requests) to this rank's request
+        table; `execute` does it itself, a worker that broadcasts inputs calls it on rank 0."""
         for rid in sched.finished_req_ids:
             self.requests.pop(rid, None)
         for r in sched.new_requests:

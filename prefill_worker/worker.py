@@ -118,7 +118,7 @@ class PrefillWorker:
         self._release_delivered()
         sched = self.scheduler.schedule()
         shipments = self._shipments(sched)
-        self.runner._update_states(sched)
+        self.runner.update_states(sched)
         inp = None if sched.is_empty else self.runner.prepare_inputs(sched)
         self.tp.broadcast_object((inp, shipments))
         if inp is None:

@@ -102,14 +102,14 @@ def all_logits(runner, prompt: list[int], chunk: int) -> torch.Tensor:
                 sched = SchedulerOutput(new_requests=[NewRequestData(rid, toks, 0, blocks, SamplingParams(), True)])
             else:
                 sched = SchedulerOutput(cached_requests=[CachedRequestData(rid, toks, start, [], True)])
-            runner._update_states(sched)
+            runner.update_states(sched)
             inp = runner.prepare_inputs(sched)
             runner.backend.prepare(inp.meta)
             with torch.inference_mode():
                 hidden = runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta, runner.backend)
                 out.append(runner.model.compute_logits(hidden))
     finally:
-        runner._update_states(SchedulerOutput(finished_req_ids=[rid]))
+        runner.update_states(SchedulerOutput(finished_req_ids=[rid]))
     return torch.cat(out)
 
 
