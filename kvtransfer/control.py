@@ -23,6 +23,8 @@ from collections import Counter
 
 import msgpack
 
+from kvtransfer.wire import WireError, check_message
+
 logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 << 10  # a done message with logprobs is well under 1 KiB
 
@@ -40,16 +42,12 @@ class ControlGarbage(ControlError):
 
 
 def check(msg, schema: dict[str, dict[str, type | tuple]]) -> dict:
-    """`msg` if it is a message of `schema`; ControlError naming what is wrong otherwise."""
-    if not isinstance(msg, dict) or msg.get("kind") not in schema:
-        raise ControlGarbage(f"unknown message {str(msg)[:80]!r}")
-    fields = schema[msg["kind"]]
-    if set(msg) != {"kind", *fields}:
-        raise ControlGarbage(f"{msg['kind']} message has fields {sorted(msg)}, wants {sorted(fields)}")
-    for name, typ in fields.items():
-        if not isinstance(msg[name], typ) or isinstance(msg[name], bool) and typ is int:
-            raise ControlGarbage(f"{msg['kind']}.{name} is {type(msg[name]).__name__}")
-    return msg
+    """`msg` if it is a message of `schema` (kvtransfer/wire.py: check_message); ControlGarbage
+    naming what is wrong otherwise."""
+    try:
+        return check_message(msg, schema)
+    except WireError as exc:
+        raise ControlGarbage(str(exc)) from None
 
 
 class _Connection:

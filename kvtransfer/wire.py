@@ -51,17 +51,24 @@ def decode_frame(frame: torch.Tensor) -> dict:
         msg = msgpack.unpackb(raw[4:4 + length])
     except Exception as exc:  # msgpack raises several types on garbage
         raise WireError(f"undecodable header: {exc}") from None
-    if not isinstance(msg, dict) or msg.get("kind") not in _FIELDS:
+    check_message(msg, _FIELDS)
+    if msg.get("logprobs") is not None and not all(_is_logprob_pair(p) for p in msg["logprobs"]):
+        raise WireError("done.logprobs is not a list of [token_id, logprob] pairs")
+    return msg
+
+
+def check_message(msg, schema: dict[str, dict[str, type | tuple]]) -> dict:
+    """`msg` if it is a map with a "kind" of `schema` and exactly that kind's fields, of those
+    types (a bool is no int); WireError naming what is wrong otherwise."""
+    if not isinstance(msg, dict) or msg.get("kind") not in schema:
         raise WireError(f"unknown message {str(msg)[:80]!r}")
-    spec = _FIELDS[msg["kind"]]
+    spec = schema[msg["kind"]]
     if set(msg) != {"kind", *spec}:
-        raise WireError(f"{msg['kind']} message has fields {sorted(msg)}")
+        raise WireError(f"{msg['kind']} message has fields {sorted(msg)}, wants {sorted(spec)}")
     for name, typ in spec.items():
         value = msg[name]
         if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
             raise WireError(f"{msg['kind']}.{name} has type {type(value).__name__}")
-    if msg.get("logprobs") is not None and not all(_is_logprob_pair(p) for p in msg["logprobs"]):
-        raise WireError("done.logprobs is not a list of [token_id, logprob] pairs")
     return msg
 
 

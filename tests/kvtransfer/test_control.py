@@ -124,7 +124,7 @@ def test_a_garbled_reply_is_an_error_and_the_next_call_reconnects():
 
 def test_check_refuses_what_the_schema_does_not_name():
     assert check(reserve("a"), SCHEMA)["request_id"] == "a"
-    with pytest.raises(ControlError, match="reserve.num_tokens is str"):
+    with pytest.raises(ControlError, match="reserve.num_tokens has type str"):
         check({**reserve("a"), "num_tokens": "16"}, SCHEMA)
     with pytest.raises(ControlError):
         ControlClient(("127.0.0.1", 1), SCHEMA).send({"kind": "note"}, timeout_s=1)
