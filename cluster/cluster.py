@@ -42,7 +42,7 @@ class Cluster(Controller, Serving):
             self.router.remove_instance(instance_id)
 
     def _on_lost(self, instance_id: str, exc: Exception) -> None:
-        self.router._mark_dead(instance_id, exc)
+        self.router.mark_dead(instance_id, exc)
 
     def _on_shutdown(self) -> None:
         if self.router is not None:

@@ -15,7 +15,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily
 
 
-class _InstanceCounts:
+class _Families:
+    """Instances per role and health, and the autoscaler's families once it runs."""
+
     def __init__(self, controller):
         self.controller = controller
 
@@ -30,6 +32,8 @@ class _InstanceCounts:
         for (role, health), n in sorted(counts.items()):
             gauge.add_metric([role, health], n)
         yield gauge
+        if self.controller.autoscaler is not None:
+            yield from self.controller.autoscaler.collect()
 
     def describe(self):
         return []
@@ -40,8 +44,7 @@ def create_controller_app(controller) -> tuple[FastAPI, threading.Event]:
     app = FastAPI(title="pdserve controller", version="0.1.0")
     started = threading.Event()
     registry = CollectorRegistry()
-    registry.register(_InstanceCounts(controller))
-    registered: list = []
+    registry.register(_Families(controller))
 
     @app.get("/health")
     async def health():
@@ -64,9 +67,6 @@ def create_controller_app(controller) -> tuple[FastAPI, threading.Event]:
 
     @app.get("/metrics")
     async def metrics():
-        if controller.autoscaler is not None and not registered:
-            registry.register(controller.autoscaler)
-            registered.append(controller.autoscaler)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app, started

@@ -138,7 +138,7 @@ class Router:
     def remove_instance(self, instance_id: str) -> None:
         """An instance leaves while serving: nothing new goes there; its in-flight requests are
         retried elsewhere (as for a dead one), then it is forgotten."""
-        self._mark_dead(instance_id, RuntimeError("removed"))
+        self.mark_dead(instance_id, RuntimeError("removed"))
         with self._locked():
             self.prefill.pop(instance_id, None)
             self.decode.pop(instance_id, None)
@@ -262,7 +262,7 @@ class Router:
         if outcome.dead is not None:
             iid = outcome.dead.instance_id
             tracked.excluded.add(iid)
-            self._mark_dead(iid, outcome.dead)  # fails this attempt too (it involves iid)
+            self.mark_dead(iid, outcome.dead)  # fails this attempt too (it involves iid)
             if self._by_attempt.get(plan.attempt_id) is tracked:
                 self._fail(tracked, iid, str(outcome.dead))
         elif outcome.bad_request is not None:
@@ -307,7 +307,7 @@ class Router:
             try:
                 events = fetch(self.poll_s, self.client_id)
             except InstanceDeadError as exc:
-                self._mark_dead(iid, exc)
+                self.mark_dead(iid, exc)
                 return
             except Exception:  # anything else must not end the thread: its streams would hang
                 logger.exception("collecting from %s failed; polling again", iid)
@@ -397,8 +397,9 @@ class Router:
         except InstanceDeadError:
             pass
 
-    def _mark_dead(self, iid: str, exc: Exception | None = None) -> None:
-        """An instance died: every attempt on it is retried elsewhere."""
+    def mark_dead(self, iid: str, exc: Exception | None = None) -> None:
+        """An instance died (found by this router's calls, or told by its owner): every attempt
+        on it is retried elsewhere."""
         with self._locked():
             client = self._client(iid)
             if client is None or not client.info.healthy:
@@ -419,6 +420,6 @@ class Router:
                     try:
                         client.info.load = client.load()
                     except InstanceDeadError as exc:
-                        self._mark_dead(client.info.instance_id, exc)
+                        self.mark_dead(client.info.instance_id, exc)
                     except Exception:  # the thread must go on (the policy reads these loads)
                         logger.exception("reading the load of %s failed", client.info.instance_id)

@@ -39,6 +39,22 @@ def pids(controller: Controller) -> dict[str, list[int]]:
     return {iid: [p.pid for p in inst.placements] for iid, inst in controller.instances.items()}
 
 
+def check_endpoints(controller: Controller) -> None:
+    """The controller's HTTP endpoints: not ready until started, then its instances, adopted."""
+    from fastapi.testclient import TestClient
+
+    from cluster.controller_app import create_controller_app
+    app, started = create_controller_app(controller)
+    http = TestClient(app)
+    assert http.get("/health").status_code == 200 and http.get("/ready").status_code == 503
+    started.set()
+    assert http.get("/ready").json() == {"status": "ready", "instances": 2}
+    assert {i["instance_id"]: i["adopted"] for i in http.get("/status").json()["instances"]} == \
+        {"prefill-0": True, "decode-0": True}
+    text = http.get("/metrics").text
+    assert 'pdserve_controller_instances{health="healthy",role="decode"} 1.0' in text, text
+
+
 def test_restarted_controller_adopts_and_gateways_follow(ray_session, tiny_path, redis_url):
     """1P1D under a controller, two gateways: both serve the colocated tokens; with the controller
     gone they still do; a new controller adopts both instances (same processes, nothing started);
@@ -62,6 +78,7 @@ def test_restarted_controller_adopts_and_gateways_follow(ray_session, tiny_path,
         assert checked(generate(gateways[0], prompts)) == want  # no controller: serving goes on
         controller = Controller(spec).start()
         assert sorted(controller.adopted) == sorted(before) and pids(controller) == before
+        check_endpoints(controller)
 
         controller.kill_instance("decode-0")
         for g in gateways:

@@ -83,7 +83,7 @@ def test_instance_dying_during_placement_retries_elsewhere():
     r = make_router([p], [stuck, d1])
     t, out = _submit_in_thread(r, "a")
     assert stuck.entered.wait(5)
-    r._mark_dead("d0", RuntimeError("link cut"))
+    r.mark_dead("d0", RuntimeError("link cut"))
     stuck.release.set()
     t.join(5)
     deadline = time.monotonic() + 5
