@@ -20,7 +20,6 @@ import os
 import statistics
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -28,7 +27,7 @@ import torch.distributed as dist
 from kvtransfer.params import CompatRecord, KVEndpoint
 from kvtransfer.receiver import TorchDistReceiver
 from kvtransfer.sender import TorchDistSender
-from kvtransfer.torch_dist import RECEIVER, SENDER, make_pair_group, recv, send
+from kvtransfer.channel import RECEIVER, SENDER, GlooChannel
 
 BLOCK = 16
 DONE = torch.zeros(1, dtype=torch.uint8)
@@ -59,7 +58,7 @@ def receiver_main(conn, args) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore(args.receiver_host, 0, is_master=True, wait_for_workers=False)
     conn.send(store.port)
-    pg = make_pair_group(store, 0, RECEIVER, "cpu", args.receiver_host, timedelta(seconds=120))
+    pg = GlooChannel(store, 0, RECEIVER, args.receiver_host, 120.0)
     max_tokens = max(args.tokens)
     num_blocks = 2 * max_tokens // BLOCK + 2
     cache = torch.zeros(args.layers, 2, num_blocks, BLOCK, args.kv_heads, args.head_dim, dtype=torch.bfloat16)
@@ -73,10 +72,10 @@ def receiver_main(conn, args) -> None:
         slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).flatten()
         for rnd in range(args.rounds):
             for _ in range(args.reps * args.layers):  # raw, per layer
-                recv(pg, buf[:layer_bytes], SENDER)
+                pg.recv(buf[:layer_bytes], 120.0)
             for _ in range(args.reps):  # raw, one message
-                recv(pg, buf, SENDER)
-            send(pg, DONE, SENDER)
+                pg.recv(buf, 120.0)
+            pg.send(DONE, 120.0)
             for r in range(args.reps + 1):
                 rx.expect(f"{tokens}-{rnd}-{r}", slots, 1)
             conn.send("ready")
@@ -97,12 +96,12 @@ def _time_raw(pg, args, tokens: int) -> tuple[float, float]:
     whole = torch.randint(0, 255, (request_bytes,), dtype=torch.uint8)
     start = time.perf_counter()
     for _ in range(args.reps * args.layers):
-        send(pg, layer, RECEIVER)
+        pg.send(layer, 120.0)
     mid = time.perf_counter()
     for _ in range(args.reps):
-        send(pg, whole, RECEIVER)
+        pg.send(whole, 120.0)
     ack = torch.empty(1, dtype=torch.uint8)
-    recv(pg, ack, RECEIVER)
+    pg.recv(ack, 120.0)
     end = time.perf_counter()
     return mid - start, end - mid
 
@@ -132,7 +131,7 @@ def run(args) -> dict:
     proc.start()
     torch.set_num_threads(1)
     store = dist.TCPStore(args.receiver_host, parent.recv(), is_master=False, wait_for_workers=False)
-    pg = make_pair_group(store, 0, SENDER, "cpu", args.sender_host, timedelta(seconds=120))
+    pg = GlooChannel(store, 0, SENDER, args.sender_host, 120.0)
     host, port = parent.recv()
     tx = TorchDistSender(_compat(args), "bench", host=args.sender_host)
     dest = KVEndpoint("bench", 0, host, port)

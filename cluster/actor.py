@@ -19,6 +19,19 @@ from engine.request import Request, SamplingParams
 from kvtransfer.params import KVEndpoint, KVTransferParams
 
 
+class _Followers:
+    """Decode rank 0's view of the other ranks' KV connectors: each call returns once all did it."""
+
+    def __init__(self, actors: list):
+        self.actors = actors
+
+    def expect(self, request_id: str, slots: torch.Tensor, prefill_tp: int) -> None:
+        ray.get([a.expect.remote(request_id, slots, prefill_tp) for a in self.actors])
+
+    def forget(self, request_id: str) -> None:
+        ray.get([a.forget.remote(request_id) for a in self.actors])
+
+
 @ray.remote(max_concurrency=32)  # every router long-polls it: those must not block reserve/submit calls
 class RankActor:
     def __init__(self, config: EngineConfig, role: str, instance_id: str, rank: int, tp_size: int,
@@ -78,10 +91,9 @@ class RankActor:
         return os.getpid()
 
     def set_followers(self, followers: list) -> None:
-        """Decode rank 0: the other ranks' actors, so a reservation reaches every rank's receiver."""
-        def expect_on_followers(request_id: str, slots: torch.Tensor, prefill_tp: int) -> None:
-            ray.get([f.expect.remote(request_id, slots, prefill_tp) for f in followers])
-        self.host.worker.set_followers(expect_on_followers)
+        """Decode rank 0: the other ranks' actors, so reservations and cancellations reach every
+        rank's KV connector."""
+        self.host.worker.connector.set_followers(_Followers(followers))
 
     # prefill
     def submit(self, req: Request, params: KVTransferParams) -> None:
@@ -95,7 +107,10 @@ class RankActor:
         return self.host.worker.reserve(req, prefill_tp)
 
     def expect(self, request_id: str, slots: torch.Tensor, prefill_tp: int) -> None:
-        self.host.worker.expect(request_id, slots, prefill_tp)
+        self.host.worker.connector.expect(request_id, slots, prefill_tp)
+
+    def forget(self, request_id: str) -> None:
+        self.host.worker.connector.forget(request_id)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     client_id: str = "") -> None:

@@ -22,6 +22,7 @@ from engine.model_runner import ModelRunner
 from engine.parallel import TPGroup
 from engine.tokenizer import Tokenizer
 from kvtransfer.base import create_kv_transport
+from kvtransfer.connector import DecodeConnector, PrefillConnector
 from kvtransfer.params import CompatRecord, KVEndpoint, kv_heads_of_rank
 from prefill_worker.worker import PrefillWorker
 
@@ -67,8 +68,8 @@ class RankHost:
                                                               host=host)
             # a request's blocks are leased to its transfer: freed on the decode side's ack, or after
             # 3 transfer timeouts if no ack ever comes (a hung peer cannot pin them forever)
-            self.worker = PrefillWorker(self.runner, self.sender, instance_id, lease_s=3 * kv_timeout_s,
-                                        client_ttl_s=client_ttl_s)
+            connector = PrefillConnector(self.sender, mc.num_kv_heads, rank, tp_size, lease_s=3 * kv_timeout_s)
+            self.worker = PrefillWorker(self.runner, connector, instance_id, client_ttl_s=client_ttl_s)
         else:
             if role == "decode":
                 heads = kv_heads_of_rank(mc.num_kv_heads, tp_size, rank)
@@ -76,7 +77,8 @@ class RankHost:
                     compat, self.runner.kv_cache, heads.start, host=host, timeout_s=kv_timeout_s)
             tokenizer = load_tokenizer(config.model) if rank == 0 and model_config is None else None
             engine = ColocatedEngine(config, runner=self.runner, tokenizer=tokenizer)
-            self.worker = DecodeWorker(engine, self.receiver, instance_id, client_ttl_s=client_ttl_s)
+            connector = DecodeConnector(self.receiver, mc.num_kv_heads, rank, tp_size)
+            self.worker = DecodeWorker(engine, connector, instance_id, client_ttl_s=client_ttl_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name=f"{role}-rank{rank}")
         self._thread.start()

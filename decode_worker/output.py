@@ -21,6 +21,7 @@ class RequestOutput:
     num_output_tokens: int = 0  # after these tokens; lets a consumer drop tokens it already has
     error: str | None = None
     new_logprobs: list[dict[int, float]] | None = None  # one per new token, when the request asked
+    kv_load_failed: bool = False  # the error is a failed KV transfer (the router may recompute here)
 
 
 class TextState:

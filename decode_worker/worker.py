@@ -2,54 +2,44 @@
 
 Rank 0 drives: it reserves blocks for requests that a prefill instance will fill, runs the
 continuous-batching loop, and queues each step's new tokens for the router's collector, which
-long-polls `get_outputs` (one call per step at most, never one per token). Every rank owns a
-KV receiver for its heads; a request joins the batch only when all ranks hold its complete KV.
-In colocated mode (`add_request`) rank 0 also prefills locally.
+long-polls `get_outputs` (one call per step at most, never one per token). Every rank's KV
+connector (kvtransfer/connector.py) receives its heads; a request joins the batch only when all
+ranks hold its complete KV. In colocated mode (`add_request`) rank 0 also prefills locally.
 
 Per step, with tensor parallelism:  rank 0 schedules -> broadcast(step) -> all ranks execute
 -> all_gather(each rank's finished/failed transfers) -> rank 0 admits requests complete everywhere.
+A failed load ends the request with `kv_load_failed` (the router retries it, or recomputes it here).
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Callable
-
-import torch
 
 from decode_worker.engine import ColocatedEngine
 from decode_worker.output import RequestOutput
 from engine.outbox import Outbox
 from engine.request import Request, RequestStatus, SamplingParams
-from kvtransfer.base import CompletedTransfer, KVReceiver
-from kvtransfer.plan import expected_parts
+from kvtransfer.connector import DecodeConnector, prompt_slots
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeWorker:
-    def __init__(self, engine: ColocatedEngine, receiver: KVReceiver | None, instance_id: str = "decode-0",
-                 expect_on_followers: Callable[[str, torch.Tensor, int], None] | None = None,
+    def __init__(self, engine: ColocatedEngine, connector: DecodeConnector, instance_id: str = "decode-0",
                  client_ttl_s: float = 30.0):
         """`client_ttl_s`: a client (router) that has not polled for this long is gone; its
         requests are aborted."""
-        self.engine, self.receiver, self.instance_id = engine, receiver, instance_id
+        self.engine, self.connector, self.instance_id = engine, connector, instance_id
         self.client_ttl_s = client_ttl_s
         self.num_orphans_aborted = 0  # requests of clients that went silent
         self.tp = engine.runner.tp
-        self._expect_on_followers = expect_on_followers
         self._lock = threading.Lock()
         self._outbox = Outbox()  # outputs per client (router): each gateway gets only its own
-        self._complete: dict[str, list[CompletedTransfer | None]] = {}  # request id -> per rank (None: not yet)
         # cumulative, for the autoscaler's online profile: steps, their seconds, sequences in them
         self.num_steps, self.step_s, self.num_step_seqs = 0, 0.0, 0
 
     # -- rank 0 API (thread-safe) ---------------------------------------------------------------
-    def set_followers(self, expect_on_followers: Callable[[str, torch.Tensor, int], None]) -> None:
-        """Rank 0 of tp > 1: how a reservation reaches the other ranks' receivers."""
-        self._expect_on_followers = expect_on_followers
-
     def reserve(self, req: Request, prefill_tp: int) -> bool:
         """Admission control: blocks for the prompt, or False. Registers the expected KV on all ranks."""
         with self._lock:
@@ -58,17 +48,10 @@ class DecodeWorker:
                 return False
             self._outbox.add(req.request_id, req.client_id)
             self.engine.output.add_request(req)
-            slots = self._prompt_slots(req)
-            self._complete[req.request_id] = [None] * self.tp.size
-        self.expect(req.request_id, slots, prefill_tp)
-        if self._expect_on_followers is not None:
-            self._expect_on_followers(req.request_id, slots, prefill_tp)
+            slots = prompt_slots(self.engine.kv.get_block_ids(req.request_id), self.engine.runner.block_size,
+                                 req.num_prompt_tokens)
+            self.connector.reserve(req.request_id, slots, prefill_tp)
         return True
-
-    def expect(self, request_id: str, slots: torch.Tensor, prefill_tp: int) -> None:
-        """Any rank: tell this rank's receiver what to expect for `request_id`."""
-        mc = self.engine.runner.model_config
-        self.receiver.expect(request_id, slots, expected_parts(mc.num_kv_heads, prefill_tp, self.tp.size, self.tp.rank))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     client_id: str = "") -> None:
@@ -81,8 +64,7 @@ class DecodeWorker:
         with self._lock:
             self.engine.abort_request(request_id)
             self._outbox.forget(request_id)
-            if self._complete.pop(request_id, None) is not None and self.receiver is not None:
-                self.receiver.cancel(request_id)
+            self.connector.cancel(request_id)
 
     def get_outputs(self, timeout: float = 1.0, client_id: str = "") -> list[RequestOutput]:
         """Long poll: the outputs of `client_id`'s requests since its last call, waiting up to
@@ -100,12 +82,13 @@ class DecodeWorker:
 
     def load(self) -> dict[str, float]:
         s = self.engine.scheduler
-        st = self.receiver.stats if self.receiver is not None else {}
+        rx = self.connector.receiver
+        st = rx.stats if rx is not None else {}
         return {"running": float(len(s.running)), "waiting": float(len(s.waiting)),
                 "reserved": float(len(s.remote)), "kv_usage": self.engine.kv.usage,
                 "num_preemptions": float(s.num_preemptions), "kv_bytes_received": float(st.get("bytes_received", 0)),
                 "kv_transfer_failures": float(st.get("failed", 0)), "orphans_aborted": float(self.num_orphans_aborted),
-                "kv_messages_dropped": float(st.get("garbage_headers", 0) + st.get("unknown_requests", 0)),
+                "kv_messages_dropped": float(st.get("garbage_messages", 0) + st.get("unknown_requests", 0)),
                 "decode_steps": float(self.num_steps),
                 "decode_step_s": self.step_s, "decode_step_seqs": float(self.num_step_seqs),
                 "kv_capacity_tokens": float((self.engine.runner.num_blocks - 1) * self.engine.runner.block_size)}
@@ -129,7 +112,7 @@ class DecodeWorker:
             self.num_steps += 1
             self.step_s += time.monotonic() - start
             self.num_step_seqs += len(sched.new_requests) + len(sched.cached_requests)
-        polls = self.tp.all_gather_object(self._poll_receiver())
+        polls = self.tp.all_gather_object(self.connector.poll())
         with self._lock:
             outputs = self._admit_transfers(polls)
             if result is not None:
@@ -145,42 +128,31 @@ class DecodeWorker:
             return False
         if inp is not None:
             self.engine.runner.execute_model(inp)
-        self.tp.all_gather_object(self._poll_receiver())
+        self.tp.all_gather_object(self.connector.poll())
         return True
 
     def stop_followers(self) -> None:
         self.tp.broadcast_object("stop")
 
-    def _poll_receiver(self):
-        return ([], []) if self.receiver is None else self.receiver.poll()
-
     def _admit_transfers(self, polls) -> list[RequestOutput]:
         """Requests whose KV is complete on every rank join the batch; failed ones end with an error."""
-        touched, failed = [], {}
-        for rank, (done, errors) in enumerate(polls):
-            for completed in done:
-                if completed.request_id in self._complete:
-                    self._complete[completed.request_id][rank] = completed
-            for request_id, reason in errors:
-                failed[request_id] = f"KV transfer to rank {rank} failed: {reason}"
-        for request_id, ranks in list(self._complete.items()):
-            if request_id in failed or None in ranks:
+        touched = []
+        ready, failed = self.connector.admit(polls)
+        for done in ready:
+            req = self.engine.scheduler.remote.get(done.request_id)
+            if req is not None and req.sampling_params.logprobs is not None and done.logprobs is None:
+                failed[done.request_id] = "the prefill sent the first token without the logprobs asked for"
                 continue
-            req = self.engine.scheduler.remote.get(request_id)
-            if req is not None and req.sampling_params.logprobs is not None and ranks[0].logprobs is None:
-                failed[request_id] = "the prefill sent the first token without the logprobs asked for"
-                continue
-            del self._complete[request_id]
             # rank 0's heads always overlap the sampling prefill rank's, so rank 0 has the first token
-            req = self.engine.scheduler.remote_kv_ready(request_id, ranks[0].first_token, ranks[0].logprobs)
+            req = self.engine.scheduler.remote_kv_ready(done.request_id, done.first_token, done.logprobs)
             if req is not None:
                 touched.append(req)
         outputs = self._process(touched)
         for request_id, reason in failed.items():
-            if self._complete.pop(request_id, None) is not None:
+            if request_id in self.engine.scheduler.remote:
                 self.engine.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
                 self.engine.output.abort(request_id)
-                outputs.append(RequestOutput(request_id, [], "", True, "error", error=reason))
+                outputs.append(RequestOutput(request_id, [], "", True, "error", error=reason, kv_load_failed=True))
         return outputs
 
     def _process(self, touched: list[Request]) -> list[RequestOutput]:
@@ -192,12 +164,6 @@ class DecodeWorker:
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:
             self._outbox.put(o.request_id, o, last=o.finished)
-
-    def _prompt_slots(self, req: Request) -> torch.Tensor:
-        bs = self.engine.runner.block_size
-        blocks = self.engine.kv.get_block_ids(req.request_id)
-        return torch.tensor([blocks[p // bs] * bs + p % bs for p in range(req.num_prompt_tokens)],
-                            dtype=torch.int64)
 
     def run(self, stop: threading.Event, idle_wait_s: float = 0.001) -> None:
         """Rank 0's loop, on its own thread, until `stop` is set; then releases the followers.

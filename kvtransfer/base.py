@@ -92,7 +92,7 @@ class KVReceiver(ABC):
     @property
     @abstractmethod
     def stats(self) -> dict[str, int]:
-        """Counters: bytes_received, completed, failed, garbage_headers, unknown_requests, refused_peers, ..."""
+        """Counters: bytes_received, completed, failed, garbage_messages, unknown_requests, refused_peers, ..."""
 
     @abstractmethod
     def close(self) -> None:

@@ -1,9 +1,7 @@
 """The KV control plane: small msgpack messages over a plain TCP connection, off the data path
-(issue 12: reservations, done and acks leave the KV process group, so no receive is ever posted
-there that can wait unmatched). A building block: the transport does not use it yet
-(docs/disaggregation.md).
+(handshake, reservations, layer announcements, done and acks; the messages are in wire.py).
 
-    server = ControlServer("10.0.0.5", handler, SCHEMA)    # handler(msg) -> reply dict or None
+    server = ControlServer("10.0.0.5", open_session, SCHEMA)  # per connection: session(msg) -> reply or None
     client = ControlClient(server.address, SCHEMA)
     reply = client.call({"kind": "reserve", ...}, timeout_s=2.0)   # ControlTimeout past the deadline
 
@@ -58,8 +56,8 @@ class _Connection:
         self.unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_MESSAGE_BYTES)
 
     def send(self, msg: dict, deadline: float | None = None) -> None:
-        self.sock.settimeout(None if deadline is None else max(1e-3, deadline - time.monotonic()))
         try:
+            self.sock.settimeout(None if deadline is None else max(1e-3, deadline - time.monotonic()))
             self.sock.sendall(msgpack.packb(msg))
         except TimeoutError:
             raise ControlTimeout("send timed out") from None
@@ -75,8 +73,8 @@ class _Connection:
                 pass
             except Exception as exc:  # msgpack raises several types on garbage and oversize
                 raise ControlGarbage(f"undecodable message: {type(exc).__name__}") from None
-            self.sock.settimeout(None if deadline is None else max(1e-3, deadline - time.monotonic()))
             try:
+                self.sock.settimeout(None if deadline is None else max(1e-3, deadline - time.monotonic()))
                 data = self.sock.recv(65536)
             except TimeoutError:
                 raise ControlTimeout("no answer before the deadline") from None
@@ -90,6 +88,11 @@ class _Connection:
                 raise ControlGarbage(f"message over {MAX_MESSAGE_BYTES} bytes") from None
 
     def close(self) -> None:
+        """Safe from any thread: a thread blocked receiving on this socket wakes with an error."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         try:
             self.sock.close()
         except OSError:
@@ -97,11 +100,14 @@ class _Connection:
 
 
 class ControlServer:
-    """Accepts connections on `host` (any free port); one thread per connection answers each
-    message with `handler(msg)` (None: no reply). Counts connections, messages and garbage."""
+    """Accepts connections on `host` (any free port). Each connection gets a session,
+    `open_session(drop)`: a callable that answers each message (None: no reply), whose optional
+    `close()` runs when the connection ends; `drop()` closes that connection from any thread.
+    One thread per connection. Counts connections, messages and garbage; a session that raises
+    ControlGarbage counts as garbage too."""
 
-    def __init__(self, host: str, handler, schema: dict, backlog: int = 64):
-        self.handler, self.schema = handler, schema
+    def __init__(self, host: str, open_session, schema: dict, backlog: int = 64):
+        self.open_session, self.schema = open_session, schema
         self.stats: Counter = Counter()
         self._listener = socket.create_server((host, 0), backlog=backlog)
         self._closed = threading.Event()
@@ -134,11 +140,13 @@ class ControlServer:
             threading.Thread(target=self._serve, args=(conn,), daemon=True, name="kv-control-conn").start()
 
     def _serve(self, conn: _Connection) -> None:
+        session = None
         try:
+            session = self.open_session(conn.close)
             while not self._closed.is_set():
                 msg = check(conn.recv(), self.schema)
                 self.stats["messages"] += 1
-                reply = self.handler(msg)
+                reply = session(msg)
                 if reply is not None:
                     conn.send(reply)
         except ControlGarbage as exc:
@@ -153,6 +161,8 @@ class ControlServer:
             conn.close()
             with self._lock:
                 self._conns.discard(conn)
+            if hasattr(session, "close"):
+                session.close()
 
 
 class ControlClient:

@@ -1,16 +1,18 @@
-"""The decode side of the torch.distributed transport.
+"""The decode side of the KV connector's transport.
 
-A listener thread accepts connections announced in this rank's TCPStore (handshake: see
-torch_dist.py); one reader thread per connection receives frames and scatters each layer's KV
-straight into the slots reserved for its request. Requests are tracked in `_Expected`:
+A control server (control.py) accepts one connection per prefill rank; each gets a `_Session`
+that answers its messages (wire.py) in order and owns its data channel (channel.py):
 
-    expect(rid, slots, num_parts) -> layers arrive (any order across parts) -> every part "done"
-      -> poll() reports (rid, first_token, logprobs);  silent for timeout_s once started -> poll() reports failure
+    hello -> compat checked -> welcome          join  -> data channel built
+    begin -> the request's slots are reserved here? -> ready (ok, or why not)
+    layer -> receive exactly that payload (deadline) -> scatter into the request's slots
+    done  -> all layers there? -> ack;  every part of the request done -> poll() reports it
 
-Garbage frames close their connection (the stream cannot be resynchronized; the sender rebuilds
-it); frames for unknown ids are drained and dropped. Both are counted. A started part fails when
-neither it nor its connection has moved for timeout_s (a long queue of other requests' KV on the
-same connection is not a dead sender).
+Requests are tracked in `_Expected`: expect(rid, slots, num_parts) ... poll() reports
+(rid, first_token, logprobs), or a failure: a begun part silent for timeout_s (unless its
+connection is busy with other requests' KV), a connection lost mid-part, a part of the wrong
+size. A garbage message or a receive past its deadline drops its connection (the sender
+rebuilds it); payloads of a cancelled request are received and dropped. All of it is counted.
 """
 from __future__ import annotations
 
@@ -21,19 +23,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-import msgpack
 import torch
 import torch.distributed as dist
 
 from kvtransfer import wire
 from kvtransfer.base import CompletedTransfer, KVReceiver
+from kvtransfer.channel import RECEIVER, ChannelError, DataChannel, open_channel
+from kvtransfer.control import ControlGarbage, ControlServer
 from kvtransfer.params import CompatRecord
-from kvtransfer.torch_dist import RECEIVER, SENDER, destroy_group, make_pair_group, recv, send
+from kvtransfer.scatter import scatter_layer, whole_blocks
 
 logger = logging.getLogger(__name__)
-# A reader blocks on the next frame for as long as its sender stays idle; liveness is judged per
-# request (timeout_s after its first layer), not per connection.
-IDLE_CONNECTION_TIMEOUT = timedelta(days=7)
 
 
 @dataclass
@@ -41,11 +41,69 @@ class _Expected:
     slots: torch.Tensor  # (num_tokens,) int64
     num_parts: int
     block_ids: torch.Tensor | None  # (num_tokens // block_size,) when the slots fill whole blocks in order
-    layers_per_part: Counter = field(default_factory=Counter)  # (connection, head_start) -> layers
+    sessions: set = field(default_factory=set)  # the connections its parts arrive on
     parts_done: int = 0
     first_token: int = -1
     logprobs: dict[int, float] | None = None
-    last_activity: float | None = None  # set by the first layer
+    last_activity: float | None = None  # set when its first part begins
+
+
+@dataclass
+class _Part:
+    lo: int  # first local head
+    num_heads: int
+    num_tokens: int
+    layers: int = 0
+
+
+class _Session:
+    """One prefill rank's connection: its messages, in order, on the connection's thread."""
+
+    def __init__(self, rx: TorchDistReceiver, drop):
+        self.rx, self.drop = rx, drop
+        self.sender_id, self.index = "?", None
+        self.channel: DataChannel | None = None
+        self.parts: dict[tuple[str, int], _Part] = {}  # (request id, head_start) -> begun, not done
+        self.activity = time.monotonic()
+        self.scratch = torch.empty(0, dtype=torch.uint8, device=rx.kv_cache.device)
+
+    def __call__(self, msg: dict) -> dict | None:
+        self.activity = time.monotonic()
+        kind = msg["kind"]
+        if kind == "hello" and self.index is None:
+            return self.rx._hello(self, msg)
+        if kind == "join" and self.index is not None and self.channel is None and msg["channel"] == self.index:
+            self.channel = self.rx._open(self.index)
+            return None
+        if self.channel is None or kind not in ("begin", "layer", "done"):
+            raise ControlGarbage(f"{kind} message out of order")
+        if kind == "begin":
+            return self.rx._begin(self, msg)
+        part = self.parts.get((msg["request_id"], msg["head_start"]))
+        if part is None:
+            raise ControlGarbage(f"{kind} for a part that did not begin: {msg['request_id']}")
+        if kind == "layer":
+            return self._layer(msg, part)
+        del self.parts[(msg["request_id"], msg["head_start"])]
+        return self.rx._done(self, msg, part)
+
+    def _layer(self, msg: dict, part: _Part) -> None:
+        if not 0 <= msg["layer"] < self.rx.compat.num_layers:
+            raise ControlGarbage(f"layer {msg['layer']} of {self.rx.compat.num_layers}")
+        n = wire.payload_bytes(part.num_tokens, part.num_heads, self.rx.compat.head_dim, self.rx.kv_cache.dtype)
+        if self.scratch.numel() < n:
+            self.scratch = torch.empty(n, dtype=torch.uint8, device=self.scratch.device)
+        try:
+            self.channel.recv(self.scratch[:n], self.rx.timeout_s)
+        except ChannelError as exc:
+            raise ControlGarbage(f"payload of {msg['request_id']} layer {msg['layer']}: {exc}") from None
+        self.activity = time.monotonic()
+        self.rx._write(self, msg, part, self.scratch[:n])
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        self.rx._closed_session(self)
 
 
 class TorchDistReceiver(KVReceiver):
@@ -64,225 +122,157 @@ class TorchDistReceiver(KVReceiver):
         self._completed: list[CompletedTransfer] = []
         self._failed: list[tuple[str, str]] = []
         self._stats: Counter = Counter()
-        self._groups: dict[int, dist.ProcessGroup] = {}
-        self._conn_activity: dict[int, float] = {}  # connection -> time.monotonic() of its last frame
-        self._closed = threading.Event()
-        threading.Thread(target=self._listen, daemon=True, name=f"kv-listen-{self._store.port}").start()
+        self._sessions: set[_Session] = set()
+        self._control = ControlServer(host, lambda drop: _Session(self, drop), wire.SCHEMA)
 
     @property
     def endpoint_address(self) -> tuple[str, int]:
-        return self.host, self._store.port
+        return self._control.address
 
     # -- KVReceiver API -------------------------------------------------------------------------
     def expect(self, request_id: str, slots: torch.Tensor, num_parts: int) -> None:
         assert slots.dim() == 1 and num_parts >= 1
         slots = slots.to(self.kv_cache.device, torch.int64)
         with self._lock:
-            self._expected[request_id] = _Expected(slots, num_parts, _whole_blocks(slots, self.block_size))
+            self._expected[request_id] = _Expected(slots, num_parts, whole_blocks(slots, self.block_size))
 
     def cancel(self, request_id: str) -> None:
-        with self._lock:  # a reader scatters under this lock, so no write lands after we return
+        with self._lock:  # writes happen under this lock, so none lands after we return
             self._expected.pop(request_id, None)
 
     def poll(self) -> tuple[list[CompletedTransfer], list[tuple[str, str]]]:
-        now = time.monotonic()
+        now, stalled = time.monotonic(), set()
         with self._lock:
             for rid, e in list(self._expected.items()):
                 if e.last_activity is None:
                     continue
                 # A connection busy with other requests' KV is alive: this part waits in its queue.
-                busy = max((self._conn_activity.get(i, 0.0) for i, _ in e.layers_per_part), default=0.0)
+                busy = max((s.activity for s in e.sessions), default=0.0)
                 if now - max(e.last_activity, busy) > self.timeout_s:
                     self._fail(rid, f"no KV for {self.timeout_s:.0f} s after the transfer began")
+                    stalled |= e.sessions
             done, self._completed = self._completed, []
             failed, self._failed = self._failed, []
+        for session in stalled:  # past its deadline, the pair is aborted; the sender rebuilds it
+            session.drop()
         return done, failed
 
     @property
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return dict(self._stats)
+            out = dict(self._stats)
+        out["garbage_messages"] = self._control.stats["garbage"]
+        return out
 
     def close(self) -> None:
-        self._closed.set()
+        self._control.close()
         with self._lock:
-            groups, self._groups = list(self._groups.values()), {}
-        for pg in groups:
-            destroy_group(pg)
+            sessions, self._sessions = list(self._sessions), set()
+        for session in sessions:
+            if session.channel is not None:
+                session.channel.close()
+        self._store = None  # its server stops once the channels let go of their clients
 
-    # -- internals (callers hold self._lock where noted) ---------------------------------------
+    # -- the sessions' calls -----------------------------------------------------------------------
     def _fail(self, rid: str, reason: str) -> None:
         """Holding the lock."""
         if self._expected.pop(rid, None) is not None:
             self._failed.append((rid, reason))
             self._stats["failed"] += 1
 
-    def _listen(self) -> None:
-        """Accepts connections in the order senders numbered them."""
-        index, seen_at = 0, None
-        while not self._closed.is_set():
-            try:
-                if index >= self._store.add("conn", 0):
-                    time.sleep(0.01)
-                    continue
-                if not self._store.check([f"hello/{index}"]):
-                    seen_at = seen_at or time.monotonic()
-                    if time.monotonic() - seen_at > self.timeout_s:  # sender died mid-handshake
-                        index, seen_at = index + 1, None
-                    time.sleep(0.005)
-                    continue
-                self._accept(index)
-            except Exception:  # a bad hello must not stop the listener
-                logger.exception("KV listener: connection %d", index)
-            index, seen_at = index + 1, None
-
-    def _accept(self, index: int) -> None:
-        reply = {"ok": False, "error": None, "compat": self.compat.to_dict()}
+    def _hello(self, session: _Session, msg: dict) -> dict:
+        reply = {"kind": "welcome", "ok": False, "error": None, "compat": self.compat.to_dict(),
+                 "store_port": self._store.port, "channel": -1}
         try:
-            hello = msgpack.unpackb(self._store.get(f"hello/{index}"))
-            theirs = CompatRecord.from_dict(hello["compat"])
-            sender_id = str(hello["sender_id"])
-            reply["error"] = self.compat.mismatch(theirs)
-        except Exception as exc:
-            sender_id, reply["error"] = "?", f"malformed hello: {exc}"
-        reply["ok"] = reply["error"] is None
-        self._store.set(f"reply/{index}", msgpack.packb(reply))
-        if not reply["ok"]:
-            logger.warning("refused KV sender %s: %s", sender_id, reply["error"])
-            with self._lock:
+            reply["error"] = self.compat.mismatch(CompatRecord.from_dict(msg["compat"]))
+        except ValueError as exc:
+            reply["error"] = f"malformed hello: {exc}"
+        session.sender_id = msg["sender_id"]
+        with self._lock:
+            if reply["error"] is not None:
+                logger.warning("refused KV sender %s: %s", session.sender_id, reply["error"])
                 self._stats["refused_peers"] += 1
-            return
-        threading.Thread(target=self._serve, args=(index, sender_id), daemon=True,
-                         name=f"kv-recv-{index}").start()
-
-    def _serve(self, index: int, sender_id: str) -> None:
-        """One connection's reader; ends when the sender goes away or sends garbage."""
-        device = self.kv_cache.device
-        pg = make_pair_group(self._store, index, RECEIVER, self.compat.device_type, self.host,
-                             IDLE_CONNECTION_TIMEOUT)
-        with self._lock:
-            self._groups[index] = pg
+                return reply
             self._stats["connections"] += 1
-        frame = torch.empty(wire.HEADER_BYTES, dtype=torch.uint8, device=device)
-        scratch = torch.empty(0, dtype=torch.uint8, device=device)
+            session.index = reply["channel"] = self._stats["connections"]
+            self._sessions.add(session)
+        reply["ok"] = True
+        return reply
+
+    def _open(self, index: int) -> DataChannel:
+        """This end of a data channel. Rendezvous goes through the master store object itself:
+        one more client per connection made torch's TCPStore refuse connections after a few."""
+        store = self._store
+        if store is None:
+            raise ControlGarbage("the receiver is closed")
         try:
-            while not self._closed.is_set():
-                recv(pg, frame, SENDER)
-                self._conn_activity[index] = time.monotonic()
-                msg = self._validated(wire.decode_frame(frame))
-                if msg["kind"] == "layer":
-                    n = wire.payload_bytes(msg, self.compat.head_dim, self.kv_cache.dtype)
-                    if scratch.numel() < n:
-                        scratch = torch.empty(n, dtype=torch.uint8, device=device)
-                    recv(pg, scratch[:n], SENDER)
-                    self._on_layer(index, msg, scratch[:n])
-                else:
-                    ok, error = self._on_done(index, msg)
-                    ack = {"kind": "ack", "request_id": msg["request_id"], "ok": ok, "error": error}
-                    send(pg, wire.encode_frame(ack, device), SENDER)
-        except wire.WireError as exc:
-            logger.warning("KV connection %d from %s: garbage frame dropped, closing: %s", index, sender_id, exc)
-            with self._lock:
-                self._stats["garbage_headers"] += 1
-        except Exception as exc:  # sender gone or group aborted by close()
-            if not self._closed.is_set():
-                logger.warning("KV connection %d from %s closed: %s", index, sender_id, exc)
-        with self._lock:
-            self._groups.pop(index, None)
-            self._conn_activity.pop(index, None)
-            for rid in [r for r, e in self._expected.items() if any(k[0] == index for k in e.layers_per_part)]:
-                if self._expected[rid].parts_done < self._expected[rid].num_parts:
-                    self._fail(rid, f"connection from {sender_id} closed mid-transfer")
-        destroy_group(pg)
+            return open_channel(store, index, RECEIVER, self.compat.device_type, self.host, self.timeout_s)
+        except (RuntimeError, OSError) as exc:  # the sender did not join in time
+            raise ControlGarbage(f"data channel {index} was not built: {exc}") from None
 
-    def _validated(self, msg: dict) -> dict:
-        """Rejects messages that do not fit this rank (as garbage: the stream is suspect)."""
-        if msg["kind"] == "ack":
-            raise wire.WireError("ack sent to a receiver")
-        if msg["kind"] == "layer":
-            lo, hi = msg["head_start"] - self.head_offset, msg["head_end"] - self.head_offset
-            if not (0 <= msg["layer"] < self.compat.num_layers and 0 <= lo < hi <= self.num_local_heads
-                    and 0 < msg["num_tokens"] <= self.num_slots):
-                raise wire.WireError(f"layer message does not fit this rank: {msg}")
-        return msg
-
-    def _on_layer(self, index: int, msg: dict, payload: torch.Tensor) -> None:
+    def _begin(self, session: _Session, msg: dict) -> dict:
+        rid, lo = msg["request_id"], msg["head_start"] - self.head_offset
+        reply = {"kind": "ready", "request_id": rid, "ok": False, "error": None}
         n_heads = msg["head_end"] - msg["head_start"]
-        kv = payload.view(self.kv_cache.dtype).view(2, msg["num_tokens"], n_heads, self.compat.head_dim)
-        lo = msg["head_start"] - self.head_offset
-        with self._lock:
-            self._stats["bytes_received"] += payload.numel()
-            e = self._expected.get(msg["request_id"])
-            if e is None:
-                self._stats["unknown_requests"] += 1
-                return
-            if msg["num_tokens"] != e.slots.numel():
-                self._fail(msg["request_id"], f"sent {msg['num_tokens']} tokens, expected {e.slots.numel()}")
-                return
-            self._scatter(self.kv_cache[msg["layer"]], e, kv, lo)
-            e.layers_per_part[(index, msg["head_start"])] += 1
-            e.last_activity = time.monotonic()
-
-    def _scatter(self, layer: torch.Tensor, e: _Expected, kv: torch.Tensor, lo: int) -> None:
-        """Writes kv (2, num_tokens, n_heads, head_dim) into the request's slots of one layer
-        (2, num_blocks, block_size, local_kv_heads, head_dim). Holding the lock.
-
-        Fast path (a part with all of this rank's heads, the usual case): whole blocks are copied as
-        rows of 4-byte words, 3-4x faster than per-token indexing of 2-byte elements here."""
-        if lo != 0 or kv.shape[2] != self.num_local_heads:
-            flat = layer.view(2, self.num_slots, self.num_local_heads, self.compat.head_dim)
-            flat[:, e.slots, lo:lo + kv.shape[2]] = kv
-            return
-        n_full = 0 if e.block_ids is None else e.block_ids.numel() * self.block_size
-        if n_full:  # (2, blocks, block_size * heads * head_dim) as wide words
-            dst = _words(layer.view(2, layer.shape[1], -1))
-            dst.index_copy_(1, e.block_ids, _words(kv[:, :n_full].reshape(2, e.block_ids.numel(), -1)))
-        if n_full < kv.shape[1]:  # the rest token by token: (2, slots, heads * head_dim)
-            _words(layer.view(2, self.num_slots, -1)).index_copy_(1, e.slots[n_full:],
-                                                                  _words(kv[:, n_full:].reshape(2, kv.shape[1] - n_full, -1)))
-
-    def _on_done(self, index: int, msg: dict) -> tuple[bool, str | None]:
-        rid = msg["request_id"]
+        if not (0 <= lo and 0 < n_heads and lo + n_heads <= self.num_local_heads and msg["num_tokens"] > 0):
+            raise ControlGarbage(f"begin does not fit this rank: {msg}")
         with self._lock:
             e = self._expected.get(rid)
             if e is None:
                 self._stats["unknown_requests"] += 1
-                return False, "unknown or cancelled request"
-            got = sum(n for (i, _), n in e.layers_per_part.items() if i == index)
-            if got != msg["num_layers"] or got != self.compat.num_layers:
-                self._fail(rid, f"part has {got} of {self.compat.num_layers} layers")
-                return False, f"received {got} of {self.compat.num_layers} layers"
+                reply["error"] = "unknown or cancelled request"
+            elif msg["num_tokens"] != e.slots.numel():
+                reply["error"] = f"sent {msg['num_tokens']} tokens, expected {e.slots.numel()}"
+                self._fail(rid, reply["error"])
+            else:
+                session.parts[(rid, msg["head_start"])] = _Part(lo, n_heads, msg["num_tokens"])
+                e.sessions.add(session)
+                e.last_activity = time.monotonic()
+                reply["ok"] = True
+        return reply
+
+    def _write(self, session: _Session, msg: dict, part: _Part, payload: torch.Tensor) -> None:
+        kv = payload.view(self.kv_cache.dtype).view(2, part.num_tokens, part.num_heads, self.compat.head_dim)
+        with self._lock:
+            self._stats["bytes_received"] += payload.numel()
+            e = self._expected.get(msg["request_id"])
+            if e is None:  # cancelled or failed meanwhile: the payload is dropped
+                self._stats["dropped_layers"] += 1
+                return
+            with session.channel.writing():
+                scatter_layer(self.kv_cache[msg["layer"]], e.slots, e.block_ids, kv, part.lo)
+            part.layers += 1
+            e.last_activity = time.monotonic()
+
+    def _done(self, session: _Session, msg: dict, part: _Part) -> dict:
+        rid = msg["request_id"]
+        reply = {"kind": "ack", "request_id": rid, "ok": False, "error": None}
+        session.channel.settle(self.timeout_s)  # CUDA: this part's writes are done before admission
+        with self._lock:
+            e = self._expected.get(rid)
+            if e is None:
+                self._stats["unknown_requests"] += 1
+                reply["error"] = "unknown or cancelled request"
+                return reply
+            if part.layers != msg["num_layers"] or part.layers != self.compat.num_layers:
+                reply["error"] = f"received {part.layers} of {self.compat.num_layers} layers"
+                self._fail(rid, reply["error"])
+                return reply
             e.parts_done += 1
             e.first_token = max(e.first_token, msg["first_token"])
             if msg["logprobs"] is not None:
                 e.logprobs = wire.unpack_logprobs(msg["logprobs"])
             if e.parts_done == e.num_parts:
                 del self._expected[rid]
-                if self.kv_cache.is_cuda:
-                    torch.cuda.current_stream().synchronize()
                 self._completed.append(CompletedTransfer(rid, e.first_token, e.logprobs))
                 self._stats["completed"] += 1
-        return True, None
+        reply["ok"] = True
+        return reply
 
-
-def _whole_blocks(slots: torch.Tensor, block_size: int) -> torch.Tensor | None:
-    """Block ids if the leading full blocks' worth of slots are whole blocks in order, else None.
-
-        slots  [b0*bs .. b0*bs+bs-1 | b1*bs .. b1*bs+bs-1 | ... | tail (< bs)]  ->  [b0, b1, ...]
-    """
-    n = slots.numel() // block_size
-    if n == 0:
-        return None
-    head = slots[:n * block_size].view(n, block_size)
-    starts = head[:, 0]
-    if bool((starts % block_size == 0).all()) and torch.equal(head, starts[:, None] + torch.arange(
-            block_size, device=slots.device)):
-        return starts // block_size
-    return None
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """The same bytes as 4-byte words when rows allow it (index_copy_ moves wide elements faster)."""
-    if t.element_size() < 4 and (t.shape[-1] * t.element_size()) % 4 == 0:
-        return t.view(torch.int32)
-    return t
+    def _closed_session(self, session: _Session) -> None:
+        with self._lock:
+            self._sessions.discard(session)
+            for rid, _ in session.parts:
+                self._fail(rid, f"connection from {session.sender_id} closed mid-transfer")
+            for e in self._expected.values():
+                e.sessions.discard(session)

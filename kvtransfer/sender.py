@@ -1,10 +1,13 @@
-"""The prefill side of the torch.distributed transport.
+"""The prefill side of the KV connector's transport.
 
 One `_Peer` per decode rank this prefill rank talks to, in an LRU pool of at most `max_groups`:
-each owns a pair group (built lazily, on its own thread) and a queue of operations that its
-thread sends in order, so the model keeps computing while layers leave. A peer that fails
-(refused handshake, dead or silent receiver) fails its queued parts, destroys its group and
-leaves the pool; the next `begin` to that address builds a fresh one.
+each owns a control connection (control.py), a data channel built after the handshake
+(channel.py), and a queue of operations that its thread carries out in order, so the model keeps
+computing while layers leave. Every step has a deadline of `timeout_s`: the handshake, the
+`begin` a part waits on before any payload moves, each layer, the ack. A peer that fails
+(refused handshake, dead or silent receiver, a deadline passed) fails its queued parts, aborts
+its channel and leaves the pool; the next `begin` to that address builds a fresh one. A part the
+receiver refuses (request unknown or cancelled, wrong size) fails alone.
 """
 from __future__ import annotations
 
@@ -15,14 +18,14 @@ import time
 from collections import Counter, OrderedDict, deque
 from datetime import timedelta
 
-import msgpack
 import torch
 import torch.distributed as dist
 
 from kvtransfer import wire
 from kvtransfer.base import IncompatiblePeerError, KVSender, Transfer, TransferError
+from kvtransfer.channel import SENDER, ChannelError, DataChannel, open_channel
+from kvtransfer.control import ControlClient, ControlError
 from kvtransfer.params import CompatRecord, KVEndpoint
-from kvtransfer.torch_dist import RECEIVER, SENDER, destroy_group, make_pair_group, recv, send
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +35,7 @@ class _Transfer(Transfer):
         self.peer, self.request_id = peer, request_id
         self.head_start, self.head_end, self.num_tokens = head_start, head_end, num_tokens
         self.num_layers_sent = self.num_bytes = 0
+        self.begun = False  # the receiver answered `ready`
         self.error: str | None = None
         self._done = threading.Event()
         # time.monotonic() stamps: begin, finish() called (first token known), acknowledged
@@ -39,7 +43,11 @@ class _Transfer(Transfer):
 
     def send_layer(self, layer: int, kv: torch.Tensor) -> None:
         assert kv.shape[:3] == (2, self.num_tokens, self.head_end - self.head_start), kv.shape
-        self.peer.submit(("layer", self, layer, kv))
+        ready = None
+        if kv.is_cuda:  # the copy is queued on the compute stream: the channel's stream waits for it
+            ready = torch.cuda.Event()
+            ready.record()
+        self.peer.submit(("layer", self, layer, (kv, ready)))
 
     def finish(self, first_token: int, logprobs: dict[int, float] | None = None) -> None:
         self.finish_s = time.monotonic()
@@ -67,18 +75,23 @@ class _Peer:
 
     def __init__(self, owner: TorchDistSender, dest: KVEndpoint):
         self.owner, self.dest = owner, dest
-        self.pg: dist.ProcessGroup | None = None
+        self.control = ControlClient(dest.address, wire.SCHEMA)
+        self.channel: DataChannel | None = None
         self.closed = False
         self._lock = threading.Lock()
         self._ops: queue.Queue = queue.Queue()
         threading.Thread(target=self._run, daemon=True, name=f"kv-send-{dest.host}:{dest.port}").start()
+
+    @property
+    def name(self) -> str:
+        return f"{self.dest.instance_id} rank {self.dest.rank}"
 
     def submit(self, op: tuple) -> None:
         with self._lock:
             if not self.closed:
                 self._ops.put(op)
                 return
-        op[1].fail(f"connection to {self.dest.instance_id} rank {self.dest.rank} was closed")
+        op[1].fail(f"connection to {self.name} was closed")
 
     def close(self) -> None:
         with self._lock:
@@ -94,61 +107,77 @@ class _Peer:
                 transfer.fail(transfer.error or broken)
                 continue
             try:
-                if self.pg is None:
-                    self.pg = self._connect()
-                self._send_layer(transfer, a, b) if kind == "layer" else self._finish(transfer, a, b)
-            except Exception as exc:  # refused, timeout, peer gone: this connection is done for
+                self._carry_out(kind, transfer, a, b)
+            except (ControlError, ChannelError, TransferError) as exc:  # this connection is done for
                 broken = str(exc) if isinstance(exc, IncompatiblePeerError) else (
-                    f"KV connection to {self.dest.instance_id} rank {self.dest.rank} failed: {exc}")
+                    f"KV connection to {self.name} failed: {exc}")
                 logger.warning("%s", broken)
                 transfer.fail(broken)
                 self.owner._drop(self)
-        destroy_group(self.pg)
+        if self.channel is not None:
+            self.channel.close()
+        self.control.close()
 
-    def _connect(self) -> dist.ProcessGroup:
-        o = self.owner
-        timeout = timedelta(seconds=o.timeout_s)
-        store = dist.TCPStore(self.dest.host, self.dest.port, is_master=False, timeout=timeout,
-                              wait_for_workers=False)
-        index = store.add("conn", 1) - 1
-        store.set(f"hello/{index}", msgpack.packb({"sender_id": o.sender_id, "compat": o.compat.to_dict()}))
-        store.wait([f"reply/{index}"], timeout)
-        reply = msgpack.unpackb(store.get(f"reply/{index}"))
-        if not reply["ok"]:
-            raise IncompatiblePeerError(f"refused by {self.dest.instance_id} rank {self.dest.rank}: {reply['error']}")
-        theirs = CompatRecord.from_dict(reply["compat"])
-        if (diff := o.compat.mismatch(theirs)) is not None:
-            raise IncompatiblePeerError(f"refused {self.dest.instance_id} rank {self.dest.rank}: {diff}")
-        pg = make_pair_group(store, index, SENDER, o.compat.device_type, o.host, timeout)
-        o._count("groups_created")
-        return pg
-
-    def _send_layer(self, t: _Transfer, layer: int, kv: torch.Tensor) -> None:
-        msg = {"kind": "layer", "request_id": t.request_id, "layer": layer, "num_tokens": t.num_tokens,
-               "head_start": t.head_start, "head_end": t.head_end}
-        payload = kv.contiguous().view(-1).view(torch.uint8)
-        send(self.pg, wire.encode_frame(msg, kv.device), RECEIVER)
-        send(self.pg, payload, RECEIVER)
-        t.num_layers_sent += 1
-        t.num_bytes += payload.numel()
-        self.owner._count("bytes_sent", payload.numel())
-
-    def _finish(self, t: _Transfer, first_token: int, logprobs: dict[int, float] | None) -> None:
-        msg = {"kind": "done", "request_id": t.request_id, "num_layers": t.num_layers_sent,
-               "first_token": first_token, "logprobs": wire.pack_logprobs(logprobs)}
-        device = "cuda" if self.owner.compat.device_type == "cuda" else "cpu"
-        send(self.pg, wire.encode_frame(msg, device), RECEIVER)
-        frame = torch.empty(wire.HEADER_BYTES, dtype=torch.uint8, device=device)
-        recv(self.pg, frame, RECEIVER)
-        ack = wire.decode_frame(frame)
-        if ack["kind"] != "ack" or ack["request_id"] != t.request_id:
-            raise TransferError(f"out-of-order acknowledgement {ack}")
+    def _carry_out(self, kind: str, t: _Transfer, a, b) -> None:
+        timeout = self.owner.timeout_s
+        if self.channel is None:
+            self.channel = self._connect(timeout)
+        if not t.begun:
+            ready = self.control.call({"kind": "begin", "request_id": t.request_id, "head_start": t.head_start,
+                                       "head_end": t.head_end, "num_tokens": t.num_tokens}, timeout)
+            self._check_answer(ready, "ready", t)
+            if not ready["ok"]:  # the receiver is fine, this request is not (cancelled, wrong size)
+                self.owner._count("parts_rejected")
+                return t.fail(f"receiver rejected {t.request_id}: {ready['error']}")
+            t.begun = True
+        if kind == "layer":
+            kv, event = b
+            payload = kv.contiguous().view(-1).view(torch.uint8)
+            self.control.send({"kind": "layer", "request_id": t.request_id, "head_start": t.head_start,
+                               "layer": a}, timeout)
+            self.channel.send(payload, timeout, event)
+            t.num_layers_sent += 1
+            t.num_bytes += payload.numel()
+            self.owner._count("bytes_sent", payload.numel())
+            return
+        ack = self.control.call({"kind": "done", "request_id": t.request_id, "head_start": t.head_start,
+                                 "num_layers": t.num_layers_sent, "first_token": a,
+                                 "logprobs": wire.pack_logprobs(b)}, timeout)
+        self._check_answer(ack, "ack", t)
         if ack["ok"]:
             self.owner._count("parts_sent")
             t.succeed()
-        else:  # the receiver is fine, this request is not (cancelled, shape mismatch)
+        else:
             self.owner._count("parts_rejected")
             t.fail(f"receiver rejected {t.request_id}: {ack['error']}")
+
+    def _check_answer(self, msg: dict, kind: str, t: _Transfer) -> None:
+        if msg["kind"] != kind or msg["request_id"] != t.request_id:
+            raise TransferError(f"out-of-order answer {msg} (waiting for {kind} of {t.request_id})")
+
+    def _connect(self, timeout: float) -> DataChannel:
+        o = self.owner
+        welcome = self.control.call({"kind": "hello", "sender_id": o.sender_id, "compat": o.compat.to_dict()},
+                                    timeout)
+        if welcome["kind"] != "welcome":
+            raise TransferError(f"{self.name} answered hello with {welcome['kind']}")
+        if not welcome["ok"]:
+            raise IncompatiblePeerError(f"refused by {self.name}: {welcome['error']}")
+        try:
+            theirs = CompatRecord.from_dict(welcome["compat"])
+        except ValueError as exc:
+            raise TransferError(f"{self.name} sent a bad compat record: {exc}") from None
+        if (diff := o.compat.mismatch(theirs)) is not None:
+            raise IncompatiblePeerError(f"refused {self.name}: {diff}")
+        try:
+            store = dist.TCPStore(self.dest.host, welcome["store_port"], is_master=False,
+                                  timeout=timedelta(seconds=timeout), wait_for_workers=False)
+            self.control.send({"kind": "join", "channel": welcome["channel"]}, timeout)
+            channel = open_channel(store, welcome["channel"], SENDER, o.compat.device_type, o.host, timeout)
+        except (RuntimeError, OSError) as exc:  # TCPStore / group rendezvous failures
+            raise TransferError(f"building the data channel to {self.name} failed: {exc}") from None
+        o._count("groups_created")
+        return channel
 
 
 class TorchDistSender(KVSender):

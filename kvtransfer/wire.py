@@ -1,60 +1,40 @@
-"""The wire format of the torch.distributed transport.
+"""The KV connector's control messages: msgpack maps on a TCP connection (control.py), never on
+the data plane, which carries only KV payloads (channel.py).
 
-Every message is one fixed-size header frame (uint8[HEADER_BYTES]: a 4-byte little-endian length,
-then a msgpack map), followed for "layer" messages by one payload of raw bytes:
+One control connection per (prefill rank, decode rank) pair; its data channel is built after
+the handshake. Sender -> receiver, with the receiver's answer:
 
-    layer  {kind, request_id, layer, num_tokens, head_start, head_end}  + payload
-           payload = K and V of those heads, (2, num_tokens, head_end - head_start, head_dim)
-    done   {kind, request_id, num_layers, first_token, logprobs}        (sender -> receiver)
-           logprobs = None, or the first token's [[token_id, logprob], ...] (sampled token first)
-    ack    {kind, request_id, ok, error}                                (receiver -> sender)
+    hello  {sender_id, compat}                          -> welcome {ok, error, compat, store_port, channel}
+    join   {channel}                                       (no answer: both ends build the data channel)
+    begin  {request_id, head_start, head_end, num_tokens} -> ready {request_id, ok, error}
+    layer  {request_id, head_start, layer}                 (no answer) then the payload on the data channel:
+                                                           K and V of the part's heads, (2, tokens, heads, head_dim)
+    done   {request_id, head_start, num_layers, first_token, logprobs} -> ack {request_id, ok, error}
 
-One frame instead of a length tensor plus a header saves a round of gloo's send/recv rendezvous
-per message. Handshake keys live in the receiver's TCPStore (see torch_dist.py).
+The receiver answers `ready` only for a request it has reserved slots for, and posts a receive
+on the data channel only after a `layer` announced its payload: no receive waits unmatched.
+logprobs: None, or the first token's [[token_id, logprob], ...] (sampled token first).
 """
 from __future__ import annotations
 
-import struct
-
-import msgpack
 import torch
 
-HEADER_BYTES = 1024  # a done message with 21 logprobs and a long request id fits
-_FIELDS = {
-    "layer": {"request_id": str, "layer": int, "num_tokens": int, "head_start": int, "head_end": int},
-    "done": {"request_id": str, "num_layers": int, "first_token": int, "logprobs": (list, type(None))},
-    "ack": {"request_id": str, "ok": bool, "error": (str, type(None))},
+_NONE = type(None)
+SCHEMA: dict[str, dict[str, type | tuple]] = {
+    "hello": {"sender_id": str, "compat": dict},
+    "welcome": {"ok": bool, "error": (str, _NONE), "compat": dict, "store_port": int, "channel": int},
+    "join": {"channel": int},
+    "begin": {"request_id": str, "head_start": int, "head_end": int, "num_tokens": int},
+    "ready": {"request_id": str, "ok": bool, "error": (str, _NONE)},
+    "layer": {"request_id": str, "head_start": int, "layer": int},
+    "done": {"request_id": str, "head_start": int, "num_layers": int, "first_token": int,
+             "logprobs": (list, _NONE)},
+    "ack": {"request_id": str, "ok": bool, "error": (str, _NONE)},
 }
 
 
 class WireError(ValueError):
-    """A frame that is not a well-formed message."""
-
-
-def encode_frame(msg: dict, device: torch.device | str = "cpu") -> torch.Tensor:
-    body = msgpack.packb(msg)
-    if len(body) > HEADER_BYTES - 4:
-        raise ValueError(f"header of {len(body)} bytes exceeds {HEADER_BYTES - 4}")
-    raw = struct.pack("<I", len(body)) + body
-    frame = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-    frame[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    return frame.to(device)
-
-
-def decode_frame(frame: torch.Tensor) -> dict:
-    """Parses and validates a frame; raises WireError on anything malformed."""
-    raw = frame.cpu().numpy().tobytes()
-    (length,) = struct.unpack("<I", raw[:4])
-    if not 0 < length <= HEADER_BYTES - 4:
-        raise WireError(f"bad header length {length}")
-    try:
-        msg = msgpack.unpackb(raw[4:4 + length])
-    except Exception as exc:  # msgpack raises several types on garbage
-        raise WireError(f"undecodable header: {exc}") from None
-    check_message(msg, _FIELDS)
-    if msg.get("logprobs") is not None and not all(_is_logprob_pair(p) for p in msg["logprobs"]):
-        raise WireError("done.logprobs is not a list of [token_id, logprob] pairs")
-    return msg
+    """A message that is not well formed."""
 
 
 def check_message(msg, schema: dict[str, dict[str, type | tuple]]) -> dict:
@@ -69,6 +49,8 @@ def check_message(msg, schema: dict[str, dict[str, type | tuple]]) -> dict:
         value = msg[name]
         if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
             raise WireError(f"{msg['kind']}.{name} has type {type(value).__name__}")
+    if msg["kind"] == "done" and msg["logprobs"] is not None and not all(map(_is_logprob_pair, msg["logprobs"])):
+        raise WireError("done.logprobs is not a list of [token_id, logprob] pairs")
     return msg
 
 
@@ -86,7 +68,6 @@ def unpack_logprobs(pairs: list[list] | None) -> dict[int, float] | None:
     return None if pairs is None else {t: lp for t, lp in pairs}
 
 
-def payload_bytes(msg: dict, head_dim: int, dtype: torch.dtype) -> int:
-    """Size of a layer message's payload."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * msg["num_tokens"] * (msg["head_end"] - msg["head_start"]) * head_dim * elem
+def payload_bytes(num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Size of one layer's payload of a part."""
+    return 2 * num_tokens * num_heads * head_dim * torch.empty((), dtype=dtype).element_size()

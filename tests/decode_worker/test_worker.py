@@ -7,6 +7,7 @@ import torch
 from decode_worker.worker import DecodeWorker
 from engine.request import Request, SamplingParams
 from kvtransfer.base import CompletedTransfer, KVReceiver
+from kvtransfer.connector import DecodeConnector
 from tests.helpers import make_hf_tiny_llama, tiny_engine
 
 
@@ -40,7 +41,7 @@ def test_transferred_logprobs_lead_and_missing_ones_fail_the_request():
     router retries it) instead of streaming tokens without logprobs."""
     engine = tiny_engine(make_hf_tiny_llama(), num_blocks=32, block_size=8)
     rx = FakeReceiver()
-    worker = DecodeWorker(engine, rx)
+    worker = DecodeWorker(engine, DecodeConnector(rx, engine.runner.model_config.num_kv_heads, 0, 1))
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=1)
     for rid in ("ok", "bad"):
         assert worker.reserve(Request(rid, list(range(3, 20)), params), prefill_tp=1)

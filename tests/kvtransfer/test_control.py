@@ -33,7 +33,7 @@ def server():
         time.sleep(msg["delay_s"])
         return {"kind": "reserved", "request_id": msg["request_id"], "ok": msg["num_tokens"] <= 64,
                 "error": None if msg["num_tokens"] <= 64 else "no room"}
-    s = ControlServer("127.0.0.1", handler, SCHEMA)
+    s = ControlServer("127.0.0.1", lambda drop: handler, SCHEMA)
     s.notes = notes
     yield s
     s.close()
@@ -98,7 +98,7 @@ def test_garbage_closes_its_connection_is_counted_and_serving_goes_on(server, ra
 def test_a_server_that_stops_answering_or_is_gone():
     """A handler that never returns: the call times out. A closed server: refused at once."""
     stuck = threading.Event()
-    server = ControlServer("127.0.0.1", lambda msg: stuck.wait(), SCHEMA)
+    server = ControlServer("127.0.0.1", lambda drop: lambda msg: stuck.wait(), SCHEMA)
     client = ControlClient(server.address, SCHEMA)
     with pytest.raises(ControlTimeout):
         client.call(reserve("x"), timeout_s=DEADLINE_S)
@@ -112,7 +112,7 @@ def test_a_server_that_stops_answering_or_is_gone():
 
 def test_a_garbled_reply_is_an_error_and_the_next_call_reconnects():
     replies = iter([{"kind": "nonsense"}, {"kind": "reserved", "request_id": "b", "ok": True, "error": None}])
-    server = ControlServer("127.0.0.1", lambda msg: next(replies), SCHEMA)
+    server = ControlServer("127.0.0.1", lambda drop: lambda msg: next(replies), SCHEMA)
     try:
         client = ControlClient(server.address, SCHEMA)
         with pytest.raises(ControlError, match="unknown message"):

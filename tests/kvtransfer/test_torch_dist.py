@@ -14,7 +14,8 @@ from kvtransfer import wire
 from kvtransfer.base import IncompatiblePeerError, TransferError, create_kv_transport
 from kvtransfer.params import CompatRecord, KVEndpoint, kv_heads_of_rank
 from kvtransfer.plan import expected_parts, plan_head_slices
-from kvtransfer.torch_dist import SENDER, make_pair_group, send
+from kvtransfer.channel import SENDER, GlooChannel
+from kvtransfer.control import ControlClient
 
 LAYERS, HEADS, HEAD_DIM, BLOCKS, BLOCK = 3, 4, 8, 16, 4
 COMPAT = CompatRecord("tiny", "float32", LAYERS, HEADS, HEAD_DIM, block_size=BLOCK)
@@ -129,36 +130,45 @@ def test_incompatible_peer_refused_with_clear_error():
     tx.close(), rx.close()
 
 
-def _raw_connection(dest: KVEndpoint) -> dist.ProcessGroup:
-    """A hand-made sender connection, to inject frames the real sender would never send."""
-    store = dist.TCPStore(dest.host, dest.port, is_master=False, wait_for_workers=False)
-    index = store.add("conn", 1) - 1
-    store.set(f"hello/{index}", msgpack.packb({"sender_id": "evil", "compat": COMPAT.to_dict()}))
-    store.wait([f"reply/{index}"])
-    from datetime import timedelta
-    return make_pair_group(store, index, SENDER, "cpu", "127.0.0.1", timedelta(seconds=5))
+def _raw_connection(dest: KVEndpoint) -> ControlClient:
+    """A hand-made sender connection past the handshake, to send what the real sender never would."""
+    client = ControlClient(dest.address, wire.SCHEMA)
+    welcome = client.call({"kind": "hello", "sender_id": "evil", "compat": COMPAT.to_dict()}, 5)
+    assert welcome["ok"]
+    store = dist.TCPStore(dest.host, welcome["store_port"], is_master=False, wait_for_workers=False)
+    client.send({"kind": "join", "channel": welcome["channel"]}, 5)
+    GlooChannel(store, welcome["channel"], SENDER, "127.0.0.1", 5.0)
+    return client
 
 
-def test_garbage_header_dropped_counted_and_serving_goes_on():
-    """Random bytes as a header: the receiver counts it and drops that connection; a real
-    transfer afterwards succeeds."""
-    rx, dst, dest = make_receiver()
-    pg = _raw_connection(dest)
-    send(pg, torch.randint(0, 255, (wire.HEADER_BYTES,), dtype=torch.uint8), 1)
-    deadline = time.monotonic() + 10
-    while rx.stats.get("garbage_headers", 0) == 0 and time.monotonic() < deadline:
+def _wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert rx.stats["garbage_headers"] == 1
+    return predicate()
+
+
+@pytest.mark.parametrize("garbage", [b"\xc1\xc1\xc1", msgpack.packb({"kind": "ack", "request_id": "r", "ok": True,
+                                                                   "error": None}),
+                                     msgpack.packb({"kind": "layer", "request_id": "r", "head_start": 0,
+                                                    "layer": 0})])
+def test_garbage_dropped_counted_and_serving_goes_on(garbage):
+    """Bytes that are not msgpack, a message a receiver never gets, a layer of a part that did not
+    begin: the receiver counts it and drops that connection; a real transfer afterwards succeeds."""
+    rx, dst, dest = make_receiver()
+    client = _raw_connection(dest)
+    client._conn.sock.sendall(garbage)
+    assert _wait_for(lambda: rx.stats["garbage_messages"] == 1)
     tx = create_kv_transport("torch").sender(COMPAT, "p0")
     rx.expect("ok", torch.arange(4), 1)
     send_part(tx, "ok", dest, make_cache(), torch.arange(4), 0, HEADS).wait(10)
     assert poll_until(rx)[0] == [("ok", 7, None)]
-    tx.close(), rx.close()
+    tx.close(), rx.close(), client.close()
 
 
 def test_unknown_request_dropped_counted_then_serving_goes_on():
-    """KV for an id nobody expects (or a cancelled one) is drained, counted and rejected in the
-    ack; the cache is untouched and the next transfer on the same connection succeeds."""
+    """A part for an id nobody expects (or a cancelled one) is refused before any payload moves,
+    and counted; the cache is untouched and the next transfer on the same connection succeeds."""
     rx, dst, dest = make_receiver()
     tx = create_kv_transport("torch").sender(COMPAT, "p0")
     rx.expect("cancelled", torch.arange(4), 1)
@@ -166,7 +176,8 @@ def test_unknown_request_dropped_counted_then_serving_goes_on():
     for rid in ("nobody", "cancelled"):
         with pytest.raises(TransferError, match="unknown"):
             send_part(tx, rid, dest, make_cache(), torch.arange(4), 0, HEADS).wait(10)
-    assert dst.abs().sum() == 0 and rx.stats["unknown_requests"] == 2 * (LAYERS + 1)
+    assert dst.abs().sum() == 0 and rx.stats["unknown_requests"] == 2
+    assert rx.stats.get("bytes_received", 0) == 0
     rx.expect("ok", torch.arange(4), 1)
     send_part(tx, "ok", dest, make_cache(), torch.arange(4), 0, HEADS).wait(10)
     assert poll_until(rx)[0] == [("ok", 7, None)] and tx.stats["groups_created"] == 1

@@ -1,14 +1,17 @@
-"""Wire frames: a done message with the most logprobs fits one header; malformed ones are refused."""
+"""Control messages: a done message with the most logprobs fits and round-trips; malformed ones are refused."""
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from engine.request import SamplingParams
 from kvtransfer import wire
+from kvtransfer.control import MAX_MESSAGE_BYTES
 
 
 def done(**kw) -> dict:
-    return {"kind": "done", "request_id": "r", "num_layers": 30, "first_token": 5, "logprobs": None, **kw}
+    return {"kind": "done", "request_id": "r", "head_start": 0, "num_layers": 30, "first_token": 5,
+            "logprobs": None, **kw}
 
 
 def test_largest_done_message_round_trips():
@@ -19,11 +22,21 @@ def test_largest_done_message_round_trips():
         SamplingParams(logprobs=n + 1)
     logprobs = {49151 - k: -1e-7 - k * 1.234567890123 for k in range(n + 1)}
     msg = done(request_id="x" * 200, first_token=49151, logprobs=wire.pack_logprobs(logprobs))
-    got = wire.decode_frame(wire.encode_frame(msg))
+    raw = msgpack.packb(msg)
+    assert len(raw) < MAX_MESSAGE_BYTES
+    got = wire.check_message(msgpack.unpackb(raw), wire.SCHEMA)
     assert got == msg and wire.unpack_logprobs(got["logprobs"]) == logprobs
 
 
 @pytest.mark.parametrize("logprobs", [[[1]], [[1, 2]], [["a", -1.0]], [[True, -1.0]], [1, -1.0], "x"])
 def test_malformed_logprobs_refused(logprobs):
     with pytest.raises(wire.WireError):
-        wire.decode_frame(wire.encode_frame(done(logprobs=logprobs)))
+        wire.check_message(done(logprobs=logprobs), wire.SCHEMA)
+
+
+@pytest.mark.parametrize("msg", [done(extra=1), {"kind": "layer", "request_id": "r", "head_start": 0},
+                                 {"kind": "layer", "request_id": "r", "head_start": 0, "layer": True},
+                                 {"kind": "nope"}, [1, 2], "layer"])
+def test_messages_of_other_shapes_refused(msg):
+    with pytest.raises(wire.WireError):
+        wire.check_message(msg, wire.SCHEMA)

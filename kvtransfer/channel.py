@@ -1,0 +1,82 @@
+"""The KV data plane: one two-rank channel per control connection, moving only KV payloads.
+
+Every send and receive is posted after the control channel announced it (wire.py), and waits
+under a deadline: past it the channel is aborted (its requests fail, the connection is rebuilt
+on next use) and the process goes on. Gloo moves CPU caches; CUDA caches use `NcclChannel`
+(nccl.py), whose operations run on a stream of their own.
+
+Channels rendezvous in the receiver's TCPStore under the prefix "pg/<channel>/".
+"""
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+SENDER, RECEIVER = 0, 1
+
+
+class ChannelError(RuntimeError):
+    """A send or receive failed or passed its deadline; the channel is aborted."""
+
+
+class DataChannel(ABC):
+    @abstractmethod
+    def send(self, tensor: torch.Tensor, timeout_s: float, ready: object | None = None) -> None:
+        """Moves `tensor` to the peer, returning once it has left; `ready` (a CUDA event) is
+        when `tensor` has been computed. ChannelError past `timeout_s`."""
+
+    @abstractmethod
+    def recv(self, tensor: torch.Tensor, timeout_s: float) -> None:
+        """Fills `tensor` from the peer. ChannelError past `timeout_s`."""
+
+    def writing(self) -> contextlib.AbstractContextManager:
+        """Where received payloads are scattered into the cache (CUDA: this channel's stream)."""
+        return contextlib.nullcontext()
+
+    def settle(self, timeout_s: float) -> None:
+        """Returns once every write made under `writing()` so far is visible to the engine."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Aborts the channel: pending operations fail at once. Safe from any thread, repeatable."""
+
+
+class GlooChannel(DataChannel):
+    def __init__(self, store: dist.Store, channel: int, rank: int, host: str, timeout_s: float):
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timedelta(seconds=timeout_s)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pg/{channel}/", store), rank, 2, opts)
+        self.peer = 1 - rank
+
+    def send(self, tensor: torch.Tensor, timeout_s: float, ready: object | None = None) -> None:
+        self._wait(self.pg.send([tensor], self.peer, 0), timeout_s, "send")
+
+    def recv(self, tensor: torch.Tensor, timeout_s: float) -> None:
+        self._wait(self.pg.recv([tensor], self.peer, 0), timeout_s, "receive")
+
+    def _wait(self, work, timeout_s: float, what: str) -> None:
+        try:
+            work.wait(timedelta(seconds=timeout_s))
+        except Exception as exc:  # gloo raises RuntimeError on timeout and on a closed peer
+            self.close()
+            raise ChannelError(f"KV {what} failed: {str(exc)[:200]}") from None
+
+    def close(self) -> None:
+        try:
+            self.pg.abort()
+        except Exception:  # already aborted or broken: nothing left to free
+            pass
+
+
+def open_channel(store: dist.Store, channel: int, rank: int, device_type: str, host: str,
+                 timeout_s: float) -> DataChannel:
+    """This end of channel `channel` (blocks until both ends joined, at most `timeout_s`)."""
+    if device_type == "cuda":
+        from kvtransfer.nccl import NcclChannel
+        return NcclChannel(store, channel, rank, timeout_s)
+    return GlooChannel(store, channel, rank, host, timeout_s)

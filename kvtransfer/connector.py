@@ -1,0 +1,192 @@
+"""The KV connector: what the workers see of KV transfer, in two roles (after vLLM v1's).
+
+Prefill instance                                  Decode instance
+  scheduler side (rank 0):                          scheduler side (rank 0):
+    add(request, where its KV goes)                   reserve(request, slots) -> every rank expects it
+    shipments(step) -> what this step ships            admit(per-rank polls) -> ready / failed requests
+    take_delivered() -> acked or failed: free blocks   cancel(request) -> every rank forgets it
+  worker side (every rank):                         worker side (every rank):
+    start(shipments), save_layer(i) after layer i      expect(...), poll()
+    finish(request, first token)
+
+Transport details stay below it (`KVSender` / `KVReceiver`): the router sees request outcomes,
+a prefill result or a decode output with `kv_load_failed`.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvtransfer.base import CompletedTransfer, KVReceiver, KVSender, Transfer
+from kvtransfer.params import KVTransferParams, kv_heads_of_rank
+from kvtransfer.plan import expected_parts, plan_head_slices
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Shipment:
+    """The KV a step must ship for one request whose prompt completes in that step."""
+    request_id: str
+    params: KVTransferParams
+    num_tokens: int
+    slots: torch.Tensor  # (num_tokens,) this instance's slots of the prompt, logical order
+
+
+def prompt_slots(block_ids: list[int], block_size: int, num_tokens: int, device=None) -> torch.Tensor:
+    """The cache slots of tokens [0, num_tokens) of a request holding `block_ids`."""
+    return torch.tensor([block_ids[p // block_size] * block_size + p % block_size for p in range(num_tokens)],
+                        dtype=torch.int64, device=device)
+
+
+class PrefillConnector:
+    def __init__(self, sender: KVSender, num_kv_heads: int, tp_rank: int, tp_size: int, lease_s: float):
+        """`lease_s`: how long a finished prompt's blocks wait for the decode side's ack before
+        they are freed anyway (and the request reported failed)."""
+        self.sender, self.num_kv_heads, self.tp_rank, self.tp_size = sender, num_kv_heads, tp_rank, tp_size
+        self.lease_s = lease_s
+        self.my_heads = kv_heads_of_rank(num_kv_heads, tp_size, tp_rank)
+        self._params: dict[str, KVTransferParams] = {}
+        self._step: list[tuple[Shipment, list[tuple[int, int, Transfer]]]] = []
+        self._open: dict[str, list[Transfer]] = {}  # request id -> its transfers, until finish()
+        self._watch: queue.Queue = queue.Queue()
+        self._delivered: queue.Queue[tuple[str, str | None]] = queue.Queue()
+        threading.Thread(target=self._watch_transfers, daemon=True, name="kv-ack").start()
+
+    # -- scheduler side (rank 0) ---------------------------------------------------------------------
+    def add(self, request_id: str, params: KVTransferParams) -> None:
+        self._params[request_id] = params
+
+    def drop(self, request_id: str) -> None:
+        """The request ended before shipping (aborted, refused)."""
+        self._params.pop(request_id, None)
+
+    def shipments(self, sched, block_ids_of, block_size: int, device) -> list[Shipment]:
+        """The requests whose prompt completes in step `sched` (they sample: their KV is whole)."""
+        out = []
+        for r in sched.new_requests + sched.cached_requests:
+            if r.sample:
+                n = r.num_computed_tokens + len(r.token_ids)
+                slots = prompt_slots(block_ids_of(r.request_id), block_size, n, device)
+                out.append(Shipment(r.request_id, self._params[r.request_id], n, slots))
+        return out
+
+    # -- worker side (every rank) ------------------------------------------------------------------
+    def start(self, shipments: list[Shipment]) -> None:
+        """Opens this step's transfers: one per decode rank that needs heads this rank holds."""
+        self._step = []
+        for s in shipments:
+            parts = []
+            for hs in plan_head_slices(self.num_kv_heads, self.tp_size, s.params.decode_tp_size):
+                if hs.prefill_rank == self.tp_rank:
+                    dest = s.params.endpoints[hs.decode_rank]
+                    parts.append((hs.head_start, hs.head_end,
+                                  self.sender.begin(s.request_id, dest, hs.head_start, hs.head_end, s.num_tokens)))
+            self._step.append((s, parts))
+            self._open[s.request_id] = [t for *_, t in parts]
+
+    def save_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
+        """Layer `layer` (2, num_blocks, block_size, local kv heads, head_dim) is computed: its
+        KV of this step's shipments leaves (a copy, sent in the background)."""
+        flat = kv_layer.view(2, -1, *kv_layer.shape[-2:])
+        for s, parts in self._step:
+            gathered = flat.index_select(1, s.slots)  # (2, num_tokens, local kv heads, head_dim)
+            for head_start, head_end, transfer in parts:
+                lo = head_start - self.my_heads.start
+                transfer.send_layer(layer, gathered[:, :, lo:lo + head_end - head_start].contiguous())
+
+    def finish(self, request_id: str, first_token: int, logprobs: dict[int, float] | None = None) -> None:
+        """All layers are queued; `first_token` is -1 on ranks that do not sample. The request's
+        blocks stay leased until every part is acknowledged, or the lease ends."""
+        transfers = self._open.pop(request_id, [])
+        for t in transfers:
+            t.finish(first_token, logprobs)
+        self._params.pop(request_id, None)
+        self._watch.put((request_id, transfers, time.monotonic() + self.lease_s))
+
+    def take_delivered(self) -> list[tuple[str, str | None]]:
+        """(request id, error or None) of the requests whose transfers ended since the last call."""
+        out = []
+        while True:
+            try:
+                out.append(self._delivered.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _watch_transfers(self) -> None:
+        while True:
+            request_id, transfers, lease_end = self._watch.get()
+            error = None
+            for t in transfers:
+                try:
+                    t.wait(timeout=max(0.0, lease_end - time.monotonic()))
+                except Exception as exc:  # TransferError (lease over), peer death: the router retries elsewhere
+                    error = f"KV transfer failed: {exc}"
+            self._delivered.put((request_id, error))
+
+
+class DecodeConnector:
+    def __init__(self, receiver: KVReceiver | None, num_kv_heads: int, tp_rank: int, tp_size: int):
+        self.receiver, self.num_kv_heads, self.tp_rank, self.tp_size = receiver, num_kv_heads, tp_rank, tp_size
+        self._followers = None
+        self._complete: dict[str, list[CompletedTransfer | None]] = {}  # request id -> per rank (None: not yet)
+
+    # -- worker side (every rank) ------------------------------------------------------------------
+    def expect(self, request_id: str, slots: torch.Tensor, prefill_tp: int) -> None:
+        parts = expected_parts(self.num_kv_heads, prefill_tp, self.tp_size, self.tp_rank)
+        self.receiver.expect(request_id, slots, parts)
+
+    def forget(self, request_id: str) -> None:
+        """Once this returns, no more KV of `request_id` is written on this rank."""
+        if self.receiver is not None:
+            self.receiver.cancel(request_id)
+
+    def poll(self) -> tuple[list[CompletedTransfer], list[tuple[str, str]]]:
+        return ([], []) if self.receiver is None else self.receiver.poll()
+
+    # -- scheduler side (rank 0) ---------------------------------------------------------------------
+    def set_followers(self, followers) -> None:
+        """Rank 0 of tp > 1: the other ranks, with `expect(request_id, slots, prefill_tp)` and
+        `forget(request_id)`, each returning once that rank has done it."""
+        self._followers = followers
+
+    def reserve(self, request_id: str, slots: torch.Tensor, prefill_tp: int) -> None:
+        """The request's blocks are allocated: every rank expects its KV before this returns
+        (the router tells the prefill instance only then)."""
+        self._complete[request_id] = [None] * self.tp_size
+        self.expect(request_id, slots, prefill_tp)
+        if self._followers is not None:
+            self._followers.expect(request_id, slots, prefill_tp)
+
+    def cancel(self, request_id: str) -> bool:
+        """Forgets a reserved request on every rank (before its blocks can go to another);
+        False if it was not awaiting KV."""
+        if self._complete.pop(request_id, None) is None:
+            return False
+        self.forget(request_id)
+        if self._followers is not None:
+            self._followers.forget(request_id)
+        return True
+
+    def admit(self, polls: list) -> tuple[list[CompletedTransfer], dict[str, str]]:
+        """From every rank's poll: the requests whose KV is complete on all ranks (rank 0's record:
+        it always has the first token), and the failed ones with why. Both are forgotten here."""
+        failed = {}
+        for rank, (done, errors) in enumerate(polls):
+            for completed in done:
+                if completed.request_id in self._complete:
+                    self._complete[completed.request_id][rank] = completed
+            for request_id, reason in errors:
+                failed[request_id] = f"KV transfer to rank {rank} failed: {reason}"
+        ready = []
+        for request_id, ranks in list(self._complete.items()):
+            if request_id not in failed and None not in ranks:
+                del self._complete[request_id]
+                ready.append(ranks[0])
+        failed = {rid: why for rid, why in failed.items() if self.cancel(rid)}
+        return ready, failed

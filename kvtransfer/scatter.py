@@ -1,0 +1,49 @@
+"""Writing one received layer of a part into the paged cache, at its request's reserved slots."""
+from __future__ import annotations
+
+import torch
+
+
+def scatter_layer(layer: torch.Tensor, slots: torch.Tensor, block_ids: torch.Tensor | None, kv: torch.Tensor,
+                  lo: int) -> None:
+    """Writes kv (2, num_tokens, n_heads, head_dim) into heads [lo, lo + n_heads) of `slots` of one
+    layer (2, num_blocks, block_size, local_kv_heads, head_dim); `block_ids` is
+    `whole_blocks(slots, block_size)`.
+
+    Fast path (a part with all of this rank's heads, the usual case): whole blocks are copied as
+    rows of 4-byte words, 3-4x faster than per-token indexing of 2-byte elements."""
+    _, num_blocks, block_size, num_heads, head_dim = layer.shape
+    num_slots = num_blocks * block_size
+    if lo != 0 or kv.shape[2] != num_heads:
+        layer.view(2, num_slots, num_heads, head_dim)[:, slots, lo:lo + kv.shape[2]] = kv
+        return
+    n_full = 0 if block_ids is None else block_ids.numel() * block_size
+    if n_full:  # (2, blocks, block_size * heads * head_dim) as wide words
+        dst = _words(layer.view(2, num_blocks, -1))
+        dst.index_copy_(1, block_ids, _words(kv[:, :n_full].reshape(2, block_ids.numel(), -1)))
+    if n_full < kv.shape[1]:  # the rest token by token: (2, slots, heads * head_dim)
+        rest = _words(kv[:, n_full:].reshape(2, kv.shape[1] - n_full, -1))
+        _words(layer.view(2, num_slots, -1)).index_copy_(1, slots[n_full:], rest)
+
+
+def whole_blocks(slots: torch.Tensor, block_size: int) -> torch.Tensor | None:
+    """Block ids if the leading full blocks' worth of slots are whole blocks in order, else None.
+
+        slots  [b0*bs .. b0*bs+bs-1 | b1*bs .. b1*bs+bs-1 | ... | tail (< bs)]  ->  [b0, b1, ...]
+    """
+    n = slots.numel() // block_size
+    if n == 0:
+        return None
+    head = slots[:n * block_size].view(n, block_size)
+    starts = head[:, 0]
+    if bool((starts % block_size == 0).all()) and torch.equal(head, starts[:, None] + torch.arange(
+            block_size, device=slots.device)):
+        return starts // block_size
+    return None
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as 4-byte words when rows allow it (index_copy_ moves wide elements faster)."""
+    if t.element_size() < 4 and (t.shape[-1] * t.element_size()) % 4 == 0:
+        return t.view(torch.int32)
+    return t
