@@ -44,8 +44,9 @@ def create_router(spec: ClusterSpec, state: ClusterState, prefill: list, decode:
         def record(instance_id: str, prompt: list[int]) -> None:
             state.add_block_hashes(instance_id, block_hashes(prompt, spec.block_size))
         policy_kw = {"cached_prefix": cached, "record": record}
+    recompute = spec.kv_recompute_max_tokens if spec.kv_load_failure_policy == "recompute" else 0
     return Router(prefill, decode, create_routing_policy(spec.router_policy, **policy_kw), mode=spec.mode,
-                  disagg_threshold_tokens=spec.disagg_threshold_tokens)
+                  disagg_threshold_tokens=spec.disagg_threshold_tokens, kv_recompute_max_tokens=recompute)
 
 
 def publish_stats(router: Router, state: ClusterState, stop: threading.Event, ttl_s: float) -> None:

@@ -25,6 +25,7 @@ ROLES = ("prefill", "decode", "colocated")
 ATTENTION_BACKENDS = ("auto", "torch", "flash_attn")
 # The names of router/policy.py's registry (create_routing_policy); keep the two in step.
 ROUTER_POLICIES = ("least_loaded", "prefix_aware", "round_robin")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "retry")  # router/router.py: a decode instance's failed KV load
 AUTOSCALE_POLICIES = ("slo", "queue")  # cluster/autoscaler.py: SLOPlanner, QueueThreshold
 AUTOSCALE_ACTUATORS = ("ray", "kubernetes", "dry_run")
 STATE_URL_SCHEMES = ("memory://", "redis://", "rediss://", "unix://")
@@ -56,7 +57,11 @@ _HELP = {
     "router_policy": "how the router picks instances",
     "disagg_threshold_tokens": "prompts shorter than this are prefilled on the decode instance "
                                "(0 = always disaggregate)",
-    "kv_transfer_timeout_s": "seconds before a KV transfer is given up and the request retried",
+    "kv_transfer_timeout_s": "deadline, seconds, of each step of a KV transfer (set-up, reservation, each layer, "
+                             "the ack); past it the pair is aborted and the request fails back to the router",
+    "kv_load_failure_policy": "when a decode instance's KV load fails: recompute the prompt there (prompts up to "
+                              "kv_recompute_max_tokens) or retry on another pair",
+    "kv_recompute_max_tokens": "longest prompt (with tokens already streamed) recomputed on the decode instance",
     "heartbeat_ttl_s": "an instance missing heartbeats this long is considered dead",
     "replace_dead_instances": "start a new instance for each one that dies, keeping the pools' sizes",
     "api_key": "require this bearer token on the HTTP API",
@@ -107,6 +112,8 @@ class ClusterSpec:
     router_policy: str = "least_loaded"
     disagg_threshold_tokens: int = 0
     kv_transfer_timeout_s: float = 10.0
+    kv_load_failure_policy: str = "recompute"
+    kv_recompute_max_tokens: int = 512
     heartbeat_ttl_s: float = 5.0
     replace_dead_instances: bool = True
     api_key: str | None = field(default=None, repr=False)  # a secret: kept out of logs and reprs
@@ -150,6 +157,7 @@ class ClusterSpec:
     def _check_choices(self) -> None:
         for name, choices in (("dtype", DTYPE_CHOICES), ("mode", MODES), ("router_policy", ROUTER_POLICIES),
                               ("attention_backend", ATTENTION_BACKENDS), ("autoscale_policy", AUTOSCALE_POLICIES),
+                              ("kv_load_failure_policy", KV_LOAD_FAILURE_POLICIES),
                               ("autoscale_actuator", AUTOSCALE_ACTUATORS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
@@ -168,7 +176,8 @@ class ClusterSpec:
     def _check_ranges(self) -> None:
         minimum = {"num_decode": 1, "prefill_tp": 1, "decode_tp": 1, "port": 0, "block_size": 1,
                    "num_kv_blocks": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "num_threads": 1,
-                   "disagg_threshold_tokens": 0, "num_prefill": 1 if self.mode == "disaggregated" else 0,
+                   "disagg_threshold_tokens": 0, "kv_recompute_max_tokens": 0,
+                   "num_prefill": 1 if self.mode == "disaggregated" else 0,
                    "min_prefill": 0, "min_decode": 1, "max_prefill": self.min_prefill, "max_decode": self.min_decode}
         for name, low in minimum.items():
             value = getattr(self, name)
@@ -273,6 +282,7 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
                         help="cluster spec YAML; explicit flags override its keys")
     choices = {"dtype": DTYPE_CHOICES, "mode": MODES, "router_policy": ROUTER_POLICIES,
                "attention_backend": ATTENTION_BACKENDS, "autoscale_policy": AUTOSCALE_POLICIES,
+               "kv_load_failure_policy": KV_LOAD_FAILURE_POLICIES,
                "autoscale_actuator": AUTOSCALE_ACTUATORS}
     for f in fields(ClusterSpec):
         base = _base_type(_field_types()[f.name])

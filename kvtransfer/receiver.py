@@ -29,7 +29,7 @@ import torch.distributed as dist
 from kvtransfer import wire
 from kvtransfer.base import CompletedTransfer, KVReceiver
 from kvtransfer.channel import RECEIVER, ChannelError, DataChannel, open_channel
-from kvtransfer.control import ControlGarbage, ControlServer
+from kvtransfer.control import ControlError, ControlGarbage, ControlServer
 from kvtransfer.params import CompatRecord
 from kvtransfer.scatter import scatter_layer, whole_blocks
 
@@ -95,8 +95,11 @@ class _Session:
             self.scratch = torch.empty(n, dtype=torch.uint8, device=self.scratch.device)
         try:
             self.channel.recv(self.scratch[:n], self.rx.timeout_s)
-        except ChannelError as exc:
-            raise ControlGarbage(f"payload of {msg['request_id']} layer {msg['layer']}: {exc}") from None
+        except ChannelError as exc:  # the pair is aborted (the channel already is); the sender rebuilds it
+            self.rx._count("payload_failures")
+            logger.warning("KV from %s: payload of %s layer %d: %s", self.sender_id, msg["request_id"],
+                           msg["layer"], exc)
+            raise ControlError(str(exc)) from None
         self.activity = time.monotonic()
         self.rx._write(self, msg, part, self.scratch[:n])
 
@@ -174,6 +177,10 @@ class TorchDistReceiver(KVReceiver):
         self._store = None  # its server stops once the channels let go of their clients
 
     # -- the sessions' calls -----------------------------------------------------------------------
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self._stats[key] += 1
+
     def _fail(self, rid: str, reason: str) -> None:
         """Holding the lock."""
         if self._expected.pop(rid, None) is not None:

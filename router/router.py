@@ -6,7 +6,9 @@ Lifecycle of one attempt (disaggregated):
     D's tokens (one long-poll per D per step, every request's tokens together)  ->  client
 On an error from P or D, or an instance found dead, the attempt is aborted on both and the
 request is placed again (prompt + tokens already delivered as the new prompt) on instances that
-have not failed it, up to `max_attempts`; then the client gets an error. Nobody hangs.
+have not failed it, up to `max_attempts`; then the client gets an error. Nobody hangs. A decode
+instance whose KV load failed (`kv_load_failed`) instead recomputes the prompt itself when it is
+at most `kv_recompute_max_tokens` long (vLLM's kv_load_failure_policy "recompute").
 
 Locking: one lock guards the router's tables; it is never held across a call to an instance.
 A placement decides under the lock (`_plan`), calls the instances without it (`_call`), then
@@ -54,13 +56,14 @@ class _Outcome:
 class Router:
     def __init__(self, prefill: list[PrefillClient], decode: list[DecodeClient], policy: BaseRoutingPolicy,
                  mode: str = "disaggregated", disagg_threshold_tokens: int = 0, max_attempts: int = 3,
-                 max_queued: int = 4096, poll_s: float = 0.2):
+                 max_queued: int = 4096, poll_s: float = 0.2, kv_recompute_max_tokens: int = 0):
         self.client_id = f"router-{uuid.uuid4().hex[:12]}"  # instances send this router only its own requests' outputs
         self.prefill = {c.info.instance_id: c for c in prefill}
         self.decode = {c.info.instance_id: c for c in decode}
         self.policy, self.mode = policy, mode
         self.disagg_threshold_tokens, self.max_attempts = disagg_threshold_tokens, max_attempts
         self.max_queued, self.poll_s = max_queued, poll_s
+        self.kv_recompute_max_tokens = kv_recompute_max_tokens
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)  # the placement thread: queue or capacity changed
         self._deferred: list[tuple] = []  # (fn, *args) wanted under the lock, run once it is released
@@ -72,7 +75,8 @@ class Router:
         self._threads: list[threading.Thread] = []
         # cumulative counters (the autoscaler's arrival rate and request shape come from these)
         self.stats = {"retries": 0, "failed": 0, "completed": 0, "submitted": 0, "prompt_tokens": 0,
-                      "cached_prompt_tokens": 0, "output_tokens": 0, "instance_deaths": 0}
+                      "cached_prompt_tokens": 0, "output_tokens": 0, "instance_deaths": 0,
+                      "kv_recomputes": 0}
 
     @contextmanager
     def _locked(self):
@@ -216,7 +220,9 @@ class Router:
         params = replace(tracked.params, max_tokens=tracked.params.max_tokens - len(tracked.delivered))
         tracked.base, tracked.decoding = len(tracked.delivered), False
         local = self.mode == "colocated" or not prefills or len(prompt) < self.disagg_threshold_tokens
-        first = self.policy.pick_decode(decodes, prompt)  # once: a policy may keep state (round robin)
+        first = next((d for d in decodes if d.instance_id == tracked.recompute_on), None)
+        local, tracked.recompute_on = local or first is not None, None
+        first = first or self.policy.pick_decode(decodes, prompt)  # once: a policy may keep state (round robin)
         ordered = [self.decode[i.instance_id] for i in [first] + [d for d in decodes if d is not first]]
         prefill = None if local else self.prefill[self.policy.pick_prefill(prefills, prompt).instance_id]
         tracked.prefill_id = None if prefill is None else prefill.info.instance_id
@@ -332,6 +338,8 @@ class Router:
         tracked = self._by_attempt.get(o.request_id)
         if tracked is None:
             return
+        if o.error and o.kv_load_failed and self._may_recompute(tracked):
+            return self._recompute(tracked, o.error)
         if o.error:
             return self._fail(tracked, tracked.decode_id, o.error)
         tracked.decoding = True
@@ -366,6 +374,21 @@ class Router:
         if instance_id is not None:
             tracked.excluded.add(instance_id)
         self._abort_attempt(tracked)
+        self._retry(tracked, reason)
+
+    def _may_recompute(self, tracked: Tracked) -> bool:
+        n = len(tracked.prompt_token_ids) + len(tracked.delivered)
+        return n <= self.kv_recompute_max_tokens and tracked.attempt + 1 < self.max_attempts
+
+    def _recompute(self, tracked: Tracked, reason: str) -> None:
+        """The decode instance's KV load failed: its next attempt prefills there (prompt and the
+        tokens already streamed, as for any retry), no transfer involved."""
+        logger.warning("request %s attempt %d: KV load on %s failed (%s); recomputing it there",
+                       tracked.request_id, tracked.attempt, tracked.decode_id, reason)
+        self.stats["kv_recomputes"] += 1
+        decode_id = tracked.decode_id
+        self._abort_attempt(tracked)
+        tracked.recompute_on = decode_id
         self._retry(tracked, reason)
 
     def _retry(self, tracked: Tracked, reason: str) -> None:

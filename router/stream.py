@@ -87,6 +87,7 @@ class Tracked:
     excluded: set[str] = field(default_factory=set)  # instances that failed this request
     decoding: bool = False  # this attempt's decode instance has its KV (it reported tokens)
     placing: tuple[str, ...] = ()  # while a placement's calls are out: the instances it may start on
+    recompute_on: str | None = None  # the next attempt prefills on this decode instance (its KV load failed)
     done: bool = False
 
     @property

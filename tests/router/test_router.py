@@ -179,6 +179,42 @@ def test_prefill_failure_retries_on_another_pair():
     r.close()
 
 
+def _wait_until(predicate, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return
+        threading.Event().wait(0.01)
+
+
+@pytest.mark.parametrize("prompt_len,limit,recompute", [(4, 8, True), (9, 8, False), (4, 0, False)])
+def test_failed_kv_load_recomputes_on_the_decode_instance_when_short(prompt_len, limit, recompute):
+    """The decode instance reports `kv_load_failed` after the first token was streamed: with the
+    prompt (plus that token) within `kv_recompute_max_tokens`, the next attempt prefills on that
+    same decode instance (add_request, prompt + the streamed token); longer prompts, or the retry
+    policy (limit 0), go to another pair as for any failure. Either way nothing repeats."""
+    p0, p1, d0, d1 = FakePrefill("p0"), FakePrefill("p1"), FakeDecode("d0"), FakeDecode("d1")
+    r = make_router([p0, p1], [d0, d1], kv_recompute_max_tokens=limit)
+    stream = r.submit("a", list(range(1, prompt_len)), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    first, d, other = (p0 if p0.submitted else p1), (d0 if d0.reserved else d1), (d1 if d0.reserved else d0)
+    first.results.put(PrefillResult("a#0", 11))
+    _wait_until(lambda: stream._events.qsize())
+    d.outputs.put(RequestOutput("a#0", [], "", True, "error", error="KV transfer to rank 0 failed: no KV",
+                                kv_load_failed=True))
+    _wait_until(lambda: d.local or other.reserved)
+    want_prompt = list(range(1, prompt_len)) + [11]
+    if recompute:
+        assert d.local == [("a#1", want_prompt)] and r.stats["kv_recomputes"] == 1
+        assert len(p0.submitted) + len(p1.submitted) == 1 and other.reserved == []
+    else:
+        assert d.local == [] and r.stats["kv_recomputes"] == 0
+        assert other.reserved[0].request_id == "a#1" and other.reserved[0].prompt_token_ids == want_prompt
+        d = other
+    assert "a#0" in first.aborted
+    d.outputs.put(RequestOutput("a#1", [12, 13], "", True, "length", num_output_tokens=2))
+    assert stream.result(timeout=5).token_ids == [11, 12, 13] and stream.finish_reason == "length"
+    r.close()
+
+
 def test_dead_decode_retries_with_delivered_tokens():
     """D dies after 2 tokens: the retry's prompt is prompt + those tokens, asking for the rest."""
     p, d0, d1 = FakePrefill("p0"), FakeDecode("d0"), FakeDecode("d1")
