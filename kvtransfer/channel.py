@@ -25,9 +25,16 @@ class ChannelError(RuntimeError):
 
 class DataChannel(ABC):
     @abstractmethod
+    def isend(self, tensor: torch.Tensor, ready: object | None = None) -> object:
+        """Posts a send of `tensor` (kept alive by the caller until waited on); `ready` (a CUDA
+        event) is when `tensor` has been computed. Sends complete in the order posted."""
+
+    @abstractmethod
+    def wait(self, handle: object, timeout_s: float) -> None:
+        """Returns once the send `handle` completed. ChannelError past `timeout_s`."""
+
     def send(self, tensor: torch.Tensor, timeout_s: float, ready: object | None = None) -> None:
-        """Moves `tensor` to the peer, returning once it has left; `ready` (a CUDA event) is
-        when `tensor` has been computed. ChannelError past `timeout_s`."""
+        self.wait(self.isend(tensor, ready), timeout_s)
 
     @abstractmethod
     def recv(self, tensor: torch.Tensor, timeout_s: float) -> None:
@@ -53,8 +60,11 @@ class GlooChannel(DataChannel):
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pg/{channel}/", store), rank, 2, opts)
         self.peer = 1 - rank
 
-    def send(self, tensor: torch.Tensor, timeout_s: float, ready: object | None = None) -> None:
-        self._wait(self.pg.send([tensor], self.peer, 0), timeout_s, "send")
+    def isend(self, tensor: torch.Tensor, ready: object | None = None) -> object:
+        return self.pg.send([tensor], self.peer, 0)
+
+    def wait(self, handle: object, timeout_s: float) -> None:
+        self._wait(handle, timeout_s, "send")
 
     def recv(self, tensor: torch.Tensor, timeout_s: float) -> None:
         self._wait(self.pg.recv([tensor], self.peer, 0), timeout_s, "receive")

@@ -41,12 +41,14 @@ class NcclChannel(DataChannel):
         self.pg = dist.ProcessGroupNCCL(dist.PrefixStore(f"pg/{channel}/", store), rank, 2, opts)
         self.peer = 1 - rank
 
-    def send(self, tensor: torch.Tensor, timeout_s: float, ready: object | None = None) -> None:
+    def isend(self, tensor: torch.Tensor, ready: object | None = None) -> object:
         with torch.cuda.stream(self.stream):
             if ready is not None:
                 self.stream.wait_event(ready)
-            work = self.pg.send([tensor], self.peer, 0)
-        self._complete(work, timeout_s, "send")
+            return self.pg.send([tensor], self.peer, 0)
+
+    def wait(self, handle: object, timeout_s: float) -> None:
+        self._complete(handle, timeout_s, "send")
 
     def recv(self, tensor: torch.Tensor, timeout_s: float) -> None:
         with torch.cuda.stream(self.stream):

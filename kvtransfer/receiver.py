@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -65,7 +66,11 @@ class _Session:
         self.channel: DataChannel | None = None
         self.parts: dict[tuple[str, int], _Part] = {}  # (request id, head_start) -> begun, not done
         self.activity = time.monotonic()
-        self.scratch = torch.empty(0, dtype=torch.uint8, device=rx.kv_cache.device)
+        # two receive buffers: layer i+1 arrives in one while the writer thread scatters layer i from the other
+        self.buffers = [torch.empty(0, dtype=torch.uint8, device=rx.kv_cache.device) for _ in range(2)]
+        self.writes: list[Future | None] = [None, None]
+        self.next_buffer = 0
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-write")
 
     def __call__(self, msg: dict) -> dict | None:
         self.activity = time.monotonic()
@@ -84,6 +89,7 @@ class _Session:
             raise ControlGarbage(f"{kind} for a part that did not begin: {msg['request_id']}")
         if kind == "layer":
             return self._layer(msg, part)
+        self._written()
         del self.parts[(msg["request_id"], msg["head_start"])]
         return self.rx._done(self, msg, part)
 
@@ -91,19 +97,30 @@ class _Session:
         if not 0 <= msg["layer"] < self.rx.compat.num_layers:
             raise ControlGarbage(f"layer {msg['layer']} of {self.rx.compat.num_layers}")
         n = wire.payload_bytes(part.num_tokens, part.num_heads, self.rx.compat.head_dim, self.rx.kv_cache.dtype)
-        if self.scratch.numel() < n:
-            self.scratch = torch.empty(n, dtype=torch.uint8, device=self.scratch.device)
+        i = self.next_buffer
+        self.next_buffer = 1 - i
+        self._written(i)  # the buffer's previous layer is in the cache
+        if self.buffers[i].numel() < n:
+            self.buffers[i] = torch.empty(n, dtype=torch.uint8, device=self.buffers[i].device)
         try:
-            self.channel.recv(self.scratch[:n], self.rx.timeout_s)
+            self.channel.recv(self.buffers[i][:n], self.rx.timeout_s)
         except ChannelError as exc:  # the pair is aborted (the channel already is); the sender rebuilds it
             self.rx._count("payload_failures")
             logger.warning("KV from %s: payload of %s layer %d: %s", self.sender_id, msg["request_id"],
                            msg["layer"], exc)
             raise ControlError(str(exc)) from None
         self.activity = time.monotonic()
-        self.rx._write(self, msg, part, self.scratch[:n])
+        self.writes[i] = self.writer.submit(self.rx._write, self, msg, part, self.buffers[i][:n])
+
+    def _written(self, i: int | None = None) -> None:
+        """Waits for the write from buffer `i` (None: both) to finish; its error is this session's."""
+        for k in (0, 1) if i is None else (i,):
+            if self.writes[k] is not None:
+                self.writes[k], future = None, self.writes[k]
+                future.result()
 
     def close(self) -> None:
+        self.writer.shutdown(wait=True)
         if self.channel is not None:
             self.channel.close()
         self.rx._closed_session(self)

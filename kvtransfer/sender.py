@@ -28,6 +28,7 @@ from kvtransfer.control import ControlClient, ControlError
 from kvtransfer.params import CompatRecord, KVEndpoint
 
 logger = logging.getLogger(__name__)
+MAX_INFLIGHT = 8  # layer payloads posted and not yet complete, per connection
 
 
 class _Transfer(Transfer):
@@ -77,6 +78,7 @@ class _Peer:
         self.owner, self.dest = owner, dest
         self.control = ControlClient(dest.address, wire.SCHEMA)
         self.channel: DataChannel | None = None
+        self.inflight: deque = deque()  # (send handle, payload) posted, not yet waited on
         self.closed = False
         self._lock = threading.Lock()
         self._ops: queue.Queue = queue.Queue()
@@ -135,11 +137,16 @@ class _Peer:
             payload = kv.contiguous().view(-1).view(torch.uint8)
             self.control.send({"kind": "layer", "request_id": t.request_id, "head_start": t.head_start,
                                "layer": a}, timeout)
-            self.channel.send(payload, timeout, event)
+            # posted, not waited on: the next announcement goes out while this payload moves
+            self.inflight.append((self.channel.isend(payload, event), payload))
+            if len(self.inflight) > MAX_INFLIGHT:
+                self.channel.wait(self.inflight.popleft()[0], timeout)
             t.num_layers_sent += 1
             t.num_bytes += payload.numel()
             self.owner._count("bytes_sent", payload.numel())
             return
+        while self.inflight:  # every payload of the part has left
+            self.channel.wait(self.inflight.popleft()[0], timeout)
         ack = self.control.call({"kind": "done", "request_id": t.request_id, "head_start": t.head_start,
                                  "num_layers": t.num_layers_sent, "first_token": a,
                                  "logprobs": wire.pack_logprobs(b)}, timeout)
