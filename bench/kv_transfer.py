@@ -6,10 +6,10 @@ send/recv of the same bytes, in the same run, between the same two processes.
     ip netns exec A python -m bench.kv_transfer --receiver-netns B --sender-host IP_A --receiver-host IP_B
                                                 # two hosts (network namespaces: bench/multihost.py)
 
-Raw gloo sends each layer's bytes as one message (what the transport sends, minus its header
-frame and the receiver's scatter into paged blocks); "raw gloo, one message" sends a request's
-whole KV at once, the best case. pdserve's numbers include the handshake-free steady state: the
-pair group is built by a warm-up transfer first, as in serving.
+Raw gloo sends each layer's bytes as one message (what the transport's data channel sends,
+without its control messages and the receiver's scatter into paged blocks); "raw gloo, one
+message" sends a request's whole KV at once, the best case. pdserve's numbers are the
+handshake-free steady state: the pair is built by a warm-up transfer first, as in serving.
 """
 from __future__ import annotations
 

@@ -130,3 +130,5 @@ class RankHost:
         for end in (self.sender, self.receiver):
             if end is not None:
                 end.close()
+        if self.role == "prefill":
+            self.worker.connector.close()

@@ -18,7 +18,7 @@ INSTANCE_GAUGES = {
     "kv_bytes_received": ("pdserve_kv_transfer_received_bytes_total", "KV bytes received, since start"),
     "kv_transfer_seconds": ("pdserve_kv_transfer_seconds_total", "seconds spent in acknowledged KV transfers"),
     "kv_transfer_failures": ("pdserve_kv_transfer_failures_total", "failed or rejected KV transfers"),
-    "kv_messages_dropped": ("pdserve_kv_messages_dropped_total", "malformed KV frames or frames for unknown requests"),
+    "kv_messages_dropped": ("pdserve_kv_messages_dropped_total", "malformed KV control messages or parts for unknown requests"),
 }
 # router counter -> (metric name, help): every failure path the router handles
 ROUTER_COUNTERS = {

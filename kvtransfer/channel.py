@@ -83,10 +83,11 @@ class GlooChannel(DataChannel):
             pass
 
 
-def open_channel(store: dist.Store, channel: int, rank: int, device_type: str, host: str,
+def open_channel(store: dist.Store, channel: int, rank: int, device: torch.device, host: str,
                  timeout_s: float) -> DataChannel:
-    """This end of channel `channel` (blocks until both ends joined, at most `timeout_s`)."""
-    if device_type == "cuda":
+    """This end of channel `channel` for KV on `device` (blocks until both ends joined, at most
+    `timeout_s`)."""
+    if device.type == "cuda":
         from kvtransfer.nccl import NcclChannel
-        return NcclChannel(store, channel, rank, timeout_s)
+        return NcclChannel(store, channel, rank, timeout_s, device)
     return GlooChannel(store, channel, rank, host, timeout_s)

@@ -118,9 +118,13 @@ class PrefillConnector:
             except queue.Empty:
                 return out
 
+    def close(self) -> None:
+        """Stops watching (the sender is closed by its owner)."""
+        self._watch.put(None)
+
     def _watch_transfers(self) -> None:
-        while True:
-            request_id, transfers, lease_end = self._watch.get()
+        while (item := self._watch.get()) is not None:
+            request_id, transfers, lease_end = item
             error = None
             for t in transfers:
                 try:

@@ -121,6 +121,10 @@ class ControlServer:
 
     def close(self) -> None:
         self._closed.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not)
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             for conn in list(self._conns):

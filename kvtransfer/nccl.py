@@ -32,17 +32,19 @@ WATCHDOG_MARGIN_S = 60.0  # the group's own timeout sits this far past our deadl
 
 
 class NcclChannel(DataChannel):
-    def __init__(self, store: dist.Store, channel: int, rank: int, timeout_s: float):
+    def __init__(self, store: dist.Store, channel: int, rank: int, timeout_s: float, device: torch.device):
+        """`device`: the KV cache's GPU (the calling thread's current device may be another)."""
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"  # read when the group is made
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout_s + WATCHDOG_MARGIN_S)
-        self.device = torch.device("cuda", torch.cuda.current_device())
-        self.stream = torch.cuda.Stream(self.device)
-        self.pg = dist.ProcessGroupNCCL(dist.PrefixStore(f"pg/{channel}/", store), rank, 2, opts)
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        with torch.cuda.device(device):  # the communicator binds to the current device when it is made
+            self.pg = dist.ProcessGroupNCCL(dist.PrefixStore(f"pg/{channel}/", store), rank, 2, opts)
         self.peer = 1 - rank
 
     def isend(self, tensor: torch.Tensor, ready: object | None = None) -> object:
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             if ready is not None:
                 self.stream.wait_event(ready)
             return self.pg.send([tensor], self.peer, 0)
@@ -51,7 +53,7 @@ class NcclChannel(DataChannel):
         self._complete(handle, timeout_s, "send")
 
     def recv(self, tensor: torch.Tensor, timeout_s: float) -> None:
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             work = self.pg.recv([tensor], self.peer, 0)
         self._complete(work, timeout_s, "receive")
 
@@ -59,8 +61,9 @@ class NcclChannel(DataChannel):
         return torch.cuda.stream(self.stream)
 
     def settle(self, timeout_s: float) -> None:
-        event = torch.cuda.Event()
-        event.record(self.stream)
+        with torch.cuda.device(self.device):
+            event = torch.cuda.Event()
+            event.record(self.stream)
         deadline = time.monotonic() + timeout_s
         while not event.query():
             if time.monotonic() > deadline:

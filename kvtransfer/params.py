@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-PROTOCOL_VERSION = 2  # 2: 1024-byte header frames; done carries the first token's logprobs
+PROTOCOL_VERSION = 3  # 3: control messages on a TCP channel, payloads alone on the data channel
 
 
 @dataclass(frozen=True)

@@ -230,7 +230,7 @@ class TorchDistReceiver(KVReceiver):
         if store is None:
             raise ControlGarbage("the receiver is closed")
         try:
-            return open_channel(store, index, RECEIVER, self.compat.device_type, self.host, self.timeout_s)
+            return open_channel(store, index, RECEIVER, self.kv_cache.device, self.host, self.timeout_s)
         except (RuntimeError, OSError) as exc:  # the sender did not join in time
             raise ControlGarbage(f"data channel {index} was not built: {exc}") from None
 

@@ -114,8 +114,8 @@ class _Peer:
                 broken = str(exc) if isinstance(exc, IncompatiblePeerError) else (
                     f"KV connection to {self.name} failed: {exc}")
                 logger.warning("%s", broken)
+                self.owner._drop(self)  # out of the pool before anyone waiting hears of the failure
                 transfer.fail(broken)
-                self.owner._drop(self)
         if self.channel is not None:
             self.channel.close()
         self.control.close()
@@ -180,7 +180,7 @@ class _Peer:
             store = dist.TCPStore(self.dest.host, welcome["store_port"], is_master=False,
                                   timeout=timedelta(seconds=timeout), wait_for_workers=False)
             self.control.send({"kind": "join", "channel": welcome["channel"]}, timeout)
-            channel = open_channel(store, welcome["channel"], SENDER, o.compat.device_type, o.host, timeout)
+            channel = open_channel(store, welcome["channel"], SENDER, o.device, o.host, timeout)
         except (RuntimeError, OSError) as exc:  # TCPStore / group rendezvous failures
             raise TransferError(f"building the data channel to {self.name} failed: {exc}") from None
         o._count("groups_created")
@@ -193,6 +193,9 @@ class TorchDistSender(KVSender):
         if max_groups < 1:
             raise ValueError(f"max_groups must be >= 1, got {max_groups}")
         self.compat, self.sender_id, self.timeout_s, self.host = compat, sender_id, timeout_s, host
+        # the GPU whose KV this rank sends: current on the thread that builds the sender (the rank's)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if compat.device_type == "cuda" \
+            else torch.device("cpu")
         self.max_groups = max_groups
         self._peers: OrderedDict[tuple[str, int], _Peer] = OrderedDict()
         self._lock = threading.Lock()

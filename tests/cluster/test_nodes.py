@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import socket
 import time
-from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from cluster import nodes
 from cluster.nodes import NodeInfo, PlacedInstance, PlacementError, RankPlacement
+from kvtransfer.base import create_kv_transport
 from kvtransfer.params import KVEndpoint
+from tests.kvtransfer.test_torch_dist import COMPAT, HEADS, make_cache, make_receiver, poll_until, send_part
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -141,22 +143,24 @@ def test_socket_ifnames_set_unless_the_user_did():
     assert nodes.set_socket_ifnames("203.0.113.77", env) is None and env == {}
 
 
-def test_probe_finds_closed_ports_and_leaves_a_tcp_store_working():
-    """A listening socket and a TCPStore are reachable, a closed port is not; the store still serves
-    its clients after the bare connects."""
-    import torch.distributed as dist
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+def test_probe_finds_closed_ports_and_leaves_a_kv_receiver_working():
+    """A listening socket and a KV receiver's endpoint are reachable, a closed port is not; the
+    receiver counts no garbage for the bare connects and still takes a transfer after them."""
+    rx, _, dest = make_receiver()
     with socket.socket() as listening, socket.socket() as closed:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
         closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
-        eps = [listening.getsockname(), ("127.0.0.1", store.port), closed.getsockname()]
+        eps = [listening.getsockname(), dest.address, closed.getsockname()]
         start = time.monotonic()
         assert nodes.unreachable(eps, 2.0) == [f"127.0.0.1:{closed.getsockname()[1]}"]
         assert time.monotonic() - start < 2.0
-    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=5))
-    assert client.add("conn", 1) == 1
+    tx = create_kv_transport("torch").sender(COMPAT, "p0")
+    rx.expect("r", torch.arange(4), 1)
+    send_part(tx, "r", dest, make_cache(), torch.arange(4), 0, HEADS).wait(10)
+    assert poll_until(rx)[0] == [("r", 7, None)] and rx.stats["garbage_messages"] == 0
     assert nodes.unreachable([], 1.0) == []
+    tx.close(), rx.close()
 
 
 def test_reachability_error_is_one_line():

@@ -16,6 +16,7 @@ class FakeReceiver(KVReceiver):
 
     def __init__(self):
         self.done: list[CompletedTransfer] = []
+        self.failed: list[tuple[str, str]] = []
         self.expected: dict[str, int] = {}
 
     endpoint_address = ("127.0.0.1", 0)
@@ -26,7 +27,8 @@ class FakeReceiver(KVReceiver):
 
     def poll(self):
         done, self.done = self.done, []
-        return done, []
+        failed, self.failed = self.failed, []
+        return done, failed
 
     def cancel(self, request_id: str) -> None:
         self.expected.pop(request_id, None)
@@ -58,4 +60,25 @@ def test_transferred_logprobs_lead_and_missing_ones_fail_the_request():
     logprobs = [lp for o in ok for lp in o.new_logprobs]
     assert ok[-1].finished and len(tokens) == len(logprobs) == 3 and tokens[0] == 5 and logprobs[0] == {5: -0.5}
     assert all(next(iter(lp)) == t and len(lp) in (1, 2) for t, lp in zip(tokens, logprobs))
+    engine.kv.assert_no_leaks()
+
+
+def test_a_failed_load_ends_the_request_with_kv_load_failed_and_frees_its_blocks():
+    """The receiver reports a failed load: the request ends with an error flagged
+    `kv_load_failed` (the router may recompute it here), its blocks are free, and the others
+    decode on."""
+    engine = tiny_engine(make_hf_tiny_llama(), num_blocks=32, block_size=8)
+    rx = FakeReceiver()
+    worker = DecodeWorker(engine, DecodeConnector(rx, engine.runner.model_config.num_kv_heads, 0, 1))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for rid in ("ok", "lost"):
+        assert worker.reserve(Request(rid, list(range(3, 20)), params), prefill_tp=1)
+    rx.done, rx.failed = [CompletedTransfer("ok", 5, None)], [("lost", "no KV for 10 s after the transfer began")]
+    outputs = []
+    for _ in range(10):
+        worker.step()
+        outputs += worker.get_outputs(0)
+    (lost,) = [o for o in outputs if o.request_id == "lost"]
+    assert lost.finished and lost.kv_load_failed and "no KV" in lost.error and "lost" not in rx.expected
+    assert [o for o in outputs if o.request_id == "ok"][-1].finish_reason == "length"
     engine.kv.assert_no_leaks()

@@ -128,3 +128,16 @@ def test_check_refuses_what_the_schema_does_not_name():
         check({**reserve("a"), "num_tokens": "16"}, SCHEMA)
     with pytest.raises(ControlError):
         ControlClient(("127.0.0.1", 1), SCHEMA).send({"kind": "note"}, timeout_s=1)
+
+
+def test_close_ends_the_accepting_thread():
+    """A closed server leaves no thread behind (a blocked accept() wakes only on shutdown)."""
+    import threading
+    before = set(threading.enumerate())
+    server = ControlServer("127.0.0.1", lambda drop: (lambda msg: None), SCHEMA)
+    accepting = [t for t in set(threading.enumerate()) - before if t.name == "kv-control-accept"]
+    server.close()
+    deadline = time.monotonic() + 5
+    while any(t.is_alive() for t in accepting) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert accepting and not any(t.is_alive() for t in accepting)
