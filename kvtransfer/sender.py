@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from kvtransfer import wire
 from kvtransfer.base import IncompatiblePeerError, KVSender, Transfer, TransferError
-from kvtransfer.channel import SENDER, ChannelError, DataChannel, open_channel
-from kvtransfer.control import ControlClient, ControlError
+from kvtransfer.channel import SENDER, DataChannel, open_channel
+from kvtransfer.control import ControlClient
 from kvtransfer.params import CompatRecord, KVEndpoint
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class _Peer:
                 continue
             try:
                 self._carry_out(kind, transfer, a, b)
-            except (ControlError, ChannelError, TransferError) as exc:  # this connection is done for
+            except Exception as exc:  # refused, a deadline, the peer gone, a bug: this connection is done for
                 broken = str(exc) if isinstance(exc, IncompatiblePeerError) else (
                     f"KV connection to {self.name} failed: {exc}")
                 logger.warning("%s", broken)

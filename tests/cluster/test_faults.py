@@ -48,10 +48,13 @@ class Timed:
         return next((when for when, *_ in self.events if when >= t), None)
 
 
-def kill_instance_hard(cluster: Cluster, instance_id: str) -> None:
-    """SIGKILL every rank process of the instance (no clean shutdown, like a crashed node)."""
+def rank_pids(cluster: Cluster, instance_id: str) -> list[int]:
     import ray
-    pids = ray.get([rank.pid.remote() for rank in cluster.instances[instance_id].ranks], timeout=30)
+    return ray.get([rank.pid.remote() for rank in cluster.instances[instance_id].ranks], timeout=30)
+
+
+def kill_hard(pids: list[int]) -> None:
+    """SIGKILL every rank process of an instance (no clean shutdown, like a crashed node)."""
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
 
@@ -77,13 +80,15 @@ def test_kill_under_load_every_request_recovers(ray_session, tiny_path, victim):
     want = greedy_reference(tiny_path, prompts)
     with Cluster(spec_for(tiny_path)) as c:
         listeners = [Timed() for _ in prompts]
+        pids = rank_pids(c, victim)  # now: the kill must follow the burst below at once
+        half = len(prompts) // 2
         for i, (p, lis) in enumerate(zip(prompts, listeners)):
             c.submit(f"r{i}", p, PARAMS, listener=lis)
-            if i == len(prompts) // 2:
-                time.sleep(0.1)  # some requests are mid-stream, some queued, some prefilling:
-                wait_busy(c, victim, 0.2)  # the victim has some of them
-                killed_at = time.monotonic()
-                kill_instance_hard(c, victim)
+            if i == half - 1:
+                time.sleep(0.1)  # the first half is mid-stream or prefilling, then a burst comes:
+                wait_busy(c, victim, 0.2)
+        killed_at = time.monotonic()  # the victim still holds prompts of the burst it has not prefilled
+        kill_hard(pids)
         for lis in listeners:
             assert lis.done.wait(120)
         errors = [lis.events[-1][3] for lis in listeners]
