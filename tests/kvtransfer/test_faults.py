@@ -14,7 +14,8 @@ from kvtransfer.base import TransferError, create_kv_transport
 from kvtransfer.channel import SENDER, GlooChannel
 from kvtransfer.control import ControlClient
 from tests.kvtransfer.faults import FaultProxy
-from tests.kvtransfer.test_torch_dist import COMPAT, HEADS, make_cache, make_receiver, poll_until, send_part
+from tests.kvtransfer.test_torch_dist import (COMPAT, HEADS, _wait_for, make_cache, make_receiver, poll_until,
+                                              send_part)
 
 pytestmark = pytest.mark.timeout(60)
 DEADLINE_S = 1.0
@@ -98,9 +99,7 @@ def test_an_announced_payload_that_never_comes(pair):
     done, failed = poll_until(rx, timeout=BOUND_S)
     assert done == [] and [rid for rid, _ in failed] == ["r"] and time.monotonic() - start < BOUND_S
     # the part's silence and the receive's own deadline are both 1 s: either may fail the request first
-    deadline = time.monotonic() + BOUND_S
-    while rx.stats.get("payload_failures", 0) == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _wait_for(lambda: rx.stats.get("payload_failures", 0) > 0, BOUND_S)
     assert rx.stats["payload_failures"] == 1 and cache.abs().sum() == 0
     channel.close(), client.close()
     serves_again(rx, proxy, tx)
