@@ -3,6 +3,7 @@ send/recv of the same bytes, in the same run, between the same two processes.
 
     python -m bench.kv_transfer                 # SmolLM2's KV shape (30 layers, 3 KV heads, 64, bf16)
     python -m bench.kv_transfer --tokens 1024 4096 --reps 5 --json
+    python -m bench.kv_transfer --slots contiguous  # where the reservation's blocks lie (default: both)
     ip netns exec A python -m bench.kv_transfer --receiver-netns B --sender-host IP_A --receiver-host IP_B
                                                 # two hosts (network namespaces: bench/multihost.py)
 
@@ -10,6 +11,9 @@ Raw gloo sends each layer's bytes as one message (what the transport's data chan
 without its control messages and the receiver's scatter into paged blocks); "raw gloo, one
 message" sends a request's whole KV at once, the best case. pdserve's numbers are the
 handshake-free steady state: the pair is built by a warm-up transfer first, as in serving.
+The receiving request's slots are either random blocks ("random": a fragmented cache; the
+receiver takes each layer into a buffer and scatters it) or consecutive blocks ("contiguous":
+it receives K and V straight into the cache).
 """
 from __future__ import annotations
 
@@ -64,11 +68,11 @@ def receiver_main(conn, args) -> None:
     cache = torch.zeros(args.layers, 2, num_blocks, BLOCK, args.kv_heads, args.head_dim, dtype=torch.bfloat16)
     rx = TorchDistReceiver(_compat(args), cache, 0, host=args.receiver_host)
     conn.send(rx.endpoint_address)
-    for tokens in args.tokens:
+    for layout, tokens in _cases(args):
         layer_bytes, request_bytes = _shape(args, tokens)
         buf = torch.empty(request_bytes, dtype=torch.uint8)
-        # pdserve: block-scattered slots, as a real reservation gets
-        blocks = torch.randperm(num_blocks - 1)[:tokens // BLOCK] + 1
+        blocks = torch.randperm(num_blocks - 1)[:tokens // BLOCK] + 1 if layout == "random" else \
+            torch.arange(tokens // BLOCK) + 1 + torch.randint(num_blocks - tokens // BLOCK, ())
         slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).flatten()
         for rnd in range(args.rounds):
             for _ in range(args.reps * args.layers):  # raw, per layer
@@ -77,7 +81,7 @@ def receiver_main(conn, args) -> None:
                 pg.recv(buf, 120.0)
             pg.send(DONE, 120.0)
             for r in range(args.reps + 1):
-                rx.expect(f"{tokens}-{rnd}-{r}", slots, 1)
+                rx.expect(f"{layout}-{tokens}-{rnd}-{r}", slots, 1)
             conn.send("ready")
             got = 0
             while got < args.reps + 1:
@@ -88,6 +92,10 @@ def receiver_main(conn, args) -> None:
     conn.send(rx.stats)
     conn.recv()
     os._exit(0)  # NOTE: skip interpreter teardown, which aborts on gloo's still-running threads
+
+
+def _cases(args) -> list[tuple[str, int]]:
+    return [(layout, tokens) for layout in args.slots for tokens in args.tokens]
 
 
 def _time_raw(pg, args, tokens: int) -> tuple[float, float]:
@@ -136,19 +144,19 @@ def run(args) -> dict:
     tx = TorchDistSender(_compat(args), "bench", host=args.sender_host)
     dest = KVEndpoint("bench", 0, host, port)
     rows = []
-    for tokens in args.tokens:
+    for layout, tokens in _cases(args):
         _, request_bytes = _shape(args, tokens)
         total = request_bytes * args.reps
         per_layer, whole, ours = [], [], []
         for rnd in range(args.rounds):  # alternate the methods: drift on a shared machine hits both
             raw_layer_s, raw_whole_s = _time_raw(pg, args, tokens)
             assert parent.recv() == "ready"
-            ours_s = _time_pdserve(tx, dest, args, tokens, f"{tokens}-{rnd}")
+            ours_s = _time_pdserve(tx, dest, args, tokens, f"{layout}-{tokens}-{rnd}")
             per_layer.append(total / raw_layer_s / 1e9)
             whole.append(total / raw_whole_s / 1e9)
             ours.append(total / ours_s / 1e9)
         med = statistics.median
-        rows.append({"tokens": tokens, "bytes_per_request": request_bytes, "rounds": args.rounds,
+        rows.append({"slots": layout, "tokens": tokens, "bytes_per_request": request_bytes, "rounds": args.rounds,
                      "raw_gloo_per_layer_GBps": med(per_layer), "raw_gloo_one_message_GBps": med(whole),
                      "pdserve_GBps": med(ours), "pdserve_ms_per_request": request_bytes / med(ours) / 1e6,
                      "pdserve_vs_raw_per_layer": med(o / r for o, r in zip(ours, per_layer)),
@@ -170,6 +178,8 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--reps", type=int, default=5, help="requests per timed batch")
     p.add_argument("--rounds", type=int, default=5, help="alternating raw/pdserve rounds; medians are reported")
+    p.add_argument("--slots", nargs="+", choices=["random", "contiguous"], default=["random", "contiguous"],
+                   help="the receiving request's blocks: random (scattered into) or consecutive (received into)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--sender-host", default="127.0.0.1", help="the sender's address (its host's, across hosts)")
     p.add_argument("--receiver-host", default="127.0.0.1", help="the receiver's address")
@@ -183,11 +193,12 @@ def main(argv=None) -> int:
         return 0
     print(f"KV of {args.layers} layers x {args.kv_heads} heads x {args.head_dim}, bf16; {args.reps} requests each")
     print(f"medians of {args.rounds} alternating rounds")
-    print(f"{'tokens':>7} {'MB/req':>8} {'raw/layer':>10} {'raw/whole':>10} {'pdserve':>9} {'vs layer':>9} "
-          f"{'vs whole':>9} {'ms/req':>7}")
+    print(f"{'slots':>10} {'tokens':>7} {'MB/req':>8} {'raw/layer':>10} {'raw/whole':>10} {'pdserve':>9} "
+          f"{'vs layer':>9} {'vs whole':>9} {'ms/req':>7}")
     for r in result["rows"]:
-        print(f"{r['tokens']:>7} {r['bytes_per_request'] / 1e6:>8.1f} {r['raw_gloo_per_layer_GBps']:>9.2f}G "
-              f"{r['raw_gloo_one_message_GBps']:>9.2f}G {r['pdserve_GBps']:>8.2f}G {r['pdserve_vs_raw_per_layer']:>9.2f} "
+        print(f"{r['slots']:>10} {r['tokens']:>7} {r['bytes_per_request'] / 1e6:>8.1f} "
+              f"{r['raw_gloo_per_layer_GBps']:>9.2f}G {r['raw_gloo_one_message_GBps']:>9.2f}G "
+              f"{r['pdserve_GBps']:>8.2f}G {r['pdserve_vs_raw_per_layer']:>9.2f} "
               f"{r['pdserve_vs_raw_one_message']:>9.2f} {r['pdserve_ms_per_request']:>7.1f}")
     return 0
 

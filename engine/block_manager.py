@@ -74,11 +74,14 @@ class BlockPool:
             num_blocks: how many blocks to take.
 
         Returns:
-            The blocks, each with ref_cnt == 1 and no hash.
+            The blocks, each with ref_cnt == 1 and no hash, in block id order: blocks freed
+            together (a request's, tail first) come back as runs of consecutive ids, which a KV
+            transfer receives straight into the cache. Which blocks are taken (LRU) is unchanged.
         """
         if num_blocks < 0 or num_blocks > self.num_free_blocks:
             raise ValueError(f"cannot get {num_blocks} blocks, {self.num_free_blocks} free")
-        blocks = [self._free_queue.popitem(last=False)[1] for _ in range(num_blocks)]
+        blocks = sorted((self._free_queue.popitem(last=False)[1] for _ in range(num_blocks)),
+                        key=lambda b: b.block_id)
         for block in blocks:
             assert block.ref_cnt == 0 and block is not self.null_block
             if block.block_hash is not None:  # evict it from the prefix cache

@@ -30,15 +30,19 @@ class DataChannel(ABC):
         event) is when `tensor` has been computed. Sends complete in the order posted."""
 
     @abstractmethod
+    def irecv(self, tensor: torch.Tensor) -> object:
+        """Posts a receive into `tensor` (contiguous); receives complete in the order posted."""
+
+    @abstractmethod
     def wait(self, handle: object, timeout_s: float) -> None:
-        """Returns once the send `handle` completed. ChannelError past `timeout_s`."""
+        """Returns once the send or receive `handle` completed. ChannelError past `timeout_s`."""
 
     def send(self, tensor: torch.Tensor, timeout_s: float, ready: object | None = None) -> None:
         self.wait(self.isend(tensor, ready), timeout_s)
 
-    @abstractmethod
     def recv(self, tensor: torch.Tensor, timeout_s: float) -> None:
         """Fills `tensor` from the peer. ChannelError past `timeout_s`."""
+        self.wait(self.irecv(tensor), timeout_s)
 
     def writing(self) -> contextlib.AbstractContextManager:
         """Where received payloads are scattered into the cache (CUDA: this channel's stream)."""
@@ -63,18 +67,15 @@ class GlooChannel(DataChannel):
     def isend(self, tensor: torch.Tensor, ready: object | None = None) -> object:
         return self.pg.send([tensor], self.peer, 0)
 
+    def irecv(self, tensor: torch.Tensor) -> object:
+        return self.pg.recv([tensor], self.peer, 0)
+
     def wait(self, handle: object, timeout_s: float) -> None:
-        self._wait(handle, timeout_s, "send")
-
-    def recv(self, tensor: torch.Tensor, timeout_s: float) -> None:
-        self._wait(self.pg.recv([tensor], self.peer, 0), timeout_s, "receive")
-
-    def _wait(self, work, timeout_s: float, what: str) -> None:
         try:
-            work.wait(timedelta(seconds=timeout_s))
+            handle.wait(timedelta(seconds=timeout_s))
         except Exception as exc:  # gloo raises RuntimeError on timeout and on a closed peer
             self.close()
-            raise ChannelError(f"KV {what} failed: {str(exc)[:200]}") from None
+            raise ChannelError(f"KV transfer failed: {str(exc)[:200]}") from None
 
     def close(self) -> None:
         try:

@@ -4,6 +4,7 @@
     server = ControlServer("10.0.0.5", open_session, SCHEMA)  # per connection: session(msg) -> reply or None
     client = ControlClient(server.address, SCHEMA)
     reply = client.call({"kind": "reserve", ...}, timeout_s=2.0)   # ControlTimeout past the deadline
+    client.send(msg, 2.0); ...; reply = client.receive(2.0)         # replies come in the order sent
 
 Every message is one msgpack map with a "kind" and exactly the fields `schema[kind]` names, of
 those types. Anything else is garbage: the connection it came on is closed (a byte stream cannot
@@ -185,17 +186,24 @@ class ControlClient:
         """Sends `msg`, expecting no reply."""
         self._exchange(check(msg, self.schema), timeout_s, reply=False)
 
+    def receive(self, timeout_s: float) -> dict:
+        """The next reply (to a message sent earlier with `send`: replies come in order)."""
+        return self._exchange(None, timeout_s, reply=True)
+
     def close(self) -> None:
         with self._lock:
             self._drop()
 
-    def _exchange(self, msg: dict, timeout_s: float, reply: bool):
+    def _exchange(self, msg: dict | None, timeout_s: float, reply: bool):
         deadline = time.monotonic() + timeout_s
         with self._lock:
             try:
                 if self._conn is None:
+                    if msg is None:
+                        raise ControlError("no connection to receive a reply on")
                     self._conn = _Connection(self._connect(deadline))
-                self._conn.send(msg, deadline)
+                if msg is not None:
+                    self._conn.send(msg, deadline)
                 return check(self._conn.recv(deadline), self.schema) if reply else None
             except ControlError:
                 self._drop()  # a late or garbled reply must not answer the next call

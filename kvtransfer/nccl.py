@@ -49,13 +49,12 @@ class NcclChannel(DataChannel):
                 self.stream.wait_event(ready)
             return self.pg.send([tensor], self.peer, 0)
 
-    def wait(self, handle: object, timeout_s: float) -> None:
-        self._complete(handle, timeout_s, "send")
-
-    def recv(self, tensor: torch.Tensor, timeout_s: float) -> None:
+    def irecv(self, tensor: torch.Tensor) -> object:
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            work = self.pg.recv([tensor], self.peer, 0)
-        self._complete(work, timeout_s, "receive")
+            return self.pg.recv([tensor], self.peer, 0)
+
+    def wait(self, handle: object, timeout_s: float) -> None:
+        self._complete(handle, timeout_s)
 
     def writing(self):
         return torch.cuda.stream(self.stream)
@@ -71,7 +70,7 @@ class NcclChannel(DataChannel):
                 raise ChannelError("KV writes did not complete before the deadline")
             time.sleep(POLL_S)
 
-    def _complete(self, work, timeout_s: float, what: str) -> None:
+    def _complete(self, work, timeout_s: float) -> None:
         """Polls `work` on the host until it completed or the deadline passed; then orders this
         channel's stream after it (a no-op wait: it is done)."""
         deadline = time.monotonic() + timeout_s
@@ -84,7 +83,7 @@ class NcclChannel(DataChannel):
                 work.wait()
         except Exception as exc:  # deadline, or NCCL reported an error for this work
             self.close()
-            raise ChannelError(f"KV {what} over NCCL failed: {str(exc)[:200]}") from None
+            raise ChannelError(f"KV transfer over NCCL failed: {str(exc)[:200]}") from None
 
     def close(self) -> None:
         try:

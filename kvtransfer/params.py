@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-PROTOCOL_VERSION = 3  # 3: control messages on a TCP channel, payloads alone on the data channel
+PROTOCOL_VERSION = 4  # 3: control messages on a TCP channel, payloads alone on the data channel; 4: runs
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,10 @@ A control server (control.py) accepts one connection per prefill rank; each gets
 that answers its messages (wire.py) in order and owns its data channel (channel.py):
 
     hello -> compat checked -> welcome          join  -> data channel built
-    begin -> the request's slots are reserved here? -> ready (ok, or why not)
-    layer -> receive exactly that payload (deadline) -> scatter into the request's slots
+    begin -> the request's slots are reserved here? -> ready (ok, or why not; the runs)
+    layer -> receive exactly that payload (deadline): straight into the cache when the part has
+             all of this rank's heads and its slots form at most MAX_DIRECT_RUNS stretches,
+             else into a buffer, then scattered into the request's slots
     done  -> all layers there? -> ack;  every part of the request done -> poll() reports it
 
 Requests are tracked in `_Expected`: expect(rid, slots, num_parts) ... poll() reports
@@ -13,6 +15,8 @@ Requests are tracked in `_Expected`: expect(rid, slots, num_parts) ... poll() re
 connection is busy with other requests' KV), a connection lost mid-part, a part of the wrong
 size. A garbage message or a receive past its deadline drops its connection (the sender
 rebuilds it); payloads of a cancelled request are received and dropped. All of it is counted.
+A cancel waits for a receive in flight into the request's slots (at most its deadline), so no
+byte lands in blocks that may have moved on.
 """
 from __future__ import annotations
 
@@ -32,9 +36,11 @@ from kvtransfer.base import CompletedTransfer, KVReceiver
 from kvtransfer.channel import RECEIVER, ChannelError, DataChannel, open_channel
 from kvtransfer.control import ControlError, ControlGarbage, ControlServer
 from kvtransfer.params import CompatRecord
-from kvtransfer.scatter import scatter_layer, whole_blocks
+from kvtransfer.scatter import scatter_layer, slot_runs, whole_blocks
 
 logger = logging.getLogger(__name__)
+# Each run costs two messages per layer (K, V); beyond this many, one message and a scatter is faster.
+MAX_DIRECT_RUNS = 4
 
 
 @dataclass
@@ -42,11 +48,13 @@ class _Expected:
     slots: torch.Tensor  # (num_tokens,) int64
     num_parts: int
     block_ids: torch.Tensor | None  # (num_tokens // block_size,) when the slots fill whole blocks in order
+    runs: list[tuple[int, int, int]]  # slot_runs(slots)
     sessions: set = field(default_factory=set)  # the connections its parts arrive on
     parts_done: int = 0
     first_token: int = -1
     logprobs: dict[int, float] | None = None
     last_activity: float | None = None  # set when its first part begins
+    receiving: int = 0  # receives in flight straight into its slots
 
 
 @dataclass
@@ -54,6 +62,7 @@ class _Part:
     lo: int  # first local head
     num_heads: int
     num_tokens: int
+    runs: list[tuple[int, int, int]]  # received straight into the cache; [] to scatter
     layers: int = 0
 
 
@@ -94,23 +103,70 @@ class _Session:
         return self.rx._done(self, msg, part)
 
     def _layer(self, msg: dict, part: _Part) -> None:
-        if not 0 <= msg["layer"] < self.rx.compat.num_layers:
-            raise ControlGarbage(f"layer {msg['layer']} of {self.rx.compat.num_layers}")
+        """The announced layers arrive while the ones before are written (or still arriving, when
+        received straight into the cache)."""
+        first, count = msg["layer"], msg["count"]
+        if not (0 <= first and 0 < count and first + count <= self.rx.compat.num_layers):
+            raise ControlGarbage(f"layers {first} + {count} of {self.rx.compat.num_layers}")
+        if part.runs:
+            i = self._next_write()
+            self.writes[i] = self.writer.submit(self._land, msg, part, *self._post_direct(msg, part))
+            return
         n = wire.payload_bytes(part.num_tokens, part.num_heads, self.rx.compat.head_dim, self.rx.kv_cache.dtype)
+        for layer in range(first, first + count):
+            i = self._next_write()
+            if self.buffers[i].numel() < n:
+                self.buffers[i] = torch.empty(n, dtype=torch.uint8, device=self.buffers[i].device)
+            try:
+                self.channel.recv(self.buffers[i][:n], self.rx.timeout_s)
+            except ChannelError as exc:  # the pair is aborted (the channel already is); the sender rebuilds it
+                self._payload_failed(msg, exc)
+            self.activity = time.monotonic()
+            self.writes[i] = self.writer.submit(self.rx._write, self, msg["request_id"], layer, part,
+                                                self.buffers[i][:n])
+
+    def _next_write(self) -> int:
+        """The write slot to use next, once the write it held before is done."""
         i = self.next_buffer
         self.next_buffer = 1 - i
-        self._written(i)  # the buffer's previous layer is in the cache
-        if self.buffers[i].numel() < n:
-            self.buffers[i] = torch.empty(n, dtype=torch.uint8, device=self.buffers[i].device)
-        try:
-            self.channel.recv(self.buffers[i][:n], self.rx.timeout_s)
-        except ChannelError as exc:  # the pair is aborted (the channel already is); the sender rebuilds it
-            self.rx._count("payload_failures")
-            logger.warning("KV from %s: payload of %s layer %d: %s", self.sender_id, msg["request_id"],
-                           msg["layer"], exc)
-            raise ControlError(str(exc)) from None
+        self._written(i)
+        return i
+
+    def _post_direct(self, msg: dict, part: _Part) -> tuple:
+        """Posts receives of the layers' K and V of each run straight into the request's slots (or,
+        if it was cancelled, into a buffer that is dropped). Returns (its _Expected, handles, error)."""
+        e = self.rx._receiving(msg["request_id"])
+        handles, error = [], None
+        try:  # all posted at once: the sender's posted sends meet them without a round trip each
+            for layer in range(msg["layer"], msg["layer"] + msg["count"]):
+                cache = self.rx.kv_cache[layer].view(2, self.rx.num_slots, -1)  # (2, slots, heads * head_dim)
+                for _, length, slot in part.runs:
+                    dsts = cache[:, slot:slot + length] if e is not None else torch.empty_like(cache[:, :length])
+                    handles += [self.channel.irecv(dst.view(torch.uint8)) for dst in dsts]
+        except Exception as exc:  # an aborted channel refuses new operations
+            self.channel.close()
+            error = ChannelError(f"KV receive could not be posted: {str(exc)[:200]}")
+        return e, handles, error
+
+    def _land(self, msg: dict, part: _Part, e: _Expected | None, handles: list, error: Exception | None) -> None:
+        """On the writer thread: waits for every posted receive to end (after a failure the channel
+        is aborted: at once), then releases the request's slots to cancel()."""
+        for handle in handles:
+            try:
+                self.channel.wait(handle, self.rx.timeout_s)
+            except ChannelError as exc:
+                error = error or exc
+        num_bytes = msg["count"] * wire.payload_bytes(part.num_tokens, part.num_heads, self.rx.compat.head_dim,
+                                                      self.rx.kv_cache.dtype)
+        self.rx._received(msg["request_id"], part, e, msg["count"] if error is None else 0, num_bytes)
+        if error is not None:
+            self._payload_failed(msg, error)
         self.activity = time.monotonic()
-        self.writes[i] = self.writer.submit(self.rx._write, self, msg, part, self.buffers[i][:n])
+
+    def _payload_failed(self, msg: dict, exc: Exception):
+        self.rx._count("payload_failures")
+        logger.warning("KV from %s: payload of %s layer %d: %s", self.sender_id, msg["request_id"], msg["layer"], exc)
+        raise ControlError(str(exc)) from None
 
     def _written(self, i: int | None = None) -> None:
         """Waits for the write from buffer `i` (None: both) to finish; its error is this session's."""
@@ -138,6 +194,7 @@ class TorchDistReceiver(KVReceiver):
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=timeout_s))
         self._lock = threading.Lock()
+        self._receives_done = threading.Condition(self._lock)
         self._expected: dict[str, _Expected] = {}
         self._completed: list[CompletedTransfer] = []
         self._failed: list[tuple[str, str]] = []
@@ -154,17 +211,22 @@ class TorchDistReceiver(KVReceiver):
         assert slots.dim() == 1 and num_parts >= 1
         slots = slots.to(self.kv_cache.device, torch.int64)
         with self._lock:
-            self._expected[request_id] = _Expected(slots, num_parts, whole_blocks(slots, self.block_size))
+            self._expected[request_id] = _Expected(slots, num_parts, whole_blocks(slots, self.block_size),
+                                                   slot_runs(slots))
 
     def cancel(self, request_id: str) -> None:
-        with self._lock:  # writes happen under this lock, so none lands after we return
-            self._expected.pop(request_id, None)
+        """Once this returns, nothing more is written into the request's slots: scatters happen
+        under the lock; a receive straight into them is waited for (its deadline bounds it)."""
+        with self._lock:
+            e = self._expected.pop(request_id, None)
+            while e is not None and e.receiving:
+                self._receives_done.wait()
 
     def poll(self) -> tuple[list[CompletedTransfer], list[tuple[str, str]]]:
         now, stalled = time.monotonic(), set()
         with self._lock:
             for rid, e in list(self._expected.items()):
-                if e.last_activity is None:
+                if e.last_activity is None or e.receiving:  # a receive in flight has a deadline of its own
                     continue
                 # A connection busy with other requests' KV is alive: this part waits in its queue.
                 busy = max((s.activity for s in e.sessions), default=0.0)
@@ -236,7 +298,7 @@ class TorchDistReceiver(KVReceiver):
 
     def _begin(self, session: _Session, msg: dict) -> dict:
         rid, lo = msg["request_id"], msg["head_start"] - self.head_offset
-        reply = {"kind": "ready", "request_id": rid, "ok": False, "error": None}
+        reply = {"kind": "ready", "request_id": rid, "ok": False, "error": None, "runs": []}
         n_heads = msg["head_end"] - msg["head_start"]
         if not (0 <= lo and 0 < n_heads and lo + n_heads <= self.num_local_heads and msg["num_tokens"] > 0):
             raise ControlGarbage(f"begin does not fit this rank: {msg}")
@@ -249,23 +311,48 @@ class TorchDistReceiver(KVReceiver):
                 reply["error"] = f"sent {msg['num_tokens']} tokens, expected {e.slots.numel()}"
                 self._fail(rid, reply["error"])
             else:
-                session.parts[(rid, msg["head_start"])] = _Part(lo, n_heads, msg["num_tokens"])
+                direct = lo == 0 and n_heads == self.num_local_heads and len(e.runs) <= MAX_DIRECT_RUNS
+                part = _Part(lo, n_heads, msg["num_tokens"], e.runs if direct else [])
+                session.parts[(rid, msg["head_start"])] = part
                 e.sessions.add(session)
                 e.last_activity = time.monotonic()
                 reply["ok"] = True
+                reply["runs"] = [[start, length] for start, length, _ in part.runs]
         return reply
 
-    def _write(self, session: _Session, msg: dict, part: _Part, payload: torch.Tensor) -> None:
+    def _receiving(self, rid: str) -> _Expected | None:
+        """A receive straight into the request's slots starts: its _Expected (None: it is gone)."""
+        with self._lock:
+            if (e := self._expected.get(rid)) is not None:
+                e.receiving += 1
+            return e
+
+    def _received(self, rid: str, part: _Part, e: _Expected | None, layers: int, num_bytes: int) -> None:
+        """Ends what `_receiving` began (e: what it returned): `layers` of the part landed."""
+        with self._lock:
+            self._stats["bytes_received"] += num_bytes
+            if e is not None:
+                e.receiving -= 1
+                self._receives_done.notify_all()
+            if e is None or self._expected.get(rid) is not e:  # cancelled or failed: dropped
+                self._stats["dropped_layers"] += layers
+                return
+            part.layers += layers
+            self._stats["layers_direct"] += layers
+            e.last_activity = time.monotonic()
+
+    def _write(self, session: _Session, rid: str, layer: int, part: _Part, payload: torch.Tensor) -> None:
         kv = payload.view(self.kv_cache.dtype).view(2, part.num_tokens, part.num_heads, self.compat.head_dim)
         with self._lock:
             self._stats["bytes_received"] += payload.numel()
-            e = self._expected.get(msg["request_id"])
+            e = self._expected.get(rid)
             if e is None:  # cancelled or failed meanwhile: the payload is dropped
                 self._stats["dropped_layers"] += 1
                 return
             with session.channel.writing():
-                scatter_layer(self.kv_cache[msg["layer"]], e.slots, e.block_ids, kv, part.lo)
+                scatter_layer(self.kv_cache[layer], e.slots, e.block_ids, kv, part.lo)
             part.layers += 1
+            self._stats["layers_scattered"] += 1
             e.last_activity = time.monotonic()
 
     def _done(self, session: _Session, msg: dict, part: _Part) -> dict:

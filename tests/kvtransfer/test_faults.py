@@ -13,6 +13,7 @@ from kvtransfer import wire
 from kvtransfer.base import TransferError, create_kv_transport
 from kvtransfer.channel import SENDER, GlooChannel
 from kvtransfer.control import ControlClient
+from kvtransfer.receiver import MAX_DIRECT_RUNS
 from tests.kvtransfer.faults import FaultProxy
 from tests.kvtransfer.test_torch_dist import (COMPAT, HEADS, _wait_for, make_cache, make_receiver, poll_until,
                                               send_part)
@@ -81,7 +82,9 @@ def test_garbage_mid_part_fails_that_request_on_both_sides(pair):
     serves_again(rx, proxy, tx)
 
 
-def test_an_announced_payload_that_never_comes(pair):
+@pytest.mark.parametrize("slots", [torch.arange(4), torch.arange(0, 2 * MAX_DIRECT_RUNS + 2, 2)],
+                         ids=["straight-into-cache", "scattered"])
+def test_an_announced_payload_that_never_comes(pair, slots):
     """A sender announces a layer and stops (its process hangs): the receive waits out its
     deadline, the request fails, the connection is aborted; nothing is written."""
     rx, cache, proxy, tx = pair
@@ -91,11 +94,12 @@ def test_an_announced_payload_that_never_comes(pair):
     store = dist.TCPStore(dest.host, welcome["store_port"], is_master=False, wait_for_workers=False)
     client.send({"kind": "join", "channel": welcome["channel"]}, 5)
     channel = GlooChannel(store, welcome["channel"], SENDER, "127.0.0.1", 5.0)
-    rx.expect("r", torch.arange(4), 1)
-    ready = client.call({"kind": "begin", "request_id": "r", "head_start": 0, "head_end": HEADS, "num_tokens": 4}, 5)
-    assert ready["ok"]
+    rx.expect("r", slots, 1)
+    ready = client.call({"kind": "begin", "request_id": "r", "head_start": 0, "head_end": HEADS,
+                         "num_tokens": len(slots)}, 5)
+    assert ready["ok"] and len(ready["runs"]) == (1 if len(slots) == 4 else 0)
     start = time.monotonic()
-    client.send({"kind": "layer", "request_id": "r", "head_start": 0, "layer": 0}, 5)
+    client.send({"kind": "layer", "request_id": "r", "head_start": 0, "layer": 0, "count": 1}, 5)
     done, failed = poll_until(rx, timeout=BOUND_S)
     assert done == [] and [rid for rid, _ in failed] == ["r"] and time.monotonic() - start < BOUND_S
     # the part's silence and the receive's own deadline are both 1 s: either may fail the request first

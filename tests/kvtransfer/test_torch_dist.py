@@ -16,6 +16,7 @@ from kvtransfer.params import CompatRecord, KVEndpoint, kv_heads_of_rank
 from kvtransfer.plan import expected_parts, plan_head_slices
 from kvtransfer.channel import SENDER, GlooChannel
 from kvtransfer.control import ControlClient
+from kvtransfer.receiver import MAX_DIRECT_RUNS
 
 LAYERS, HEADS, HEAD_DIM, BLOCKS, BLOCK = 3, 4, 8, 16, 4
 COMPAT = CompatRecord("tiny", "float32", LAYERS, HEADS, HEAD_DIM, block_size=BLOCK)
@@ -151,7 +152,7 @@ def _wait_for(predicate, timeout=10.0):
 @pytest.mark.parametrize("garbage", [b"\xc1\xc1\xc1", msgpack.packb({"kind": "ack", "request_id": "r", "ok": True,
                                                                    "error": None}),
                                      msgpack.packb({"kind": "layer", "request_id": "r", "head_start": 0,
-                                                    "layer": 0})])
+                                                    "layer": 0, "count": 1})])
 def test_garbage_dropped_counted_and_serving_goes_on(garbage):
     """Bytes that are not msgpack, a message a receiver never gets, a layer of a part that did not
     begin: the receiver counts it and drops that connection; a real transfer afterwards succeeds."""
@@ -253,14 +254,15 @@ def test_lru_pool_evicts_and_rebuilds_groups():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_whole_block_slots_take_the_block_copy_path(dtype):
-    """Slots that fill whole blocks (in any block order) plus a partial tail land exactly as the
-    per-token reference scatter would put them."""
+    """Slots that fill whole blocks (in any block order, too many runs to receive straight into)
+    plus a partial tail land exactly as the per-token reference scatter would put them."""
     compat = CompatRecord("tiny", str(dtype).removeprefix("torch."), LAYERS, HEADS, HEAD_DIM, block_size=BLOCK)
     dst = torch.zeros(LAYERS, 2, BLOCKS, BLOCK, HEADS, HEAD_DIM, dtype=dtype)
     rx = create_kv_transport("torch").receiver(compat, dst, 0)
     dest = KVEndpoint("d", 0, *rx.endpoint_address)
-    slots = torch.cat([torch.arange(5 * BLOCK, 6 * BLOCK), torch.arange(2 * BLOCK, 3 * BLOCK),
-                       torch.arange(9 * BLOCK, 9 * BLOCK + 2)])
+    blocks = [5, 2, 9, 7, 0, 11][:MAX_DIRECT_RUNS + 1]
+    slots = torch.cat([*(torch.arange(b * BLOCK, (b + 1) * BLOCK) for b in blocks),
+                       torch.arange(13 * BLOCK, 13 * BLOCK + 2)])
     src = make_cache().to(dtype)
     tx = create_kv_transport("torch").sender(compat, "p0")
     rx.expect("r", slots, 1)
@@ -269,5 +271,5 @@ def test_whole_block_slots_take_the_block_copy_path(dtype):
     expected = torch.zeros_like(dst)
     for layer in range(LAYERS):
         flat(expected, layer)[:, slots] = flat(src, layer)[:, :len(slots)]
-    assert torch.equal(dst, expected)
+    assert torch.equal(dst, expected) and rx.stats["layers_scattered"] == LAYERS
     tx.close(), rx.close()

@@ -35,7 +35,7 @@ def test_malformed_logprobs_refused(logprobs):
 
 
 @pytest.mark.parametrize("msg", [done(extra=1), {"kind": "layer", "request_id": "r", "head_start": 0},
-                                 {"kind": "layer", "request_id": "r", "head_start": 0, "layer": True},
+                                 {"kind": "layer", "request_id": "r", "head_start": 0, "layer": True, "count": 1},
                                  {"kind": "nope"}, [1, 2], "layer"])
 def test_messages_of_other_shapes_refused(msg):
     with pytest.raises(wire.WireError):
