@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from tests.engine.test_block_manager import BLOCK_SIZE, create_manager, create_requests, free_and_assert_no_leaks, prefill
+from tests.engine.test_block_manager import (BLOCK_SIZE, create_manager, create_requests, free_and_assert_no_leaks,
+                                             prefill)
 
 
 def test_new_blocks_come_in_id_order_so_a_freed_request_returns_as_one_run():
