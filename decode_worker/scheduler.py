@@ -56,7 +56,7 @@ class Scheduler:
         if len(self.running) + len(self.remote) >= self.config.max_num_seqs:
             return False
         # No prefix caching of these blocks until their KV has arrived (see remote_kv_ready).
-        if self.kv.allocate_slots(req, req.num_prompt_tokens, num_tokens_to_cache=0) is None:
+        if self.kv.allocate_slots(req, req.num_prompt_tokens, num_tokens_to_cache=0, contiguous=True) is None:
             self.kv.free(req)  # forget hashes it may have computed
             return False
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS

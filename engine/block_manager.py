@@ -9,6 +9,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from engine.request import Request
 
 
@@ -55,6 +57,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self._free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self._is_free = bytearray([0] + [1] * (num_blocks - 1))  # 1 where the block is in the free queue
         self._cached: dict[int, Block] = {}
 
     @property
@@ -67,22 +70,29 @@ class BlockPool:
         """Fraction of the non-null blocks referenced by some request, in [0, 1]."""
         return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
 
-    def get_new_blocks(self, num_blocks: int) -> list[Block]:
-        """Take blocks from the head of the free queue, evicting their cached hashes.
+    def get_new_blocks(self, num_blocks: int, contiguous: bool = False) -> list[Block]:
+        """Take free blocks, evicting their cached hashes.
 
         Args:
             num_blocks: how many blocks to take.
+            contiguous: take the fewest stretches of consecutive block ids (the smallest free
+                stretch that holds them all, else the longest ones), wherever they are in the
+                eviction order: a KV transfer receives each stretch straight into the cache.
+                Otherwise the head of the free queue (least recently used first).
 
         Returns:
-            The blocks, each with ref_cnt == 1 and no hash, in block id order: blocks freed
-            together (a request's, tail first) come back as runs of consecutive ids, which a KV
-            transfer receives straight into the cache. Which blocks are taken (LRU) is unchanged.
+            The blocks, each with ref_cnt == 1 and no hash, in block id order (blocks freed
+            together, a request's, come back as consecutive ids).
         """
         if num_blocks < 0 or num_blocks > self.num_free_blocks:
             raise ValueError(f"cannot get {num_blocks} blocks, {self.num_free_blocks} free")
-        blocks = sorted((self._free_queue.popitem(last=False)[1] for _ in range(num_blocks)),
-                        key=lambda b: b.block_id)
+        if contiguous and num_blocks > 1:
+            blocks = [self._free_queue.pop(i) for i in self._fewest_runs(num_blocks)]
+        else:
+            blocks = sorted((self._free_queue.popitem(last=False)[1] for _ in range(num_blocks)),
+                            key=lambda b: b.block_id)
         for block in blocks:
+            self._is_free[block.block_id] = 0
             assert block.ref_cnt == 0 and block is not self.null_block
             if block.block_hash is not None:  # evict it from the prefix cache
                 evicted = self._cached.pop(block.block_hash)
@@ -90,6 +100,24 @@ class BlockPool:
                 block.block_hash = None
             block.ref_cnt = 1
         return blocks
+
+    def _fewest_runs(self, num_blocks: int) -> list[int]:
+        """Ids of `num_blocks` free blocks in as few stretches of consecutive ids as possible."""
+        free = torch.frombuffer(self._is_free, dtype=torch.int8)
+        edges = torch.diff(free, prepend=free.new_zeros(1), append=free.new_zeros(1))
+        starts, ends = (edges == 1).nonzero().flatten(), (edges == -1).nonzero().flatten()
+        lengths = ends - starts
+        longest = int(lengths.max())
+        if longest >= num_blocks:  # best fit: the smallest stretch that holds them (the lowest, on ties)
+            start = int(starts[torch.where(lengths >= num_blocks, lengths, longest + 1).argmin()])
+            return list(range(start, start + num_blocks))
+        ids: list[int] = []  # the longest stretches: at most num_blocks of them are needed
+        for j in lengths.topk(min(num_blocks, lengths.numel())).indices.tolist():
+            take = min(num_blocks - len(ids), int(lengths[j]))
+            ids += range(int(starts[j]), int(starts[j]) + take)
+            if len(ids) == num_blocks:
+                return sorted(ids)
+        raise AssertionError("fewer free blocks than counted")
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Add a reference to each block; unreferenced ones leave the free queue.
@@ -101,6 +129,7 @@ class BlockPool:
             assert block is not self.null_block
             if block.ref_cnt == 0:
                 del self._free_queue[block.block_id]
+                self._is_free[block.block_id] = 0
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[Block]) -> None:
@@ -114,6 +143,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free_queue[block.block_id] = block
+                self._is_free[block.block_id] = 1
 
     def cache_block(self, block: Block, block_hash: int) -> bool:
         """Register a full block under its hash; an existing mapping is kept, not duplicated.
@@ -214,7 +244,7 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[Block] | None = None,
-                       num_tokens_to_cache: int | None = None) -> list[Block] | None:
+                       num_tokens_to_cache: int | None = None, contiguous: bool = False) -> list[Block] | None:
         """Grow the request's block table to hold its computed and new tokens.
 
         Args:
@@ -224,6 +254,8 @@ class KVCacheManager:
             num_tokens_to_cache: how many leading tokens will hold valid KV after this step
                 (default: all of them). Blocks beyond stay out of the prefix cache until
                 `cache_blocks` says their KV is there (allocation ahead of compute or transfer).
+            contiguous: new blocks in the fewest stretches of consecutive ids, ahead of the
+                eviction order (`BlockPool.get_new_blocks`): for KV that arrives by transfer.
 
         Returns:
             The new blocks (maybe []), or None if too few are free (then nothing changed).
@@ -243,7 +275,7 @@ class KVCacheManager:
         if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
             return None
         self.block_pool.touch(hits)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks, contiguous)
         self.req_to_blocks.setdefault(req_id, []).extend(hits + new_blocks)
         self.num_cached_block.setdefault(req_id, len(hits))
         self._cache_full_blocks(request, num_tokens_needed if num_tokens_to_cache is None else num_tokens_to_cache)

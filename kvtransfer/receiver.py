@@ -114,16 +114,24 @@ class _Session:
             return
         n = wire.payload_bytes(part.num_tokens, part.num_heads, self.rx.compat.head_dim, self.rx.kv_cache.dtype)
         for layer in range(first, first + count):
-            i = self._next_write()
+            i = self._next_write()  # its buffer is free again
             if self.buffers[i].numel() < n:
                 self.buffers[i] = torch.empty(n, dtype=torch.uint8, device=self.buffers[i].device)
             try:
-                self.channel.recv(self.buffers[i][:n], self.rx.timeout_s)
-            except ChannelError as exc:  # the pair is aborted (the channel already is); the sender rebuilds it
-                self._payload_failed(msg, exc)
-            self.activity = time.monotonic()
-            self.writes[i] = self.writer.submit(self.rx._write, self, msg["request_id"], layer, part,
-                                                self.buffers[i][:n])
+                handle = self.channel.irecv(self.buffers[i][:n])
+            except Exception as exc:  # an aborted channel refuses new operations
+                self.channel.close()
+                self._payload_failed(msg, ChannelError(f"KV receive could not be posted: {str(exc)[:200]}"))
+            self.writes[i] = self.writer.submit(self._scatter, msg, layer, part, handle, self.buffers[i][:n])
+
+    def _scatter(self, msg: dict, layer: int, part: _Part, handle, payload: torch.Tensor) -> None:
+        """On the writer thread: once the layer is in the buffer, into the request's slots."""
+        try:
+            self.channel.wait(handle, self.rx.timeout_s)
+        except ChannelError as exc:  # the pair is aborted (the channel already is); the sender rebuilds it
+            self._payload_failed(msg, exc)
+        self.activity = time.monotonic()
+        self.rx._write(self, msg["request_id"], layer, part, payload)
 
     def _next_write(self) -> int:
         """The write slot to use next, once the write it held before is done."""
