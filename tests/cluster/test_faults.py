@@ -80,15 +80,19 @@ def test_kill_under_load_every_request_recovers(ray_session, tiny_path, victim):
     want = greedy_reference(tiny_path, prompts)
     with Cluster(spec_for(tiny_path)) as c:
         listeners = [Timed() for _ in prompts]
-        pids = rank_pids(c, victim)  # now: the kill must follow the burst below at once
-        half = len(prompts) // 2
+        pids = rank_pids(c, victim)  # now: the kill must follow a submit at once
+        half, killed_at = len(prompts) // 2, None
         for i, (p, lis) in enumerate(zip(prompts, listeners)):
             c.submit(f"r{i}", p, PARAMS, listener=lis)
             if i == half - 1:
                 time.sleep(0.1)  # the first half is mid-stream or prefilling, then a burst comes:
                 wait_busy(c, victim, 0.2)
-        killed_at = time.monotonic()  # the victim still holds prompts of the burst it has not prefilled
-        kill_hard(pids)
+            if i >= half - 1 and killed_at is None and not c.router.is_drained(victim):
+                # the victim holds work it has not finished (a prefill: a prompt whose KV has not
+                # reached its decode instance, which takes milliseconds; the kill takes microseconds)
+                killed_at = time.monotonic()
+                kill_hard(pids)
+        assert killed_at is not None, "the victim never held unfinished work"
         for lis in listeners:
             assert lis.done.wait(120)
         errors = [lis.events[-1][3] for lis in listeners]
@@ -96,7 +100,8 @@ def test_kill_under_load_every_request_recovers(ray_session, tiny_path, victim):
         assert [lis.tokens for lis in listeners] == want  # nothing repeated, nothing lost
         waits = [(lis.first_event_after(killed_at) or killed_at) - killed_at for lis in listeners]
         assert max(waits) <= RECOVERY_S, waits
-        assert c.router.stats["retries"] >= 1
+        # recovered by a retry elsewhere, or (a transfer cut mid-part) recomputed on the decode instance
+        assert c.router.stats["retries"] + c.router.stats["kv_recomputes"] >= 1, c.router.stats
         deadline = time.monotonic() + 120
         while not (victim not in c.instances and len([i for i in c.instances.values()
                                                       if i.role == victim.split("-")[0]]) == 2):
