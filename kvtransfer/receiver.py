@@ -1,6 +1,7 @@
 """The decode side of the KV connector's transport.
 
-A control server (control.py) accepts one connection per prefill rank; each gets a `_Session`
+A control server (control.py) accepts one connection per prefill rank; each gets a `Session`
+(session.py)
 that answers its messages (wire.py) in order and owns its data channel (channel.py):
 
     hello -> compat checked -> welcome          join  -> data channel built
@@ -24,7 +25,6 @@ import logging
 import threading
 import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -33,10 +33,11 @@ import torch.distributed as dist
 
 from kvtransfer import wire
 from kvtransfer.base import CompletedTransfer, KVReceiver
-from kvtransfer.channel import RECEIVER, ChannelError, DataChannel, open_channel
-from kvtransfer.control import ControlError, ControlGarbage, ControlServer
+from kvtransfer.channel import RECEIVER, DataChannel, open_channel
+from kvtransfer.control import ControlGarbage, ControlServer
 from kvtransfer.params import CompatRecord
 from kvtransfer.scatter import scatter_layer, slot_runs, whole_blocks
+from kvtransfer.session import Part, Session
 
 logger = logging.getLogger(__name__)
 # Each run costs two messages per layer (K, V); beyond this many, one message and a scatter is faster.
@@ -57,139 +58,6 @@ class _Expected:
     receiving: int = 0  # receives in flight straight into its slots
 
 
-@dataclass
-class _Part:
-    lo: int  # first local head
-    num_heads: int
-    num_tokens: int
-    runs: list[tuple[int, int, int]]  # received straight into the cache; [] to scatter
-    layers: int = 0
-
-
-class _Session:
-    """One prefill rank's connection: its messages, in order, on the connection's thread."""
-
-    def __init__(self, rx: TorchDistReceiver, drop):
-        self.rx, self.drop = rx, drop
-        self.sender_id, self.index = "?", None
-        self.channel: DataChannel | None = None
-        self.parts: dict[tuple[str, int], _Part] = {}  # (request id, head_start) -> begun, not done
-        self.activity = time.monotonic()
-        # two receive buffers: layer i+1 arrives in one while the writer thread scatters layer i from the other
-        self.buffers = [torch.empty(0, dtype=torch.uint8, device=rx.kv_cache.device) for _ in range(2)]
-        self.writes: list[Future | None] = [None, None]
-        self.next_buffer = 0
-        self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-write")
-
-    def __call__(self, msg: dict) -> dict | None:
-        self.activity = time.monotonic()
-        kind = msg["kind"]
-        if kind == "hello" and self.index is None:
-            return self.rx._hello(self, msg)
-        if kind == "join" and self.index is not None and self.channel is None and msg["channel"] == self.index:
-            self.channel = self.rx._open(self.index)
-            return None
-        if self.channel is None or kind not in ("begin", "layer", "done"):
-            raise ControlGarbage(f"{kind} message out of order")
-        if kind == "begin":
-            return self.rx._begin(self, msg)
-        part = self.parts.get((msg["request_id"], msg["head_start"]))
-        if part is None:
-            raise ControlGarbage(f"{kind} for a part that did not begin: {msg['request_id']}")
-        if kind == "layer":
-            return self._layer(msg, part)
-        self._written()
-        del self.parts[(msg["request_id"], msg["head_start"])]
-        return self.rx._done(self, msg, part)
-
-    def _layer(self, msg: dict, part: _Part) -> None:
-        """The announced layers arrive while the ones before are written (or still arriving, when
-        received straight into the cache)."""
-        first, count = msg["layer"], msg["count"]
-        if not (0 <= first and 0 < count and first + count <= self.rx.compat.num_layers):
-            raise ControlGarbage(f"layers {first} + {count} of {self.rx.compat.num_layers}")
-        if part.runs:
-            i = self._next_write()
-            self.writes[i] = self.writer.submit(self._land, msg, part, *self._post_direct(msg, part))
-            return
-        n = wire.payload_bytes(part.num_tokens, part.num_heads, self.rx.compat.head_dim, self.rx.kv_cache.dtype)
-        for layer in range(first, first + count):
-            i = self._next_write()  # its buffer is free again
-            if self.buffers[i].numel() < n:
-                self.buffers[i] = torch.empty(n, dtype=torch.uint8, device=self.buffers[i].device)
-            try:
-                handle = self.channel.irecv(self.buffers[i][:n])
-            except Exception as exc:  # an aborted channel refuses new operations
-                self.channel.close()
-                self._payload_failed(msg, ChannelError(f"KV receive could not be posted: {str(exc)[:200]}"))
-            self.writes[i] = self.writer.submit(self._scatter, msg, layer, part, handle, self.buffers[i][:n])
-
-    def _scatter(self, msg: dict, layer: int, part: _Part, handle, payload: torch.Tensor) -> None:
-        """On the writer thread: once the layer is in the buffer, into the request's slots."""
-        try:
-            self.channel.wait(handle, self.rx.timeout_s)
-        except ChannelError as exc:  # the pair is aborted (the channel already is); the sender rebuilds it
-            self._payload_failed(msg, exc)
-        self.activity = time.monotonic()
-        self.rx._write(self, msg["request_id"], layer, part, payload)
-
-    def _next_write(self) -> int:
-        """The write slot to use next, once the write it held before is done."""
-        i = self.next_buffer
-        self.next_buffer = 1 - i
-        self._written(i)
-        return i
-
-    def _post_direct(self, msg: dict, part: _Part) -> tuple:
-        """Posts receives of the layers' K and V of each run straight into the request's slots (or,
-        if it was cancelled, into a buffer that is dropped). Returns (its _Expected, handles, error)."""
-        e = self.rx._receiving(msg["request_id"])
-        handles, error = [], None
-        try:  # all posted at once: the sender's posted sends meet them without a round trip each
-            for layer in range(msg["layer"], msg["layer"] + msg["count"]):
-                cache = self.rx.kv_cache[layer].view(2, self.rx.num_slots, -1)  # (2, slots, heads * head_dim)
-                for _, length, slot in part.runs:
-                    dsts = cache[:, slot:slot + length] if e is not None else torch.empty_like(cache[:, :length])
-                    handles += [self.channel.irecv(dst.view(torch.uint8)) for dst in dsts]
-        except Exception as exc:  # an aborted channel refuses new operations
-            self.channel.close()
-            error = ChannelError(f"KV receive could not be posted: {str(exc)[:200]}")
-        return e, handles, error
-
-    def _land(self, msg: dict, part: _Part, e: _Expected | None, handles: list, error: Exception | None) -> None:
-        """On the writer thread: waits for every posted receive to end (after a failure the channel
-        is aborted: at once), then releases the request's slots to cancel()."""
-        for handle in handles:
-            try:
-                self.channel.wait(handle, self.rx.timeout_s)
-            except ChannelError as exc:
-                error = error or exc
-        num_bytes = msg["count"] * wire.payload_bytes(part.num_tokens, part.num_heads, self.rx.compat.head_dim,
-                                                      self.rx.kv_cache.dtype)
-        self.rx._received(msg["request_id"], part, e, msg["count"] if error is None else 0, num_bytes)
-        if error is not None:
-            self._payload_failed(msg, error)
-        self.activity = time.monotonic()
-
-    def _payload_failed(self, msg: dict, exc: Exception):
-        self.rx._count("payload_failures")
-        logger.warning("KV from %s: payload of %s layer %d: %s", self.sender_id, msg["request_id"], msg["layer"], exc)
-        raise ControlError(str(exc)) from None
-
-    def _written(self, i: int | None = None) -> None:
-        """Waits for the write from buffer `i` (None: both) to finish; its error is this session's."""
-        for k in (0, 1) if i is None else (i,):
-            if self.writes[k] is not None:
-                self.writes[k], future = None, self.writes[k]
-                future.result()
-
-    def close(self) -> None:
-        self.writer.shutdown(wait=True)
-        if self.channel is not None:
-            self.channel.close()
-        self.rx._closed_session(self)
-
-
 class TorchDistReceiver(KVReceiver):
     def __init__(self, compat: CompatRecord, kv_cache: torch.Tensor, head_offset: int, host: str = "127.0.0.1",
                  timeout_s: float = 10.0):
@@ -207,8 +75,8 @@ class TorchDistReceiver(KVReceiver):
         self._completed: list[CompletedTransfer] = []
         self._failed: list[tuple[str, str]] = []
         self._stats: Counter = Counter()
-        self._sessions: set[_Session] = set()
-        self._control = ControlServer(host, lambda drop: _Session(self, drop), wire.SCHEMA)
+        self._sessions: set[Session] = set()
+        self._control = ControlServer(host, lambda drop: Session(self, drop), wire.SCHEMA)
 
     @property
     def endpoint_address(self) -> tuple[str, int]:
@@ -274,7 +142,7 @@ class TorchDistReceiver(KVReceiver):
             self._failed.append((rid, reason))
             self._stats["failed"] += 1
 
-    def _hello(self, session: _Session, msg: dict) -> dict:
+    def _hello(self, session: Session, msg: dict) -> dict:
         reply = {"kind": "welcome", "ok": False, "error": None, "compat": self.compat.to_dict(),
                  "store_port": self._store.port, "channel": -1}
         try:
@@ -304,7 +172,7 @@ class TorchDistReceiver(KVReceiver):
         except (RuntimeError, OSError) as exc:  # the sender did not join in time
             raise ControlGarbage(f"data channel {index} was not built: {exc}") from None
 
-    def _begin(self, session: _Session, msg: dict) -> dict:
+    def _begin(self, session: Session, msg: dict) -> dict:
         rid, lo = msg["request_id"], msg["head_start"] - self.head_offset
         reply = {"kind": "ready", "request_id": rid, "ok": False, "error": None, "runs": []}
         n_heads = msg["head_end"] - msg["head_start"]
@@ -320,7 +188,7 @@ class TorchDistReceiver(KVReceiver):
                 self._fail(rid, reply["error"])
             else:
                 direct = lo == 0 and n_heads == self.num_local_heads and len(e.runs) <= MAX_DIRECT_RUNS
-                part = _Part(lo, n_heads, msg["num_tokens"], e.runs if direct else [])
+                part = Part(lo, n_heads, msg["num_tokens"], e.runs if direct else [])
                 session.parts[(rid, msg["head_start"])] = part
                 e.sessions.add(session)
                 e.last_activity = time.monotonic()
@@ -335,7 +203,7 @@ class TorchDistReceiver(KVReceiver):
                 e.receiving += 1
             return e
 
-    def _received(self, rid: str, part: _Part, e: _Expected | None, layers: int, num_bytes: int) -> None:
+    def _received(self, rid: str, part: Part, e: _Expected | None, layers: int, num_bytes: int) -> None:
         """Ends what `_receiving` began (e: what it returned): `layers` of the part landed."""
         with self._lock:
             self._stats["bytes_received"] += num_bytes
@@ -349,7 +217,7 @@ class TorchDistReceiver(KVReceiver):
             self._stats["layers_direct"] += layers
             e.last_activity = time.monotonic()
 
-    def _write(self, session: _Session, rid: str, layer: int, part: _Part, payload: torch.Tensor) -> None:
+    def _write(self, session: Session, rid: str, layer: int, part: Part, payload: torch.Tensor) -> None:
         kv = payload.view(self.kv_cache.dtype).view(2, part.num_tokens, part.num_heads, self.compat.head_dim)
         with self._lock:
             self._stats["bytes_received"] += payload.numel()
@@ -363,7 +231,7 @@ class TorchDistReceiver(KVReceiver):
             self._stats["layers_scattered"] += 1
             e.last_activity = time.monotonic()
 
-    def _done(self, session: _Session, msg: dict, part: _Part) -> dict:
+    def _done(self, session: Session, msg: dict, part: Part) -> dict:
         rid = msg["request_id"]
         reply = {"kind": "ack", "request_id": rid, "ok": False, "error": None}
         session.channel.settle(self.timeout_s)  # CUDA: this part's writes are done before admission
@@ -388,7 +256,7 @@ class TorchDistReceiver(KVReceiver):
         reply["ok"] = True
         return reply
 
-    def _closed_session(self, session: _Session) -> None:
+    def _closed_session(self, session: Session) -> None:
         with self._lock:
             self._sessions.discard(session)
             for rid, _ in session.parts:

@@ -1,0 +1,158 @@
+"""One prefill rank's connection to a KV receiver (receiver.py): its control messages, answered
+in order on the connection's thread, and its data channel. A layer's receives are posted at once;
+a writer thread waits for them (and scatters a buffer into the request's slots) while later
+layers arrive, at most RECEIVE_DEPTH layers or spans in flight."""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtransfer import wire
+from kvtransfer.channel import ChannelError, DataChannel
+from kvtransfer.control import ControlError, ControlGarbage
+
+if TYPE_CHECKING:
+    from kvtransfer.receiver import TorchDistReceiver, _Expected
+
+logger = logging.getLogger(__name__)
+# Layers (or announced spans, received straight into the cache) posted and not yet written, per
+# connection; each scattered one holds a buffer of its size. 4 measured faster than 2 (8: no better).
+RECEIVE_DEPTH = 4
+
+
+@dataclass
+class Part:
+    lo: int  # first local head
+    num_heads: int
+    num_tokens: int
+    runs: list[tuple[int, int, int]]  # received straight into the cache; [] to scatter
+    layers: int = 0
+
+
+class Session:
+    """One prefill rank's connection: its messages, in order, on the connection's thread."""
+
+    def __init__(self, rx: TorchDistReceiver, drop):
+        self.rx, self.drop = rx, drop
+        self.sender_id, self.index = "?", None
+        self.channel: DataChannel | None = None
+        self.parts: dict[tuple[str, int], Part] = {}  # (request id, head_start) -> begun, not done
+        self.activity = time.monotonic()
+        # receive buffers: later layers arrive in some while the writer thread scatters one from another
+        self.buffers = [torch.empty(0, dtype=torch.uint8, device=rx.kv_cache.device) for _ in range(RECEIVE_DEPTH)]
+        self.writes: list[Future | None] = [None] * RECEIVE_DEPTH
+        self.next_buffer = 0
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-write")
+
+    def __call__(self, msg: dict) -> dict | None:
+        self.activity = time.monotonic()
+        kind = msg["kind"]
+        if kind == "hello" and self.index is None:
+            return self.rx._hello(self, msg)
+        if kind == "join" and self.index is not None and self.channel is None and msg["channel"] == self.index:
+            self.channel = self.rx._open(self.index)
+            return None
+        if self.channel is None or kind not in ("begin", "layer", "done"):
+            raise ControlGarbage(f"{kind} message out of order")
+        if kind == "begin":
+            return self.rx._begin(self, msg)
+        part = self.parts.get((msg["request_id"], msg["head_start"]))
+        if part is None:
+            raise ControlGarbage(f"{kind} for a part that did not begin: {msg['request_id']}")
+        if kind == "layer":
+            return self._layer(msg, part)
+        self._written()
+        del self.parts[(msg["request_id"], msg["head_start"])]
+        return self.rx._done(self, msg, part)
+
+    def _layer(self, msg: dict, part: Part) -> None:
+        """The announced layers arrive while the ones before are written (or still arriving, when
+        received straight into the cache)."""
+        first, count = msg["layer"], msg["count"]
+        if not (0 <= first and 0 < count and first + count <= self.rx.compat.num_layers):
+            raise ControlGarbage(f"layers {first} + {count} of {self.rx.compat.num_layers}")
+        if part.runs:
+            i = self._next_write()
+            self.writes[i] = self.writer.submit(self._land, msg, part, *self._post_direct(msg, part))
+            return
+        n = wire.payload_bytes(part.num_tokens, part.num_heads, self.rx.compat.head_dim, self.rx.kv_cache.dtype)
+        for layer in range(first, first + count):
+            i = self._next_write()  # its buffer is free again
+            if self.buffers[i].numel() < n:
+                self.buffers[i] = torch.empty(n, dtype=torch.uint8, device=self.buffers[i].device)
+            try:
+                handle = self.channel.irecv(self.buffers[i][:n])
+            except Exception as exc:  # an aborted channel refuses new operations
+                self.channel.close()
+                self._payload_failed(msg, ChannelError(f"KV receive could not be posted: {str(exc)[:200]}"))
+            self.writes[i] = self.writer.submit(self._scatter, msg, layer, part, handle, self.buffers[i][:n])
+
+    def _scatter(self, msg: dict, layer: int, part: Part, handle, payload: torch.Tensor) -> None:
+        """On the writer thread: once the layer is in the buffer, into the request's slots."""
+        try:
+            self.channel.wait(handle, self.rx.timeout_s)
+        except ChannelError as exc:  # the pair is aborted (the channel already is); the sender rebuilds it
+            self._payload_failed(msg, exc)
+        self.activity = time.monotonic()
+        self.rx._write(self, msg["request_id"], layer, part, payload)
+
+    def _next_write(self) -> int:
+        """The write slot to use next, once the write it held before is done."""
+        i = self.next_buffer
+        self.next_buffer = (i + 1) % RECEIVE_DEPTH
+        self._written(i)
+        return i
+
+    def _post_direct(self, msg: dict, part: Part) -> tuple:
+        """Posts receives of the layers' K and V of each run straight into the request's slots (or,
+        if it was cancelled, into a buffer that is dropped). Returns (its _Expected, handles, error)."""
+        e = self.rx._receiving(msg["request_id"])
+        handles, error = [], None
+        try:  # all posted at once: the sender's posted sends meet them without a round trip each
+            for layer in range(msg["layer"], msg["layer"] + msg["count"]):
+                cache = self.rx.kv_cache[layer].view(2, self.rx.num_slots, -1)  # (2, slots, heads * head_dim)
+                for _, length, slot in part.runs:
+                    dsts = cache[:, slot:slot + length] if e is not None else torch.empty_like(cache[:, :length])
+                    handles += [self.channel.irecv(dst.view(torch.uint8)) for dst in dsts]
+        except Exception as exc:  # an aborted channel refuses new operations
+            self.channel.close()
+            error = ChannelError(f"KV receive could not be posted: {str(exc)[:200]}")
+        return e, handles, error
+
+    def _land(self, msg: dict, part: Part, e: _Expected | None, handles: list, error: Exception | None) -> None:
+        """On the writer thread: waits for every posted receive to end (after a failure the channel
+        is aborted: at once), then releases the request's slots to cancel()."""
+        for handle in handles:
+            try:
+                self.channel.wait(handle, self.rx.timeout_s)
+            except ChannelError as exc:
+                error = error or exc
+        num_bytes = msg["count"] * wire.payload_bytes(part.num_tokens, part.num_heads, self.rx.compat.head_dim,
+                                                      self.rx.kv_cache.dtype)
+        self.rx._received(msg["request_id"], part, e, msg["count"] if error is None else 0, num_bytes)
+        if error is not None:
+            self._payload_failed(msg, error)
+        self.activity = time.monotonic()
+
+    def _payload_failed(self, msg: dict, exc: Exception):
+        self.rx._count("payload_failures")
+        logger.warning("KV from %s: payload of %s layer %d: %s", self.sender_id, msg["request_id"], msg["layer"], exc)
+        raise ControlError(str(exc)) from None
+
+    def _written(self, i: int | None = None) -> None:
+        """Waits for the write from buffer `i` (None: both) to finish; its error is this session's."""
+        for k in range(RECEIVE_DEPTH) if i is None else (i,):
+            if self.writes[k] is not None:
+                self.writes[k], future = None, self.writes[k]
+                future.result()
+
+    def close(self) -> None:
+        self.writer.shutdown(wait=True)
+        if self.channel is not None:
+            self.channel.close()
+        self.rx._closed_session(self)
