@@ -1,8 +1,7 @@
 """The decode side of the KV connector's transport.
 
 A control server (control.py) accepts one connection per prefill rank; each gets a `Session`
-(session.py)
-that answers its messages (wire.py) in order and owns its data channel (channel.py):
+(session.py) that answers its messages (wire.py) in order and owns its data channel (channel.py):
 
     hello -> compat checked -> welcome          join  -> data channel built
     begin -> the request's slots are reserved here? -> ready (ok, or why not; the runs)
