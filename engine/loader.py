@@ -22,7 +22,6 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig, parse_dtype
-from engine.gguf_loader import gguf_model_config, iter_gguf_weights
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +128,10 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
         path: anything `resolve_model_path` accepts.
     """
     path = resolve_model_path(path)
-    return gguf_model_config(path) if _is_gguf(path) else hf_model_config(path)
+    if _is_gguf(path):
+        from engine.gguf_loader import gguf_model_config  # gguf is needed for GGUF files only
+        return gguf_model_config(path)
+    return hf_model_config(path)
 
 
 def _iter_safetensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -159,6 +161,7 @@ def load_weights(path: str | os.PathLike, dtype: torch.dtype | str,
     path = resolve_model_path(path)
     dtype = parse_dtype(dtype)
     if _is_gguf(path):
+        from engine.gguf_loader import iter_gguf_weights
         yield from iter_gguf_weights(path, dtype, cache_dir)
     else:
         yield from _iter_safetensors(path, dtype)

@@ -12,14 +12,12 @@ import logging
 import os
 from pathlib import Path
 
-import gguf
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from engine.gguf_loader import read_gguf_metadata
 from engine.loader import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -136,6 +134,9 @@ class Tokenizer:
 
     @classmethod
     def _from_gguf(cls, path: Path) -> Tokenizer:
+        import gguf  # needed for GGUF files only
+
+        from engine.gguf_loader import read_gguf_metadata
         meta = read_gguf_metadata(gguf.GGUFReader(path))
         tokens = meta["tokenizer.ggml.tokens"]
         bos_id, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
