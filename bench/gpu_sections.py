@@ -7,7 +7,8 @@ Ray, fastapi, pydantic, gguf or flash-attn.
               equal up to the first near-tie (transformers' top-2 logit gap under 1e-2, or under
               two bf16 steps at that logit's size, which is all a bf16 logit resolves)
     decode    decode ms/step (eager) at several batch sizes on a random-weight ~8B-shaped Llama built
-              on the device, against the step time its bytes take at the measured copy bandwidth
+              on the device, against the step time its bytes take at the measured copy bandwidth;
+              its KV pool sized from the device (gpu_memory_utilization 0.4), and what that took
     ipc_copy  copying scattered KV blocks out of another process's device tensor (CUDA IPC) against
               the same copy inside one process
 
@@ -36,14 +37,15 @@ class Plan:
     batch_sizes: tuple[int, ...] = (1, 32, 128)
     prompt_len: int = 128
     output_len: int = 64
-    kv_gib: float = 16.0
+    gpu_memory_utilization: float = 0.4  # of 139 GiB: ~15 GiB of weights, the rest KV and activations
+    kv_gib: float = 0.02  # the CPU stand-in's KV
     ipc_mib: int = 1024
     stand_ins: tuple[str, ...] = ()
 
     @classmethod
     def dry_run(cls) -> Plan:
         return cls(device="cpu", big=dict(TINY, num_hidden_layers=2), batch_sizes=(1, 4), prompt_len=16,
-                   output_len=8, kv_gib=0.02, ipc_mib=8,
+                   output_len=8, ipc_mib=8,
                    stand_ins=("cpu for cuda", "a 2-layer tiny Llama for the ~8B shape",
                               "shared memory for CUDA IPC", "batches 1 and 4, 8 tokens each"))
 
@@ -215,14 +217,20 @@ def decode(plan: Plan) -> dict:
     from transformers import LlamaConfig
     cfg = LlamaConfig(**plan.big, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)
     mc = model_config_of(cfg, "random-8b-shape")
-    llm, runner = _llm(plan, mc, _random_weights(cfg, plan.device), dict(memory_gib=plan.kv_gib, block_size=16),
+    kv = dict(memory_gib=plan.kv_gib, gpu_memory_utilization=plan.gpu_memory_utilization, block_size=16)
+    llm, runner = _llm(plan, mc, _random_weights(cfg, plan.device), kv,
                        max_num_seqs=max(plan.batch_sizes),
                        max_num_batched_tokens=max(4096, max(plan.batch_sizes) * plan.prompt_len))
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     bw = copy_gbps(plan.device, min(2 << 30, weight_bytes))
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
     out = {"shape": plan.big, "weight_gib": weight_bytes / 2**30, "copy_GBps": bw, "backend": runner.backend.name,
-           "cuda_graphs": False, "batches": {}}
+           "cuda_graphs": False, "kv_blocks": runner.num_blocks, "kv_block_size": runner.block_size,
+           "kv_gib": runner.kv_cache.numel() * runner.kv_cache.element_size() / 2**30, "batches": {}}
+    if plan.device.startswith("cuda"):  # KV sized from the device: this process must stay within its fraction
+        out["gpu_memory_utilization"] = plan.gpu_memory_utilization
+        out["reserved_gib"] = torch.cuda.memory_reserved() / 2**30
+        out["total_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
     for batch in plan.batch_sizes:
         llm.generate(_prompts(batch, plan.prompt_len, mc.vocab_size, 1000 + batch), _greedy(4))  # warm-up
         outs = llm.generate(_prompts(batch, plan.prompt_len, mc.vocab_size, 2000 + batch), _greedy(plan.output_len))

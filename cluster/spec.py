@@ -48,8 +48,10 @@ _HELP = {
     "host": "gateway bind address",
     "port": "gateway port (0 = any free port)",
     "block_size": "tokens per KV block",
-    "kv_memory_gib": "KV cache memory budget per rank, GiB (ignored when --num-kv-blocks is set)",
-    "num_kv_blocks": "fixed number of KV blocks per rank",
+    "kv_memory_gib": "KV cache memory budget per rank on a CPU, GiB (ignored when --num-kv-blocks is set)",
+    "gpu_memory_utilization": "fraction of its GPU's memory one rank may use for weights, activations and KV; "
+                              "KV gets what a profiling forward leaves (ignored when --num-kv-blocks is set)",
+    "num_kv_blocks": "fixed number of KV blocks per rank, of the block size the attention backend uses",
     "max_num_seqs": "most sequences running at once per instance",
     "max_num_batched_tokens": "token budget per engine step; long prompts are chunked to fit",
     "attention_backend": "auto (flash_attn when importable on CUDA, else torch), torch or flash_attn",
@@ -101,8 +103,9 @@ class ClusterSpec:
     port: int = 8000
     # KV cache and scheduling (per rank)
     block_size: int = 16
-    kv_memory_gib: float = 1.0
-    num_kv_blocks: int | None = None  # overrides kv_memory_gib when set
+    kv_memory_gib: float = 1.0  # CPU
+    gpu_memory_utilization: float = 0.9  # GPU
+    num_kv_blocks: int | None = None  # overrides both when set
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
@@ -190,6 +193,8 @@ class ClusterSpec:
         for name in ("scale_headroom", "scale_up_cooldown_s", "scale_down_cooldown_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.port > 65535:
             raise ValueError(f"port must be <= 65535, got {self.port}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -219,6 +224,7 @@ class ClusterSpec:
     @property
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=self.num_kv_blocks, memory_gib=self.kv_memory_gib,
+                           gpu_memory_utilization=self.gpu_memory_utilization,
                            enable_prefix_caching=self.enable_prefix_caching)
 
     @property

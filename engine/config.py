@@ -75,9 +75,12 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    # Either a fixed number of blocks, or a memory budget from which the runner derives it.
+    # A fixed number of blocks (of the block size the attention backend uses), else a budget the
+    # runner derives it from: on a GPU, this fraction of the device's memory for this instance's
+    # process (weights, activation peak and KV); on a CPU, memory_gib of KV.
     num_blocks: int | None = None
     memory_gib: float = 1.0
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
 
 

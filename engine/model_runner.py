@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata, create_attention_backend
-from engine.batch import RunnerOutput, SchedulerOutput
+from engine.batch import NewRequestData, RunnerOutput, SchedulerOutput
 from engine.config import EngineConfig, ModelConfig, cpu_has_native_bf16, resolve_dtype
-from engine.kv_cache import allocate_kv_cache, num_blocks_for
+from engine.kv_cache import allocate_kv_cache, blocks_from_device, kv_block_bytes, num_blocks_for
 from engine.loader import load_model_config, load_weights, resolve_model_path
 from engine.model import LlamaForCausalLM
 from engine.parallel import (PackableLinear, ParallelLMHead, TPGroup, VocabParallelEmbedding,
@@ -70,13 +70,49 @@ class ModelRunner:
         self.backend = create_attention_backend(config.attention_backend, self.device, self.dtype)
         self.block_size = self.backend.block_size_for(config.cache.block_size)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
-        self.num_blocks = num_blocks_for(config.cache, model_config, self.num_kv_heads, self.block_size, self.dtype)
-        self.kv_cache = allocate_kv_cache(model_config, self.num_kv_heads, self.num_blocks, self.block_size,
-                                          self.dtype, self.device)
         self.sampler = Sampler()
         self.requests: dict[str, _RequestState] = {}
+        self.num_blocks = self._num_blocks()
+        self.kv_cache = allocate_kv_cache(model_config, self.num_kv_heads, self.num_blocks, self.block_size,
+                                          self.dtype, self.device)
         logger.info("model runner: %s on %s, dtype %s, attention %s, %d KV blocks of %d tokens",
                     model_config.name, self.device, self.dtype, self.backend.name, self.num_blocks, self.block_size)
+
+    def _num_blocks(self) -> int:
+        """KV blocks of `self.block_size` tokens: fixed, from the GPU's memory after a profiling
+        forward (the least over the TP ranks), or from the CPU budget."""
+        cache, mc = self.config.cache, self.model_config
+        block_bytes = kv_block_bytes(mc, self.num_kv_heads, self.block_size, self.dtype)
+        if cache.num_blocks is not None:
+            n = cache.num_blocks
+        elif self.device.type == "cuda":
+            n = blocks_from_device(self, block_bytes)
+            if self.tp is not None and self.tp.size > 1:
+                n = min(self.tp.all_gather_object(n))
+        else:
+            n = num_blocks_for(cache, mc, self.num_kv_heads, self.block_size, self.dtype)
+        if self.block_size != cache.block_size:
+            logger.warning("KV blocks are %d tokens (block size %d rounded up by the %s backend): %d blocks hold "
+                           "%d tokens", self.block_size, cache.block_size, self.backend.name, n, n * self.block_size)
+        logger.info("KV cache: %d blocks x %d tokens = %.2f GiB", n, self.block_size, n * block_bytes / 2**30)
+        return n
+
+    def profile_forward(self, num_tokens: int) -> None:
+        """One prefill of `num_tokens` tokens through a KV pool just big enough for it, which is
+        dropped afterwards (the runner's own pool, if it has one, is put back): the activation
+        peak of the largest step the scheduler may make."""
+        num_tokens = min(num_tokens, self.model_config.max_position_embeddings)
+        blocks = -(-num_tokens // self.block_size)
+        pool = getattr(self, "kv_cache", None)
+        self.kv_cache = allocate_kv_cache(self.model_config, self.num_kv_heads, blocks + 1, self.block_size, self.dtype,
+                                          self.device)
+        req = NewRequestData("profile", [1] * num_tokens, 0, list(range(1, blocks + 1)),
+                             SamplingParams(max_tokens=1, temperature=0.0), True)
+        try:
+            self.execute(SchedulerOutput(new_requests=[req]))
+        finally:
+            self.update_states(SchedulerOutput(finished_req_ids=["profile"]))
+            self.kv_cache = pool
 
     def _load_model(self, path, weights) -> LlamaForCausalLM:
         start = time.perf_counter()

@@ -57,6 +57,7 @@ def test_dry_run_runs_every_section_with_only_what_the_gpu_machine_has(tmp_path)
     assert s["engine"]["ok"] and {"auto", "torch"} <= set(s["engine"])
     assert all(len(s["engine"][b]["prompts"]) == 4 for b in ("auto", "torch"))
     assert set(s["decode"]["batches"]) == {"1", "4"} and s["decode"]["cuda_graphs"] is False
+    assert s["decode"]["kv_blocks"] >= 2 and s["decode"]["kv_gib"] > 0
     assert all(b["ms_per_step"] > 0 and b["bytes_bound_ms"] > 0 for b in s["decode"]["batches"].values())
     assert s["ipc_copy"]["from_other_process_GBps"] > 0 and s["ipc_copy"]["within_process_GBps"] > 0
     assert all("error" not in v and v["seconds"] > 0 for v in s.values())
