@@ -59,13 +59,14 @@ class RankActor:
 
     def describe(self) -> dict:
         """What a controller that did not start this rank needs to adopt it: role, instance_id,
-        tp_size, rank, ready (model loaded, TP group joined), kv_endpoint, max_model_len, placement,
+        tp_size, rank, ready (model loaded, TP group joined), kv_endpoint, max_model_len, block_size, placement,
         config (the EngineConfig it runs)."""
         config, role, instance_id, rank, tp_size = self._args
         ready = self.host is not None and (rank > 0 or self._complete)
         return {"role": role, "instance_id": instance_id, "tp_size": tp_size, "rank": rank, "ready": ready,
                 "kv_endpoint": self.host.kv_endpoint() if ready else None,
-                "max_model_len": self.host.max_model_len if ready else 0, "placement": self.placement(),
+                "max_model_len": self.host.max_model_len if ready else 0,
+                "block_size": self.host.block_size if ready else 0, "placement": self.placement(),
                 "config": config}
 
     def mark_complete(self) -> None:
@@ -85,6 +86,9 @@ class RankActor:
 
     def max_model_len(self) -> int:
         return self.host.max_model_len
+
+    def block_size(self) -> int:
+        return self.host.block_size
 
     def pid(self) -> int:
         """This rank's process id (fault-injection tests kill it)."""

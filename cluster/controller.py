@@ -254,7 +254,7 @@ class Controller(Adoption):
         info = inst.client.info
         self.state.register(InstanceRecord(inst.instance_id, inst.role, inst.tp_size,
                                            [(e.host, e.port) for e in info.kv_endpoints],
-                                           max_model_len=info.max_model_len,
+                                           max_model_len=info.max_model_len, block_size=info.block_size,
                                            ranks=[(p.node_ip, p.pid) for p in inst.placements]))
 
     def _create_local(self, role: str, iid: str) -> Instance:
@@ -262,7 +262,8 @@ class Controller(Adoption):
         host = RankHost(self.spec.engine_config(role), role, iid, kv_timeout_s=self.spec.kv_transfer_timeout_s,
                         client_ttl_s=self.spec.client_ttl_s)
         ep = host.kv_endpoint()
-        info = InstanceInfo(iid, role, 1, (ep,) if ep else (), max_model_len=host.max_model_len)
+        info = InstanceInfo(iid, role, 1, (ep,) if ep else (), max_model_len=host.max_model_len,
+                            block_size=host.block_size)
         client = (LocalPrefillClient if role == "prefill" else LocalDecodeClient)(info, host.worker)
         return Instance(iid, role, 1, [host], client, placements=[nodes.RankPlacement(0, nodes.LOOPBACK, os.getpid())])
 
@@ -307,7 +308,8 @@ class Controller(Adoption):
             ray.get(actors[0].set_followers.remote(actors[1:]))
         ray.get(actors[0].mark_complete.remote())
         info = InstanceInfo(iid, role, tp, tuple(endpoints) if role == "decode" else (),
-                            max_model_len=ray.get(actors[0].max_model_len.remote()))
+                            max_model_len=ray.get(actors[0].max_model_len.remote()),
+                            block_size=ray.get(actors[0].block_size.remote()))
         return Instance(iid, role, tp, actors, self._ray_client(info, actors[0]), pg, placements=placements,
                         node_id=node.node_id)
 

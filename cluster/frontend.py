@@ -35,18 +35,24 @@ STATS_S = 1.0
 
 
 def create_router(spec: ClusterSpec, state: ClusterState, prefill: list, decode: list) -> Router:
-    """The router the spec asks for (its policy reads the prefix index in `state`)."""
-    policy_kw = {}
+    """The router the spec asks for (its policy reads the prefix index in `state`, in blocks of the
+    size the prefill instances' engines use: the attention backend may round the spec's)."""
+    policy_kw, router = {}, None
     if spec.router_policy == "prefix_aware":
+        def block_size() -> int:
+            sizes = [c.info.block_size for c in router.prefill.values() if c.info.block_size] if router else []
+            return min(sizes) if sizes else spec.block_size  # a pool runs one engine config
+
         def cached(prompt: list[int]) -> dict[str, int]:
-            return state.longest_prefix(block_hashes(prompt, spec.block_size), role="prefill")
+            return state.longest_prefix(block_hashes(prompt, block_size()), role="prefill")
 
         def record(instance_id: str, prompt: list[int]) -> None:
-            state.add_block_hashes(instance_id, block_hashes(prompt, spec.block_size))
+            state.add_block_hashes(instance_id, block_hashes(prompt, block_size()))
         policy_kw = {"cached_prefix": cached, "record": record}
     recompute = spec.kv_recompute_max_tokens if spec.kv_load_failure_policy == "recompute" else 0
-    return Router(prefill, decode, create_routing_policy(spec.router_policy, **policy_kw), mode=spec.mode,
-                  disagg_threshold_tokens=spec.disagg_threshold_tokens, kv_recompute_max_tokens=recompute)
+    router = Router(prefill, decode, create_routing_policy(spec.router_policy, **policy_kw), mode=spec.mode,
+                    disagg_threshold_tokens=spec.disagg_threshold_tokens, kv_recompute_max_tokens=recompute)
+    return router
 
 
 def publish_stats(router: Router, state: ClusterState, stop: threading.Event, ttl_s: float) -> None:
@@ -177,7 +183,8 @@ class Frontend(Serving):
                 self._missing.add(iid)
             return
         endpoints = tuple(KVEndpoint(iid, rank, host, port) for rank, (host, port) in enumerate(record.kv_endpoints))
-        info = InstanceInfo(iid, record.role, record.tp_size, endpoints, max_model_len=record.max_model_len)
+        info = InstanceInfo(iid, record.role, record.tp_size, endpoints, max_model_len=record.max_model_len,
+                            block_size=record.block_size)
         client = (RayPrefillClient if record.role == "prefill" else RayDecodeClient)(info, actor,
                                                                                      self.spec.heartbeat_ttl_s)
         placements = [RankPlacement(r, host, pid) for r, (host, pid) in enumerate(record.ranks)]

@@ -88,6 +88,11 @@ class RankHost:
         w = self.worker
         return w.scheduler.max_model_len if self.role == "prefill" else w.engine.max_model_len
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block this rank's engine uses."""
+        return self.runner.block_size
+
     def kv_endpoint(self) -> KVEndpoint | None:
         if self.receiver is None:
             return None

@@ -80,14 +80,14 @@ class RedisState(ClusterState):
         return InstanceRecord(instance_id=instance_id, role=values["role"], tp_size=values["tp_size"],
                               kv_endpoints=[tuple(e) for e in values["kv_endpoints"]], health=values["health"],
                               load=load, updated_at=values["updated_at"],
-                              max_model_len=values.get("max_model_len", 0),
+                              max_model_len=values.get("max_model_len", 0), block_size=values.get("block_size", 0),
                               ranks=[tuple(r) for r in values.get("ranks", [])])
 
     def register(self, record: InstanceRecord) -> None:
         i = record.instance_id
         fields = {"role": record.role, "tp_size": record.tp_size,
                   "kv_endpoints": [list(e) for e in record.kv_endpoints], "health": record.health,
-                  "updated_at": time.time(), "max_model_len": record.max_model_len,
+                  "updated_at": time.time(), "max_model_len": record.max_model_len, "block_size": record.block_size,
                   "ranks": [list(r) for r in record.ranks],
                   **{_LOAD_PREFIX + k: float(v) for k, v in record.load.items()}}
         with self._redis.pipeline(transaction=True) as pipe:

@@ -36,6 +36,7 @@ class InstanceRecord:
         load: load figures, e.g. queued_prefill_tokens, running, waiting, kv_usage.
         updated_at: wall-clock time of the last write, stamped by the state backend.
         max_model_len: the longest prompt + output the instance holds (0: unknown).
+        block_size: tokens per KV block its engine uses (0: unknown).
         ranks: (node address, process id) of each rank, rank order; a gateway shows them.
     """
 
@@ -48,6 +49,7 @@ class InstanceRecord:
     updated_at: float = 0.0
     max_model_len: int = 0
     ranks: list[tuple[str, int]] = field(default_factory=list)
+    block_size: int = 0
 
     def __post_init__(self):
         if not self.instance_id:

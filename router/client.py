@@ -27,6 +27,7 @@ class InstanceInfo:
     healthy: bool = True
     draining: bool = False  # being taken out: no new requests, running ones finish
     max_model_len: int = 0  # longest sequence (prompt + output) the instance can hold
+    block_size: int = 0  # tokens per KV block its engine uses (the attention backend may round the spec's); 0: unknown
 
 
 class PrefillClient(ABC):

@@ -49,10 +49,11 @@ def ids(records) -> list[str]:
 def test_register_get_list_update_remove(state):
     """Records round-trip field by field, load updates merge, get returns a copy, remove forgets."""
     before = time.time()
-    state.register(create_record("d0", "decode", tp_size=2, load={"running": 1}))
+    state.register(create_record("d0", "decode", tp_size=2, load={"running": 1}, max_model_len=4096, block_size=256))
     state.register(create_record("p0", "prefill"))
     d0 = state.get("d0")
-    assert (d0.role, d0.tp_size, d0.health) == ("decode", 2, "healthy")
+    assert (d0.role, d0.tp_size, d0.health, d0.max_model_len, d0.block_size) == ("decode", 2, "healthy", 4096, 256)
+    assert (state.get("p0").max_model_len, state.get("p0").block_size) == (0, 0)
     assert d0.kv_endpoints == [("127.0.0.1", 29500), ("127.0.0.1", 29501)]
     assert d0.load == {"running": 1.0} and d0.updated_at >= before
     assert state.get("p0").kv_endpoints == [] and state.get("nope") is None
