@@ -191,23 +191,27 @@ class ModelRunner:
 
     def _to_model_input(self, input_ids, positions, slots, query_lens, seq_lens, tables,
                         sample_indices, sample_req_ids) -> ModelInput:
-        dev = self.device
         width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
+        block_tables = self._upload([t + [0] * (width - len(t)) for t in tables], torch.int32)
         cu = [0]
         for q in query_lens:
             cu.append(cu[-1] + q)
         meta = AttentionMetadata(
             num_decodes=sum(1 for q in query_lens if q == 1),
             query_lens=query_lens, seq_lens_cpu=seq_lens,
-            query_start_loc=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=self._upload(cu, torch.int32),
+            seq_lens=self._upload(seq_lens, torch.int32),
             block_tables=block_tables,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=self._upload(slots, torch.int64),
             block_size=self.block_size)
-        return ModelInput(torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                          torch.tensor(positions, dtype=torch.int64, device=dev), meta,
-                          torch.tensor(sample_indices, dtype=torch.int64, device=dev), sample_req_ids)
+        return ModelInput(self._upload(input_ids, torch.int64), self._upload(positions, torch.int64), meta,
+                          self._upload(sample_indices, torch.int64), sample_req_ids)
+
+    def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A step input on the device. On CUDA through pinned host memory, copied without making
+        the host wait (the host allocator keeps the pinned buffer until the copy has run)."""
+        t = torch.tensor(values, dtype=dtype)
+        return t if self.device.type != "cuda" else t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute_model(self, inp: ModelInput, after_layer=None) -> torch.Tensor | None:
