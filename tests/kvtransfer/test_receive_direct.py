@@ -17,7 +17,7 @@ from kvtransfer.receiver import MAX_DIRECT_RUNS
 from kvtransfer.scatter import slot_runs
 from tests.kvtransfer.faults import FaultProxy
 from tests.kvtransfer.test_torch_dist import (BLOCK, BLOCKS, COMPAT, HEADS, LAYERS, _wait_for, flat, make_cache,
-                                              make_receiver, poll_until, send_part)
+                                              make_receiver, poll_until, send_part, ship_to_slots)
 
 BOUND_S = 30.0  # every wait here takes well under a second
 
@@ -40,13 +40,7 @@ def test_runs_received_straight_into_the_cache_up_to_the_limit(num_runs):
     tx = create_kv_transport("torch").sender(COMPAT, "p0")
     src, slots = make_cache(), _slots(num_runs)
     assert len(slot_runs(slots)) == num_runs
-    rx.expect("r", slots, 1)
-    send_part(tx, "r", dest, src, torch.arange(len(slots)), 0, HEADS).wait(10)
-    assert poll_until(rx)[0] == [("r", 7, None)]
-    expected = torch.zeros_like(dst)
-    for layer in range(LAYERS):
-        flat(expected, layer)[:, slots] = flat(src, layer)[:, :len(slots)]
-    assert torch.equal(dst, expected)
+    ship_to_slots(tx, rx, dest, dst, src, slots)
     direct = num_runs <= MAX_DIRECT_RUNS
     assert rx.stats.get("layers_direct", 0) == LAYERS * direct
     assert rx.stats.get("layers_scattered", 0) == LAYERS * (not direct)

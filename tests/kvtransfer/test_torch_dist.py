@@ -50,6 +50,18 @@ def send_part(tx, rid, dest, src_cache, src_slots, head_start, head_end, first_t
     return t
 
 
+def ship_to_slots(tx, rx, dest, dst, src, slots) -> None:
+    """Sends src's first len(slots) tokens (all heads) into `slots`: the receiver's cache `dst`
+    must then equal the per-token reference scatter, zeros elsewhere."""
+    rx.expect("r", slots, 1)
+    send_part(tx, "r", dest, src, torch.arange(len(slots)), 0, HEADS).wait(10)
+    assert poll_until(rx)[0] == [("r", 7, None)]
+    expected = torch.zeros_like(dst)
+    for layer in range(LAYERS):
+        flat(expected, layer)[:, slots] = flat(src, layer)[:, :len(slots)]
+    assert torch.equal(dst, expected)
+
+
 def poll_until(rx, n_events=1, timeout=10.0):
     done, failed = [], []
     deadline = time.monotonic() + timeout
@@ -265,11 +277,6 @@ def test_whole_block_slots_take_the_block_copy_path(dtype):
                        torch.arange(13 * BLOCK, 13 * BLOCK + 2)])
     src = make_cache().to(dtype)
     tx = create_kv_transport("torch").sender(compat, "p0")
-    rx.expect("r", slots, 1)
-    send_part(tx, "r", dest, src, torch.arange(len(slots)), 0, HEADS).wait(10)
-    assert poll_until(rx)[0] == [("r", 7, None)]
-    expected = torch.zeros_like(dst)
-    for layer in range(LAYERS):
-        flat(expected, layer)[:, slots] = flat(src, layer)[:, :len(slots)]
-    assert torch.equal(dst, expected) and rx.stats["layers_scattered"] == LAYERS
+    ship_to_slots(tx, rx, dest, dst, src, slots)
+    assert rx.stats["layers_scattered"] == LAYERS
     tx.close(), rx.close()
