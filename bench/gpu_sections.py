@@ -6,7 +6,7 @@ Ray, fastapi, pydantic, gguf or flash-attn.
     engine    the engine in bf16 against transformers in bf16 on a tiny random Llama: greedy tokens
               equal up to the first near-tie (transformers' top-2 logit gap under 1e-2, or under
               two bf16 steps at that logit's size, which is all a bf16 logit resolves)
-    decode    decode ms/step (eager) at several batch sizes on a random-weight ~8B-shaped Llama built
+    decode    decode ms/step, CUDA graphs and eager, at several batch sizes on a random-weight ~8B-shaped Llama built
               on the device, against the step time its bytes take at the measured copy bandwidth;
               its KV pool sized from the device (gpu_memory_utilization 0.4), and what that took
     ipc_copy  copying scattered KV blocks out of another process's device tensor (CUDA IPC) against
@@ -213,6 +213,14 @@ def copy_gbps(device: str, num_bytes: int) -> float:
     return 2 * 5 * num_bytes / (time.perf_counter() - start) / 1e9
 
 
+def _decode_ms(llm, batch: int, plan: Plan, vocab: int) -> tuple[float, list[list[int]]]:
+    """Median ms per decode step of `batch` requests, and their tokens."""
+    llm.generate(_prompts(batch, plan.prompt_len, vocab, 1000 + batch), _greedy(4))  # warm-up
+    outs = llm.generate(_prompts(batch, plan.prompt_len, vocab, 2000 + batch), _greedy(plan.output_len))
+    ms = statistics.median((o.finished_s - o.first_token_s) / (len(o.token_ids) - 1) * 1e3 for o in outs)
+    return ms, [o.token_ids for o in outs]
+
+
 def decode(plan: Plan) -> dict:
     from transformers import LlamaConfig
     cfg = LlamaConfig(**plan.big, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -224,21 +232,25 @@ def decode(plan: Plan) -> dict:
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     bw = copy_gbps(plan.device, min(2 << 30, weight_bytes))
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
+    graphs = runner.graphs
     out = {"shape": plan.big, "weight_gib": weight_bytes / 2**30, "copy_GBps": bw, "backend": runner.backend.name,
-           "cuda_graphs": False, "kv_blocks": runner.num_blocks, "kv_block_size": runner.block_size,
+           "cuda_graphs": graphs is not None, "kv_blocks": runner.num_blocks, "kv_block_size": runner.block_size,
            "kv_gib": runner.kv_cache.numel() * runner.kv_cache.element_size() / 2**30, "batches": {}}
     if plan.device.startswith("cuda"):  # KV sized from the device: this process must stay within its fraction
-        out["gpu_memory_utilization"] = plan.gpu_memory_utilization
-        out["reserved_gib"] = torch.cuda.memory_reserved() / 2**30
-        out["total_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+        out.update(gpu_memory_utilization=plan.gpu_memory_utilization,
+                   reserved_gib=torch.cuda.memory_reserved() / 2**30,
+                   total_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
     for batch in plan.batch_sizes:
-        llm.generate(_prompts(batch, plan.prompt_len, mc.vocab_size, 1000 + batch), _greedy(4))  # warm-up
-        outs = llm.generate(_prompts(batch, plan.prompt_len, mc.vocab_size, 2000 + batch), _greedy(plan.output_len))
-        ms = statistics.median((o.finished_s - o.first_token_s) / (len(o.token_ids) - 1) * 1e3 for o in outs)
+        runner.graphs = graphs
+        ms, tokens = _decode_ms(llm, batch, plan, mc.vocab_size)
+        runner.graphs = None
+        eager_ms, eager_tokens = _decode_ms(llm, batch, plan, mc.vocab_size)
         context = plan.prompt_len + plan.output_len / 2
         ideal_ms = (weight_bytes + batch * context * kv_per_token) / (bw * 1e9) * 1e3
-        out["batches"][str(batch)] = {"ms_per_step": ms, "bytes_bound_ms": ideal_ms, "of_bound": ideal_ms / ms,
-                                      "tok_s": batch / ms * 1e3}
+        out["batches"][str(batch)] = {"ms_per_step": ms, "eager_ms_per_step": eager_ms, "bytes_bound_ms": ideal_ms,
+                                      "of_bound": ideal_ms / ms, "tok_s": batch / ms * 1e3,
+                                      "tokens_equal_eager": tokens == eager_tokens}
+    runner.graphs = graphs
     return out
 
 

@@ -55,6 +55,7 @@ _HELP = {
     "max_num_seqs": "most sequences running at once per instance",
     "max_num_batched_tokens": "token budget per engine step; long prompts are chunked to fit",
     "attention_backend": "auto (flash_attn when importable on CUDA, else torch), torch or flash_attn",
+    "enforce_eager": "no CUDA graphs: decode steps launch every kernel from Python",
     "num_threads": "torch intra-op threads on CPU",
     "router_policy": "how the router picks instances",
     "disagg_threshold_tokens": "prompts shorter than this are prefilled on the decode instance "
@@ -110,6 +111,7 @@ class ClusterSpec:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto = flash_attn when importable on CUDA, else torch
+    enforce_eager: bool = False
     num_threads: int | None = None
     # routing, transfer, health
     router_policy: str = "least_loaded"
@@ -241,7 +243,9 @@ class ClusterSpec:
         """
         return EngineConfig(model=self.model, dtype=self.dtype, device=self.device,
                             attention_backend=self.attention_backend, num_threads=self.num_threads,
-                            tp_size=self.tp_size(role), cache=self.cache_config, scheduler=self.scheduler_config)
+                            tp_size=self.tp_size(role), cache=self.cache_config,
+                            enforce_eager=self.enforce_eager or role == "prefill",  # a prefill never decodes
+                            scheduler=self.scheduler_config)
 
     def to_dict(self) -> dict:
         """Plain dict with one key per field: what `from_yaml` reads back."""

@@ -99,5 +99,6 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto = flash_attn when importable on CUDA, else torch
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     tp_size: int = 1
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -16,6 +16,7 @@ import torch
 from engine.attention import AttentionMetadata, create_attention_backend
 from engine.batch import NewRequestData, RunnerOutput, SchedulerOutput
 from engine.config import EngineConfig, ModelConfig, cpu_has_native_bf16, resolve_dtype
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import allocate_kv_cache, blocks_from_device, kv_block_bytes, num_blocks_for
 from engine.loader import load_model_config, load_weights, resolve_model_path
 from engine.model import LlamaForCausalLM
@@ -72,9 +73,11 @@ class ModelRunner:
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.sampler = Sampler()
         self.requests: dict[str, _RequestState] = {}
+        self.graphs: DecodeGraphs | None = None  # set once the KV pool is there (graphs capture its address)
         self.num_blocks = self._num_blocks()
         self.kv_cache = allocate_kv_cache(model_config, self.num_kv_heads, self.num_blocks, self.block_size,
                                           self.dtype, self.device)
+        self.graphs = self._decode_graphs()
         logger.info("model runner: %s on %s, dtype %s, attention %s, %d KV blocks of %d tokens",
                     model_config.name, self.device, self.dtype, self.backend.name, self.num_blocks, self.block_size)
 
@@ -96,6 +99,20 @@ class ModelRunner:
                            "%d tokens", self.block_size, cache.block_size, self.backend.name, n, n * self.block_size)
         logger.info("KV cache: %d blocks x %d tokens = %.2f GiB", n, self.block_size, n * block_bytes / 2**30)
         return n
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps where they can run; says which path runs and why."""
+        why = ("--enforce-eager" if self.config.enforce_eager else
+               f"device {self.device.type}" if self.device.type != "cuda" else
+               f"the {self.backend.name} attention backend" if self.backend.name != "torch" else
+               "tensor-parallel ranks (a collective cannot be captured)" if self.tp is not None and self.tp.size > 1
+               else None)
+        if why is not None:
+            logger.info("CUDA graphs: off (%s); decode steps run eagerly", why)
+            return None
+        max_len = min(self.config.scheduler.max_model_len or self.model_config.max_position_embeddings,
+                      (self.num_blocks - 1) * self.block_size)
+        return DecodeGraphs(self, self.config.scheduler.max_num_seqs, -(-max_len // self.block_size))
 
     def profile_forward(self, num_tokens: int) -> None:
         """One prefill of `num_tokens` tokens through a KV pool just big enough for it, which is
@@ -216,6 +233,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, inp: ModelInput, after_layer=None) -> torch.Tensor | None:
         """Runs the forward on this rank; returns logits (num_sampled, vocab) on rank 0, else None."""
+        if self.graphs is not None and after_layer is None and (size := self.graphs.size_for(inp)) is not None:
+            return self.graphs.run(inp, size)
         self.backend.prepare(inp.meta)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta, self.backend, after_layer)
         if not inp.sample_req_ids:

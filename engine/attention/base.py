@@ -61,6 +61,11 @@ class BaseAttentionBackend(ABC):
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step, before the first layer: precompute what every layer reuses."""
 
+    def prepare_static_decode(self, meta: AttentionMetadata, max_blocks: int) -> None:
+        """`prepare` for a decode-only step over exactly `max_blocks` blocks per sequence, from
+        device tensors alone (a CUDA graph captures it); backends without it run decode eagerly."""
+        raise NotImplementedError(f"the {self.name} backend has no static decode step")
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

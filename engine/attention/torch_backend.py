@@ -63,12 +63,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
         nd = meta.num_decodes
         self._decode = None
         if nd:
-            max_blocks = -(-max(meta.seq_lens_cpu[:nd]) // meta.block_size)
-            block_ids = meta.block_tables[:nd, :max_blocks].reshape(-1).long()
-            pos = torch.arange(max_blocks * meta.block_size, device=block_ids.device)
-            bias = torch.zeros(nd, 1, pos.numel(), device=block_ids.device)
-            bias.masked_fill_((pos[None, :] >= meta.seq_lens[:nd, None]).view(nd, 1, -1), float("-inf"))
-            self._decode = _DecodePlan(block_ids, bias)
+            self._plan_decodes(meta, nd, -(-max(meta.seq_lens_cpu[:nd]) // meta.block_size))
         self._prefills = []
         starts = meta.query_start_loc.tolist()
         for i in range(nd, meta.num_seqs):
@@ -80,6 +75,19 @@ class TorchAttentionBackend(BaseAttentionBackend):
                 q_pos = torch.arange(seq_len - q_len, seq_len, device=slots.device)
                 mask = torch.arange(seq_len, device=slots.device)[None, :] <= q_pos[:, None]
             self._prefills.append(_PrefillPlan(starts[i], q_len, slots, mask))
+
+    def prepare_static_decode(self, meta: AttentionMetadata, max_blocks: int) -> None:
+        """A decode-only step over exactly `max_blocks` blocks per sequence, with no host reads:
+        what a CUDA graph captures (engine/cuda_graphs.py)."""
+        self._plan_decodes(meta, meta.num_decodes, max_blocks)
+        self._prefills = []
+
+    def _plan_decodes(self, meta: AttentionMetadata, nd: int, max_blocks: int) -> None:
+        block_ids = meta.block_tables[:nd, :max_blocks].reshape(-1).long()
+        pos = torch.arange(max_blocks * meta.block_size, device=block_ids.device)
+        bias = torch.zeros(nd, 1, pos.numel(), device=block_ids.device)
+        bias.masked_fill_((pos[None, :] >= meta.seq_lens[:nd, None]).view(nd, 1, -1), float("-inf"))
+        self._decode = _DecodePlan(block_ids, bias)
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         write_kv(kv_cache, k, v, meta.slot_mapping)

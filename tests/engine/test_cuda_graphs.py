@@ -1,0 +1,43 @@
+"""The static decode step CUDA graphs capture (engine/cuda_graphs.py), run eagerly on the CPU:
+padded to a captured batch size and context bucket, its logits equal the plain decode path's for
+every real row, step after step; steps it cannot take (prefills, too long) are refused. The
+capture itself needs a GPU (bench/gpu_check.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cuda_graphs import DecodeGraphs, block_buckets
+from engine.request import SamplingParams
+from tests.helpers import make_hf_tiny_llama, random_prompts, tiny_engine
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def test_buckets_double_up_to_the_longest():
+    assert block_buckets(40) == [4, 8, 16, 32, 40] and block_buckets(3) == [3] and block_buckets(8) == [4, 8]
+
+
+@pytest.mark.parametrize("num_requests", [1, 3, 6])
+def test_static_decode_step_equals_the_plain_one(num_requests):
+    engine = tiny_engine(make_hf_tiny_llama(seed=4), num_blocks=96, block_size=4)
+    runner, sched_of = engine.runner, engine.scheduler
+    graphs = DecodeGraphs(runner, max_batch=8, max_blocks=64, capture=False, max_context_tokens=8 * 16 * 4)
+    for i, p in enumerate(random_prompts(num_requests, [5, 17, 30], seed=num_requests)):
+        engine.add_request(f"r{i}", p, GREEDY)
+    decode_steps = refused = 0
+    while engine.has_unfinished():
+        sched = sched_of.schedule()
+        runner.update_states(sched)
+        inp = runner.prepare_inputs(sched)
+        eager = runner.execute_model(inp)
+        size = graphs.size_for(inp)
+        if size is None:
+            refused += 1
+        else:
+            decode_steps += 1
+            b, m = size
+            assert b >= inp.meta.num_seqs and m * 4 >= max(inp.meta.seq_lens_cpu) and b * m * 4 <= 8 * 16 * 4
+            torch.testing.assert_close(graphs.run(inp, size), eager, rtol=1e-5, atol=1e-5)
+        engine.output.process(sched_of.update(sched, runner.sample(inp, eager)))
+    assert decode_steps >= 30 and refused >= 1  # prefills, and contexts past the largest allowed bucket
