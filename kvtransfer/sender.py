@@ -127,7 +127,7 @@ class _Peer:
         broken: str | None = None
         while True:
             if self.unacked and not self._held and self._ops.empty() and broken is None:
-                broken = self._guarded(self._answer, "ack", None)  # nothing to send: hear the acks
+                broken = self._guarded(self._answer, None)  # nothing to send: hear the acks
             if (op := self._held.pop() if self._held else self._ops.get()) is None:
                 break
             kind, transfer, a, b = op
@@ -136,7 +136,7 @@ class _Peer:
                 continue
             broken = self._guarded(self._carry_out, kind, transfer, a, b)
         if broken is None:  # closing: what it sent is acknowledged first
-            self._guarded(self._answer, "ack", None)
+            self._guarded(self._answer, None)
         if self.channel is not None:
             self.channel.close()
         self.control.close()
@@ -152,7 +152,7 @@ class _Peer:
                 f"KV connection to {self.name} failed: {exc}")
             logger.warning("%s", broken)
             self.owner._drop(self)  # out of the pool before anyone waiting hears of the failure
-            for t in [args[1]] * (step == self._carry_out) + list(self.unacked):
+            for t in ([args[1]] if step == self._carry_out else []) + list(self.unacked):
                 t.fail(broken)
             self.unacked.clear()
             return broken
@@ -164,7 +164,7 @@ class _Peer:
         if not t.begun:
             self.control.send({"kind": "begin", "request_id": t.request_id, "head_start": t.head_start,
                                "head_end": t.head_end, "num_tokens": t.num_tokens}, timeout)
-            ready = self._answer("ready", t)
+            ready = self._answer(t)
             if not ready["ok"]:  # the receiver is fine, this request is not (cancelled, wrong size)
                 self.owner._count("parts_rejected")
                 return t.fail(f"receiver rejected {t.request_id}: {ready['error']}")
@@ -182,19 +182,17 @@ class _Peer:
         t.posted_before_done = self.posted
         self.unacked.append(t)
 
-    def _answer(self, kind: str, t: _Transfer | None) -> dict | None:
-        """Reads replies until the `kind` answer for `t` (t None: until every `done` sent is
-        acked). Replies come in order; acks on the way settle their parts."""
+    def _answer(self, t: _Transfer | None) -> dict | None:
+        """Reads replies until `t`'s `ready` (t None: until every `done` sent is acked). Replies
+        come in order; acks on the way settle their parts."""
         while t is not None or self.unacked:
             msg = self.control.receive(self.owner.timeout_s)
             if self.unacked and msg["kind"] == "ack" and msg["request_id"] == self.unacked[0].request_id:
                 self._acked(self.unacked.popleft(), msg)
-                if kind == "ack" and t is not None and self.unacked.count(t) == 0:
-                    return msg
                 continue
             if t is None:
                 raise TransferError(f"out-of-order answer {msg} (waiting for acks)")
-            self._check_answer(msg, kind, t)
+            self._check_answer(msg, "ready", t)
             return msg
         return None
 
