@@ -145,14 +145,14 @@ class Session:
         raise ControlError(str(exc)) from None
 
     def _written(self, i: int | None = None) -> None:
-        """Waits for the write from buffer `i` (None: both) to finish; its error is this session's."""
+        """Waits for the write from buffer `i` (None: all) to finish; its error is this session's."""
         for k in range(RECEIVE_DEPTH) if i is None else (i,):
             if self.writes[k] is not None:
                 self.writes[k], future = None, self.writes[k]
                 future.result()
 
     def close(self) -> None:
-        self.writer.shutdown(wait=True)
-        if self.channel is not None:
+        if self.channel is not None:  # first: receives still posted end at once, so cancel() waits no longer
             self.channel.close()
+        self.writer.shutdown(wait=True)
         self.rx._closed_session(self)
