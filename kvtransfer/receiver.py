@@ -84,10 +84,12 @@ class TorchDistReceiver(KVReceiver):
     # -- KVReceiver API -------------------------------------------------------------------------
     def expect(self, request_id: str, slots: torch.Tensor, num_parts: int) -> None:
         assert slots.dim() == 1 and num_parts >= 1
-        slots = slots.to(self.kv_cache.device, torch.int64)
+        host = slots.to("cpu", torch.int64)  # the layout is worked out on the host: no device sync
+        blocks = whole_blocks(host, self.block_size)
+        e = _Expected(host.to(self.kv_cache.device), num_parts,
+                      None if blocks is None else blocks.to(self.kv_cache.device), slot_runs(host))
         with self._lock:
-            self._expected[request_id] = _Expected(slots, num_parts, whole_blocks(slots, self.block_size),
-                                                   slot_runs(slots))
+            self._expected[request_id] = e
 
     def cancel(self, request_id: str) -> None:
         """Once this returns, nothing more is written into the request's slots: scatters happen
