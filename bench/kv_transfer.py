@@ -13,7 +13,9 @@ message" sends a request's whole KV at once, the best case. pdserve's numbers ar
 handshake-free steady state: the pair is built by a warm-up transfer first, as in serving.
 The receiving request's slots are either random blocks ("random": a fragmented cache; the
 receiver takes each layer into a buffer and scatters it) or consecutive blocks ("contiguous":
-it receives K and V straight into the cache).
+it receives K and V straight into the cache). "same device" is the transport between two ranks
+on one device (here one CPU): the sender writes into the receiver's cache, shared with it
+(shared_cache.py), against a plain copy of the same bytes within one process.
 """
 from __future__ import annotations
 
@@ -67,7 +69,8 @@ def receiver_main(conn, args) -> None:
     num_blocks = 2 * max_tokens // BLOCK + 2
     cache = torch.zeros(args.layers, 2, num_blocks, BLOCK, args.kv_heads, args.head_dim, dtype=torch.bfloat16)
     rx = TorchDistReceiver(_compat(args), cache, 0, host=args.receiver_host)
-    conn.send(rx.endpoint_address)
+    shared = TorchDistReceiver(_compat(args), torch.zeros_like(cache), 0, host=args.receiver_host, share_cache=True)
+    conn.send((rx.endpoint_address, shared.endpoint_address))
     for layout, tokens in _cases(args):
         layer_bytes, request_bytes = _shape(args, tokens)
         buf = torch.empty(request_bytes, dtype=torch.uint8)
@@ -81,13 +84,15 @@ def receiver_main(conn, args) -> None:
                 pg.recv(buf, 120.0)
             pg.send(DONE, 120.0)
             for r in range(args.reps + 1):
-                rx.expect(f"{layout}-{tokens}-{rnd}-{r}", slots, 1)
+                for end in (rx, shared):
+                    end.expect(f"{layout}-{tokens}-{rnd}-{r}", slots, 1)
             conn.send("ready")
             got = 0
-            while got < args.reps + 1:
-                done, failed = rx.poll()
-                assert not failed, failed
-                got += len(done)
+            while got < 2 * (args.reps + 1):
+                for end in (rx, shared):
+                    done, failed = end.poll()
+                    assert not failed, failed
+                    got += len(done)
                 time.sleep(0.01)
     conn.send(rx.stats)
     conn.recv()
@@ -132,6 +137,17 @@ def _time_pdserve(tx, dest, args, tokens: int, prefix: str) -> float:
     return time.perf_counter() - start
 
 
+def _time_copy(args, tokens: int) -> float:
+    """One copy of a request's bytes within this process, layer by layer: the same-device ceiling."""
+    kv = [torch.randn(2, tokens, args.kv_heads, args.head_dim).to(torch.bfloat16) for _ in range(args.layers)]
+    dst = [torch.empty_like(t) for t in kv]
+    start = time.perf_counter()
+    for _ in range(args.reps):
+        for d, t in zip(dst, kv):
+            d.copy_(t)
+    return time.perf_counter() - start
+
+
 def run(args) -> dict:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -140,32 +156,41 @@ def run(args) -> dict:
     torch.set_num_threads(1)
     store = dist.TCPStore(args.receiver_host, parent.recv(), is_master=False, wait_for_workers=False)
     pg = GlooChannel(store, 0, SENDER, args.sender_host, 120.0)
-    host, port = parent.recv()
+    (host, port), (_, shared_port) = parent.recv()
     tx = TorchDistSender(_compat(args), "bench", host=args.sender_host)
-    dest = KVEndpoint("bench", 0, host, port)
+    tx_shared = TorchDistSender(_compat(args), "bench-shared", host=args.sender_host, same_device=True)
+    dest, shared_dest = KVEndpoint("bench", 0, host, port), KVEndpoint("bench", 0, host, shared_port)
     rows = []
     for layout, tokens in _cases(args):
         _, request_bytes = _shape(args, tokens)
         total = request_bytes * args.reps
-        per_layer, whole, ours = [], [], []
+        per_layer, whole, ours, same, copy = [], [], [], [], []
         for rnd in range(args.rounds):  # alternate the methods: drift on a shared machine hits both
             raw_layer_s, raw_whole_s = _time_raw(pg, args, tokens)
             assert parent.recv() == "ready"
             ours_s = _time_pdserve(tx, dest, args, tokens, f"{layout}-{tokens}-{rnd}")
+            same_s = _time_pdserve(tx_shared, shared_dest, args, tokens, f"{layout}-{tokens}-{rnd}")
             per_layer.append(total / raw_layer_s / 1e9)
             whole.append(total / raw_whole_s / 1e9)
             ours.append(total / ours_s / 1e9)
+            same.append(total / same_s / 1e9)
+            copy.append(total / _time_copy(args, tokens) / 1e9)
         med = statistics.median
         rows.append({"slots": layout, "tokens": tokens, "bytes_per_request": request_bytes, "rounds": args.rounds,
                      "raw_gloo_per_layer_GBps": med(per_layer), "raw_gloo_one_message_GBps": med(whole),
                      "pdserve_GBps": med(ours), "pdserve_ms_per_request": request_bytes / med(ours) / 1e6,
                      "pdserve_vs_raw_per_layer": med(o / r for o, r in zip(ours, per_layer)),
-                     "pdserve_vs_raw_one_message": med(o / r for o, r in zip(ours, whole))})
+                     "pdserve_vs_raw_one_message": med(o / r for o, r in zip(ours, whole)),
+                     "same_device_GBps": med(same), "same_device_ms_per_request": request_bytes / med(same) / 1e6,
+                     "copy_GBps": med(copy), "same_device_vs_copy": med(o / c for o, c in zip(same, copy)),
+                     "same_device_vs_pdserve": med(o / p for o, p in zip(same, ours))})
     rx_stats = parent.recv()
     parent.send("bye")
     proc.join(timeout=10)
-    tx.close()
-    return {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16",
+    shared_connections = tx_shared.stats.get("shared_connections", 0)
+    tx.close(), tx_shared.close()
+    return {"same_device_connections": shared_connections, "layers": args.layers, "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim, "dtype": "bfloat16",
             "reps": args.reps, "rows": rows, "receiver_stats": rx_stats}
 
 
@@ -194,12 +219,14 @@ def main(argv=None) -> int:
     print(f"KV of {args.layers} layers x {args.kv_heads} heads x {args.head_dim}, bf16; {args.reps} requests each")
     print(f"medians of {args.rounds} alternating rounds")
     print(f"{'slots':>10} {'tokens':>7} {'MB/req':>8} {'raw/layer':>10} {'raw/whole':>10} {'pdserve':>9} "
-          f"{'vs layer':>9} {'vs whole':>9} {'ms/req':>7}")
+          f"{'vs layer':>9} {'vs whole':>9} {'ms/req':>7} {'same dev':>9} {'vs copy':>8} {'ms/req':>7}")
     for r in result["rows"]:
         print(f"{r['slots']:>10} {r['tokens']:>7} {r['bytes_per_request'] / 1e6:>8.1f} "
               f"{r['raw_gloo_per_layer_GBps']:>9.2f}G {r['raw_gloo_one_message_GBps']:>9.2f}G "
               f"{r['pdserve_GBps']:>8.2f}G {r['pdserve_vs_raw_per_layer']:>9.2f} "
-              f"{r['pdserve_vs_raw_one_message']:>9.2f} {r['pdserve_ms_per_request']:>7.1f}")
+              f"{r['pdserve_vs_raw_one_message']:>9.2f} {r['pdserve_ms_per_request']:>7.1f} "
+              f"{r['same_device_GBps']:>8.2f}G {r['same_device_vs_copy']:>8.2f} "
+              f"{r['same_device_ms_per_request']:>7.1f}")
     return 0
 
 

@@ -104,16 +104,18 @@ class KVTransport(ABC):
 
     @abstractmethod
     def sender(self, compat: CompatRecord, sender_id: str, timeout_s: float = 10.0, host: str = "127.0.0.1",
-               max_groups: int = 64) -> KVSender:
+               max_groups: int = 64, same_device: bool = False) -> KVSender:
         """A prefill rank's sending end; `host` is this rank's address as peers see it, and at
-        most `max_groups` peer connections stay open (least recently used ones are closed)."""
+        most `max_groups` peer connections stay open (least recently used ones are closed);
+        `same_device`: write straight into the caches of receivers on this rank's device."""
 
     @abstractmethod
     def receiver(self, compat: CompatRecord, kv_cache: torch.Tensor, head_offset: int,
-                 host: str = "127.0.0.1", timeout_s: float = 10.0) -> KVReceiver:
+                 host: str = "127.0.0.1", timeout_s: float = 10.0, share_cache: bool = False) -> KVReceiver:
         """A decode rank's receiving end, writing into `kv_cache`
         (num_layers, 2, num_blocks, block_size, local_kv_heads, head_dim), whose first local head is
-        global head `head_offset`."""
+        global head `head_offset`; `share_cache`: offer it to senders on the same device
+        (on a CPU, it moves into shared memory)."""
 
 
 def create_kv_transport(name: str = "torch") -> KVTransport:

@@ -159,6 +159,11 @@ class DecodeConnector:
         `forget(request_id)`, each returning once that rank has done it."""
         self._followers = followers
 
+    @property
+    def awaiting(self) -> bool:
+        """Some reserved request's KV is still arriving (the ranks' polls are needed)."""
+        return bool(self._complete)
+
     def reserve(self, request_id: str, slots: torch.Tensor, prefill_tp: int) -> None:
         """The request's blocks are allocated: every rank expects its KV before this returns
         (the router tells the prefill instance only then)."""

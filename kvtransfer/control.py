@@ -25,7 +25,7 @@ import msgpack
 from kvtransfer.wire import WireError, check_message
 
 logger = logging.getLogger(__name__)
-MAX_MESSAGE_BYTES = 64 << 10  # a done message with logprobs is well under 1 KiB
+MAX_MESSAGE_BYTES = 1 << 20  # a done with logprobs is under 1 KiB; a ready of a fragmented long prompt, 100s of KiB
 
 
 class ControlError(RuntimeError):

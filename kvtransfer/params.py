@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-PROTOCOL_VERSION = 4  # 3: control messages on a TCP channel, payloads alone on the data channel; 4: runs
+PROTOCOL_VERSION = 5  # 3: control messages on TCP, payloads alone on the data channel; 4: runs; 5: shared caches
 
 
 @dataclass(frozen=True)

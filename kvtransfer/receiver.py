@@ -17,6 +17,11 @@ size. A garbage message or a receive past its deadline drops its connection (the
 rebuilds it); payloads of a cancelled request are received and dropped. All of it is counted.
 A cancel waits for a receive in flight into the request's slots (at most its deadline), so no
 byte lands in blocks that may have moved on.
+
+Same device (`share_cache`, shared_cache.py): a sender that opened this cache writes a part's
+layers into its slots itself; a `layer` is answered with a grant (counted like a receive in
+flight, so a cancel waits for the sender's `wrote`), and a grant not written back within
+timeout_s drops the connection.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from kvtransfer.channel import RECEIVER, DataChannel, open_channel
 from kvtransfer.control import ControlGarbage, ControlServer
 from kvtransfer.params import CompatRecord
 from kvtransfer.scatter import scatter_layer, slot_runs, whole_blocks
+from kvtransfer.shared_cache import device_key, export_cache
 from kvtransfer.session import Part, Session
 
 logger = logging.getLogger(__name__)
@@ -59,7 +65,9 @@ class _Expected:
 
 class TorchDistReceiver(KVReceiver):
     def __init__(self, compat: CompatRecord, kv_cache: torch.Tensor, head_offset: int, host: str = "127.0.0.1",
-                 timeout_s: float = 10.0):
+                 timeout_s: float = 10.0, share_cache: bool = False):
+        """`share_cache`: offer senders on the same device (shared_cache.device_key) the cache
+        itself, so they write into it (on a CPU it moves into shared memory)."""
         # kv_cache: (num_layers, 2, num_blocks, block_size, local_kv_heads, head_dim)
         assert kv_cache.dim() == 6 and kv_cache.shape[0] == compat.num_layers, kv_cache.shape
         self.compat, self.kv_cache, self.head_offset = compat, kv_cache, head_offset
@@ -75,6 +83,11 @@ class TorchDistReceiver(KVReceiver):
         self._failed: list[tuple[str, str]] = []
         self._stats: Counter = Counter()
         self._sessions: set[Session] = set()
+        self.device_key = device_key(kv_cache.device) if share_cache else ""
+        self.shared_cache = export_cache(kv_cache, head_offset) if self.device_key else None
+        if share_cache:
+            logger.info("KV receiver: same-device senders %s", "write into this cache" if self.shared_cache
+                        else "use the data channel (the cache cannot be shared)")
         self._control = ControlServer(host, lambda drop: Session(self, drop), wire.SCHEMA)
 
     @property
@@ -110,6 +123,8 @@ class TorchDistReceiver(KVReceiver):
                 if now - max(e.last_activity, busy) > self.timeout_s:
                     self._fail(rid, f"no KV for {self.timeout_s:.0f} s after the transfer began")
                     stalled |= e.sessions
+            # slots granted to a sender on this device and not written back in time: it is stuck
+            stalled |= {s for s in self._sessions if s.granted_since() < now - self.timeout_s}
             done, self._completed = self._completed, []
             failed, self._failed = self._failed, []
         for session in stalled:  # past its deadline, the pair is aborted; the sender rebuilds it
@@ -145,7 +160,7 @@ class TorchDistReceiver(KVReceiver):
 
     def _hello(self, session: Session, msg: dict) -> dict:
         reply = {"kind": "welcome", "ok": False, "error": None, "compat": self.compat.to_dict(),
-                 "store_port": self._store.port, "channel": -1}
+                 "store_port": self._store.port, "channel": -1, "cache": None}
         try:
             reply["error"] = self.compat.mismatch(CompatRecord.from_dict(msg["compat"]))
         except ValueError as exc:
@@ -159,6 +174,9 @@ class TorchDistReceiver(KVReceiver):
             self._stats["connections"] += 1
             session.index = reply["channel"] = self._stats["connections"]
             self._sessions.add(session)
+        if self.shared_cache is not None and msg["device_key"] == self.device_key:
+            session.offered = True  # the sender may open the cache and join shared
+            reply["cache"] = self.shared_cache
         reply["ok"] = True
         return reply
 
@@ -175,7 +193,7 @@ class TorchDistReceiver(KVReceiver):
 
     def _begin(self, session: Session, msg: dict) -> dict:
         rid, lo = msg["request_id"], msg["head_start"] - self.head_offset
-        reply = {"kind": "ready", "request_id": rid, "ok": False, "error": None, "runs": []}
+        reply = {"kind": "ready", "request_id": rid, "ok": False, "error": None, "runs": [], "slots": []}
         n_heads = msg["head_end"] - msg["head_start"]
         if not (0 <= lo and 0 < n_heads and lo + n_heads <= self.num_local_heads and msg["num_tokens"] > 0):
             raise ControlGarbage(f"begin does not fit this rank: {msg}")
@@ -188,13 +206,15 @@ class TorchDistReceiver(KVReceiver):
                 reply["error"] = f"sent {msg['num_tokens']} tokens, expected {e.slots.numel()}"
                 self._fail(rid, reply["error"])
             else:
-                direct = lo == 0 and n_heads == self.num_local_heads and len(e.runs) <= MAX_DIRECT_RUNS
+                direct = session.shared or (
+                    lo == 0 and n_heads == self.num_local_heads and len(e.runs) <= MAX_DIRECT_RUNS)
                 part = Part(lo, n_heads, msg["num_tokens"], e.runs if direct else [])
                 session.parts[(rid, msg["head_start"])] = part
                 e.sessions.add(session)
                 e.last_activity = time.monotonic()
                 reply["ok"] = True
                 reply["runs"] = [[start, length] for start, length, _ in part.runs]
+                reply["slots"] = [slot for *_, slot in part.runs] if session.shared else []
         return reply
 
     def _receiving(self, rid: str) -> _Expected | None:
@@ -235,7 +255,8 @@ class TorchDistReceiver(KVReceiver):
     def _done(self, session: Session, msg: dict, part: Part) -> dict:
         rid = msg["request_id"]
         reply = {"kind": "ack", "request_id": rid, "ok": False, "error": None}
-        session.channel.settle(self.timeout_s)  # CUDA: this part's writes are done before admission
+        if session.channel is not None:  # CUDA: this part's writes are done before admission
+            session.channel.settle(self.timeout_s)
         with self._lock:
             e = self._expected.get(rid)
             if e is None:

@@ -8,10 +8,16 @@ computing while layers leave. Every step has a deadline of `timeout_s`: the hand
 (refused handshake, dead or silent receiver, a deadline passed) fails its queued parts, aborts
 its channel and leaves the pool; the next `begin` to that address builds a fresh one. A part the
 receiver refuses (request unknown or cancelled, wrong size) fails alone.
+
+A receiver on this rank's device (shared_cache.device_key) offers its cache at the handshake:
+the peer opens it and writes each granted span of layers into the request's slots itself, one
+copy and no data channel (docs/disaggregation.md, "Same-device transport"). If the cache
+cannot be opened, the peer says so in the log and joins the data channel instead.
 """
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -26,6 +32,7 @@ from kvtransfer.base import IncompatiblePeerError, KVSender, Transfer, TransferE
 from kvtransfer.channel import SENDER, DataChannel, open_channel
 from kvtransfer.control import ControlClient
 from kvtransfer.params import CompatRecord, KVEndpoint
+from kvtransfer.shared_cache import SharedCacheWriter, device_key, open_cache
 
 logger = logging.getLogger(__name__)
 MAX_INFLIGHT = 8  # payload messages posted and not yet complete, per connection
@@ -39,6 +46,7 @@ class _Transfer(Transfer):
         self.num_layers_sent = self.num_bytes = 0
         self.begun = False  # the receiver answered `ready`
         self.runs: list[list[int]] = []  # where the receiver takes payloads straight into its cache (wire.py)
+        self.target: tuple | None = None  # shared connection: where its tokens go (SharedCacheWriter.target)
         self.posted_before_done = 0  # the peer's payload count when `done` was sent
         self.error: str | None = None
         self._done = threading.Event()
@@ -81,6 +89,7 @@ class _Peer:
         self.owner, self.dest = owner, dest
         self.control = ControlClient(dest.address, wire.SCHEMA)
         self.channel: DataChannel | None = None
+        self.shared: SharedCacheWriter | None = None  # the receiver's cache, opened here (same device)
         self.inflight: deque = deque()  # (number, send handle, payload) posted, not yet waited on
         self.posted = 0  # payload messages posted so far
         self.unacked: deque[_Transfer] = deque()  # parts whose `done` was sent, in order
@@ -159,8 +168,8 @@ class _Peer:
 
     def _carry_out(self, kind: str, t: _Transfer, a, b) -> None:
         timeout = self.owner.timeout_s
-        if self.channel is None:
-            self.channel = self._connect(timeout)
+        if self.channel is None and self.shared is None:
+            self._connect(timeout)
         if not t.begun:
             self.control.send({"kind": "begin", "request_id": t.request_id, "head_start": t.head_start,
                                "head_end": t.head_end, "num_tokens": t.num_tokens}, timeout)
@@ -170,11 +179,14 @@ class _Peer:
                 return t.fail(f"receiver rejected {t.request_id}: {ready['error']}")
             try:
                 wire.check_runs(ready["runs"], t.num_tokens)
-            except wire.WireError as exc:
+                if self.shared is not None:
+                    t.target = self.shared.target(ready["runs"], ready["slots"], t.num_tokens)
+            except (wire.WireError, ValueError) as exc:
                 raise TransferError(f"{self.name} answered begin with bad runs: {exc}") from None
             t.begun, t.runs = True, ready["runs"]
         if kind == "layer":
-            return self._send_layers(t, *self._gather(t, a, b))
+            send = self._write_layers if self.shared is not None else self._send_layers
+            return send(t, *self._gather(t, a, b))
         # not waited on: the receiver acks once every payload is in; the next part goes on meanwhile
         self.control.send({"kind": "done", "request_id": t.request_id, "head_start": t.head_start,
                            "num_layers": t.num_layers_sent, "first_token": a, "logprobs": wire.pack_logprobs(b)},
@@ -182,8 +194,8 @@ class _Peer:
         t.posted_before_done = self.posted
         self.unacked.append(t)
 
-    def _answer(self, t: _Transfer | None) -> dict | None:
-        """Reads replies until `t`'s `ready` (t None: until every `done` sent is acked). Replies
+    def _answer(self, t: _Transfer | None, kind: str = "ready") -> dict | None:
+        """Reads replies until `t`'s `kind` (t None: until every `done` sent is acked). Replies
         come in order; acks on the way settle their parts."""
         while t is not None or self.unacked:
             msg = self.control.receive(self.owner.timeout_s)
@@ -192,7 +204,7 @@ class _Peer:
                 continue
             if t is None:
                 raise TransferError(f"out-of-order answer {msg} (waiting for acks)")
-            self._check_answer(msg, "ready", t)
+            self._check_answer(msg, kind, t)
             return msg
         return None
 
@@ -225,14 +237,35 @@ class _Peer:
         t.num_bytes += num_bytes
         self.owner._count("bytes_sent", num_bytes)
 
+    def _write_layers(self, t: _Transfer, layers: list[int], payloads: list[tuple]) -> None:
+        """Shared: once granted, the layers go straight into the receiver's slots; `wrote` once
+        they are there (on CUDA: the copies completed, polled under the deadline)."""
+        timeout = self.owner.timeout_s
+        announce = {"kind": "layer", "request_id": t.request_id, "head_start": t.head_start, "layer": layers[0],
+                    "count": len(layers)}
+        self.control.send(announce, timeout)
+        if not self._answer(t, "grant")["ok"]:
+            self.owner._count("parts_rejected")
+            return t.fail(f"receiver rejected {t.request_id}: unknown or cancelled request")
+        for layer, (kv, event) in zip(layers, payloads):
+            self.shared.write(layer, t.target, kv, event, t.head_start)
+        self.shared.settle(timeout)
+        self.control.send(announce | {"kind": "wrote"}, timeout)
+        num_bytes = sum(kv.numel() * kv.element_size() for kv, _ in payloads)
+        t.num_layers_sent += len(layers)
+        t.num_bytes += num_bytes
+        self.owner._count("bytes_sent", num_bytes)
+        self.owner._count("layers_shared", len(layers))
+
     def _check_answer(self, msg: dict, kind: str, t: _Transfer) -> None:
         if msg["kind"] != kind or msg["request_id"] != t.request_id:
             raise TransferError(f"out-of-order answer {msg} (waiting for {kind} of {t.request_id})")
 
-    def _connect(self, timeout: float) -> DataChannel:
+    def _connect(self, timeout: float) -> None:
+        """The handshake, then the shared cache or the data channel."""
         o = self.owner
-        welcome = self.control.call({"kind": "hello", "sender_id": o.sender_id, "compat": o.compat.to_dict()},
-                                    timeout)
+        welcome = self.control.call({"kind": "hello", "sender_id": o.sender_id, "compat": o.compat.to_dict(),
+                                     "device_key": o.device_key}, timeout)
         if welcome["kind"] != "welcome":
             raise TransferError(f"{self.name} answered hello with {welcome['kind']}")
         if not welcome["ok"]:
@@ -243,26 +276,43 @@ class _Peer:
             raise TransferError(f"{self.name} sent a bad compat record: {exc}") from None
         if (diff := o.compat.mismatch(theirs)) is not None:
             raise IncompatiblePeerError(f"refused {self.name}: {diff}")
+        if welcome["cache"] is not None and self._open_shared(welcome["cache"]):
+            self.control.send({"kind": "join", "channel": welcome["channel"], "shared": True}, timeout)
+            o._count("shared_connections")
+            return
         try:
             store = dist.TCPStore(self.dest.host, welcome["store_port"], is_master=False,
                                   timeout=timedelta(seconds=timeout), wait_for_workers=False)
-            self.control.send({"kind": "join", "channel": welcome["channel"]}, timeout)
-            channel = open_channel(store, welcome["channel"], SENDER, o.device, o.host, timeout)
+            self.control.send({"kind": "join", "channel": welcome["channel"], "shared": False}, timeout)
+            self.channel = open_channel(store, welcome["channel"], SENDER, o.device, o.host, timeout)
         except (RuntimeError, OSError) as exc:  # TCPStore / group rendezvous failures
             raise TransferError(f"building the data channel to {self.name} failed: {exc}") from None
         o._count("groups_created")
-        return channel
+
+    def _open_shared(self, desc: dict) -> bool:
+        """Opens the receiver's cache (same device); False, logged, when it cannot be opened here."""
+        try:
+            if desc.get("kind") == "cuda" and desc.get("pid") == os.getpid():
+                raise ValueError("CUDA IPC cannot open a cache of this very process")
+            self.shared = SharedCacheWriter(open_cache(desc, self.owner.device), int(desc["head_offset"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.warning("same-device KV transport to %s unavailable (%s): using the data channel", self.name, exc)
+            return False
+        logger.info("KV to %s: written straight into its cache (same device)", self.name)
+        return True
 
 
 class TorchDistSender(KVSender):
     def __init__(self, compat: CompatRecord, sender_id: str, timeout_s: float = 10.0, host: str = "127.0.0.1",
-                 max_groups: int = 64):
+                 max_groups: int = 64, same_device: bool = False):
+        """`same_device`: write into the caches of receivers on this rank's device (they offer them)."""
         if max_groups < 1:
             raise ValueError(f"max_groups must be >= 1, got {max_groups}")
         self.compat, self.sender_id, self.timeout_s, self.host = compat, sender_id, timeout_s, host
         # the GPU whose KV this rank sends: current on the thread that builds the sender (the rank's)
         self.device = torch.device("cuda", torch.cuda.current_device()) if compat.device_type == "cuda" \
             else torch.device("cpu")
+        self.device_key = device_key(self.device) if same_device else ""
         self.max_groups = max_groups
         self._peers: OrderedDict[tuple[str, int], _Peer] = OrderedDict()
         self._lock = threading.Lock()

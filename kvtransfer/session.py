@@ -1,11 +1,13 @@
 """One prefill rank's connection to a KV receiver (receiver.py): its control messages, answered
 in order on the connection's thread, and its data channel. A layer's receives are posted at once;
 a writer thread waits for them (and scatters a buffer into the request's slots) while later
-layers arrive, at most RECEIVE_DEPTH layers or spans in flight."""
+layers arrive, at most RECEIVE_DEPTH layers or spans in flight. A shared connection (same
+device) has no data channel: its sender writes granted layers into the cache itself."""
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -41,6 +43,8 @@ class Session:
         self.rx, self.drop = rx, drop
         self.sender_id, self.index = "?", None
         self.channel: DataChannel | None = None
+        self.offered = self.shared = False  # offered the cache at hello; joined to write into it
+        self.granted: deque[tuple] = deque()  # (layer msg, part, _Expected or None, when) awaiting `wrote`
         self.parts: dict[tuple[str, int], Part] = {}  # (request id, head_start) -> begun, not done
         self.activity = time.monotonic()
         # receive buffers: later layers arrive in some while the writer thread scatters one from another
@@ -54,10 +58,15 @@ class Session:
         kind = msg["kind"]
         if kind == "hello" and self.index is None:
             return self.rx._hello(self, msg)
-        if kind == "join" and self.index is not None and self.channel is None and msg["channel"] == self.index:
-            self.channel = self.rx._open(self.index)
+        joined = self.channel is not None or self.shared
+        if kind == "join" and self.index is not None and not joined and msg["channel"] == self.index:
+            if msg["shared"] and not self.offered:
+                raise ControlGarbage("joined shared without the cache being offered")
+            self.shared = msg["shared"]
+            if not self.shared:
+                self.channel = self.rx._open(self.index)
             return None
-        if self.channel is None or kind not in ("begin", "layer", "done"):
+        if not joined or kind not in ("begin", "layer", "done", "wrote") or (kind == "wrote" and not self.shared):
             raise ControlGarbage(f"{kind} message out of order")
         if kind == "begin":
             return self.rx._begin(self, msg)
@@ -65,7 +74,9 @@ class Session:
         if part is None:
             raise ControlGarbage(f"{kind} for a part that did not begin: {msg['request_id']}")
         if kind == "layer":
-            return self._layer(msg, part)
+            return self._grant(msg, part) if self.shared else self._layer(msg, part)
+        if kind == "wrote":
+            return self._wrote(msg, part)
         self._written()
         del self.parts[(msg["request_id"], msg["head_start"])]
         return self.rx._done(self, msg, part)
@@ -91,6 +102,34 @@ class Session:
                 self.channel.close()
                 self._payload_failed(msg, ChannelError(f"KV receive could not be posted: {str(exc)[:200]}"))
             self.writes[i] = self.writer.submit(self._scatter, msg, layer, part, handle, self.buffers[i][:n])
+
+    def _grant(self, msg: dict, part: Part) -> dict:
+        """Shared: the announced layers' slots are the sender's to write until it says `wrote`."""
+        first, count = msg["layer"], msg["count"]
+        if not (0 <= first and 0 < count and first + count <= self.rx.compat.num_layers):
+            raise ControlGarbage(f"layers {first} + {count} of {self.rx.compat.num_layers}")
+        e = self.rx._receiving(msg["request_id"])
+        if e is None:  # cancelled: the sender fails the part and sends no more of it
+            del self.parts[(msg["request_id"], msg["head_start"])]
+            self.rx._count("dropped_layers")
+        else:
+            self.granted.append((msg, part, e, time.monotonic()))
+        return {"kind": "grant", "request_id": msg["request_id"], "head_start": msg["head_start"], "ok": e is not None}
+
+    def _wrote(self, msg: dict, part: Part) -> None:
+        if not self.granted or {k: self.granted[0][0][k] for k in msg} != msg | {"kind": "layer"}:
+            raise ControlGarbage(f"wrote {msg} without a grant of those layers")
+        _, _, e, _ = self.granted.popleft()
+        num_bytes = msg["count"] * wire.payload_bytes(part.num_tokens, part.num_heads, self.rx.compat.head_dim,
+                                                      self.rx.kv_cache.dtype)
+        self.rx._received(msg["request_id"], part, e, msg["count"], num_bytes)
+
+    def granted_since(self) -> float:
+        """When the oldest grant still awaiting `wrote` was given (inf: none)."""
+        try:
+            return self.granted[0][3]
+        except IndexError:
+            return float("inf")
 
     def _scatter(self, msg: dict, layer: int, part: Part, handle, payload: torch.Tensor) -> None:
         """On the writer thread: once the layer is in the buffer, into the request's slots."""
@@ -155,4 +194,7 @@ class Session:
         if self.channel is not None:  # first: receives still posted end at once, so cancel() waits no longer
             self.channel.close()
         self.writer.shutdown(wait=True)
+        while self.granted:  # a dead or stuck sender's grants end: a cancel waits no longer
+            msg, part, e, _ = self.granted.popleft()
+            self.rx._received(msg["request_id"], part, e, 0, 0)
         self.rx._closed_session(self)

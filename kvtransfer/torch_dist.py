@@ -20,11 +20,11 @@ class TorchDistTransport(KVTransport):
     name = "torch"
 
     def sender(self, compat: CompatRecord, sender_id: str, timeout_s: float = 10.0, host: str = "127.0.0.1",
-               max_groups: int = 64) -> KVSender:
+               max_groups: int = 64, same_device: bool = False) -> KVSender:
         from kvtransfer.sender import TorchDistSender
-        return TorchDistSender(compat, sender_id, timeout_s, host, max_groups)
+        return TorchDistSender(compat, sender_id, timeout_s, host, max_groups, same_device)
 
     def receiver(self, compat: CompatRecord, kv_cache: torch.Tensor, head_offset: int,
-                 host: str = "127.0.0.1", timeout_s: float = 10.0) -> KVReceiver:
+                 host: str = "127.0.0.1", timeout_s: float = 10.0, share_cache: bool = False) -> KVReceiver:
         from kvtransfer.receiver import TorchDistReceiver
-        return TorchDistReceiver(compat, kv_cache, head_offset, host, timeout_s)
+        return TorchDistReceiver(compat, kv_cache, head_offset, host, timeout_s, share_cache)

@@ -4,9 +4,10 @@ the data plane, which carries only KV payloads (channel.py).
 One control connection per (prefill rank, decode rank) pair; its data channel is built after
 the handshake. Sender -> receiver, with the receiver's answer:
 
-    hello  {sender_id, compat}                          -> welcome {ok, error, compat, store_port, channel}
-    join   {channel}                                       (no answer: both ends build the data channel)
-    begin  {request_id, head_start, head_end, num_tokens} -> ready {request_id, ok, error, runs}
+    hello  {sender_id, compat, device_key}              -> welcome {ok, error, compat, store_port, channel, cache}
+    join   {channel, shared}                               (no answer: both ends build the data channel; or,
+                                                           shared, the sender opened `cache`: no data channel)
+    begin  {request_id, head_start, head_end, num_tokens} -> ready {request_id, ok, error, runs, slots}
     layer  {request_id, head_start, layer, count}          (no answer) then, for each of layers [layer,
                                                            layer + count), its payload on the data channel:
                                                            runs == []: K and V of the part's heads as one
@@ -15,6 +16,14 @@ the handshake. Sender -> receiver, with the receiver's answer:
                                                            then V[start:start+length], each a message
     done   {request_id, head_start, num_layers, first_token, logprobs} -> ack {request_id, ok, error}
 
+On a shared connection (same device: `cache` describes the receiver's cache, shared_cache.py)
+no payload moves on a data channel; the sender writes the receiver's slots itself:
+
+    layer  {request_id, head_start, layer, count}       -> grant {request_id, head_start, ok}: the slots
+                                                           are the sender's to write until `wrote` (ok
+                                                           False: the request was cancelled; write nothing)
+    wrote  {request_id, head_start, layer, count}          (no answer) the granted layers are in the cache
+
 The receiver answers `ready` only for a request it has reserved slots for, and posts a receive
 on the data channel only after a `layer` announced its payload: no receive waits unmatched.
 A `layer` message announces the layers queued at the sender when it is sent (one, when the
@@ -22,7 +31,8 @@ model computes slower than the link moves; several, when the link is behind: few
 `runs` are where the reserved slots are contiguous in the receiver's cache (they tile the part's
 tokens in order): the receiver receives each run straight into the cache; [] when there are too
 many runs to pay off, or the part has some of the rank's heads only (it receives one buffer and
-scatters it).
+scatters it). On a shared connection `runs` always tile the part and `slots` holds each run's
+first slot in the receiver's cache ([] on other connections).
 logprobs: None, or the first token's [[token_id, logprob], ...] (sampled token first).
 """
 from __future__ import annotations
@@ -31,12 +41,15 @@ import torch
 
 _NONE = type(None)
 SCHEMA: dict[str, dict[str, type | tuple]] = {
-    "hello": {"sender_id": str, "compat": dict},
-    "welcome": {"ok": bool, "error": (str, _NONE), "compat": dict, "store_port": int, "channel": int},
-    "join": {"channel": int},
+    "hello": {"sender_id": str, "compat": dict, "device_key": str},
+    "welcome": {"ok": bool, "error": (str, _NONE), "compat": dict, "store_port": int, "channel": int,
+                "cache": (dict, _NONE)},
+    "join": {"channel": int, "shared": bool},
     "begin": {"request_id": str, "head_start": int, "head_end": int, "num_tokens": int},
-    "ready": {"request_id": str, "ok": bool, "error": (str, _NONE), "runs": list},
+    "ready": {"request_id": str, "ok": bool, "error": (str, _NONE), "runs": list, "slots": list},
     "layer": {"request_id": str, "head_start": int, "layer": int, "count": int},
+    "grant": {"request_id": str, "head_start": int, "ok": bool},
+    "wrote": {"request_id": str, "head_start": int, "layer": int, "count": int},
     "done": {"request_id": str, "head_start": int, "num_layers": int, "first_token": int,
              "logprobs": (list, _NONE)},
     "ack": {"request_id": str, "ok": bool, "error": (str, _NONE)},
@@ -63,6 +76,8 @@ def check_message(msg, schema: dict[str, dict[str, type | tuple]]) -> dict:
         raise WireError("done.logprobs is not a list of [token_id, logprob] pairs")
     if msg["kind"] == "ready" and not all(_is_run(run) for run in msg["runs"]):
         raise WireError("ready.runs is not a list of [start, length] pairs")
+    if msg["kind"] == "ready" and not all(type(slot) is int and slot >= 0 for slot in msg["slots"]):
+        raise WireError("ready.slots is not a list of slots")
     return msg
 
 

@@ -90,9 +90,9 @@ def test_an_announced_payload_that_never_comes(pair, slots):
     rx, cache, proxy, tx = pair
     dest = proxy.endpoint()
     client = ControlClient(dest.address, wire.SCHEMA)
-    welcome = client.call({"kind": "hello", "sender_id": "stuck", "compat": COMPAT.to_dict()}, 5)
+    welcome = client.call({"kind": "hello", "sender_id": "stuck", "compat": COMPAT.to_dict(), "device_key": ""}, 5)
     store = dist.TCPStore(dest.host, welcome["store_port"], is_master=False, wait_for_workers=False)
-    client.send({"kind": "join", "channel": welcome["channel"]}, 5)
+    client.send({"kind": "join", "channel": welcome["channel"], "shared": False}, 5)
     channel = GlooChannel(store, welcome["channel"], SENDER, "127.0.0.1", 5.0)
     rx.expect("r", slots, 1)
     ready = client.call({"kind": "begin", "request_id": "r", "head_start": 0, "head_end": HEADS,

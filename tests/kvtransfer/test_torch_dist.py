@@ -146,10 +146,10 @@ def test_incompatible_peer_refused_with_clear_error():
 def _raw_connection(dest: KVEndpoint) -> ControlClient:
     """A hand-made sender connection past the handshake, to send what the real sender never would."""
     client = ControlClient(dest.address, wire.SCHEMA)
-    welcome = client.call({"kind": "hello", "sender_id": "evil", "compat": COMPAT.to_dict()}, 5)
+    welcome = client.call({"kind": "hello", "sender_id": "evil", "compat": COMPAT.to_dict(), "device_key": ""}, 5)
     assert welcome["ok"]
     store = dist.TCPStore(dest.host, welcome["store_port"], is_master=False, wait_for_workers=False)
-    client.send({"kind": "join", "channel": welcome["channel"]}, 5)
+    client.send({"kind": "join", "channel": welcome["channel"], "shared": False}, 5)
     GlooChannel(store, welcome["channel"], SENDER, "127.0.0.1", 5.0)
     return client
 
