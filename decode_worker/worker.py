@@ -104,7 +104,9 @@ class DecodeWorker:
             runner = self.engine.runner
             runner.update_states(sched)
             inp = None if sched.is_empty else runner.prepare_inputs(sched)
-        self.tp.broadcast_object(inp)
+            if inp is None and not self.connector.awaiting and not sched.finished_req_ids:
+                return False  # idle: no collective call (followers wait on the control group)
+        self.tp.broadcast_step(inp)
         result = None
         if inp is not None:
             start = time.monotonic()
@@ -123,7 +125,7 @@ class DecodeWorker:
 
     def follow(self) -> bool:
         """Ranks > 0: run the step rank 0 broadcast. Returns False when told to stop."""
-        inp = self.tp.broadcast_object(None)
+        inp = self.tp.broadcast_step(None)
         if inp == "stop":
             return False
         if inp is not None:
@@ -132,7 +134,7 @@ class DecodeWorker:
         return True
 
     def stop_followers(self) -> None:
-        self.tp.broadcast_object("stop")
+        self.tp.broadcast_step("stop")
 
     def _admit_transfers(self, polls) -> list[RequestOutput]:
         """Requests whose KV is complete on every rank join the batch; failed ones end with an error."""

@@ -17,11 +17,17 @@ from torch import nn
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This rank's place in its instance's tensor-parallel group."""
+    """This rank's place in its instance's tensor-parallel group.
+
+    Two process groups over the same ranks: `group` for the model's tensors (NCCL on GPUs, gloo on
+    CPUs) and `control` (gloo) for what the driver tells its followers, where a follower may wait
+    for long: an idle instance makes no collective call on the device group."""
 
     rank: int = 0
     size: int = 1
-    group: Any = None  # torch.distributed ProcessGroup; None only when size == 1
+    group: Any = None  # torch.distributed ProcessGroup for tensors; None only when size == 1
+    control: Any = None  # gloo ProcessGroup for objects; None: `group` (a CPU instance)
+    device: torch.device = torch.device("cpu")  # where this rank's tensors live
 
     def __post_init__(self):
         assert 0 <= self.rank < self.size
@@ -46,22 +52,36 @@ class TPGroup:
         return torch.cat(parts, dim=dim) if self.rank == 0 else None
 
 
+    @property
+    def control_group(self):
+        return self.group if self.control is None else self.control
+
     def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0's `obj` on every rank (the step a driver hands its followers)."""
+        """Rank 0's `obj` on every rank, pickled on the control group (small messages: stop)."""
         if self.size == 1:
             return obj
         self._need_group()
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.control_group)
         return box[0]
 
+    def broadcast_step(self, obj: Any = None) -> Any:
+        """Rank 0's step on every rank: its structure on the control group, its tensors on
+        `device` as one buffer per dtype on the device group (engine/tp_comm.py)."""
+        if self.size == 1:
+            return obj
+        self._need_group()
+        from engine.tp_comm import broadcast_step
+        return broadcast_step(obj, self.rank, dist.get_global_rank(self.group, 0), self.control_group, self.group,
+                              self.device)
+
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's `obj`, in rank order, on every rank."""
+        """Every rank's `obj`, in rank order, on every rank (on the control group)."""
         if self.size == 1:
             return [obj]
         self._need_group()
         out = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
+        dist.all_gather_object(out, obj, group=self.control_group)
         return out
 
 

@@ -94,7 +94,7 @@ class PrefillWorker:
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> None:
-        """Rank 0: one prefill step (a no-op broadcast when idle, so followers stay in step)."""
+        """Rank 0: one prefill step (with TP, the followers run it too)."""
         self._drain_inbox()
         self._release_delivered()
         sched = self.scheduler.schedule()
@@ -102,7 +102,7 @@ class PrefillWorker:
                                              self.runner.device)
         self.runner.update_states(sched)
         inp = None if sched.is_empty else self.runner.prepare_inputs(sched)
-        self.tp.broadcast_object((inp, shipments))
+        self.tp.broadcast_step((inp, shipments))
         if inp is None:
             return
         start = time.monotonic()
@@ -118,7 +118,7 @@ class PrefillWorker:
 
     def follow(self) -> bool:
         """Ranks > 0: run the step rank 0 broadcast. Returns False when told to stop."""
-        msg = self.tp.broadcast_object(None)
+        msg = self.tp.broadcast_step(None)
         if msg == "stop":
             return False
         self._release_delivered()
@@ -130,7 +130,7 @@ class PrefillWorker:
         return True
 
     def stop_followers(self) -> None:
-        self.tp.broadcast_object("stop")
+        self.tp.broadcast_step("stop")
 
     def _execute(self, inp, shipments: list[Shipment]):
         self.connector.start(shipments)
@@ -153,6 +153,10 @@ class PrefillWorker:
             elif self.scheduler.abort(a):
                 self.connector.drop(a)
                 self._outbox.forget(a)
+
+    def release_delivered(self) -> None:
+        """Rank 0 while idle: frees the blocks of transfers that ended (no collective call)."""
+        self._release_delivered()
 
     def _release_delivered(self) -> None:
         for request_id, error in self.connector.take_delivered():

@@ -82,3 +82,45 @@ def test_a_failed_load_ends_the_request_with_kv_load_failed_and_frees_its_blocks
     assert lost.finished and lost.kv_load_failed and "no KV" in lost.error and "lost" not in rx.expected
     assert [o for o in outputs if o.request_id == "ok"][-1].finish_reason == "length"
     engine.kv.assert_no_leaks()
+
+
+class CountingTP:
+    """Rank 0 of a two-rank group whose follower never answers anything but empty polls; counts
+    the collective calls the driver makes."""
+    rank, size = 0, 2
+
+    def __init__(self):
+        self.calls = 0
+
+    def broadcast_step(self, obj=None):
+        self.calls += 1
+        return obj
+
+    def all_gather_object(self, obj):
+        self.calls += 1
+        return [obj, ([], [])]
+
+
+def test_an_idle_decode_instance_makes_no_collective_call():
+    """With TP, rank 0 broadcasts a step and gathers the ranks' polls only while a batch runs or
+    a reserved request's KV is arriving; idle steps call no collective at all."""
+    engine = tiny_engine(make_hf_tiny_llama(), num_blocks=32, block_size=8)
+    rx = FakeReceiver()
+    worker = DecodeWorker(engine, DecodeConnector(rx, engine.runner.model_config.num_kv_heads, 0, 1))
+    worker.tp = tp = CountingTP()
+    for _ in range(5):
+        assert not worker.step()
+    assert tp.calls == 0
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    assert worker.reserve(Request("r", list(range(3, 20)), params), prefill_tp=1)
+    worker.step()
+    assert tp.calls == 2  # awaiting KV: the ranks' polls are gathered
+    rx.done = [CompletedTransfer("r", 5, None)]
+    while worker.has_work():
+        worker.step()
+    worker.step()  # tells the runner the request finished
+    calls = tp.calls
+    for _ in range(5):
+        assert not worker.step()
+    assert tp.calls == calls
+    engine.kv.assert_no_leaks()

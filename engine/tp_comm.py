@@ -1,0 +1,88 @@
+"""Broadcasting a step from a TP driver to its followers: the step's structure as a small pickled
+header on the control group (gloo, CPU), its tensors as one flat buffer per dtype on the device
+group (NCCL on GPUs), as vLLM's `broadcast_tensor_dict` does. Step inputs are never pickled
+through the GPU, and a follower waits for the next step on the CPU group only (an NCCL
+collective left waiting while idle would hold a stream and trip NCCL's watchdog).
+
+    driver:    split(step) -> header (step with tensor placeholders, buffer sizes) + tensors
+               broadcast_object(header) on the control group
+               broadcast(one buffer per dtype) on the device group
+    follower:  header -> empty buffers -> broadcast -> views -> the same step
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+
+class _TensorSlot(NamedTuple):
+    """Stands for tensor `index` of the step: its place in its dtype's buffer."""
+    dtype: torch.dtype
+    offset: int
+    shape: tuple[int, ...]
+
+
+def split_tensors(obj: Any, device_type: str) -> tuple[Any, list[torch.Tensor]]:
+    """`obj` with every tensor on `device_type` replaced by a slot, and those tensors in order.
+    Walks dataclasses, tuples, lists and dicts; other values stay in the structure."""
+    tensors: list[torch.Tensor] = []
+    offsets: dict[torch.dtype, int] = {}
+
+    def walk(x):
+        if isinstance(x, torch.Tensor) and x.device.type == device_type:
+            offset = offsets.get(x.dtype, 0)
+            offsets[x.dtype] = offset + x.numel()
+            tensors.append(x)
+            return _TensorSlot(x.dtype, offset, tuple(x.shape))
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            return dataclasses.replace(x, **{f.name: walk(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init})
+        if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
+            return type(x)(walk(v) for v in x)
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        return x
+
+    return walk(obj), tensors
+
+
+def fill_tensors(skeleton: Any, buffers: dict[torch.dtype, torch.Tensor]) -> Any:
+    """The inverse of `split_tensors`: every slot becomes a view of its dtype's buffer."""
+    def walk(x):
+        if isinstance(x, _TensorSlot):
+            n = 1
+            for d in x.shape:
+                n *= d
+            return buffers[x.dtype][x.offset:x.offset + n].view(x.shape)
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            return dataclasses.replace(x, **{f.name: walk(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init})
+        if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
+            return type(x)(walk(v) for v in x)
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        return x
+
+    return walk(skeleton)
+
+
+def broadcast_step(obj: Any, rank: int, src: int, control_group, device_group, device: torch.device) -> Any:
+    """Rank `src`'s `obj` on every rank; its tensors on `device` travel on `device_group`."""
+    if rank == 0:
+        skeleton, tensors = split_tensors(obj, device.type)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t.reshape(-1))
+        buffers = {dtype: torch.cat(parts) for dtype, parts in by_dtype.items()}
+        box = [(skeleton, [(dtype, b.numel()) for dtype, b in buffers.items()])]
+    else:
+        box = [None]
+    dist.broadcast_object_list(box, src=src, group=control_group)
+    skeleton, sizes = box[0]
+    if rank != 0:
+        buffers = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in sizes}
+    for dtype, n in sizes:  # the same order on every rank: the driver's dict order, sent in the header
+        if n:
+            dist.broadcast(buffers[dtype], src=src, group=device_group)
+    return obj if rank == 0 else fill_tensors(skeleton, buffers)
