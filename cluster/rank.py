@@ -12,13 +12,14 @@ import threading
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from decode_worker.engine import ColocatedEngine
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.loader import resolve_model_path
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, select_device
 from engine.parallel import TPGroup
 from engine.tokenizer import Tokenizer
 from kvtransfer.base import create_kv_transport
@@ -36,6 +37,22 @@ def free_address(host: str = "127.0.0.1") -> str:
         return f"{host}:{s.getsockname()[1]}"
 
 
+def join_tp_group(device: torch.device, rank: int, tp_size: int, address: str) -> TPGroup:
+    """This rank's TP group: on GPUs NCCL for the model's tensors and a gloo group beside it for
+    the driver's messages (followers wait there while idle, so no NCCL call waits unmatched);
+    on CPUs one gloo group for both."""
+    if device.type != "cuda":
+        dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=tp_size,
+                                timeout=timedelta(hours=24))  # followers may idle for long
+        return TPGroup(rank, tp_size, dist.group.WORLD, device=device)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://{address}", rank=rank, world_size=tp_size,
+                            timeout=timedelta(minutes=10), device_id=device)  # collectives run matched: in step
+    control = dist.new_group(backend="gloo", timeout=timedelta(hours=24))
+    logger.info("TP rank %d/%d: NCCL for tensors on %s, gloo for control", rank, tp_size, device)
+    return TPGroup(rank, tp_size, dist.group.WORLD, control, device)
+
+
 def load_tokenizer(model: str) -> Tokenizer | None:
     try:
         return Tokenizer.from_path(resolve_model_path(model))
@@ -47,16 +64,15 @@ def load_tokenizer(model: str) -> Tokenizer | None:
 class RankHost:
     def __init__(self, config: EngineConfig, role: str, instance_id: str, rank: int = 0, tp_size: int = 1,
                  tp_address: str | None = None, host: str = "127.0.0.1", kv_timeout_s: float = 10.0,
-                 model_config=None, weights=None, on_loop_death=None, client_ttl_s: float = 30.0):
+                 model_config=None, weights=None, on_loop_death=None, client_ttl_s: float = 30.0,
+                 kv_same_device: bool = True):
         """`on_loop_death`: called if the step loop dies (a Ray actor exits, so the instance is
-        seen dead and its requests retried elsewhere, instead of hanging alive but idle)."""
+        seen dead and its requests retried elsewhere, instead of hanging alive but idle).
+        `kv_same_device`: KV between ranks on one device is written straight into the decode
+        cache (the spec's kv_transport "auto"); False: always over the data channel ("torch")."""
         self.role, self.instance_id, self.rank, self.host = role, instance_id, rank, host
         self.on_loop_death = on_loop_death
-        tp = TPGroup()
-        if tp_size > 1:
-            dist.init_process_group("gloo", init_method=f"tcp://{tp_address}", rank=rank, world_size=tp_size,
-                                    timeout=timedelta(hours=24))  # followers may idle for long
-            tp = TPGroup(rank, tp_size, dist.group.WORLD)
+        tp = join_tp_group(select_device(config.device), rank, tp_size, tp_address) if tp_size > 1 else TPGroup()
         self.runner = ModelRunner(config, tp, model_config=model_config, weights=weights)
         mc = self.runner.model_config
         compat = CompatRecord(model=mc.name, dtype=str(self.runner.dtype).removeprefix("torch."), num_layers=mc.num_layers,
@@ -65,7 +81,7 @@ class RankHost:
         self.sender = self.receiver = None
         if role == "prefill":
             self.sender = create_kv_transport("torch").sender(compat, f"{instance_id}/{rank}", timeout_s=kv_timeout_s,
-                                                              host=host)
+                                                              host=host, same_device=kv_same_device)
             # a request's blocks are leased to its transfer: freed on the decode side's ack, or after
             # 3 transfer timeouts if no ack ever comes (a hung peer cannot pin them forever)
             connector = PrefillConnector(self.sender, mc.num_kv_heads, rank, tp_size, lease_s=3 * kv_timeout_s)
@@ -74,7 +90,8 @@ class RankHost:
             if role == "decode":
                 heads = kv_heads_of_rank(mc.num_kv_heads, tp_size, rank)
                 self.receiver = create_kv_transport("torch").receiver(
-                    compat, self.runner.kv_cache, heads.start, host=host, timeout_s=kv_timeout_s)
+                    compat, self.runner.kv_cache, heads.start, host=host, timeout_s=kv_timeout_s,
+                    share_cache=kv_same_device)
             tokenizer = load_tokenizer(config.model) if rank == 0 and model_config is None else None
             engine = ColocatedEngine(config, runner=self.runner, tokenizer=tokenizer)
             connector = DecodeConnector(self.receiver, mc.num_kv_heads, rank, tp_size)
@@ -114,12 +131,12 @@ class RankHost:
                 self.on_loop_death()
 
     def _prefill_loop(self) -> None:
-        last = checked = time.monotonic()
+        checked = time.monotonic()
         while not self._stop.is_set():
-            if self.worker.has_work() or time.monotonic() - last > 1.0:
-                self.worker.step()  # idle steps keep followers' collectives from timing out
-                last = time.monotonic()
-            else:
+            if self.worker.has_work():
+                self.worker.step()
+            else:  # no collective: followers wait on the control group for the next step
+                self.worker.release_delivered()
                 time.sleep(0.002)
             if time.monotonic() - checked > 1.0:
                 checked = time.monotonic()
