@@ -62,8 +62,7 @@ class Adoption:
         node = by_ip[placements[0].node_ip] if placements[0].node_ip in by_ip else None
         pg = ray.util.get_placement_group(f"{self._namespace}/{iid}")
         if node is not None:
-            self._nodes.adopt(iid, role, tp, nodes.rank_resources(role, self._use_gpus(), self.spec.ray_resources),
-                                  node.node_id)
+            self._nodes.adopt(iid, role, tp, self._rank_resources(role, self._use_gpus()), node.node_id)
         endpoints = tuple(d["kv_endpoint"] for d in described) if role == "decode" else ()
         info = InstanceInfo(iid, role, tp, endpoints, max_model_len=head["max_model_len"],
                             block_size=head.get("block_size", 0))
@@ -76,8 +75,9 @@ class Adoption:
         logger.info("adopted %s (%s, tp=%d) on %s", iid, role, tp, placements[0].node_ip)
 
     def _same_engine(self, config, role: str) -> bool:
-        """`config` is what this spec runs for `role` (threads aside when the spec leaves them to us)."""
-        want = self.spec.engine_config(role)
+        """`config` is what this spec runs for `role` (threads aside when the spec leaves them to us;
+        on GPU with the GPU plan's gpu_memory_utilization, as the controller starts it)."""
+        want = self._role_engine_config(role, self._use_gpus())
         if want.num_threads is None:
             config = replace(config, num_threads=None)
         return config == want

@@ -15,6 +15,7 @@ Otherwise (Ray started here, or in-process) instances live and die with this pro
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -22,7 +23,7 @@ import threading
 import time
 from dataclasses import replace
 
-from cluster import nodes
+from cluster import gpu_share, nodes
 from cluster.adoption import Adoption
 from cluster.clients import LocalDecodeClient, LocalPrefillClient, RayDecodeClient, RayPrefillClient
 from cluster.instance import Instance, init_ray, rank_actor_name, setup_ray_auth  # noqa: F401 (re-exported)
@@ -50,6 +51,8 @@ class Controller(Adoption):
         self._started_ray = False
         self._next_id = {"prefill": 0, "decode": 0, "colocated": 0}
         self._nodes = nodes.PlacementManager()
+        self._plan: gpu_share.GpuPlan | None = None  # how ranks use the GPUs (on GPU, once Ray is up)
+        self._start_lock = threading.Lock()  # one instance starts at a time on shared GPUs
         self._dead_ids: list[str] = []  # dead instances, kept in the cluster state as such until shutdown
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -73,19 +76,13 @@ class Controller(Adoption):
             if self.use_ray:
                 ranks = sum(n * self.spec.tp_size(r) for r, n in self.spec.instance_counts.items())
                 self._started_ray = init_ray(self.spec, self.log_level, ranks)
+                if self._use_gpus():
+                    self._gpu_plan()  # refuses what the GPUs cannot hold before anything starts
             if self.multihost:
                 self._check_unique_addresses()
             if self.detached:
                 self._adopt()
-            for role, n in self.spec.instance_counts.items():
-                for _ in range(n - sum(i.role == role for i in self.instances.values())):
-                    try:
-                        self._create(role)
-                    except nodes.PlacementError as exc:
-                        if not self.wait_for_room:
-                            raise
-                        logger.warning("%s; waiting for a node with room", exc)
-                        self.owed.append(role)
+            self._create_missing()
             if self.multihost:
                 nodes.check_network(list(self.instances.values()))
             self._on_started()
@@ -96,6 +93,22 @@ class Controller(Adoption):
         up = ", ".join(f"{i.instance_id} (tp={i.tp_size})" for i in self.instances.values())
         logger.info("instances up: %s%s", up, f" ({len(self.adopted)} adopted)" if self.adopted else "")
         return self
+
+    def _create_missing(self) -> None:
+        """Starts the instances of the spec that are not up (adopted), one after the other: each
+        is set up (its KV pool sized) before the next starts; decode first on shared GPUs
+        (gpu_share.GpuPlan.start_order says why)."""
+        counts = self.spec.instance_counts
+        order = self._plan.start_order if self._plan is not None else tuple(counts)
+        for role in order:
+            for _ in range(counts[role] - sum(i.role == role for i in self.instances.values())):
+                try:
+                    self._create(role)
+                except nodes.PlacementError as exc:
+                    if not self.wait_for_room:
+                        raise
+                    logger.warning("%s; waiting for a node with room", exc)
+                    self.owed.append(role)
 
     def _check_unique_addresses(self, wait_s: float = 60.0) -> None:
         """Among the nodes that can run ranks (drivers' nodes have no CPUs). A node restarted in
@@ -245,7 +258,12 @@ class Controller(Adoption):
         iid = f"{role}-{self._next_id[role]}"
         self._next_id[role] += 1
         tp = self.spec.tp_size(role)
-        inst = self._create_ray(role, iid, tp) if self.use_ray else self._create_local(role, iid)
+        # NOTE: additions may race (autoscaler, replacements); on shared GPUs they wait for each other,
+        # so that two ranks' weight loading and CUDA graph capture (outside the per-rank memory
+        # budgets: only the GPU's slack above gpu_memory_utilization holds them) never overlap.
+        shared = self._plan is not None and self._plan.shared
+        with self._start_lock if shared else contextlib.nullcontext():
+            inst = self._create_ray(role, iid, tp) if self.use_ray else self._create_local(role, iid)
         self.instances[iid] = inst
         self._register(inst)
         return inst
@@ -271,7 +289,7 @@ class Controller(Adoption):
         """Chooses a node, reserves a STRICT_PACK placement group on it, starts the ranks there."""
         import ray
         gpu = self._use_gpus()
-        per_rank = nodes.rank_resources(role, gpu, self.spec.ray_resources)
+        per_rank = self._rank_resources(role, gpu)
         pg_name = f"{self._namespace}/{iid}" if self.detached else ""
         node, pg = self._nodes.place(iid, role, tp, per_rank, pg_name)
         actors: list = []
@@ -289,10 +307,10 @@ class Controller(Adoption):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         from cluster.actor import RankActor
-        config = self._engine_config(role, gpu, node)
+        config, num_gpus = self._engine_config(role, gpu, node), self._rank_resources(role, gpu).get("GPU", 0)
         for r in range(tp):
             actors.append(RankActor.options(
-                num_cpus=1, num_gpus=1 if gpu else 0, name=rank_actor_name(iid, r), namespace=self._namespace,
+                num_cpus=1, num_gpus=num_gpus, name=rank_actor_name(iid, r), namespace=self._namespace,
                 lifetime="detached" if self.detached else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote(
                 config, role, iid, r, tp, self.spec.kv_transfer_timeout_s, self.log_level, not self.multihost,
@@ -398,8 +416,32 @@ class Controller(Adoption):
         except KeyError:
             pass
 
-    def _engine_config(self, role: str, gpu: bool, node: nodes.NodeInfo):
+    def _gpu_plan(self) -> gpu_share.GpuPlan:
+        """How the ranks use the Ray cluster's GPUs (all nodes'), worked out once: in `start`,
+        before any instance. The cluster's total, not a node's: a spec whose ranks each had a GPU
+        keeps them, and Ray's accounting of the fractions keeps any node's ranks within its GPUs."""
+        if self._plan is None:
+            import ray
+            self._plan = gpu_share.gpu_plan(self.spec, int(ray.cluster_resources().get("GPU", 0)))
+            logger.info("%s", self._plan.describe())
+        return self._plan
+
+    def _rank_resources(self, role: str, gpu: bool) -> dict[str, float]:
+        """What one rank of `role` asks of its node (its placement group bundle and its actor)."""
+        num_gpus = self._gpu_plan().roles[role].num_gpus if gpu else 0.0
+        return nodes.rank_resources(role, gpu, self.spec.ray_resources, num_gpus)
+
+    def _role_engine_config(self, role: str, gpu: bool):
+        """The spec's engine config of `role`; on GPU with the plan's gpu_memory_utilization."""
         config = self.spec.engine_config(role)
+        if not gpu:
+            return config
+        share = self._gpu_plan().roles[role].gpu_memory_utilization
+        return replace(config, cache=replace(config.cache, gpu_memory_utilization=share))
+
+    def _engine_config(self, role: str, gpu: bool, node: nodes.NodeInfo):
+        """What the ranks of a new `role` instance on `node` run: the role's config, CPU threads shared out."""
+        config = self._role_engine_config(role, gpu)
         if config.num_threads is None and not gpu:  # share the node's cores among the ranks, not oversubscribe
             ranks = sum(n * self.spec.tp_size(r) for r, n in self.spec.instance_counts.items())
             cores = node.resources.get("CPU", 1) if self.multihost else os.cpu_count() or 1

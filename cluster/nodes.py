@@ -83,9 +83,10 @@ def role_resource(role: str) -> str:
     return "prefill" if role == "prefill" else "decode"
 
 
-def rank_resources(role: str, gpu: bool, ray_resources: bool) -> dict[str, float]:
-    """What one rank's bundle asks of its node."""
-    need = {"CPU": 1.0, "GPU": 1.0} if gpu else {"CPU": 1.0}
+def rank_resources(role: str, gpu: bool, ray_resources: bool, num_gpus: float = 1.0) -> dict[str, float]:
+    """What one rank's bundle asks of its node: a CPU, and on GPU `num_gpus` (a GPU, or a rank's
+    share of one when ranks share GPUs: cluster/gpu_share.py)."""
+    need = {"CPU": 1.0, "GPU": num_gpus} if gpu else {"CPU": 1.0}
     if ray_resources:  # Kubernetes: only worker pods of this role carry the resource
         need[role_resource(role)] = 1.0
     return need

@@ -50,7 +50,13 @@ _HELP = {
     "block_size": "tokens per KV block",
     "kv_memory_gib": "KV cache memory budget per rank on a CPU, GiB (ignored when --num-kv-blocks is set)",
     "gpu_memory_utilization": "fraction of its GPU's memory one rank may use for weights, activations and KV; "
-                              "KV gets what a profiling forward leaves (ignored when --num-kv-blocks is set)",
+                              "KV gets what a profiling forward leaves (ignored when --num-kv-blocks is set). "
+                              "With fewer GPUs than ranks, the budget of each whole GPU, split among the ranks "
+                              "that share it (docs/multihost.md)",
+    "prefill_gpu_memory_utilization": "a prefill rank's own gpu_memory_utilization (None: gpu_memory_utilization; "
+                                      "on a shared GPU, half a decode rank's share of it: 1/3 with 1 decode)",
+    "decode_gpu_memory_utilization": "a decode (or colocated) rank's own gpu_memory_utilization (None: "
+                                     "gpu_memory_utilization; on a shared GPU, twice a prefill rank's share of it)",
     "num_kv_blocks": "fixed number of KV blocks per rank, of the block size the attention backend uses",
     "max_num_seqs": "most sequences running at once per instance",
     "max_num_batched_tokens": "token budget per engine step; long prompts are chunked to fit",
@@ -106,6 +112,8 @@ class ClusterSpec:
     block_size: int = 16
     kv_memory_gib: float = 1.0  # CPU
     gpu_memory_utilization: float = 0.9  # GPU
+    prefill_gpu_memory_utilization: float | None = None  # None: derived (cluster/gpu_share.py)
+    decode_gpu_memory_utilization: float | None = None  # colocated instances' too
     num_kv_blocks: int | None = None  # overrides both when set
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -195,8 +203,9 @@ class ClusterSpec:
         for name in ("scale_headroom", "scale_up_cooldown_s", "scale_down_cooldown_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name in ("gpu_memory_utilization", "prefill_gpu_memory_utilization", "decode_gpu_memory_utilization"):
+            if getattr(self, name) is not None and not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         if self.port > 65535:
             raise ValueError(f"port must be <= 65535, got {self.port}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -223,6 +232,10 @@ class ClusterSpec:
             raise ValueError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
         return self.prefill_tp if role == "prefill" else self.decode_tp
 
+    def role_gpu_memory_utilization(self, role: str) -> float | None:
+        """The role's own gpu_memory_utilization key (colocated instances use decode's); None when unset."""
+        return self.prefill_gpu_memory_utilization if role == "prefill" else self.decode_gpu_memory_utilization
+
     @property
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=self.num_kv_blocks, memory_gib=self.kv_memory_gib,
@@ -239,11 +252,15 @@ class ClusterSpec:
         Args:
             role: "prefill", "decode" or "colocated"; picks the TP size.
         Returns:
-            A frozen `EngineConfig` with this spec's model, cache and scheduler settings.
+            A frozen `EngineConfig` with this spec's model, cache and scheduler settings; the
+            role's own gpu_memory_utilization when set (the controller applies a shared GPU's
+            split on top: cluster/gpu_share.py).
         """
+        own = self.role_gpu_memory_utilization(role)
+        cache = self.cache_config if own is None else replace(self.cache_config, gpu_memory_utilization=own)
         return EngineConfig(model=self.model, dtype=self.dtype, device=self.device,
                             attention_backend=self.attention_backend, num_threads=self.num_threads,
-                            tp_size=self.tp_size(role), cache=self.cache_config,
+                            tp_size=self.tp_size(role), cache=cache,
                             enforce_eager=self.enforce_eager or role == "prefill",  # a prefill never decodes
                             scheduler=self.scheduler_config)
 

@@ -88,6 +88,19 @@ def test_role_resources_and_gpus_restrict_nodes():
         ["10.0.0.4", "10.0.0.4"]
 
 
+def test_shares_of_one_gpu_fit_on_a_one_gpu_node():
+    """Ranks asking for shares of a GPU (cluster/gpu_share.py: 1P1D on one GPU) both fit on a
+    node with one GPU; a third share that does not fit names the GPU left."""
+    one_gpu = create_node("10.0.0.1", gpus=1)
+    prefill = nodes.rank_resources("prefill", True, False, num_gpus=0.3333)
+    decode = nodes.rank_resources("decode", True, False, num_gpus=0.6666)
+    assert prefill == {"CPU": 1.0, "GPU": 0.3333}
+    placed = [placed_on(one_gpu, "decode", GPU=0.6666)]
+    assert nodes.choose_node([one_gpu], "prefill", 1, prefill, placed) is one_gpu
+    with pytest.raises(PlacementError, match=r"0.3334 of 1 GPU free"):
+        nodes.choose_node([one_gpu], "decode", 1, decode, placed)
+
+
 def test_no_room_error_is_one_line_naming_role_tp_and_nodes():
     """The error names the role, the TP size, what it asks for and why each node was refused."""
     small, prefill_only = create_node("10.0.0.1", cpus=1, decode=1), create_node("10.0.0.2", cpus=8, prefill=2)

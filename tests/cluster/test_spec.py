@@ -59,6 +59,18 @@ def test_engine_config_per_role():
         spec.engine_config("router")
 
 
+def test_role_gpu_memory_utilization_keys():
+    """prefill_/decode_gpu_memory_utilization (flags too) replace gpu_memory_utilization in that
+    role's engine config only; colocated instances take decode's; unset, every role has the spec's."""
+    spec = ClusterSpec.from_args(parse(["--decode-gpu-memory-utilization", "0.5"]))
+    assert spec.decode_gpu_memory_utilization == 0.5 and spec.prefill_gpu_memory_utilization is None
+    assert spec.engine_config("decode").cache.gpu_memory_utilization == 0.5
+    assert spec.engine_config("colocated").cache.gpu_memory_utilization == 0.5
+    assert spec.engine_config("prefill").cache == spec.cache_config
+    assert ClusterSpec(prefill_gpu_memory_utilization=1).engine_config("prefill").cache.gpu_memory_utilization == 1.0
+    assert ClusterSpec().engine_config("decode").cache.gpu_memory_utilization == 0.9
+
+
 def test_colocated_mode_counts():
     """Colocated mode runs num_decode colocated instances; num_prefill may be 0 there."""
     spec = ClusterSpec(mode="colocated", num_prefill=0, num_decode=3)
@@ -160,6 +172,10 @@ def test_cli_rejects_bad_values():
     ({"disagg_threshold_tokens": -1}, "disagg_threshold_tokens"),
     ({"redis_url": "http://localhost:6379"}, "redis_url"),
     ({"model": ""}, "model"),
+    ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
+    ({"prefill_gpu_memory_utilization": 0.0}, "prefill_gpu_memory_utilization must be in"),
+    ({"decode_gpu_memory_utilization": 1.5}, "decode_gpu_memory_utilization must be in"),
+    ({"decode_gpu_memory_utilization": "half"}, "decode_gpu_memory_utilization must be float or null"),
 ])
 def test_validation_errors(kw, message):
     """Bad values raise a ValueError that names the field."""
