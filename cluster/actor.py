@@ -35,11 +35,13 @@ class _Followers:
 @ray.remote(max_concurrency=32)  # every router long-polls it: those must not block reserve/submit calls
 class RankActor:
     def __init__(self, config: EngineConfig, role: str, instance_id: str, rank: int, tp_size: int,
-                 kv_timeout_s: float, log_level: str = "INFO", loopback: bool = False, client_ttl_s: float = 30.0):
-        """`loopback`: the driver started Ray on this one host; bind 127.0.0.1."""
+                 kv_timeout_s: float, log_level: str = "INFO", loopback: bool = False, client_ttl_s: float = 30.0,
+                 kv_same_device: bool = True):
+        """`loopback`: the driver started Ray on this one host; bind 127.0.0.1. `kv_same_device`:
+        the spec's kv_transport is auto (KV within one device is written into the decode cache)."""
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._args = (config, role, instance_id, rank, tp_size)
-        self._kv_timeout_s, self._client_ttl_s = kv_timeout_s, client_ttl_s
+        self._kv_timeout_s, self._client_ttl_s, self._kv_same_device = kv_timeout_s, client_ttl_s, kv_same_device
         self._host_name = node_address(loopback)
         self._ifname = set_socket_ifnames(self._host_name)  # before any process group: gloo/NCCL read them once
         self.host: RankHost | None = None
@@ -81,7 +83,8 @@ class RankActor:
         """Loads the model, joins the TP group, starts the loop. Returns this rank's KV endpoint."""
         config, role, instance_id, rank, tp_size = self._args
         self.host = RankHost(config, role, instance_id, rank, tp_size, tp_address, self._host_name, self._kv_timeout_s,
-                             on_loop_death=lambda: os._exit(1), client_ttl_s=self._client_ttl_s)
+                             on_loop_death=lambda: os._exit(1), client_ttl_s=self._client_ttl_s,
+                             kv_same_device=self._kv_same_device)
         return self.host.kv_endpoint()
 
     def max_model_len(self) -> int:

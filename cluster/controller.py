@@ -278,7 +278,7 @@ class Controller(Adoption):
     def _create_local(self, role: str, iid: str) -> Instance:
         from cluster.rank import RankHost
         host = RankHost(self.spec.engine_config(role), role, iid, kv_timeout_s=self.spec.kv_transfer_timeout_s,
-                        client_ttl_s=self.spec.client_ttl_s)
+                        client_ttl_s=self.spec.client_ttl_s, kv_same_device=self.spec.kv_transport == "auto")
         ep = host.kv_endpoint()
         info = InstanceInfo(iid, role, 1, (ep,) if ep else (), max_model_len=host.max_model_len,
                             block_size=host.block_size)
@@ -314,7 +314,7 @@ class Controller(Adoption):
                 lifetime="detached" if self.detached else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote(
                 config, role, iid, r, tp, self.spec.kv_transfer_timeout_s, self.log_level, not self.multihost,
-                self.spec.client_ttl_s))
+                self.spec.client_ttl_s, self.spec.kv_transport == "auto"))
         start = time.monotonic()
         placements = ray.get([a.placement.remote() for a in actors], timeout=300)
         address = ray.get(actors[0].rendezvous_address.remote()) if tp > 1 else None

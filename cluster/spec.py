@@ -26,6 +26,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "flash_attn")
 # The names of router/policy.py's registry (create_routing_policy); keep the two in step.
 ROUTER_POLICIES = ("least_loaded", "prefix_aware", "round_robin")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "retry")  # router/router.py: a decode instance's failed KV load
+KV_TRANSPORTS = ("auto", "torch")  # kvtransfer: auto = same-device pairs write into the decode cache
 AUTOSCALE_POLICIES = ("slo", "queue")  # cluster/autoscaler.py: SLOPlanner, QueueThreshold
 AUTOSCALE_ACTUATORS = ("ray", "kubernetes", "dry_run")
 STATE_URL_SCHEMES = ("memory://", "redis://", "rediss://", "unix://")
@@ -68,6 +69,9 @@ _HELP = {
                                "(0 = always disaggregate)",
     "kv_transfer_timeout_s": "deadline, seconds, of each step of a KV transfer (set-up, reservation, each layer, "
                              "the ack); past it the pair is aborted and the request fails back to the router",
+    "kv_transport": "auto: a prefill and a decode rank on one device (a shared GPU, one CPU host) write KV straight "
+                    "into the decode cache (CUDA IPC, shared memory), other pairs use torch.distributed; torch: "
+                    "torch.distributed (gloo, NCCL) for every pair",
     "kv_load_failure_policy": "when a decode instance's KV load fails: recompute the prompt there (prompts up to "
                               "kv_recompute_max_tokens) or retry on another pair",
     "kv_recompute_max_tokens": "longest prompt (with tokens already streamed) recomputed on the decode instance",
@@ -125,6 +129,7 @@ class ClusterSpec:
     router_policy: str = "least_loaded"
     disagg_threshold_tokens: int = 0
     kv_transfer_timeout_s: float = 10.0
+    kv_transport: str = "auto"
     kv_load_failure_policy: str = "recompute"
     kv_recompute_max_tokens: int = 512
     heartbeat_ttl_s: float = 5.0
@@ -170,7 +175,7 @@ class ClusterSpec:
     def _check_choices(self) -> None:
         for name, choices in (("dtype", DTYPE_CHOICES), ("mode", MODES), ("router_policy", ROUTER_POLICIES),
                               ("attention_backend", ATTENTION_BACKENDS), ("autoscale_policy", AUTOSCALE_POLICIES),
-                              ("kv_load_failure_policy", KV_LOAD_FAILURE_POLICIES),
+                              ("kv_load_failure_policy", KV_LOAD_FAILURE_POLICIES), ("kv_transport", KV_TRANSPORTS),
                               ("autoscale_actuator", AUTOSCALE_ACTUATORS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
@@ -309,7 +314,7 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
                         help="cluster spec YAML; explicit flags override its keys")
     choices = {"dtype": DTYPE_CHOICES, "mode": MODES, "router_policy": ROUTER_POLICIES,
                "attention_backend": ATTENTION_BACKENDS, "autoscale_policy": AUTOSCALE_POLICIES,
-               "kv_load_failure_policy": KV_LOAD_FAILURE_POLICIES,
+               "kv_load_failure_policy": KV_LOAD_FAILURE_POLICIES, "kv_transport": KV_TRANSPORTS,
                "autoscale_actuator": AUTOSCALE_ACTUATORS}
     for f in fields(ClusterSpec):
         base = _base_type(_field_types()[f.name])

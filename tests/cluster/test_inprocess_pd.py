@@ -35,16 +35,23 @@ def run(spec: ClusterSpec, prompts, max_tokens: int, logprobs: list | None = Non
             hosts = [i.ranks[0] for i in cluster.instances.values()]
             assert sum(h.sender.stats.get("parts_sent", 0) for h in hosts if h.sender) == len(prompts)
             assert sum(h.receiver.stats.get("completed", 0) for h in hosts if h.receiver) == len(prompts)
+            senders = [h.sender.stats for h in hosts if h.sender]
+            # one process, one CPU: "auto" writes into the decode cache, "torch" uses the data channel
+            shared = spec.kv_transport == "auto"
+            assert all((st.get("shared_connections", 0) > 0) == shared for st in senders), senders
+            assert all((st.get("groups_created", 0) > 0) != shared for st in senders), senders
         return [s.token_ids for s in streams]
 
 
-def test_1p1d_matches_colocated(tiny_path):
+@pytest.mark.parametrize("kv_transport", ["auto", "torch"])
+def test_1p1d_matches_colocated(tiny_path, kv_transport):
     """12 prompts (some longer than a step's token budget, so chunked) through 1P1D equal colocated,
-    with their logprobs."""
+    with their logprobs, whether the KV is written straight into the decode cache (same device)
+    or crosses the data channel."""
     prompts = random_prompts(12, [5, 17, 40, 150], seed=3)
     want, got = [], []
     colocated = run(spec_for(tiny_path, mode="colocated"), prompts, 12, logprobs=want)
-    assert run(spec_for(tiny_path), prompts, 12, logprobs=got) == colocated
+    assert run(spec_for(tiny_path, kv_transport=kv_transport), prompts, 12, logprobs=got) == colocated
     assert all(len(t) == 12 for t in colocated)
     for g, w in zip(got, want):  # logprobs too: the first token's came over the KV transport
         assert_logprobs_close(g, w)
