@@ -11,6 +11,9 @@ Ray, fastapi, pydantic, gguf or flash-attn.
               its KV pool sized from the device (gpu_memory_utilization 0.4), and what that took
     ipc_copy  copying scattered KV blocks out of another process's device tensor (CUDA IPC) against
               the same copy inside one process
+    pd_one_gpu  (bench/gpu_pd.py) one prefill rank and one decode rank in processes of their own on
+              the one device, the KV written straight into the decode's cache over CUDA IPC: greedy
+              tokens equal to the colocated engine's, and the transfer's counters and times
 
 A `Plan` says where and how big; `Plan.dry_run()` is the CPU stand-in CI runs.
 """
@@ -127,15 +130,21 @@ def model_config_of(cfg, name: str):
                        tie_word_embeddings=cfg.tie_word_embeddings, bos_token_id=1, eos_token_id=2, name=name)
 
 
+def engine_config(device: str, kv: dict, backend: str = "auto", max_num_seqs: int = 128,
+                  max_num_batched_tokens: int = 4096):
+    """The bf16 EngineConfig every section's engine runs with (bench/gpu_pd.py's ranks too)."""
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    return EngineConfig(device=device, dtype="bfloat16", attention_backend=backend, cache=CacheConfig(**kv),
+                        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                  max_num_batched_tokens=max_num_batched_tokens))
+
+
 def _llm(plan: Plan, model_config, weights, kv: dict, backend: str = "auto", max_num_seqs: int = 128,
          max_num_batched_tokens: int = 4096):
     from decode_worker.engine import ColocatedEngine
     from decode_worker.llm import LLM
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.model_runner import ModelRunner
-    cfg = EngineConfig(device=plan.device, dtype="bfloat16", attention_backend=backend, cache=CacheConfig(**kv),
-                       scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                                 max_num_batched_tokens=max_num_batched_tokens))
+    cfg = engine_config(plan.device, kv, backend, max_num_seqs, max_num_batched_tokens)
     runner = ModelRunner(cfg, model_config=model_config, weights=weights)
     return LLM(engine=ColocatedEngine(cfg, runner=runner)), runner
 

@@ -49,9 +49,9 @@ def test_dry_run_runs_every_section_with_only_what_the_gpu_machine_has(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result == json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert result["dry_run"] is True and result["stand_ins"] and result["not_built"] == ["one_gpu_1p1d_over_cuda_ipc"]
+    assert result["dry_run"] is True and result["stand_ins"] and result["not_built"] == []
     s = result["sections"]
-    assert list(s) == ["probe", "engine", "decode", "ipc_copy"]
+    assert list(s) == ["probe", "engine", "decode", "ipc_copy", "pd_one_gpu"]
     assert s["probe"]["bf16_ok"] and s["probe"]["ipc_ok"] and s["probe"]["ipc"] == "shared_memory"
     assert s["engine"]["ok"] and {"auto", "torch"} <= set(s["engine"])
     assert all(len(s["engine"][b]["prompts"]) == 4 for b in ("auto", "torch"))
@@ -60,6 +60,14 @@ def test_dry_run_runs_every_section_with_only_what_the_gpu_machine_has(tmp_path)
     assert all(b["ms_per_step"] > 0 and b["eager_ms_per_step"] > 0 and b["bytes_bound_ms"] > 0
                and b["tokens_equal_eager"] for b in s["decode"]["batches"].values())
     assert s["ipc_copy"]["from_other_process_GBps"] > 0 and s["ipc_copy"]["within_process_GBps"] > 0
+    pd = s["pd_one_gpu"]
+    assert pd["ok"] and pd["equal"] and pd["transport"] == "shared_memory"
+    assert pd["sequential"]["equal"] and pd["sequential"]["num_prompts"] == pd["concurrent"]["num_prompts"] == 8
+    # every layer of every request went straight into the decode's cache, none over the data channel
+    assert pd["shared_connections"] == 1 and pd["layers_shared"] == pd["num_requests"] * pd["num_layers"]
+    assert pd["bytes_received"] == pd["bytes_sent"] > 0 and "groups_created" not in pd["prefill_sender_stats"]
+    assert all(pd[p][k] > 0 for p in ("sequential", "concurrent")
+               for k in ("wall_s", "mean_ttft_ms", "mean_prefill_ms", "colocated_mean_ttft_ms"))
     assert all("error" not in v and v["seconds"] > 0 for v in s.values())
 
 
