@@ -12,6 +12,7 @@ collective left waiting while idle would hold a stream and trip NCCL's watchdog)
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -25,46 +26,45 @@ class _TensorSlot(NamedTuple):
     shape: tuple[int, ...]
 
 
+def _rebuild(x: Any, leaf) -> Any:
+    """`x` with every value that `leaf` maps (to something other than None) replaced by that;
+    walks dataclasses, tuples and lists (not named tuples) and dicts; other values stay."""
+    if (out := leaf(x)) is not None:
+        return out
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{f.name: _rebuild(getattr(x, f.name), leaf)
+                                         for f in dataclasses.fields(x) if f.init})
+    if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
+        return type(x)(_rebuild(v, leaf) for v in x)
+    if isinstance(x, dict):
+        return {k: _rebuild(v, leaf) for k, v in x.items()}
+    return x
+
+
 def split_tensors(obj: Any, device_type: str) -> tuple[Any, list[torch.Tensor]]:
-    """`obj` with every tensor on `device_type` replaced by a slot, and those tensors in order.
-    Walks dataclasses, tuples, lists and dicts; other values stay in the structure."""
+    """`obj` with every tensor on `device_type` replaced by a slot, and those tensors in order."""
     tensors: list[torch.Tensor] = []
     offsets: dict[torch.dtype, int] = {}
 
-    def walk(x):
-        if isinstance(x, torch.Tensor) and x.device.type == device_type:
-            offset = offsets.get(x.dtype, 0)
-            offsets[x.dtype] = offset + x.numel()
-            tensors.append(x)
-            return _TensorSlot(x.dtype, offset, tuple(x.shape))
-        if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            return dataclasses.replace(x, **{f.name: walk(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init})
-        if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
-            return type(x)(walk(v) for v in x)
-        if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()}
-        return x
+    def slot(x):
+        if not (isinstance(x, torch.Tensor) and x.device.type == device_type):
+            return None
+        offset = offsets.get(x.dtype, 0)
+        offsets[x.dtype] = offset + x.numel()
+        tensors.append(x)
+        return _TensorSlot(x.dtype, offset, tuple(x.shape))
 
-    return walk(obj), tensors
+    return _rebuild(obj, slot), tensors
 
 
 def fill_tensors(skeleton: Any, buffers: dict[torch.dtype, torch.Tensor]) -> Any:
     """The inverse of `split_tensors`: every slot becomes a view of its dtype's buffer."""
-    def walk(x):
-        if isinstance(x, _TensorSlot):
-            n = 1
-            for d in x.shape:
-                n *= d
-            return buffers[x.dtype][x.offset:x.offset + n].view(x.shape)
-        if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            return dataclasses.replace(x, **{f.name: walk(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init})
-        if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
-            return type(x)(walk(v) for v in x)
-        if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()}
-        return x
+    def view(x):
+        if not isinstance(x, _TensorSlot):
+            return None
+        return buffers[x.dtype][x.offset:x.offset + math.prod(x.shape)].view(x.shape)
 
-    return walk(skeleton)
+    return _rebuild(skeleton, view)
 
 
 def broadcast_step(obj: Any, rank: int, src: int, control_group, device_group, device: torch.device) -> Any:

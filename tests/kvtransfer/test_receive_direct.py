@@ -17,7 +17,7 @@ from kvtransfer.receiver import MAX_DIRECT_RUNS
 from kvtransfer.scatter import slot_runs
 from tests.kvtransfer.faults import FaultProxy
 from tests.kvtransfer.test_torch_dist import (BLOCK, BLOCKS, COMPAT, HEADS, LAYERS, _wait_for, flat, make_cache,
-                                              make_receiver, poll_until, send_part, ship_to_slots)
+                                              make_receiver, poll_until, send_part, ship_head_halves, ship_to_slots)
 
 BOUND_S = 30.0  # every wait here takes well under a second
 
@@ -51,15 +51,8 @@ def test_parts_with_some_of_the_heads_are_scattered():
     """Two prefill ranks each send half the heads to one decode rank: contiguous slots, but each
     part fills every slot's row only partly, so it is received into a buffer and scattered."""
     rx, dst, dest = make_receiver()
-    full, slots = make_cache(), torch.arange(BLOCK, 3 * BLOCK)
-    rx.expect("r", slots, 2)
     senders = [create_kv_transport("torch").sender(COMPAT, f"p{p}") for p in range(2)]
-    half = HEADS // 2
-    for p, tx in enumerate(senders):
-        send_part(tx, "r", dest, full, torch.arange(len(slots)), p * half, (p + 1) * half).wait(10)
-    assert poll_until(rx)[0] == [("r", 7, None)]
-    for layer in range(LAYERS):
-        assert torch.equal(flat(dst, layer)[:, slots], flat(full, layer)[:, :len(slots)])
+    ship_head_halves(rx, dest, dst, senders, torch.arange(BLOCK, 3 * BLOCK))
     assert rx.stats["layers_scattered"] == 2 * LAYERS and rx.stats.get("layers_direct", 0) == 0
     [tx.close() for tx in senders], rx.close()
 

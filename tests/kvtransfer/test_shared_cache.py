@@ -19,7 +19,7 @@ from kvtransfer.params import KVEndpoint
 from kvtransfer.shared_cache import device_key, export_cache, open_cache
 from kvtransfer import wire
 from tests.kvtransfer.test_torch_dist import (BLOCK, COMPAT, HEADS, LAYERS, _wait_for, flat, make_cache,
-                                              poll_until, send_part, ship_to_slots)
+                                              poll_until, send_part, ship_head_halves, ship_to_slots)
 
 pytestmark = pytest.mark.timeout(120)
 BOUND_S = 30.0  # every wait here takes well under a second
@@ -91,15 +91,9 @@ def test_parts_are_written_straight_into_the_shared_cache(slots):
 def test_two_prefill_ranks_write_their_heads():
     """Each of two prefill ranks writes half the heads of the same slots (a TP mix)."""
     rx, dst, dest = make_shared_receiver()
-    full, slots = make_cache(), torch.arange(2 * BLOCK, 4 * BLOCK + 3)
-    rx.expect("r", slots, 2)
     senders = [shared_sender(f"p{p}") for p in range(2)]
-    half = HEADS // 2
-    for p, tx in enumerate(senders):
-        send_part(tx, "r", dest, full, torch.arange(len(slots)), p * half, (p + 1) * half).wait(10)
-    assert poll_until(rx)[0] == [("r", 7, None)]
-    for layer in range(LAYERS):
-        assert torch.equal(flat(dst, layer)[:, slots], flat(full, layer)[:, :len(slots)])
+    ship_head_halves(rx, dest, dst, senders, torch.arange(2 * BLOCK, 4 * BLOCK + 3))
+    assert all(tx.stats["layers_shared"] == LAYERS for tx in senders)
     for tx in senders:
         tx.close()
     rx.close()

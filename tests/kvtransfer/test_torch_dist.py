@@ -62,6 +62,19 @@ def ship_to_slots(tx, rx, dest, dst, src, slots) -> None:
     assert torch.equal(dst, expected)
 
 
+def ship_head_halves(rx, dest, dst, senders, slots) -> None:
+    """Two prefill ranks each ship half the heads of the same tokens into `slots` (a TP mix): the
+    receiver reports the request once, and its cache `dst` holds every head at those slots."""
+    full = make_cache()
+    rx.expect("r", slots, 2)
+    half = HEADS // 2
+    for p, tx in enumerate(senders):
+        send_part(tx, "r", dest, full, torch.arange(len(slots)), p * half, (p + 1) * half).wait(10)
+    assert poll_until(rx)[0] == [("r", 7, None)]
+    for layer in range(LAYERS):
+        assert torch.equal(flat(dst, layer)[:, slots], flat(full, layer)[:, :len(slots)])
+
+
 def poll_until(rx, n_events=1, timeout=10.0):
     done, failed = [], []
     deadline = time.monotonic() + timeout
