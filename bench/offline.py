@@ -3,6 +3,7 @@
     python -m bench.offline                  # W1: 32 requests x 128 prompt / 128 output tokens, bf16, 2 threads
     python -m bench.offline --json           # one JSON object on stdout; logs go to stderr
     python -m bench.offline --skip-hf --num-requests 4 --output-len 8
+    python -m bench.offline --skip-hf --dtype float32 --quantization int8
 
 Both sides run greedy decoding with EOS ignored, so every request produces exactly `output_len`
 tokens. pdserve runs the requests through continuous batching; transformers runs them as one
@@ -24,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.config import parse_dtype
+from engine.config import QUANTIZATION_CHOICES, parse_dtype
 from engine.request import SamplingParams
 
 logger = logging.getLogger("bench.offline")
@@ -60,13 +61,13 @@ def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def bench_pdserve(wl: Workload, dtype: str, threads: int) -> dict:
+def bench_pdserve(wl: Workload, dtype: str, threads: int, quantization: str = "auto") -> dict:
     """W1 through `LLM.generate`, after a small warm-up; then one batch-1 request.
 
     Warm-up and batch-1 prompts use their own seeds, so none of them hits the prefix cache.
     """
     from decode_worker.llm import LLM
-    llm = LLM(model="smollm2", dtype=dtype, num_threads=threads)
+    llm = LLM(model="smollm2", dtype=dtype, num_threads=threads, quantization=quantization)
     llm.generate(random_prompts(2, wl.prompt_len, wl.seed + 1), _greedy(4))
 
     prompts = random_prompts(wl.num_requests, wl.prompt_len, wl.seed)
@@ -131,13 +132,14 @@ def machine_info() -> dict:
             "loadavg_1m_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
-def run(wl: Workload, dtype: str, threads: int, skip_hf: bool) -> dict:
-    """Both measurements in one process, pdserve first; returns the flat result dict."""
+def run(wl: Workload, dtype: str, threads: int, skip_hf: bool, quantization: str = "auto") -> dict:
+    """Both measurements in one process, pdserve first; returns the flat result dict. `quantization`
+    is pdserve's linear method (transformers always runs unquantized)."""
     torch.set_num_threads(threads)
     result = {"workload": {**asdict(wl), "temperature": 0.0, "ignore_eos": True, "dtype": dtype,
-                           "token_id_range": list(TOKEN_ID_RANGE)},
+                           "quantization": quantization, "token_id_range": list(TOKEN_ID_RANGE)},
               "threads": threads, "torch_version": torch.__version__, "machine": machine_info()}
-    result.update(bench_pdserve(wl, dtype, threads))
+    result.update(bench_pdserve(wl, dtype, threads, quantization))
     if skip_hf:
         result.update(hf_output_tok_s=None, hf_batch1_ms_per_step=None)
     else:
@@ -158,7 +160,8 @@ def format_table(r: dict) -> str:
     ratio = (r["pdserve_output_tok_s"] / r["hf_output_tok_s"]) if r["hf_output_tok_s"] else None
     lines = [
         f"workload: {wl['num_requests']} requests x {wl['prompt_len']} prompt / {wl['output_len']} output tokens, "
-        f"greedy, EOS ignored, {wl['dtype']}, {r['threads']} threads, torch {r['torch_version']}",
+        f"greedy, EOS ignored, {wl['dtype']}, pdserve quantization {wl.get('quantization', 'auto')}, "
+        f"{r['threads']} threads, torch {r['torch_version']}",
         f"machine:  {r['machine']['platform']}, {r['machine']['cpu_count']} CPUs, "
         f"load average {r['machine']['loadavg_1m_at_start']} at start",
         "",
@@ -182,6 +185,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads, both sides")
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
+                   help="pdserve's linear layers (docs/engine.md, Linear methods); transformers stays unquantized")
     p.add_argument("--skip-hf", action="store_true", help="measure pdserve only")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p.parse_args(argv)
@@ -193,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     wl = Workload(args.num_requests, args.prompt_len, args.output_len, args.batch1_output_len, args.seed)
     # NOTE: libraries that print keep stdout clean for --json: everything until the result goes to stderr.
     with contextlib.redirect_stdout(sys.stderr):
-        result = run(wl, args.dtype, args.threads, args.skip_hf)
+        result = run(wl, args.dtype, args.threads, args.skip_hf, args.quantization)
     print(json.dumps(result) if args.json else format_table(result))
     return 0
 

@@ -13,6 +13,11 @@ def _add_generate(sub) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2, a .gguf file or a HF safetensors folder")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="auto: bfloat16 on CUDA or a CPU with native bf16, else float32")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "w8a8"],
+                   help="linear layers: auto (the checkpoint's format), none; lossy: int8 (per-channel int8 weights), "
+                        "w8a8 (int8 activations too)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                   help="KV cache element type: auto (the model's dtype) or fp8_e4m3 (docs/engine.md)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -42,7 +47,8 @@ def _cluster_spec(args):
     tp = args.tp or 1
     return ClusterSpec(model=args.model, dtype=args.dtype, num_prefill=1 if args.prefill is None else args.prefill,
                        num_decode=args.decode or 1, decode_tp=tp, prefill_tp=args.prefill_tp or tp,
-                       mode=args.mode or "disaggregated", num_threads=args.threads)
+                       mode=args.mode or "disaggregated", num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
+                       quantization=args.quantization)
 
 
 def _generate_on_cluster(spec, args, params) -> dict:
@@ -73,7 +79,8 @@ def cmd_generate(args) -> int:
     if spec is not None:
         result = _generate_on_cluster(spec, args, params)
     else:
-        llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads)
+        llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
+                  quantization=args.quantization)
         out = llm.generate([args.prompt], params, chat=args.chat)[0]
         result = {"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
                   "finish_reason": out.finish_reason, "ttft_s": out.ttft_s, "tokens_per_s": out.tokens_per_s}

@@ -75,9 +75,10 @@ class RankHost:
         tp = join_tp_group(select_device(config.device), rank, tp_size, tp_address) if tp_size > 1 else TPGroup()
         self.runner = ModelRunner(config, tp, model_config=model_config, weights=weights)
         mc = self.runner.model_config
-        compat = CompatRecord(model=mc.name, dtype=str(self.runner.dtype).removeprefix("torch."), num_layers=mc.num_layers,
-                              num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, block_size=self.runner.block_size,
-                              tp_size=tp_size, device_type=self.runner.device.type)
+        # the KV cache's dtype, not the model's: an fp8 cache ships fp8, and refuses a peer whose cache is not
+        compat = CompatRecord(model=mc.name, dtype=str(self.runner.kv_dtype).removeprefix("torch."),
+                              num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                              block_size=self.runner.block_size, tp_size=tp_size, device_type=self.runner.device.type)
         self.sender = self.receiver = None
         if role == "prefill":
             self.sender = create_kv_transport("torch").sender(compat, f"{instance_id}/{rank}", timeout_s=kv_timeout_s,

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from engine.config import DTYPE_CHOICES, CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import (DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES, CacheConfig, EngineConfig,
+                           SchedulerConfig)
 
 MODES = ("disaggregated", "colocated")
 ROLES = ("prefill", "decode", "colocated")
@@ -36,6 +37,10 @@ _HELP = {
     "model": "smollm2, a .gguf file or a HF safetensors folder",
     "dtype": "weights and activations dtype (auto: bfloat16 on CUDA or a CPU with native bf16, else float32)",
     "device": "auto (cuda when present, else cpu), cpu, cuda or cuda:N",
+    "quantization": "linear layers: auto keeps the checkpoint's format (today every checkpoint runs unquantized), "
+                    "none forces unquantized; lossy, at load: int8 (per-channel int8 weights), w8a8 (int8 "
+                    "activations too, down_proj kept unquantized); the fastest kernel is measured per batch size "
+                    "(docs/engine.md)",
     "mode": "disaggregated (prefill and decode pools) or colocated (each instance does both)",
     "num_prefill": "prefill instances (disaggregated mode)",
     "num_decode": "decode instances; in colocated mode, the number of colocated instances",
@@ -49,6 +54,8 @@ _HELP = {
     "host": "gateway bind address",
     "port": "gateway port (0 = any free port)",
     "block_size": "tokens per KV block",
+    "kv_cache_dtype": "KV cache element type: auto (the model's dtype) or fp8_e4m3 (1 byte per element, "
+                      "dequantized on read; docs/engine.md). A prefill and a decode instance must agree",
     "kv_memory_gib": "KV cache memory budget per rank on a CPU, GiB (ignored when --num-kv-blocks is set)",
     "gpu_memory_utilization": "fraction of its GPU's memory one rank may use for weights, activations and KV; "
                               "KV gets what a profiling forward leaves (ignored when --num-kv-blocks is set). "
@@ -100,6 +107,7 @@ class ClusterSpec:
     model: str = "smollm2"
     dtype: str = "auto"  # bf16 on CUDA or a CPU with native bf16, else float32
     device: str = "auto"  # auto = cuda when present, else cpu
+    quantization: str = "auto"  # linear method (engine/quant): auto = the checkpoint's format, none, int8, w8a8
     # topology
     num_prefill: int = 1
     num_decode: int = 1
@@ -122,6 +130,7 @@ class ClusterSpec:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # auto = the model's dtype; fp8_e4m3
     attention_backend: str = "auto"  # auto = flash_attn when importable on CUDA, else torch
     enforce_eager: bool = False
     num_threads: int | None = None
@@ -176,6 +185,7 @@ class ClusterSpec:
         for name, choices in (("dtype", DTYPE_CHOICES), ("mode", MODES), ("router_policy", ROUTER_POLICIES),
                               ("attention_backend", ATTENTION_BACKENDS), ("autoscale_policy", AUTOSCALE_POLICIES),
                               ("kv_load_failure_policy", KV_LOAD_FAILURE_POLICIES), ("kv_transport", KV_TRANSPORTS),
+                              ("kv_cache_dtype", KV_CACHE_DTYPE_CHOICES), ("quantization", QUANTIZATION_CHOICES),
                               ("autoscale_actuator", AUTOSCALE_ACTUATORS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
@@ -245,7 +255,7 @@ class ClusterSpec:
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=self.num_kv_blocks, memory_gib=self.kv_memory_gib,
                            gpu_memory_utilization=self.gpu_memory_utilization,
-                           enable_prefix_caching=self.enable_prefix_caching)
+                           enable_prefix_caching=self.enable_prefix_caching, kv_cache_dtype=self.kv_cache_dtype)
 
     @property
     def scheduler_config(self) -> SchedulerConfig:
@@ -263,7 +273,7 @@ class ClusterSpec:
         """
         own = self.role_gpu_memory_utilization(role)
         cache = self.cache_config if own is None else replace(self.cache_config, gpu_memory_utilization=own)
-        return EngineConfig(model=self.model, dtype=self.dtype, device=self.device,
+        return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, quantization=self.quantization,
                             attention_backend=self.attention_backend, num_threads=self.num_threads,
                             tp_size=self.tp_size(role), cache=cache,
                             enforce_eager=self.enforce_eager or role == "prefill",  # a prefill never decodes
@@ -315,6 +325,7 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
     choices = {"dtype": DTYPE_CHOICES, "mode": MODES, "router_policy": ROUTER_POLICIES,
                "attention_backend": ATTENTION_BACKENDS, "autoscale_policy": AUTOSCALE_POLICIES,
                "kv_load_failure_policy": KV_LOAD_FAILURE_POLICIES, "kv_transport": KV_TRANSPORTS,
+               "kv_cache_dtype": KV_CACHE_DTYPE_CHOICES, "quantization": QUANTIZATION_CHOICES,
                "autoscale_actuator": AUTOSCALE_ACTUATORS}
     for f in fields(ClusterSpec):
         base = _base_type(_field_types()[f.name])

@@ -48,6 +48,24 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 
 DTYPE_CHOICES = ("auto", *DTYPES)
 
+# auto keeps the checkpoint's format (today: unquantized), none forces unquantized; int8 (weights)
+# and w8a8 (weights and activations) are opt-in lossy conversions at load (engine/quant).
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "w8a8")
+
+# The KV cache's element type, when it is not the model's (vLLM's --kv-cache-dtype names).
+KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+KV_CACHE_DTYPE_CHOICES = ("auto", *KV_CACHE_DTYPES)
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """"auto" is the model's dtype (the cache holds K/V as computed); "fp8_e4m3" stores them in
+    float8_e4m3fn, 1 byte per element, scaled per layer and dequantized on read."""
+    if name == "auto":
+        return model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPE_CHOICES)}")
+    return KV_CACHE_DTYPES[name]
+
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
@@ -82,6 +100,7 @@ class CacheConfig:
     memory_gib: float = 1.0
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # see resolve_kv_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -100,5 +119,6 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     tp_size: int = 1
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    quantization: str = "auto"  # linear method: auto (the checkpoint's format), none, int8, w8a8 (engine/quant)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

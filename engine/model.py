@@ -15,18 +15,25 @@ from torch import nn
 from engine.attention import AttentionMetadata, BaseAttentionBackend
 from engine.config import ModelConfig
 from engine.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from engine.quant.base import BaseLinearMethod
 from engine.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                              RowParallelLinear, TPGroup, VocabParallelEmbedding)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, linear_method: BaseLinearMethod | None = None):
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, tp=tp)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp=tp)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, tp=tp,
+                                          linear_method=linear_method)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp=tp,
+                                        linear_method=linear_method)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
+        # fp8 KV scales (vLLM's k_scale / v_scale): 1.0, as vLLM takes them when a checkpoint carries
+        # none, and none of ours does. NOTE: KV written by a prefill is read by a decode instance, so
+        # a change that loads scales must also put them in the KV transfer's CompatRecord.
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata, backend: BaseAttentionBackend):
         n = hidden.shape[0]
@@ -36,25 +43,27 @@ class LlamaAttention(nn.Module):
         qk = RotaryEmbedding.apply(qkv[:, :q_size + kv_size].view(n, -1, self.head_dim), *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, q_size + kv_size:].view(n, self.num_kv_heads, self.head_dim)
-        o = backend.forward(q, k, v, kv_cache, meta, self.scale)  # (n, heads, head_dim)
+        o = backend.forward(q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale)  # (n, heads, head_dim)
         return self.o_proj(o.reshape(n, q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, linear_method: BaseLinearMethod | None = None):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp=tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp=tp,
+                                                       linear_method=linear_method)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp,
+                                           linear_method=linear_method)
 
     def forward(self, x):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, linear_method: BaseLinearMethod | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, tp)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.self_attn = LlamaAttention(cfg, tp, linear_method)
+        self.mlp = LlamaMLP(cfg, tp, linear_method)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -74,12 +83,14 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup()):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup(), linear_method: BaseLinearMethod | None = None):
+        """linear_method: of every decoder linear (engine/quant; None = unquantized); the LM head
+        stays unquantized."""
         super().__init__()
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, tp, linear_method) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:

@@ -15,13 +15,13 @@ import torch
 
 from engine.attention import AttentionMetadata, create_attention_backend
 from engine.batch import NewRequestData, RunnerOutput, SchedulerOutput
-from engine.config import EngineConfig, ModelConfig, cpu_has_native_bf16, resolve_dtype
+from engine.config import EngineConfig, ModelConfig, cpu_has_native_bf16, resolve_dtype, resolve_kv_cache_dtype
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import allocate_kv_cache, blocks_from_device, kv_block_bytes, num_blocks_for
 from engine.loader import load_model_config, load_weights, resolve_model_path
 from engine.model import LlamaForCausalLM
-from engine.parallel import (PackableLinear, ParallelLMHead, TPGroup, VocabParallelEmbedding,
-                             mkldnn_packing_available)
+from engine.parallel import TPGroup
+from engine.quant import create_linear_method, process_weights_after_loading, resolve_quantization
 from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
 
@@ -68,7 +68,8 @@ class ModelRunner:
             model_config = load_model_config(path)
         self.model_config = model_config
         self.model = self._load_model(path, weights)
-        self.backend = create_attention_backend(config.attention_backend, self.device, self.dtype)
+        self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)  # the pool's element type
+        self.backend = create_attention_backend(config.attention_backend, self.device, self.dtype, self.kv_dtype)
         self.block_size = self.backend.block_size_for(config.cache.block_size)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.sampler = Sampler()
@@ -76,16 +77,17 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set once the KV pool is there (graphs capture its address)
         self.num_blocks = self._num_blocks()
         self.kv_cache = allocate_kv_cache(model_config, self.num_kv_heads, self.num_blocks, self.block_size,
-                                          self.dtype, self.device)
+                                          self.kv_dtype, self.device)
         self.graphs = self._decode_graphs()
-        logger.info("model runner: %s on %s, dtype %s, attention %s, %d KV blocks of %d tokens",
-                    model_config.name, self.device, self.dtype, self.backend.name, self.num_blocks, self.block_size)
+        logger.info("model runner: %s on %s, dtype %s, KV %s, attention %s, %d KV blocks of %d tokens",
+                    model_config.name, self.device, self.dtype, self.kv_dtype, self.backend.name, self.num_blocks,
+                    self.block_size)
 
     def _num_blocks(self) -> int:
         """KV blocks of `self.block_size` tokens: fixed, from the GPU's memory after a profiling
         forward (the least over the TP ranks), or from the CPU budget."""
         cache, mc = self.config.cache, self.model_config
-        block_bytes = kv_block_bytes(mc, self.num_kv_heads, self.block_size, self.dtype)
+        block_bytes = kv_block_bytes(mc, self.num_kv_heads, self.block_size, self.kv_dtype)
         if cache.num_blocks is not None:
             n = cache.num_blocks
         elif self.device.type == "cuda":
@@ -93,7 +95,7 @@ class ModelRunner:
             if self.tp is not None and self.tp.size > 1:
                 n = min(self.tp.all_gather_object(n))
         else:
-            n = num_blocks_for(cache, mc, self.num_kv_heads, self.block_size, self.dtype)
+            n = num_blocks_for(cache, mc, self.num_kv_heads, self.block_size, self.kv_dtype)
         if self.block_size != cache.block_size:
             logger.warning("KV blocks are %d tokens (block size %d rounded up by the %s backend): %d blocks hold "
                            "%d tokens", self.block_size, cache.block_size, self.backend.name, n, n * self.block_size)
@@ -121,8 +123,8 @@ class ModelRunner:
         num_tokens = min(num_tokens, self.model_config.max_position_embeddings)
         blocks = -(-num_tokens // self.block_size)
         pool = getattr(self, "kv_cache", None)
-        self.kv_cache = allocate_kv_cache(self.model_config, self.num_kv_heads, blocks + 1, self.block_size, self.dtype,
-                                          self.device)
+        self.kv_cache = allocate_kv_cache(self.model_config, self.num_kv_heads, blocks + 1, self.block_size,
+                                          self.kv_dtype, self.device)
         req = NewRequestData("profile", [1] * num_tokens, 0, list(range(1, blocks + 1)),
                              SamplingParams(max_tokens=1, temperature=0.0), True)
         try:
@@ -133,10 +135,11 @@ class ModelRunner:
 
     def _load_model(self, path, weights) -> LlamaForCausalLM:
         start = time.perf_counter()
+        method = create_linear_method(resolve_quantization(self.config.quantization, path))
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = LlamaForCausalLM(self.model_config, self.tp)
+                model = LlamaForCausalLM(self.model_config, self.tp, linear_method=method)
         finally:
             torch.set_default_dtype(torch.float32)
         if weights is None:
@@ -146,22 +149,11 @@ class ModelRunner:
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
         logger.info("loaded weights in %.2f s", time.perf_counter() - start)
-        self._pack_linears(model)
+        start = time.perf_counter()
+        # after every shard is in, so a quantizing method sees exactly this rank's slice
+        described = process_weights_after_loading(model)
+        logger.info("linear layers: %s; prepared in %.2f s", described, time.perf_counter() - start)
         return model.eval()
-
-    def _pack_linears(self, model: LlamaForCausalLM) -> None:
-        """On CPU in bf16, prepack every linear weight for oneDNN (see PackableLinear)."""
-        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
-            logger.info("linear layers: F.linear (%s, %s)", self.device.type, self.dtype)
-            return
-        if not mkldnn_packing_available():
-            logger.warning("linear layers: F.linear (oneDNN bf16 weight packing unavailable: torch build or CPU lacks it)")
-            return
-        for module in model.modules():
-            if isinstance(module, PackableLinear) and not isinstance(module, VocabParallelEmbedding) \
-                    or isinstance(module, ParallelLMHead):
-                module.pack_for_cpu()
-        logger.info("linear layers: oneDNN prepacked bf16 weights")
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, after_layer=None) -> RunnerOutput:

@@ -2,7 +2,9 @@
 
 At tp=1 every layer is a plain linear / embedding. Weights are sharded at load time by each
 parameter's `weight_loader(param, full_weight[, shard_id])`, which receives the *full*
-checkpoint tensor and copies this rank's slice into the parameter.
+checkpoint tensor and copies this rank's slice into the parameter. How a linear stores and
+multiplies its weight is its *linear method* (engine/quant): quantizing methods convert each
+rank's shard after loading, so sharding is the same for every method.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from engine.quant.base import BaseLinearMethod, UnquantizedLinearMethod
 
 
 @dataclass(frozen=True)
@@ -85,29 +89,21 @@ class TPGroup:
         return out
 
 
-def mkldnn_packing_available() -> bool:
-    """oneDNN bf16 weight packing needs the op in this torch build and a CPU with native bf16
-    support (avx512bw/vl/dq or avx_ne_convert); an AVX2-only CPU has neither."""
-    from engine.config import cpu_has_native_bf16
-    return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and cpu_has_native_bf16()
+class LinearBase(nn.Module):
+    """A linear layer whose weight and matmul belong to its linear method (engine/quant): the
+    method creates the parameters this layer's `weight_loader` fills with this rank's shard, and
+    computes the product; the layer keeps the sharding and the collectives."""
 
+    def __init__(self, input_size: int, output_size: int, linear_method: BaseLinearMethod | None = None):
+        super().__init__()
+        self.linear_method = linear_method or UnquantizedLinearMethod()
+        self.linear_method.create_weights(self, input_size, output_size, self.weight_loader)
 
-class PackableLinear(nn.Module):
-    """A linear whose weight can be prepacked once into oneDNN's blocked layout for CPU.
-
-    F.linear reorders a bf16 weight into that layout on every call; packing once makes decode
-    matmuls about 1.5-2x faster on CPU. `self.weight` stays the source of truth."""
-
-    packed: torch.Tensor | None = None
-
-    def pack_for_cpu(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data)
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, *shard) -> None:
+        raise NotImplementedError
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is not None:
-            out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, bias, "none", [], "")
-            return out.view(*x.shape[:-1], out.shape[-1])
-        return F.linear(x, self.weight, bias)
+        return self.linear_method.apply(self, x, bias)
 
 
 def _divide(n: int, d: int) -> int:
@@ -115,15 +111,14 @@ def _divide(n: int, d: int) -> int:
     return n // d
 
 
-class ColumnParallelLinear(PackableLinear):
+class ColumnParallelLinear(LinearBase):
     """y = x W^T with W's output rows split across ranks; no communication."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = TPGroup()):
-        super().__init__()
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = TPGroup(),
+                 linear_method: BaseLinearMethod | None = None):
         self.tp = tp
         self.output_size_per_rank = _divide(output_size, tp.size)
-        self.weight = nn.Parameter(torch.empty(self.output_size_per_rank, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        super().__init__(input_size, self.output_size_per_rank, linear_method)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(self.output_size_per_rank), requires_grad=False)
@@ -140,9 +135,10 @@ class ColumnParallelLinear(PackableLinear):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matmul (gate_up_proj); each is split across ranks."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp: TPGroup = TPGroup()):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp: TPGroup = TPGroup(),
+                 linear_method: BaseLinearMethod | None = None):
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, tp)
+        super().__init__(input_size, sum(output_sizes), bias, tp, linear_method)
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: int) -> None:
         n = _divide(self.output_sizes[shard_id], self.tp.size)
@@ -155,7 +151,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     when tp > num_kv_heads, each rank holds one KV head shared by tp / num_kv_heads ranks."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, tp: TPGroup = TPGroup()):
+                 bias: bool = False, tp: TPGroup = TPGroup(), linear_method: BaseLinearMethod | None = None):
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp.size)
         if tp.size >= num_kv_heads:
@@ -164,7 +160,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             self.num_kv_heads, self.kv_replicas = _divide(num_kv_heads, tp.size), 1
         output = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.size
-        super().__init__(hidden_size, output, bias, tp)
+        super().__init__(hidden_size, output, bias, tp, linear_method)
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: str) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -176,16 +172,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         param.data.narrow(0, offset, size).copy_(full.narrow(0, start, size))
 
 
-class RowParallelLinear(PackableLinear):
+class RowParallelLinear(LinearBase):
     """y = x W^T with W's input columns split across ranks; partial sums all-reduced.
     The bias is added once, on rank 0, before the reduction."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = TPGroup()):
-        super().__init__()
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = TPGroup(),
+                 linear_method: BaseLinearMethod | None = None):
         self.tp = tp
         self.input_size_per_rank = _divide(input_size, tp.size)
-        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_rank), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        super().__init__(self.input_size_per_rank, output_size, linear_method)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
@@ -200,7 +195,7 @@ class RowParallelLinear(PackableLinear):
         return self.tp.all_reduce(self._linear(x, bias))
 
 
-class VocabParallelEmbedding(PackableLinear):
+class VocabParallelEmbedding(nn.Module):
     """Embedding rows split across ranks by vocabulary range; each rank embeds the ids it owns,
     zeros the rest, and an all-reduce sums the pieces."""
 
@@ -227,7 +222,18 @@ class VocabParallelEmbedding(PackableLinear):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for this rank's vocabulary slice, gathered to rank 0 (others get None)."""
+    """Logits for this rank's vocabulary slice, gathered to rank 0 (others get None).
+
+    Always unquantized (vLLM's default too): its weight may be the embedding's (tied), and its
+    logits feed sampling and logprobs directly. With tied weights the model swaps `weight` in after
+    construction, so the method's `create_weights` is not used here."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = TPGroup()):
+        super().__init__(vocab_size, hidden_size, tp)
+        self.linear_method = UnquantizedLinearMethod()
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.linear_method.apply(self, x, bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self._linear(hidden, None)  # (num_tokens, num_per_rank)

@@ -25,6 +25,7 @@ import torch
 from kvtransfer.base import CompletedTransfer, KVReceiver, KVSender, Transfer
 from kvtransfer.params import KVTransferParams, kv_heads_of_rank
 from kvtransfer.plan import expected_parts, plan_head_slices
+from kvtransfer.scatter import as_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class PrefillConnector:
         KV of this step's shipments leaves (a copy, sent in the background)."""
         flat = kv_layer.view(2, -1, *kv_layer.shape[-2:])
         for s, parts in self._step:
-            gathered = flat.index_select(1, s.slots)  # (2, num_tokens, local kv heads, head_dim)
+            gathered = as_bytes(flat).index_select(1, s.slots).view(flat.dtype)  # (2, num_tokens, local heads, hd)
             for head_start, head_end, transfer in parts:
                 lo = head_start - self.my_heads.start
                 transfer.send_layer(layer, gathered[:, :, lo:lo + head_end - head_start].contiguous())

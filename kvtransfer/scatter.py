@@ -16,15 +16,15 @@ def scatter_layer(layer: torch.Tensor, slots: torch.Tensor, block_ids: torch.Ten
     _, num_blocks, block_size, num_heads, head_dim = layer.shape
     num_slots = num_blocks * block_size
     if lo != 0 or kv.shape[2] != num_heads:
-        layer.view(2, num_slots, num_heads, head_dim)[:, slots, lo:lo + kv.shape[2]] = kv
+        as_bytes(layer.view(2, num_slots, num_heads, head_dim))[:, slots, lo:lo + kv.shape[2]] = as_bytes(kv)
         return
     n_full = 0 if block_ids is None else block_ids.numel() * block_size
     if n_full:  # (2, blocks, block_size * heads * head_dim) as wide words
-        dst = _words(layer.view(2, num_blocks, -1))
-        dst.index_copy_(1, block_ids, _words(kv[:, :n_full].reshape(2, block_ids.numel(), -1)))
+        dst, src = _words(layer.view(2, num_blocks, -1), kv[:, :n_full].reshape(2, block_ids.numel(), -1))
+        dst.index_copy_(1, block_ids, src)
     if n_full < kv.shape[1]:  # the rest token by token: (2, slots, heads * head_dim)
-        rest = _words(kv[:, n_full:].reshape(2, kv.shape[1] - n_full, -1))
-        _words(layer.view(2, num_slots, -1)).index_copy_(1, slots[n_full:], rest)
+        dst, rest = _words(layer.view(2, num_slots, -1), kv[:, n_full:].reshape(2, kv.shape[1] - n_full, -1))
+        dst.index_copy_(1, slots[n_full:], rest)
 
 
 def slot_runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -55,8 +55,18 @@ def whole_blocks(slots: torch.Tensor, block_size: int) -> torch.Tensor | None:
     return None
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """The same bytes as 4-byte words when rows allow it (index_copy_ moves wide elements faster)."""
-    if t.element_size() < 4 and (t.shape[-1] * t.element_size()) % 4 == 0:
-        return t.view(torch.int32)
-    return t
+def _words(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """The same bytes as 4-byte words when every tensor's rows allow it (index_copy_ moves wide
+    elements faster), else as they are (fp8 as bytes)."""
+    def fits(t: torch.Tensor) -> bool:
+        size = t.element_size()
+        return size < 4 and all(n * size % 4 == 0 for n in (t.shape[-1], t.storage_offset(), *t.stride()[:-1]))
+    if all(map(fits, ts)):
+        return [t.view(torch.int32) for t in ts]
+    return [as_bytes(t) for t in ts]
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as uint8 (the same bytes): index_copy_, index_put_ and index_select need not
+    have fp8 kernels (CPU's index_copy_ has none); any other tensor as it is."""
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t

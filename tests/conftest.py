@@ -9,6 +9,15 @@ import time
 import pytest
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _linear_kernels_cache(tmp_path_factory):
+    """int8 kernel measurements go to a session-private cache, never the user's ~/.cache (child
+    processes and Ray actors inherit the variable)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PDSERVE_LINEAR_KERNELS_CACHE", str(tmp_path_factory.mktemp("linear_kernels") / "kernels.json"))
+        yield
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -50,10 +50,10 @@ def save_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
 
 def engine_config(dtype: str = "float32", num_blocks: int = 256, block_size: int = 16,
                   max_num_batched_tokens: int = 256, max_num_seqs: int = 64, prefix_caching: bool = True,
-                  model: str = "smollm2") -> EngineConfig:
-    return EngineConfig(model=model, dtype=dtype, device="cpu",
+                  model: str = "smollm2", kv_cache_dtype: str = "auto", quantization: str = "auto") -> EngineConfig:
+    return EngineConfig(model=model, dtype=dtype, device="cpu", quantization=quantization,
                         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                          enable_prefix_caching=prefix_caching),
+                                          enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype),
                         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                                   max_num_batched_tokens=max_num_batched_tokens))
 

@@ -5,11 +5,12 @@ import logging
 
 import torch
 
-from engine.attention.base import AttentionMetadata, BaseAttentionBackend
+from engine.attention.base import FP8, AttentionMetadata, BaseAttentionBackend
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AttentionMetadata", "BaseAttentionBackend", "create_attention_backend", "flash_attn_available"]
+BACKENDS = ("auto", "torch", "flash_attn")
 
 
 def flash_attn_available() -> bool:
@@ -20,9 +21,15 @@ def flash_attn_available() -> bool:
     return True
 
 
-def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> BaseAttentionBackend:
-    """`auto` picks flash_attn on CUDA in fp16/bf16 when importable, else torch; it logs which runs and why."""
-    if name == "auto":
+def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
+                             kv_cache_dtype: torch.dtype | None = None) -> BaseAttentionBackend:
+    """`auto` picks flash_attn on CUDA in fp16/bf16 when importable, else torch; it logs which runs and why.
+    With an fp8 KV cache (`kv_cache_dtype`), see `_fp8_choice`. Raises ValueError for a backend that cannot run."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose {', '.join(BACKENDS)}")
+    if kv_cache_dtype == FP8:
+        name = _fp8_choice(name, device)
+    elif name == "auto":
         if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_attn_available():
             name = "flash_attn"
         else:
@@ -33,8 +40,28 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend()
+    if name == "flash_attn3":
+        from engine.attention.flash3_backend import Flash3FP8Backend
+        logger.info("attention backend: flash_attn (FlashAttention-3, fp8 KV cache)")
+        return Flash3FP8Backend()
+    from engine.attention.flash_backend import FlashAttentionBackend
+    logger.info("attention backend: flash_attn")
+    return FlashAttentionBackend()
+
+
+def _fp8_choice(name: str, device: torch.device) -> str:
+    """An fp8 KV cache: the torch backend dequantizes it on read; flash-attn 2 cannot read it, and
+    FlashAttention-3 on Hopper can but is opt-in (not yet run on a GPU). Never a silent fallback:
+    an explicit flash_attn that cannot read fp8 raises."""
+    if name == "auto":
+        logger.info("attention backend: torch (fp8 KV cache: dequantized on read; flash_attn reads fp8 only "
+                    "through FlashAttention-3 on Hopper, opt-in with --attention-backend flash_attn)")
+        return "torch"
     if name == "flash_attn":
-        from engine.attention.flash_backend import FlashAttentionBackend
-        logger.info("attention backend: flash_attn")
-        return FlashAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or flash_attn")
+        from engine.attention.flash3_backend import fa3_fp8_unavailable
+        why = fa3_fp8_unavailable(device)
+        if why is not None:
+            raise ValueError(f"attention backend flash_attn cannot read an fp8_e4m3 KV cache: {why} (flash-attn 2 "
+                             "has no fp8 KV path); use --attention-backend torch or --kv-cache-dtype auto")
+        return "flash_attn3"
+    return name

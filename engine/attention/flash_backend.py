@@ -92,7 +92,8 @@ class FlashAttentionBackend(BaseAttentionBackend):
         return _PrefillPlan(token_start, cu_q, cu_k, max(meta.query_lens[nd:]), max(meta.seq_lens_cpu[nd:]),
                             meta.block_tables[nd:])
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0):
+        # fp8 scales unused: an fp8 cache never reaches flash-attn 2 (create_attention_backend refuses it)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # (num_blocks, block_size, num_kv_heads, head_dim)
         out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)

@@ -9,6 +9,9 @@ one `bmm` scores every head against its own keys without the permute copy that a
 32). A float32 softmax over a -inf padding bias, a second `bmm`, and the same mask, summed over
 the KV-head axis, give each head's output. Each prefill (or prefill chunk) runs as
 its own scaled_dot_product_attention call, with a causal mask shifted by its cached context.
+
+An fp8 cache (`--kv-cache-dtype fp8_e4m3`) is dequantized to the compute dtype as it is read:
+only the gathered rows, never the whole pool (`gather_kv`).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionMetadata, BaseAttentionBackend, write_kv
+from engine.attention.base import FP8, AttentionMetadata, BaseAttentionBackend, gather_kv, write_kv
 
 
 @dataclass
@@ -89,28 +92,32 @@ class TorchAttentionBackend(BaseAttentionBackend):
         bias.masked_fill_((pos[None, :] >= meta.seq_lens[:nd, None]).view(nd, 1, -1), float("-inf"))
         self._decode = _DecodePlan(block_ids, bias)
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0):
+        write_kv(kv_cache, k, v, meta.slot_mapping, k_scale, v_scale)
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
         out = torch.empty_like(q)
         if self._decode is not None:
-            out[:meta.num_decodes] = self._decode_attention(q[:meta.num_decodes], kv_cache, scale)
+            out[:meta.num_decodes] = self._decode_attention(q[:meta.num_decodes], kv_cache, scale, k_scale, v_scale)
         for plan in self._prefills:
             s, e = plan.token_start, plan.token_start + plan.query_len
-            if plan.mask is None:  # no cached context: the new K/V are the whole context
+            # no cached context: the new K/V are the whole context; but an fp8 cache is read back
+            # even then, so that every query sees K/V as the cache holds them (chunked or not)
+            if plan.mask is None and kv_cache.dtype != FP8:
                 out[s:e] = self._attend(q[s:e], k[s:e], v[s:e], None, scale)
             else:
-                out[s:e] = self._attend(q[s:e], flat[0][plan.slots], flat[1][plan.slots], plan.mask, scale)
+                ks = gather_kv(flat[0], plan.slots, q.dtype, k_scale)  # (seq_len, kv_heads, head_dim)
+                vs = gather_kv(flat[1], plan.slots, q.dtype, v_scale)
+                out[s:e] = self._attend(q[s:e], ks, vs, plan.mask, scale)
         return out
 
-    def _decode_attention(self, q, kv_cache, scale):
+    def _decode_attention(self, q, kv_cache, scale, k_scale, v_scale):
         nd, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[-2]
         width = num_kv_heads * head_dim
         ids = self._decode.block_ids
-        k = kv_cache[0].index_select(0, ids).view(nd, -1, width)  # (nd, max_ctx, kv_heads * hd)
-        v = kv_cache[1].index_select(0, ids).view(nd, -1, width)
+        k = gather_kv(kv_cache[0], ids, q.dtype, k_scale).view(nd, -1, width)  # (nd, max_ctx, kv_heads * hd)
+        v = gather_kv(kv_cache[1], ids, q.dtype, v_scale).view(nd, -1, width)
         mask = self._head_mask(num_heads, num_kv_heads, head_dim, q)  # (heads, kv_heads * hd)
         q_spread = q.repeat(1, 1, num_kv_heads) * mask  # (nd, heads, kv_heads * hd)
         scores = torch.bmm(q_spread, k.transpose(1, 2)).float() * scale + self._decode.bias  # (nd, heads, max_ctx)

@@ -20,6 +20,17 @@ def test_cluster_flags_build_the_spec():
     assert _cluster_spec(parse("--mode", "colocated")).instance_counts == {"colocated": 1}
 
 
+def test_generate_kv_cache_dtype_flag():
+    """`pdserve generate --kv-cache-dtype` offers the engine's choices and reaches the cluster spec."""
+    from engine.config import KV_CACHE_DTYPE_CHOICES
+    parse = lambda *a: build_parser().parse_args(["generate", "hi", *a])  # noqa: E731
+    assert parse().kv_cache_dtype == "auto"
+    assert _cluster_spec(parse("--decode", "1", "--kv-cache-dtype", "fp8_e4m3")).kv_cache_dtype == "fp8_e4m3"
+    assert all(parse("--kv-cache-dtype", choice).kv_cache_dtype == choice for choice in KV_CACHE_DTYPE_CHOICES)
+    with pytest.raises(SystemExit):
+        parse("--kv-cache-dtype", "int8")
+
+
 @pytest.mark.parametrize("command", ["generate", "serve", "controller", "gateway", "bench", "status"])
 def test_help_renders(command, capsys):
     """Every subcommand's --help prints (a stray % in a help string makes argparse crash)."""

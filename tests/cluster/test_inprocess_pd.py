@@ -57,6 +57,25 @@ def test_1p1d_matches_colocated(tiny_path, kv_transport):
         assert_logprobs_close(g, w)
 
 
+@pytest.mark.parametrize("kv_transport", ["auto", "torch"])
+def test_fp8_kv_1p1d_matches_colocated_fp8(tiny_path, kv_transport):
+    """With fp8 KV caches (kv_cache_dtype fp8_e4m3), 1P1D gives the colocated fp8 run's greedy tokens,
+    whether the fp8 bytes are written into the decode cache or cross the data channel."""
+    prompts = random_prompts(6, [5, 40, 150], seed=5)
+    colocated = run(spec_for(tiny_path, mode="colocated", kv_cache_dtype="fp8_e4m3"), prompts, 8)
+    assert run(spec_for(tiny_path, kv_cache_dtype="fp8_e4m3", kv_transport=kv_transport), prompts, 8) == colocated
+
+
+def test_fp8_kv_instances_hold_and_announce_fp8(tiny_path):
+    """Every rank's KV pool is float8_e4m3fn, and the compatibility record both transport ends
+    exchange names that dtype (not the model's float32), so a full-precision peer is refused."""
+    with Cluster(spec_for(tiny_path, kv_cache_dtype="fp8_e4m3"), use_ray=False) as cluster:
+        hosts = [i.ranks[0] for i in cluster.instances.values()]
+        assert {h.runner.kv_cache.dtype for h in hosts} == {torch.float8_e4m3fn}
+        ends = [end for h in hosts for end in (h.sender, h.receiver) if end is not None]
+        assert len(ends) == 2 and {end.compat.dtype for end in ends} == {"float8_e4m3fn"}
+
+
 def test_2p2d_matches_colocated(tiny_path):
     prompts = random_prompts(10, [9, 33], seed=4)
     colocated = run(spec_for(tiny_path, mode="colocated"), prompts, 8)

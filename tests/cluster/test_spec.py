@@ -55,6 +55,8 @@ def test_engine_config_per_role():
     assert prefill.scheduler == SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512)
     assert (prefill.model, prefill.dtype, prefill.device, prefill.attention_backend, prefill.num_threads) == \
         ("smollm2", "float32", "cpu", "torch", 2)
+    assert prefill.quantization == "auto"
+    assert ClusterSpec(quantization="int8").engine_config("decode").quantization == "int8"
     with pytest.raises(ValueError, match="role"):
         spec.engine_config("router")
 
@@ -69,6 +71,16 @@ def test_role_gpu_memory_utilization_keys():
     assert spec.engine_config("prefill").cache == spec.cache_config
     assert ClusterSpec(prefill_gpu_memory_utilization=1).engine_config("prefill").cache.gpu_memory_utilization == 1.0
     assert ClusterSpec().engine_config("decode").cache.gpu_memory_utilization == 0.9
+
+
+def test_kv_cache_dtype_reaches_every_role():
+    """kv_cache_dtype (flag, YAML key) is every role's CacheConfig.kv_cache_dtype; auto by default;
+    argparse refuses other names."""
+    assert ClusterSpec().cache_config.kv_cache_dtype == "auto"
+    spec = ClusterSpec.from_args(parse(["--kv-cache-dtype", "fp8_e4m3"]))
+    assert {spec.engine_config(r).cache.kv_cache_dtype for r in ("prefill", "decode", "colocated")} == {"fp8_e4m3"}
+    with pytest.raises(SystemExit):
+        parse(["--kv-cache-dtype", "int8"])
 
 
 def test_colocated_mode_counts():
@@ -155,9 +167,11 @@ def test_cli_rejects_bad_values():
     ({"prefill_tp": 0}, "prefill_tp"),
     ({"mode": "hybrid"}, "mode"),
     ({"dtype": "int8"}, "dtype"),
+    ({"quantization": "int4"}, "quantization"),
     ({"device": "tpu"}, "device"),
     ({"attention_backend": "xformers"}, "attention_backend"),
     ({"router_policy": "best"}, "router_policy"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of auto, fp8_e4m3"),
     ({"port": 70000}, "port"),
     ({"port": -1}, "port"),
     ({"port": "8000"}, "port must be int"),

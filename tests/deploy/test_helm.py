@@ -16,7 +16,7 @@ import yaml
 
 from cluster import spec as cluster_spec
 from cluster.spec import ClusterSpec
-from engine.config import DTYPE_CHOICES
+from engine.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -184,6 +184,8 @@ def test_schema_spec_keys_are_cluster_spec_fields():
             declared = {prop["type"]} if isinstance(prop["type"], str) else set(prop["type"])
             assert declared == _json_type(hints[key]), key
     assert tuple(schema["dtype"]["enum"]) == DTYPE_CHOICES
+    assert tuple(schema["kv_cache_dtype"]["enum"]) == KV_CACHE_DTYPE_CHOICES
+    assert tuple(schema["quantization"]["enum"]) == QUANTIZATION_CHOICES
     assert tuple(schema["router_policy"]["enum"]) == cluster_spec.ROUTER_POLICIES
     assert tuple(schema["attention_backend"]["enum"]) == cluster_spec.ATTENTION_BACKENDS
     assert set(schema["mode"]["enum"]) <= set(cluster_spec.MODES)

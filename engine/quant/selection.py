@@ -1,0 +1,226 @@
+"""Choosing a linear method's kernel per batch-size range by measuring it on the machine at hand.
+
+Which kernel is fastest depends on the CPU (ISA, cache sizes), the torch build, the thread count,
+the shapes and the number of tokens M in the matmul: decode steps (M = a few sequences) are
+bound by reading the weights, prefills (M = hundreds of tokens) by arithmetic. So at load the
+method times each candidate on the model's own shapes at one M per range and keeps the fastest
+per range; results are cached in a small JSON file keyed by all of the above.
+
+    M:   1             | 2 ......... 16 | 17 ........ 128 | 129 ..........
+         measured at 1 | measured at 8  | measured at 64   | measured at 512
+
+Batch-1 decode has its own range: weight-only kernels that win there (reading 1 byte per weight
+instead of 2 or 4) often lose already at a few tokens.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from engine.quant.kernels import BASELINE, quantize_per_channel
+
+logger = logging.getLogger(__name__)
+
+BUCKETS = ((1, 1), (16, 8), (128, 64), (None, 512))  # (largest M of the range; None = no limit, M measured)
+SLOW_FACTOR = 10.0  # a kernel this much slower than the best is not measured further at that M
+ROUNDS = 7  # samples per kernel and shape; the least counts
+DROP_AFTER = 3  # rounds before a slow kernel may be dropped (one noisy round must not drop a good one)
+SAMPLE_MS = 0.2  # calls per sample: enough to last this long (short samples are rarely preempted)
+
+TimeFn = Callable[[str, tuple[int, int], int], float]  # (kernel name, (out, in), M) -> ms
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernel for batches of up to `max_m` tokens (None: any larger batch)."""
+
+    max_m: int | None
+    kernel: str
+    ms: dict[str, float] = field(default_factory=dict)  # one decoder layer's linears at the measured M
+
+    def describe(self, label: str) -> str:
+        where = "every M" if not self.ms and self.max_m is None else \
+            f"M<={self.max_m}" if self.max_m is not None else "larger M"
+        mine, base = self.ms.get(self.kernel), self.ms.get(BASELINE)
+        if mine is None:
+            return f"{label} for {where}"
+        vs = "" if base is None else f" vs {base:.2f} ms {BASELINE}"
+        return f"{label} for {where} ({mine:.2f} ms{vs})"
+
+
+def default_cache_path() -> Path:
+    """`$PDSERVE_LINEAR_KERNELS_CACHE`, else linear_kernels.json in `$PDSERVE_CACHE_DIR` (~/.cache/pdserve)."""
+    explicit = os.environ.get("PDSERVE_LINEAR_KERNELS_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    return Path(os.environ.get("PDSERVE_CACHE_DIR", "~/.cache/pdserve")).expanduser() / "linear_kernels.json"
+
+
+def processor_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("model name")), "")
+    except OSError:
+        line = ""
+    return line.partition(":")[2].strip() or platform.processor() or platform.machine()
+
+
+def cache_key(shapes, kernels, dtype: torch.dtype, device: torch.device) -> str:
+    return json.dumps({"processor": processor_name(device), "torch": torch.__version__,
+                       "threads": torch.get_num_threads(), "device": device.type, "dtype": str(dtype),
+                       "shapes": [list(s) for s in shapes], "kernels": [k.name for k in kernels],
+                       "buckets": BUCKETS}, sort_keys=True)
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(path: Path, key: str, choices: list[KernelChoice]) -> None:
+    """Adds one entry, written atomically (TP ranks on one host may write at once)."""
+    data = _read_cache(path)
+    data[key] = [asdict(c) for c in choices]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError as exc:
+        logger.warning("linear kernels: cannot write the cache %s (%s); measuring again next load", path, exc)
+
+
+def _time_sample(fn: Callable[[], Any], inner: int, device: torch.device) -> float:
+    """Milliseconds per call over `inner` back-to-back calls."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    start = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / inner * 1e3
+
+
+def measuring_time_fn(kernels, dtype: torch.dtype, device: torch.device) -> TimeFn:
+    """A `TimeFn` that runs a kernel on random weights of the shape (prepared once per shape):
+    one sample of enough calls to last about SAMPLE_MS (the first call of each case warms up and
+    sets that count)."""
+    by_name, states, inputs, inner = {k.name: k for k in kernels}, {}, {}, {}
+
+    def time_fn(name: str, shape: tuple[int, int], m: int) -> float:
+        kernel = by_name[name]
+        if (name, shape) not in states:
+            qweight, scale = quantize_per_channel(torch.randn(shape, device=device))
+            states[name, shape] = kernel.prepare(qweight, scale, dtype)
+        if (shape, m) not in inputs:
+            inputs[shape, m] = torch.randn(m, shape[1], device=device, dtype=dtype)
+        x, state = inputs[shape, m], states[name, shape]
+        with torch.inference_mode():
+            if (name, shape, m) not in inner:
+                warm = _time_sample(lambda: kernel.run(state, x), 1, device)
+                inner[name, shape, m] = max(1, min(50, int(SAMPLE_MS / max(warm, 1e-4))))
+            return _time_sample(lambda: kernel.run(state, x), inner[name, shape, m], device)
+    return time_fn
+
+
+def _sample(name: str, shape: tuple, m: int, time_fn: TimeFn, failed: set[str]) -> float | None:
+    try:
+        return time_fn(name, shape, m)
+    except Exception as exc:  # a kernel that cannot run here is skipped, never silently
+        failed.add(name)
+        logger.warning("linear kernels: %s failed at M=%d on shape %s (%s: %s); skipped", name, m, shape,
+                       type(exc).__name__, exc)
+        return None
+
+
+def _measure_bucket(names: list[str], shapes, m: int, time_fn: TimeFn, failed: set[str],
+                    was_slow: set[str]) -> tuple[dict[str, float], set[str]]:
+    """One decoder layer's linears at M = m (the sum over `shapes`) per kernel.
+
+    Samples are interleaved across kernels, ROUNDS times, and each kernel keeps its least per shape:
+    load from other processes only ever adds time, and interleaving spreads it over all kernels
+    alike. A kernel that raises joins `failed`. One SLOW_FACTOR slower than the best candidate
+    after DROP_AFTER rounds is not measured further here; one that was so at the previous M first
+    runs only the smallest shape, and stops if that, scaled to the whole layer, is too slow again
+    (a kernel that dequantizes per call is slow at small M and may win at large M).
+    Returns:
+        ms per kernel that ran every shape (the baseline too), and the kernels too slow here."""
+    shapes = [tuple(s) for s in shapes]
+    probe = min(shapes, key=lambda s: s[0] * s[1])
+    best: dict[tuple[str, tuple], float] = {}
+    slow: set[str] = set()
+    for round_ in range(ROUNDS):
+        for shape in shapes:
+            for name in names:
+                if name in failed or name in slow or (round_ == 0 and name in was_slow and shape != probe):
+                    continue
+                sample = _sample(name, shape, m, time_fn, failed)
+                if sample is not None:
+                    best[name, shape] = min(best.get((name, shape), math.inf), sample)
+        if round_ == 0:
+            scale = sum(a * b for a, b in shapes) / (probe[0] * probe[1])
+            slow |= _too_slow({n: best[n, probe] * scale for n in was_slow if (n, probe) in best}, best, shapes, m)
+        if round_ == DROP_AFTER - 1:
+            totals = {n: sum(best[n, s] for s in shapes) for n in names
+                      if n not in slow and all((n, s) in best for s in shapes)}
+            slow |= _too_slow(totals, best, shapes, m)
+    return {n: sum(best[n, s] for s in shapes) for n in names if all((n, s) in best for s in shapes)}, slow
+
+
+def _too_slow(estimates: dict[str, float], best: dict, shapes, m: int) -> set[str]:
+    """The candidates among `estimates` (ms for the whole layer) over SLOW_FACTOR times the fastest
+    candidate measured on every shape; the baseline is only ever compared against."""
+    measured = {n for n, s in best if n != BASELINE and all((n, t) in best for t in shapes)}
+    fastest = min((sum(best[n, s] for s in shapes) for n in measured), default=math.inf)
+    slow = {n for n, t in estimates.items() if n != BASELINE and t > SLOW_FACTOR * fastest}
+    for name in sorted(slow):
+        logger.info("linear kernels: %s is over %.0fx slower than the best at M=%d (%.2f ms vs %.2f ms); "
+                    "not measured further at this M", name, SLOW_FACTOR, m, estimates[name], fastest)
+    return slow
+
+
+def choose_kernels(shapes, kernels, dtype: torch.dtype, device: torch.device, fallback,
+                   cache_path: str | os.PathLike | None = None, time_fn: TimeFn | None = None,
+                   baseline=None) -> list[KernelChoice]:
+    """The fastest of `kernels` per range of M (BUCKETS), measured on `shapes` or read from the cache.
+
+    Args:
+        shapes: the (out, in) of the model's linears on this rank (unique).
+        kernels: candidates with `.name`, `.prepare(qweight, scale, dtype)` and `.run(state, x)`.
+        fallback: the kernel used where no candidate ran (never measured).
+        time_fn: replaces measuring (tests); its results are cached like measured ones.
+        baseline: an unquantized kernel timed alongside, for the log only (default: none).
+    Returns:
+        One `KernelChoice` per bucket, in increasing M; the last has max_m None.
+    """
+    path = Path(cache_path) if cache_path is not None else default_cache_path()
+    key = cache_key(shapes, kernels, dtype, device)
+    cached = _read_cache(path).get(key)
+    if cached is not None:
+        choices = [KernelChoice(**c) for c in cached]
+        logger.info("linear kernels: measured before on this machine (%s)", path)
+        return choices
+    everyone = ([baseline] if baseline is not None else []) + list(kernels)
+    time_fn = time_fn or measuring_time_fn(everyone, dtype, device)
+    start, failed, slow, choices = time.perf_counter(), set(), set(), []
+    for max_m, m in BUCKETS:
+        ms, slow = _measure_bucket([k.name for k in everyone], shapes, m, time_fn, failed, slow)
+        ranked = sorted((t, n) for n, t in ms.items() if n != BASELINE and n not in failed | slow)
+        choices.append(KernelChoice(max_m, ranked[0][1] if ranked else fallback.name, ms))
+    logger.info("linear kernels: measured %d kernels on %d shapes in %.2f s", len(everyone), len(shapes),
+                time.perf_counter() - start)
+    _write_cache(path, key, choices)
+    return choices
