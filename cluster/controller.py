@@ -278,7 +278,7 @@ class Controller(Adoption):
     def _create_local(self, role: str, iid: str) -> Instance:
         from cluster.rank import RankHost
         host = RankHost(self.spec.engine_config(role), role, iid, kv_timeout_s=self.spec.kv_transfer_timeout_s,
-                        client_ttl_s=self.spec.client_ttl_s, kv_same_device=self.spec.kv_transport == "auto")
+                        client_ttl_s=self.spec.client_ttl_s, kv_same_device=self._kv_same_device(False))
         ep = host.kv_endpoint()
         info = InstanceInfo(iid, role, 1, (ep,) if ep else (), max_model_len=host.max_model_len,
                             block_size=host.block_size)
@@ -314,7 +314,7 @@ class Controller(Adoption):
                 lifetime="detached" if self.detached else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote(
                 config, role, iid, r, tp, self.spec.kv_transfer_timeout_s, self.log_level, not self.multihost,
-                self.spec.client_ttl_s, self.spec.kv_transport == "auto"))
+                self.spec.client_ttl_s, self._kv_same_device(gpu)))
         start = time.monotonic()
         placements = ray.get([a.placement.remote() for a in actors], timeout=300)
         address = ray.get(actors[0].rendezvous_address.remote()) if tp > 1 else None
@@ -447,6 +447,14 @@ class Controller(Adoption):
             cores = node.resources.get("CPU", 1) if self.multihost else os.cpu_count() or 1
             config = replace(config, num_threads=max(1, int(cores) // ranks))
         return config
+
+    def _kv_same_device(self, gpu: bool) -> bool:
+        """kv_transport auto: KV between ranks on one GPU is written into the decode cache (CUDA IPC,
+        freed by the driver with its processes). CPUs keep the data channel: a POSIX shared-memory
+        cache outlives a killed decode process in /dev/shm (measured: a test suite's killed actors
+        left 9.6 GB there), so that path is for processes that close their receivers."""
+        from engine.model_runner import select_device
+        return self.spec.kv_transport == "auto" and (gpu or select_device(self.spec.device).type == "cuda")
 
     def _use_gpus(self) -> bool:
         import ray

@@ -76,9 +76,8 @@ _HELP = {
                                "(0 = always disaggregate)",
     "kv_transfer_timeout_s": "deadline, seconds, of each step of a KV transfer (set-up, reservation, each layer, "
                              "the ack); past it the pair is aborted and the request fails back to the router",
-    "kv_transport": "auto: a prefill and a decode rank on one device (a shared GPU, one CPU host) write KV straight "
-                    "into the decode cache (CUDA IPC, shared memory), other pairs use torch.distributed; torch: "
-                    "torch.distributed (gloo, NCCL) for every pair",
+    "kv_transport": "auto: a prefill and a decode rank on one GPU write KV straight into the decode cache (CUDA "
+                    "IPC), other pairs use torch.distributed; torch: torch.distributed (gloo, NCCL) for every pair",
     "kv_load_failure_policy": "when a decode instance's KV load fails: recompute the prompt there (prompts up to "
                               "kv_recompute_max_tokens) or retry on another pair",
     "kv_recompute_max_tokens": "longest prompt (with tokens already streamed) recomputed on the decode instance",

@@ -36,18 +36,15 @@ def run(spec: ClusterSpec, prompts, max_tokens: int, logprobs: list | None = Non
             assert sum(h.sender.stats.get("parts_sent", 0) for h in hosts if h.sender) == len(prompts)
             assert sum(h.receiver.stats.get("completed", 0) for h in hosts if h.receiver) == len(prompts)
             senders = [h.sender.stats for h in hosts if h.sender]
-            # one process, one CPU: "auto" writes into the decode cache, "torch" uses the data channel
-            shared = spec.kv_transport == "auto"
-            assert all((st.get("shared_connections", 0) > 0) == shared for st in senders), senders
-            assert all((st.get("groups_created", 0) > 0) != shared for st in senders), senders
+            # a CPU: "auto" and "torch" both use the data channel (same-device writes are CUDA's)
+            assert all(st.get("groups_created", 0) > 0 and not st.get("shared_connections") for st in senders)
         return [s.token_ids for s in streams]
 
 
 @pytest.mark.parametrize("kv_transport", ["auto", "torch"])
 def test_1p1d_matches_colocated(tiny_path, kv_transport):
     """12 prompts (some longer than a step's token budget, so chunked) through 1P1D equal colocated,
-    with their logprobs, whether the KV is written straight into the decode cache (same device)
-    or crosses the data channel."""
+    with their logprobs, with either kv_transport (both cross the data channel on a CPU)."""
     prompts = random_prompts(12, [5, 17, 40, 150], seed=3)
     want, got = [], []
     colocated = run(spec_for(tiny_path, mode="colocated"), prompts, 12, logprobs=want)
