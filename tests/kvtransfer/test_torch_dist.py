@@ -2,6 +2,7 @@
 separate threads): bytes land in the reserved slots exactly, failures are bounded and counted."""
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import time
 
@@ -33,6 +34,9 @@ def flat(cache: torch.Tensor, layer: int) -> torch.Tensor:
 
 
 def make_receiver(local_heads=HEADS, head_offset=0, compat=COMPAT, timeout_s=5.0):
+    # NOTE: closed receivers in reference cycles keep their TCPStore masters until collected, and
+    # torch's TCPStore refuses connections once a process holds about eight masters with a client
+    gc.collect()
     cache = make_cache(local_heads, fill=0.0)
     rx = create_kv_transport("torch").receiver(compat, cache, head_offset, timeout_s=timeout_s)
     host, port = rx.endpoint_address
