@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.quant.base import BaseLinearMethod, UnquantizedLinearMethod
+from engine.tp_comm import broadcast_step
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,6 @@ class TPGroup:
         if self.size == 1:
             return obj
         self._need_group()
-        from engine.tp_comm import broadcast_step
         return broadcast_step(obj, self.rank, dist.get_global_rank(self.group, 0), self.control_group, self.group,
                               self.device)
 
