@@ -21,14 +21,14 @@ import torch.nn.functional as F
 
 from engine.config import cpu_has_native_bf16
 from engine.loader import load_model_config, resolve_model_path
-from engine.quant.kernels import (FbgemmKernel, Int8Kernel, Int8PackKernel, ReferenceKernel, UnquantizedBaseline,
+from engine.quant.kernels import (FbgemmKernel, LinearKernel, Int8PackKernel, ReferenceKernel, UnquantizedBaseline,
                                dequantize)
 from engine.quant.selection import measuring_time_fn, processor_name
 
 logger = logging.getLogger("bench.linear_kernels")
 
 
-class FLinear(Int8Kernel):
+class FLinear(LinearKernel):
     """Plain F.linear on the dequantized weight (bf16 F.linear reorders the weight every call)."""
 
     name, label = "flinear", "F.linear"

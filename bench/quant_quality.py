@@ -115,7 +115,7 @@ def compare(dtype: str, quantization: str, num_prompts: int, max_tokens: int, th
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.quant_quality", description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--quantization", default="int8", choices=["int8", "w8a8"])
+    p.add_argument("--quantization", default="int8", choices=["int8", "w8a8", "int4"])
     p.add_argument("--num-prompts", type=int, default=20, choices=range(1, len(CHATS) + 1), metavar="N")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)

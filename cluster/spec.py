@@ -37,9 +37,10 @@ _HELP = {
     "model": "smollm2, a .gguf file or a HF safetensors folder",
     "dtype": "weights and activations dtype (auto: bfloat16 on CUDA or a CPU with native bf16, else float32)",
     "device": "auto (cuda when present, else cpu), cpu, cuda or cuda:N",
-    "quantization": "linear layers: auto keeps the checkpoint's format (today every checkpoint runs unquantized), "
-                    "none forces unquantized; lossy, at load: int8 (per-channel int8 weights), w8a8 (int8 "
-                    "activations too, down_proj kept unquantized); the fastest kernel is measured per batch size "
+    "quantization": "linear layers: auto keeps the checkpoint's format (a GGUF whose linears are Q4_0/Q4_1 runs "
+                    "int4 on exactly those weights, anything else unquantized), none forces unquantized; lossy, at "
+                    "load: int8 (per-channel int8 weights), w8a8 (int8 activations too, down_proj kept "
+                    "unquantized), int4 (Q4_1 groups of 32); the fastest kernel is measured per batch size "
                     "(docs/engine.md)",
     "mode": "disaggregated (prefill and decode pools) or colocated (each instance does both)",
     "num_prefill": "prefill instances (disaggregated mode)",
@@ -106,7 +107,7 @@ class ClusterSpec:
     model: str = "smollm2"
     dtype: str = "auto"  # bf16 on CUDA or a CPU with native bf16, else float32
     device: str = "auto"  # auto = cuda when present, else cpu
-    quantization: str = "auto"  # linear method (engine/quant): auto = the checkpoint's format, none, int8, w8a8
+    quantization: str = "auto"  # linear method (engine/quant): auto = the checkpoint's format, none, int8, w8a8, int4
     # topology
     num_prefill: int = 1
     num_decode: int = 1

@@ -48,9 +48,10 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 
 DTYPE_CHOICES = ("auto", *DTYPES)
 
-# auto keeps the checkpoint's format (today: unquantized), none forces unquantized; int8 (weights)
-# and w8a8 (weights and activations) are opt-in lossy conversions at load (engine/quant).
-QUANTIZATION_CHOICES = ("auto", "none", "int8", "w8a8")
+# auto keeps the checkpoint's format (a GGUF's Q4_0/Q4_1 linears run int4 as they are, anything
+# else unquantized), none forces unquantized; int8 (weights), w8a8 (weights and activations) and
+# int4 (group-wise Q4_1 weights) of float weights are opt-in lossy conversions at load (engine/quant).
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "w8a8", "int4")
 
 # The KV cache's element type, when it is not the model's (vLLM's --kv-cache-dtype names).
 KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
@@ -119,6 +120,6 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     tp_size: int = 1
     enforce_eager: bool = False  # no CUDA graphs for decode steps
-    quantization: str = "auto"  # linear method: auto (the checkpoint's format), none, int8, w8a8 (engine/quant)
+    quantization: str = "auto"  # linear method: auto (the checkpoint's format), none, int8, w8a8, int4
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -14,6 +14,7 @@ mtime; later loads read that file.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -51,6 +52,20 @@ _GLOBAL_PARAMS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm
 # Tensors that are not parameters of the HF model (llama3 RoPE frequency factors).
 _SKIPPED = re.compile(r"^(rope_freqs|rope_factors_(long|short))\.weight$")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+    """A reader of the GGUF at `path`, shared by every caller in this process until the file
+    changes: parsing the metadata (a 49k-token vocabulary) takes seconds, and the config, the
+    tokenizer and the weights all need it."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return _open_gguf(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
+    return gguf.GGUFReader(path)
 
 
 def read_gguf_metadata(reader: gguf.GGUFReader) -> dict:
@@ -112,7 +127,7 @@ def _rope_scaling(meta: dict, arch: str) -> dict | None:
 
 def gguf_model_config(path: Path) -> ModelConfig:
     """A `ModelConfig` from a llama-architecture GGUF's metadata."""
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     meta = read_gguf_metadata(reader)
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
@@ -158,7 +173,7 @@ def _dequantize(tensor) -> torch.Tensor:
 
 def convert_gguf(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a llama GGUF, dequantized to fp32, under HF names with HF shapes and row order."""
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     meta = read_gguf_metadata(reader)
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
@@ -202,9 +217,54 @@ def _write_atomically(weights: dict[str, torch.Tensor], target: Path, source: Pa
         raise
 
 
-def iter_gguf_weights(path: Path, dtype: torch.dtype,
-                      cache_dir: str | os.PathLike | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, tensor)` in `dtype`, converting once and reading the fp32 cache after."""
+_LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+
+
+def _decoder_linears(reader: gguf.GGUFReader) -> list:
+    return [t for t in reader.tensors if (m := _LAYER_RE.match(t.name)) and m.group(2) in _LINEARS
+            and m.group(3) == "weight"]
+
+
+def gguf_q4_linears(path: str | os.PathLike) -> bool:
+    """Whether every decoder linear weight of a GGUF is Q4_0 or Q4_1 (then it can run as int4 exactly)."""
+    from engine.quant.q4 import Q4_TYPES
+    linears = _decoder_linears(open_gguf(path))
+    return bool(linears) and all(t.tensor_type in Q4_TYPES for t in linears)
+
+
+def iter_q4_linears(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each Q4_0 / Q4_1 decoder linear as its codes, scales and mins (engine/quant/q4.py):
+    `...q_proj.qweight` (out, in) uint8, `...q_proj.scales` and `...q_proj.mins` (out, in / 32)
+    fp32, rows in HF order (q and k unpermuted like the float weights)."""
+    from engine.quant.q4 import Q4_TYPES, decode_q4_blocks
+    reader = open_gguf(path)
+    meta = read_gguf_metadata(reader)
+    arch = meta.get("general.architecture")
+    num_heads = meta[f"{arch}.attention.head_count"]
+    num_kv_heads = meta.get(f"{arch}.attention.head_count_kv", num_heads)
+    for tensor in _decoder_linears(reader):
+        if tensor.tensor_type not in Q4_TYPES:
+            raise ValueError(f"GGUF tensor {tensor.name!r} is {tensor.tensor_type.name}, not Q4_0/Q4_1")
+        name = hf_param_name(tensor.name).removesuffix(".weight")
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        for suffix, part in zip(("qweight", "scales", "mins"), decode_q4_blocks(tensor.data, tensor.tensor_type, shape)):
+            if ".self_attn.q_proj" in name:
+                part = unpermute_qk(part, num_heads)
+            elif ".self_attn.k_proj" in name:
+                part = unpermute_qk(part, num_kv_heads)
+            yield f"{name}.{suffix}", part.contiguous()
+
+
+def iter_gguf_weights(path: Path, dtype: torch.dtype, cache_dir: str | os.PathLike | None = None,
+                      q4_codes: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, tensor)` in `dtype`, converting once and reading the fp32 cache after.
+
+    q4_codes: the decoder linears as Q4 codes instead (`iter_q4_linears`), the rest as floats."""
+    if q4_codes:
+        yield from iter_q4_linears(path)
+        linears = {hf_param_name(t.name) for t in _decoder_linears(open_gguf(path))}
+        yield from ((n, w) for n, w in iter_gguf_weights(path, dtype, cache_dir) if n not in linears)
+        return
     cached = cache_path_for(path, cache_dir)
     if not cached.exists():
         logger.info("converting %s to %s (one time)", path, cached)

@@ -143,14 +143,16 @@ def _iter_safetensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, t
                 yield name, f.get_tensor(name).to(dtype)
 
 
-def load_weights(path: str | os.PathLike, dtype: torch.dtype | str,
-                 cache_dir: str | os.PathLike | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def load_weights(path: str | os.PathLike, dtype: torch.dtype | str, cache_dir: str | os.PathLike | None = None,
+                 q4_codes: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the model's parameters one at a time, under Hugging Face names and shapes.
 
     Args:
         path: anything `resolve_model_path` accepts.
         dtype: the dtype every yielded tensor has.
         cache_dir: where converted GGUFs are cached; default `$PDSERVE_CACHE_DIR` or `~/.cache/pdserve`.
+        q4_codes: a GGUF's Q4_0 / Q4_1 decoder linears as their codes (`qweight`, `scales`, `mins`,
+            not in `dtype`: engine/quant/q4.py) instead of dequantized weights (the int4 method).
 
     Yields:
         `(name, tensor)`: `model.embed_tokens.weight` (vocab, hidden), per layer
@@ -162,6 +164,8 @@ def load_weights(path: str | os.PathLike, dtype: torch.dtype | str,
     dtype = parse_dtype(dtype)
     if _is_gguf(path):
         from engine.gguf_loader import iter_gguf_weights
-        yield from iter_gguf_weights(path, dtype, cache_dir)
+        yield from iter_gguf_weights(path, dtype, cache_dir, q4_codes)
+    elif q4_codes:
+        raise ValueError(f"{path}: Q4 codes come from GGUF files only")
     else:
         yield from _iter_safetensors(path, dtype)

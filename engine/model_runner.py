@@ -21,7 +21,8 @@ from engine.kv_cache import allocate_kv_cache, blocks_from_device, kv_block_byte
 from engine.loader import load_model_config, load_weights, resolve_model_path
 from engine.model import LlamaForCausalLM
 from engine.parallel import TPGroup
-from engine.quant import create_linear_method, process_weights_after_loading, resolve_quantization
+from engine.quant import (create_linear_method, method_reads_q4_codes, process_weights_after_loading,
+                          resolve_quantization)
 from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
 
@@ -53,7 +54,8 @@ class _RequestState:
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPGroup = TPGroup(), model_config: ModelConfig | None = None,
                  weights=None):
-        """Loads the model named by `config.model` (or the given config and weights, for tests)."""
+        """Loads the model named by `config.model` (or the given config and float weights under HF
+        names, for tests and benchmarks: int4 then quantizes them at load, as for any float checkpoint)."""
         self.config, self.tp = config, tp
         self.device = select_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -135,7 +137,8 @@ class ModelRunner:
 
     def _load_model(self, path, weights) -> LlamaForCausalLM:
         start = time.perf_counter()
-        method = create_linear_method(resolve_quantization(self.config.quantization, path))
+        name = resolve_quantization(self.config.quantization, path, self.model_config, self.tp.size)
+        method = create_linear_method(name, path if weights is None else None)
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
@@ -143,8 +146,9 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(torch.float32)
         if weights is None:
-            weights = load_weights(path, self.dtype)
-        loaded = model.load_weights((n, w.to(self.device, self.dtype)) for n, w in weights)
+            weights = load_weights(path, self.dtype, q4_codes=method_reads_q4_codes(method))
+        # each parameter's copy_ casts to its own dtype (int4 codes stay uint8, their scales fp32)
+        loaded = model.load_weights((n, w.to(self.device)) for n, w in weights)
         missing = {n for n, _ in model.named_parameters()} - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

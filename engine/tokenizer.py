@@ -134,10 +134,8 @@ class Tokenizer:
 
     @classmethod
     def _from_gguf(cls, path: Path) -> Tokenizer:
-        import gguf  # needed for GGUF files only
-
-        from engine.gguf_loader import read_gguf_metadata
-        meta = read_gguf_metadata(gguf.GGUFReader(path))
+        from engine.gguf_loader import open_gguf, read_gguf_metadata  # gguf is needed for GGUF files only
+        meta = read_gguf_metadata(open_gguf(path))
         tokens = meta["tokenizer.ggml.tokens"]
         bos_id, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
         return cls(_gguf_backend(meta),

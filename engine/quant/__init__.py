@@ -1,14 +1,16 @@
 """Linear methods: how linear layers store and multiply their weights (engine/quant/base.py).
 
-    method = create_linear_method(resolve_quantization(config.quantization, path))
+    name = resolve_quantization(config.quantization, path, model_config, tp_size)
+    method = create_linear_method(name, path)
     model = LlamaForCausalLM(cfg, tp, linear_method=method)    # layers call method.create_weights
-    model.load_weights(...)
+    model.load_weights(load_weights(path, dtype, q4_codes=method_reads_q4_codes(method)))
     process_weights_after_loading(model)                       # method.process_layers(its layers)
 
 Built: `unquantized` (the checkpoint's weights in the model dtype), `int8` (per-channel int8
-weights quantized at load, activations unquantized) and `w8a8` (int8 activations too); for the
-last two the kernel is measured per batch size. Not built yet: int4 group-wise (GGUF's Q4 types
-kept as they are, instead of dequantized at load), fp8 (GPUs), calibrated activation scales.
+weights quantized at load, activations unquantized), `w8a8` (int8 activations too) and `int4`
+(group-wise 4-bit: a GGUF's Q4_0 / Q4_1 blocks as they are, or a float checkpoint quantized to
+Q4_1 at load); for the quantized ones the kernel is measured per batch size. Not built yet: fp8
+(GPUs), calibrated activation scales, AWQ / GPTQ checkpoints.
 """
 from __future__ import annotations
 
@@ -18,41 +20,85 @@ from pathlib import Path
 
 from torch import nn
 
+from engine.config import ModelConfig
 from engine.quant.base import BaseLinearMethod, UnquantizedLinearMethod, mkldnn_packing_available
+from engine.quant.int4 import Int4LinearMethod
 from engine.quant.int8 import Int8LinearMethod, W8A8LinearMethod
+from engine.quant.q4 import GROUP_SIZE
 
 logger = logging.getLogger(__name__)
 
-LINEAR_METHODS = {"unquantized": UnquantizedLinearMethod, "int8": Int8LinearMethod, "w8a8": W8A8LinearMethod}
+LINEAR_METHODS = {"unquantized": UnquantizedLinearMethod, "int8": Int8LinearMethod, "w8a8": W8A8LinearMethod,
+                  "int4": Int4LinearMethod}
 
-__all__ = ["BaseLinearMethod", "LINEAR_METHODS", "UnquantizedLinearMethod", "Int8LinearMethod", "W8A8LinearMethod",
-           "create_linear_method", "linear_layers", "mkldnn_packing_available", "process_weights_after_loading",
-           "resolve_quantization"]
+__all__ = ["BaseLinearMethod", "LINEAR_METHODS", "UnquantizedLinearMethod", "Int4LinearMethod", "Int8LinearMethod",
+           "W8A8LinearMethod", "create_linear_method", "int4_misfit", "linear_layers", "method_reads_q4_codes",
+           "mkldnn_packing_available", "process_weights_after_loading", "resolve_quantization"]
 
 
-def create_linear_method(name: str, **kwargs) -> BaseLinearMethod:
-    """A linear method by registry name (`unquantized`, `int8`); kwargs go to its constructor."""
+def _is_q4_gguf(path) -> bool:
+    if path is None or Path(path).suffix != ".gguf" or not Path(path).is_file():
+        return False
+    from engine.gguf_loader import gguf_q4_linears
+    return gguf_q4_linears(path)
+
+
+def create_linear_method(name: str, path: str | os.PathLike | None = None, **kwargs) -> BaseLinearMethod:
+    """A linear method by registry name; kwargs go to its constructor. `int4` reads a GGUF's Q4
+    blocks as they are when every decoder linear of `path` is Q4_0 / Q4_1 (else quantizes at load)."""
     if name not in LINEAR_METHODS:
         raise ValueError(f"unknown linear method {name!r}; choose one of {', '.join(LINEAR_METHODS)}")
+    if name == "int4":
+        kwargs.setdefault("prequantized", _is_q4_gguf(path))
     return LINEAR_METHODS[name](**kwargs)
 
 
-def resolve_quantization(quantization: str, path: str | os.PathLike | None = None) -> str:
+def method_reads_q4_codes(method: BaseLinearMethod) -> bool:
+    """Whether the checkpoint's loader should yield Q4 codes for this method (`load_weights(q4_codes=)`)."""
+    return bool(getattr(method, "prequantized", False))
+
+
+def int4_misfit(config: ModelConfig, tp_size: int = 1) -> str | None:
+    """Why int4's groups of 32 input features do not fit this model's linears at this TP size, or None."""
+    inputs = {"hidden_size": config.hidden_size, "attention output": config.num_heads * config.head_dim // tp_size,
+              "intermediate_size": config.intermediate_size // tp_size}
+    for what, n in inputs.items():
+        if n % GROUP_SIZE:
+            per_rank = f" / tensor_parallel_size {tp_size}" if what != "hidden_size" and tp_size > 1 else ""
+            return f"{what}{per_rank} = {n} input features is not a multiple of int4's group size {GROUP_SIZE}"
+    return None
+
+
+def resolve_quantization(quantization: str, path: str | os.PathLike | None = None,
+                         config: ModelConfig | None = None, tp_size: int = 1) -> str:
     """The linear method a `quantization` knob asks for.
 
-    `auto` keeps the checkpoint's format. Today every checkpoint runs unquantized: GGUF weights
-    are dequantized at load and safetensors hold bf16/fp32, so auto is `unquantized`. `none` forces
-    it; `int8` and `w8a8` are opt-in, lossy conversions at load."""
+    `auto` keeps the checkpoint's format: a GGUF whose decoder linears are all Q4_0 / Q4_1 runs
+    `int4` on exactly those weights (unless its groups do not fit the TP shards: then
+    dequantized, logged); any other checkpoint runs `unquantized` (GGUF K-quants, Q8_0 and F16
+    dequantized at load; safetensors as stored). `none` forces unquantized; `int8`, `w8a8` and
+    `int4` of a float checkpoint are opt-in, lossy conversions at load.
+    Raises:
+        ValueError: an unknown name, or `int4` whose groups do not fit (`int4_misfit`)."""
     if quantization == "none":
         return "unquantized"
     if quantization != "auto":
         if quantization not in LINEAR_METHODS:
             raise ValueError(f"unknown quantization {quantization!r}; choose auto, none or one of "
                              f"{', '.join(m for m in LINEAR_METHODS if m != 'unquantized')}")
+        if quantization == "int4" and config is not None and (why := int4_misfit(config, tp_size)):
+            raise ValueError(f"quantization int4: {why}")
         return quantization
+    if _is_q4_gguf(path):
+        why = int4_misfit(config, tp_size) if config is not None else None
+        if why is None:
+            logger.info("quantization auto -> int4: the GGUF's Q4 weights as they are")
+            return "int4"
+        logger.info("quantization auto -> unquantized: the GGUF's Q4 weights dequantized at load (%s)", why)
+        return "unquantized"
     kind = "GGUF, dequantized at load" if path is not None and Path(path).suffix == ".gguf" else "float weights"
-    logger.info("quantization auto -> unquantized: the checkpoint's format (%s; int4 kernels for GGUF's Q4 "
-                "weights are not built yet; int8 and w8a8 are opt-in)", kind)
+    logger.info("quantization auto -> unquantized: the checkpoint's format (%s; int8, w8a8 and int4 are opt-in)",
+                kind)
     return "unquantized"
 
 

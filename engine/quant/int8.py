@@ -16,9 +16,9 @@ import logging
 import torch
 
 from engine.quant.base import UnquantizedLinearMethod
-from engine.quant.kernels import (BASELINE, KERNELS, Int8Kernel, ReferenceKernel, ReferenceW8A8Kernel,
+from engine.quant.kernels import (BASELINE, KERNELS, LinearKernel, ReferenceKernel, ReferenceW8A8Kernel,
                                   UnquantizedBaseline, quantize_per_channel)
-from engine.quant.selection import KernelChoice, choose_kernels
+from engine.quant.selection import KernelChoice, choose_kernels, random_int8
 
 logger = logging.getLogger(__name__)
 
@@ -28,51 +28,68 @@ class Int8LinearMethod(UnquantizedLinearMethod):
 
     Args:
         kernel: run this kernel for every batch size (tests); None = measure `candidates` at load.
-        candidates: kernel names or `Int8Kernel` objects to measure (default: the method's own).
+        candidates: kernel names or `LinearKernel` objects to measure (default: the method's own).
         cache_path: the measurements' JSON cache (selection.py: default under the user's cache dir).
         time_fn: `time_fn(kernel_name, (out, in), num_tokens) -> ms`, to replace measuring (tests).
     """
 
     name = "int8"
     default_candidates: tuple[str, ...] = ("int8pack", "reference")
-    fallback: type[Int8Kernel] = ReferenceKernel  # runs where no candidate does (it is one, too)
+    fallback: type[LinearKernel] = ReferenceKernel  # runs where no candidate does (it is one, too)
+    kernel_registry: dict[str, type[LinearKernel]] = KERNELS
+    baseline: type[LinearKernel] | None = UnquantizedBaseline  # timed beside the candidates, for the log
+    random_weights = staticmethod(random_int8)  # (shape, device) -> weights in this format, to time kernels on
 
     def __init__(self, kernel: str | None = None, candidates=None, cache_path=None, time_fn=None):
         names = self.default_candidates if candidates is None else candidates
-        self.candidates = [KERNELS[c]() if isinstance(c, str) else c for c in names]
-        self.fixed = None if kernel is None else KERNELS[kernel]()
+        self.candidates = [self.kernel_registry[c]() if isinstance(c, str) else c for c in names]
+        self.fixed = None if kernel is None else self.kernel_registry[kernel]()
         self.cache_path, self.time_fn = cache_path, time_fn
         self.choices: list[KernelChoice] = []
-        self.kernels: dict[str, Int8Kernel] = {}
+        self.kernels: dict[str, LinearKernel] = {}
         self.dtype: torch.dtype | None = None  # the activations' (the model's), known at load
 
     def process_layers(self, layers) -> None:
         if not layers:
             return
-        weight = layers[0].weight
-        self.dtype = weight.dtype
+        dtype, device = self.layer_dtype(layers[0]), self.layer_device(layers[0])
+        self.dtype = dtype
+        shapes = sorted({self.layer_shape(layer) for layer in layers})
         if self.fixed is not None:
-            for shape in sorted({tuple(layer.weight.shape) for layer in layers}):
-                why = self.fixed.unavailable(weight.device) or self.fixed.unsupported(shape, weight.dtype)
+            for shape in shapes:
+                why = self.fixed.unavailable(device) or self.fixed.unsupported(shape, dtype)
                 if why is not None:
-                    raise ValueError(f"int8 kernel {self.fixed.name} cannot run here: {why}")
+                    raise ValueError(f"{self.name} kernel {self.fixed.name} cannot run here: {why}")
             self.choices = [KernelChoice(None, self.fixed.name, {})]
             self.kernels = {self.fixed.name: self.fixed}
         else:
-            shapes = sorted({tuple(layer.weight.shape) for layer in layers})
-            usable = [k for k in self.candidates if not _skip(k, weight.device, shapes, weight.dtype)]
-            self.choices = choose_kernels(shapes, usable, weight.dtype, weight.device, self.fallback(),
-                                          self.cache_path, self.time_fn, baseline=UnquantizedBaseline())
+            usable = [k for k in self.candidates if not _skip(self.name, k, device, shapes, dtype)]
+            self.choices = choose_kernels(shapes, usable, dtype, device, self.fallback(), self.cache_path,
+                                          self.time_fn, baseline=self.baseline() if self.baseline else None,
+                                          random_weights=self.random_weights)
             self.kernels = {k.name: k for k in [*usable, self.fallback()]}
             _warn_if_slower(self.name, self.choices)
         for layer in layers:
             self.process_weights_after_loading(layer)
 
+    def layer_shape(self, layer) -> tuple[int, int]:
+        """(out, in) of this rank's shard."""
+        return tuple(layer.weight.shape)
+
+    def layer_dtype(self, layer) -> torch.dtype:
+        """The activations' dtype (the model's)."""
+        return layer.weight.dtype
+
+    def layer_device(self, layer) -> torch.device:
+        return layer.weight.device
+
+    def quantize(self, layer) -> tuple[torch.Tensor, ...]:
+        """This rank's loaded shard in the method's format (the tensors kernels `prepare` from)."""
+        return quantize_per_channel(layer.weight.data)
+
     def process_weights_after_loading(self, layer) -> None:
-        weight = layer.weight
-        qweight, scale = quantize_per_channel(weight.data)
-        layer.int8_state = {c.kernel: self.kernels[c.kernel].prepare(qweight, scale, weight.dtype)
-                            for c in self.choices}
+        weights, dtype = self.quantize(layer), self.layer_dtype(layer)
+        layer.quant_state = {c.kernel: self.kernels[c.kernel].prepare(*weights, dtype) for c in self.choices}
         layer.weight = None  # the float weight is no longer used; free it
 
     def kernel_for(self, num_tokens: int) -> str:
@@ -81,7 +98,7 @@ class Int8LinearMethod(UnquantizedLinearMethod):
     def apply(self, layer, x, bias) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # (num_tokens, in)
         name = self.kernel_for(x2.shape[0])
-        out = self.kernels[name].run(layer.int8_state[name], x2)  # (num_tokens, out)
+        out = self.kernels[name].run(layer.quant_state[name], x2)  # (num_tokens, out)
         if bias is not None:
             out = out + bias
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -89,7 +106,11 @@ class Int8LinearMethod(UnquantizedLinearMethod):
     def describe(self, layers) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         ranges = "; ".join(c.describe(self.kernels[c.kernel].label) for c in self.choices)
-        return f"{self.name}: int8 per-channel weights, {self.activations} activations ({dtype}): {ranges}"
+        return f"{self.name}: {self.weights} weights, {self.activations} activations ({dtype}): {ranges}"
+
+    @property
+    def weights(self) -> str:
+        return "int8 per-channel"
 
     @property
     def activations(self) -> str:
@@ -100,15 +121,15 @@ def _warn_if_slower(name: str, choices: list[KernelChoice]) -> None:
     for c in choices:
         mine, base = c.ms.get(c.kernel), c.ms.get(BASELINE)
         if mine is not None and base is not None and mine > base:
-            logger.warning("%s: the fastest int8 kernel (%s) is slower than unquantized for %s (%.2f vs %.2f ms): "
+            logger.warning("%s: the fastest quantized kernel (%s) is slower than unquantized for %s (%.2f vs %.2f ms): "
                            "%s saves weight memory here, not time", name, c.kernel,
                            f"M<={c.max_m}" if c.max_m else "larger M", mine, base, name)
 
 
-def _skip(kernel: Int8Kernel, device: torch.device, shapes, dtype: torch.dtype) -> bool:
+def _skip(method: str, kernel: LinearKernel, device: torch.device, shapes, dtype: torch.dtype) -> bool:
     why = kernel.unavailable(device) or next(filter(None, (kernel.unsupported(s, dtype) for s in shapes)), None)
     if why is not None:
-        logger.info("int8: kernel %s skipped: %s", kernel.label, why)
+        logger.info("%s: kernel %s skipped: %s", method, kernel.label, why)
     return why is not None
 
 

@@ -51,8 +51,9 @@ def dequantize(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
     return (qweight.float() * scale[:, None]).to(dtype)  # (out, in)
 
 
-class Int8Kernel(ABC):
-    """One way of computing `x @ (qweight * scale).T`."""
+class LinearKernel(ABC):
+    """One way of computing `x @ W.T` from a quantized W: `prepare` takes the format's tensors
+    (int8: qweight, scale; int4, engine/quant/int4.py: qweight, scales, mins), then the dtype."""
 
     name: str
     label: str  # for logs
@@ -66,8 +67,9 @@ class Int8Kernel(ABC):
         return None
 
     @abstractmethod
-    def prepare(self, qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Any:
-        """Once per layer: whatever `run` needs (a packed weight). dtype: the activations' dtype."""
+    def prepare(self, *weights_and_dtype) -> Any:
+        """Once per layer, `prepare(*weights, dtype)`: whatever `run` needs (a packed weight).
+        dtype: the activations' dtype."""
 
     @abstractmethod
     def run(self, state: Any, x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +86,7 @@ def cpu_has_vnni() -> bool:
     return "avx512_vnni" in flags or "avx_vnni" in flags
 
 
-class FbgemmKernel(Int8Kernel):
+class FbgemmKernel(LinearKernel):
     name, label = "fbgemm", "fbgemm linear_dynamic"
 
     def __init__(self, reduce_range: bool | None = None):
@@ -113,7 +115,7 @@ class FbgemmKernel(Int8Kernel):
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
-class Int8PackKernel(Int8Kernel):
+class Int8PackKernel(LinearKernel):
     name, label = "int8pack", "torch _weight_int8pack_mm"
 
     def unavailable(self, device):
@@ -136,7 +138,7 @@ class Int8PackKernel(Int8Kernel):
         return torch._weight_int8pack_mm(x, qweight, scale)
 
 
-class ReferenceKernel(Int8Kernel):
+class ReferenceKernel(LinearKernel):
     name, label = "reference", "plain torch (dequantize per call)"
 
     def prepare(self, qweight, scale, dtype):
@@ -146,7 +148,7 @@ class ReferenceKernel(Int8Kernel):
         return F.linear(x, dequantize(*state, x.dtype))
 
 
-class ReferenceW8A8Kernel(Int8Kernel):
+class ReferenceW8A8Kernel(LinearKernel):
     """fbgemm's numerics in plain torch: x quantized per tensor to uint8 (asymmetric, zero
     included in the range; 7-bit with reduce_range) and dequantized, times the dequantized weight."""
 
@@ -165,7 +167,7 @@ class ReferenceW8A8Kernel(Int8Kernel):
         return F.linear(xq, dequantize(*state, torch.float32)).to(x.dtype)
 
 
-class UnquantizedBaseline(Int8Kernel):
+class UnquantizedBaseline(LinearKernel):
     """What `quantization: none` would run (F.linear, or oneDNN-packed bf16): timed beside the
     int8 kernels for the log only."""
 

@@ -114,8 +114,12 @@ def _time_sample(fn: Callable[[], Any], inner: int, device: torch.device) -> flo
     return (time.perf_counter() - start) / inner * 1e3
 
 
-def measuring_time_fn(kernels, dtype: torch.dtype, device: torch.device) -> TimeFn:
-    """A `TimeFn` that runs a kernel on random weights of the shape (prepared once per shape):
+def random_int8(shape: tuple[int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_per_channel(torch.randn(shape, device=device))
+
+
+def measuring_time_fn(kernels, dtype: torch.dtype, device: torch.device, random_weights=random_int8) -> TimeFn:
+    """A `TimeFn` that runs a kernel on `random_weights(shape, device)` (prepared once per shape):
     one sample of enough calls to last about SAMPLE_MS (the first call of each case warms up and
     sets that count)."""
     by_name, states, inputs, inner = {k.name: k for k in kernels}, {}, {}, {}
@@ -123,8 +127,7 @@ def measuring_time_fn(kernels, dtype: torch.dtype, device: torch.device) -> Time
     def time_fn(name: str, shape: tuple[int, int], m: int) -> float:
         kernel = by_name[name]
         if (name, shape) not in states:
-            qweight, scale = quantize_per_channel(torch.randn(shape, device=device))
-            states[name, shape] = kernel.prepare(qweight, scale, dtype)
+            states[name, shape] = kernel.prepare(*random_weights(shape, device), dtype)
         if (shape, m) not in inputs:
             inputs[shape, m] = torch.randn(m, shape[1], device=device, dtype=dtype)
         x, state = inputs[shape, m], states[name, shape]
@@ -194,15 +197,16 @@ def _too_slow(estimates: dict[str, float], best: dict, shapes, m: int) -> set[st
 
 def choose_kernels(shapes, kernels, dtype: torch.dtype, device: torch.device, fallback,
                    cache_path: str | os.PathLike | None = None, time_fn: TimeFn | None = None,
-                   baseline=None) -> list[KernelChoice]:
+                   baseline=None, random_weights=random_int8) -> list[KernelChoice]:
     """The fastest of `kernels` per range of M (BUCKETS), measured on `shapes` or read from the cache.
 
     Args:
         shapes: the (out, in) of the model's linears on this rank (unique).
-        kernels: candidates with `.name`, `.prepare(qweight, scale, dtype)` and `.run(state, x)`.
+        kernels: candidates with `.name`, `.prepare(*weights, dtype)` and `.run(state, x)`.
         fallback: the kernel used where no candidate ran (never measured).
         time_fn: replaces measuring (tests); its results are cached like measured ones.
         baseline: an unquantized kernel timed alongside, for the log only (default: none).
+        random_weights: `(shape, device) -> weights` in the kernels' format, to time them on.
     Returns:
         One `KernelChoice` per bucket, in increasing M; the last has max_m None.
     """
@@ -214,7 +218,7 @@ def choose_kernels(shapes, kernels, dtype: torch.dtype, device: torch.device, fa
         logger.info("linear kernels: measured before on this machine (%s)", path)
         return choices
     everyone = ([baseline] if baseline is not None else []) + list(kernels)
-    time_fn = time_fn or measuring_time_fn(everyone, dtype, device)
+    time_fn = time_fn or measuring_time_fn(everyone, dtype, device, random_weights)
     start, failed, slow, choices = time.perf_counter(), set(), set(), []
     for max_m, m in BUCKETS:
         ms, slow = _measure_bucket([k.name for k in everyone], shapes, m, time_fn, failed, slow)

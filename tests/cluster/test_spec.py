@@ -167,7 +167,7 @@ def test_cli_rejects_bad_values():
     ({"prefill_tp": 0}, "prefill_tp"),
     ({"mode": "hybrid"}, "mode"),
     ({"dtype": "int8"}, "dtype"),
-    ({"quantization": "int4"}, "quantization"),
+    ({"quantization": "int2"}, "quantization"),
     ({"device": "tpu"}, "device"),
     ({"attention_backend": "xformers"}, "attention_backend"),
     ({"router_policy": "best"}, "router_policy"),

@@ -36,24 +36,30 @@ def _continuation_logits(llm, prompts, continuations) -> torch.Tensor:
         llm.engine.kv.reset_prefix_cache()  # the probe overwrote blocks the engine may have cached
 
 
-@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
+# (min identical of 6, min teacher-forced top-1, max logit change, max perplexity ratio); measured
+# on this model: int8 2-3, 0.96-0.98, 0.03-0.05, 1.0006-1.0012; w8a8 alike; int4 (gguf's Q4_1 of
+# the float weights, 4 bits for Gaussian weights) 0, 0.84, 0.56, 1.027. Logits reach 1.5.
+QUALITY_BOUNDS = {"int8": (1, 0.93, 0.1, 1.01), "w8a8": (1, 0.93, 0.1, 1.01), "int4": (0, 0.75, 1.0, 1.06)}
+
+
+@pytest.mark.parametrize("quantization", sorted(QUALITY_BOUNDS))
 def test_tiny_quality_against_unquantized(hf_model, quantization):
-    """6 prompts x 32 greedy tokens against the unquantized engine (measured: 2-3 of 6 identical, a
-    random tiny model has many near-ties); on the unquantized continuations, teacher-forced:
-    top-1 agreement >= 0.93 (measured 0.96-0.98), largest logit change <= 0.1 (0.03-0.05, logits
-    up to 1.5), perplexity ratio <= 1.01 (1.0006-1.0012)."""
+    """6 prompts x 32 greedy tokens against the unquantized engine (a random tiny model has many
+    near-ties); on the unquantized continuations, teacher-forced: top-1 agreement, largest logit
+    change and perplexity ratio within QUALITY_BOUNDS."""
+    min_same, min_top1, max_change, max_ppl = QUALITY_BOUNDS[quantization]
     prompts = random_prompts(6, [8, 20, 40], seed=1)
     base, quant = LLM(engine=tiny_engine(hf_model, quantization="none")), \
         LLM(engine=tiny_engine(hf_model, quantization=quantization))
     base_out = [o.token_ids for o in base.generate(prompts, GREEDY)]
     quant_out = [o.token_ids for o in quant.generate(prompts, GREEDY)]
-    assert sum(a == b for a, b in zip(base_out, quant_out)) >= 1, (base_out, quant_out)
+    assert sum(a == b for a, b in zip(base_out, quant_out)) >= min_same, (base_out, quant_out)
     ref, got = _continuation_logits(base, prompts, base_out), _continuation_logits(quant, prompts, base_out)
     targets = torch.tensor([t for c in base_out for t in c])[:, None]
     nll = [-torch.log_softmax(lg, -1).gather(1, targets).mean().item() for lg in (ref, got)]
-    assert (ref.argmax(-1) == got.argmax(-1)).float().mean() >= 0.93
-    assert (ref - got).abs().max() <= 0.1
-    assert math.exp(nll[1] - nll[0]) <= 1.01
+    assert (ref.argmax(-1) == got.argmax(-1)).float().mean() >= min_top1
+    assert 0 < (ref - got).abs().max() <= max_change
+    assert math.exp(nll[1] - nll[0]) <= max_ppl
     base.engine.kv.assert_no_leaks()
     quant.engine.kv.assert_no_leaks()
 
@@ -72,12 +78,15 @@ def _prefill_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor | No
     return logits
 
 
+TP_METHODS = ("int8", "w8a8", "int4")
+
+
 def _rank(rank: int, port: int, folder: str, prompt: list[int], out) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     tp = TPGroup(rank, 2, dist.group.WORLD)
-    for quantization in ("int8", "w8a8"):
+    for quantization in TP_METHODS:
         runner = ModelRunner(engine_config(model=folder, quantization=quantization, num_blocks=16), tp)
         logits = _prefill_logits(runner, prompt)
         if rank == 0:
@@ -89,7 +98,9 @@ def test_tensor_parallel_int8_matches_tp1(tmp_path):
     """Two gloo ranks (tp=2, a KV head each) load the same checkpoint and quantize their own
     shards: column-parallel rows quantize as at tp=1, row-parallel halves get their own scales. For
     int8 and w8a8 the tp=2 logits stay as close to tp=1's as the method is to unquantized (within
-    2x that distance)."""
+    2x that distance). int4's groups of 32 input columns never cross a shard's edge, so its shards
+    hold exactly tp=1's numbers: the logits differ by the all-reduce's rounding only (<= 1e-4,
+    against a quantization error over 100x that)."""
     folder = str(save_tiny_llama(tmp_path / "tiny", seed=1))
     prompt = random_prompts(1, [37], seed=4)[0]
     with socket.socket() as s:
@@ -100,7 +111,7 @@ def test_tensor_parallel_int8_matches_tp1(tmp_path):
     procs = [ctx.Process(target=_rank, args=(r, port, folder, prompt, out)) for r in range(2)]
     for p in procs:
         p.start()
-    tp2 = {q: torch.from_numpy(logits) for q, logits in (out.get(timeout=120) for _ in range(2))}
+    tp2 = {q: torch.from_numpy(logits) for q, logits in (out.get(timeout=120) for _ in TP_METHODS)}
     for p in procs:
         p.join(30)
         assert p.exitcode == 0
@@ -112,4 +123,7 @@ def test_tensor_parallel_int8_matches_tp1(tmp_path):
         quant_error = (tp1 - base).abs().max().item()
         print(f"\n[tp int8] {quantization}: tp=2 vs tp=1 max |diff| {(logits - tp1).abs().max().item():.3g}, "
               f"tp=1 vs unquantized {quant_error:.3g}")
-        assert 0 < (logits - tp1).abs().max().item() <= 2 * quant_error, quantization
+        if quantization == "int4":
+            assert (logits - tp1).abs().max().item() <= 1e-4 < quant_error / 100
+        else:
+            assert 0 < (logits - tp1).abs().max().item() <= 2 * quant_error, quantization

@@ -169,15 +169,17 @@ def test_row_shards_quantize_within_the_int8_bound():
 
 
 def test_registry_and_resolution(caplog):
-    """`auto` resolves to unquantized with one log line saying why, `none` forces it, `int8` and
-    `w8a8` are themselves; unknown names raise ValueError naming the choices."""
+    """`auto` of a checkpoint that is not a Q4 GGUF resolves to unquantized with one log line
+    saying why (tests/engine/quant/test_int4.py has the Q4 case), `none` forces it, the others are
+    themselves; unknown names raise ValueError naming the choices."""
     with caplog.at_level("INFO", logger="engine.quant"):
         assert resolve_quantization("auto", "model.gguf") == "unquantized"
     assert any("auto -> unquantized" in r.getMessage() and "GGUF" in r.getMessage() for r in caplog.records)
     assert resolve_quantization("none") == "unquantized" and resolve_quantization("int8") == "int8"
-    assert resolve_quantization("w8a8") == "w8a8"
-    assert [create_linear_method(n).name for n in ("unquantized", "int8", "w8a8")] == ["unquantized", "int8", "w8a8"]
-    for bad in (lambda: resolve_quantization("int4"), lambda: create_linear_method("fp8")):
+    assert resolve_quantization("w8a8") == "w8a8" and resolve_quantization("int4") == "int4"
+    names = ("unquantized", "int8", "w8a8", "int4")
+    assert [create_linear_method(n).name for n in names] == list(names)
+    for bad in (lambda: resolve_quantization("int2"), lambda: create_linear_method("fp8")):
         with pytest.raises(ValueError, match="int8"):
             bad()
 

@@ -84,7 +84,7 @@ def test_a_failing_kernel_is_skipped_with_a_log_line(tmp_path, caplog):
     failed = [r for r in caplog.records if "broken failed" in r.getMessage()]
     assert failed and failed[0].levelno == logging.WARNING and "no kernel image" in failed[0].getMessage()
     x = torch.randn(3, 64)
-    torch.testing.assert_close(layer(x), ReferenceKernel().run(layer.int8_state["good"], x))
+    torch.testing.assert_close(layer(x), ReferenceKernel().run(layer.quant_state["good"], x))
 
 
 def test_an_unavailable_kernel_is_skipped_with_a_log_line(tmp_path, caplog):
@@ -147,7 +147,7 @@ def test_apply_runs_the_kernel_chosen_for_the_batch_size(tmp_path):
     small_max = BUCKETS[1][0]  # "small" wins the first two ranges
     for m in (1, small_max, small_max + 1, 300):
         x = torch.randn(m, 64)
-        torch.testing.assert_close(layer(x), ReferenceKernel().run(layer.int8_state["small"], x))
+        torch.testing.assert_close(layer(x), ReferenceKernel().run(layer.quant_state["small"], x))
     assert calls == [("small", 1), ("small", small_max), ("large", small_max + 1), ("large", 300)]
 
 

@@ -1,0 +1,149 @@
+"""The int4 linear method: group-wise 4-bit weights (engine/quant/q4.py), activations unquantized.
+
+Weights come either straight from a GGUF's Q4_0 / Q4_1 blocks (`prequantized`: the file's own
+numbers, exactly; what `--quantization auto` runs for such a file) or from a float checkpoint,
+quantized at load onto llama.cpp's Q4_1 (`--quantization int4`; the error is logged).
+
+Kernels, measured per batch-size range at load like int8's (engine/quant/selection.py):
+- `int4pack`: torch's `_weight_int4pack_mm_for_cpu` (vectorized for bf16/fp16; scalar in fp32),
+  which computes `(q - 8) * scale + zero` with scale and zero in the activations' dtype;
+- `dequantized`: the weights dequantized once at load into the model dtype, then what the
+  unquantized method runs (F.linear, oneDNN-packed bf16): the same numbers, 4-8x the bytes, and
+  usually the fastest for prefills;
+- `reference`: plain torch, dequantized on every call; the tests' reference and the fallback.
+A range whose winner is `dequantized` keeps that copy of the weights; the packed int4 weights are
+kept only where `int4pack` wins.
+"""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.quant.base import UnquantizedLinearMethod
+from engine.quant.int8 import Int8LinearMethod
+from engine.quant.kernels import LinearKernel
+from engine.quant.q4 import GROUP_SIZE, dequantize_q4, quantize_q4_1, random_q4
+
+logger = logging.getLogger(__name__)
+
+
+class Int4PackKernel(LinearKernel):
+    name, label = "int4pack", "torch _weight_int4pack_mm_for_cpu"
+
+    def unavailable(self, device):
+        if device.type != "cpu":
+            return f"a CPU kernel (device {device.type})"
+        if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+            return "not in this torch build"
+        return None
+
+    def unsupported(self, shape, dtype):
+        if shape[0] % 16:
+            return f"out_features {shape[0]} is not a multiple of 16 (torch's int4 packing needs it)"
+        return None
+
+    def prepare(self, qweight, scales, mins, dtype):
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qweight.to(torch.int32), 1)
+        zeros = mins + 8 * scales  # q * s + m == (q - 8) * s + (m + 8 s)
+        scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous().to(dtype)  # (groups, out, 2)
+        return packed, scales_and_zeros
+
+    def run(self, state, x):
+        packed, scales_and_zeros = state
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, GROUP_SIZE, scales_and_zeros)
+
+
+class DequantizedKernel(LinearKernel):
+    name, label = "dequantized", "dequantized at load"
+
+    def prepare(self, qweight, scales, mins, dtype):
+        layer = SimpleNamespace(weight=dequantize_q4(qweight, scales, mins, dtype))
+        UnquantizedLinearMethod().process_weights_after_loading(layer)
+        return layer
+
+    def run(self, state, x):
+        return UnquantizedLinearMethod().apply(state, x, None)
+
+
+class ReferenceInt4Kernel(LinearKernel):
+    name, label = "reference", "plain torch (dequantize per call)"
+
+    def prepare(self, qweight, scales, mins, dtype):
+        return qweight, scales, mins
+
+    def run(self, state, x):
+        return F.linear(x, dequantize_q4(*state, x.dtype))
+
+
+INT4_KERNELS = {k.name: k for k in (Int4PackKernel, DequantizedKernel, ReferenceInt4Kernel)}
+
+
+class Int4LinearMethod(Int8LinearMethod):
+    """Args (besides int8's: kernel, candidates, cache_path, time_fn):
+        prequantized: the checkpoint holds Q4 codes (`qweight`, `scales`, `mins` per linear, as the
+            GGUF loader yields them with `q4_codes=True`); False: float weights, quantized at load.
+    """
+
+    name = "int4"
+    default_candidates = ("int4pack", "dequantized")
+    fallback = ReferenceInt4Kernel
+    kernel_registry = INT4_KERNELS
+    baseline = None  # `dequantized` is what unquantized would run, and a candidate itself
+    random_weights = staticmethod(random_q4)
+
+    def __init__(self, prequantized: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.prequantized = prequantized
+        self.errors: list[float] = []  # relative error of each float weight quantized at load
+
+    def create_weights(self, layer, input_size, output_size, weight_loader) -> None:
+        if input_size % GROUP_SIZE:
+            raise ValueError(f"int4: {input_size} input features (per tensor-parallel rank) is not a multiple of "
+                             f"the group size {GROUP_SIZE}")
+        layer.params_dtype = torch.get_default_dtype()
+        if not self.prequantized:
+            return super().create_weights(layer, input_size, output_size, weight_loader)
+        groups = input_size // GROUP_SIZE
+        for name, shape, dtype in (("qweight", (output_size, input_size), torch.uint8),
+                                   ("scales", (output_size, groups), torch.float32),
+                                   ("mins", (output_size, groups), torch.float32)):
+            param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+            param.weight_loader = weight_loader
+            setattr(layer, name, param)
+
+    def layer_shape(self, layer):
+        return tuple((layer.qweight if self.prequantized else layer.weight).shape)
+
+    def layer_dtype(self, layer):
+        return layer.params_dtype
+
+    def layer_device(self, layer):
+        return (layer.qweight if self.prequantized else layer.weight).device
+
+    def quantize(self, layer):
+        if self.prequantized:
+            return layer.qweight.data, layer.scales.data, layer.mins.data
+        weights = quantize_q4_1(layer.weight.data)
+        w = layer.weight.data.float()
+        self.errors.append(((dequantize_q4(*weights) - w).norm() / w.norm().clamp_min(1e-30)).item())
+        return weights
+
+    def process_weights_after_loading(self, layer) -> None:
+        super().process_weights_after_loading(layer)
+        if self.prequantized:
+            layer.qweight = layer.scales = layer.mins = None
+
+    def process_layers(self, layers) -> None:
+        super().process_layers(layers)
+        if self.errors:
+            logger.info("int4: float weights quantized to Q4_1 at load: relative error per layer mean %.4f, max %.4f",
+                        sum(self.errors) / len(self.errors), max(self.errors))
+
+    @property
+    def weights(self) -> str:
+        source = "from the checkpoint's Q4 blocks" if self.prequantized else "Q4_1 quantized at load"
+        return f"int4 group-wise ({GROUP_SIZE} per group, {source})"
