@@ -1,14 +1,19 @@
-"""Offline throughput: pdserve's `LLM` against transformers' `generate` on the same GGUF and workload.
+"""Offline throughput: pdserve's `LLM` against transformers' `generate` and llama.cpp on the same GGUF.
 
-    python -m bench.offline                  # W1: 32 requests x 128 prompt / 128 output tokens, bf16, 2 threads
+    python -m bench.offline                  # W1: 32 requests x 128 prompt / 128 output tokens, 2 threads
     python -m bench.offline --json           # one JSON object on stdout; logs go to stderr
-    python -m bench.offline --skip-hf --num-requests 4 --output-len 8
-    python -m bench.offline --skip-hf --dtype float32 --quantization int8
+    python -m bench.offline --skip-hf --skip-llamacpp --num-requests 4 --output-len 8
+    python -m bench.offline --dtype float32 --quantization int8 --hf-dtype float32
 
-Both sides run greedy decoding with EOS ignored, so every request produces exactly `output_len`
-tokens. pdserve runs the requests through continuous batching; transformers runs them as one
-batch of equal-length prompts (no padding). Batch-1 decode speed excludes the prefill on both
-sides: pdserve measures from the first token to the last, transformers subtracts a 1-token run.
+pdserve runs its defaults (`--dtype auto --quantization auto`: what the engine picks on this
+machine; the JSON's `pdserve_config` says what that was); transformers runs the GGUF as it
+loads GGUF files, dequantized (fp32 unless `--hf-dtype`); llama.cpp runs the file as it is
+(batch 1 only; bench/llamacpp.py, skipped with a log line when llama-cpp-python is missing).
+All greedy with EOS ignored, so every request produces exactly `output_len` tokens. pdserve
+runs the requests through continuous batching; transformers runs them as one batch of
+equal-length prompts (no padding). Batch-1 decode speed excludes the prefill everywhere:
+pdserve and llama.cpp measure from the first token to the last, transformers subtracts a
+1-token run.
 """
 from __future__ import annotations
 
@@ -81,8 +86,11 @@ def bench_pdserve(wl: Workload, dtype: str, threads: int, quantization: str = "a
     (one,) = llm.generate(random_prompts(1, wl.prompt_len, wl.seed + 2), _greedy(wl.batch1_output_len))
     ms_per_step = (one.finished_s - one.first_token_s) / (len(one.token_ids) - 1) * 1000
     logger.info("pdserve: %d tokens in %.2f s, batch-1 %.2f ms/step", num_out, wall_s, ms_per_step)
+    runner = llm.engine.runner
+    config = {"dtype": str(runner.dtype).removeprefix("torch."), "quantization": quantization,
+              "linear_layers": runner.linear_layers, "attention": runner.backend.name}
     return {"pdserve_output_tok_s": num_out / wall_s, "pdserve_wall_s": wall_s,
-            "pdserve_batch1_ms_per_step": ms_per_step,
+            "pdserve_batch1_ms_per_step": ms_per_step, "pdserve_config": config,
             "pdserve_ttft_mean_s": statistics.fmean(ttfts), "pdserve_ttft_p50_s": statistics.median(ttfts)}
 
 
@@ -132,11 +140,12 @@ def machine_info() -> dict:
             "loadavg_1m_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
-def run(wl: Workload, dtype: str, threads: int, skip_hf: bool, quantization: str = "auto") -> dict:
-    """Both measurements in one process, pdserve first; returns the flat result dict. `quantization`
-    is pdserve's linear method (transformers always runs unquantized)."""
+def run(wl: Workload, dtype: str, threads: int, skip_hf: bool, quantization: str = "auto",
+        hf_dtype: str = "float32", skip_llamacpp: bool = False) -> dict:
+    """Every measurement in one process, pdserve first; returns the flat result dict. `dtype` and
+    `quantization` are pdserve's; transformers runs `hf_dtype`, unquantized."""
     torch.set_num_threads(threads)
-    result = {"workload": {**asdict(wl), "temperature": 0.0, "ignore_eos": True, "dtype": dtype,
+    result = {"workload": {**asdict(wl), "temperature": 0.0, "ignore_eos": True, "dtype": dtype, "hf_dtype": hf_dtype,
                            "quantization": quantization, "token_id_range": list(TOKEN_ID_RANGE)},
               "threads": threads, "torch_version": torch.__version__, "machine": machine_info()}
     result.update(bench_pdserve(wl, dtype, threads, quantization))
@@ -145,7 +154,14 @@ def run(wl: Workload, dtype: str, threads: int, skip_hf: bool, quantization: str
     else:
         import transformers
         result["transformers_version"] = transformers.__version__
-        result.update(bench_hf(wl, dtype))
+        result.update(bench_hf(wl, hf_dtype))
+    from bench.llamacpp import bench_llamacpp, llamacpp_unavailable
+    why = "--skip-llamacpp" if skip_llamacpp else llamacpp_unavailable()
+    if why is None:
+        result.update(bench_llamacpp(random_prompts(1, wl.prompt_len, wl.seed + 2)[0], wl.batch1_output_len, threads))
+    else:
+        logger.info("llama.cpp not measured: %s", why)
+        result["llamacpp_batch1_ms_per_step"] = None
     if hasattr(os, "getloadavg"):
         result["machine"]["loadavg_1m_at_end"] = os.getloadavg()[0]
     return result
@@ -160,7 +176,8 @@ def format_table(r: dict) -> str:
     ratio = (r["pdserve_output_tok_s"] / r["hf_output_tok_s"]) if r["hf_output_tok_s"] else None
     lines = [
         f"workload: {wl['num_requests']} requests x {wl['prompt_len']} prompt / {wl['output_len']} output tokens, "
-        f"greedy, EOS ignored, {wl['dtype']}, pdserve quantization {wl.get('quantization', 'auto')}, "
+        f"greedy, EOS ignored, pdserve dtype {wl['dtype']} quantization {wl['quantization']}, "
+        f"transformers {wl['hf_dtype']}, "
         f"{r['threads']} threads, torch {r['torch_version']}",
         f"machine:  {r['machine']['platform']}, {r['machine']['cpu_count']} CPUs, "
         f"load average {r['machine']['loadavg_1m_at_start']} at start",
@@ -170,6 +187,8 @@ def format_table(r: dict) -> str:
         f"{_fmt(r['hf_output_tok_s'], 'tok/s'):>16}",
         f"{'batch-1 decode':<28}{_fmt(r['pdserve_batch1_ms_per_step'], 'ms/step'):>16}"
         f"{_fmt(r['hf_batch1_ms_per_step'], 'ms/step'):>16}",
+        f"{'llama.cpp batch-1 decode':<28}{_fmt(r['llamacpp_batch1_ms_per_step'], 'ms/step'):>16}",
+        f"{'pdserve ran':<28}{r['pdserve_config']['dtype']}, {r['pdserve_config']['linear_layers']}",
         f"{'TTFT mean / p50':<28}{r['pdserve_ttft_mean_s']:>9.2f} / {r['pdserve_ttft_p50_s']:.2f} s",
         f"{'throughput pdserve / hf':<28}{'-' if ratio is None else f'{ratio:.2f}x':>16}",
     ]
@@ -183,11 +202,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--batch1-output-len", type=int, default=64, help="output tokens of the batch-1 request")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="pdserve's (auto: what the engine picks here)")
+    p.add_argument("--hf-dtype", default="float32", choices=["bfloat16", "float32", "float16"],
+                   help="transformers' (float32: what it makes of a GGUF)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads, both sides")
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
                    help="pdserve's linear layers (docs/engine.md, Linear methods); transformers stays unquantized")
-    p.add_argument("--skip-hf", action="store_true", help="measure pdserve only")
+    p.add_argument("--skip-hf", action="store_true", help="do not measure transformers")
+    p.add_argument("--skip-llamacpp", action="store_true", help="do not measure llama.cpp")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return p.parse_args(argv)
 
@@ -198,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     wl = Workload(args.num_requests, args.prompt_len, args.output_len, args.batch1_output_len, args.seed)
     # NOTE: libraries that print keep stdout clean for --json: everything until the result goes to stderr.
     with contextlib.redirect_stdout(sys.stderr):
-        result = run(wl, args.dtype, args.threads, args.skip_hf, args.quantization)
+        result = run(wl, args.dtype, args.threads, args.skip_hf, args.quantization, args.hf_dtype,
+                     args.skip_llamacpp)
     print(json.dumps(result) if args.json else format_table(result))
     return 0
 

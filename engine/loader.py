@@ -100,6 +100,11 @@ def _first(value):
 def hf_model_config(folder: Path) -> ModelConfig:
     """A `ModelConfig` from a Hugging Face `config.json` (transformers 4 or 5 spelling of RoPE)."""
     cfg = json.loads((folder / "config.json").read_text())
+    if quant := cfg.get("quantization_config"):
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        raise ValueError(f"{folder}: checkpoint quantized with {method!r} (config.json quantization_config); "
+                         "pdserve loads float safetensors and GGUF files, not AWQ/GPTQ/other pre-quantized "
+                         "safetensors (use the float checkpoint with --quantization int4 or int8)")
     rope_params = cfg.get("rope_parameters") or {}  # transformers >= 5 nests rope_theta here
     num_heads = cfg["num_attention_heads"]
     return ModelConfig(

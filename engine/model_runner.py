@@ -155,7 +155,7 @@ class ModelRunner:
         logger.info("loaded weights in %.2f s", time.perf_counter() - start)
         start = time.perf_counter()
         # after every shard is in, so a quantizing method sees exactly this rank's slice
-        described = process_weights_after_loading(model)
+        described = self.linear_layers = process_weights_after_loading(model)
         logger.info("linear layers: %s; prepared in %.2f s", described, time.perf_counter() - start)
         return model.eval()
 

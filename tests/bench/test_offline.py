@@ -11,7 +11,7 @@ from bench import offline
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--num-requests", "2", "--prompt-len", "16", "--output-len", "4", "--batch1-output-len", "4",
-        "--skip-hf", "--json"]
+        "--skip-hf", "--skip-llamacpp", "--json"]
 
 
 @pytest.fixture
@@ -24,13 +24,18 @@ def keep_num_threads():
 
 @pytest.mark.timeout(60)
 def test_offline_json_smoke(capsys, keep_num_threads):
-    """A tiny pdserve-only run prints exactly one JSON object on stdout, with every key, and the
-    pdserve measurements positive."""
+    """A tiny pdserve-only run prints exactly one JSON object on stdout, with every key, the
+    pdserve measurements positive and the configuration they ran (the engine's defaults: the
+    default Q4_1 GGUF runs int4)."""
     assert offline.main(TINY) == 0
     result = json.loads(capsys.readouterr().out)
     for key in ("pdserve_output_tok_s", "pdserve_batch1_ms_per_step", "pdserve_ttft_mean_s"):
         assert result[key] > 0, key
     assert result["hf_output_tok_s"] is None and result["hf_batch1_ms_per_step"] is None
+    assert result["llamacpp_batch1_ms_per_step"] is None
+    config = result["pdserve_config"]
+    assert config["dtype"] in ("float32", "bfloat16") and config["quantization"] == "auto"
+    assert config["linear_layers"].startswith("int4: int4 group-wise") and config["attention"] == "torch"
     assert result["workload"]["num_requests"] == 2 and result["workload"]["output_len"] == 4
     assert result["threads"] == 2 and result["torch_version"] == torch.__version__
     assert result["machine"]["cpu_count"] > 0

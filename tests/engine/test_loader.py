@@ -219,3 +219,16 @@ def test_safetensors_folder_loads_equal(tmp_path):
     assert set(loaded) == set(expected)
     for name, w in loaded.items():
         assert w.dtype == torch.bfloat16 and torch.equal(w, expected[name].to(torch.bfloat16)), name
+
+
+def test_prequantized_safetensors_are_refused_by_name(tmp_path):
+    """A folder whose config.json carries a `quantization_config` (AWQ, GPTQ, ...) is refused in
+    one line naming the method, before any weight is read, never loaded wrong."""
+    import json
+    make_hf_tiny_llama(seed=3).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized with 'gptq'") as info:
+        load_model_config(tmp_path)
+    assert "\n" not in str(info.value)
