@@ -61,15 +61,15 @@ class RankActor:
 
     def describe(self) -> dict:
         """What a controller that did not start this rank needs to adopt it: role, instance_id,
-        tp_size, rank, ready (model loaded, TP group joined), kv_endpoint, max_model_len, block_size, placement,
-        config (the EngineConfig it runs)."""
+        tp_size, rank, ready (model loaded, TP group joined), kv_endpoint, max_model_len, block_size, engine,
+        placement, config (the EngineConfig it runs)."""
         config, role, instance_id, rank, tp_size = self._args
         ready = self.host is not None and (rank > 0 or self._complete)
         return {"role": role, "instance_id": instance_id, "tp_size": tp_size, "rank": rank, "ready": ready,
                 "kv_endpoint": self.host.kv_endpoint() if ready else None,
                 "max_model_len": self.host.max_model_len if ready else 0,
-                "block_size": self.host.block_size if ready else 0, "placement": self.placement(),
-                "config": config}
+                "block_size": self.host.block_size if ready else 0, "engine": self.host.engine if ready else {},
+                "placement": self.placement(), "config": config}
 
     def mark_complete(self) -> None:
         """Rank 0: every rank is set up (followers known): the instance may be adopted."""
@@ -92,6 +92,9 @@ class RankActor:
 
     def block_size(self) -> int:
         return self.host.block_size
+
+    def engine(self) -> dict[str, str]:
+        return self.host.engine
 
     def pid(self) -> int:
         """This rank's process id (fault-injection tests kill it)."""

@@ -65,7 +65,7 @@ class Adoption:
             self._nodes.adopt(iid, role, tp, self._rank_resources(role, self._use_gpus()), node.node_id)
         endpoints = tuple(d["kv_endpoint"] for d in described) if role == "decode" else ()
         info = InstanceInfo(iid, role, tp, endpoints, max_model_len=head["max_model_len"],
-                            block_size=head.get("block_size", 0))
+                            block_size=head.get("block_size", 0), engine=head.get("engine", {}))
         inst = Instance(iid, role, tp, actors, self._ray_client(info, actors[0]), pg, placements=placements,
                         node_id=None if node is None else node.node_id)
         self.instances[iid] = inst

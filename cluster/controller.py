@@ -273,7 +273,7 @@ class Controller(Adoption):
         self.state.register(InstanceRecord(inst.instance_id, inst.role, inst.tp_size,
                                            [(e.host, e.port) for e in info.kv_endpoints],
                                            max_model_len=info.max_model_len, block_size=info.block_size,
-                                           ranks=[(p.node_ip, p.pid) for p in inst.placements]))
+                                           ranks=[(p.node_ip, p.pid) for p in inst.placements], engine=info.engine))
 
     def _create_local(self, role: str, iid: str) -> Instance:
         from cluster.rank import RankHost
@@ -281,7 +281,7 @@ class Controller(Adoption):
                         client_ttl_s=self.spec.client_ttl_s, kv_same_device=self._kv_same_device(False))
         ep = host.kv_endpoint()
         info = InstanceInfo(iid, role, 1, (ep,) if ep else (), max_model_len=host.max_model_len,
-                            block_size=host.block_size)
+                            block_size=host.block_size, engine=host.engine)
         client = (LocalPrefillClient if role == "prefill" else LocalDecodeClient)(info, host.worker)
         return Instance(iid, role, 1, [host], client, placements=[nodes.RankPlacement(0, nodes.LOOPBACK, os.getpid())])
 
@@ -321,13 +321,14 @@ class Controller(Adoption):
         logger.info("%s: %d rank actors up on %s (interface %s, pids %s) in %.1f s", iid, tp, placements[0].node_ip,
                     ray.get(actors[0].socket_interface.remote()), [p.pid for p in placements], time.monotonic() - start)
         endpoints = ray.get([a.setup.remote(address) for a in actors], timeout=600)
-        logger.info("%s: ranks ready in %.1f s", iid, time.monotonic() - start)
+        engine = ray.get(actors[0].engine.remote())  # logged here: rank actors' own logs may not reach the driver
+        logger.info("%s: ranks ready in %.1f s, engine %s", iid, time.monotonic() - start, engine)
         if role == "decode" and tp > 1:
             ray.get(actors[0].set_followers.remote(actors[1:]))
         ray.get(actors[0].mark_complete.remote())
         info = InstanceInfo(iid, role, tp, tuple(endpoints) if role == "decode" else (),
                             max_model_len=ray.get(actors[0].max_model_len.remote()),
-                            block_size=ray.get(actors[0].block_size.remote()))
+                            block_size=ray.get(actors[0].block_size.remote()), engine=engine)
         return Instance(iid, role, tp, actors, self._ray_client(info, actors[0]), pg, placements=placements,
                         node_id=node.node_id)
 

@@ -2,7 +2,7 @@
 
     GET /health   200 while the process runs (the port opens before the instances start)
     GET /ready    200 once every instance the spec asks for is adopted or started, else 503
-    GET /status   its instances: id, role, tp, health, load, ranks, adopted
+    GET /status   its instances: id, role, tp, health, load, ranks, adopted, engine
     GET /metrics  the autoscaler's families (when on) and instances per role and health
 """
 from __future__ import annotations
@@ -62,6 +62,7 @@ def create_controller_app(controller) -> tuple[FastAPI, threading.Event]:
         return {"instances": [{"instance_id": i.instance_id, "role": i.role, "tp_size": i.tp_size,
                                "healthy": i.client.info.healthy, "draining": i.client.info.draining,
                                "load": i.client.info.load, "adopted": i.instance_id in controller.adopted,
+                               "engine": i.client.info.engine,
                                "ranks": [{"rank": p.rank, "node_ip": p.node_ip, "pid": p.pid} for p in i.placements]}
                               for i in list(controller.instances.values())]}
 

@@ -184,7 +184,7 @@ class Frontend(Serving):
             return
         endpoints = tuple(KVEndpoint(iid, rank, host, port) for rank, (host, port) in enumerate(record.kv_endpoints))
         info = InstanceInfo(iid, record.role, record.tp_size, endpoints, max_model_len=record.max_model_len,
-                            block_size=record.block_size)
+                            block_size=record.block_size, engine=record.engine)
         client = (RayPrefillClient if record.role == "prefill" else RayDecodeClient)(info, actor,
                                                                                      self.spec.heartbeat_ttl_s)
         placements = [RankPlacement(r, host, pid) for r, (host, pid) in enumerate(record.ranks)]

@@ -111,6 +111,14 @@ class RankHost:
         """Tokens per KV block this rank's engine uses."""
         return self.runner.block_size
 
+    @property
+    def engine(self) -> dict[str, str]:
+        """What this rank's engine chose at load, for /status: dtype, linear layers (method and
+        kernels, with layer counts), attention backend and KV cache dtype."""
+        r = self.runner
+        return {"dtype": str(r.dtype).removeprefix("torch."), "linear_layers": r.linear_layers,
+                "attention": r.backend.name, "kv_cache_dtype": str(r.kv_dtype).removeprefix("torch.")}
+
     def kv_endpoint(self) -> KVEndpoint | None:
         if self.receiver is None:
             return None

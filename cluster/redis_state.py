@@ -81,14 +81,14 @@ class RedisState(ClusterState):
                               kv_endpoints=[tuple(e) for e in values["kv_endpoints"]], health=values["health"],
                               load=load, updated_at=values["updated_at"],
                               max_model_len=values.get("max_model_len", 0), block_size=values.get("block_size", 0),
-                              ranks=[tuple(r) for r in values.get("ranks", [])])
+                              ranks=[tuple(r) for r in values.get("ranks", [])], engine=values.get("engine", {}))
 
     def register(self, record: InstanceRecord) -> None:
         i = record.instance_id
         fields = {"role": record.role, "tp_size": record.tp_size,
                   "kv_endpoints": [list(e) for e in record.kv_endpoints], "health": record.health,
                   "updated_at": time.time(), "max_model_len": record.max_model_len, "block_size": record.block_size,
-                  "ranks": [list(r) for r in record.ranks],
+                  "ranks": [list(r) for r in record.ranks], "engine": dict(record.engine),
                   **{_LOAD_PREFIX + k: float(v) for k, v in record.load.items()}}
         with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(self._key("inst", i), self._key("hb", i), self._key("hashes", i))

@@ -38,6 +38,8 @@ class InstanceRecord:
         max_model_len: the longest prompt + output the instance holds (0: unknown).
         block_size: tokens per KV block its engine uses (0: unknown).
         ranks: (node address, process id) of each rank, rank order; a gateway shows them.
+        engine: what the engine chose at load (dtype, linear_layers, attention, kv_cache_dtype),
+            shown in /status ({}: unknown, e.g. written by an older controller).
     """
 
     instance_id: str
@@ -50,6 +52,7 @@ class InstanceRecord:
     max_model_len: int = 0
     ranks: list[tuple[str, int]] = field(default_factory=list)
     block_size: int = 0
+    engine: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.instance_id:
@@ -62,12 +65,14 @@ class InstanceRecord:
         self.kv_endpoints = [(str(host), int(port)) for host, port in self.kv_endpoints]
         self.load = {str(k): float(v) for k, v in self.load.items()}
         self.ranks = [(str(host), int(pid)) for host, pid in self.ranks]
+        self.engine = {str(k): str(v) for k, v in self.engine.items()}
         if self.kv_endpoints and len(self.kv_endpoints) != self.tp_size:
             raise ValueError(f"{len(self.kv_endpoints)} kv_endpoints for tp_size {self.tp_size}: "
                              "give one per rank (or none)")
 
     def copy(self) -> InstanceRecord:
-        return replace(self, kv_endpoints=list(self.kv_endpoints), load=dict(self.load), ranks=list(self.ranks))
+        return replace(self, kv_endpoints=list(self.kv_endpoints), load=dict(self.load), ranks=list(self.ranks),
+                       engine=dict(self.engine))
 
 
 def _check_health(health: str) -> None:

@@ -28,6 +28,7 @@ class InstanceInfo:
     draining: bool = False  # being taken out: no new requests, running ones finish
     max_model_len: int = 0  # longest sequence (prompt + output) the instance can hold
     block_size: int = 0  # tokens per KV block its engine uses (the attention backend may round the spec's); 0: unknown
+    engine: dict[str, str] = field(default_factory=dict)  # what its engine chose at load (RankHost.engine); {}: unknown
 
 
 class PrefillClient(ABC):

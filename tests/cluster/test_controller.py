@@ -40,7 +40,8 @@ def pids(controller: Controller) -> dict[str, list[int]]:
 
 
 def check_endpoints(controller: Controller) -> None:
-    """The controller's HTTP endpoints: not ready until started, then its instances, adopted."""
+    """The controller's HTTP endpoints: not ready until started, then its instances, adopted, each
+    with the engine its ranks chose at load (read back from the adopted ranks)."""
     from fastapi.testclient import TestClient
 
     from cluster.controller_app import create_controller_app
@@ -51,6 +52,9 @@ def check_endpoints(controller: Controller) -> None:
     assert http.get("/ready").json() == {"status": "ready", "instances": 2}
     assert {i["instance_id"]: i["adopted"] for i in http.get("/status").json()["instances"]} == \
         {"prefill-0": True, "decode-0": True}
+    engines = [i["engine"] for i in http.get("/status").json()["instances"]]
+    assert all(e["linear_layers"] and e["dtype"] in ("float32", "bfloat16") and e["attention"]
+               for e in engines), engines
     text = http.get("/metrics").text
     assert 'pdserve_controller_instances{health="healthy",role="decode"} 1.0' in text, text
 

@@ -72,6 +72,27 @@ def test_register_get_list_update_remove(state):
     assert state.get("d0") is None and ids(state.list_instances()) == ["p0"]
 
 
+ENGINE = {"dtype": "bfloat16", "linear_layers": "int4: group-wise 32, torch kernel (120 layers)", "attention": "torch",
+          "kv_cache_dtype": "bfloat16"}
+
+
+def test_engine_round_trips_and_defaults_to_empty(state):
+    """The engine's choices at load round-trip (each get a copy) and survive load and health
+    writes; a record without them, or one an older version wrote to Redis (no `engine` field
+    at all), reads as {}."""
+    state.register(create_record("d0", engine=ENGINE))
+    state.register(create_record("d1"))
+    state.update_load("d0", {"running": 1})
+    state.set_health("d0", "draining")
+    d0 = state.get("d0")
+    assert d0.engine == ENGINE and state.get("d1").engine == {}
+    d0.engine.clear()
+    assert [r.engine for r in state.list_instances()] == [ENGINE, {}]
+    if isinstance(state, RedisState):
+        state._redis.hdel(state._key("inst", "d0"), "engine")
+        assert state.get("d0").engine == {} and state.get("d0").load == {"running": 1.0}
+
+
 def test_register_replaces_record_heartbeat_and_hashes(state):
     """Re-registering an id (a restarted instance) starts it clean: no hashes, no armed TTL."""
     state.register(create_record("d0", load={"running": 2}))

@@ -144,7 +144,8 @@ def test_disconnect_mid_stream_frees_blocks_within_a_second(server):
 
 
 def test_status_shows_each_rank_node_and_pid(server, capsys):
-    """/status and `pdserve status` give every rank's node address and process id."""
+    """/status and `pdserve status` give every rank's node address and process id; /status gives
+    each instance's engine: the dtype, linear layers, attention backend and KV cache dtype it chose."""
     import os
 
     from cluster.cli import main
@@ -153,6 +154,9 @@ def test_status_shows_each_rank_node_and_pid(server, capsys):
     instances = httpx.get(f"{base}/status", timeout=10).json()["instances"]
     assert {i["instance_id"] for i in instances} == set(cluster.instances)
     assert all(i["ranks"] == [{"rank": 0, "node_ip": "127.0.0.1", "pid": os.getpid()}] for i in instances)
+    engines = [i["engine"] for i in instances]
+    assert all(e["dtype"] in ("float32", "bfloat16") and e["linear_layers"] and e["attention"] and e["kv_cache_dtype"]
+               and all(isinstance(v, str) for v in e.values()) for e in engines), engines
     assert main(["status", "--url", base]) == 0
     table = capsys.readouterr().out
     assert all(f"127.0.0.1/{os.getpid()}" in line for line in table.splitlines()[1:]) and len(instances) == 2
