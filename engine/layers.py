@@ -19,9 +19,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # F.rms_norm computes x * rsqrt(mean(x^2) + eps) as HF does (bit for bit), in fewer ops
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
@@ -60,18 +61,21 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # (max_pos, head_dim/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (max_pos, head_dim)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+
+        # rotate_half(x) = cat(-x2, x1) = roll(x, half) * [-1.. | 1..]: the sign is folded into sin
+        half = emb.shape[-1] // 2
+        self.register_buffer("signed_sin", torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], -1),
+                             persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Once per step: (num_tokens, 1, head_dim) cos and sin for `positions`, in `dtype`."""
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+        """Once per step: (num_tokens, 1, head_dim) cos and signed sin for `positions`, in `dtype`."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.signed_sin[positions].to(dtype).unsqueeze(1)
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: (num_tokens, heads, head_dim) -> rotated, HF's rotate_half convention."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """x: (num_tokens, heads, head_dim) -> rotated, HF's rotate_half convention: x cos +
+        rotate_half(x) sin, with rotate_half(x) sin = roll(x, half) * signed_sin (the same products)."""
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

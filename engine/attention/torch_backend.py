@@ -10,6 +10,12 @@ one `bmm` scores every head against its own keys without the permute copy that a
 the KV-head axis, give each head's output. Each prefill (or prefill chunk) runs as
 its own scaled_dot_product_attention call, with a causal mask shifted by its cached context.
 
+Small decode batches (at most SMALL_DECODE_KV gathered positions in all, e.g. batch 1 at a few
+hundred tokens) take another path: one scaled_dot_product_attention over the gathered K/V in
+float32. There the masked bmm's cost is per call, not per FLOP, and bf16 bmm on a CPU is slow
+at these sizes (measured, SmolLM2 batch 1 at 176 positions: 108 us in bf16 against 55 us for
+SDPA in fp32; at 8 x 256 they tie, at 32 x 256 the masked bmm is 1.6x faster).
+
 An fp8 cache (`--kv-cache-dtype fp8_e4m3`) is dequantized to the compute dtype as it is read:
 only the gathered rows, never the whole pool (`gather_kv`).
 """
@@ -21,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import FP8, AttentionMetadata, BaseAttentionBackend, gather_kv, write_kv
+
+SMALL_DECODE_KV = 512  # decode batches with at most this many gathered K/V positions run SDPA in fp32
 
 
 @dataclass
@@ -118,11 +126,22 @@ class TorchAttentionBackend(BaseAttentionBackend):
         ids = self._decode.block_ids
         k = gather_kv(kv_cache[0], ids, q.dtype, k_scale).view(nd, -1, width)  # (nd, max_ctx, kv_heads * hd)
         v = gather_kv(kv_cache[1], ids, q.dtype, v_scale).view(nd, -1, width)
+        if nd * k.shape[1] <= SMALL_DECODE_KV:
+            return self._small_decode(q, k, v, num_kv_heads, scale)
         mask = self._head_mask(num_heads, num_kv_heads, head_dim, q)  # (heads, kv_heads * hd)
         q_spread = q.repeat(1, 1, num_kv_heads) * mask  # (nd, heads, kv_heads * hd)
         scores = torch.bmm(q_spread, k.transpose(1, 2)).float() * scale + self._decode.bias  # (nd, heads, max_ctx)
         out = torch.bmm(scores.softmax(-1).to(q.dtype), v) * mask  # (nd, heads, kv_heads * hd)
         return out.view(nd, num_heads, num_kv_heads, head_dim).sum(2)
+
+    def _small_decode(self, q, k, v, num_kv_heads, scale):
+        """q: (nd, heads, head_dim); k, v: (nd, max_ctx, kv_heads * head_dim) -> (nd, heads, head_dim)."""
+        nd, num_heads, head_dim = q.shape
+        kh = k.float().view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)  # (nd, kv_heads, max_ctx, hd)
+        vh = v.float().view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.float().unsqueeze(2), kh, vh, attn_mask=self._decode.bias.unsqueeze(1),
+                                           scale=scale, enable_gqa=True)  # (nd, heads, 1, hd)
+        return o.squeeze(2).to(q.dtype)
 
     @staticmethod
     def _attend(q, k, v, mask, scale):
