@@ -15,7 +15,7 @@ from engine.quant.selection import BUCKETS, DROP_AFTER, ROUNDS, choose_kernels
 
 CPU = torch.device("cpu")
 SHAPES = [(96, 64), (64, 96)]
-MEASURED = [m for _, m in BUCKETS]  # the M each range is measured at: 1, 8, 64, 512
+MEASURED = [m for _, m in BUCKETS]  # the M each range is measured at: 1, 4, 16, 64, 512
 
 
 class Named(ReferenceKernel):
@@ -50,20 +50,20 @@ def _choose(tmp_path, kernels, time_fn, shapes=SHAPES):
 def test_picks_the_fastest_per_range(tmp_path):
     """Per M range the kernel with the least measured time wins, the baseline is timed beside
     them but never chosen, and each choice records every kernel's time (summed over the shapes)."""
-    table = {"a": {1: 1.0, 8: 1.0, 64: 5.0, 512: 40.0}, "b": {1: 2.0, 8: 2.0, 64: 4.0, 512: 20.0},
-             BASELINE: {1: 0.5, 8: 0.5, 64: 6.0, 512: 30.0}}
+    table = {"a": {1: 1.0, 4: 1.0, 16: 1.0, 64: 5.0, 512: 40.0}, "b": {1: 2.0, 4: 2.0, 16: 2.0, 64: 4.0, 512: 20.0},
+             BASELINE: {1: 0.5, 4: 0.5, 16: 0.5, 64: 6.0, 512: 30.0}}
     choices = _choose(tmp_path, [Named("a"), Named("b")], fake_times(table))
-    assert [c.kernel for c in choices] == ["a", "a", "b", "b"]
+    assert [c.kernel for c in choices] == ["a", "a", "a", "b", "b"]
     assert [c.max_m for c in choices] == [m for m, _ in BUCKETS] and choices[-1].max_m is None
     assert choices[0].ms == {BASELINE: 1.0, "a": 2.0, "b": 4.0}
-    assert "kernel b for M<=128 (8.00 ms vs 12.00 ms unquantized)" == choices[2].describe("kernel b")
+    assert "kernel b for M<=128 (8.00 ms vs 12.00 ms unquantized)" == choices[3].describe("kernel b")
 
 
 def test_results_are_cached_per_machine_and_shapes(tmp_path):
     """A second load with the same processor, torch, threads, dtype and shapes reads the JSON
     cache and measures nothing; other shapes are measured again and cached beside."""
-    table = {"a": {1: 1.0, 8: 1.0, 64: 1.0, 512: 1.0}, "b": {1: 2.0, 8: 2.0, 64: 2.0, 512: 0.5},
-             BASELINE: {1: 3, 8: 3, 64: 3, 512: 3}}
+    table = {"a": dict.fromkeys(MEASURED, 1.0), "b": {**dict.fromkeys(MEASURED, 2.0), 512: 0.5},
+             BASELINE: dict.fromkeys(MEASURED, 3)}
     first = _choose(tmp_path, [Named("a"), Named("b")], fake_times(table))
     calls = []
     again = _choose(tmp_path, [Named("a"), Named("b")], fake_times(table, calls))
@@ -106,17 +106,18 @@ def test_a_much_slower_kernel_is_dropped_early(tmp_path, caplog):
     that M; at the next M it runs one shape first and stops again if that, scaled to the layer, is
     still too slow; where it turns fast (a per-call dequantize amortized over many tokens) it is
     measured in full and chosen."""
-    table = {"fast": {1: 1.0, 8: 1.0, 64: 2.0, 512: 8.0}, "slow": {1: 20.0, 8: 20.0, 64: 1.0, 512: 1.0},
+    table = {"fast": {1: 1.0, 4: 1.0, 16: 1.0, 64: 2.0, 512: 8.0},
+             "slow": {1: 20.0, 4: 20.0, 16: 20.0, 64: 1.0, 512: 1.0},
              BASELINE: dict.fromkeys(MEASURED, 1.0)}
     calls = []
     with caplog.at_level(logging.INFO, logger="engine.quant"):
         choices = _choose(tmp_path, [Named("fast"), Named("slow")], fake_times(table, calls))
-    assert [c.kernel for c in choices] == ["fast", "fast", "slow", "slow"]
+    assert [c.kernel for c in choices] == ["fast", "fast", "fast", "slow", "slow"]
     slow_calls = {m: sum(1 for name, _, mm in calls if name == "slow" and mm == m) for m in MEASURED}
     full = ROUNDS * len(SHAPES) - (len(SHAPES) - 1)  # round 0 ran only the probe shape
-    assert slow_calls == {1: DROP_AFTER * len(SHAPES), 8: 1, 64: full, 512: ROUNDS * len(SHAPES)}
+    assert slow_calls == {1: DROP_AFTER * len(SHAPES), 4: 1, 16: 1, 64: full, 512: ROUNDS * len(SHAPES)}
     assert sum(1 for c in calls if c[0] == "fast" and c[2] == 1) == ROUNDS * len(SHAPES)
-    assert sum("slow is over 10x slower" in r.getMessage() for r in caplog.records) == 2
+    assert sum("slow is over 10x slower" in r.getMessage() for r in caplog.records) == 3
 
 
 def test_the_reference_is_the_fallback_when_nothing_runs(tmp_path):
@@ -136,7 +137,8 @@ def test_apply_runs_the_kernel_chosen_for_the_batch_size(tmp_path):
             calls.append((self.name, x.shape[0]))
             return super().run(state, x)
 
-    table = {"small": {1: 1.0, 8: 1.0, 64: 9.0, 512: 9.0}, "large": {1: 2.0, 8: 2.0, 64: 1.0, 512: 1.0},
+    table = {"small": {1: 1.0, 4: 1.0, 16: 9.0, 64: 9.0, 512: 9.0}, "large": {1: 2.0, 4: 2.0, 16: 1.0, 64: 1.0,
+                                                                                  512: 1.0},
              BASELINE: dict.fromkeys(MEASURED, 1.0)}
     method = Int8LinearMethod(candidates=[Recording("small"), Recording("large")], cache_path=tmp_path / "k.json",
                               time_fn=fake_times(table))
