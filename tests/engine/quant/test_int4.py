@@ -74,14 +74,14 @@ def test_int4pack_matches_reference(shape, m):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dequantized_kernel_matches_reference(dtype):
-    """Dequantized once at load (oneDNN-packed in bf16 where the CPU has it) equals dequantizing
-    on every call: exactly in fp32, to bf16 rounding in bf16."""
+    """Dequantized once at load (oneDNN-packed on a CPU) equals dequantizing on every call: to
+    accumulation-order rounding in fp32 (1e-6), to bf16 rounding in bf16."""
     weights = quantize_q4_1(_weight((960, 576)))
     x = (torch.randn(5, 576) + 0.3).to(dtype)
     kernel = DequantizedKernel()
     out, ref = kernel.run(kernel.prepare(*weights, dtype), x), ReferenceInt4Kernel().run(weights, x)
     if dtype == torch.float32:
-        assert torch.equal(out, ref)
+        assert _rel(out, ref) < 1e-6
     else:
         assert _rel(out, ref) < 1e-2
 
