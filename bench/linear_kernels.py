@@ -1,12 +1,13 @@
-"""Linear kernels on SmolLM2's shapes: unquantized fp32 / bf16 against each int8 candidate.
+"""Linear kernels on SmolLM2's shapes: unquantized fp32 / bf16 against each int8 and int4 candidate.
 
     python -m bench.linear_kernels                       # M = 1, 8, 32, 128, 512; 2 threads
     python -m bench.linear_kernels --m 1,64 --json
 
 Times are ms per call, the least of `--rounds` samples interleaved across kernels (other processes
 only ever add time), each sample about 0.2 ms of back-to-back calls; the same timing the
-engine uses when it picks an int8 kernel at load (engine/quant/selection.py). The `layer` rows sum
-one decoder layer's four linears (qkv, o, gate_up, down).
+engine uses when it picks a kernel at load (engine/quant/selection.py), weights cold (rotating
+through copies that cover 1.5x the last-level cache). The `layer` rows sum one decoder layer's
+four linears (qkv, o, gate_up, down).
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from engine.config import cpu_has_native_bf16
 from engine.loader import load_model_config, resolve_model_path
 from engine.quant.kernels import (FbgemmKernel, LinearKernel, Int8PackKernel, ReferenceKernel, UnquantizedBaseline,
                                dequantize)
+from engine.quant.int4 import DequantizedKernel, Int4PackKernel
+from engine.quant.q4 import random_q4
 from engine.quant.selection import measuring_time_fn, processor_name
 
 logger = logging.getLogger("bench.linear_kernels")
@@ -51,11 +54,16 @@ def smollm2_shapes() -> dict[str, tuple[int, int]]:
 def columns() -> list[tuple[str, str, torch.dtype]]:
     """(column, kernel name, activation dtype); each kernel object is built in `bench`."""
     cols = [("fp32 F.linear", "flinear", torch.float32), ("bf16 F.linear", "flinear", torch.bfloat16)]
+    cols.append(("fp32 oneDNN packed", "unquantized", torch.float32))
     if cpu_has_native_bf16():
         cols.append(("bf16 oneDNN packed", "unquantized", torch.bfloat16))
     cols += [("int8 fbgemm", "fbgemm", torch.float32), ("int8 int8pack fp32", "int8pack", torch.float32),
-             ("int8 int8pack bf16", "int8pack", torch.bfloat16), ("int8 reference fp32", "reference", torch.float32)]
+             ("int8 int8pack bf16", "int8pack", torch.bfloat16), ("int8 reference fp32", "reference", torch.float32),
+             ("int4 int4pack fp32", "int4pack", torch.float32), ("int4 int4pack bf16", "int4pack", torch.bfloat16)]
     return cols
+
+
+INT4 = ("int4pack", "dequantized")  # kernels timed on Q4 weights (random_q4), the rest on int8 ones
 
 
 def bench(ms: list[int], rounds: int) -> dict:
@@ -64,7 +72,10 @@ def bench(ms: list[int], rounds: int) -> dict:
     shapes, device = smollm2_shapes(), torch.device("cpu")
     kernels = {"flinear": FLinear(), "unquantized": UnquantizedBaseline(), "fbgemm": FbgemmKernel(),
                "int8pack": Int8PackKernel(), "reference": ReferenceKernel()}
-    time_fns = {d: measuring_time_fn(list(kernels.values()), d, device) for d in (torch.float32, torch.bfloat16)}
+    int4 = [Int4PackKernel(), DequantizedKernel()]
+    time_fns = {(q, d): measuring_time_fn(int4, d, device, random_q4) if q else
+                measuring_time_fn(list(kernels.values()), d, device)
+                for q in (False, True) for d in (torch.float32, torch.bfloat16)}
     table = {col: {s: {} for s in [*shapes, "layer"]} for col, _, _ in columns()}
     skipped: set[str] = set()
     for m in ms:
@@ -74,7 +85,7 @@ def bench(ms: list[int], rounds: int) -> dict:
                 if col in skipped:
                     continue
                 for shape_name, shape in shapes.items():
-                    sample = time_fns[dtype](name, shape, m)
+                    sample = time_fns[name in INT4, dtype](name, shape, m)
                     best[col, shape_name] = min(best.get((col, shape_name), math.inf), sample)
         for col, _, _ in columns():
             if col in skipped:
