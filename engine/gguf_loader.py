@@ -227,23 +227,23 @@ def _decoder_linears(reader: gguf.GGUFReader) -> list:
 
 def gguf_q4_linears(path: str | os.PathLike) -> bool:
     """Whether every decoder linear weight of a GGUF is Q4_0 or Q4_1 (then it can run as int4 exactly)."""
-    from engine.quant.q4 import Q4_TYPES
+    from engine.quant.q4 import Q4_TYPE_NAMES
     linears = _decoder_linears(open_gguf(path))
-    return bool(linears) and all(t.tensor_type in Q4_TYPES for t in linears)
+    return bool(linears) and all(t.tensor_type.name in Q4_TYPE_NAMES for t in linears)
 
 
 def iter_q4_linears(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Each Q4_0 / Q4_1 decoder linear as its codes, scales and mins (engine/quant/q4.py):
     `...q_proj.qweight` (out, in) uint8, `...q_proj.scales` and `...q_proj.mins` (out, in / 32)
     fp32, rows in HF order (q and k unpermuted like the float weights)."""
-    from engine.quant.q4 import Q4_TYPES, decode_q4_blocks
+    from engine.quant.q4 import Q4_TYPE_NAMES, decode_q4_blocks
     reader = open_gguf(path)
     meta = read_gguf_metadata(reader)
     arch = meta.get("general.architecture")
     num_heads = meta[f"{arch}.attention.head_count"]
     num_kv_heads = meta.get(f"{arch}.attention.head_count_kv", num_heads)
     for tensor in _decoder_linears(reader):
-        if tensor.tensor_type not in Q4_TYPES:
+        if tensor.tensor_type.name not in Q4_TYPE_NAMES:
             raise ValueError(f"GGUF tensor {tensor.name!r} is {tensor.tensor_type.name}, not Q4_0/Q4_1")
         name = hf_param_name(tensor.name).removesuffix(".weight")
         shape = tuple(int(d) for d in reversed(tensor.shape))

@@ -2,19 +2,25 @@
 
 Decodes (query length 1) run batched: their context blocks are gathered whole (one
 `index_select` of block rows, far cheaper than gathering slot by slot) into a padded
-`(num_decodes, max_ctx, num_kv_heads * head_dim)` tensor, used as it lies: each query head is
-spread over all KV heads' columns, with zeros outside its own KV head's (`_head_mask`), so
-one `bmm` scores every head against its own keys without the permute copy that a
-`(num_kv_heads, max_ctx, head_dim)` layout would cost (measured 8x faster for SmolLM2 at batch
-32). A float32 softmax over a -inf padding bias, a second `bmm`, and the same mask, summed over
-the KV-head axis, give each head's output. Each prefill (or prefill chunk) runs as
-its own scaled_dot_product_attention call, with a causal mask shifted by its cached context.
+`(num_decodes, max_ctx, num_kv_heads * head_dim)` tensor, viewed per KV head, and attended by one
+scaled_dot_product_attention in float32 over a -inf padding bias (GQA by `enable_gqa`). Each
+prefill (or prefill chunk) runs as its own scaled_dot_product_attention call in the model dtype,
+with a causal mask shifted by its cached context.
 
-Small decode batches (at most SMALL_DECODE_KV gathered positions in all, e.g. batch 1 at a few
-hundred tokens) take another path: one scaled_dot_product_attention over the gathered K/V in
-float32. There the masked bmm's cost is per call, not per FLOP, and bf16 bmm on a CPU is slow
-at these sizes (measured, SmolLM2 batch 1 at 176 positions: 108 us in bf16 against 55 us for
-SDPA in fp32; at 8 x 256 they tie, at 32 x 256 the masked bmm is 1.6x faster).
+Larger bf16 decode batches on a CPU (over BMM_MIN_KV gathered positions) use a masked `bmm`
+instead, in the model dtype: each query head is spread over all KV heads' columns, with zeros
+outside its own KV head's (`_head_mask`), so one `bmm` scores every head against its own keys
+with no permute copy; a float32 softmax over the bias, a second `bmm` and the same mask, summed
+over the KV-head axis, give each head's output. bf16 `bmm` runs through oneDNN, which JIT-builds
+and keeps a kernel for every shape it meets: fed each step's exact (batch, context), a server's
+memory grew without bound (a bf16 soak: +360 MB over 600 requests). So the batch is padded to a
+multiple of 8 and the context to a multiple of 64 positions up to 512, a power of two beyond: a
+few hundred shapes at most (the soak: +15 MB, flat).
+
+Measured per layer, SmolLM2's 9 query / 3 KV heads, 2 threads: batch 1 at 176 positions, fp32
+SDPA 55 us, bf16 masked bmm 108; batch 8 x 256: 207 and 225; batch 32 x 256: 796 and 486 (W1,
+batch 32 to 256 positions, ran 28% slower with fp32 SDPA for every decode). In fp32 SDPA is the
+faster at every size.
 
 An fp8 cache (`--kv-cache-dtype fp8_e4m3`) is dequantized to the compute dtype as it is read:
 only the gathered rows, never the whole pool (`gather_kv`).
@@ -28,13 +34,17 @@ import torch.nn.functional as F
 
 from engine.attention.base import FP8, AttentionMetadata, BaseAttentionBackend, gather_kv, write_kv
 
-SMALL_DECODE_KV = 512  # decode batches with at most this many gathered K/V positions run SDPA in fp32
+BMM_MIN_KV = 512  # bf16 CPU decode batches over this many gathered positions in all use the masked bmm
 
 
 @dataclass
 class _DecodePlan:
     block_ids: torch.Tensor  # (num_decodes * max_blocks,) int64, each sequence's table, padded
     bias: torch.Tensor  # (num_decodes, 1, max_ctx) float32: 0 inside the context, -inf past it
+    tables: torch.Tensor  # (num_decodes, max_blocks) the tables, for the masked bmm's padded plan
+    seq_lens: torch.Tensor  # (num_decodes,)
+    block_size: int
+    padded: tuple[torch.Tensor, torch.Tensor] | None = None  # block ids and bias for the masked bmm
 
 
 @dataclass
@@ -98,7 +108,8 @@ class TorchAttentionBackend(BaseAttentionBackend):
         pos = torch.arange(max_blocks * meta.block_size, device=block_ids.device)
         bias = torch.zeros(nd, 1, pos.numel(), device=block_ids.device)
         bias.masked_fill_((pos[None, :] >= meta.seq_lens[:nd, None]).view(nd, 1, -1), float("-inf"))
-        self._decode = _DecodePlan(block_ids, bias)
+        self._decode = _DecodePlan(block_ids, bias, meta.block_tables[:nd, :max_blocks], meta.seq_lens[:nd],
+                                   meta.block_size)
 
     def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0):
         write_kv(kv_cache, k, v, meta.slot_mapping, k_scale, v_scale)
@@ -124,17 +135,48 @@ class TorchAttentionBackend(BaseAttentionBackend):
         num_kv_heads = kv_cache.shape[-2]
         width = num_kv_heads * head_dim
         ids = self._decode.block_ids
+        if q.device.type == "cpu" and q.dtype != torch.float32 and ids.numel() * kv_cache.shape[2] > BMM_MIN_KV:
+            return self._masked_bmm(q, kv_cache, scale, k_scale, v_scale)
         k = gather_kv(kv_cache[0], ids, q.dtype, k_scale).view(nd, -1, width)  # (nd, max_ctx, kv_heads * hd)
         v = gather_kv(kv_cache[1], ids, q.dtype, v_scale).view(nd, -1, width)
-        if nd * k.shape[1] <= SMALL_DECODE_KV:
-            return self._small_decode(q, k, v, num_kv_heads, scale)
-        mask = self._head_mask(num_heads, num_kv_heads, head_dim, q)  # (heads, kv_heads * hd)
-        q_spread = q.repeat(1, 1, num_kv_heads) * mask  # (nd, heads, kv_heads * hd)
-        scores = torch.bmm(q_spread, k.transpose(1, 2)).float() * scale + self._decode.bias  # (nd, heads, max_ctx)
-        out = torch.bmm(scores.softmax(-1).to(q.dtype), v) * mask  # (nd, heads, kv_heads * hd)
-        return out.view(nd, num_heads, num_kv_heads, head_dim).sum(2)
+        return self._decode_sdpa(q, k, v, num_kv_heads, scale)
 
-    def _small_decode(self, q, k, v, num_kv_heads, scale):
+    def _padded_plan(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ids and bias for the masked bmm, the batch padded to a multiple of 8 (rows of the
+        null block, bias 0: finite, dropped) and the context to a multiple of 64 positions up to
+        512, a power of two beyond (null blocks under a -inf bias); built once per step."""
+        plan = self._decode
+        if plan.padded is None:
+            nd, max_blocks = plan.tables.shape
+            rows = -(-nd // 8) * 8
+            tokens = max_blocks * plan.block_size
+            tokens = -(-tokens // 64) * 64 if tokens <= 512 else 1 << (tokens - 1).bit_length()
+            blocks = -(-tokens // plan.block_size)
+            ids = torch.zeros(rows, blocks, dtype=torch.long, device=plan.tables.device)
+            ids[:nd, :max_blocks] = plan.tables
+            pos = torch.arange(blocks * plan.block_size, device=ids.device)
+            bias = torch.zeros(rows, 1, pos.numel(), device=ids.device)
+            bias[:nd].masked_fill_((pos[None, :] >= plan.seq_lens[:, None]).view(nd, 1, -1), float("-inf"))
+            plan.padded = ids.view(-1), bias
+        return plan.padded
+
+    def _masked_bmm(self, q, kv_cache, scale, k_scale, v_scale):
+        nd, num_heads, head_dim = q.shape
+        num_kv_heads = kv_cache.shape[-2]
+        width = num_kv_heads * head_dim
+        ids, bias = self._padded_plan()
+        rows = bias.shape[0]
+        k = gather_kv(kv_cache[0], ids, q.dtype, k_scale).view(rows, -1, width)  # (rows, ctx, kv_heads * hd)
+        v = gather_kv(kv_cache[1], ids, q.dtype, v_scale).view(rows, -1, width)
+        if rows > nd:
+            q = torch.cat([q, q.new_zeros(rows - nd, num_heads, head_dim)])
+        mask = self._head_mask(num_heads, num_kv_heads, head_dim, q)  # (heads, kv_heads * hd)
+        q_spread = q.repeat(1, 1, num_kv_heads) * mask  # (rows, heads, kv_heads * hd)
+        scores = torch.bmm(q_spread, k.transpose(1, 2)).float() * scale + bias  # (rows, heads, ctx)
+        out = torch.bmm(scores.softmax(-1).to(q.dtype), v) * mask  # (rows, heads, kv_heads * hd)
+        return out[:nd].view(nd, num_heads, num_kv_heads, head_dim).sum(2)
+
+    def _decode_sdpa(self, q, k, v, num_kv_heads, scale):
         """q: (nd, heads, head_dim); k, v: (nd, max_ctx, kv_heads * head_dim) -> (nd, heads, head_dim)."""
         nd, num_heads, head_dim = q.shape
         kh = k.float().view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)  # (nd, kv_heads, max_ctx, hd)

@@ -15,34 +15,34 @@ so `--quantization int4` and a Q4_1 GGUF of the same weights hold the same numbe
 """
 from __future__ import annotations
 
-import gguf
 import numpy as np
 import torch
 
+# NOTE: gguf is imported where GGUF blocks are read or written, not here: the engine imports this
+# module with any checkpoint, and a machine serving safetensors need not have gguf.
 GROUP_SIZE = 32  # weights per block in ggml's Q4_0 and Q4_1
-Q4_TYPES = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1)
+Q4_TYPE_NAMES = ("Q4_0", "Q4_1")  # gguf.GGMLQuantizationType names
 
 
-def decode_q4_blocks(raw: np.ndarray, kind: gguf.GGMLQuantizationType, shape: tuple[int, int]
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def decode_q4_blocks(raw: np.ndarray, kind, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_0 / Q4_1 blocks as codes, scales and mins.
 
     Args:
         raw: the tensor's bytes, any shape (one row of blocks per output row, as GGUFReader gives).
-        kind: Q4_0 or Q4_1.
+        kind: gguf.GGMLQuantizationType Q4_0 or Q4_1.
         shape: (out_features, in_features); in_features a multiple of GROUP_SIZE.
     Returns:
         qweight (out, in) uint8 in 0..15; scales, mins (out, in // GROUP_SIZE) float32.
     """
-    if kind not in Q4_TYPES:
+    if kind.name not in Q4_TYPE_NAMES:
         raise ValueError(f"not a Q4_0/Q4_1 tensor: {kind.name}")
     out_features, in_features = shape
     if in_features % GROUP_SIZE:
         raise ValueError(f"in_features {in_features} is not a multiple of the block size {GROUP_SIZE}")
-    block_bytes = 18 if kind == gguf.GGMLQuantizationType.Q4_0 else 20
+    block_bytes = 18 if kind.name == "Q4_0" else 20
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(out_features, in_features // GROUP_SIZE, block_bytes)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if kind == gguf.GGMLQuantizationType.Q4_0:
+    if kind.name == "Q4_0":
         m, nibbles = -8.0 * d, blocks[..., 2:]
     else:
         m, nibbles = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32), blocks[..., 4:]
@@ -53,6 +53,7 @@ def decode_q4_blocks(raw: np.ndarray, kind: gguf.GGMLQuantizationType, shape: tu
 
 def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A float weight (out, in) as llama.cpp's Q4_1 would store it, decoded: see `decode_q4_blocks`."""
+    import gguf
     w = weight.detach().float().cpu().numpy()
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
     return tuple(t.to(weight.device) for t in decode_q4_blocks(raw, gguf.GGMLQuantizationType.Q4_1, w.shape))

@@ -1,13 +1,12 @@
-"""The torch attention backend's two decode paths against a plain per-sequence reference: small
-batches (SDPA in fp32 over the gathered K/V) and larger ones (the masked bmm), on either side of
-SMALL_DECODE_KV, in fp32 and bf16."""
+"""The torch attention backend's two decode paths (fp32 SDPA over the gathered K/V; for larger bf16
+batches the masked bmm over a padded batch) against a plain per-sequence reference, at batch
+sizes 1 to 32 with ragged contexts, in fp32 and bf16; and the padding that bounds the shapes."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.attention import torch_backend
-from engine.attention.torch_backend import SMALL_DECODE_KV, TorchAttentionBackend
+from engine.attention.torch_backend import BMM_MIN_KV, TorchAttentionBackend
 from tests.engine.test_flash_backend import _gather_paged, _ref_attend, build_metadata
 
 HEAD_DIM = 64
@@ -18,25 +17,45 @@ DECODES = {"batch_1": [(175, 1)], "batch_2_ragged": [(40, 1), (200, 1)], "batch_
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("batch", list(DECODES), ids=list(DECODES))
 def test_decode_matches_reference(batch, dtype, tol, monkeypatch):
-    """Each decode's output equals softmax(q K^T) V over its own context, for 9 query heads on 3
-    KV heads (SmolLM2's grouping), whichever path its size takes; the spies show both paths ran
-    across the cases (batch 1 and 2 small, 8 and 32 large)."""
+    """Each decode's output equals softmax(q K^T) V over its own context (padding past it
+    ignored), for 9 query heads on 3 KV heads (SmolLM2's grouping); the spy shows which path ran:
+    the masked bmm exactly for bf16 batches over BMM_MIN_KV gathered positions (8 and 32 here)."""
+    bmm = []
+    original = TorchAttentionBackend._masked_bmm
+    monkeypatch.setattr(TorchAttentionBackend, "_masked_bmm", lambda self, *a: bmm.append(1) or original(self, *a))
     gen = torch.Generator().manual_seed(0)
     meta, num_blocks = build_metadata(DECODES[batch], 16, gen)
     heads, kv_heads = 9, 3
     q = torch.randn(meta.num_decodes, heads, HEAD_DIM, generator=gen).to(dtype)
     k, v = (torch.randn(meta.num_decodes, kv_heads, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
     cache = torch.randn(2, num_blocks, 16, kv_heads, HEAD_DIM, generator=gen).to(dtype)
-    small = []
-    original = TorchAttentionBackend._small_decode
-    monkeypatch.setattr(TorchAttentionBackend, "_small_decode",
-                        lambda self, *a: small.append(True) or original(self, *a))
     backend = TorchAttentionBackend()
     backend.prepare(meta)
     out = backend.forward(q, k, v, cache, meta, HEAD_DIM ** -0.5)
+    assert out.dtype == dtype and out.shape == q.shape
     for i, n in enumerate(meta.seq_lens_cpu):
         ks, vs = _gather_paged(cache[0], meta.block_tables[i], n), _gather_paged(cache[1], meta.block_tables[i], n)
         ref = _ref_attend(q[i:i + 1].float(), ks.float(), vs.float(), HEAD_DIM ** -0.5, True)
         assert (out[i].float() - ref[0]).abs().max() <= tol * max(1.0, ref.abs().max()), (batch, i)
-    padded = meta.num_decodes * -(-max(meta.seq_lens_cpu) // 16) * 16
-    assert bool(small) == (padded <= SMALL_DECODE_KV) and torch_backend.SMALL_DECODE_KV == 512
+    gathered = meta.num_decodes * -(-max(meta.seq_lens_cpu) // 16) * 16
+    assert bool(bmm) == (dtype == torch.bfloat16 and gathered > BMM_MIN_KV), (batch, gathered)
+
+
+def test_masked_bmm_shapes_are_bucketed():
+    """The masked bmm's padded batch is a multiple of 8 and its context a multiple of 64 positions
+    up to 512, a power of two beyond, whatever the step's exact shape: over batches of 1-64
+    sequences and contexts of 1-64 blocks of 16, at most 8 x 10 distinct shapes."""
+    shapes = set()
+    gen = torch.Generator().manual_seed(0)
+    for nd in (1, 3, 8, 9, 17, 33, 64):
+        for blocks in (1, 5, 16, 17, 33, 64):
+            meta, _ = build_metadata([(blocks * 16 - 1, 1)] * nd, 16, gen)
+            backend = TorchAttentionBackend()
+            backend.prepare(meta)
+            ids, bias = backend._padded_plan()
+            rows, ctx = bias.shape[0], bias.shape[-1]
+            assert rows % 8 == 0 and rows >= nd and ctx >= blocks * 16
+            assert ctx % 64 == 0 if ctx <= 512 else ctx & (ctx - 1) == 0
+            assert ids.numel() * 16 == rows * ctx and torch.isinf(bias[:nd]).any(-1).all() == (ctx > blocks * 16)
+            shapes.add((rows, ctx))
+    assert len(shapes) <= 8 * 10
