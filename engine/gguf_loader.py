@@ -247,7 +247,8 @@ def iter_q4_linears(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"GGUF tensor {tensor.name!r} is {tensor.tensor_type.name}, not Q4_0/Q4_1")
         name = hf_param_name(tensor.name).removesuffix(".weight")
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        for suffix, part in zip(("qweight", "scales", "mins"), decode_q4_blocks(tensor.data, tensor.tensor_type, shape)):
+        parts = decode_q4_blocks(tensor.data, tensor.tensor_type, shape)
+        for suffix, part in zip(("qweight", "scales", "mins"), parts):
             if ".self_attn.q_proj" in name:
                 part = unpermute_qk(part, num_heads)
             elif ".self_attn.k_proj" in name:
