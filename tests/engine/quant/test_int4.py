@@ -122,3 +122,19 @@ def test_auto_runs_a_q4_gguf_as_int4_unless_its_groups_do_not_fit():
     tiny = ModelConfig(vocab_size=256, hidden_size=40, intermediate_size=64, num_layers=1, num_heads=4,
                        num_kv_heads=2, head_dim=10)
     assert "hidden_size = 40" in int4_misfit(tiny)
+
+
+def test_default_gguf_in_fp32_runs_int4_with_the_unquantized_numbers():
+    """The default model under `auto` (int4 from its Q4_1 codes) in fp32 gives the logits of
+    `none` (the GGUF dequantized at load) over a 40-token prompt, to fp32 accumulation rounding:
+    the same weights, whichever kernel the measurement picked per range."""
+    from engine.model_runner import ModelRunner
+    from tests.helpers import all_logits, engine_config, random_prompts
+    prompt = random_prompts(1, [40], vocab=40000, seed=3)[0]
+    logits = {}
+    for quantization in ("none", "auto"):
+        runner = ModelRunner(engine_config(dtype="float32", quantization=quantization, num_blocks=16))
+        assert runner.linear_layers.startswith("int4" if quantization == "auto" else "oneDNN prepacked fp32")
+        logits[quantization] = all_logits(runner, prompt, len(prompt))
+    assert (logits["auto"] - logits["none"]).abs().max() <= 1e-3
+    assert torch.equal(logits["auto"].argmax(-1), logits["none"].argmax(-1))
