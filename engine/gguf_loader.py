@@ -238,10 +238,11 @@ def iter_q4_linears(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     fp32, rows in HF order (q and k unpermuted like the float weights)."""
     from engine.quant.q4 import Q4_TYPE_NAMES, decode_q4_blocks
     reader = open_gguf(path)
-    meta = read_gguf_metadata(reader)
-    arch = meta.get("general.architecture")
-    num_heads = meta[f"{arch}.attention.head_count"]
-    num_kv_heads = meta.get(f"{arch}.attention.head_count_kv", num_heads)
+    field = reader.fields.get  # two keys, not the whole metadata (its vocabulary takes seconds to read)
+    arch = field("general.architecture").contents()
+    num_heads = field(f"{arch}.attention.head_count").contents()
+    kv = field(f"{arch}.attention.head_count_kv")
+    num_kv_heads = num_heads if kv is None else kv.contents()
     for tensor in _decoder_linears(reader):
         if tensor.tensor_type.name not in Q4_TYPE_NAMES:
             raise ValueError(f"GGUF tensor {tensor.name!r} is {tensor.tensor_type.name}, not Q4_0/Q4_1")
@@ -261,11 +262,10 @@ def iter_gguf_weights(path: Path, dtype: torch.dtype, cache_dir: str | os.PathLi
     """Yield `(hf_name, tensor)` in `dtype`, converting once and reading the fp32 cache after.
 
     q4_codes: the decoder linears as Q4 codes instead (`iter_q4_linears`), the rest as floats."""
+    skip = set()
     if q4_codes:
         yield from iter_q4_linears(path)
-        linears = {hf_param_name(t.name) for t in _decoder_linears(open_gguf(path))}
-        yield from ((n, w) for n, w in iter_gguf_weights(path, dtype, cache_dir) if n not in linears)
-        return
+        skip = {hf_param_name(t.name) for t in _decoder_linears(open_gguf(path))}  # not read from the cache
     cached = cache_path_for(path, cache_dir)
     if not cached.exists():
         logger.info("converting %s to %s (one time)", path, cached)
@@ -274,10 +274,10 @@ def iter_gguf_weights(path: Path, dtype: torch.dtype, cache_dir: str | os.PathLi
             _write_atomically(weights, cached, path)
         except OSError as e:
             logger.warning("cannot write GGUF cache %s (%s); serving the conversion uncached", cached, e)
-            for name, w in weights.items():
-                yield name, w.to(dtype)
+            yield from ((name, w.to(dtype)) for name, w in weights.items() if name not in skip)
             return
         del weights
     with safe_open(cached, framework="pt") as f:
         for name in f.keys():
-            yield name, f.get_tensor(name).to(dtype)
+            if name not in skip:
+                yield name, f.get_tensor(name).to(dtype)

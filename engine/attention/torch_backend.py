@@ -131,15 +131,11 @@ class TorchAttentionBackend(BaseAttentionBackend):
         return out
 
     def _decode_attention(self, q, kv_cache, scale, k_scale, v_scale):
-        nd, num_heads, head_dim = q.shape
-        num_kv_heads = kv_cache.shape[-2]
-        width = num_kv_heads * head_dim
         ids = self._decode.block_ids
         if q.device.type == "cpu" and q.dtype != torch.float32 and ids.numel() * kv_cache.shape[2] > BMM_MIN_KV:
             return self._masked_bmm(q, kv_cache, scale, k_scale, v_scale)
-        k = gather_kv(kv_cache[0], ids, q.dtype, k_scale).view(nd, -1, width)  # (nd, max_ctx, kv_heads * hd)
-        v = gather_kv(kv_cache[1], ids, q.dtype, v_scale).view(nd, -1, width)
-        return self._decode_sdpa(q, k, v, num_kv_heads, scale)
+        k, v = _gather_rows(kv_cache, ids, q.shape[0], q.dtype, k_scale, v_scale)
+        return self._decode_sdpa(q, k, v, kv_cache.shape[-2], scale)
 
     def _padded_plan(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ids and bias for the masked bmm, the batch padded to a multiple of 8 (rows of the
@@ -163,11 +159,9 @@ class TorchAttentionBackend(BaseAttentionBackend):
     def _masked_bmm(self, q, kv_cache, scale, k_scale, v_scale):
         nd, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[-2]
-        width = num_kv_heads * head_dim
         ids, bias = self._padded_plan()
         rows = bias.shape[0]
-        k = gather_kv(kv_cache[0], ids, q.dtype, k_scale).view(rows, -1, width)  # (rows, ctx, kv_heads * hd)
-        v = gather_kv(kv_cache[1], ids, q.dtype, v_scale).view(rows, -1, width)
+        k, v = _gather_rows(kv_cache, ids, rows, q.dtype, k_scale, v_scale)
         if rows > nd:
             q = torch.cat([q, q.new_zeros(rows - nd, num_heads, head_dim)])
         mask = self._head_mask(num_heads, num_kv_heads, head_dim, q)  # (heads, kv_heads * hd)
@@ -196,3 +190,10 @@ class TorchAttentionBackend(BaseAttentionBackend):
         else:
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
         return o[0].transpose(0, 1)  # (q_len, num_heads, head_dim)
+
+
+def _gather_rows(kv_cache, ids, rows: int, dtype, k_scale, v_scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the blocks `ids` (rows x blocks each), as (rows, ctx, kv_heads * head_dim) in `dtype`."""
+    width = kv_cache.shape[-2] * kv_cache.shape[-1]
+    return (gather_kv(kv_cache[0], ids, dtype, k_scale).view(rows, -1, width),
+            gather_kv(kv_cache[1], ids, dtype, v_scale).view(rows, -1, width))

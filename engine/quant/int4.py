@@ -8,7 +8,7 @@ Kernels, measured per batch-size range at load like int8's (engine/quant/selecti
 - `int4pack`: torch's `_weight_int4pack_mm_for_cpu` (vectorized for bf16/fp16; scalar in fp32),
   which computes `(q - 8) * scale + zero` with scale and zero in the activations' dtype;
 - `dequantized`: the weights dequantized once at load into the model dtype, then what the
-  unquantized method runs (F.linear, oneDNN-packed bf16): the same numbers, 4-8x the bytes, and
+  unquantized method runs (oneDNN-packed on a CPU, F.linear on GPUs): the same numbers, 4-8x the bytes, and
   usually the fastest for prefills;
 - `reference`: plain torch, dequantized on every call; the tests' reference and the fallback.
 A range whose winner is `dequantized` keeps that copy of the weights; the packed int4 weights are
@@ -17,15 +17,12 @@ kept only where `int4pack` wins.
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.quant.base import UnquantizedLinearMethod
 from engine.quant.int8 import Int8LinearMethod
-from engine.quant.kernels import LinearKernel
+from engine.quant.kernels import LinearKernel, UnquantizedBaseline
 from engine.quant.q4 import GROUP_SIZE, dequantize_q4, quantize_q4_1, random_q4
 
 logger = logging.getLogger(__name__)
@@ -57,16 +54,13 @@ class Int4PackKernel(LinearKernel):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, GROUP_SIZE, scales_and_zeros)
 
 
-class DequantizedKernel(LinearKernel):
+class DequantizedKernel(UnquantizedBaseline):
+    """The unquantized path on the weights dequantized once (a candidate here, not a baseline)."""
+
     name, label = "dequantized", "dequantized at load"
 
     def prepare(self, qweight, scales, mins, dtype):
-        layer = SimpleNamespace(weight=dequantize_q4(qweight, scales, mins, dtype))
-        UnquantizedLinearMethod().process_weights_after_loading(layer)
-        return layer
-
-    def run(self, state, x):
-        return UnquantizedLinearMethod().apply(state, x, None)
+        return self.unquantized_state(dequantize_q4(qweight, scales, mins, dtype))
 
 
 class ReferenceInt4Kernel(LinearKernel):

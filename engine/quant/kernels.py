@@ -174,7 +174,12 @@ class UnquantizedBaseline(LinearKernel):
     name, label = BASELINE, "unquantized"
 
     def prepare(self, qweight, scale, dtype):
-        layer = SimpleNamespace(weight=dequantize(qweight, scale, dtype))
+        return self.unquantized_state(dequantize(qweight, scale, dtype))
+
+    @staticmethod
+    def unquantized_state(weight: torch.Tensor) -> SimpleNamespace:
+        """What the unquantized method keeps for a float (out, in) weight (packed on a CPU)."""
+        layer = SimpleNamespace(weight=weight)
         UnquantizedLinearMethod().process_weights_after_loading(layer)
         return layer
 
