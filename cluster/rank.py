@@ -1,8 +1,8 @@
 """One rank of one instance, wherever it runs (a Ray actor, or in-process in tests).
 
 `RankHost` builds the rank's model runner (joining its instance's tensor-parallel group),
-its KV transport end (prefill: sender; decode: receiver) and its worker, and runs the worker's
-loop on a thread: rank 0 drives, the other ranks follow the steps rank 0 broadcasts.
+its KV transport end (prefill: sender; decode: receiver) and its worker on a thread of its own,
+then runs the worker's loop there: rank 0 drives, the other ranks follow the steps rank 0 broadcasts.
 """
 from __future__ import annotations
 
@@ -72,6 +72,36 @@ class RankHost:
         cache (the spec's kv_transport "auto"); False: always over the data channel ("torch")."""
         self.role, self.instance_id, self.rank, self.host = role, instance_id, rank, host
         self.on_loop_death = on_loop_death
+        self.sender = self.receiver = None
+        self._stop = threading.Event()
+        # NOTE: everything that runs the model, its load included, runs on this one thread. An
+        # OpenMP team belongs to the thread that started it, and libgomp keeps it while that thread
+        # lives: a model built on the caller's thread (a Ray actor's pool thread) left a second team
+        # behind, and with more OpenMP threads than cores libgomp stops spinning between parallel
+        # regions. Served steps ran ~30% slower than the same steps offline (docs/engine.md).
+        built: list[BaseException | None] = []
+        ready = threading.Event()
+
+        def build_then_loop():
+            try:
+                self._build(config, role, instance_id, rank, tp_size, tp_address, host, kv_timeout_s, model_config,
+                            weights, client_ttl_s, kv_same_device)
+                built.append(None)
+            except BaseException as exc:  # raised again on the caller's thread
+                built.append(exc)
+            ready.set()
+            if built[0] is None:
+                self._loop()
+
+        self._thread = threading.Thread(target=build_then_loop, daemon=True, name=f"{role}-rank{rank}")
+        self._thread.start()
+        ready.wait()
+        if built[0] is not None:
+            raise built[0]
+
+    def _build(self, config, role, instance_id, rank, tp_size, tp_address, host, kv_timeout_s, model_config,
+               weights, client_ttl_s, kv_same_device) -> None:
+        """The model runner (joining the TP group), the KV transport end and the worker."""
         tp = join_tp_group(select_device(config.device), rank, tp_size, tp_address) if tp_size > 1 else TPGroup()
         self.runner = ModelRunner(config, tp, model_config=model_config, weights=weights)
         mc = self.runner.model_config
@@ -79,7 +109,6 @@ class RankHost:
         compat = CompatRecord(model=mc.name, dtype=str(self.runner.kv_dtype).removeprefix("torch."),
                               num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                               block_size=self.runner.block_size, tp_size=tp_size, device_type=self.runner.device.type)
-        self.sender = self.receiver = None
         if role == "prefill":
             self.sender = create_kv_transport("torch").sender(compat, f"{instance_id}/{rank}", timeout_s=kv_timeout_s,
                                                               host=host, same_device=kv_same_device)
@@ -97,9 +126,6 @@ class RankHost:
             engine = ColocatedEngine(config, runner=self.runner, tokenizer=tokenizer)
             connector = DecodeConnector(self.receiver, mc.num_kv_heads, rank, tp_size)
             self.worker = DecodeWorker(engine, connector, instance_id, client_ttl_s=client_ttl_s)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"{role}-rank{rank}")
-        self._thread.start()
 
     @property
     def max_model_len(self) -> int:

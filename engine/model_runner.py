@@ -25,6 +25,7 @@ from engine.quant import (create_linear_method, method_reads_q4_codes, process_w
                           resolve_quantization)
 from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
+from engine.threads import use_intraop_threads
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +63,8 @@ class ModelRunner:
         if config.dtype == "auto":
             logger.info("dtype auto -> %s on %s (native bf16 on this CPU: %s)", self.dtype, self.device.type,
                         cpu_has_native_bf16())
-        if config.num_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":  # this thread's own team, whatever other threads set (engine/threads.py)
+            use_intraop_threads(config.num_threads)
         path = None
         if model_config is None:
             path = resolve_model_path(config.model)

@@ -35,6 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine.threads import run_serially
 from kvtransfer import wire
 from kvtransfer.base import CompletedTransfer, KVReceiver
 from kvtransfer.channel import RECEIVER, DataChannel, open_channel
@@ -88,7 +89,13 @@ class TorchDistReceiver(KVReceiver):
         if share_cache:
             logger.info("KV receiver: same-device senders %s", "write into this cache" if self.shared_cache
                         else "use the data channel (the cache cannot be shared)")
-        self._control = ControlServer(host, lambda drop: Session(self, drop), wire.SCHEMA)
+        self._control = ControlServer(host, self._open_session, wire.SCHEMA)
+
+    def _open_session(self, drop) -> Session:
+        """On the connection's own thread, which scatters what arrives: its tensor ops run
+        serially, so it starts no OpenMP team beside the step thread's (engine/threads.py)."""
+        run_serially()
+        return Session(self, drop)
 
     @property
     def endpoint_address(self) -> tuple[str, int]:

@@ -27,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine.threads import run_serially
 from kvtransfer import wire
 from kvtransfer.base import IncompatiblePeerError, KVSender, Transfer, TransferError
 from kvtransfer.channel import SENDER, DataChannel, open_channel
@@ -133,6 +134,7 @@ class _Peer:
                 self._ops.put(None)
 
     def _run(self) -> None:
+        run_serially()  # it gathers and copies KV: no OpenMP team of its own (engine/threads.py)
         broken: str | None = None
         while True:
             if self.unacked and not self._held and self._ops.empty() and broken is None:
