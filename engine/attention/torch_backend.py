@@ -7,7 +7,7 @@ scaled_dot_product_attention in float32 over a -inf padding bias (GQA by `enable
 prefill (or prefill chunk) runs as its own scaled_dot_product_attention call in the model dtype,
 with a causal mask shifted by its cached context.
 
-Larger bf16 decode batches on a CPU (over BMM_MIN_KV gathered positions) use a masked `bmm`
+Larger bf16 decode batches on a CPU (8 sequences or more, over BMM_MIN_KV gathered positions) use a masked `bmm`
 instead, in the model dtype: each query head is spread over all KV heads' columns, with zeros
 outside its own KV head's (`_head_mask`), so one `bmm` scores every head against its own keys
 with no permute copy; a float32 softmax over the bias, a second `bmm` and the same mask, summed
@@ -34,7 +34,11 @@ import torch.nn.functional as F
 
 from engine.attention.base import FP8, AttentionMetadata, BaseAttentionBackend, gather_kv, write_kv
 
-BMM_MIN_KV = 512  # bf16 CPU decode batches over this many gathered positions in all use the masked bmm
+# bf16 CPU decode batches of at least BMM_MIN_BATCH sequences and over BMM_MIN_KV gathered positions
+# in all use the masked bmm; a smaller batch would pay for the padding to 8 rows (batch 1 at 1024
+# positions: SDPA 1.3 ms a layer, the padded bmm 5.4)
+BMM_MIN_KV = 512
+BMM_MIN_BATCH = 8
 
 
 @dataclass
@@ -132,7 +136,8 @@ class TorchAttentionBackend(BaseAttentionBackend):
 
     def _decode_attention(self, q, kv_cache, scale, k_scale, v_scale):
         ids = self._decode.block_ids
-        if q.device.type == "cpu" and q.dtype != torch.float32 and ids.numel() * kv_cache.shape[2] > BMM_MIN_KV:
+        if (q.device.type == "cpu" and q.dtype != torch.float32 and q.shape[0] >= BMM_MIN_BATCH
+                and ids.numel() * kv_cache.shape[2] > BMM_MIN_KV):
             return self._masked_bmm(q, kv_cache, scale, k_scale, v_scale)
         k, v = _gather_rows(kv_cache, ids, q.shape[0], q.dtype, k_scale, v_scale)
         return self._decode_sdpa(q, k, v, kv_cache.shape[-2], scale)

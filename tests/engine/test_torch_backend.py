@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.torch_backend import BMM_MIN_KV, TorchAttentionBackend
+from engine.attention.torch_backend import BMM_MIN_BATCH, BMM_MIN_KV, TorchAttentionBackend
 from tests.engine.test_flash_backend import _gather_paged, _ref_attend, build_metadata
 
 HEAD_DIM = 64
-DECODES = {"batch_1": [(175, 1)], "batch_2_ragged": [(40, 1), (200, 1)], "batch_8": [(255, 1)] * 8,
+DECODES = {"batch_1": [(175, 1)], "batch_1_long": [(1000, 1)], "batch_2_ragged": [(40, 1), (600, 1)],
+           "batch_8": [(255, 1)] * 8,
            "batch_32_ragged": [(20 * i + 3, 1) for i in range(32)]}
 
 
@@ -19,7 +20,8 @@ DECODES = {"batch_1": [(175, 1)], "batch_2_ragged": [(40, 1), (200, 1)], "batch_
 def test_decode_matches_reference(batch, dtype, tol, monkeypatch):
     """Each decode's output equals softmax(q K^T) V over its own context (padding past it
     ignored), for 9 query heads on 3 KV heads (SmolLM2's grouping); the spy shows which path ran:
-    the masked bmm exactly for bf16 batches over BMM_MIN_KV gathered positions (8 and 32 here)."""
+    the masked bmm exactly for bf16 batches of BMM_MIN_BATCH or more over BMM_MIN_KV gathered
+    positions (8 and 32 here; not 1 or 2 sequences however long, which it would pad to 8 rows)."""
     bmm = []
     original = TorchAttentionBackend._masked_bmm
     monkeypatch.setattr(TorchAttentionBackend, "_masked_bmm", lambda self, *a: bmm.append(1) or original(self, *a))
@@ -38,7 +40,8 @@ def test_decode_matches_reference(batch, dtype, tol, monkeypatch):
         ref = _ref_attend(q[i:i + 1].float(), ks.float(), vs.float(), HEAD_DIM ** -0.5, True)
         assert (out[i].float() - ref[0]).abs().max() <= tol * max(1.0, ref.abs().max()), (batch, i)
     gathered = meta.num_decodes * -(-max(meta.seq_lens_cpu) // 16) * 16
-    assert bool(bmm) == (dtype == torch.bfloat16 and gathered > BMM_MIN_KV), (batch, gathered)
+    want = dtype == torch.bfloat16 and meta.num_decodes >= BMM_MIN_BATCH and gathered > BMM_MIN_KV
+    assert bool(bmm) == want, (batch, gathered)
 
 
 def test_masked_bmm_shapes_are_bucketed():
