@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from engine.attention import BACKENDS
 from engine.config import QUANTIZATION_CHOICES, parse_dtype
 from engine.request import SamplingParams
 
@@ -66,13 +67,15 @@ def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def bench_pdserve(wl: Workload, dtype: str, threads: int, quantization: str = "auto") -> dict:
+def bench_pdserve(wl: Workload, dtype: str, threads: int, quantization: str = "auto",
+                  attention_backend: str = "auto") -> dict:
     """W1 through `LLM.generate`, after a small warm-up; then one batch-1 request.
 
     Warm-up and batch-1 prompts use their own seeds, so none of them hits the prefix cache.
     """
     from decode_worker.llm import LLM
-    llm = LLM(model="smollm2", dtype=dtype, num_threads=threads, quantization=quantization)
+    llm = LLM(model="smollm2", dtype=dtype, num_threads=threads, quantization=quantization,
+              attention_backend=attention_backend)
     llm.generate(random_prompts(2, wl.prompt_len, wl.seed + 1), _greedy(4))
 
     prompts = random_prompts(wl.num_requests, wl.prompt_len, wl.seed)
@@ -141,14 +144,15 @@ def machine_info() -> dict:
 
 
 def run(wl: Workload, dtype: str, threads: int, skip_hf: bool, quantization: str = "auto",
-        hf_dtype: str = "float32", skip_llamacpp: bool = False) -> dict:
+        hf_dtype: str = "float32", skip_llamacpp: bool = False, attention_backend: str = "auto") -> dict:
     """Every measurement in one process, pdserve first; returns the flat result dict. `dtype` and
     `quantization` are pdserve's; transformers runs `hf_dtype`, unquantized."""
     torch.set_num_threads(threads)
     result = {"workload": {**asdict(wl), "temperature": 0.0, "ignore_eos": True, "dtype": dtype, "hf_dtype": hf_dtype,
-                           "quantization": quantization, "token_id_range": list(TOKEN_ID_RANGE)},
+                           "quantization": quantization, "attention_backend": attention_backend,
+                           "token_id_range": list(TOKEN_ID_RANGE)},
               "threads": threads, "torch_version": torch.__version__, "machine": machine_info()}
-    result.update(bench_pdserve(wl, dtype, threads, quantization))
+    result.update(bench_pdserve(wl, dtype, threads, quantization, attention_backend))
     if skip_hf:
         result.update(hf_output_tok_s=None, hf_batch1_ms_per_step=None)
     else:
@@ -209,6 +213,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads, both sides")
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
                    help="pdserve's linear layers (docs/engine.md, Linear methods); transformers stays unquantized")
+    p.add_argument("--attention-backend", default="auto", choices=BACKENDS, help="pdserve's")
     p.add_argument("--skip-hf", action="store_true", help="do not measure transformers")
     p.add_argument("--skip-llamacpp", action="store_true", help="do not measure llama.cpp")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -222,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: libraries that print keep stdout clean for --json: everything until the result goes to stderr.
     with contextlib.redirect_stdout(sys.stderr):
         result = run(wl, args.dtype, args.threads, args.skip_hf, args.quantization, args.hf_dtype,
-                     args.skip_llamacpp)
+                     args.skip_llamacpp, args.attention_backend)
     print(json.dumps(result) if args.json else format_table(result))
     return 0
 

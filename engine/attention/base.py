@@ -58,6 +58,9 @@ class BaseAttentionBackend(ABC):
         """The KV block size this backend works with, given the configured one."""
         return requested
 
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raises ValueError, at load, if this backend cannot attend heads of `head_dim`."""
+
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step, before the first layer: precompute what every layer reuses."""
 
