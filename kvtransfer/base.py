@@ -111,11 +111,13 @@ class KVTransport(ABC):
 
     @abstractmethod
     def receiver(self, compat: CompatRecord, kv_cache: torch.Tensor, head_offset: int,
-                 host: str = "127.0.0.1", timeout_s: float = 10.0, share_cache: bool = False) -> KVReceiver:
+                 host: str = "127.0.0.1", timeout_s: float = 10.0, share_cache: bool = False,
+                 kv_views=None) -> KVReceiver:
         """A decode rank's receiving end, writing into `kv_cache`
         (num_layers, 2, num_blocks, block_size, local_kv_heads, head_dim), whose first local head is
         global head `head_offset`; `share_cache`: offer it to senders on the same device
-        (on a CPU, it moves into shared memory)."""
+        (on a CPU, it moves into shared memory); `kv_views`: the attention backend's, where the
+        blocks are not in the torch layout (then every layer is scattered through them)."""
 
 
 def create_kv_transport(name: str = "torch") -> KVTransport:

@@ -25,7 +25,7 @@ import torch
 from kvtransfer.base import CompletedTransfer, KVReceiver, KVSender, Transfer
 from kvtransfer.params import KVTransferParams, kv_heads_of_rank
 from kvtransfer.plan import expected_parts, plan_head_slices
-from kvtransfer.scatter import as_bytes
+from kvtransfer.scatter import as_bytes, gather_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +46,13 @@ def prompt_slots(block_ids: list[int], block_size: int, num_tokens: int, device=
 
 
 class PrefillConnector:
-    def __init__(self, sender: KVSender, num_kv_heads: int, tp_rank: int, tp_size: int, lease_s: float):
+    def __init__(self, sender: KVSender, num_kv_heads: int, tp_rank: int, tp_size: int, lease_s: float,
+                 kv_views=None):
         """`lease_s`: how long a finished prompt's blocks wait for the decode side's ack before
-        they are freed anyway (and the request reported failed)."""
+        they are freed anyway (and the request reported failed). `kv_views`: the attention
+        backend's, where the cache is not in the torch layout (None: it is)."""
         self.sender, self.num_kv_heads, self.tp_rank, self.tp_size = sender, num_kv_heads, tp_rank, tp_size
+        self.kv_views = kv_views
         self.lease_s = lease_s
         self.my_heads = kv_heads_of_rank(num_kv_heads, tp_size, tp_rank)
         self._params: dict[str, KVTransferParams] = {}
@@ -95,8 +98,12 @@ class PrefillConnector:
         """Layer `layer` (2, num_blocks, block_size, local kv heads, head_dim) is computed: its
         KV of this step's shipments leaves (a copy, sent in the background)."""
         flat = kv_layer.view(2, -1, *kv_layer.shape[-2:])
+        views = None if self.kv_views is None else self.kv_views(kv_layer)
         for s, parts in self._step:
-            gathered = as_bytes(flat).index_select(1, s.slots).view(flat.dtype)  # (2, num_tokens, local heads, hd)
+            if views is None:
+                gathered = as_bytes(flat).index_select(1, s.slots).view(flat.dtype)  # (2, num_tokens, local heads, hd)
+            else:
+                gathered = gather_tokens(views, s.slots, kv_layer.shape[2])
             for head_start, head_end, transfer in parts:
                 lo = head_start - self.my_heads.start
                 transfer.send_layer(layer, gathered[:, :, lo:lo + head_end - head_start].contiguous())

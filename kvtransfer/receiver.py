@@ -41,7 +41,7 @@ from kvtransfer.base import CompletedTransfer, KVReceiver
 from kvtransfer.channel import RECEIVER, DataChannel, open_channel
 from kvtransfer.control import ControlGarbage, ControlServer
 from kvtransfer.params import CompatRecord
-from kvtransfer.scatter import scatter_layer, slot_runs, whole_blocks
+from kvtransfer.scatter import scatter_layer, scatter_tokens, slot_runs, whole_blocks
 from kvtransfer.shared_cache import device_key, export_cache
 from kvtransfer.session import Part, Session
 
@@ -66,9 +66,13 @@ class _Expected:
 
 class TorchDistReceiver(KVReceiver):
     def __init__(self, compat: CompatRecord, kv_cache: torch.Tensor, head_offset: int, host: str = "127.0.0.1",
-                 timeout_s: float = 10.0, share_cache: bool = False):
+                 timeout_s: float = 10.0, share_cache: bool = False, kv_views=None):
         """`share_cache`: offer senders on the same device (shared_cache.device_key) the cache
-        itself, so they write into it (on a CPU it moves into shared memory)."""
+        itself, so they write into it (on a CPU it moves into shared memory). `kv_views`: the
+        attention backend's, where the blocks are not in the torch layout: every layer is then
+        scattered through them (no direct receives, no shared cache)."""
+        self.kv_views = kv_views
+        share_cache = share_cache and kv_views is None
         # kv_cache: (num_layers, 2, num_blocks, block_size, local_kv_heads, head_dim)
         assert kv_cache.dim() == 6 and kv_cache.shape[0] == compat.num_layers, kv_cache.shape
         self.compat, self.kv_cache, self.head_offset = compat, kv_cache, head_offset
@@ -213,8 +217,8 @@ class TorchDistReceiver(KVReceiver):
                 reply["error"] = f"sent {msg['num_tokens']} tokens, expected {e.slots.numel()}"
                 self._fail(rid, reply["error"])
             else:
-                direct = session.shared or (
-                    lo == 0 and n_heads == self.num_local_heads and len(e.runs) <= MAX_DIRECT_RUNS)
+                direct = session.shared or (self.kv_views is None and lo == 0 and n_heads == self.num_local_heads
+                                            and len(e.runs) <= MAX_DIRECT_RUNS)
                 part = Part(lo, n_heads, msg["num_tokens"], e.runs if direct else [])
                 session.parts[(rid, msg["head_start"])] = part
                 e.sessions.add(session)
@@ -254,7 +258,10 @@ class TorchDistReceiver(KVReceiver):
                 self._stats["dropped_layers"] += 1
                 return
             with session.channel.writing():
-                scatter_layer(self.kv_cache[layer], e.slots, e.block_ids, kv, part.lo)
+                if self.kv_views is None:
+                    scatter_layer(self.kv_cache[layer], e.slots, e.block_ids, kv, part.lo)
+                else:
+                    scatter_tokens(self.kv_views(self.kv_cache[layer]), e.slots, self.block_size, kv, part.lo)
             part.layers += 1
             self._stats["layers_scattered"] += 1
             e.last_activity = time.monotonic()

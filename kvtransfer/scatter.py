@@ -1,5 +1,6 @@
 """Where a request's reserved slots lie in the paged cache: stretches of consecutive slots (which
-a payload can be received into directly), and writing one received layer of a part into them."""
+a payload can be received into directly), and writing one received layer of a part into them;
+and reading or writing by token a cache laid out by its attention backend (its kv_views)."""
 from __future__ import annotations
 
 import torch
@@ -70,3 +71,20 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """An fp8 tensor as uint8 (the same bytes): index_copy_, index_put_ and index_select need not
     have fp8 kernels (CPU's index_copy_ has none); any other tensor as it is."""
     return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+
+
+def gather_tokens(views: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(2, num_tokens, heads, head_dim): the K/V of `slots` read through a backend's token views
+    (BaseAttentionBackend.kv_views), for caches not in the torch layout."""
+    blocks, offsets = slots // block_size, slots % block_size
+    return torch.stack([as_bytes(views[0])[blocks, offsets], as_bytes(views[1])[blocks, offsets]]).view(
+        views[0].dtype)
+
+
+def scatter_tokens(views: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, block_size: int,
+                   kv: torch.Tensor, lo: int) -> None:
+    """Writes kv (2, num_tokens, n_heads, head_dim) into heads [lo, lo + n_heads) of `slots` through
+    a backend's token views (the inverse of gather_tokens)."""
+    blocks, offsets = slots // block_size, slots % block_size
+    for view, part in zip(views, kv):
+        as_bytes(view)[blocks, offsets, lo:lo + kv.shape[2]] = as_bytes(part)

@@ -25,6 +25,7 @@ class TorchDistTransport(KVTransport):
         return TorchDistSender(compat, sender_id, timeout_s, host, max_groups, same_device)
 
     def receiver(self, compat: CompatRecord, kv_cache: torch.Tensor, head_offset: int,
-                 host: str = "127.0.0.1", timeout_s: float = 10.0, share_cache: bool = False) -> KVReceiver:
+                 host: str = "127.0.0.1", timeout_s: float = 10.0, share_cache: bool = False,
+                 kv_views=None) -> KVReceiver:
         from kvtransfer.receiver import TorchDistReceiver
-        return TorchDistReceiver(compat, kv_cache, head_offset, host, timeout_s, share_cache)
+        return TorchDistReceiver(compat, kv_cache, head_offset, host, timeout_s, share_cache, kv_views)

@@ -53,10 +53,17 @@ class BaseAttentionBackend(ABC):
     """Writes a layer's new K/V into the paged cache and attends over each sequence's context."""
 
     name: str = "base"
+    own_kv_layout = False  # True: the blocks are laid out for this backend's kernels (kv_views reads them)
 
     def block_size_for(self, requested: int) -> int:
         """The KV block size this backend works with, given the configured one."""
         return requested
+
+    def kv_views(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of one layer's slab (2, num_blocks, block_size, kv_heads, head_dim), each
+        a (num_blocks, block_size, kv_heads, head_dim) view indexed by token, however this backend
+        lays the bytes out: what the KV transfer reads and writes through."""
+        return layer[0], layer[1]
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raises ValueError, at load, if this backend cannot attend heads of `head_dim`."""

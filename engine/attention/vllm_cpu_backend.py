@@ -11,8 +11,7 @@ heads in bf16 (`python -m bench.vllm_cpu_attention`): 4-66x faster than the torc
 Its blocks are not the torch backend's: each layer's slab of the pool (the same bytes) is read
 as `(num_blocks, kv_heads, 2 x block_size, head_dim)`, keys in the first half of each head's
 rows and values in the second, the interior laid out by its own writer, and blocks hold a
-multiple of 32 tokens. So nothing else may read such a cache: the KV transfer moves the torch
-layout, and this backend is refused for prefill and decode instances (colocated and offline only).
+multiple of 32 tokens. Whatever reads or writes them by token (the KV transfer) goes through `kv_views`.
 """
 from __future__ import annotations
 
@@ -61,6 +60,7 @@ def _isa(dtype: torch.dtype) -> str:
 
 class VllmCpuAttentionBackend(BaseAttentionBackend):
     name = "vllm_cpu"
+    own_kv_layout = True
 
     def __init__(self, dtype: torch.dtype):
         why = vllm_cpu_unavailable()
@@ -76,6 +76,21 @@ class VllmCpuAttentionBackend(BaseAttentionBackend):
                              f"(it has {', '.join(map(str, HEAD_DIMS))}); use --attention-backend torch")
         if head_dim % 32:  # vLLM's choice for such heads
             self.isa = "vec16"
+
+    def kv_views(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Its writer's layout (vec and vec16 ISAs), read off the bytes it wrote: per block and
+        head, 2 x block_size rows of head_dim, keys stored transposed (head_dim x block_size) in
+        the first half, values as rows in the second (tests/engine/test_vllm_cpu_backend.py)."""
+        _, num_blocks, block_size, heads, head_dim = layer.shape
+        if self.isa == "amx":
+            raise ValueError("attention backend vllm_cpu: its AMX block layout is not mapped for the KV transfer; "
+                             "use mode colocated or --attention-backend torch")
+        assert layer.is_contiguous(), "a layer's slab of the pool"
+        block, head, start = heads * 2 * block_size * head_dim, 2 * block_size * head_dim, layer.storage_offset()
+        shape = (num_blocks, block_size, heads, head_dim)
+        keys = layer.as_strided(shape, (block, 1, head, block_size), start)
+        values = layer.as_strided(shape, (block, head_dim, head, 1), start + block_size * head_dim)
+        return keys, values
 
     def block_size_for(self, requested: int) -> int:
         return -(-requested // BLOCK_MULTIPLE) * BLOCK_MULTIPLE

@@ -10,7 +10,8 @@ import torch
 from cluster.cluster import Cluster
 from cluster.spec import ClusterSpec
 from engine.request import SamplingParams
-from tests.helpers import assert_logprobs_close, random_prompts
+from engine.attention.vllm_cpu_backend import vllm_cpu_unavailable
+from tests.helpers import assert_logprobs_close, random_prompts, save_tiny_llama
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,6 +72,18 @@ def test_fp8_kv_instances_hold_and_announce_fp8(tiny_path):
         assert {h.runner.kv_cache.dtype for h in hosts} == {torch.float8_e4m3fn}
         ends = [end for h in hosts for end in (h.sender, h.receiver) if end is not None]
         assert len(ends) == 2 and {end.compat.dtype for end in ends} == {"float8_e4m3fn"}
+
+
+@pytest.mark.skipif(vllm_cpu_unavailable() is not None, reason=f"vllm_cpu: {vllm_cpu_unavailable()}")
+def test_vllm_cpu_backend_1p1d_matches_colocated(tmp_path):
+    """With the vllm_cpu attention backend (its own block layout, read and written by the KV
+    transfer through its views), colocated and 1P1D give the torch backend's greedy tokens, chunked
+    prompts included."""
+    path = str(save_tiny_llama(tmp_path / "llama", hidden_size=128))  # head_dim 32: one of its kernel sizes
+    prompts = random_prompts(8, [5, 40, 70, 150], seed=6)
+    want = run(spec_for(path, mode="colocated"), prompts, 10)
+    assert run(spec_for(path, mode="colocated", attention_backend="vllm_cpu"), prompts, 10) == want
+    assert run(spec_for(path, attention_backend="vllm_cpu"), prompts, 10) == want
 
 
 def test_2p2d_matches_colocated(tiny_path):

@@ -76,6 +76,25 @@ def test_refused_where_it_cannot_run():
         create_attention_backend("vllm_cpu", cpu, torch.float32, torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="no kernel for head_dim 16"):
         create_attention_backend("vllm_cpu", cpu, torch.float32).check_head_dim(16)
-    with pytest.raises(ValueError, match="needs mode colocated"):
-        ClusterSpec(attention_backend="vllm_cpu")
-    assert ClusterSpec(attention_backend="vllm_cpu", mode="colocated").attention_backend == "vllm_cpu"
+    assert ClusterSpec(attention_backend="vllm_cpu").attention_backend == "vllm_cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_views_read_what_its_writer_wrote(dtype):
+    """Token by token, the views see exactly the K/V the kernel's own writer stored at each slot,
+    and what is written through them is what the kernel attends (the KV transfer relies on both)."""
+    backend = create_attention_backend("vllm_cpu", torch.device("cpu"), dtype)
+    blocks, bs, heads, hd = 5, 32, 3, 64
+    layer = torch.zeros(2, blocks, bs, heads, hd, dtype=dtype)
+    keys, values = backend.kv_views(layer)
+    key_cache, value_cache = layer.view(blocks, heads, 2 * bs, hd).chunk(2, dim=2)
+    slots = torch.randperm(blocks * bs)[:70]
+    k, v = (torch.randn(70, heads, hd).to(dtype) for _ in range(2))
+    torch.ops._C.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, backend.isa, 1.0, 1.0, "auto")
+    b, o = slots // bs, slots % bs
+    assert torch.equal(keys[b, o], k) and torch.equal(values[b, o], v)
+    keys[b, o], values[b, o] = v, k  # written through the views: the kernel's writer agrees with them
+    again = torch.zeros_like(layer)
+    kc2, vc2 = again.view(blocks, heads, 2 * bs, hd).chunk(2, dim=2)
+    torch.ops._C.cpu_attn_reshape_and_cache(v, k, kc2, vc2, slots, backend.isa, 1.0, 1.0, "auto")
+    assert torch.equal(again, layer)
