@@ -112,9 +112,7 @@ class RankHost:
         backend = self.runner.backend
         kv_views = None
         if backend.own_kv_layout and role in ("prefill", "decode"):  # the transfer reads and writes through them
-            kv_views = backend.kv_views
-            kv_views(self.runner.kv_cache[0])  # a layout it cannot map is refused here, at load
-            kv_same_device = False
+            kv_views, kv_same_device = backend.kv_views, False
         if role == "prefill":
             self.sender = create_kv_transport("torch").sender(compat, f"{instance_id}/{rank}", timeout_s=kv_timeout_s,
                                                               host=host, same_device=kv_same_device)

