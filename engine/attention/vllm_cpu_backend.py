@@ -58,21 +58,17 @@ def vllm_cpu_unavailable() -> str | None:
     return None
 
 
-def _isa(dtype: torch.dtype) -> str:
-    """Its vector kernels. NOTE: vLLM itself runs bf16 on AMX tiles where the CPU has them, whose
-    block layout `kv_views` does not map (nor has any CPU here had AMX to test it on)."""
-    return "vec"
-
-
 class VllmCpuAttentionBackend(BaseAttentionBackend):
     name = "vllm_cpu"
     own_kv_layout = True
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self):
         why = vllm_cpu_unavailable()
         if why is not None:
             raise ValueError(f"attention backend vllm_cpu cannot run: {why}")
-        self.isa = _isa(dtype)
+        # its vector kernels. NOTE: vLLM itself runs bf16 on AMX tiles where the CPU has them, whose
+        # block layout `kv_views` does not map (nor has any CPU here had AMX to test it on)
+        self.isa = "vec"
         self._meta: AttentionMetadata | None = None
         self._schedule: torch.Tensor | None = None
 
