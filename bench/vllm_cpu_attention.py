@@ -3,8 +3,9 @@
     python -m bench.vllm_cpu_attention                    # SmolLM2's heads, bf16, 2 threads
     python -m bench.vllm_cpu_attention --dtype float32 --json
 
-vLLM-CPU's compiled ops are loaded from its wheel's `_C_AVX512.abi3.so` (or `_C.abi3.so`) with
-`torch.ops.load_library`; its Python is never imported. The wheel lives in its own venv beside
+vLLM-CPU's compiled ops are loaded from its wheel (the build vLLM picks for this CPU,
+engine/attention/vllm_cpu_backend.py `library_name`) with `torch.ops.load_library`; its Python
+is never imported. The wheel lives in its own venv beside
 the checkout (bench/serving_vs_vllm.py has the set-up) and must be built for this torch.
 
 Both sides attend one query token per sequence over `--context` cached positions:
@@ -28,18 +29,18 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.attention.vllm_cpu_backend import library_name
 
 REPO = Path(__file__).resolve().parents[1]
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 
 
 def load_vllm_ops(venv: Path) -> None:
-    """Registers vLLM-CPU's `_C` ops in this process (AVX-512 build where the CPU has it)."""
+    """Registers vLLM-CPU's `_C` ops in this process (the build vLLM would load on this CPU)."""
     found = sorted(venv.glob("lib/python3*/site-packages/vllm"))
     if not found:
         raise SystemExit(f"no vllm package under {venv} (see bench/serving_vs_vllm.py for its venv)")
-    name = "_C_AVX512.abi3.so" if torch.cpu._is_avx512_supported() else "_C.abi3.so"
-    torch.ops.load_library(str(found[0] / name))
+    torch.ops.load_library(str(found[0] / library_name()))
 
 
 def _best_us(fn, rounds: int, calls: int = 50) -> float:

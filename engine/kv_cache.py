@@ -17,10 +17,20 @@ def kv_block_bytes(cfg: ModelConfig, num_kv_heads: int, block_size: int, dtype: 
 
 def num_blocks_for(cache: CacheConfig, cfg: ModelConfig, num_kv_heads: int, block_size: int,
                    dtype: torch.dtype) -> int:
-    """Blocks of `block_size` tokens (the backend's, which may differ from `cache.block_size`)."""
+    """Blocks of `block_size` tokens (the backend's, which may differ from `cache.block_size`):
+    a fixed count (`blocks_of_size`), else what `cache.memory_gib` holds."""
     if cache.num_blocks is not None:
-        return cache.num_blocks
+        return blocks_of_size(cache.num_blocks, cache.block_size, block_size)
     return max(2, int(cache.memory_gib * 2**30) // kv_block_bytes(cfg, num_kv_heads, block_size, dtype))
+
+
+def blocks_of_size(num_blocks: int, requested: int, block_size: int) -> int:
+    """A fixed `num_kv_blocks`, given in blocks of the configured `requested` tokens, as blocks of
+    the backend's `block_size`: at least the same usable tokens (block 0 is the null block), and
+    about the same bytes, where a backend rounds the block size up (vllm_cpu: 16 -> 32)."""
+    if block_size == requested:
+        return num_blocks
+    return max(2, -(-(num_blocks - 1) * requested // block_size) + 1)
 
 
 def allocate_kv_cache(cfg: ModelConfig, num_kv_heads: int, num_blocks: int, block_size: int,

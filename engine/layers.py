@@ -1,4 +1,7 @@
-"""Elementwise building blocks of a Llama layer: RMSNorm, rotary embedding, SwiGLU."""
+"""Elementwise building blocks of a Llama layer: RMSNorm, rotary embedding, SwiGLU.
+
+Each runs in torch ops (HF's numerics). With the vllm_cpu attention backend, the rotary embedding
+and RMSNorm run in one vLLM-CPU kernel each instead, as its `fused_ops` says (engine/vllm_cpu_ops.py)."""
 from __future__ import annotations
 
 import math
@@ -7,15 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import vllm_cpu_ops
+
 
 class RMSNorm(nn.Module):
     """HF LlamaRMSNorm numerics: normalize in float32, cast back, then scale.
 
     With `residual`, adds it first and also returns the sum (the next residual)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, fused: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.fused = eps, fused
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -25,6 +30,9 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """With `fused`, `x` and `residual` are overwritten (with the result and the sum)."""
+        if self.fused:
+            return vllm_cpu_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -66,6 +74,14 @@ class RotaryEmbedding(nn.Module):
         half = emb.shape[-1] // 2
         self.register_buffer("signed_sin", torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], -1),
                              persistent=False)
+        self._cos_sin: torch.Tensor | None = None  # the fused kernel's table: cos | sin, (max_pos, head_dim)
+
+    def cos_sin_table(self, dtype: torch.dtype) -> torch.Tensor:
+        """The fused kernel's table, (max_pos, head_dim): cos of each frequency, then its sin."""
+        if self._cos_sin is None or self._cos_sin.dtype != dtype:
+            half = self.cos.shape[-1] // 2
+            self._cos_sin = torch.cat([self.cos[:, :half], -self.signed_sin[:, :half]], -1).to(dtype).contiguous()
+        return self._cos_sin
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Once per step: (num_tokens, 1, head_dim) cos and signed sin for `positions`, in `dtype`."""

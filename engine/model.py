@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, BaseAttentionBackend
 from engine.config import ModelConfig
+from engine import vllm_cpu_ops
 from engine.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from engine.quant.base import BaseLinearMethod
 from engine.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
@@ -21,8 +22,10 @@ from engine.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVPara
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, linear_method: BaseLinearMethod | None = None):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, linear_method: BaseLinearMethod | None = None,
+                 fused_rotary: bool = False):
         super().__init__()
+        self.fused_rotary = fused_rotary
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, tp=tp,
                                           linear_method=linear_method)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp=tp,
@@ -39,9 +42,13 @@ class LlamaAttention(nn.Module):
         n = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # (n, (heads + 2 * kv_heads) * head_dim), this rank's heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        # rotate q and k in one pass: (n, heads + kv_heads, head_dim)
-        qk = RotaryEmbedding.apply(qkv[:, :q_size + kv_size].view(n, -1, self.head_dim), *rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        if self.fused_rotary:  # rope = (positions, cos_sin table): q and k rotated in place
+            (positions, table), (q, k, _) = rope, qkv.split([q_size, kv_size, kv_size], dim=-1)
+            vllm_cpu_ops.rotary_(positions, q, k, self.head_dim, table)
+            q, k = q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim)
+        else:  # rope = (cos, signed sin): q and k rotated in one pass, (n, heads + kv_heads, head_dim)
+            qk = RotaryEmbedding.apply(qkv[:, :q_size + kv_size].view(n, -1, self.head_dim), *rope)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, q_size + kv_size:].view(n, self.num_kv_heads, self.head_dim)
         o = backend.forward(q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale)  # (n, heads, head_dim)
         return self.o_proj(o.reshape(n, q_size))
@@ -60,12 +67,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, linear_method: BaseLinearMethod | None = None):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, linear_method: BaseLinearMethod | None = None,
+                 fused: frozenset[str] = frozenset()):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, tp, linear_method)
+        self.self_attn = LlamaAttention(cfg, tp, linear_method, "rotary" in fused)
         self.mlp = LlamaMLP(cfg, tp, linear_method)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "rms_norm" in fused)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "rms_norm" in fused)
 
     def forward(self, rope, hidden, residual, kv_cache, meta, backend):
         if residual is None:
@@ -83,15 +91,17 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup(), linear_method: BaseLinearMethod | None = None):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup(), linear_method: BaseLinearMethod | None = None,
+                 fused: frozenset[str] = frozenset()):
         """linear_method: of every decoder linear (engine/quant; None = unquantized); the LM head
-        stays unquantized."""
+        stays unquantized. fused: which of "rms_norm" and "rotary" run in vLLM-CPU's kernels
+        (engine/vllm_cpu_ops.py; the vllm_cpu attention backend's `fused_ops`)."""
         super().__init__()
-        self.config = cfg
+        self.config, self.fused = cfg, fused
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, tp, linear_method) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, tp, linear_method, fused) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "rms_norm" in fused)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -104,7 +114,9 @@ class LlamaForCausalLM(nn.Module):
         side ships them from there while later layers compute). Returns the final-normed hidden
         states, (num_tokens, hidden_size)."""
         hidden, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary.cos_sin(positions, hidden.dtype)  # shared by every layer
+        # shared by every layer
+        rope = ((positions, self.rotary.cos_sin_table(hidden.dtype)) if "rotary" in self.fused
+                else self.rotary.cos_sin(positions, hidden.dtype))
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(rope, hidden, residual, kv_caches[i], meta, backend)
             if after_layer is not None:

