@@ -257,6 +257,18 @@ def iter_q4_linears(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             yield f"{name}.{suffix}", part.contiguous()
 
 
+def gguf_q8_0_head(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The LM head's Q8_0 blocks as codes (vocab, hidden) int8 and scales (vocab, hidden / 32)
+    fp32 (engine/quant/q8_head.py): `output.weight`, or the embedding it is tied to; None when
+    that tensor is not Q8_0."""
+    from engine.quant.q8_head import decode_q8_0_blocks
+    tensors = {t.name: t for t in open_gguf(path).tensors}
+    head = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    if head is None or head.tensor_type.name != "Q8_0":
+        return None
+    return decode_q8_0_blocks(head.data, tuple(int(d) for d in reversed(head.shape)))
+
+
 def iter_gguf_weights(path: Path, dtype: torch.dtype, cache_dir: str | os.PathLike | None = None,
                       q4_codes: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, tensor)` in `dtype`, converting once and reading the fp32 cache after.

@@ -23,6 +23,7 @@ from engine.model import LlamaForCausalLM
 from engine.parallel import TPGroup
 from engine.quant import (create_linear_method, method_reads_q4_codes, process_weights_after_loading,
                           resolve_quantization)
+from engine.quant.q8_head import q8_head_method
 from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
 from engine.threads import use_intraop_threads
@@ -149,6 +150,7 @@ class ModelRunner:
                                          fused=self.backend.fused_ops(self.dtype))
         finally:
             torch.set_default_dtype(torch.float32)
+        weights_from_file = weights is None
         if weights is None:
             weights = load_weights(path, self.dtype, q4_codes=method_reads_q4_codes(method))
         # each parameter's copy_ casts to its own dtype (int4 codes stay uint8, their scales fp32)
@@ -158,6 +160,9 @@ class ModelRunner:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
         logger.info("loaded weights in %.2f s", time.perf_counter() - start)
         start = time.perf_counter()
+        if path is not None and weights_from_file and (head := q8_head_method(path, method, self.dtype, self.device,
+                                                                               self.tp.size)) is not None:
+            model.lm_head.linear_method = head
         # after every shard is in, so a quantizing method sees exactly this rank's slice
         described = self.linear_layers = process_weights_after_loading(model)
         logger.info("linear layers: %s; prepared in %.2f s", described, time.perf_counter() - start)

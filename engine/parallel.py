@@ -224,9 +224,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for this rank's vocabulary slice, gathered to rank 0 (others get None).
 
-    Always unquantized (vLLM's default too): its weight may be the embedding's (tied), and its
-    logits feed sampling and logprobs directly. With tied weights the model swaps `weight` in after
-    construction, so the method's `create_weights` is not used here."""
+    Unquantized (vLLM's default too), except that a Q4 GGUF's Q8_0 head may run from its own
+    blocks (engine/quant/q8_head.py, set by the model runner before processing): its weight may be
+    the embedding's (tied), and its logits feed sampling and logprobs directly. With tied weights
+    the model swaps `weight` in after construction, so the method's `create_weights` is not used here."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = TPGroup()):
         super().__init__(vocab_size, hidden_size, tp)

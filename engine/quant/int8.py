@@ -63,7 +63,7 @@ class Int8LinearMethod(UnquantizedLinearMethod):
             self.choices = [KernelChoice(None, self.fixed.name, {})]
             self.kernels = {self.fixed.name: self.fixed}
         else:
-            usable = [k for k in self.candidates if not _skip(self.name, k, device, shapes, dtype)]
+            usable = [k for k in self.candidates if not skip_kernel(self.name, k, device, shapes, dtype)]
             self.choices = choose_kernels(shapes, usable, dtype, device, self.fallback(), self.cache_path,
                                           self.time_fn, baseline=self.baseline() if self.baseline else None,
                                           random_weights=self.random_weights)
@@ -126,7 +126,7 @@ def _warn_if_slower(name: str, choices: list[KernelChoice]) -> None:
                            f"M<={c.max_m}" if c.max_m else "larger M", mine, base, name)
 
 
-def _skip(method: str, kernel: LinearKernel, device: torch.device, shapes, dtype: torch.dtype) -> bool:
+def skip_kernel(method: str, kernel: LinearKernel, device: torch.device, shapes, dtype: torch.dtype) -> bool:
     why = kernel.unavailable(device) or next(filter(None, (kernel.unsupported(s, dtype) for s in shapes)), None)
     if why is not None:
         logger.info("%s: kernel %s skipped: %s", method, kernel.label, why)

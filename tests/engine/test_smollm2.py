@@ -144,6 +144,7 @@ def test_bf16_sanity(prompts, fp32_outputs):
     """Sanity check of the bf16 path, not an exactness claim: 5 prompts batched in bf16 give the
     fp32 run's first 8 greedy tokens for at least 4 of them."""
     bf16 = LLM(model="smollm2", dtype="bfloat16", num_blocks=64, device="cpu")
+    assert "LM head from the GGUF's Q8_0 blocks" in bf16.engine.runner.linear_layers  # the batch-1 steps' head
     outs = bf16.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     bf16.engine.kv.assert_no_leaks()
     same = [o.token_ids == f.token_ids[:8] for o, f in zip(outs, fp32_outputs)]
