@@ -56,7 +56,8 @@ def int4_planes(codes: torch.Tensor, scales: torch.Tensor):
     wide = codes.to(torch.int16)
     hi = torch.div(wide, 16, rounding_mode="floor")
     lo = wide - 16 * hi
-    return ((hi + 8).to(torch.uint8), 16 * scales, -128 * scales), (lo.to(torch.uint8), scales, torch.zeros_like(scales))
+    high = ((hi + 8).to(torch.uint8), 16 * scales, -128 * scales)
+    return high, (lo.to(torch.uint8), scales, torch.zeros_like(scales))
 
 
 class Q8Int4PlanesKernel(LinearKernel):
