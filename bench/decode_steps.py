@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES)
     p.add_argument("--attention-backend", default="auto", choices=BACKENDS)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per batch size")
@@ -60,10 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or any(b < 1 for b in batches):
         p.error("--steps and every batch size must be >= 1")
     llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads, quantization=args.quantization,
-              attention_backend=args.attention_backend, max_num_seqs=max(batches))
+              attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=max(batches))
     times = step_times(llm, batches, args.steps, args.prompt_len)
     runner = llm.engine.runner
     config = {"dtype": str(runner.dtype).removeprefix("torch."), "attention": runner.backend.name,
+              "kv_cache": str(runner.kv_dtype).removeprefix("torch."),
               "fused_ops": sorted(runner.model.fused), "linear_layers": runner.linear_layers}
     if args.json:
         print(json.dumps({"ms_per_step": times, "config": config, "threads": args.threads}))

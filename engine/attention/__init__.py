@@ -32,7 +32,7 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose {', '.join(BACKENDS)}")
     if kv_cache_dtype == FP8:
-        name = _fp8_choice(name, device)
+        name = _fp8_choice(name, device, dtype, head_dim)
     elif name == "auto":
         if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_attn_available():
             name = "flash_attn"
@@ -44,9 +44,11 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
             logger.info("attention backend: torch (%s)", why)
             name = "torch"
     if name == "vllm_cpu":
-        if device.type != "cpu" or kv_cache_dtype not in (None, dtype) or dtype == torch.float16:
-            raise ValueError(f"attention backend vllm_cpu runs a {dtype} KV cache on a CPU here, not a "
-                             f"{kv_cache_dtype or dtype} cache on {device.type}; use --attention-backend torch")
+        fp8_unfit = kv_cache_dtype == FP8 and _vllm_cpu_fp8_unfit(head_dim)
+        if device.type != "cpu" or kv_cache_dtype not in (None, dtype, FP8) or dtype == torch.float16 or fp8_unfit:
+            raise ValueError(f"attention backend vllm_cpu runs a {dtype} or fp8_e4m3 KV cache on a CPU here, not a "
+                             f"{kv_cache_dtype or dtype} cache on {device.type}"
+                             f"{': ' + fp8_unfit if fp8_unfit else ''}; use --attention-backend torch")
         from engine.attention.vllm_cpu_backend import VllmCpuAttentionBackend
         backend = VllmCpuAttentionBackend()
         logger.info("attention backend: vllm_cpu (vLLM-CPU's paged kernels, isa %s)", backend.isa)
@@ -74,11 +76,28 @@ def _vllm_cpu_unfit(dtype: torch.dtype, head_dim: int | None) -> str | None:
     return vllm_cpu_unavailable()
 
 
-def _fp8_choice(name: str, device: torch.device) -> str:
-    """An fp8 KV cache: the torch backend dequantizes it on read; flash-attn 2 cannot read it, and
-    FlashAttention-3 on Hopper can but is opt-in (not yet run on a GPU). Never a silent fallback:
-    an explicit flash_attn that cannot read fp8 raises."""
+def _vllm_cpu_fp8_unfit(head_dim: int | None) -> str | None:
+    """Why vllm_cpu cannot read an fp8 cache here (its fp8 path: AVX-512, heads a multiple of 32)."""
+    if not torch.cpu._is_avx512_supported():
+        return "its fp8 kernels need AVX-512"
+    if head_dim is not None and head_dim % 32:
+        return f"its fp8 kernels need head_dim a multiple of 32, not {head_dim}"
+    return None
+
+
+def _fp8_choice(name: str, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str:
+    """An fp8 KV cache: on a CPU, vllm_cpu reads it where it fits (fp8 heads, AVX-512), else the
+    torch backend dequantizes it on read; flash-attn 2 cannot read it, and FlashAttention-3 on
+    Hopper can but is opt-in (not yet run on a GPU). Never a silent fallback: an explicit
+    flash_attn that cannot read fp8 raises."""
     if name == "auto":
+        if device.type == "cpu":
+            unfit = _vllm_cpu_unfit(dtype, head_dim) or _vllm_cpu_fp8_unfit(head_dim)
+            if unfit is None:
+                return "vllm_cpu"
+            logger.info("attention backend: torch (fp8 KV cache: dequantized on read; vllm_cpu cannot run: %s)",
+                        unfit)
+            return "torch"
         logger.info("attention backend: torch (fp8 KV cache: dequantized on read; flash_attn reads fp8 only "
                     "through FlashAttention-3 on Hopper, opt-in with --attention-backend flash_attn)")
         return "torch"

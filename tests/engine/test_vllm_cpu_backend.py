@@ -11,6 +11,7 @@ import torch
 from cluster.spec import ClusterSpec
 from decode_worker.engine import ColocatedEngine
 from engine.attention import create_attention_backend
+from engine.attention.base import quantize_fp8
 from engine.attention.vllm_cpu_backend import vllm_cpu_unavailable
 from engine.model_runner import ModelRunner
 from engine.request import SamplingParams
@@ -20,8 +21,9 @@ WHY = vllm_cpu_unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"vllm_cpu: {WHY}")
 
 
-def _engine(hf_model, backend: str, dtype: str = "float32") -> ColocatedEngine:
-    cfg = replace(engine_config(dtype=dtype, num_blocks=64, max_num_batched_tokens=32), attention_backend=backend)
+def _engine(hf_model, backend: str, dtype: str = "float32", kv_cache_dtype: str = "auto") -> ColocatedEngine:
+    cfg = replace(engine_config(dtype=dtype, num_blocks=64, max_num_batched_tokens=32, kv_cache_dtype=kv_cache_dtype),
+                  attention_backend=backend)
     runner = ModelRunner(cfg, model_config=model_config_of(hf_model), weights=hf_model.state_dict().items())
     return ColocatedEngine(cfg, runner=runner)
 
@@ -77,9 +79,32 @@ def test_auto_runs_it_where_it_fits_and_says_why_not_elsewhere(caplog):
         assert create_attention_backend("auto", cpu, torch.bfloat16, None, 80).name == "vllm_cpu"
         assert create_attention_backend("auto", cpu, torch.float32, None, 16).name == "torch"
         assert create_attention_backend("auto", cpu, torch.float16, None, 64).name == "torch"
-        assert create_attention_backend("auto", cpu, torch.float32, torch.float8_e4m3fn, 64).name == "torch"
+        assert create_attention_backend("auto", cpu, torch.float32, torch.float8_e4m3fn, 64).name == "vllm_cpu"
+        assert create_attention_backend("auto", cpu, torch.bfloat16, torch.float8_e4m3fn, 80).name == "torch"
     assert "vllm_cpu cannot run: no kernel for head_dim 16" in caplog.text
+    assert "its fp8 kernels need head_dim a multiple of 32, not 80" in caplog.text
     assert "vllm_cpu cannot run: runs float32 and bfloat16, not torch.float16" in caplog.text
+
+
+def test_fp8_cache_matches_the_torch_backends():
+    """Its kernels read the fp8 cache; new K/V are written rounded to nearest as the torch
+    backend's (its own writer truncates): the same tokens, logprobs within 1e-4, through chunked
+    prefills and cached prefixes; the bytes in the blocks are `quantize_fp8` of the K/V."""
+    hf = make_hf_tiny_llama(seed=4, hidden_size=128)  # head_dim 32
+    prompts = random_prompts(4, [9, 40, 70], seed=7)
+    ours, ref = (_engine(hf, backend, kv_cache_dtype="fp8_e4m3") for backend in ("vllm_cpu", "torch"))
+    assert ours.runner.backend.name == "vllm_cpu" and ours.runner.kv_cache.dtype == torch.float8_e4m3fn
+    for (tokens, steps, _), (ref_tokens, ref_steps, _) in zip(_generate(ours, prompts, 8), _generate(ref, prompts, 8)):
+        assert tokens == ref_tokens
+        for step, ref_step in zip(steps, ref_steps):
+            assert all(abs(step[t] - ref_step[t]) < 1e-4 for t in step.keys() & ref_step.keys())
+    backend, layer = ours.runner.backend, torch.zeros(2, 3, 32, 2, 32, dtype=torch.float8_e4m3fn)
+    k, v = torch.randn(5, 2, 32), torch.randn(5, 2, 32)
+    backend._write_fp8(layer, k, v, torch.tensor([33, 34, 40, 64, 95]), 1.0, 1.0)
+    slots = [33, 34, 40, 64, 95]
+    for view, new in zip(backend.kv_views(layer), (k, v)):
+        assert torch.equal(view.reshape(-1, 2, 32)[slots].view(torch.uint8), quantize_fp8(new, 1.0).view(torch.uint8))
+    ours.kv.assert_no_leaks()
 
 
 def test_a_fixed_block_count_keeps_its_tokens_in_larger_blocks():
@@ -91,8 +116,10 @@ def test_a_fixed_block_count_keeps_its_tokens_in_larger_blocks():
 
 def test_refused_where_it_cannot_run():
     cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="vllm_cpu runs .* multiple of 32, not 80"):
+        create_attention_backend("vllm_cpu", cpu, torch.float32, torch.float8_e4m3fn, 80)
     with pytest.raises(ValueError, match="vllm_cpu runs"):
-        create_attention_backend("vllm_cpu", cpu, torch.float32, torch.float8_e4m3fn)
+        create_attention_backend("vllm_cpu", cpu, torch.float32, torch.float16)
     with pytest.raises(ValueError, match="no kernel for head_dim 16"):
         create_attention_backend("vllm_cpu", cpu, torch.float32).check_head_dim(16)
     assert ClusterSpec(attention_backend="vllm_cpu").attention_backend == "vllm_cpu"
