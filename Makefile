@@ -21,7 +21,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The multi-host tests run in a process of their own: their bed (several SmolLM2 ranks on this one
-# machine) needs the memory the rest of the suite's process holds by then (~12 GB).
+# machine) needs the memory the rest of the suite's process holds by then (~12 GB). Why it holds it:
+# glibc's dynamic mmap threshold keeps freed large tensors in the heap (test_inprocess_pd alone: 4.9 GB
+# resident after it; with MALLOC_MMAP_THRESHOLD_=131072, 0.8 GB, but 47 -> 75 s): docs/engine.md.
 test: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q --durations=15 tests --ignore=tests/multihost
 	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q --durations=5 tests/multihost
