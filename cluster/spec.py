@@ -134,7 +134,7 @@ class ClusterSpec:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # auto = the model's dtype; fp8_e4m3
-    attention_backend: str = "auto"  # auto = flash_attn when importable on CUDA, else torch
+    attention_backend: str = "auto"  # auto = flash_attn on CUDA, vllm_cpu on a CPU where it fits, else torch
     enforce_eager: bool = False
     num_threads: int | None = None
     # routing, transfer, health

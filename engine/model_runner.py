@@ -160,8 +160,8 @@ class ModelRunner:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
         logger.info("loaded weights in %.2f s", time.perf_counter() - start)
         start = time.perf_counter()
-        if path is not None and weights_from_file and (head := q8_head_method(path, method, self.dtype, self.device,
-                                                                               self.tp.size)) is not None:
+        if weights_from_file and (head := q8_head_method(path, method, self.dtype, self.device,
+                                                          self.tp.size)) is not None:
             model.lm_head.linear_method = head
         # after every shard is in, so a quantizing method sees exactly this rank's slice
         described = self.linear_layers = process_weights_after_loading(model)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from engine.attention.base import FP8, AttentionMetadata, BaseAttentionBackend, quantize_fp8
+from engine.vllm_cpu_ops import bf16_rounds_to_nearest
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,6 @@ class VllmCpuAttentionBackend(BaseAttentionBackend):
 
     def fused_ops(self, dtype: torch.dtype) -> frozenset[str]:
         """engine/vllm_cpu_ops.py: the norm in bf16 only where this build rounds to nearest."""
-        from engine.vllm_cpu_ops import bf16_rounds_to_nearest
         fuse_norm = dtype == torch.float32 or bf16_rounds_to_nearest()
         return frozenset({"rotary", "rms_norm"} if fuse_norm else {"rotary"})
 

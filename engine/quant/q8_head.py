@@ -33,6 +33,7 @@ from engine.quant.selection import KernelChoice, choose_kernels
 logger = logging.getLogger(__name__)
 
 Q8_0_BLOCK_BYTES = 2 + GROUP_SIZE  # fp16 scale, 32 int8 codes
+_INT4 = Int4PackKernel()  # each plane's kernel (stateless)
 
 
 def decode_q8_0_blocks(raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,19 +65,19 @@ class Q8Int4PlanesKernel(LinearKernel):
     name, label = "q8_0_int4_planes", "Q8_0 as two int4pack planes"
 
     def unavailable(self, device):
-        return Int4PackKernel().unavailable(device)
+        return _INT4.unavailable(device)
 
     def unsupported(self, shape, dtype):
         if dtype != torch.bfloat16:
             return f"int4pack has no vectorized {str(dtype).removeprefix('torch.')} path"
-        return Int4PackKernel().unsupported(shape, dtype)
+        return _INT4.unsupported(shape, dtype)
 
     def prepare(self, codes, scales, dtype):
-        return tuple(Int4PackKernel().prepare(*plane, dtype) for plane in int4_planes(codes, scales))
+        return tuple(_INT4.prepare(*plane, dtype) for plane in int4_planes(codes, scales))
 
     def run(self, state, x):
         hi, lo = state
-        return Int4PackKernel().run(hi, x) + Int4PackKernel().run(lo, x)
+        return _INT4.run(hi, x) + _INT4.run(lo, x)
 
 
 class DequantizedQ8Kernel(UnquantizedBaseline):
