@@ -32,10 +32,12 @@ class ColocatedEngine:
         self.max_model_len = min(max_len, mc.max_position_embeddings, (self.runner.num_blocks - 1) * block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.output = OutputProcessor(tokenizer)
-        self.eos_token_id = tokenizer.eos_token_id if tokenizer else mc.eos_token_id
+        # the config's and generation_config's EOS ids and the tokenizer's (Qwen: <|im_end|>, <|endoftext|>)
+        ids = {*mc.eos_token_ids, mc.eos_token_id, tokenizer.eos_token_id if tokenizer else None}
+        self.eos_token_ids = frozenset(ids - {None})
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        req = Request(request_id, list(prompt_token_ids), params, time.monotonic(), self.eos_token_id)
+        req = Request(request_id, list(prompt_token_ids), params, time.monotonic(), self.eos_token_ids)
         self.scheduler.add_request(req)
         self.output.add_request(req)
         return req

@@ -196,7 +196,7 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params
-        if not sp.ignore_eos and token == req.eos_token_id:
+        if not sp.ignore_eos and token in req.eos_token_ids:
             req.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
         if token in sp.stop_token_ids:

@@ -43,7 +43,7 @@ class DecodeWorker:
     def reserve(self, req: Request, prefill_tp: int) -> bool:
         """Admission control: blocks for the prompt, or False. Registers the expected KV on all ranks."""
         with self._lock:
-            req.eos_token_id = self.engine.eos_token_id
+            req.eos_token_ids = self.engine.eos_token_ids
             if not self.engine.scheduler.reserve(req):
                 return False
             self._outbox.add(req.request_id, req.client_id)

@@ -12,7 +12,9 @@ import torch
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family model, read from GGUF metadata or a HF `config.json`."""
+    """Shape of a model and the switches of its family (engine/models), read from GGUF metadata or
+    a HF `config.json`; a switch a checkpoint sets that its family does not implement is refused
+    there, at load, so nothing here is silently ignored."""
 
     vocab_size: int
     hidden_size: int
@@ -29,10 +31,29 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = "llama"
+    architecture: str = "llama"  # the family (engine/models.FAMILIES)
+    qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2; Llama's attention_bias)
+    o_bias: bool = False  # o_proj carries one (Llama's attention_bias)
+    mlp_bias: bool = False  # gate/up/down carry one (Llama's mlp_bias)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before the rotary embedding (Qwen3)
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included
+    # per layer, "full_attention" or "sliding_attention" (HF `layer_types`); () = every layer full,
+    # or every layer sliding when sliding_window is set
+    layer_types: tuple[str, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends generation (config, generation_config)
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, "GQA needs num_heads divisible by num_kv_heads"
         assert self.head_dim % 2 == 0
+        assert not self.layer_types or len(self.layer_types) == self.num_layers, "one layer type per layer"
+
+    def window(self, layer: int) -> int | None:
+        """How many keys (its own included) a query of `layer` attends to; None: all before it."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @property
     def q_size(self) -> int:

@@ -53,6 +53,36 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(mid, blended, out)
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, scaling: dict, theta: float, max_position: int
+                   ) -> tuple[torch.Tensor, float]:
+    """YaRN (Qwen2.5's long context): frequencies of short wavelengths kept, long ones divided by
+    `factor`, a linear ramp between over the dimensions whose rotations in the original context
+    fall between beta_slow and beta_fast; cos and sin then scaled by the attention factor.
+    transformers' `_compute_yarn_parameters`, from the paper's formulas."""
+    dim = inv_freq.shape[0] * 2
+    old_len = scaling.get("original_max_position_embeddings") or max_position
+    factor = scaling.get("factor") or max_position / old_len
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times in old_len
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate (divided by factor)
+    return inv_freq / factor * (1 - keep) + inv_freq * keep, float(attention)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding in HF's half-split layout (rotate_half), cos/sin cached per position."""
 
@@ -60,19 +90,22 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+        attention = 1.0  # YaRN scales cos and sin
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif rope_type == "linear":
             inv_freq = inv_freq / scaling["factor"]
+        elif rope_type == "yarn":
+            inv_freq, attention = _yarn_inv_freq(inv_freq, scaling, theta, max_position)
         elif rope_type not in (None, "default"):
             raise ValueError(f"unsupported rope scaling {rope_type!r}")
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # (max_pos, head_dim/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (max_pos, head_dim)
-        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("cos", emb.cos() * attention, persistent=False)
 
         # rotate_half(x) = cat(-x2, x1) = roll(x, half) * [-1.. | 1..]: the sign is folded into sin
         half = emb.shape[-1] // 2
-        self.register_buffer("signed_sin", torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], -1),
+        self.register_buffer("signed_sin", torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], -1) * attention,
                              persistent=False)
         self._cos_sin: torch.Tensor | None = None  # the fused kernel's table: cos | sin, (max_pos, head_dim)
 

@@ -16,12 +16,15 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig, parse_dtype
+from engine.models import config_from_hf
+from engine.models.hf_config import generation_eos
 
 logger = logging.getLogger(__name__)
 
@@ -80,50 +83,18 @@ def _is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix == ".gguf"
 
 
-def _normalize_rope_scaling(scaling: dict | None) -> dict | None:
-    """HF `rope_scaling` with `rope_type` spelled out (old configs say `type`); None when default."""
-    if not scaling:
-        return None
-    scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
-    if "rope_type" not in scaling and "type" in scaling:
-        scaling["rope_type"] = scaling.pop("type")
-    if scaling.get("rope_type", "default") == "default":
-        return None
-    return scaling
-
-
-def _first(value):
-    """`eos_token_id` may be a list in HF configs; the engine keeps the first."""
-    return value[0] if isinstance(value, (list, tuple)) else value
-
-
 def hf_model_config(folder: Path) -> ModelConfig:
-    """A `ModelConfig` from a Hugging Face `config.json` (transformers 4 or 5 spelling of RoPE)."""
+    """A `ModelConfig` from a Hugging Face `config.json` by its family (engine/models), with the
+    EOS ids of generation_config.json added; what the family does not run is refused."""
     cfg = json.loads((folder / "config.json").read_text())
     if quant := cfg.get("quantization_config"):
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
         raise ValueError(f"{folder}: checkpoint quantized with {method!r} (config.json quantization_config); "
                          "pdserve loads float safetensors and GGUF files, not AWQ/GPTQ/other pre-quantized "
                          "safetensors (use the float checkpoint with --quantization int4 or int8)")
-    rope_params = cfg.get("rope_parameters") or {}  # transformers >= 5 nests rope_theta here
-    num_heads = cfg["num_attention_heads"]
-    return ModelConfig(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-        rope_theta=cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
-        rope_scaling=_normalize_rope_scaling(cfg.get("rope_scaling") or rope_params),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        bos_token_id=_first(cfg.get("bos_token_id")),
-        eos_token_id=_first(cfg.get("eos_token_id")),
-        name=folder.resolve().name,
-    )
+    config = config_from_hf(cfg, folder.resolve().name)
+    eos = tuple(dict.fromkeys(config.eos_token_ids + generation_eos(folder)))
+    return replace(config, eos_token_ids=eos, eos_token_id=eos[0] if eos else None)
 
 
 def load_model_config(path: str | os.PathLike) -> ModelConfig:

@@ -19,7 +19,7 @@ from engine.config import EngineConfig, ModelConfig, cpu_has_native_bf16, resolv
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import allocate_kv_cache, blocks_from_device, kv_block_bytes, num_blocks_for
 from engine.loader import load_model_config, load_weights, resolve_model_path
-from engine.model import LlamaForCausalLM
+from engine.models import model_class
 from engine.parallel import TPGroup
 from engine.quant import (create_linear_method, method_reads_q4_codes, process_weights_after_loading,
                           resolve_quantization)
@@ -139,15 +139,15 @@ class ModelRunner:
             self.update_states(SchedulerOutput(finished_req_ids=["profile"]))
             self.kv_cache = pool
 
-    def _load_model(self, path, weights) -> LlamaForCausalLM:
+    def _load_model(self, path, weights) -> torch.nn.Module:
         start = time.perf_counter()
         name = resolve_quantization(self.config.quantization, path, self.model_config, self.tp.size)
         method = create_linear_method(name, path if weights is None else None)
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = LlamaForCausalLM(self.model_config, self.tp, linear_method=method,
-                                         fused=self.backend.fused_ops(self.dtype))
+                model = model_class(self.model_config)(self.model_config, self.tp, linear_method=method,
+                                                       fused=self.backend.fused_ops(self.dtype))
         finally:
             torch.set_default_dtype(torch.float32)
         weights_from_file = weights is None

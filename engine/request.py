@@ -73,7 +73,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float = 0.0
-    eos_token_id: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()  # the model's: any of them ends generation
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)

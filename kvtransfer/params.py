@@ -15,7 +15,7 @@ class CompatRecord:
     slices heads per decode rank), so they may differ; everything in MUST_MATCH may not.
     `dtype` is the KV cache's element type ("float8_e4m3fn" for an fp8 cache), which may differ
     from the model's. NOTE: fp8 scales are not here because they are 1.0 on every instance
-    (engine/model.py); a change that loads them from checkpoints must add them to MUST_MATCH.
+    (engine/models/llama.py); a change that loads them from checkpoints must add them to MUST_MATCH.
     """
     model: str
     dtype: str

@@ -16,19 +16,32 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
             bos_token_id=1, eos_token_id=2)
 
 
-def make_hf_tiny_llama(seed: int = 0, **overrides):
-    """A tiny random `transformers.LlamaForCausalLM` with GQA, in fp32."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+# transformers' config and model classes of each family the tests build tiny models of
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
+
+
+def make_hf_tiny(family: str = "llama", seed: int = 0, **overrides):
+    """A tiny random transformers model of `family` (HF_CLASSES) with GQA, in fp32, built from its
+    own config class (TINY's shape, `overrides` on top: the family's switches)."""
+    import transformers
+    config_cls, model_cls = (getattr(transformers, name) for name in HF_CLASSES[family])
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**{**TINY, **overrides})
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # random init leaves norms at 1; perturb them so the test sees them
+    model = model_cls(config_cls(**{**TINY, **overrides})).eval()
+    with torch.no_grad():  # random init leaves norms at 1 and biases at 0; perturb them so the test sees them
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.5)
             else:
                 p.mul_(2.5)  # sharper distributions: greedy choices far from ties
     return model
+
+
+def make_hf_tiny_llama(seed: int = 0, **overrides):
+    """A tiny random `transformers.LlamaForCausalLM` with GQA, in fp32."""
+    return make_hf_tiny("llama", seed, **overrides)
 
 
 def model_config_of(hf_model) -> ModelConfig:
@@ -44,7 +57,12 @@ def model_config_of(hf_model) -> ModelConfig:
 
 def save_tiny_llama(path: Path, seed: int = 0, **overrides) -> Path:
     """Writes a tiny random Llama as a HF safetensors folder; returns the folder."""
-    make_hf_tiny_llama(seed, **overrides).save_pretrained(path, safe_serialization=True)
+    return save_tiny(path, "llama", seed, **overrides)
+
+
+def save_tiny(path: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Writes a tiny random model of `family` (make_hf_tiny) as a HF safetensors folder; returns it."""
+    make_hf_tiny(family, seed, **overrides).save_pretrained(path, safe_serialization=True)
     return path
 
 

@@ -82,7 +82,8 @@ class BaseAttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                window: int | None = None) -> torch.Tensor:
         """Store k/v at `meta.slot_mapping`, then causal attention of q over the cached context.
 
         Args:
@@ -92,6 +93,8 @@ class BaseAttentionBackend(ABC):
             meta: the step's metadata (see module docstring)
             scale: softmax scale, usually head_dim ** -0.5
             k_scale, v_scale: this layer's fp8 KV scales (write_kv); unused by a full-precision cache
+            window: a sliding layer's window, the keys a query sees with its own (positions
+                p - window + 1 .. p); None: every key up to its own
         Returns:
             (num_tokens, num_heads, head_dim)
         """

@@ -22,12 +22,16 @@ SDPA 55 us, bf16 masked bmm 108; batch 8 x 256: 207 and 225; batch 32 x 256: 796
 batch 32 to 256 positions, ran 28% slower with fp32 SDPA for every decode). In fp32 SDPA is the
 faster at every size.
 
+A sliding layer (`window` W: each query sees its own key and the W - 1 before it) takes the same
+gathers under a bias or mask that also hides keys W or more positions back, built once per step
+for each window the model has.
+
 An fp8 cache (`--kv-cache-dtype fp8_e4m3`) is dequantized to the compute dtype as it is read:
 only the gathered rows, never the whole pool (`gather_kv`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -41,14 +45,35 @@ BMM_MIN_KV = 512
 BMM_MIN_BATCH = 8
 
 
+def _hide_outside(bias: torch.Tensor, seq_lens: torch.Tensor, window: int | None) -> torch.Tensor:
+    """bias: (rows, 1, ctx) zeros -> -inf at positions past each row's context, and with a window
+    at those `window` or more before its last position (rows past seq_lens' are left alone)."""
+    n = seq_lens.shape[0]
+    pos = torch.arange(bias.shape[-1], device=bias.device)[None, :]
+    hide = pos >= seq_lens[:, None]
+    if window is not None:
+        hide |= pos < seq_lens[:, None] - window
+    bias[:n].masked_fill_(hide.view(n, 1, -1), float("-inf"))
+    return bias
+
+
 @dataclass
 class _DecodePlan:
     block_ids: torch.Tensor  # (num_decodes * max_blocks,) int64, each sequence's table, padded
-    bias: torch.Tensor  # (num_decodes, 1, max_ctx) float32: 0 inside the context, -inf past it
     tables: torch.Tensor  # (num_decodes, max_blocks) the tables, for the masked bmm's padded plan
     seq_lens: torch.Tensor  # (num_decodes,)
     block_size: int
-    padded: tuple[torch.Tensor, torch.Tensor] | None = None  # block ids and bias for the masked bmm
+    # per window (None: full attention), the (num_decodes, 1, max_ctx) float32 bias: 0 where a key
+    # is seen, -inf past the context (and outside the window)
+    biases: dict = field(default_factory=dict)
+    padded: dict = field(default_factory=dict)  # per window, block ids and bias for the masked bmm
+
+    def bias(self, window: int | None) -> torch.Tensor:
+        if window not in self.biases:
+            nd, max_blocks = self.tables.shape
+            zeros = torch.zeros(nd, 1, max_blocks * self.block_size, device=self.tables.device)
+            self.biases[window] = _hide_outside(zeros, self.seq_lens, window)
+        return self.biases[window]
 
 
 @dataclass
@@ -56,7 +81,23 @@ class _PrefillPlan:
     token_start: int
     query_len: int
     slots: torch.Tensor  # (seq_len,) int64
-    mask: torch.Tensor | None  # (query_len, seq_len) bool; None when there is no cached context
+    masks: dict = field(default_factory=dict)  # per window, (query_len, seq_len) bool, None: causal
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """Which keys each query row sees; None when plain causal attention over the new tokens is it
+        (no cached context, no window that cuts the chunk)."""
+        if window not in self.masks:
+            seq_len, q_len = self.slots.shape[0], self.query_len
+            mask = None
+            if seq_len > q_len or (window is not None and q_len > window):
+                # query row r sits at position seq_len - q_len + r and sees keys up to it
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=self.slots.device)[:, None]
+                k_pos = torch.arange(seq_len, device=self.slots.device)[None, :]
+                mask = k_pos <= q_pos
+                if window is not None:
+                    mask &= k_pos > q_pos - window
+            self.masks[window] = mask
+        return self.masks[window]
 
 
 def context_slots(block_table: torch.Tensor, num_positions: int, block_size: int) -> torch.Tensor:
@@ -94,12 +135,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
         for i in range(nd, meta.num_seqs):
             q_len, seq_len = meta.query_lens[i], meta.seq_lens_cpu[i]
             slots = context_slots(meta.block_tables[i:i + 1], seq_len, meta.block_size)[0]
-            mask = None
-            if seq_len > q_len:
-                # query row r sits at position seq_len - q_len + r and sees keys up to it
-                q_pos = torch.arange(seq_len - q_len, seq_len, device=slots.device)
-                mask = torch.arange(seq_len, device=slots.device)[None, :] <= q_pos[:, None]
-            self._prefills.append(_PrefillPlan(starts[i], q_len, slots, mask))
+            self._prefills.append(_PrefillPlan(starts[i], q_len, slots))
 
     def prepare_static_decode(self, meta: AttentionMetadata, max_blocks: int) -> None:
         """A decode-only step over exactly `max_blocks` blocks per sequence, with no host reads:
@@ -109,45 +145,44 @@ class TorchAttentionBackend(BaseAttentionBackend):
 
     def _plan_decodes(self, meta: AttentionMetadata, nd: int, max_blocks: int) -> None:
         block_ids = meta.block_tables[:nd, :max_blocks].reshape(-1).long()
-        pos = torch.arange(max_blocks * meta.block_size, device=block_ids.device)
-        bias = torch.zeros(nd, 1, pos.numel(), device=block_ids.device)
-        bias.masked_fill_((pos[None, :] >= meta.seq_lens[:nd, None]).view(nd, 1, -1), float("-inf"))
-        self._decode = _DecodePlan(block_ids, bias, meta.block_tables[:nd, :max_blocks], meta.seq_lens[:nd],
+        self._decode = _DecodePlan(block_ids, meta.block_tables[:nd, :max_blocks], meta.seq_lens[:nd],
                                    meta.block_size)
 
-    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0):
+    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None):
         write_kv(kv_cache, k, v, meta.slot_mapping, k_scale, v_scale)
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
         out = torch.empty_like(q)
         if self._decode is not None:
-            out[:meta.num_decodes] = self._decode_attention(q[:meta.num_decodes], kv_cache, scale, k_scale, v_scale)
+            out[:meta.num_decodes] = self._decode_attention(q[:meta.num_decodes], kv_cache, scale, k_scale, v_scale,
+                                                            window)
         for plan in self._prefills:
             s, e = plan.token_start, plan.token_start + plan.query_len
-            # no cached context: the new K/V are the whole context; but an fp8 cache is read back
-            # even then, so that every query sees K/V as the cache holds them (chunked or not)
-            if plan.mask is None and kv_cache.dtype != FP8:
-                out[s:e] = self._attend(q[s:e], k[s:e], v[s:e], None, scale)
+            mask = plan.mask(window)
+            # the new K/V are the whole context; but an fp8 cache is read back even then, so that
+            # every query sees K/V as the cache holds them (chunked or not)
+            if plan.slots.shape[0] == plan.query_len and kv_cache.dtype != FP8:
+                out[s:e] = self._attend(q[s:e], k[s:e], v[s:e], mask, scale)
             else:
                 ks = gather_kv(flat[0], plan.slots, q.dtype, k_scale)  # (seq_len, kv_heads, head_dim)
                 vs = gather_kv(flat[1], plan.slots, q.dtype, v_scale)
-                out[s:e] = self._attend(q[s:e], ks, vs, plan.mask, scale)
+                out[s:e] = self._attend(q[s:e], ks, vs, mask, scale)
         return out
 
-    def _decode_attention(self, q, kv_cache, scale, k_scale, v_scale):
+    def _decode_attention(self, q, kv_cache, scale, k_scale, v_scale, window):
         ids = self._decode.block_ids
         if (q.device.type == "cpu" and q.dtype != torch.float32 and q.shape[0] >= BMM_MIN_BATCH
                 and ids.numel() * kv_cache.shape[2] > BMM_MIN_KV):
-            return self._masked_bmm(q, kv_cache, scale, k_scale, v_scale)
+            return self._masked_bmm(q, kv_cache, scale, k_scale, v_scale, window)
         k, v = _gather_rows(kv_cache, ids, q.shape[0], q.dtype, k_scale, v_scale)
-        return self._decode_sdpa(q, k, v, kv_cache.shape[-2], scale)
+        return self._decode_sdpa(q, k, v, kv_cache.shape[-2], scale, self._decode.bias(window))
 
-    def _padded_plan(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _padded_plan(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ids and bias for the masked bmm, the batch padded to a multiple of 8 (rows of the
         null block, bias 0: finite, dropped) and the context to a multiple of 64 positions up to
         512, a power of two beyond (null blocks under a -inf bias); built once per step."""
         plan = self._decode
-        if plan.padded is None:
+        if window not in plan.padded:
             nd, max_blocks = plan.tables.shape
             rows = -(-nd // 8) * 8
             tokens = max_blocks * plan.block_size
@@ -155,16 +190,14 @@ class TorchAttentionBackend(BaseAttentionBackend):
             blocks = -(-tokens // plan.block_size)
             ids = torch.zeros(rows, blocks, dtype=torch.long, device=plan.tables.device)
             ids[:nd, :max_blocks] = plan.tables
-            pos = torch.arange(blocks * plan.block_size, device=ids.device)
-            bias = torch.zeros(rows, 1, pos.numel(), device=ids.device)
-            bias[:nd].masked_fill_((pos[None, :] >= plan.seq_lens[:, None]).view(nd, 1, -1), float("-inf"))
-            plan.padded = ids.view(-1), bias
-        return plan.padded
+            bias = torch.zeros(rows, 1, blocks * plan.block_size, device=ids.device)
+            plan.padded[window] = ids.view(-1), _hide_outside(bias, plan.seq_lens, window)
+        return plan.padded[window]
 
-    def _masked_bmm(self, q, kv_cache, scale, k_scale, v_scale):
+    def _masked_bmm(self, q, kv_cache, scale, k_scale, v_scale, window):
         nd, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[-2]
-        ids, bias = self._padded_plan()
+        ids, bias = self._padded_plan(window)
         rows = bias.shape[0]
         k, v = _gather_rows(kv_cache, ids, rows, q.dtype, k_scale, v_scale)
         if rows > nd:
@@ -175,12 +208,13 @@ class TorchAttentionBackend(BaseAttentionBackend):
         out = torch.bmm(scores.softmax(-1).to(q.dtype), v) * mask  # (rows, heads, kv_heads * hd)
         return out[:nd].view(nd, num_heads, num_kv_heads, head_dim).sum(2)
 
-    def _decode_sdpa(self, q, k, v, num_kv_heads, scale):
+    @staticmethod
+    def _decode_sdpa(q, k, v, num_kv_heads, scale, bias):
         """q: (nd, heads, head_dim); k, v: (nd, max_ctx, kv_heads * head_dim) -> (nd, heads, head_dim)."""
         nd, num_heads, head_dim = q.shape
         kh = k.float().view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)  # (nd, kv_heads, max_ctx, hd)
         vh = v.float().view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.float().unsqueeze(2), kh, vh, attn_mask=self._decode.bias.unsqueeze(1),
+        o = F.scaled_dot_product_attention(q.float().unsqueeze(2), kh, vh, attn_mask=bias.unsqueeze(1),
                                            scale=scale, enable_gqa=True)  # (nd, heads, 1, hd)
         return o.squeeze(2).to(q.dtype)
 

@@ -85,7 +85,7 @@ class VllmCpuAttentionBackend(BaseAttentionBackend):
         # block layout `kv_views` does not map (nor has any CPU here had AMX to test it on)
         self.isa = "vec"
         self._meta: AttentionMetadata | None = None
-        self._schedule: torch.Tensor | None = None
+        self._schedules: dict[int | None, torch.Tensor] = {}  # per window: the kernels' work split
 
     def check_head_dim(self, head_dim: int) -> None:
         if head_dim not in HEAD_DIMS:
@@ -115,17 +115,18 @@ class VllmCpuAttentionBackend(BaseAttentionBackend):
         return -(-requested // BLOCK_MULTIPLE) * BLOCK_MULTIPLE
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        self._meta, self._schedule = meta, None  # the schedule needs the heads: built at the first layer
+        self._meta, self._schedules = meta, {}  # a schedule needs the heads: built at the first layer
 
-    def _step_schedule(self, q: torch.Tensor, num_kv_heads: int, head_dim: int, cache_dtype: str) -> torch.Tensor:
-        if self._schedule is None:
+    def _step_schedule(self, q: torch.Tensor, num_kv_heads: int, head_dim: int, cache_dtype: str,
+                       window: int) -> torch.Tensor:
+        if window not in self._schedules:
             m = self._meta
-            self._schedule = torch.ops._C.get_scheduler_metadata(
-                m.num_seqs, q.shape[1], num_kv_heads, head_dim, m.seq_lens, q.dtype, m.query_start_loc, True, -1,
-                self.isa, False, None, cache_dtype)
-        return self._schedule
+            self._schedules[window] = torch.ops._C.get_scheduler_metadata(
+                m.num_seqs, q.shape[1], num_kv_heads, head_dim, m.seq_lens, q.dtype, m.query_start_loc, True,
+                window, self.isa, False, None, cache_dtype)
+        return self._schedules[window]
 
-    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0):
+    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None):
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         fp8 = kv_cache.dtype == FP8
         blocks = kv_cache.view(torch.uint8) if fp8 else kv_cache  # its fp8 path takes the bytes
@@ -133,6 +134,9 @@ class VllmCpuAttentionBackend(BaseAttentionBackend):
         ops = torch.ops._C
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # views of the qkv projection
         out, cache_dtype = torch.empty_like(q), "fp8_e4m3" if fp8 else "auto"
+        # its window is ours, the query's own key included (vLLM passes it a model's sliding_window as
+        # is; flash-attn takes window - 1): tests/engine/test_sliding_window.py
+        left = -1 if window is None else window
         if fp8:
             self._write_fp8(kv_cache, k, v, meta.slot_mapping, k_scale, v_scale)
         with _KERNELS:
@@ -140,9 +144,9 @@ class VllmCpuAttentionBackend(BaseAttentionBackend):
                 ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, self.isa, 1.0, 1.0,
                                                "auto")
             ops.cpu_attention_with_kv_cache(q, key_cache, value_cache, out, meta.query_start_loc, meta.seq_lens, scale,
-                                            True, None, -1, meta.block_tables, 0.0,
-                                            self._step_schedule(q, num_kv_heads, head_dim, cache_dtype), None, None,
-                                            k_scale if fp8 else 1.0, v_scale if fp8 else 1.0, cache_dtype)
+                                            True, None, left, meta.block_tables, 0.0,
+                                            self._step_schedule(q, num_kv_heads, head_dim, cache_dtype, left), None,
+                                            None, k_scale if fp8 else 1.0, v_scale if fp8 else 1.0, cache_dtype)
         return out
 
     def _write_fp8(self, kv_cache, k, v, slot_mapping, k_scale, v_scale) -> None:

@@ -19,15 +19,19 @@ from engine.attention.torch_backend import TorchAttentionBackend
 HEAD_DIM = 16
 
 
-def _ref_attend(q, k, v, scale, causal):
-    """One sequence. q: (q_len, heads, hd); k, v: (k_len, kv_heads, hd). Bottom-right causal, GQA."""
+def _ref_attend(q, k, v, scale, causal, window=None):
+    """One sequence. q: (q_len, heads, hd); k, v: (k_len, kv_heads, hd). Bottom-right causal, GQA;
+    with a window, query i (at position i + k_len - q_len) sees only the `window` keys ending at it."""
     q_len, heads, _ = q.shape
     k_len, kv_heads, _ = k.shape
     group = heads // kv_heads  # query head h reads KV head h // group
     k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # (heads, q_len, k_len)
     if causal:
-        allowed = torch.arange(k_len)[None, :] <= torch.arange(q_len)[:, None] + (k_len - q_len)
+        q_pos, k_pos = torch.arange(q_len)[:, None] + (k_len - q_len), torch.arange(k_len)[None, :]
+        allowed = k_pos <= q_pos
+        if window is not None:
+            allowed &= k_pos > q_pos - window
         scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a fully masked row gives zeros
     return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
@@ -53,8 +57,15 @@ class RecordingFlash:
         assert block_table.dtype == torch.int32 and block_table.shape[0] == batch
         assert block_table.stride(-1) == 1
 
+    @staticmethod
+    def _window(window_size) -> int | None:
+        """flash-attn's (left, right) keys around a query -> ours (left + 1, its own included)."""
+        left, right = window_size
+        assert right in (-1, 0) and (left == -1) == (right == -1), window_size
+        return None if left == -1 else left + 1
+
     def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               softmax_scale=None, causal=False, block_table=None, **unused):
+               softmax_scale=None, causal=False, block_table=None, window_size=(-1, -1), **unused):
         self.calls.append("varlen")
         batch = cu_seqlens_q.numel() - 1
         assert q.dim() == 3 and block_table is not None and causal
@@ -68,11 +79,11 @@ class RecordingFlash:
             qs, qe = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
             k_len = int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
             kb, vb = _gather_paged(k, block_table[b], k_len), _gather_paged(v, block_table[b], k_len)
-            out[qs:qe] = _ref_attend(q[qs:qe], kb, vb, softmax_scale, causal)
+            out[qs:qe] = _ref_attend(q[qs:qe], kb, vb, softmax_scale, causal, self._window(window_size))
         return out
 
     def with_kvcache(self, q, k_cache, v_cache, cache_seqlens=None, block_table=None,
-                     softmax_scale=None, causal=False, **unused):
+                     softmax_scale=None, causal=False, window_size=(-1, -1), **unused):
         self.calls.append("kvcache")
         batch, q_len, heads, hd = q.shape
         assert q_len == 1 and causal and block_table is not None
@@ -83,7 +94,7 @@ class RecordingFlash:
         for b in range(batch):
             n = int(cache_seqlens[b])
             kb, vb = _gather_paged(k_cache, block_table[b], n), _gather_paged(v_cache, block_table[b], n)
-            out[b] = _ref_attend(q[b], kb, vb, softmax_scale, causal)
+            out[b] = _ref_attend(q[b], kb, vb, softmax_scale, causal, self._window(window_size))
         return out
 
 
@@ -116,7 +127,7 @@ def build_metadata(seqs, block_size, gen, device="cpu"):
     return meta, num_blocks
 
 
-def _run_both(flash, seqs, block_size, heads, kv_heads, dtype=torch.float32, device="cpu", seed=0):
+def _run_both(flash, seqs, block_size, heads, kv_heads, dtype=torch.float32, device="cpu", seed=0, window=None):
     """Runs flash and torch backends on identical inputs; returns (flash_out, torch_out, caches)."""
     gen = torch.Generator().manual_seed(seed)
     meta, num_blocks = build_metadata(seqs, block_size, gen, device)
@@ -133,8 +144,8 @@ def _run_both(flash, seqs, block_size, heads, kv_heads, dtype=torch.float32, dev
     scale = HEAD_DIM ** -0.5
     flash.prepare(meta)
     ref.prepare(meta)
-    out_flash = flash.forward(q, k, v, flash_cache, meta, scale)
-    out_ref = ref.forward(q, k, v, torch_cache, meta, scale)
+    out_flash = flash.forward(q, k, v, flash_cache, meta, scale, window=window)
+    out_ref = ref.forward(q, k, v, torch_cache, meta, scale, window=window)
     return out_flash, out_ref, flash_cache, torch_cache
 
 

@@ -17,7 +17,8 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import CacheConfig, resolve_kv_cache_dtype
 from engine.kv_cache import kv_block_bytes
 from engine.model_runner import ModelRunner
-from tests.engine.test_flash_backend import BATCHES, HEAD_DIM, _gather_paged, _ref_attend, build_metadata
+from tests.engine.test_flash_backend import (BATCHES, HEAD_DIM, RecordingFlash, _gather_paged, _ref_attend,
+                                             build_metadata)
 from tests.helpers import engine_config, make_hf_tiny_llama, model_config_of
 
 E4M3_REL_ERR = 2.0 ** -4  # round to nearest with 3 mantissa bits: half a unit in the last place
@@ -108,7 +109,7 @@ class RecordingFA3:
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens=None, page_table=None, cu_seqlens_q=None,
                  max_seqlen_q=None, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
-                 causal=False, **unused):
+                 causal=False, window_size=(-1, -1), **unused):
         self.calls += 1
         batch, kv_heads = cu_seqlens_q.numel() - 1, k_cache.shape[2]
         assert not unused and causal and q.dtype == k_cache.dtype == v_cache.dtype == FP8 and q.dim() == 3
@@ -122,7 +123,8 @@ class RecordingFA3:
             kb = _gather_paged(k_cache, page_table[b], n).float() * k_descale[b][None, :, None]
             vb = _gather_paged(v_cache, page_table[b], n).float() * v_descale[b][None, :, None]
             qb = q[qs:qe].float() * q_descale[b].repeat_interleave(group)[None, :, None]
-            out[qs:qe] = _ref_attend(qb, kb, vb, softmax_scale, causal).to(torch.bfloat16)
+            window = RecordingFlash._window(window_size)
+            out[qs:qe] = _ref_attend(qb, kb, vb, softmax_scale, causal, window).to(torch.bfloat16)
         return out
 
 

@@ -55,7 +55,7 @@ def test_masked_bmm_shapes_are_bucketed():
             meta, _ = build_metadata([(blocks * 16 - 1, 1)] * nd, 16, gen)
             backend = TorchAttentionBackend()
             backend.prepare(meta)
-            ids, bias = backend._padded_plan()
+            ids, bias = backend._padded_plan(None)
             rows, ctx = bias.shape[0], bias.shape[-1]
             assert rows % 8 == 0 and rows >= nd and ctx >= blocks * 16
             assert ctx % 64 == 0 if ctx <= 512 else ctx & (ctx - 1) == 0

@@ -13,7 +13,7 @@ from engine.attention import AttentionMetadata
 from engine.attention.vllm_cpu_backend import VllmCpuAttentionBackend, vllm_cpu_unavailable
 from engine.kv_cache import allocate_kv_cache
 from engine.layers import RMSNorm, RotaryEmbedding
-from engine.model import LlamaForCausalLM
+from engine.models.llama import LlamaForCausalLM
 from tests.helpers import make_hf_tiny_llama, model_config_of
 
 WHY = vllm_cpu_unavailable()

@@ -187,7 +187,7 @@ def test_registry_and_resolution(caplog):
 def test_model_layers_get_the_method_and_the_lm_head_stays_unquantized():
     """Every decoder linear of the model delegates to the method it was built with; the LM head to
     an unquantized one; processing describes both with their layer counts."""
-    from engine.model import LlamaForCausalLM
+    from engine.models.llama import LlamaForCausalLM
     from tests.helpers import make_hf_tiny_llama, model_config_of
     hf = make_hf_tiny_llama()
     method = Int8LinearMethod(kernel="reference")
@@ -203,7 +203,7 @@ def test_model_layers_get_the_method_and_the_lm_head_stays_unquantized():
 def test_w8a8_keeps_down_proj_unquantized():
     """w8a8 quantizes every decoder linear but the MLP's down_proj, which stays unquantized with its
     float weight; the description says so."""
-    from engine.model import LlamaForCausalLM
+    from engine.models.llama import LlamaForCausalLM
     from tests.helpers import make_hf_tiny_llama, model_config_of
     hf = make_hf_tiny_llama()
     model = LlamaForCausalLM(model_config_of(hf), linear_method=W8A8LinearMethod(kernel="reference_w8a8"))

@@ -1,9 +1,13 @@
-"""The Llama-family model (Llama, SmolLM, Mistral-style GQA) over packed flat batches.
+"""The Llama decoder over packed flat batches, and the switches the Llama-like families set.
 
 Every forward takes the step's new tokens laid end to end, `(num_tokens,)`, their positions,
 the attention metadata and the KV cache; there is no padding and no batch axis. Submodules
 keep Hugging Face names (`qkv_proj`, `o_proj`, `gate_up_proj`), and `packed_modules_mapping`
 says which checkpoint tensors are packed into them.
+
+What Qwen2, Qwen3 and Mistral change is a `ModelConfig` switch this module implements (biases,
+per-head q/k norms, a sliding window per layer); their modules read their configs
+(engine/models/__init__.py).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from engine import vllm_cpu_ops
 from engine.attention import AttentionMetadata, BaseAttentionBackend
 from engine.config import ModelConfig
 from engine.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from engine.models.hf_config import llama_like_fields
 from engine.quant.base import BaseLinearMethod
 from engine.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                              RowParallelLinear, TPGroup, VocabParallelEmbedding)
@@ -23,16 +28,21 @@ from engine.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVPara
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, linear_method: BaseLinearMethod | None = None,
-                 fused_rotary: bool = False):
+                 fused_rotary: bool = False, window: int | None = None):
+        """window: the keys each query sees, its own included (a sliding layer); None: all before it."""
         super().__init__()
-        self.fused_rotary = fused_rotary
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, tp=tp,
-                                          linear_method=linear_method)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp=tp,
+        self.fused_rotary, self.window = fused_rotary, window
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          bias=cfg.qkv_bias, tp=tp, linear_method=linear_method)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias, tp=tp,
                                         linear_method=linear_method)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's head_dim values, before the rotation
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         # fp8 KV scales (vLLM's k_scale / v_scale): 1.0, as vLLM takes them when a checkpoint carries
         # none, and none of ours does. NOTE: KV written by a prefill is read by a decode instance, so
         # a change that loads scales must also put them in the KV transfer's CompatRecord.
@@ -42,6 +52,10 @@ class LlamaAttention(nn.Module):
         n = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # (n, (heads + 2 * kv_heads) * head_dim), this rank's heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.q_norm is not None:  # normed into the projection's own rows, so both rotary paths apply
+            q, k = (qkv[:, :q_size + kv_size].view(n, -1, self.head_dim).split([self.num_heads, self.num_kv_heads], 1))
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
         if self.fused_rotary:  # rope = (positions, cos_sin table): q and k rotated in place
             (positions, table), (q, k, _) = rope, qkv.split([q_size, kv_size, kv_size], dim=-1)
             vllm_cpu_ops.rotary_(positions, q, k, self.head_dim, table)
@@ -50,16 +64,17 @@ class LlamaAttention(nn.Module):
             qk = RotaryEmbedding.apply(qkv[:, :q_size + kv_size].view(n, -1, self.head_dim), *rope)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, q_size + kv_size:].view(n, self.num_kv_heads, self.head_dim)
-        o = backend.forward(q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale)  # (n, heads, head_dim)
+        o = backend.forward(q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale,
+                            self.window)  # (n, heads, head_dim)
         return self.o_proj(o.reshape(n, q_size))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, linear_method: BaseLinearMethod | None = None):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp=tp,
-                                                       linear_method=linear_method)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp,
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                       bias=cfg.mlp_bias, tp=tp, linear_method=linear_method)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp,
                                            linear_method=linear_method)
 
     def forward(self, x):
@@ -68,9 +83,9 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, linear_method: BaseLinearMethod | None = None,
-                 fused: frozenset[str] = frozenset()):
+                 fused: frozenset[str] = frozenset(), window: int | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, tp, linear_method, "rotary" in fused)
+        self.self_attn = LlamaAttention(cfg, tp, linear_method, "rotary" in fused, window)
         self.mlp = LlamaMLP(cfg, tp, linear_method)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "rms_norm" in fused)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "rms_norm" in fused)
@@ -101,7 +116,8 @@ class LlamaForCausalLM(nn.Module):
         self.config, self.fused = cfg, fused
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, tp, linear_method, fused) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, tp, linear_method, fused, cfg.window(i))
+                                     for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "rms_norm" in fused)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
@@ -149,3 +165,14 @@ class LlamaForCausalLM(nn.Module):
             loader(param, tensor) if shard is None else loader(param, tensor, shard)
             loaded.add(name)
         return loaded
+
+
+HF_ARCHITECTURE = "LlamaForCausalLM"
+MODEL = LlamaForCausalLM
+
+
+def config_from_hf(cfg: dict, name: str) -> ModelConfig:
+    """Llama (and SmolLM): `attention_bias` puts a bias on q, k, v and o, `mlp_bias` on the MLP."""
+    bias = bool(cfg.get("attention_bias", False))
+    return ModelConfig(**llama_like_fields(cfg, name), architecture="llama", qkv_bias=bias, o_bias=bias,
+                       mlp_bias=bool(cfg.get("mlp_bias", False)))

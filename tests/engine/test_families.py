@@ -1,0 +1,147 @@
+"""Each model family against transformers, on tiny random checkpoints built from transformers' own
+config classes and saved as safetensors folders: logits at every position (prefilled at once,
+in chunks over cached context, token by token), 32 greedy tokens, and the refusals of what a
+config asks for that pdserve does not run."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from decode_worker.engine import ColocatedEngine
+from decode_worker.llm import LLM
+from engine.loader import hf_model_config
+from engine.model_runner import ModelRunner
+from engine.models import UnsupportedConfig
+from engine.request import SamplingParams
+from tests.helpers import all_logits, engine_config, hf_greedy, make_hf_tiny, random_prompts
+
+# name -> (family, the config switches its published checkpoints use); windows of at most 2
+# blocks of 16, prompts of at least 3 windows below
+FAMILIES = {
+    "llama_biases": ("llama", dict(attention_bias=True, mlp_bias=True)),
+    "qwen2": ("qwen2", dict(rope_theta=1000000.0, tie_word_embeddings=True)),
+    "qwen2_yarn": ("qwen2", dict(max_position_embeddings=512, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})),
+    "qwen2_window": ("qwen2", dict(use_sliding_window=True, sliding_window=20, max_window_layers=1)),
+    "qwen3": ("qwen3", dict(head_dim=32)),
+    "mistral_window": ("mistral", dict(sliding_window=24, head_dim=32)),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, the HF model, its saved folder)."""
+    kind, switches = FAMILIES[request.param]
+    hf = make_hf_tiny(kind, seed=len(request.param), **switches)
+    folder = tmp_path_factory.mktemp(request.param) / request.param
+    hf.save_pretrained(folder, safe_serialization=True)
+    return request.param, hf, folder
+
+
+def test_config_reads_the_switches(family):
+    name, hf, folder = family
+    cfg = hf_model_config(folder)
+    kind, switches = FAMILIES[name]
+    assert cfg.architecture == kind
+    assert cfg.qkv_bias == (kind == "qwen2" or "attention_bias" in switches)
+    assert cfg.qk_norm == (kind == "qwen3")
+    windows = [cfg.window(i) for i in range(cfg.num_layers)]
+    if name == "qwen2_window":  # layers from max_window_layers on slide
+        assert windows == [None, 20, 20]
+    else:
+        assert windows == [switches.get("sliding_window")] * cfg.num_layers
+
+
+@pytest.mark.parametrize("backend", ["torch", "vllm_cpu"])
+def test_logits_match_transformers(family, backend):
+    """fp32 logits at every position of a 100-token prompt (over 3 windows) equal HF's, prefilled
+    at once, in chunks of 7 over cached context, and one token at a time (decode steps)."""
+    name, hf, folder = family
+    cfg = engine_config(model=str(folder))
+    if backend == "vllm_cpu":
+        from engine.attention.vllm_cpu_backend import HEAD_DIMS, vllm_cpu_unavailable
+        if vllm_cpu_unavailable() or hf_model_config(folder).head_dim not in HEAD_DIMS:
+            pytest.skip(f"vllm_cpu cannot run {name} here")
+    from dataclasses import replace
+    runner = ModelRunner(replace(cfg, attention_backend=backend))
+    prompt = random_prompts(1, [100], seed=3)[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    for chunk in (1000, 7, 1):
+        torch.testing.assert_close(all_logits(runner, prompt, chunk), ref, atol=2e-4, rtol=1e-4)
+
+
+def _llm(folder) -> LLM:
+    """The colocated engine over a folder's weights, without a tokenizer (these folders have none)."""
+    cfg = engine_config(model=str(folder))
+    return LLM(engine=ColocatedEngine(cfg, runner=ModelRunner(cfg)))
+
+
+def test_greedy_matches_transformers(family):
+    """32 greedy tokens for prompts inside and beyond the window equal transformers' generate."""
+    name, hf, folder = family
+    llm = _llm(folder)
+    prompts = random_prompts(3, [5, 30, 90], seed=5)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    llm.engine.kv.assert_no_leaks()
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, 32), name
+
+
+def _config_folder(tmp_path, family: str = "llama", **keys):
+    """A folder with only a config.json of `family`'s tiny model, `keys` written over it."""
+    import transformers
+    from tests.helpers import HF_CLASSES, TINY
+    cfg = getattr(transformers, HF_CLASSES.get(family, ("LlamaConfig",))[0])(**TINY).to_dict()
+    folder = tmp_path / "cfg"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**cfg, **keys}))
+    return folder
+
+
+@pytest.mark.parametrize("keys,named", [
+    (dict(architectures=["Gemma2ForCausalLM"]), "architecture 'Gemma2ForCausalLM'"),
+    (dict(architectures=["FalconForCausalLM"]), "architecture 'FalconForCausalLM'"),
+    (dict(architectures=None, model_type="phi"), "model_type 'phi'"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope type 'dynamic'"),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}), "rope type 'longrope'"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5"),
+    (dict(final_logit_softcapping=30.0), "final_logit_softcapping 30.0"),
+    (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=8,
+          layer_types=["chunked_attention"] * 3), "layer_types ['chunked_attention']"),
+])
+def test_unsupported_configs_are_refused_by_name(tmp_path, keys, named):
+    """What a config asks for and pdserve does not run is refused at load, in one line naming it."""
+    folder = _config_folder(tmp_path, **keys)
+    with pytest.raises(UnsupportedConfig) as err:
+        hf_model_config(folder)
+    assert named in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_qwen_window_is_off_unless_use_sliding_window(tmp_path):
+    """Qwen2.5 checkpoints carry a sliding_window with use_sliding_window false: full attention
+    (as transformers runs them), not a window."""
+    cfg = hf_model_config(_config_folder(tmp_path, "qwen2", sliding_window=4096, use_sliding_window=False,
+                                         architectures=["Qwen2ForCausalLM"]))
+    assert cfg.architecture == "qwen2" and [cfg.window(i) for i in range(cfg.num_layers)] == [None] * 3
+
+
+def test_eos_is_every_id_of_config_and_generation_config(tmp_path):
+    """EOS is a set: config.json's list and generation_config.json's ids; generation stops on any."""
+    hf = make_hf_tiny("qwen2", seed=1)
+    folder = tmp_path / "qwen2"
+    hf.save_pretrained(folder, safe_serialization=True)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": [2, 7]}))
+    prompt = random_prompts(1, [12], seed=2)[0]
+    free = hf_greedy(hf, prompt, 8)
+    stop_at = free[3]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, stop_at]}))
+    assert hf_model_config(folder).eos_token_ids == tuple(dict.fromkeys([2, 7, stop_at]))
+    llm = _llm(folder)
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    first = next(i for i, t in enumerate(free) if t in (2, 7, stop_at))
+    assert out.token_ids == free[:first + 1] and out.finish_reason == "stop"
