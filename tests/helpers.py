@@ -21,6 +21,20 @@ HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Conf
               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
 
 
+# name -> (family, the config switches its published checkpoints use); windows of at most 2
+# blocks of 16, prompts of at least 3 windows (tests/engine/test_families.py)
+FAMILIES = {
+    "llama_biases": ("llama", dict(attention_bias=True, mlp_bias=True)),
+    "qwen2": ("qwen2", dict(rope_theta=1000000.0, tie_word_embeddings=True)),
+    "qwen2_yarn": ("qwen2", dict(max_position_embeddings=512, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})),
+    "qwen2_window": ("qwen2", dict(use_sliding_window=True, sliding_window=20, max_window_layers=1)),
+    "qwen3": ("qwen3", dict(head_dim=32)),
+    "mistral_window": ("mistral", dict(sliding_window=24, head_dim=32)),
+}
+
+
+
 def make_hf_tiny(family: str = "llama", seed: int = 0, **overrides):
     """A tiny random transformers model of `family` (HF_CLASSES) with GQA, in fp32, built from its
     own config class (TINY's shape, `overrides` on top: the family's switches)."""

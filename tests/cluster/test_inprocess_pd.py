@@ -11,7 +11,7 @@ from cluster.cluster import Cluster
 from cluster.spec import ClusterSpec
 from engine.request import SamplingParams
 from engine.attention.vllm_cpu_backend import vllm_cpu_unavailable
-from tests.helpers import assert_logprobs_close, random_prompts, save_tiny_llama
+from tests.helpers import FAMILIES, assert_logprobs_close, random_prompts, save_tiny, save_tiny_llama
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -87,6 +87,18 @@ def test_vllm_cpu_backend_1p1d_matches_colocated(tmp_path):
     # an fp8 cache: 1P1D (fp8 bytes through its views) gives the torch backend's fp8 colocated tokens
     want_fp8 = run(spec_for(path, mode="colocated", attention_backend="torch", kv_cache_dtype="fp8_e4m3"), prompts, 10)
     assert run(spec_for(path, attention_backend="vllm_cpu", kv_cache_dtype="fp8_e4m3"), prompts, 10) == want_fp8
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral_window"])
+def test_families_1p1d_match_colocated(tmp_path, family):
+    """Qwen3 (per-head q/k norms) and Mistral with a 24-token window: 1P1D gives the colocated
+    engine's greedy tokens, for prompts inside the window and past 3 windows, chunked (the step
+    budget is 128 tokens) and not."""
+    kind, switches = FAMILIES[family]
+    path = str(save_tiny(tmp_path / family, kind, seed=3, **switches))
+    prompts = random_prompts(6, [5, 40, 150], seed=6)
+    colocated = run(spec_for(path, mode="colocated"), prompts, 16)
+    assert run(spec_for(path), prompts, 16) == colocated
 
 
 def test_2p2d_matches_colocated(tiny_path):

@@ -15,20 +15,7 @@ from engine.loader import hf_model_config
 from engine.model_runner import ModelRunner
 from engine.models import UnsupportedConfig
 from engine.request import SamplingParams
-from tests.helpers import all_logits, engine_config, hf_greedy, make_hf_tiny, random_prompts
-
-# name -> (family, the config switches its published checkpoints use); windows of at most 2
-# blocks of 16, prompts of at least 3 windows below
-FAMILIES = {
-    "llama_biases": ("llama", dict(attention_bias=True, mlp_bias=True)),
-    "qwen2": ("qwen2", dict(rope_theta=1000000.0, tie_word_embeddings=True)),
-    "qwen2_yarn": ("qwen2", dict(max_position_embeddings=512, rope_scaling={
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})),
-    "qwen2_window": ("qwen2", dict(use_sliding_window=True, sliding_window=20, max_window_layers=1)),
-    "qwen3": ("qwen3", dict(head_dim=32)),
-    "mistral_window": ("mistral", dict(sliding_window=24, head_dim=32)),
-}
-
+from tests.helpers import FAMILIES, all_logits, engine_config, hf_greedy, make_hf_tiny, random_prompts
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
@@ -145,3 +132,54 @@ def test_eos_is_every_id_of_config_and_generation_config(tmp_path):
     out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0]
     first = next(i for i, t in enumerate(free) if t in (2, 7, stop_at))
     assert out.token_ids == free[:first + 1] and out.finish_reason == "stop"
+
+
+TP_FAMILIES = ("qwen2_window", "qwen3", "mistral_window")  # biases, q/k norms and windows split by head
+
+
+def _tp_rank(rank: int, port: int, folders: list[str], prompt: list[int], out) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from engine.parallel import TPGroup
+    from tests.engine.quant.test_engine import _prefill_logits
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    for folder in folders:
+        runner = ModelRunner(engine_config(model=folder, num_blocks=16, block_size=16), TPGroup(rank, 2, dist.group.WORLD))
+        logits = _prefill_logits(runner, prompt)
+        if rank == 0:
+            out.put((folder, logits.numpy()))  # by value: the process exits before the test reads it
+    dist.destroy_process_group()
+
+
+def test_tensor_parallel_matches_transformers(tmp_path):
+    """Two gloo ranks (tp=2: 2 of the 4 query heads and 1 of the 2 KV heads each, their shares of
+    the q/k/v biases) give transformers' logits for a prompt over 3 windows."""
+    import multiprocessing as mp
+    import socket
+    hf, folders = {}, []
+    for name in TP_FAMILIES:
+        kind, switches = FAMILIES[name]
+        hf[name] = make_hf_tiny(kind, seed=len(name), **switches)
+        hf[name].save_pretrained(tmp_path / name, safe_serialization=True)
+        folders.append(str(tmp_path / name))
+    prompt = random_prompts(1, [90], seed=8)[0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_tp_rank, args=(r, port, folders, prompt, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=180) for _ in folders)
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    for name, folder in zip(TP_FAMILIES, folders):
+        with torch.no_grad():
+            ref = hf[name](torch.tensor([prompt])).logits[0]
+        torch.testing.assert_close(torch.from_numpy(got[folder]), ref, atol=2e-4, rtol=1e-4)
