@@ -108,7 +108,8 @@ class RankHost:
         # the KV cache's dtype, not the model's: an fp8 cache ships fp8, and refuses a peer whose cache is not
         compat = CompatRecord(model=mc.name, dtype=str(self.runner.kv_dtype).removeprefix("torch."),
                               num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-                              block_size=self.runner.block_size, tp_size=tp_size, device_type=self.runner.device.type)
+                              block_size=self.runner.block_size, tp_size=tp_size, device_type=self.runner.device.type,
+                              kv_window=mc.kv_window or 0)
         backend = self.runner.backend
         kv_views = None
         if backend.own_kv_layout and role in ("prefill", "decode"):  # the transfer reads and writes through them

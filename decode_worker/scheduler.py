@@ -21,6 +21,7 @@ from engine.batch import CachedRequestData, NewRequestData, RunnerOutput, Schedu
 from engine.block_manager import KVCacheManager
 from engine.config import SchedulerConfig
 from engine.request import Request, RequestStatus
+from kvtransfer.params import window_start
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,11 @@ class Scheduler:
             raise ValueError(f"prompt has {req.num_prompt_tokens} tokens; the limit is {self.max_model_len - 1}")
         if len(self.running) + len(self.remote) >= self.config.max_num_seqs:
             return False
-        # No prefix caching of these blocks until their KV has arrived (see remote_kv_ready).
-        if self.kv.allocate_slots(req, req.num_prompt_tokens, num_tokens_to_cache=0, contiguous=True) is None:
+        # No prefix caching of these blocks until their KV has arrived (see remote_kv_ready). With
+        # a sliding window, none for the blocks before it: the prefill ships only what is read.
+        num_null = window_start(req.num_prompt_tokens, self.kv.window) // self.kv.block_size
+        if self.kv.allocate_slots(req, req.num_prompt_tokens, num_tokens_to_cache=0, contiguous=True,
+                                  num_null_blocks=num_null) is None:
             self.kv.free(req)  # forget hashes it may have computed
             return False
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -120,6 +124,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_null = self.kv.drop_out_of_window(req)  # first: its blocks may make room
             new_blocks = self.kv.allocate_slots(req, num_new)
             if new_blocks is None:
                 victim = self.running.pop()  # lowest priority: the last admitted
@@ -136,7 +141,7 @@ class Scheduler:
                                                        req.sampling_params, sample))
             else:
                 out.cached_requests.append(CachedRequestData(req.request_id, token_ids, req.num_computed_tokens,
-                                                             [b.block_id for b in new_blocks], sample))
+                                                             [b.block_id for b in new_blocks], sample, num_null))
             scheduled.append(req)
             budget -= num_new
             i += 1

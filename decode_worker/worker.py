@@ -21,6 +21,7 @@ from decode_worker.output import RequestOutput
 from engine.outbox import Outbox
 from engine.request import Request, RequestStatus, SamplingParams
 from kvtransfer.connector import DecodeConnector, prompt_slots
+from kvtransfer.params import window_start
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,10 @@ class DecodeWorker:
                 return False
             self._outbox.add(req.request_id, req.client_id)
             self.engine.output.add_request(req)
+            # the tokens a decode step can still read: blocks wholly before them are null (reserve)
+            start = window_start(req.num_prompt_tokens, self.engine.kv.window)
             slots = prompt_slots(self.engine.kv.get_block_ids(req.request_id), self.engine.runner.block_size,
-                                 req.num_prompt_tokens)
+                                 req.num_prompt_tokens, start=start)
             self.connector.reserve(req.request_id, slots, prefill_tp)
         return True
 

@@ -29,6 +29,7 @@ class CachedRequestData:
     num_computed_tokens: int
     new_block_ids: list[int]  # appended to the block table the runner holds
     sample: bool
+    num_null_blocks: int = 0  # leading table entries now the null block (freed outside a sliding window)
 
 
 @dataclass

@@ -185,12 +185,20 @@ class BlockPool:
 
 class KVCacheManager:
     """Per-request block tables on top of a BlockPool. Every request passed to
-    `get_computed_blocks` or `allocate_slots` must end with `free(request)`."""
+    `get_computed_blocks` or `allocate_slots` must end with `free(request)`.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    With a sliding window (`window`: every layer's, ModelConfig.kv_window), blocks wholly before
+    the keys a request's next query can see are released (`drop_out_of_window`): their table
+    entries become the null block, and they join the free queue, hashes kept, so the prefix
+    cache can still hit them until evicted. A table may so start with null entries, which are
+    never cached nor freed."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
+        self.block_size, self.enable_prefix_caching, self.window = block_size, enable_prefix_caching, window
+        self.num_window_freed = 0  # blocks released by drop_out_of_window, cumulative
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_to_blocks: dict[str, list[Block]] = {}
         # Per request: hashes of its full known blocks; how many table blocks went to the map.
@@ -244,7 +252,8 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[Block] | None = None,
-                       num_tokens_to_cache: int | None = None, contiguous: bool = False) -> list[Block] | None:
+                       num_tokens_to_cache: int | None = None, contiguous: bool = False,
+                       num_null_blocks: int = 0) -> list[Block] | None:
         """Grow the request's block table to hold its computed and new tokens.
 
         Args:
@@ -256,6 +265,8 @@ class KVCacheManager:
                 `cache_blocks` says their KV is there (allocation ahead of compute or transfer).
             contiguous: new blocks in the fewest stretches of consecutive ids, ahead of the
                 eviction order (`BlockPool.get_new_blocks`): for KV that arrives by transfer.
+            num_null_blocks: a new table starts with this many null entries (blocks a sliding
+                window never reads: a transfer ships only the rest); no hits with it.
 
         Returns:
             The new blocks (maybe []), or None if too few are free (then nothing changed).
@@ -267,16 +278,18 @@ class KVCacheManager:
         hits = new_computed_blocks or []
         req_id = request.request_id
         self._check_allocate_args(request, num_new_tokens, hits)
+        assert not (num_null_blocks and (hits or req_id in self.req_to_blocks)), "null blocks start a new table"
         blocks = self.req_to_blocks.get(req_id, ())
         num_tokens_needed = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
-        num_new_blocks = max(0, -(-num_tokens_needed // self.block_size) - len(blocks) - len(hits))
+        num_new_blocks = max(0, -(-num_tokens_needed // self.block_size) - len(blocks) - len(hits) - num_null_blocks)
         # Touching an unreferenced hit takes it out of the free queue.
         num_evictable_hits = sum(b.ref_cnt == 0 for b in hits)
         if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
             return None
         self.block_pool.touch(hits)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks, contiguous)
-        self.req_to_blocks.setdefault(req_id, []).extend(hits + new_blocks)
+        table = self.req_to_blocks.setdefault(req_id, [])
+        table.extend([self.block_pool.null_block] * num_null_blocks + hits + new_blocks)
         self.num_cached_block.setdefault(req_id, len(hits))
         self._cache_full_blocks(request, num_tokens_needed if num_tokens_to_cache is None else num_tokens_to_cache)
         return new_blocks
@@ -303,8 +316,25 @@ class KVCacheManager:
         hashes = self._update_block_hashes(request)
         assert len(hashes) >= num_full and len(blocks) >= num_full
         for i in range(num_done, num_full):
-            self.block_pool.cache_block(blocks[i], hashes[i])
+            if blocks[i] is not self.block_pool.null_block:  # never received: nothing to cache
+                self.block_pool.cache_block(blocks[i], hashes[i])
         self.num_cached_block[req_id] = num_full
+
+    def drop_out_of_window(self, request: Request) -> int:
+        """Release the request's blocks that lie wholly before the keys its next query (position
+        `num_computed_tokens`) sees; no-op without a window. Returns how many leading table
+        entries are now null (released here or before)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if self.window is None or not blocks:
+            return 0
+        null = self.block_pool.null_block
+        num_out = min(max(0, request.num_computed_tokens - self.window + 1) // self.block_size, len(blocks))
+        dropped = [b for b in blocks[:num_out] if b is not null]
+        if dropped:
+            blocks[:num_out] = [null] * num_out
+            self.block_pool.free_blocks(dropped)
+            self.num_window_freed += len(dropped)
+        return num_out
 
     def free(self, request: Request) -> None:
         """Release the request's blocks tail first and forget its state.
@@ -313,7 +343,8 @@ class KVCacheManager:
             request: the request (a no-op if the manager holds nothing for it).
         """
         req_id = request.request_id
-        self.block_pool.free_blocks(reversed(self.req_to_blocks.pop(req_id, [])))
+        held = [b for b in self.req_to_blocks.pop(req_id, []) if b is not self.block_pool.null_block]
+        self.block_pool.free_blocks(reversed(held))
         self.req_to_block_hashes.pop(req_id, None)
         self.num_cached_block.pop(req_id, None)
 

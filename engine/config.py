@@ -47,6 +47,14 @@ class ModelConfig:
         assert self.head_dim % 2 == 0
         assert not self.layer_types or len(self.layer_types) == self.num_layers, "one layer type per layer"
 
+    @property
+    def kv_window(self) -> int | None:
+        """How many keys back every layer's attention reaches: the window when every layer slides,
+        None when some layer sees the whole context. KV before a sequence's last `kv_window` - 1
+        positions is never read again: its blocks are freed, and a transfer skips it."""
+        windows = {self.window(i) for i in range(self.num_layers)}
+        return None if None in windows else windows.pop()
+
     def window(self, layer: int) -> int | None:
         """How many keys (its own included) a query of `layer` attends to; None: all before it."""
         if self.sliding_window is None:

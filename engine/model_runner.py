@@ -188,7 +188,9 @@ class ModelRunner:
             gen = old.generator if old else make_generator(r.sampling_params.seed, self.device)
             self.requests[r.request_id] = _RequestState(list(r.block_ids), r.sampling_params, gen)
         for r in sched.cached_requests:
-            self.requests[r.request_id].block_ids.extend(r.new_block_ids)
+            table = self.requests[r.request_id].block_ids
+            table[:r.num_null_blocks] = [0] * r.num_null_blocks
+            table.extend(r.new_block_ids)
 
     def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:
         """Packs the scheduled requests flat, decodes (one new token) first."""

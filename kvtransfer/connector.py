@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtransfer.base import CompletedTransfer, KVReceiver, KVSender, Transfer
-from kvtransfer.params import KVTransferParams, kv_heads_of_rank
+from kvtransfer.params import KVTransferParams, kv_heads_of_rank, window_start
 from kvtransfer.plan import expected_parts, plan_head_slices
 from kvtransfer.scatter import as_bytes, gather_tokens
 
@@ -35,13 +35,13 @@ class Shipment:
     """The KV a step must ship for one request whose prompt completes in that step."""
     request_id: str
     params: KVTransferParams
-    num_tokens: int
-    slots: torch.Tensor  # (num_tokens,) this instance's slots of the prompt, logical order
+    num_tokens: int  # shipped: the prompt's last tokens a decode step can still read (all, without a window)
+    slots: torch.Tensor  # (num_tokens,) this instance's slots of those tokens, logical order
 
 
-def prompt_slots(block_ids: list[int], block_size: int, num_tokens: int, device=None) -> torch.Tensor:
-    """The cache slots of tokens [0, num_tokens) of a request holding `block_ids`."""
-    return torch.tensor([block_ids[p // block_size] * block_size + p % block_size for p in range(num_tokens)],
+def prompt_slots(block_ids: list[int], block_size: int, num_tokens: int, device=None, start: int = 0) -> torch.Tensor:
+    """The cache slots of tokens [start, num_tokens) of a request holding `block_ids`."""
+    return torch.tensor([block_ids[p // block_size] * block_size + p % block_size for p in range(start, num_tokens)],
                         dtype=torch.int64, device=device)
 
 
@@ -70,14 +70,17 @@ class PrefillConnector:
         """The request ended before shipping (aborted, refused)."""
         self._params.pop(request_id, None)
 
-    def shipments(self, sched, block_ids_of, block_size: int, device) -> list[Shipment]:
-        """The requests whose prompt completes in step `sched` (they sample: their KV is whole)."""
+    def shipments(self, sched, block_ids_of, block_size: int, device, kv_window: int | None = None
+                  ) -> list[Shipment]:
+        """The requests whose prompt completes in step `sched` (they sample: their KV is whole),
+        each with the prompt tokens from `window_start` on."""
         out = []
         for r in sched.new_requests + sched.cached_requests:
             if r.sample:
                 n = r.num_computed_tokens + len(r.token_ids)
-                slots = prompt_slots(block_ids_of(r.request_id), block_size, n, device)
-                out.append(Shipment(r.request_id, self._params[r.request_id], n, slots))
+                start = window_start(n, kv_window)
+                slots = prompt_slots(block_ids_of(r.request_id), block_size, n, device, start)
+                out.append(Shipment(r.request_id, self._params[r.request_id], n - start, slots))
         return out
 
     # -- worker side (every rank) ------------------------------------------------------------------

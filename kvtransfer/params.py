@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-PROTOCOL_VERSION = 5  # 3: control messages on TCP, payloads alone on the data channel; 4: runs; 5: shared caches
+PROTOCOL_VERSION = 6  # 3: control messages on TCP, payloads alone on the data channel; 4: runs; 5: shared caches;
+# 6: kv_window (a sliding-window model ships only the tokens its decode can still read)
 
 
 @dataclass(frozen=True)
@@ -25,9 +26,11 @@ class CompatRecord:
     block_size: int = 0
     tp_size: int = 1
     device_type: str = "cpu"
+    kv_window: int = 0  # ModelConfig.kv_window (0: None): both ends cut a prompt's KV to the same tokens
     protocol_version: int = PROTOCOL_VERSION
 
-    MUST_MATCH = ("protocol_version", "model", "dtype", "num_layers", "num_kv_heads", "head_dim", "device_type")
+    MUST_MATCH = ("protocol_version", "model", "dtype", "num_layers", "num_kv_heads", "head_dim", "device_type",
+                  "kv_window")
 
     def __post_init__(self):
         assert self.num_layers > 0 and self.num_kv_heads > 0 and self.head_dim > 0, self
@@ -79,6 +82,12 @@ class KVTransferParams:
     def __post_init__(self):
         assert len(self.endpoints) == self.decode_tp_size, self
         assert [e.rank for e in self.endpoints] == list(range(self.decode_tp_size)), self
+
+
+def window_start(num_tokens: int, kv_window: int | None) -> int:
+    """The first prompt position a decode step can still read after a prompt of `num_tokens`: its
+    first query (position num_tokens) sees the `kv_window` keys ending at it. 0 without a window."""
+    return 0 if kv_window is None else max(0, num_tokens - kv_window + 1)
 
 
 def kv_heads_of_rank(num_kv_heads: int, tp_size: int, rank: int) -> range:

@@ -99,7 +99,7 @@ class PrefillWorker:
         self._release_delivered()
         sched = self.scheduler.schedule()
         shipments = self.connector.shipments(sched, self.scheduler.kv.get_block_ids, self.runner.block_size,
-                                             self.runner.device)
+                                             self.runner.device, self.runner.model_config.kv_window)
         self.runner.update_states(sched)
         inp = None if sched.is_empty else self.runner.prepare_inputs(sched)
         self.tp.broadcast_step((inp, shipments))

@@ -101,6 +101,26 @@ def test_families_1p1d_match_colocated(tmp_path, family):
     assert run(spec_for(path), prompts, 16) == colocated
 
 
+def test_window_ships_only_the_kv_decode_reads(tmp_path):
+    """A sliding-window model (every layer, W = 24) ships of each prompt only its last W - 1 tokens'
+    KV (the first decode query sees those and itself), counted from the definition: tokens x
+    layers x K and V x KV heads x head_dim x 4 bytes (fp32); full attention would ship every
+    prompt token."""
+    kind, switches = FAMILIES["mistral_window"]
+    path = str(save_tiny(tmp_path / "m", kind, seed=3, **switches))
+    window, lengths = switches["sliding_window"], [5, 40, 150]
+    prompts = random_prompts(3, lengths, seed=6)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with Cluster(spec_for(path, attention_backend="torch"), use_ray=False) as cluster:
+        assert all(s.error is None for s in cluster.generate(prompts, params, timeout_s=60))
+        cluster.assert_no_leaks()
+        decode = cluster.instances["decode-0"].ranks[0]
+        got = decode.receiver.stats["bytes_received"]
+        mc = decode.runner.model_config
+    per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 4
+    assert got == sum(min(n, window - 1) for n in lengths) * per_token < sum(lengths) * per_token
+
+
 def test_2p2d_matches_colocated(tiny_path):
     prompts = random_prompts(10, [9, 33], seed=4)
     colocated = run(spec_for(tiny_path, mode="colocated"), prompts, 8)

@@ -183,3 +183,27 @@ def test_tensor_parallel_matches_transformers(tmp_path):
         with torch.no_grad():
             ref = hf[name](torch.tensor([prompt])).logits[0]
         torch.testing.assert_close(torch.from_numpy(got[folder]), ref, atol=2e-4, rtol=1e-4)
+
+
+def test_window_frees_blocks_while_generating(tmp_path):
+    """Mistral with a 24-token window: after the 200-token prompt, every decode step holds at most
+    the blocks its window spans (2 of 32 tokens on the vllm_cpu backend, 3 of 16 on torch), the
+    others are released (allocator counts), and the 32 greedy tokens still equal transformers'."""
+    kind, switches = FAMILIES["mistral_window"]
+    hf = make_hf_tiny(kind, seed=2, **switches)
+    hf.save_pretrained(tmp_path / "m", safe_serialization=True)
+    engine = _llm(tmp_path / "m").engine
+    prompt = random_prompts(1, [200], seed=9)[0]
+    engine.add_request("r", prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    held, tokens = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+        if "r" in engine.kv.req_to_blocks:
+            held.append(sum(b != 0 for b in engine.kv.get_block_ids("r")))
+    assert tokens == hf_greedy(hf, prompt, 32)
+    bs, window = engine.runner.block_size, switches["sliding_window"]
+    assert held[0] == -(-200 // bs) and max(held[1:]) <= -(-window // bs) + 1, held  # the prefill wrote all
+    # at the last step, position 230 reads keys 207..230: every block wholly before 207 was released
+    assert engine.kv.num_window_freed == 207 // bs, (engine.kv.num_window_freed, held)
+    engine.kv.assert_no_leaks()
