@@ -41,6 +41,11 @@ class ModelConfig:
     # or every layer sliding when sliding_window is set
     layer_types: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = ()  # every id that ends generation (config, generation_config)
+    # Gemma 2's: tanh soft-capping of attention scores and of the final logits (cap * tanh(x / cap)),
+    # and the softmax scale query_pre_attn_scalar ** -0.5 in place of head_dim ** -0.5
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, "GQA needs num_heads divisible by num_kv_heads"

@@ -18,7 +18,8 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 
 # transformers' config and model classes of each family the tests build tiny models of
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+              "gemma2": ("Gemma2Config", "Gemma2ForCausalLM")}
 
 
 # name -> (family, the config switches its published checkpoints use); windows of at most 2
@@ -31,6 +32,10 @@ FAMILIES = {
     "qwen2_window": ("qwen2", dict(use_sliding_window=True, sliding_window=20, max_window_layers=1)),
     "qwen3": ("qwen3", dict(head_dim=32)),
     "mistral_window": ("mistral", dict(sliding_window=24, head_dim=32)),
+    # its published switches, scaled down: soft-capped scores and logits, query_pre_attn_scalar
+    # apart from head_dim, sliding and global layers alternating (layer_types)
+    "gemma2": ("gemma2", dict(head_dim=32, sliding_window=24, attn_logit_softcapping=5.0,
+                              final_logit_softcapping=3.0, query_pre_attn_scalar=24, tie_word_embeddings=True)),
 }
 
 

@@ -83,7 +83,7 @@ class BaseAttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """Store k/v at `meta.slot_mapping`, then causal attention of q over the cached context.
 
         Args:
@@ -95,6 +95,7 @@ class BaseAttentionBackend(ABC):
             k_scale, v_scale: this layer's fp8 KV scales (write_kv); unused by a full-precision cache
             window: a sliding layer's window, the keys a query sees with its own (positions
                 p - window + 1 .. p); None: every key up to its own
+            softcap: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2)
         Returns:
             (num_tokens, num_heads, head_dim)
         """

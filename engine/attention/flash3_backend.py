@@ -55,7 +55,7 @@ class Flash3FP8Backend(BaseAttentionBackend):
             self._descales[key] = torch.full((num_seqs, num_kv_heads), value, dtype=torch.float32, device=device)
         return self._descales[key]
 
-    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None):
         write_kv(kv_cache, k, v, meta.slot_mapping, k_scale, v_scale)
         layout = (meta.num_seqs, kv_cache.shape[-2], q.device)
         out = self._with_kvcache(
@@ -64,5 +64,5 @@ class Flash3FP8Backend(BaseAttentionBackend):
             cu_seqlens_q=meta.query_start_loc, max_seqlen_q=meta.max_query_len,
             q_descale=self._descale(1.0, *layout), k_descale=self._descale(k_scale, *layout),
             v_descale=self._descale(v_scale, *layout), softmax_scale=scale, causal=True,
-            window_size=(-1, -1) if window is None else (window - 1, 0))
+            window_size=(-1, -1) if window is None else (window - 1, 0), softcap=softcap or 0.0)
         return out.to(q.dtype)  # (num_tokens, num_heads, head_dim)

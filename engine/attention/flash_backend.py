@@ -92,7 +92,7 @@ class FlashAttentionBackend(BaseAttentionBackend):
         return _PrefillPlan(token_start, cu_q, cu_k, max(meta.query_lens[nd:]), max(meta.seq_lens_cpu[nd:]),
                             meta.block_tables[nd:])
 
-    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None):
         # flash-attn's window counts the keys before a query (and after it): ours includes its own
         window_size = (-1, -1) if window is None else (window - 1, 0)
         # fp8 scales unused: an fp8 cache never reaches flash-attn 2 (create_attention_backend refuses it)
@@ -104,7 +104,7 @@ class FlashAttentionBackend(BaseAttentionBackend):
             o = self._with_kvcache(q[:d.num_decodes].unsqueeze(1), k_cache, v_cache,
                                    cache_seqlens=d.seq_lens, block_table=d.block_table,
                                    softmax_scale=scale, causal=True,
-                                   window_size=window_size)  # (num_decodes, 1, num_heads, head_dim)
+                                   window_size=window_size, softcap=softcap or 0.0)  # (num_decodes, 1, num_heads, head_dim)
             out[:d.num_decodes] = o.squeeze(1)
         if self._prefill is not None:
             p = self._prefill
@@ -112,5 +112,5 @@ class FlashAttentionBackend(BaseAttentionBackend):
                                                cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k,
                                                max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_k,
                                                softmax_scale=scale, causal=True, block_table=p.block_table,
-                                               window_size=window_size)
+                                               window_size=window_size, softcap=softcap or 0.0)
         return out

@@ -148,34 +148,34 @@ class TorchAttentionBackend(BaseAttentionBackend):
         self._decode = _DecodePlan(block_ids, meta.block_tables[:nd, :max_blocks], meta.seq_lens[:nd],
                                    meta.block_size)
 
-    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None):
         write_kv(kv_cache, k, v, meta.slot_mapping, k_scale, v_scale)
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
         out = torch.empty_like(q)
         if self._decode is not None:
             out[:meta.num_decodes] = self._decode_attention(q[:meta.num_decodes], kv_cache, scale, k_scale, v_scale,
-                                                            window)
+                                                            window, softcap)
         for plan in self._prefills:
             s, e = plan.token_start, plan.token_start + plan.query_len
             mask = plan.mask(window)
             # the new K/V are the whole context; but an fp8 cache is read back even then, so that
             # every query sees K/V as the cache holds them (chunked or not)
             if plan.slots.shape[0] == plan.query_len and kv_cache.dtype != FP8:
-                out[s:e] = self._attend(q[s:e], k[s:e], v[s:e], mask, scale)
+                out[s:e] = self._attend(q[s:e], k[s:e], v[s:e], mask, scale, softcap)
             else:
                 ks = gather_kv(flat[0], plan.slots, q.dtype, k_scale)  # (seq_len, kv_heads, head_dim)
                 vs = gather_kv(flat[1], plan.slots, q.dtype, v_scale)
-                out[s:e] = self._attend(q[s:e], ks, vs, mask, scale)
+                out[s:e] = self._attend(q[s:e], ks, vs, mask, scale, softcap)
         return out
 
-    def _decode_attention(self, q, kv_cache, scale, k_scale, v_scale, window):
+    def _decode_attention(self, q, kv_cache, scale, k_scale, v_scale, window, softcap):
         ids = self._decode.block_ids
-        if (q.device.type == "cpu" and q.dtype != torch.float32 and q.shape[0] >= BMM_MIN_BATCH
+        if (softcap is None and q.device.type == "cpu" and q.dtype != torch.float32 and q.shape[0] >= BMM_MIN_BATCH
                 and ids.numel() * kv_cache.shape[2] > BMM_MIN_KV):
             return self._masked_bmm(q, kv_cache, scale, k_scale, v_scale, window)
         k, v = _gather_rows(kv_cache, ids, q.shape[0], q.dtype, k_scale, v_scale)
-        return self._decode_sdpa(q, k, v, kv_cache.shape[-2], scale, self._decode.bias(window))
+        return self._decode_sdpa(q, k, v, kv_cache.shape[-2], scale, self._decode.bias(window), softcap)
 
     def _padded_plan(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ids and bias for the masked bmm, the batch padded to a multiple of 8 (rows of the
@@ -209,26 +209,40 @@ class TorchAttentionBackend(BaseAttentionBackend):
         return out[:nd].view(nd, num_heads, num_kv_heads, head_dim).sum(2)
 
     @staticmethod
-    def _decode_sdpa(q, k, v, num_kv_heads, scale, bias):
+    def _decode_sdpa(q, k, v, num_kv_heads, scale, bias, softcap=None):
         """q: (nd, heads, head_dim); k, v: (nd, max_ctx, kv_heads * head_dim) -> (nd, heads, head_dim)."""
         nd, num_heads, head_dim = q.shape
         kh = k.float().view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)  # (nd, kv_heads, max_ctx, hd)
         vh = v.float().view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.float().unsqueeze(2), kh, vh, attn_mask=bias.unsqueeze(1),
-                                           scale=scale, enable_gqa=True)  # (nd, heads, 1, hd)
+        o = _attention(q.float().unsqueeze(2), kh, vh, bias.unsqueeze(1), scale, softcap)  # (nd, heads, 1, hd)
         return o.squeeze(2).to(q.dtype)
 
     @staticmethod
-    def _attend(q, k, v, mask, scale):
+    def _attend(q, k, v, mask, scale, softcap=None):
         """One sequence. q: (q_len, num_heads, head_dim); k, v: (seq_len, kv_heads, head_dim)."""
         qh = q.transpose(0, 1).unsqueeze(0)  # (1, num_heads, q_len, head_dim)
         kh = k.transpose(0, 1).unsqueeze(0)  # (1, kv_heads, seq_len, head_dim)
         vh = v.transpose(0, 1).unsqueeze(0)
-        if mask is None:
+        if mask is None and softcap is None:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+            if mask is None:
+                mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril()
+            o = _attention(qh, kh, vh, mask, scale, softcap)
         return o[0].transpose(0, 1)  # (q_len, num_heads, head_dim)
+
+
+def _attention(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
+    """SDPA with GQA, or with soft-capped scores written out (SDPA has no soft-capping): scores
+    cap * tanh(q k / cap), masked, a float32 softmax, as transformers' eager Gemma 2 attention.
+    q: (B, heads, Lq, hd); k, v: (B, kv_heads, Lk, hd); mask: bool (True = seen) or an additive bias."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 def _gather_rows(kv_cache, ids, rows: int, dtype, k_scale, v_scale) -> tuple[torch.Tensor, torch.Tensor]:

@@ -126,7 +126,7 @@ class VllmCpuAttentionBackend(BaseAttentionBackend):
                 window, self.isa, False, None, cache_dtype)
         return self._schedules[window]
 
-    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None):
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         fp8 = kv_cache.dtype == FP8
         blocks = kv_cache.view(torch.uint8) if fp8 else kv_cache  # its fp8 path takes the bytes
@@ -144,7 +144,7 @@ class VllmCpuAttentionBackend(BaseAttentionBackend):
                 ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, self.isa, 1.0, 1.0,
                                                "auto")
             ops.cpu_attention_with_kv_cache(q, key_cache, value_cache, out, meta.query_start_loc, meta.seq_lens, scale,
-                                            True, None, left, meta.block_tables, 0.0,
+                                            True, None, left, meta.block_tables, softcap or 0.0,
                                             self._step_schedule(q, num_kv_heads, head_dim, cache_dtype, left), None,
                                             None, k_scale if fp8 else 1.0, v_scale if fp8 else 1.0, cache_dtype)
         return out

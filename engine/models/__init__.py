@@ -11,10 +11,10 @@ that pdserve does not run is refused there, in one line naming it (engine/models
 from __future__ import annotations
 
 from engine.config import ModelConfig
-from engine.models import llama, mistral, qwen2, qwen3
+from engine.models import gemma2, llama, mistral, qwen2, qwen3
 from engine.models.hf_config import UnsupportedConfig
 
-FAMILIES = {"llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3}
+FAMILIES = {"gemma2": gemma2, "llama": llama, "mistral": mistral, "qwen2": qwen2, "qwen3": qwen3}
 HF_ARCHITECTURES = {module.HF_ARCHITECTURE: family for family, module in FAMILIES.items()}
 
 __all__ = ["FAMILIES", "HF_ARCHITECTURES", "UnsupportedConfig", "config_from_hf", "model_class"]

@@ -47,16 +47,21 @@ def generation_eos(folder: Path) -> tuple[int, ...]:
     return token_ids(json.loads(path.read_text()).get("eos_token_id")) if path.is_file() else ()
 
 
-def llama_like_fields(cfg: dict, name: str, activation: str = "silu") -> dict:
-    """`ModelConfig` keyword arguments from the keys Llama, Mistral, Qwen2 and Qwen3 share.
+def llama_like_fields(cfg: dict, name: str, activation: str = "silu", activation_key: str = "hidden_act",
+                      softcapping: bool = False) -> dict:
+    """`ModelConfig` keyword arguments from the keys Llama, Mistral, Qwen2, Qwen3 and Gemma 2 share.
+
+    Args:
+        activation, activation_key: the MLP activation the family runs, and the key naming it.
+        softcapping: the family runs soft-capping (Gemma 2); else a config asking for it is refused.
 
     Raises:
         UnsupportedConfig: another activation, rope type, soft-capping or partial rotary.
     """
-    if (act := cfg.get("hidden_act", activation)) != activation:
-        raise refuse(name, f"hidden_act {act!r} (this family runs {activation!r})")
+    if (act := cfg.get(activation_key) or activation) != activation:
+        raise refuse(name, f"{activation_key} {act!r} (this family runs {activation!r})")
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if cfg.get(key) is not None:
+        if not softcapping and cfg.get(key) is not None:
             raise refuse(name, f"{key} {cfg[key]!r}")
     if cfg.get("use_bidirectional_attention"):
         raise refuse(name, "use_bidirectional_attention")

@@ -38,7 +38,8 @@ class LlamaAttention(nn.Module):
                                         linear_method=linear_method)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.softcap = cfg.attn_logit_softcapping
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:  # Qwen3: RMSNorm over each head's head_dim values, before the rotation
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -65,7 +66,7 @@ class LlamaAttention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, q_size + kv_size:].view(n, self.num_kv_heads, self.head_dim)
         o = backend.forward(q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale,
-                            self.window)  # (n, heads, head_dim)
+                            self.window, self.softcap)  # (n, heads, head_dim)
         return self.o_proj(o.reshape(n, q_size))
 
 
@@ -101,6 +102,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    decoder_layer = LlamaDecoderLayer  # a family with other layers (Gemma 2) sets its own
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
@@ -116,9 +118,9 @@ class LlamaForCausalLM(nn.Module):
         self.config, self.fused = cfg, fused
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, tp, linear_method, fused, cfg.window(i))
+        self.layers = nn.ModuleList([self.decoder_layer(cfg, tp, linear_method, fused, cfg.window(i))
                                      for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "rms_norm" in fused)
+        self.norm = self.final_norm(cfg, fused)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -130,7 +132,7 @@ class LlamaForCausalLM(nn.Module):
         kv_heads, head_dim). `after_layer(i)` runs once layer i's K/V are in the cache (the prefill
         side ships them from there while later layers compute). Returns the final-normed hidden
         states, (num_tokens, hidden_size)."""
-        hidden, residual = self.embed_tokens(input_ids), None
+        hidden, residual = self.embed(input_ids), None
         # shared by every layer
         rope = ((positions, self.rotary.cos_sin_table(hidden.dtype)) if "rotary" in self.fused
                 else self.rotary.cos_sin(positions, hidden.dtype))
@@ -140,6 +142,13 @@ class LlamaForCausalLM(nn.Module):
                 after_layer(i)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def final_norm(self, cfg: ModelConfig, fused: frozenset[str]) -> nn.Module:
+        """The norm after the last layer: norm(hidden, residual) -> (normed sum, sum)."""
+        return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "rms_norm" in fused)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: (num_seqs, hidden_size) -> (num_seqs, vocab_size) on TP rank 0, None elsewhere."""

@@ -37,6 +37,8 @@ def test_config_reads_the_switches(family):
     windows = [cfg.window(i) for i in range(cfg.num_layers)]
     if name == "qwen2_window":  # layers from max_window_layers on slide
         assert windows == [None, 20, 20]
+    elif kind == "gemma2":  # sliding and global alternate, from layer_types
+        assert windows == [24, None, 24] and cfg.attn_logit_softcapping == 5.0 and cfg.query_pre_attn_scalar == 24
     else:
         assert windows == [switches.get("sliding_window")] * cfg.num_layers
 
@@ -89,7 +91,7 @@ def _config_folder(tmp_path, family: str = "llama", **keys):
 
 
 @pytest.mark.parametrize("keys,named", [
-    (dict(architectures=["Gemma2ForCausalLM"]), "architecture 'Gemma2ForCausalLM'"),
+    (dict(architectures=["Gemma3ForCausalLM"]), "architecture 'Gemma3ForCausalLM'"),
     (dict(architectures=["FalconForCausalLM"]), "architecture 'FalconForCausalLM'"),
     (dict(architectures=None, model_type="phi"), "model_type 'phi'"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
@@ -134,7 +136,7 @@ def test_eos_is_every_id_of_config_and_generation_config(tmp_path):
     assert out.token_ids == free[:first + 1] and out.finish_reason == "stop"
 
 
-TP_FAMILIES = ("qwen2_window", "qwen3", "mistral_window")  # biases, q/k norms and windows split by head
+TP_FAMILIES = ("qwen2_window", "qwen3", "mistral_window", "gemma2")  # biases, q/k norms, windows, caps by head
 
 
 def _tp_rank(rank: int, port: int, folders: list[str], prompt: list[int], out) -> None:

@@ -19,14 +19,17 @@ from engine.attention.torch_backend import TorchAttentionBackend
 HEAD_DIM = 16
 
 
-def _ref_attend(q, k, v, scale, causal, window=None):
+def _ref_attend(q, k, v, scale, causal, window=None, softcap=None):
     """One sequence. q: (q_len, heads, hd); k, v: (k_len, kv_heads, hd). Bottom-right causal, GQA;
-    with a window, query i (at position i + k_len - q_len) sees only the `window` keys ending at it."""
+    with a window, query i (at position i + k_len - q_len) sees only the `window` keys ending at it;
+    with a softcap, scores are softcap * tanh(score / softcap) (Gemma 2)."""
     q_len, heads, _ = q.shape
     k_len, kv_heads, _ = k.shape
     group = heads // kv_heads  # query head h reads KV head h // group
     k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # (heads, q_len, k_len)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     if causal:
         q_pos, k_pos = torch.arange(q_len)[:, None] + (k_len - q_len), torch.arange(k_len)[None, :]
         allowed = k_pos <= q_pos
@@ -65,7 +68,7 @@ class RecordingFlash:
         return None if left == -1 else left + 1
 
     def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               softmax_scale=None, causal=False, block_table=None, window_size=(-1, -1), **unused):
+               softmax_scale=None, causal=False, block_table=None, window_size=(-1, -1), softcap=0.0, **unused):
         self.calls.append("varlen")
         batch = cu_seqlens_q.numel() - 1
         assert q.dim() == 3 and block_table is not None and causal
@@ -79,11 +82,11 @@ class RecordingFlash:
             qs, qe = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
             k_len = int(cu_seqlens_k[b + 1] - cu_seqlens_k[b])
             kb, vb = _gather_paged(k, block_table[b], k_len), _gather_paged(v, block_table[b], k_len)
-            out[qs:qe] = _ref_attend(q[qs:qe], kb, vb, softmax_scale, causal, self._window(window_size))
+            out[qs:qe] = _ref_attend(q[qs:qe], kb, vb, softmax_scale, causal, self._window(window_size), softcap)
         return out
 
     def with_kvcache(self, q, k_cache, v_cache, cache_seqlens=None, block_table=None,
-                     softmax_scale=None, causal=False, window_size=(-1, -1), **unused):
+                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, **unused):
         self.calls.append("kvcache")
         batch, q_len, heads, hd = q.shape
         assert q_len == 1 and causal and block_table is not None
@@ -94,7 +97,7 @@ class RecordingFlash:
         for b in range(batch):
             n = int(cache_seqlens[b])
             kb, vb = _gather_paged(k_cache, block_table[b], n), _gather_paged(v_cache, block_table[b], n)
-            out[b] = _ref_attend(q[b], kb, vb, softmax_scale, causal, self._window(window_size))
+            out[b] = _ref_attend(q[b], kb, vb, softmax_scale, causal, self._window(window_size), softcap)
         return out
 
 

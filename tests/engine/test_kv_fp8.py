@@ -109,7 +109,7 @@ class RecordingFA3:
 
     def __call__(self, q, k_cache, v_cache, cache_seqlens=None, page_table=None, cu_seqlens_q=None,
                  max_seqlen_q=None, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
-                 causal=False, window_size=(-1, -1), **unused):
+                 causal=False, window_size=(-1, -1), softcap=0.0, **unused):
         self.calls += 1
         batch, kv_heads = cu_seqlens_q.numel() - 1, k_cache.shape[2]
         assert not unused and causal and q.dtype == k_cache.dtype == v_cache.dtype == FP8 and q.dim() == 3
@@ -124,7 +124,7 @@ class RecordingFA3:
             vb = _gather_paged(v_cache, page_table[b], n).float() * v_descale[b][None, :, None]
             qb = q[qs:qe].float() * q_descale[b].repeat_interleave(group)[None, :, None]
             window = RecordingFlash._window(window_size)
-            out[qs:qe] = _ref_attend(qb, kb, vb, softmax_scale, causal, window).to(torch.bfloat16)
+            out[qs:qe] = _ref_attend(qb, kb, vb, softmax_scale, causal, window, softcap).to(torch.bfloat16)
         return out
 
 
