@@ -63,7 +63,7 @@ def measure(model: str, prompt_len: int, max_tokens: int, block_size: int) -> di
         got = decode.receiver.stats["bytes_received"]
         return {"bytes_transferred": got, "tokens_transferred": got // per_token, "decode_blocks_held_peak": peak[0],
                 "block_size": bs, "decode_kv_bytes_held_peak": peak[0] * bs * per_token,
-                "blocks_freed_outside_window": kv.num_window_freed,
+                "blocks_freed_while_decoding": kv.num_window_freed,
                 "mistral_7b_bytes_transferred": got // per_token * MISTRAL_7B_KV_BYTES_PER_TOKEN,
                 "mistral_7b_kv_bytes_held_peak": peak[0] * bs * MISTRAL_7B_KV_BYTES_PER_TOKEN}
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--prompt-len", type=int, default=4096)
     p.add_argument("--window", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:6s}: {r['tokens_transferred']} tokens shipped ({r['bytes_transferred']} B; Mistral 7B "
                   f"{r['mistral_7b_bytes_transferred'] / 2**20:.1f} MiB), decode peak {r['decode_blocks_held_peak']} "
                   f"blocks of {r['block_size']} (Mistral 7B {r['mistral_7b_kv_bytes_held_peak'] / 2**20:.1f} MiB), "
-                  f"{r['blocks_freed_outside_window']} blocks freed outside the window")
+                  f"{r['blocks_freed_while_decoding']} blocks freed while decoding")
     return 0
 
 

@@ -104,7 +104,8 @@ class FlashAttentionBackend(BaseAttentionBackend):
             o = self._with_kvcache(q[:d.num_decodes].unsqueeze(1), k_cache, v_cache,
                                    cache_seqlens=d.seq_lens, block_table=d.block_table,
                                    softmax_scale=scale, causal=True,
-                                   window_size=window_size, softcap=softcap or 0.0)  # (num_decodes, 1, num_heads, head_dim)
+                                   window_size=window_size,
+                                   softcap=softcap or 0.0)  # (num_decodes, 1, num_heads, head_dim)
             out[:d.num_decodes] = o.squeeze(1)
         if self._prefill is not None:
             p = self._prefill

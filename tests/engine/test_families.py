@@ -150,7 +150,8 @@ def _tp_rank(rank: int, port: int, folders: list[str], prompt: list[int], out) -
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     for folder in folders:
-        runner = ModelRunner(engine_config(model=folder, num_blocks=16, block_size=16), TPGroup(rank, 2, dist.group.WORLD))
+        tp = TPGroup(rank, 2, dist.group.WORLD)
+        runner = ModelRunner(engine_config(model=folder, num_blocks=16, block_size=16), tp)
         logits = _prefill_logits(runner, prompt)
         if rank == 0:
             out.put((folder, logits.numpy()))  # by value: the process exits before the test reads it
