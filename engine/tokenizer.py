@@ -66,9 +66,10 @@ _BYTE_LEVEL = _byte_level_decoder()
 
 def _gguf_backend(meta: dict) -> BackendTokenizer:
     """A byte-level BPE `tokenizers.Tokenizer` from GGUF tokenizer metadata."""
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {meta.get('tokenizer.ggml.model')!r} is not supported "
-                         "(only byte-level BPE, 'gpt2'); use a Hugging Face folder with tokenizer.json")
+    if (kind := meta.get("tokenizer.ggml.model")) != "gpt2":
+        what = {"llama": "SentencePiece (Gemma, older Llama and Mistral)", "t5": "T5 Unigram"}.get(kind, "")
+        raise ValueError(f"GGUF tokenizer model {kind!r}{f' ({what})' if what else ''} is not supported (only "
+                         "byte-level BPE, 'gpt2'); use a Hugging Face folder with tokenizer.json")
     tokens = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", ())]
     backend = BackendTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,

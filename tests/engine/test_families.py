@@ -210,3 +210,22 @@ def test_window_frees_blocks_while_generating(tmp_path):
     # at the last step, position 230 reads keys 207..230: every block wholly before 207 was released
     assert engine.kv.num_window_freed == 207 // bs, (engine.kv.num_window_freed, held)
     engine.kv.assert_no_leaks()
+
+
+def test_window_keeps_prefix_caching_correct(tmp_path):
+    """Blocks released outside the window keep their prefix-cache hashes: a second prompt sharing
+    128 tokens with the first hits them (after the first released them) and still generates
+    transformers' tokens; so does the first prompt again, served from the cache."""
+    kind, switches = FAMILIES["mistral_window"]
+    hf = make_hf_tiny(kind, seed=4, **switches)
+    hf.save_pretrained(tmp_path / "m", safe_serialization=True)
+    llm = _llm(tmp_path / "m")
+    first = random_prompts(1, [150], seed=11)[0]
+    second = first[:128] + random_prompts(1, [30], seed=12)[0]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    runs = [llm.generate([p], params)[0] for p in (first, second, first)]
+    assert llm.engine.kv.num_window_freed > 0
+    assert [r.num_cached_tokens for r in runs][1:] == [128, 128 if llm.engine.runner.block_size == 32 else 144]
+    for prompt, run in zip((first, second, first), runs):
+        assert run.token_ids == hf_greedy(hf, prompt, 16)
+    llm.engine.kv.assert_no_leaks()
