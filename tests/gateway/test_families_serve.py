@@ -1,0 +1,80 @@
+"""A Qwen2 folder through `pdserve serve`'s app (1P1D, in-process) with the official `openai`
+client: its chat template (Qwen2.5's ChatML, without the tools branch, kept beside this test)
+renders the prompt transformers renders, the reply is transformers' greedy continuation, and
+generation stops on any id of generation_config.json's EOS set.
+
+The tokenizer is SmolLM2's (built from its GGUF: it has ChatML's <|im_start|> and <|im_end|>),
+saved into a tiny random Qwen2 folder of the same vocabulary."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+
+from cluster.serve import build, serve_in_thread
+from cluster.spec import ClusterSpec
+from engine.tokenizer import Tokenizer
+from tests.helpers import hf_greedy, make_hf_tiny
+
+pytestmark = pytest.mark.timeout(300)
+TEMPLATE = Path(__file__).with_name("qwen2_chat_template.jinja")
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def qwen2_folder(tmp_path_factory):
+    """(folder, HF model, transformers' chat prompt ids, their greedy continuation ignoring EOS)."""
+    from transformers import AutoTokenizer
+    tok = Tokenizer.from_path("smollm2")
+    folder = tmp_path_factory.mktemp("qwen2") / "qwen2"
+    hf = make_hf_tiny("qwen2", seed=3, vocab_size=tok.backend.get_vocab_size())
+    hf.save_pretrained(folder, safe_serialization=True)
+    tok.backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": TEMPLATE.read_text()}))
+    ids = AutoTokenizer.from_pretrained(folder).apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return folder, hf, ids, hf_greedy(hf, ids, 8)
+
+
+def _chat(folder: Path, max_tokens: int, **extra):
+    spec = ClusterSpec(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=64, block_size=16,
+                       max_num_seqs=4, max_num_batched_tokens=256, num_threads=1, kv_transfer_timeout_s=30.0)
+    cluster, app = build(spec, use_ray=False)
+    url, stop = serve_in_thread(app)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        return client.chat.completions.create(model=str(folder), messages=MESSAGES, max_tokens=max_tokens,
+                                              temperature=0, **extra)
+    finally:
+        stop()
+        cluster.shutdown()
+
+
+def test_chat_template_and_eos_set_through_serve(qwen2_folder):
+    folder, hf, ids, greedy = qwen2_folder
+    from transformers import AutoTokenizer
+    ref_tok = AutoTokenizer.from_pretrained(folder)
+    im_end, endoftext = ref_tok.convert_tokens_to_ids("<|im_end|>"), ref_tok.convert_tokens_to_ids("<|endoftext|>")
+    assert ids[-3:] == ref_tok.encode("<|im_start|>assistant\n")[-3:]
+    # EOS: the tokenizer's <|im_end|>, and generation_config's list (Qwen's two, and the first
+    # greedy token after the first that is new, which this random model does produce)
+    stop_at = next(t for i, t in enumerate(greedy) if i and t not in greedy[:i])
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, endoftext, stop_at]}))
+    reply = _chat(folder, 8)
+    # the EOS token ends the output; a normal token's text stays in it (vLLM's rule: only special
+    # tokens are skipped in the text)
+    cut = greedy[:greedy.index(stop_at) + 1]
+    assert reply.usage.prompt_tokens == len(ids)
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].message.content == ref_tok.decode(cut, skip_special_tokens=True)
+    assert reply.usage.completion_tokens == len(cut) < 8
+    # and without the extra EOS the same prompt runs to the length limit
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, endoftext]}))
+    if im_end not in greedy and endoftext not in greedy:
+        reply = _chat(folder, 8)
+        assert reply.choices[0].finish_reason == "length"
+        assert reply.choices[0].message.content == ref_tok.decode(greedy, skip_special_tokens=True)
