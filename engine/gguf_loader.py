@@ -2,11 +2,13 @@
 
 A GGUF tensor differs from the Hugging Face parameter it came from in four ways, each undone here:
 
-1. name: `blk.3.attn_q.weight` is `model.layers.3.self_attn.q_proj.weight` (`hf_param_name`);
+1. name: `blk.3.attn_q.weight` is `model.layers.3.self_attn.q_proj.weight` (`hf_param_name`, from
+   gguf's tensor name map of the file's architecture);
 2. shape: ggml lists dimensions fastest-first, so `[in_features, out_features]` is reversed;
 3. encoding: blocks of Q4_0/Q4_1/Q8_0/... are dequantized with `gguf.quants.dequantize`;
-4. rows of `attn_q` / `attn_k`: llama.cpp's convert permuted them from HF's rotate-half RoPE
-   layout to its interleaved one (`permute_qk`); `unpermute_qk` puts them back.
+4. values: in `llama` files the rows of `attn_q` / `attn_k` were permuted from HF's rotate-half
+   RoPE layout to llama.cpp's interleaved one (`permute_qk`; `unpermute_qk` puts them back);
+   Qwen and Gemma keep HF's rotate-half layout; a `gemma2` file stores each norm as 1 + w.
 
 Dequantizing a whole model takes seconds, so the result is cached once as an fp32 safetensors
 file under `$PDSERVE_CACHE_DIR` (default `~/.cache/pdserve`), keyed by the GGUF's path, size and
@@ -34,24 +36,28 @@ from engine.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHS = ("llama",)
-CACHE_FORMAT_VERSION = "1"  # bump when the conversion changes, so stale caches are not read
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2")  # general.architecture -> the family of that name
+CACHE_FORMAT_VERSION = "2"  # bump when the conversion changes, so stale caches are not read
 
-_LAYER_PARAMS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GLOBAL_PARAMS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# The HF modules pdserve's families load; gguf's own tensor name maps say which GGUF tensor each
+# one is in a given architecture (Gemma 2's post_attention_layernorm is not Llama's).
+_HF_LAYER_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                     "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm")
+_HF_GLOBAL_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
 # Tensors that are not parameters of the HF model (llama3 RoPE frequency factors).
 _SKIPPED = re.compile(r"^(rope_freqs|rope_factors_(long|short))\.weight$")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+@functools.cache
+def _hf_modules(arch: str, num_layers: int) -> dict[str, str]:
+    """GGUF tensor base names (`blk.3.attn_q`) -> HF module names, from `gguf.get_tensor_name_map`."""
+    enum = {name: e for e, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    tensor_map = gguf.get_tensor_name_map(enum, num_layers)
+    hf = list(_HF_GLOBAL_MODULES) + [f"model.layers.{i}.{m}" for i in range(num_layers) for m in _HF_LAYER_MODULES]
+    return {g: name for name in hf if (g := tensor_map.get_name(name)) is not None}
 
 
 def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
@@ -73,20 +79,20 @@ def read_gguf_metadata(reader: gguf.GGUFReader) -> dict:
     return {name: field.contents() for name, field in reader.fields.items()}
 
 
-def hf_param_name(gguf_name: str) -> str | None:
-    """HF parameter name of a llama GGUF tensor; None for tensors the HF model has no slot for.
+def hf_param_name(gguf_name: str, arch: str = "llama", num_layers: int | None = None) -> str | None:
+    """HF parameter name of a GGUF tensor of `arch`; None for tensors the HF model has no slot for.
 
     Raises:
         ValueError: a tensor this loader does not know, rather than silently dropping weights.
     """
     if _SKIPPED.match(gguf_name):
         return None
-    if (m := _LAYER_RE.match(gguf_name)) and m.group(2) in _LAYER_PARAMS:
-        return f"model.layers.{m.group(1)}.{_LAYER_PARAMS[m.group(2)]}.{m.group(3)}"
     base, _, suffix = gguf_name.rpartition(".")
-    if base in _GLOBAL_PARAMS and suffix in ("weight", "bias"):
-        return f"{_GLOBAL_PARAMS[base]}.{suffix}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face llama counterpart")
+    if num_layers is None:
+        num_layers = int(m.group(1)) + 1 if (m := _LAYER_RE.match(gguf_name)) else 1
+    if suffix in ("weight", "bias") and (module := _hf_modules(arch, num_layers).get(base)) is not None:
+        return f"{module}.{suffix}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face {arch} counterpart")
 
 
 def permute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -125,8 +131,28 @@ def _rope_scaling(meta: dict, arch: str) -> dict | None:
     return scaling
 
 
+def _family_switches(meta: dict, arch: str, num_layers: int, hidden_size: int, num_heads: int,
+                     head_dim: int) -> dict:
+    """What each architecture's llama.cpp converter implies or writes beyond the shared keys. A
+    Mistral checkpoint converts as `llama`, its sliding window dropped (llama.cpp runs it full)."""
+    if arch == "qwen2":
+        return dict(qkv_bias=True)
+    if arch == "qwen3":
+        return dict(qk_norm=True)
+    if arch != "gemma2":
+        return {}
+    window = meta.get("gemma2.attention.sliding_window")
+    # no query_pre_attn_scalar in the file: llama.cpp scales by head_dim, and by hidden / heads for
+    # the 46-layer 27B (llama-model.cpp); the sliding layers are the even ones
+    scalar = hidden_size // num_heads if num_layers == 46 else head_dim
+    caps = {key: _f32(meta[f"gemma2.{key}"]) for key in ("attn_logit_softcapping", "final_logit_softcapping")
+            if meta.get(f"gemma2.{key}") is not None}
+    types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers))
+    return dict(sliding_window=window, layer_types=types if window else (), query_pre_attn_scalar=scalar, **caps)
+
+
 def gguf_model_config(path: Path) -> ModelConfig:
-    """A `ModelConfig` from a llama-architecture GGUF's metadata."""
+    """A `ModelConfig` from a GGUF's metadata (architectures in SUPPORTED_ARCHS)."""
     reader = open_gguf(path)
     meta = read_gguf_metadata(reader)
     arch = meta.get("general.architecture")
@@ -140,14 +166,16 @@ def gguf_model_config(path: Path) -> ModelConfig:
         vocab_size = int(next(t.shape[1] for t in reader.tensors if t.name == "token_embd.weight"))
     if "rope_freqs.weight" in tensor_names and _rope_scaling(meta, arch) is None:
         logger.warning("%s has rope_freqs.weight but no rope.scaling metadata; it is ignored", path)
+    num_layers = meta[f"{arch}.block_count"]
+    head_dim = meta.get(f"{arch}.attention.key_length", hidden_size // num_heads)
     return ModelConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=meta[f"{arch}.feed_forward_length"],
-        num_layers=meta[f"{arch}.block_count"],
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=meta.get(f"{arch}.attention.head_count_kv", num_heads),
-        head_dim=meta.get(f"{arch}.attention.key_length", hidden_size // num_heads),
+        head_dim=head_dim,
         rms_norm_eps=_f32(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=_f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(meta, arch),
@@ -156,6 +184,8 @@ def gguf_model_config(path: Path) -> ModelConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         name=meta.get("general.name") or path.stem,
+        architecture=arch,
+        **_family_switches(meta, arch, num_layers, hidden_size, num_heads, head_dim),
     )
 
 
@@ -180,16 +210,19 @@ def convert_gguf(path: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHS})")
     num_heads = meta[f"{arch}.attention.head_count"]
     num_kv_heads = meta.get(f"{arch}.attention.head_count_kv", num_heads)
+    num_layers = meta[f"{arch}.block_count"]
     weights = {}
     for tensor in tqdm(reader.tensors, desc=f"Converting {path.name}", unit="tensor", leave=False):
-        name = hf_param_name(tensor.name)
+        name = hf_param_name(tensor.name, arch, num_layers)
         if name is None:
             continue
         w = _dequantize(tensor)
-        if ".self_attn.q_proj." in name:
+        if arch == "llama" and ".self_attn.q_proj." in name:  # only llama's q/k rows were permuted
             w = unpermute_qk(w, num_heads)
-        elif ".self_attn.k_proj." in name:
+        elif arch == "llama" and ".self_attn.k_proj." in name:
             w = unpermute_qk(w, num_kv_heads)
+        elif arch == "gemma2" and name.endswith("norm.weight"):  # its converter stored 1 + w
+            w = w - 1
         weights[name] = w
     return weights
 
@@ -241,18 +274,19 @@ def iter_q4_linears(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     field = reader.fields.get  # two keys, not the whole metadata (its vocabulary takes seconds to read)
     arch = field("general.architecture").contents()
     num_heads = field(f"{arch}.attention.head_count").contents()
+    num_layers = field(f"{arch}.block_count").contents()
     kv = field(f"{arch}.attention.head_count_kv")
     num_kv_heads = num_heads if kv is None else kv.contents()
     for tensor in _decoder_linears(reader):
         if tensor.tensor_type.name not in Q4_TYPE_NAMES:
             raise ValueError(f"GGUF tensor {tensor.name!r} is {tensor.tensor_type.name}, not Q4_0/Q4_1")
-        name = hf_param_name(tensor.name).removesuffix(".weight")
+        name = hf_param_name(tensor.name, arch, num_layers).removesuffix(".weight")
         shape = tuple(int(d) for d in reversed(tensor.shape))
         parts = decode_q4_blocks(tensor.data, tensor.tensor_type, shape)
         for suffix, part in zip(("qweight", "scales", "mins"), parts):
-            if ".self_attn.q_proj" in name:
+            if arch == "llama" and ".self_attn.q_proj" in name:
                 part = unpermute_qk(part, num_heads)
-            elif ".self_attn.k_proj" in name:
+            elif arch == "llama" and ".self_attn.k_proj" in name:
                 part = unpermute_qk(part, num_kv_heads)
             yield f"{name}.{suffix}", part.contiguous()
 
@@ -277,7 +311,10 @@ def iter_gguf_weights(path: Path, dtype: torch.dtype, cache_dir: str | os.PathLi
     skip = set()
     if q4_codes:
         yield from iter_q4_linears(path)
-        skip = {hf_param_name(t.name) for t in _decoder_linears(open_gguf(path))}  # not read from the cache
+        reader = open_gguf(path)
+        arch = reader.fields["general.architecture"].contents()
+        layers = reader.fields[f"{arch}.block_count"].contents()
+        skip = {hf_param_name(t.name, arch, layers) for t in _decoder_linears(reader)}  # not read from the cache
     cached = cache_path_for(path, cache_dir)
     if not cached.exists():
         logger.info("converting %s to %s (one time)", path, cached)
