@@ -118,8 +118,8 @@ def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
     ids = torch.tensor([prompt])
     # eos_token_id=[] really ignores EOS; min_new_tokens would instead forbid it (a different sequence)
     cfg = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=[], pad_token_id=0)
-    with torch.no_grad():
-        out = hf_model.generate(ids, generation_config=cfg)
+    with torch.no_grad():  # every position attended: a prompt may hold token 0 (the pad id given)
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
     return out[0, len(prompt):].tolist()
 
 
