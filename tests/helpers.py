@@ -159,3 +159,23 @@ def assert_logprobs_close(got: list[dict[int, float]], want: list[dict[int, floa
         assert gt == wt and abs(glp - wlp) <= tol, (i, gt, glp, wt, wlp)
         gv, wv = sorted(g.values(), reverse=True), sorted(w.values(), reverse=True)
         assert len(gv) == len(wv) and max(abs(a - b) for a, b in zip(gv, wv)) <= tol, (i, gv, wv)
+
+
+def run_gloo_ranks(target, args: tuple, num_results: int, world: int = 2, timeout_s: float = 180) -> list:
+    """Runs `target(rank, port, *args, out)` in `world` spawned processes (a gloo group on a free
+    loopback port); returns the `num_results` items they put on `out`, once every rank exited 0."""
+    import multiprocessing as mp
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=timeout_s) for _ in range(num_results)]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    return results

@@ -15,7 +15,7 @@ from engine.loader import hf_model_config
 from engine.model_runner import ModelRunner
 from engine.models import UnsupportedConfig
 from engine.request import SamplingParams
-from tests.helpers import FAMILIES, all_logits, engine_config, hf_greedy, make_hf_tiny, random_prompts
+from tests.helpers import FAMILIES, all_logits, engine_config, hf_greedy, make_hf_tiny, random_prompts, run_gloo_ranks
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
@@ -161,8 +161,6 @@ def _tp_rank(rank: int, port: int, folders: list[str], prompt: list[int], out) -
 def test_tensor_parallel_matches_transformers(tmp_path):
     """Two gloo ranks (tp=2: 2 of the 4 query heads and 1 of the 2 KV heads each, their shares of
     the q/k/v biases) give transformers' logits for a prompt over 3 windows."""
-    import multiprocessing as mp
-    import socket
     hf, folders = {}, []
     for name in TP_FAMILIES:
         kind, switches = FAMILIES[name]
@@ -170,18 +168,7 @@ def test_tensor_parallel_matches_transformers(tmp_path):
         hf[name].save_pretrained(tmp_path / name, safe_serialization=True)
         folders.append(str(tmp_path / name))
     prompt = random_prompts(1, [90], seed=8)[0]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_tp_rank, args=(r, port, folders, prompt, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(out.get(timeout=180) for _ in folders)
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    got = dict(run_gloo_ranks(_tp_rank, (folders, prompt), len(folders)))
     for name, folder in zip(TP_FAMILIES, folders):
         with torch.no_grad():
             ref = hf[name](torch.tensor([prompt])).logits[0]

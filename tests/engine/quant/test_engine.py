@@ -3,8 +3,6 @@ and tensor parallelism (each rank quantizes its own shard) against tp=1."""
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
-import socket
 from datetime import timedelta
 
 import pytest
@@ -16,7 +14,8 @@ from engine.batch import NewRequestData, SchedulerOutput
 from engine.model_runner import ModelRunner
 from engine.parallel import TPGroup
 from engine.request import SamplingParams
-from tests.helpers import all_logits, engine_config, make_hf_tiny_llama, random_prompts, save_tiny_llama, tiny_engine
+from tests.helpers import (all_logits, engine_config, make_hf_tiny_llama, random_prompts, run_gloo_ranks,
+                           save_tiny_llama, tiny_engine)
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
@@ -103,18 +102,8 @@ def test_tensor_parallel_int8_matches_tp1(tmp_path):
     against a quantization error over 100x that)."""
     folder = str(save_tiny_llama(tmp_path / "tiny", seed=1))
     prompt = random_prompts(1, [37], seed=4)[0]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, folder, prompt, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    tp2 = {q: torch.from_numpy(logits) for q, logits in (out.get(timeout=120) for _ in TP_METHODS)}
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    tp2 = {q: torch.from_numpy(logits)
+           for q, logits in run_gloo_ranks(_rank, (folder, prompt), len(TP_METHODS), timeout_s=120)}
     base = _prefill_logits(ModelRunner(engine_config(model=folder, quantization="none", num_blocks=16)), prompt)
     for quantization, logits in tp2.items():
         tp1 = _prefill_logits(ModelRunner(engine_config(model=folder, quantization=quantization, num_blocks=16)),
