@@ -38,8 +38,8 @@ def train_tokenizer(folder: Path) -> None:
     corpus = folder / "corpus.txt"
     corpus.write_text(text)
     spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(folder / "tokenizer"), vocab_size=VOCAB,
-                                   model_type="bpe", byte_fallback=True, character_coverage=0.99, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
-                                   num_threads=1, minloglevel=2)
+                                   model_type="bpe", byte_fallback=True, character_coverage=0.99, bos_id=1, eos_id=2,
+                                   unk_id=0, pad_id=-1, num_threads=1, minloglevel=2)
     corpus.unlink()
     (folder / "tokenizer.vocab").unlink()
 
