@@ -52,6 +52,19 @@ class ModelConfig:
         assert self.head_dim % 2 == 0
         assert not self.layer_types or len(self.layer_types) == self.num_layers, "one layer type per layer"
 
+    def tp_misfit(self, tp: int) -> str | None:
+        """Why `tp` tensor-parallel ranks cannot split this model (None: they can), as
+        QKVParallelLinear and the MLP shard it."""
+        if self.num_heads % tp:
+            return f"its {self.num_heads} attention heads do not split over {tp} ranks"
+        if tp >= self.num_kv_heads and tp % self.num_kv_heads:
+            return f"{tp} ranks are not a multiple of its {self.num_kv_heads} KV heads"
+        if tp < self.num_kv_heads and self.num_kv_heads % tp:
+            return f"its {self.num_kv_heads} KV heads do not split over {tp} ranks"
+        if self.intermediate_size % tp:
+            return f"its MLP width {self.intermediate_size} does not split over {tp} ranks"
+        return None
+
     @property
     def kv_window(self) -> int | None:
         """How many keys back every layer's attention reaches: the window when every layer slides,

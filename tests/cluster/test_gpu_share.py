@@ -199,13 +199,13 @@ def test_controller_starts_decode_first_one_at_a_time(controller_on):
 
 
 def test_start_refuses_the_plan_before_any_instance(controller_on, monkeypatch):
-    """A tp=2 instance on one shared GPU fails in start() right after Ray is up: no instance is
+    """A tp=3 instance on one shared GPU fails in start() right after Ray is up: no instance is
     started or adopted."""
     import cluster.controller as controller_module
     monkeypatch.setattr(controller_module, "init_ray", lambda *args: False)
-    c = controller_on(1, prefill_tp=2)
+    c = controller_on(1, prefill_tp=3)
     c._create = lambda role: pytest.fail(f"a {role} instance was started")
-    with pytest.raises(ValueError, match="^prefill_tp=2: 3 ranks would share 1 GPU"):
+    with pytest.raises(ValueError, match="^prefill_tp=3: 4 ranks would share 1 GPU"):
         c.start()
     assert c.instances == {}
 

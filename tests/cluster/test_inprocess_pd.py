@@ -122,6 +122,17 @@ def test_window_ships_only_the_kv_decode_reads(tmp_path):
     assert got == sum(min(n, window - 1) for n in lengths) * per_token < sum(lengths) * per_token
 
 
+@pytest.mark.parametrize("knob,flag", [(dict(decode_tp=3), "--decode-tp 3"), (dict(prefill_tp=3), "--prefill-tp 3")])
+def test_a_tp_size_the_heads_do_not_split_is_refused_first(tiny_path, knob, flag):
+    """tp=3 of a model with 4 heads: refused in one line naming the flag, before anything starts
+    (Ray is not even initialized)."""
+    import ray
+    cluster = Cluster(spec_for(tiny_path, **knob))
+    with pytest.raises(ValueError, match=f"{flag} cannot run .*4 attention heads do not split over 3") as exc:
+        cluster.start()
+    assert "\n" not in str(exc.value) and not cluster.instances and not ray.is_initialized()
+
+
 def test_2p2d_matches_colocated(tiny_path):
     prompts = random_prompts(10, [9, 33], seed=4)
     colocated = run(spec_for(tiny_path, mode="colocated"), prompts, 8)

@@ -14,7 +14,7 @@ from cluster.cluster import Cluster
 from cluster.nodes import PlacementError, RankPlacement
 from cluster.spec import ClusterSpec
 from engine.request import SamplingParams
-from tests.helpers import assert_logprobs_close, random_prompts
+from tests.helpers import assert_logprobs_close, random_prompts, save_tiny_llama
 
 pytestmark = pytest.mark.timeout(300)
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -60,12 +60,15 @@ def test_tp_mixes_match_colocated(ray_session, tiny_path, ptp, dtp):
         assert_logprobs_close(s.logprobs, w.logprobs)
 
 
-def test_no_room_fails_fast_and_leaves_nothing(ray_session, tiny_path):
-    """An instance no node can hold (tp=9 on an 8-CPU Ray) fails at once with a one-line error naming
-    the role and TP size (not after the 120 s placement wait); nothing it reserved is left behind."""
+def test_no_room_fails_fast_and_leaves_nothing(ray_session, tmp_path):
+    """An instance no node can hold (tp=9 on an 8-CPU Ray, of a model whose 9 heads it splits)
+    fails at once with a one-line error naming the role and TP size (not after the 120 s
+    placement wait); nothing it reserved is left behind."""
+    path = str(save_tiny_llama(tmp_path / "nine", hidden_size=144, intermediate_size=288, num_attention_heads=9,
+                               num_key_value_heads=3))
     start = time.monotonic()
     with pytest.raises(PlacementError, match=r"no Ray node has room for a decode instance \(tp=9") as exc:
-        Cluster(spec_for(tiny_path, decode_tp=9)).start()
+        Cluster(spec_for(path, decode_tp=9)).start()
     assert time.monotonic() - start < 60 and "\n" not in str(exc.value)
     deadline = time.monotonic() + 10  # prefill-0 started first: its group and actor are gone again
     while any(pg["state"] != "REMOVED" for pg in ray.util.placement_group_table().values()):
