@@ -2,9 +2,9 @@
 committed, so `make test` needs neither the converter nor sentencepiece).
 
     pip install sentencepiece
-    pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all: -d /tmp/lcp   # its sdist
-    tar xzf /tmp/lcp/llama_cpp_python-0.3.36.tar.gz -C /tmp/lcp
-    python -m tests.engine.gguf.make_fixtures /tmp/lcp/llama_cpp_python-0.3.36/vendor/llama.cpp
+    pip download llama-cpp-python==0.3.36 --no-deps --no-binary :all: -d DIR   # its sdist
+    tar xzf DIR/llama_cpp_python-0.3.36.tar.gz -C DIR
+    python -m tests.engine.gguf.make_fixtures DIR/llama_cpp_python-0.3.36/vendor/llama.cpp
 
 For each family, a tiny random transformers model (tests/helpers.py `make_hf_tiny`, its
 published switches) with a 512-token SentencePiece vocabulary trained on this repository's docs
