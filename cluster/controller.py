@@ -70,20 +70,9 @@ class Controller(Adoption):
         return self.multihost
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def _check_model_fits(self) -> None:
-        """Refuses, in one line, a model whose config pdserve cannot run or whose heads a role's
-        tensor-parallel size cannot split."""
-        from engine.loader import load_model_config
-        config = load_model_config(self.spec.model)
-        for role in self.spec.instance_counts:
-            tp = self.spec.tp_size(role)
-            if (why := config.tp_misfit(tp)) is not None:
-                flag = "--prefill-tp" if role == "prefill" else "--decode-tp"
-                raise ValueError(f"{flag} {tp} cannot run {config.name}: {why}")
-
     def start(self) -> Controller:
         """Adopts or starts every instance; on failure, what this call started is stopped again."""
-        self._check_model_fits()  # before anything starts
+        self.spec.check_model_fits()  # before anything starts
         try:
             if self.use_ray:
                 ranks = sum(n * self.spec.tp_size(r) for r, n in self.spec.instance_counts.items())

@@ -12,7 +12,7 @@ import torch
 from cluster.cluster import Cluster
 from cluster.spec import ClusterSpec
 from engine.config import resolve_dtype
-from engine.loader import load_model_config, resolve_model_path
+from engine.loader import resolve_model_path
 from engine.tokenizer import Tokenizer
 from gateway.app import create_app
 
@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 def build(spec: ClusterSpec, api_key: str | None = None, use_ray: bool = True):
     """Starts the cluster; returns (cluster, app). The caller shuts the cluster down."""
-    load_model_config(spec.model)  # a config pdserve cannot run is refused before anything starts
+    spec.check_model_fits()  # a config or TP size pdserve cannot run is refused before anything starts
     tokenizer = Tokenizer.from_path(resolve_model_path(spec.model))
     cluster = Cluster(spec, use_ray=use_ray).start()
     if spec.autoscale:

@@ -324,8 +324,10 @@ class KVCacheManager:
         """Release the request's blocks that lie wholly before the keys its next query (position
         `num_computed_tokens`) sees; no-op without a window. Returns how many leading table
         entries are now null (released here or before)."""
+        if self.window is None:
+            return 0
         blocks = self.req_to_blocks.get(request.request_id)
-        if self.window is None or not blocks:
+        if not blocks:
             return 0
         null = self.block_pool.null_block
         num_out = min(max(0, request.num_computed_tokens - self.window + 1) // self.block_size, len(blocks))

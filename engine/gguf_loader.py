@@ -103,6 +103,15 @@ def permute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _as_hf_rows(w: torch.Tensor, name: str, arch: str, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """A tensor's rows in HF order: only a `llama` file's q/k rows were permuted (`permute_qk`)."""
+    if arch == "llama" and ".self_attn.q_proj" in name:
+        return unpermute_qk(w, num_heads)
+    if arch == "llama" and ".self_attn.k_proj" in name:
+        return unpermute_qk(w, num_kv_heads)
+    return w
+
+
 def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Inverse of `permute_qk`: row `h*hd + 2*i + j` goes back to row `h*hd + j*hd/2 + i`."""
     return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -216,12 +225,8 @@ def convert_gguf(path: Path) -> dict[str, torch.Tensor]:
         name = hf_param_name(tensor.name, arch, num_layers)
         if name is None:
             continue
-        w = _dequantize(tensor)
-        if arch == "llama" and ".self_attn.q_proj." in name:  # only llama's q/k rows were permuted
-            w = unpermute_qk(w, num_heads)
-        elif arch == "llama" and ".self_attn.k_proj." in name:
-            w = unpermute_qk(w, num_kv_heads)
-        elif arch == "gemma2" and name.endswith("norm.weight"):  # its converter stored 1 + w
+        w = _as_hf_rows(_dequantize(tensor), name, arch, num_heads, num_kv_heads)
+        if arch == "gemma2" and name.endswith("norm.weight"):  # its converter stored 1 + w
             w = w - 1
         weights[name] = w
     return weights
@@ -284,11 +289,7 @@ def iter_q4_linears(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         shape = tuple(int(d) for d in reversed(tensor.shape))
         parts = decode_q4_blocks(tensor.data, tensor.tensor_type, shape)
         for suffix, part in zip(("qweight", "scales", "mins"), parts):
-            if arch == "llama" and ".self_attn.q_proj" in name:
-                part = unpermute_qk(part, num_heads)
-            elif arch == "llama" and ".self_attn.k_proj" in name:
-                part = unpermute_qk(part, num_kv_heads)
-            yield f"{name}.{suffix}", part.contiguous()
+            yield f"{name}.{suffix}", _as_hf_rows(part, name, arch, num_heads, num_kv_heads).contiguous()
 
 
 def gguf_q8_0_head(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.hf_config import LAYER_TYPES, UnsupportedConfig, llama_like_fields, refuse
+from engine.models.hf_config import checked_layer_types, llama_like_fields, refuse
 from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from engine.parallel import TPGroup
 from engine.quant.base import BaseLinearMethod
@@ -98,14 +98,11 @@ def config_from_hf(cfg: dict, name: str) -> ModelConfig:
     num_layers = fields["num_layers"]
     types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                        for i in range(num_layers)]
-    if unknown := sorted(set(types) - set(LAYER_TYPES)):
-        raise refuse(name, f"layer_types {unknown}")
-    if len(types) != num_layers:
-        raise UnsupportedConfig(f"{name}: layer_types lists {len(types)} layers, the model has {num_layers}")
+    types = checked_layer_types(types, num_layers, name)
     window = cfg.get("sliding_window")
     return ModelConfig(**{**fields, "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
                           "tie_word_embeddings": cfg.get("tie_word_embeddings", True)},
-                       architecture="gemma2", sliding_window=window, layer_types=tuple(types) if window else (),
+                       architecture="gemma2", sliding_window=window, layer_types=types if window else (),
                        attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
                        final_logit_softcapping=cfg.get("final_logit_softcapping"),
                        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", fields["head_dim"]))

@@ -75,7 +75,7 @@ def llama_like_fields(cfg: dict, name: str, activation: str = "silu", activation
         if "mrope_section" in scaling:
             raise refuse(name, "multimodal rope (mrope_section)")
     num_heads = cfg["num_attention_heads"]
-    eos = token_ids(cfg.get("eos_token_id"))
+    eos, bos = token_ids(cfg.get("eos_token_id")), token_ids(cfg.get("bos_token_id"))
     return dict(
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -89,7 +89,7 @@ def llama_like_fields(cfg: dict, name: str, activation: str = "silu", activation
         rope_scaling=scaling,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        bos_token_id=token_ids(cfg.get("bos_token_id"))[0] if token_ids(cfg.get("bos_token_id")) else None,
+        bos_token_id=bos[0] if bos else None,
         eos_token_id=eos[0] if eos else None,
         eos_token_ids=eos,
         name=name,
@@ -106,8 +106,13 @@ def qwen_windows(cfg: dict, num_layers: int, name: str) -> dict:
         return {}
     types = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", 28)
                                        else "full_attention" for i in range(num_layers)]
+    return dict(sliding_window=cfg["sliding_window"], layer_types=checked_layer_types(types, num_layers, name))
+
+
+def checked_layer_types(types: list[str], num_layers: int, name: str) -> tuple[str, ...]:
+    """A config's `layer_types`, refused if it names a kind pdserve does not run or miscounts."""
     if unknown := sorted(set(types) - set(LAYER_TYPES)):
         raise refuse(name, f"layer_types {unknown}")
     if len(types) != num_layers:
         raise UnsupportedConfig(f"{name}: layer_types lists {len(types)} layers, the model has {num_layers}")
-    return dict(sliding_window=cfg["sliding_window"], layer_types=tuple(types))
+    return tuple(types)

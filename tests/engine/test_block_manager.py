@@ -497,4 +497,3 @@ def test_randomized_stress_against_ref_count_model():
             mgr.free(req)
         check_model(mgr, live, allocated)
     free_and_assert_no_leaks(mgr, *live.values())
-
