@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import replace
 
-from cluster import gpu_share, nodes
+from cluster import gpu_share, model_fit, nodes
 from cluster.adoption import Adoption
 from cluster.clients import LocalDecodeClient, LocalPrefillClient, RayDecodeClient, RayPrefillClient
 from cluster.instance import Instance, init_ray, rank_actor_name, setup_ray_auth  # noqa: F401 (re-exported)
@@ -72,7 +72,7 @@ class Controller(Adoption):
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> Controller:
         """Adopts or starts every instance; on failure, what this call started is stopped again."""
-        self.spec.check_model_fits()  # before anything starts
+        model_fit.check(self.spec)  # before anything starts
         try:
             if self.use_ray:
                 ranks = sum(n * self.spec.tp_size(r) for r, n in self.spec.instance_counts.items())

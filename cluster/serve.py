@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from cluster import model_fit
 from cluster.cluster import Cluster
 from cluster.spec import ClusterSpec
 from engine.config import resolve_dtype
@@ -21,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 def build(spec: ClusterSpec, api_key: str | None = None, use_ray: bool = True):
     """Starts the cluster; returns (cluster, app). The caller shuts the cluster down."""
-    spec.check_model_fits()  # a config or TP size pdserve cannot run is refused before anything starts
+    model_fit.check(spec)  # a config or TP size pdserve cannot run is refused before anything starts
     tokenizer = Tokenizer.from_path(resolve_model_path(spec.model))
     cluster = Cluster(spec, use_ray=use_ray).start()
     if spec.autoscale:

@@ -244,17 +244,6 @@ class ClusterSpec:
         instance aborts its requests and frees their blocks."""
         return 3 * self.heartbeat_ttl_s
 
-    def check_model_fits(self) -> None:
-        """Refuses, in one line, a model whose config pdserve cannot run or whose heads a role's
-        tensor-parallel size cannot split (ValueError)."""
-        from engine.loader import load_model_config
-        config = load_model_config(self.model)
-        for role in self.instance_counts:
-            tp = self.tp_size(role)
-            if (why := config.tp_misfit(tp)) is not None:
-                flag = "--prefill-tp" if role == "prefill" else "--decode-tp"
-                raise ValueError(f"{flag} {tp} cannot run {config.name}: {why}")
-
     def tp_size(self, role: str) -> int:
         """Tensor-parallel ranks of an instance of `role`."""
         if role not in ROLES:
