@@ -39,7 +39,7 @@ def churned_reservation(num_blocks: int, tokens: int, contiguous: bool, seed: in
             kv.free(req)
             live.remove(req)
         for req in live:  # decode growth takes the least recently used block
-            req.num_computed_tokens = len(kv.get_block_ids(req.request_id)) * BLOCK
+            req.num_computed_tokens = len(kv.get_block_ids(req.request_id)[0]) * BLOCK
             kv.allocate_slots(req, BLOCK)
         while True:
             req = Request(f"{step}-{len(live)}", [1] * rng.randint(1, 2 * tokens))
@@ -52,7 +52,7 @@ def churned_reservation(num_blocks: int, tokens: int, contiguous: bool, seed: in
         kv.free(live.pop(rng.randrange(len(live))))
     req = Request("measured", [1] * tokens)
     kv.allocate_slots(req, tokens, contiguous=contiguous)
-    return stretches(kv.get_block_ids("measured"))
+    return stretches(kv.get_block_ids("measured")[0])
 
 
 def main(argv=None) -> int:

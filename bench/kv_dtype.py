@@ -74,18 +74,17 @@ def perplexity(llm: LLM, text: str, chunk: int = 64) -> tuple[float, int]:
     """exp(mean NLL) of `text`'s tokens after the first, fed in `chunk`-token steps through the
     paged cache (blocks 1.. of the runner's pool, written directly: the engine must be idle)."""
     runner, ids, rid = llm.engine.runner, llm.encode(text), "ppl"
-    blocks = list(range(1, -(-len(ids) // runner.block_size) + 1))
+    blocks = runner.scratch_tables(len(ids))
     nll = 0.0
     try:
         for start in range(0, len(ids), chunk):
             toks = ids[start:start + chunk]
             new = [NewRequestData(rid, toks, 0, blocks, SamplingParams(), True)] if start == 0 else []
-            cached = [] if start == 0 else [CachedRequestData(rid, toks, start, [], True)]
+            cached = [] if start == 0 else [CachedRequestData(rid, toks, start, (), True)]
             sched = SchedulerOutput(new_requests=new, cached_requests=cached)
             runner.update_states(sched)
             inp = runner.prepare_inputs(sched)
-            runner.backend.prepare(inp.meta)
-            hidden = runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta, runner.backend)
+            hidden = runner.hidden_states(inp)
             logp = runner.model.compute_logits(hidden).float().log_softmax(-1)  # (len(toks), vocab)
             targets = ids[start + 1:start + 1 + len(toks)]
             nll -= logp[torch.arange(len(targets)), torch.tensor(targets)].sum().item()

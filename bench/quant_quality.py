@@ -52,15 +52,14 @@ PARAGRAPHS = [
 def sequence_logits(runner, token_ids: list[int]) -> torch.Tensor:
     """Logits at every position of `token_ids` (one prefill into blocks 1..n of the runner's cache;
     the caller resets the engine's prefix cache afterwards). Returns (len, vocab) float32."""
-    bs, rid = runner.block_size, "quality-probe"
-    blocks = list(range(1, -(-len(token_ids) // bs) + 1))
+    rid = "quality-probe"
+    blocks = runner.scratch_tables(len(token_ids))
     sched = SchedulerOutput(new_requests=[NewRequestData(rid, token_ids, 0, blocks, SamplingParams(), True)])
     try:
         runner.update_states(sched)
         inp = runner.prepare_inputs(sched)
-        runner.backend.prepare(inp.meta)
         with torch.inference_mode():
-            hidden = runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta, runner.backend)
+            hidden = runner.hidden_states(inp)
             return runner.model.compute_logits(hidden).float()
     finally:
         runner.update_states(SchedulerOutput(finished_req_ids=[rid]))

@@ -1,15 +1,18 @@
-"""KV a sliding window saves: bytes a 1P1D transfer ships and blocks the decode instance holds
-per request, for one long prompt, with the window and with full attention (same model otherwise).
+"""KV a sliding window saves: bytes a 1P1D transfer ships and KV the decode instance holds per
+request, for one long prompt, with the window and with full attention (same model otherwise):
+a Mistral (every layer slides) and a Gemma 2 (sliding and global layers alternate, each kind a
+KV group with its own block tables).
 
     python -m bench.sliding_window_kv                      # 4,096-token prompt, 512-token window
     python -m bench.sliding_window_kv --prompt-len 8192 --window 1024 --json
 
-The model is a small random Mistral (transformers' MistralConfig, saved as safetensors: no
-download), run for real through an in-process 1P1D cluster: the bytes are the decode receiver's
-count, the blocks the most the decode allocator held for the request while it generated
-(sampled every millisecond). Tokens and blocks do not depend on the model's size; bytes are also
-given per token of Mistral 7B's KV shape (32 layers x 8 KV heads x 128 x bf16 = 128 KiB), scaled
-from the measured token count.
+The models are small and random (transformers' MistralConfig and Gemma2Config, 4 layers, saved
+as safetensors: no download), run for real through an in-process 1P1D cluster: the bytes are the
+decode receiver's count, the KV held the most the decode allocator held for the request while it
+generated (its blocks, sampled every millisecond, times a block's bytes). Layer-tokens (one
+layer's K and V of one token) do not depend on the model's size; bytes are also given in the KV
+shape of Mistral 7B (8 KV heads x 128, bf16: 4 KiB a layer-token) and Gemma 2 9B (8 x 256: 8 KiB),
+scaled from the measured layer-tokens.
 """
 from __future__ import annotations
 
@@ -20,17 +23,28 @@ import tempfile
 import threading
 from pathlib import Path
 
-MISTRAL_7B_KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
+# (layers, bytes of a layer-token) of Mistral 7B and Gemma 2 9B (alternating like the small one)
+REAL_SHAPE = {"mistral": (32, 2 * 8 * 128 * 2), "gemma2": (42, 2 * 8 * 256 * 2)}
+NUM_LAYERS = 4
+RUNS = (("mistral", True), ("mistral", False), ("gemma2", True), ("gemma2", False))
 
 
-def save_model(folder: Path, window: int | None, max_len: int) -> str:
+def save_model(folder: Path, family: str, window: int, sliding: bool, max_len: int) -> str:
+    """A 4-layer random model; `sliding` False: every layer global (same weights' shapes)."""
     import torch
-    from transformers import MistralConfig, MistralForCausalLM
+    import transformers
     torch.manual_seed(0)
-    cfg = MistralConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=max_len,
-                        sliding_window=window)
-    MistralForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
+    shape = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=NUM_LAYERS,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=max_len)
+    if family == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**shape,
+                                                                           sliding_window=window if sliding else None))
+    else:
+        types = (["sliding_attention", "full_attention"] * (NUM_LAYERS // 2) if sliding
+                 else ["full_attention"] * NUM_LAYERS)
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**shape, sliding_window=window,
+                                                                         layer_types=types))
+    model.save_pretrained(folder, safe_serialization=True)
     return str(folder)
 
 
@@ -39,9 +53,12 @@ def measure(model: str, prompt_len: int, max_tokens: int, block_size: int) -> di
 
     from cluster.cluster import Cluster
     from cluster.spec import ClusterSpec
+    from engine.kv_cache import kv_block_bytes
+    from engine.loader import hf_model_config
     from engine.request import SamplingParams
+    groups = hf_model_config(Path(model)).kv_layout.num_groups
     spec = ClusterSpec(model=model, dtype="float32", device="cpu", block_size=block_size,
-                       num_kv_blocks=-(-(prompt_len + max_tokens) // block_size) + 8, max_num_seqs=4,
+                       num_kv_blocks=groups * (-(-(prompt_len + max_tokens) // block_size) + 8), max_num_seqs=4,
                        max_num_batched_tokens=1024, num_threads=1)
     prompt = torch.randint(3, 500, (prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
     with Cluster(spec, use_ray=False) as cluster:
@@ -50,8 +67,8 @@ def measure(model: str, prompt_len: int, max_tokens: int, block_size: int) -> di
 
         def watch():
             while not done.wait(0.001):
-                for blocks in list(kv.req_to_blocks.values()):
-                    peak[0] = max(peak[0], sum(b.block_id != 0 for b in blocks))
+                for tables in list(kv.req_to_blocks.values()):
+                    peak[0] = max(peak[0], sum(b.block_id != 0 for blocks in tables for b in blocks))
 
         threading.Thread(target=watch, daemon=True).start()
         streams = cluster.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
@@ -59,13 +76,14 @@ def measure(model: str, prompt_len: int, max_tokens: int, block_size: int) -> di
         done.set()
         assert streams[0].error is None, streams[0].error
         mc, bs = decode.runner.model_config, decode.runner.block_size
-        per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 4
+        layer_token = 2 * mc.num_kv_heads * mc.head_dim * 4  # fp32
+        block_bytes = kv_block_bytes(mc, mc.num_kv_heads, bs, torch.float32)
         got = decode.receiver.stats["bytes_received"]
-        return {"bytes_transferred": got, "tokens_transferred": got // per_token, "decode_blocks_held_peak": peak[0],
-                "block_size": bs, "decode_kv_bytes_held_peak": peak[0] * bs * per_token,
-                "blocks_freed_while_decoding": kv.num_window_freed,
-                "mistral_7b_bytes_transferred": got // per_token * MISTRAL_7B_KV_BYTES_PER_TOKEN,
-                "mistral_7b_kv_bytes_held_peak": peak[0] * bs * MISTRAL_7B_KV_BYTES_PER_TOKEN}
+        return {"kv_layout": mc.kv_layout.signature, "bytes_transferred": got,
+                "layer_tokens_transferred": got // layer_token, "tokens_transferred": got / layer_token / mc.num_layers,
+                "decode_blocks_held_peak": peak[0], "block_size": bs,
+                "decode_layer_tokens_held_peak": peak[0] * block_bytes // layer_token,
+                "decode_kv_bytes_held_peak": peak[0] * block_bytes, "blocks_freed_while_decoding": kv.num_window_freed}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,24 +92,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--family", choices=("mistral", "gemma2", "both"), default="both")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     max_len = args.prompt_len + args.max_tokens + 64
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, window in (("window", args.window), ("full", None)):
-            results[name] = measure(save_model(Path(tmp) / name, window, max_len), args.prompt_len, args.max_tokens,
-                                    args.block_size)
+        for family, sliding in RUNS:
+            if args.family in (family, "both"):
+                name = f"{family}_{'window' if sliding else 'full'}"
+                folder = save_model(Path(tmp) / name, family, args.window, sliding, max_len)
+                r = results[name] = measure(folder, args.prompt_len, args.max_tokens, args.block_size)
+                layers, layer_token = REAL_SHAPE[family]
+                r["real_model_bytes_transferred"] = r["layer_tokens_transferred"] * layers // NUM_LAYERS * layer_token
+                r["real_model_kv_bytes_held_peak"] = (r["decode_layer_tokens_held_peak"] * layers // NUM_LAYERS
+                                                      * layer_token)
     results["config"] = vars(args)
     if args.json:
         print(json.dumps(results, indent=2))
     else:
-        for name in ("window", "full"):
-            r = results[name]
-            print(f"{name:6s}: {r['tokens_transferred']} tokens shipped ({r['bytes_transferred']} B; Mistral 7B "
-                  f"{r['mistral_7b_bytes_transferred'] / 2**20:.1f} MiB), decode peak {r['decode_blocks_held_peak']} "
-                  f"blocks of {r['block_size']} (Mistral 7B {r['mistral_7b_kv_bytes_held_peak'] / 2**20:.1f} MiB), "
-                  f"{r['blocks_freed_while_decoding']} blocks freed while decoding")
+        for name, r in results.items():
+            if name != "config":
+                print(f"{name:15s} {r['kv_layout']:>16s}: {r['layer_tokens_transferred']} layer-tokens shipped "
+                      f"({r['bytes_transferred']} B), decode peak {r['decode_blocks_held_peak']} blocks of "
+                      f"{r['block_size']} ({r['decode_layer_tokens_held_peak']} layer-tokens), "
+                      f"{r['blocks_freed_while_decoding']} blocks freed while decoding")
     return 0
 
 

@@ -25,7 +25,7 @@ class _Followers:
     def __init__(self, actors: list):
         self.actors = actors
 
-    def expect(self, request_id: str, slots: torch.Tensor, prefill_tp: int) -> None:
+    def expect(self, request_id: str, slots: list[torch.Tensor], prefill_tp: int) -> None:
         ray.get([a.expect.remote(request_id, slots, prefill_tp) for a in self.actors])
 
     def forget(self, request_id: str) -> None:
@@ -116,7 +116,7 @@ class RankActor:
     def reserve(self, req: Request, prefill_tp: int) -> bool:
         return self.host.worker.reserve(req, prefill_tp)
 
-    def expect(self, request_id: str, slots: torch.Tensor, prefill_tp: int) -> None:
+    def expect(self, request_id: str, slots: list[torch.Tensor], prefill_tp: int) -> None:
         self.host.worker.connector.expect(request_id, slots, prefill_tp)
 
     def forget(self, request_id: str) -> None:

@@ -107,9 +107,9 @@ class RankHost:
         mc = self.runner.model_config
         # the KV cache's dtype, not the model's: an fp8 cache ships fp8, and refuses a peer whose cache is not
         compat = CompatRecord(model=mc.name, dtype=str(self.runner.kv_dtype).removeprefix("torch."),
-                              num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                              num_layers=mc.kv_layout.num_slabs, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                               block_size=self.runner.block_size, tp_size=tp_size, device_type=self.runner.device.type,
-                              kv_window=mc.kv_window or 0)
+                              kv_layout=mc.kv_layout.signature)
         backend = self.runner.backend
         kv_views = None
         if backend.own_kv_layout and role in ("prefill", "decode"):  # the transfer reads and writes through them
@@ -120,7 +120,7 @@ class RankHost:
             # a request's blocks are leased to its transfer: freed on the decode side's ack, or after
             # 3 transfer timeouts if no ack ever comes (a hung peer cannot pin them forever)
             connector = PrefillConnector(self.sender, mc.num_kv_heads, rank, tp_size, lease_s=3 * kv_timeout_s,
-                                         kv_views=kv_views)
+                                         kv_views=kv_views, kv_layout=mc.kv_layout)
             self.worker = PrefillWorker(self.runner, connector, instance_id, client_ttl_s=client_ttl_s)
         else:
             if role == "decode":
@@ -130,7 +130,7 @@ class RankHost:
                     share_cache=kv_same_device, kv_views=kv_views)
             tokenizer = load_tokenizer(config.model) if rank == 0 and model_config is None else None
             engine = ColocatedEngine(config, runner=self.runner, tokenizer=tokenizer)
-            connector = DecodeConnector(self.receiver, mc.num_kv_heads, rank, tp_size)
+            connector = DecodeConnector(self.receiver, mc.num_kv_heads, rank, tp_size, mc.kv_layout.num_groups)
             self.worker = DecodeWorker(engine, connector, instance_id, client_ttl_s=client_ttl_s)
 
     @property

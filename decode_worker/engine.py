@@ -26,8 +26,9 @@ class ColocatedEngine:
         self.tokenizer = tokenizer
         mc = self.runner.model_config
         block_size = self.runner.block_size
-        # a model whose every layer slides frees blocks outside the window (KVCacheManager)
-        self.kv = KVCacheManager(self.runner.num_blocks, block_size, config.cache.enable_prefix_caching, mc.kv_window)
+        # a sliding KV group frees the blocks its window left behind (KVCacheManager)
+        self.kv = KVCacheManager(self.runner.num_blocks, block_size, config.cache.enable_prefix_caching,
+                                 mc.kv_layout.windows)
         max_len = config.scheduler.max_model_len or mc.max_position_embeddings
         # a sequence can never need more blocks than the pool holds (block 0 is the null block)
         self.max_model_len = min(max_len, mc.max_position_embeddings, (self.runner.num_blocks - 1) * block_size)

@@ -58,7 +58,7 @@ class Scheduler:
             return False
         # No prefix caching of these blocks until their KV has arrived (see remote_kv_ready). With
         # a sliding window, none for the blocks before it: the prefill ships only what is read.
-        num_null = window_start(req.num_prompt_tokens, self.kv.window) // self.kv.block_size
+        num_null = [window_start(req.num_prompt_tokens, w) // self.kv.block_size for w in self.kv.windows]
         if self.kv.allocate_slots(req, req.num_prompt_tokens, num_tokens_to_cache=0, contiguous=True,
                                   num_null_blocks=num_null) is None:
             self.kv.free(req)  # forget hashes it may have computed
@@ -141,7 +141,8 @@ class Scheduler:
                                                        req.sampling_params, sample))
             else:
                 out.cached_requests.append(CachedRequestData(req.request_id, token_ids, req.num_computed_tokens,
-                                                             [b.block_id for b in new_blocks], sample, num_null))
+                                                             tuple([b.block_id for b in g] for g in new_blocks), sample,
+                                                             num_null))
             scheduled.append(req)
             budget -= num_new
             i += 1

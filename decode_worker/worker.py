@@ -50,9 +50,9 @@ class DecodeWorker:
             self._outbox.add(req.request_id, req.client_id)
             self.engine.output.add_request(req)
             # the tokens a decode step can still read: blocks wholly before them are null (reserve)
-            start = window_start(req.num_prompt_tokens, self.engine.kv.window)
-            slots = prompt_slots(self.engine.kv.get_block_ids(req.request_id), self.engine.runner.block_size,
-                                 req.num_prompt_tokens, start=start)
+            n, kv = req.num_prompt_tokens, self.engine.kv
+            slots = [prompt_slots(table, self.engine.runner.block_size, n, start=window_start(n, window))
+                     for table, window in zip(kv.get_block_ids(req.request_id), kv.windows)]
             self.connector.reserve(req.request_id, slots, prefill_tp)
         return True
 

@@ -17,7 +17,7 @@ class NewRequestData:
     request_id: str
     token_ids: list[int]  # tokens to compute this step, starting at position num_computed_tokens
     num_computed_tokens: int  # tokens whose K/V are already in the cache (prefix hits)
-    block_ids: list[int]  # the whole block table
+    block_ids: tuple[list[int], ...]  # the whole block table of each KV group (ModelConfig.kv_layout)
     sampling_params: SamplingParams
     sample: bool  # True when this step reaches the end of the known tokens: sample the next one
 
@@ -27,9 +27,10 @@ class CachedRequestData:
     request_id: str
     token_ids: list[int]  # tokens to compute this step (a decode: the last sampled token)
     num_computed_tokens: int
-    new_block_ids: list[int]  # appended to the block table the runner holds
+    new_block_ids: tuple[list[int], ...]  # per KV group, appended to the block table the runner holds; () none
     sample: bool
-    num_null_blocks: int = 0  # leading table entries now the null block (freed outside a sliding window)
+    num_null_blocks: tuple[int, ...] = ()  # per KV group, leading entries now the null block (freed
+    # outside a sliding window); () for none
 
 
 @dataclass

@@ -42,7 +42,7 @@ class Block:
     """One physical KV block. Identity (not value) equality: blocks are unique."""
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None  # set while the block is in the hash map
+    block_hash: int | tuple | None = None  # its prefix-cache key, set while the block is in the hash map
 
 
 class BlockPool:
@@ -183,24 +183,32 @@ class BlockPool:
         return True
 
 
-class KVCacheManager:
-    """Per-request block tables on top of a BlockPool. Every request passed to
-    `get_computed_blocks` or `allocate_slots` must end with `free(request)`.
+def first_read_block(num_tokens: int, window: int | None, block_size: int) -> int:
+    """The first block a query at position `num_tokens` reads: the blocks before it lie wholly
+    outside its `window` (the keys it sees, its own included). 0 without a window."""
+    return 0 if window is None else max(0, num_tokens - window + 1) // block_size
 
-    With a sliding window (`window`: every layer's, ModelConfig.kv_window), blocks wholly before
-    the keys a request's next query can see are released (`drop_out_of_window`): their table
-    entries become the null block, and they join the free queue, hashes kept, so the prefix
-    cache can still hit them until evicted. A table may so start with null entries, which are
-    never cached nor freed."""
+
+class KVCacheManager:
+    """Per-request block tables on top of a BlockPool, one table per KV group (`windows`: each
+    group's window, ModelConfig.kv_layout; one full-attention group by default). Every request
+    passed to `get_computed_blocks` or `allocate_slots` must end with `free(request)`.
+
+    In a sliding group, blocks wholly before the keys a request's next query can see are released
+    (`drop_out_of_window`): their table entries become the null block, and they join the free
+    queue, hashes kept, so the prefix cache can still hit them until evicted. A table may so start
+    with null entries, which are never cached nor freed. The groups share the pool; a block's
+    prefix-cache key is its chained hash in group 0, (group, hash) in the others."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window: int | None = None):
+                 windows: Sequence[int | None] = (None,)):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.block_size, self.enable_prefix_caching, self.window = block_size, enable_prefix_caching, window
+        self.block_size, self.enable_prefix_caching = block_size, enable_prefix_caching
+        self.windows = tuple(windows)
         self.num_window_freed = 0  # blocks released by drop_out_of_window, cumulative
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
-        self.req_to_blocks: dict[str, list[Block]] = {}
+        self.req_to_blocks: dict[str, list[list[Block]]] = {}  # per request, a table per group
         # Per request: hashes of its full known blocks; how many table blocks went to the map.
         self.req_to_block_hashes: dict[str, list[int]] = {}
         self.num_cached_block: dict[str, int] = {}
@@ -217,6 +225,10 @@ class KVCacheManager:
     def num_requests(self) -> int:
         return len(self.req_to_blocks)
 
+    @staticmethod
+    def _key(group: int, block_hash: int):
+        return block_hash if group == 0 else (group, block_hash)
+
     def _update_block_hashes(self, request: Request) -> list[int]:
         """Extend the request's hash list to all its full blocks; returns it."""
         hashes = self.req_to_block_hashes.setdefault(request.request_id, [])
@@ -229,68 +241,81 @@ class KVCacheManager:
                 hashes.append(parent)
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
-        """Longest cached prefix of the request's full blocks. No ref-count change.
+    def get_computed_blocks(self, request: Request) -> tuple[tuple[list[Block], ...], int]:
+        """Longest cached prefix of the request's full blocks that every group can read: a
+        full-attention group needs each of its blocks, a sliding group only those its window
+        reaches from the first uncomputed token (the rest are null entries). No ref-count change.
 
         Args:
             request: a request without a block table yet.
 
         Returns:
-            (blocks, num_computed_tokens), at most `(num_tokens - 1) // block_size` blocks so
-            the model still computes the last token (for logits); ([], 0) with caching off.
+            (blocks per group, num_computed_tokens), at most `(num_tokens - 1) // block_size` blocks
+            so the model still computes the last token (for logits); nothing with caching off.
         """
         if not self.enable_prefix_caching:
-            return [], 0
-        hashes = self._update_block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        blocks = []
-        for block_hash in hashes[:max_blocks]:
-            if (block := self.block_pool.get_cached_block(block_hash)) is None:
-                break
-            blocks.append(block)
-        return blocks, len(blocks) * self.block_size
+            return tuple([] for _ in self.windows), 0
+        hashes = self._update_block_hashes(request)[:(request.num_tokens - 1) // self.block_size]
+        found = [[self.block_pool.get_cached_block(self._key(g, h)) for h in hashes] for g in range(len(self.windows))]
+        n = len(hashes)
+        for g, window in enumerate(self.windows):
+            if window is None:
+                n = next((i for i, b in enumerate(found[g][:n]) if b is None), n)
+        while n and not all(None not in found[g][first_read_block(n * self.block_size, w, self.block_size):n]
+                            for g, w in enumerate(self.windows) if w is not None):
+            n -= 1
+        null = self.block_pool.null_block
+        tables = []
+        for g, window in enumerate(self.windows):
+            first = min(first_read_block(n * self.block_size, window, self.block_size), n)
+            tables.append([null] * first + found[g][first:n])
+        return tuple(tables), n * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[Block] | None = None,
+                       new_computed_blocks: Sequence[list[Block]] | None = None,
                        num_tokens_to_cache: int | None = None, contiguous: bool = False,
-                       num_null_blocks: int = 0) -> list[Block] | None:
-        """Grow the request's block table to hold its computed and new tokens.
+                       num_null_blocks: Sequence[int] | None = None) -> tuple[list[Block], ...] | None:
+        """Grow the request's block tables to hold its computed and new tokens.
 
         Args:
-            request: the request; `num_computed_tokens` is what its table already holds.
+            request: the request; `num_computed_tokens` is what its tables already hold.
             num_new_tokens: tokens to be computed this step (>= 0).
-            new_computed_blocks: hits from `get_computed_blocks`; first call only.
+            new_computed_blocks: hits from `get_computed_blocks`, per group; first call only.
             num_tokens_to_cache: how many leading tokens will hold valid KV after this step
                 (default: all of them). Blocks beyond stay out of the prefix cache until
                 `cache_blocks` says their KV is there (allocation ahead of compute or transfer).
             contiguous: new blocks in the fewest stretches of consecutive ids, ahead of the
                 eviction order (`BlockPool.get_new_blocks`): for KV that arrives by transfer.
-            num_null_blocks: a new table starts with this many null entries (blocks a sliding
-                window never reads: a transfer ships only the rest); no hits with it.
+            num_null_blocks: per group, a new table starts with this many null entries (blocks a
+                sliding window never reads: a transfer ships only the rest); no hits with them.
 
         Returns:
-            The new blocks (maybe []), or None if too few are free (then nothing changed).
+            The new blocks per group (maybe empty), or None if too few are free (nothing changed).
         """
         # |<- num_computed_tokens ->|<- len(hits) * block_size ->|<- num_new_tokens ->|
         # | table before this call  | hits (touched, shared)     | new_blocks         |
         # |<--------------------------- num_tokens_needed --------------------------->|
         # Full blocks within min(num_tokens_needed, request.num_tokens) are hashed and cached.
-        hits = new_computed_blocks or []
-        req_id = request.request_id
+        num_groups, req_id = len(self.windows), request.request_id
+        hits = list(new_computed_blocks or [[]] * num_groups)
+        nulls = list(num_null_blocks or [0] * num_groups)
         self._check_allocate_args(request, num_new_tokens, hits)
-        assert not (num_null_blocks and (hits or req_id in self.req_to_blocks)), "null blocks start a new table"
-        blocks = self.req_to_blocks.get(req_id, ())
-        num_tokens_needed = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
-        num_new_blocks = max(0, -(-num_tokens_needed // self.block_size) - len(blocks) - len(hits) - num_null_blocks)
+        assert not (any(nulls) and (any(hits) or req_id in self.req_to_blocks)), "null blocks start a new table"
+        tables = self.req_to_blocks.get(req_id) or [[] for _ in range(num_groups)]
+        num_tokens_needed = request.num_computed_tokens + len(hits[0]) * self.block_size + num_new_tokens
+        num_new = [max(0, -(-num_tokens_needed // self.block_size) - len(t) - len(h) - k)
+                   for t, h, k in zip(tables, hits, nulls)]
         # Touching an unreferenced hit takes it out of the free queue.
-        num_evictable_hits = sum(b.ref_cnt == 0 for b in hits)
-        if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
+        null = self.block_pool.null_block
+        shared = [b for h in hits for b in h if b is not null]
+        if sum(num_new) > self.block_pool.num_free_blocks - sum(b.ref_cnt == 0 for b in shared):
             return None
-        self.block_pool.touch(hits)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks, contiguous)
-        table = self.req_to_blocks.setdefault(req_id, [])
-        table.extend([self.block_pool.null_block] * num_null_blocks + hits + new_blocks)
-        self.num_cached_block.setdefault(req_id, len(hits))
+        self.block_pool.touch(shared)
+        new_blocks = tuple(self.block_pool.get_new_blocks(n, contiguous) for n in num_new)
+        for table, k, h, new in zip(tables, nulls, hits, new_blocks):
+            table.extend([null] * k + h + new)
+        self.req_to_blocks[req_id] = tables
+        self.num_cached_block.setdefault(req_id, len(hits[0]))
         self._cache_full_blocks(request, num_tokens_needed if num_tokens_to_cache is None else num_tokens_to_cache)
         return new_blocks
 
@@ -299,44 +324,48 @@ class KVCacheManager:
         blocks to the prefix cache (after `allocate_slots(..., num_tokens_to_cache=...)`)."""
         self._cache_full_blocks(request, num_tokens)
 
-    def _check_allocate_args(self, request: Request, num_new_tokens: int, hits: list[Block]) -> None:
+    def _check_allocate_args(self, request: Request, num_new_tokens: int, hits: list[list[Block]]) -> None:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        if hits and (request.request_id in self.req_to_blocks or request.num_computed_tokens):
+        if len(hits) != len(self.windows) or len({len(h) for h in hits}) > 1:
+            raise ValueError(f"computed blocks come as one list of equal length per group ({len(self.windows)})")
+        if hits[0] and (request.request_id in self.req_to_blocks or request.num_computed_tokens):
             raise ValueError(f"request {request.request_id}: computed blocks only start a new table")
-        assert all(self.block_pool.get_cached_block(b.block_hash) is b for b in hits), "hit evicted"
+        assert all(self.block_pool.get_cached_block(b.block_hash) is b
+                   for h in hits for b in h if b is not self.block_pool.null_block), "hit evicted"
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Offer to the hash map the table's full blocks within the first `num_tokens`."""
-        req_id, blocks = request.request_id, self.req_to_blocks[request.request_id]
+        """Offer to the hash map the tables' full blocks within the first `num_tokens`."""
+        req_id, tables = request.request_id, self.req_to_blocks[request.request_id]
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         num_done = self.num_cached_block[req_id]
         if not self.enable_prefix_caching or num_full <= num_done:
             return
         hashes = self._update_block_hashes(request)
-        assert len(hashes) >= num_full and len(blocks) >= num_full
-        for i in range(num_done, num_full):
-            if blocks[i] is not self.block_pool.null_block:  # never received: nothing to cache
-                self.block_pool.cache_block(blocks[i], hashes[i])
+        assert len(hashes) >= num_full and all(len(t) >= num_full for t in tables)
+        for g, blocks in enumerate(tables):
+            for i in range(num_done, num_full):
+                if blocks[i] is not self.block_pool.null_block:  # never received: nothing to cache
+                    self.block_pool.cache_block(blocks[i], self._key(g, hashes[i]))
         self.num_cached_block[req_id] = num_full
 
-    def drop_out_of_window(self, request: Request) -> int:
+    def drop_out_of_window(self, request: Request) -> tuple[int, ...]:
         """Release the request's blocks that lie wholly before the keys its next query (position
-        `num_computed_tokens`) sees; no-op without a window. Returns how many leading table
-        entries are now null (released here or before)."""
-        if self.window is None:
-            return 0
-        blocks = self.req_to_blocks.get(request.request_id)
-        if not blocks:
-            return 0
-        null = self.block_pool.null_block
-        num_out = min(max(0, request.num_computed_tokens - self.window + 1) // self.block_size, len(blocks))
-        dropped = [b for b in blocks[:num_out] if b is not null]
-        if dropped:
-            blocks[:num_out] = [null] * num_out
-            self.block_pool.free_blocks(dropped)
-            self.num_window_freed += len(dropped)
-        return num_out
+        `num_computed_tokens`) sees, in each sliding group. Returns, per group, how many leading
+        table entries are now null (released here or before); zeros without a window."""
+        tables = self.req_to_blocks.get(request.request_id)
+        if not tables or all(w is None for w in self.windows):
+            return (0,) * len(self.windows)
+        null, out = self.block_pool.null_block, []
+        for blocks, window in zip(tables, self.windows):
+            num_out = min(first_read_block(request.num_computed_tokens, window, self.block_size), len(blocks))
+            dropped = [b for b in blocks[:num_out] if b is not null]
+            if dropped:
+                blocks[:num_out] = [null] * num_out
+                self.block_pool.free_blocks(dropped)
+                self.num_window_freed += len(dropped)
+            out.append(num_out)
+        return tuple(out)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks tail first and forget its state.
@@ -345,21 +374,21 @@ class KVCacheManager:
             request: the request (a no-op if the manager holds nothing for it).
         """
         req_id = request.request_id
-        held = [b for b in self.req_to_blocks.pop(req_id, []) if b is not self.block_pool.null_block]
-        self.block_pool.free_blocks(reversed(held))
+        for table in self.req_to_blocks.pop(req_id, []):
+            self.block_pool.free_blocks(reversed([b for b in table if b is not self.block_pool.null_block]))
         self.req_to_block_hashes.pop(req_id, None)
         self.num_cached_block.pop(req_id, None)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table.
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block tables.
 
         Args:
-            request_id: a request with a block table (KeyError otherwise).
+            request_id: a request with block tables (KeyError otherwise).
 
         Returns:
-            Physical block ids in logical order.
+            Per group, physical block ids in logical order.
         """
-        return [b.block_id for b in self.req_to_blocks[request_id]]
+        return tuple([b.block_id for b in table] for table in self.req_to_blocks[request_id])
 
     def get_block_hashes(self, request_id: str) -> list[int]:
         """Hashes of the full blocks in the request's table (computed or being computed).

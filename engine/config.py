@@ -5,9 +5,55 @@ Runtime values that depend on the machine (the number of KV blocks that fit) liv
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How a model's layers use the paged KV pool (vLLM's KV cache groups).
+
+    Layers with the same window form groups of equal size (the gcd of the counts per window:
+    Gemma 2's 13 sliding and 13 global layers make two groups of 13). Each group has its own
+    block table per request, so a sliding group frees the blocks its window left behind while a
+    global group keeps them. The pool has `num_slabs` (the group size) layer slabs: block b of
+    slab s holds the K/V of layer `groups[g][s]` for whichever group g holds block b, so a block
+    is one group's worth of layers. One group (every layer alike): slab i is layer i.
+    """
+    groups: tuple[tuple[int, ...], ...]  # per group, its layers in order
+    windows: tuple[int | None, ...]  # per group, its layers' window (None: full attention)
+
+    @classmethod
+    def of(cls, windows: list[int | None]) -> KVLayout:
+        """The layout of layers with these windows (one per layer)."""
+        by_window: dict[int | None, list[int]] = {}
+        for layer, w in enumerate(windows):
+            by_window.setdefault(w, []).append(layer)
+        size = math.gcd(*(len(layers) for layers in by_window.values()))
+        chunks = [(layers[i:i + size], w) for w, layers in by_window.items() for i in range(0, len(layers), size)]
+        chunks.sort(key=lambda c: c[0][0])
+        return cls(tuple(tuple(c) for c, _ in chunks), tuple(w for _, w in chunks))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def num_slabs(self) -> int:
+        return len(self.groups[0])
+
+    @functools.cached_property
+    def place(self) -> dict[int, tuple[int, int]]:
+        """layer -> (its group, its slab)."""
+        return {layer: (g, s) for g, layers in enumerate(self.groups) for s, layer in enumerate(layers)}
+
+    @property
+    def signature(self) -> str:
+        """The windows and group sizes, for both ends of a KV transfer to compare: "512x13,fullx13"."""
+        return ",".join(f"{'full' if w is None else w}x{len(g)}" for g, w in zip(self.groups, self.windows))
 
 
 @dataclass(frozen=True)
@@ -65,13 +111,10 @@ class ModelConfig:
             return f"its MLP width {self.intermediate_size} does not split over {tp} ranks"
         return None
 
-    @property
-    def kv_window(self) -> int | None:
-        """How many keys back every layer's attention reaches: the window when every layer slides,
-        None when some layer sees the whole context. KV before a sequence's last `kv_window` - 1
-        positions is never read again: its blocks are freed, and a transfer skips it."""
-        windows = {self.window(i) for i in range(self.num_layers)}
-        return None if None in windows else windows.pop()
+    @functools.cached_property
+    def kv_layout(self) -> KVLayout:
+        """Which layers share a block table (engine/config.py KVLayout), from their windows."""
+        return KVLayout.of([self.window(i) for i in range(self.num_layers)])
 
     def window(self, layer: int) -> int | None:
         """How many keys (its own included) a query of `layer` attends to; None: all before it."""

@@ -11,8 +11,9 @@ logger = logging.getLogger(__name__)
 
 
 def kv_block_bytes(cfg: ModelConfig, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, keys and values, in the cache's dtype (fp8: 1 byte)."""
-    return cfg.num_layers * 2 * block_size * num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+    """Bytes one block takes across its KV group's layers (all of them with one group: ModelConfig.kv_layout),
+    keys and values, in the cache's dtype (fp8: 1 byte)."""
+    return cfg.kv_layout.num_slabs * 2 * block_size * num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
 
 def num_blocks_for(cache: CacheConfig, cfg: ModelConfig, num_kv_heads: int, block_size: int,
@@ -37,14 +38,15 @@ def allocate_kv_cache(cfg: ModelConfig, num_kv_heads: int, num_blocks: int, bloc
                       dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """One tensor for the whole pool.
 
-    Shape: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim). Each layer is one
-    contiguous slab `kv[layer]`, so a layer can be shipped as soon as it is computed; index 0
+    Shape: (num_slabs, 2, num_blocks, block_size, num_kv_heads, head_dim). Each slab is one layer
+    of each KV group (`cfg.kv_layout`; one group: slab i is layer i), contiguous, so a layer can
+    be shipped as soon as it is computed; a block holds the layers of the group it went to; index 0
     of the second axis holds keys, 1 values. `num_kv_heads` is this rank's share. Block 0 is
     the null block: padding in block tables points at it, and nothing is ever stored there.
     `dtype` is the cache's (`resolve_kv_cache_dtype`): the model's, or float8_e4m3fn, whose
     per-layer scales the attention layers hold (engine/attention/base.py, write_kv).
     """
-    shape = (cfg.num_layers, 2, num_blocks, block_size, num_kv_heads, cfg.head_dim)
+    shape = (cfg.kv_layout.num_slabs, 2, num_blocks, block_size, num_kv_heads, cfg.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

@@ -41,14 +41,19 @@ def select_device(name: str) -> torch.device:
 class ModelInput:
     input_ids: torch.Tensor  # (num_tokens,)
     positions: torch.Tensor  # (num_tokens,)
-    meta: AttentionMetadata
+    metas: tuple[AttentionMetadata, ...]  # per KV group (ModelConfig.kv_layout): their tables and slots differ
     sample_indices: torch.Tensor  # (num_sampled,) flat index of the last token of each sampled sequence
     sample_req_ids: list[str]
+
+    @property
+    def meta(self) -> AttentionMetadata:
+        """The first KV group's (the only one, for most models)."""
+        return self.metas[0]
 
 
 @dataclass
 class _RequestState:
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV group
     sampling_params: SamplingParams
     generator: torch.Generator | None
 
@@ -75,6 +80,10 @@ class ModelRunner:
         self.backend = create_attention_backend(config.attention_backend, self.device, self.dtype, self.kv_dtype,
                                                 model_config.head_dim)
         self.backend.check_head_dim(model_config.head_dim)
+        # one per KV group: a backend keeps the step's plan (block tables) that its layers reuse
+        self.backends = [self.backend] + [
+            create_attention_backend(config.attention_backend, self.device, self.dtype, self.kv_dtype,
+                                     model_config.head_dim) for _ in range(model_config.kv_layout.num_groups - 1)]
         self.model = self._load_model(path, weights)
         self.block_size = self.backend.block_size_for(config.cache.block_size)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
@@ -114,7 +123,7 @@ class ModelRunner:
                f"device {self.device.type}" if self.device.type != "cuda" else
                f"the {self.backend.name} attention backend" if self.backend.name != "torch" else
                "tensor-parallel ranks (a collective cannot be captured)" if self.tp is not None and self.tp.size > 1
-               else None)
+               else f"{len(self.backends)} KV groups" if len(self.backends) > 1 else None)
         if why is not None:
             logger.info("CUDA graphs: off (%s); decode steps run eagerly", why)
             return None
@@ -127,17 +136,23 @@ class ModelRunner:
         dropped afterwards (the runner's own pool, if it has one, is put back): the activation
         peak of the largest step the scheduler may make."""
         num_tokens = min(num_tokens, self.model_config.max_position_embeddings)
-        blocks = -(-num_tokens // self.block_size)
+        tables = self.scratch_tables(num_tokens)
         pool = getattr(self, "kv_cache", None)
-        self.kv_cache = allocate_kv_cache(self.model_config, self.num_kv_heads, blocks + 1, self.block_size,
+        self.kv_cache = allocate_kv_cache(self.model_config, self.num_kv_heads, tables[-1][-1] + 1, self.block_size,
                                           self.kv_dtype, self.device)
-        req = NewRequestData("profile", [1] * num_tokens, 0, list(range(1, blocks + 1)),
-                             SamplingParams(max_tokens=1, temperature=0.0), True)
+        req = NewRequestData("profile", [1] * num_tokens, 0, tables, SamplingParams(max_tokens=1, temperature=0.0),
+                             True)
         try:
             self.execute(SchedulerOutput(new_requests=[req]))
         finally:
             self.update_states(SchedulerOutput(finished_req_ids=["profile"]))
             self.kv_cache = pool
+
+    def scratch_tables(self, num_tokens: int) -> tuple[list[int], ...]:
+        """Block tables for `num_tokens` tokens over blocks 1.. of the pool, a run of them per KV
+        group: for a probe that writes the cache directly (the engine that owns it must be idle)."""
+        n = -(-num_tokens // self.block_size)
+        return tuple(list(range(1 + g * n, 1 + (g + 1) * n)) for g in range(len(self.backends)))
 
     def _load_model(self, path, weights) -> torch.nn.Module:
         start = time.perf_counter()
@@ -186,27 +201,32 @@ class ModelRunner:
         for r in sched.new_requests:
             old = self.requests.get(r.request_id)  # resumed after preemption: keep its RNG stream
             gen = old.generator if old else make_generator(r.sampling_params.seed, self.device)
-            self.requests[r.request_id] = _RequestState(list(r.block_ids), r.sampling_params, gen)
+            self.requests[r.request_id] = _RequestState([list(t) for t in r.block_ids], r.sampling_params, gen)
         for r in sched.cached_requests:
-            table = self.requests[r.request_id].block_ids
-            table[:r.num_null_blocks] = [0] * r.num_null_blocks
-            table.extend(r.new_block_ids)
+            tables = self.requests[r.request_id].block_ids
+            for g, table in enumerate(tables):
+                if r.num_null_blocks:
+                    table[:r.num_null_blocks[g]] = [0] * r.num_null_blocks[g]
+                if r.new_block_ids:
+                    table.extend(r.new_block_ids[g])
 
     def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:
         """Packs the scheduled requests flat, decodes (one new token) first."""
         reqs = sorted(sched.new_requests + sched.cached_requests, key=lambda r: len(r.token_ids) != 1)
-        input_ids, positions, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
+        input_ids, positions, query_lens, seq_lens = [], [], [], []
+        groups = range(len(self.backends))
+        slots, tables = [[] for _ in groups], [[] for _ in groups]  # per KV group
         sample_indices, sample_req_ids = [], []
         bs = self.block_size
         for r in reqs:
-            blocks = self.requests[r.request_id].block_ids
             start, n = r.num_computed_tokens, len(r.token_ids)
             input_ids += r.token_ids
             positions += range(start, start + n)
-            slots += [blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+            for g, blocks in enumerate(self.requests[r.request_id].block_ids):
+                slots[g] += [blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+                tables[g].append(blocks)
             query_lens.append(n)
             seq_lens.append(start + n)
-            tables.append(blocks)
             if r.sample:
                 sample_indices.append(len(input_ids) - 1)
                 sample_req_ids.append(r.request_id)
@@ -215,20 +235,22 @@ class ModelRunner:
 
     def _to_model_input(self, input_ids, positions, slots, query_lens, seq_lens, tables,
                         sample_indices, sample_req_ids) -> ModelInput:
-        width = max(len(t) for t in tables)
-        block_tables = self._upload([t + [0] * (width - len(t)) for t in tables], torch.int32)
+        """`slots` and `tables`: per KV group."""
         cu = [0]
         for q in query_lens:
             cu.append(cu[-1] + q)
-        meta = AttentionMetadata(
-            num_decodes=sum(1 for q in query_lens if q == 1),
-            query_lens=query_lens, seq_lens_cpu=seq_lens,
-            query_start_loc=self._upload(cu, torch.int32),
-            seq_lens=self._upload(seq_lens, torch.int32),
-            block_tables=block_tables,
-            slot_mapping=self._upload(slots, torch.int64),
-            block_size=self.block_size)
-        return ModelInput(self._upload(input_ids, torch.int64), self._upload(positions, torch.int64), meta,
+        query_start_loc, seq_lens_t = self._upload(cu, torch.int32), self._upload(seq_lens, torch.int32)
+        metas = []
+        for group_slots, group_tables in zip(slots, tables):
+            width = max(len(t) for t in group_tables)
+            metas.append(AttentionMetadata(
+                num_decodes=sum(1 for q in query_lens if q == 1),
+                query_lens=query_lens, seq_lens_cpu=seq_lens,
+                query_start_loc=query_start_loc, seq_lens=seq_lens_t,
+                block_tables=self._upload([t + [0] * (width - len(t)) for t in group_tables], torch.int32),
+                slot_mapping=self._upload(group_slots, torch.int64),
+                block_size=self.block_size))
+        return ModelInput(self._upload(input_ids, torch.int64), self._upload(positions, torch.int64), tuple(metas),
                           self._upload(sample_indices, torch.int64), sample_req_ids)
 
     def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -242,11 +264,17 @@ class ModelRunner:
         """Runs the forward on this rank; returns logits (num_sampled, vocab) on rank 0, else None."""
         if self.graphs is not None and after_layer is None and (size := self.graphs.size_for(inp)) is not None:
             return self.graphs.run(inp, size)
-        self.backend.prepare(inp.meta)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta, self.backend, after_layer)
+        hidden = self.hidden_states(inp, after_layer)
         if not inp.sample_req_ids:
             return None
         return self.model.compute_logits(hidden[inp.sample_indices])
+
+    @torch.inference_mode()
+    def hidden_states(self, inp: ModelInput, after_layer=None) -> torch.Tensor:
+        """The model's final hidden states of every token of a step (eagerly), (num_tokens, hidden)."""
+        for backend, meta in zip(self.backends, inp.metas):
+            backend.prepare(meta)
+        return self.model(inp.input_ids, inp.positions, self.kv_cache, inp.metas, self.backends, after_layer)
 
     def sample(self, inp: ModelInput, logits: torch.Tensor | None) -> RunnerOutput:
         out = RunnerOutput()

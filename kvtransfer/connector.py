@@ -11,6 +11,11 @@ Prefill instance                                  Decode instance
 
 Transport details stay below it (`KVSender` / `KVReceiver`): the router sees request outcomes,
 a prefill result or a decode output with `kv_load_failed`.
+
+A model whose layers form several KV groups (ModelConfig.kv_layout: Gemma 2's sliding and global
+layers) ships each group as a transfer of its own, `transfer_id(request, group)`, carrying that
+group's tokens (a sliding group: only those its window still reads) into its block table; the
+transport's layer i is the group's slab i. The request is ready once every group's transfer is.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import KVLayout
 from kvtransfer.base import CompletedTransfer, KVReceiver, KVSender, Transfer
 from kvtransfer.params import KVTransferParams, kv_heads_of_rank, window_start
 from kvtransfer.plan import expected_parts, plan_head_slices
@@ -32,11 +38,21 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Shipment:
-    """The KV a step must ship for one request whose prompt completes in that step."""
+    """The KV of one KV group a step must ship for a request whose prompt completes in that step."""
     request_id: str
     params: KVTransferParams
     num_tokens: int  # shipped: the prompt's last tokens a decode step can still read (all, without a window)
     slots: torch.Tensor  # (num_tokens,) this instance's slots of those tokens, logical order
+    group: int = 0  # the KV group whose layers it carries
+    transfer_id: str = ""  # what the transport calls it: transfer_id(request_id, group, ...)
+
+    def __post_init__(self):
+        self.transfer_id = self.transfer_id or self.request_id
+
+
+def transfer_id(request_id: str, group: int, num_groups: int) -> str:
+    """The transport's id of a request's KV group: the request id itself with one group."""
+    return request_id if num_groups == 1 else f"{request_id}#kv{group}"
 
 
 def prompt_slots(block_ids: list[int], block_size: int, num_tokens: int, device=None, start: int = 0) -> torch.Tensor:
@@ -47,11 +63,13 @@ def prompt_slots(block_ids: list[int], block_size: int, num_tokens: int, device=
 
 class PrefillConnector:
     def __init__(self, sender: KVSender, num_kv_heads: int, tp_rank: int, tp_size: int, lease_s: float,
-                 kv_views=None):
+                 kv_views=None, kv_layout: KVLayout | None = None):
         """`lease_s`: how long a finished prompt's blocks wait for the decode side's ack before
         they are freed anyway (and the request reported failed). `kv_views`: the attention
-        backend's, where the cache is not in the torch layout (None: it is)."""
+        backend's, where the cache is not in the torch layout (None: it is). `kv_layout`: the
+        model's (None: one group of full-attention layers)."""
         self.sender, self.num_kv_heads, self.tp_rank, self.tp_size = sender, num_kv_heads, tp_rank, tp_size
+        self.kv_layout = kv_layout
         self.kv_views = kv_views
         self.lease_s = lease_s
         self.my_heads = kv_heads_of_rank(num_kv_heads, tp_size, tp_rank)
@@ -70,17 +88,20 @@ class PrefillConnector:
         """The request ended before shipping (aborted, refused)."""
         self._params.pop(request_id, None)
 
-    def shipments(self, sched, block_ids_of, block_size: int, device, kv_window: int | None = None
-                  ) -> list[Shipment]:
+    def shipments(self, sched, block_ids_of, block_size: int, device) -> list[Shipment]:
         """The requests whose prompt completes in step `sched` (they sample: their KV is whole),
-        each with the prompt tokens from `window_start` on."""
+        one shipment per KV group, each with the prompt tokens from its `window_start` on.
+        `block_ids_of(request_id)`: the request's block table per group."""
+        windows = (None,) if self.kv_layout is None else self.kv_layout.windows
         out = []
         for r in sched.new_requests + sched.cached_requests:
             if r.sample:
                 n = r.num_computed_tokens + len(r.token_ids)
-                start = window_start(n, kv_window)
-                slots = prompt_slots(block_ids_of(r.request_id), block_size, n, device, start)
-                out.append(Shipment(r.request_id, self._params[r.request_id], n - start, slots))
+                for group, (window, table) in enumerate(zip(windows, block_ids_of(r.request_id))):
+                    start = window_start(n, window)
+                    slots = prompt_slots(table, block_size, n, device, start)
+                    out.append(Shipment(r.request_id, self._params[r.request_id], n - start, slots, group,
+                                        transfer_id(r.request_id, group, len(windows))))
         return out
 
     # -- worker side (every rank) ------------------------------------------------------------------
@@ -93,23 +114,28 @@ class PrefillConnector:
                 if hs.prefill_rank == self.tp_rank:
                     dest = s.params.endpoints[hs.decode_rank]
                     parts.append((hs.head_start, hs.head_end,
-                                  self.sender.begin(s.request_id, dest, hs.head_start, hs.head_end, s.num_tokens)))
+                                  self.sender.begin(s.transfer_id, dest, hs.head_start, hs.head_end, s.num_tokens)))
             self._step.append((s, parts))
-            self._open[s.request_id] = [t for *_, t in parts]
+            self._open.setdefault(s.request_id, []).extend(t for *_, t in parts)
 
-    def save_layer(self, layer: int, kv_layer: torch.Tensor) -> None:
-        """Layer `layer` (2, num_blocks, block_size, local kv heads, head_dim) is computed: its
-        KV of this step's shipments leaves (a copy, sent in the background)."""
+    def save_layer(self, layer: int, kv_cache: torch.Tensor) -> None:
+        """Layer `layer` of the model is computed: its KV of this step's shipments leaves (a copy,
+        sent in the background). kv_cache: the pool (num_slabs, 2, num_blocks, block_size, local kv
+        heads, head_dim); the layer is its group's slab, and the transport's layer number."""
+        group, slab = (0, layer) if self.kv_layout is None else self.kv_layout.place[layer]
+        kv_layer = kv_cache[slab]
         flat = kv_layer.view(2, -1, *kv_layer.shape[-2:])
         views = None if self.kv_views is None else self.kv_views(kv_layer)
         for s, parts in self._step:
+            if s.group != group:
+                continue
             if views is None:
                 gathered = as_bytes(flat).index_select(1, s.slots).view(flat.dtype)  # (2, num_tokens, local heads, hd)
             else:
                 gathered = gather_tokens(views, s.slots, kv_layer.shape[2])
             for head_start, head_end, transfer in parts:
                 lo = head_start - self.my_heads.start
-                transfer.send_layer(layer, gathered[:, :, lo:lo + head_end - head_start].contiguous())
+                transfer.send_layer(slab, gathered[:, :, lo:lo + head_end - head_start].contiguous())
 
     def finish(self, request_id: str, first_token: int, logprobs: dict[int, float] | None = None) -> None:
         """All layers are queued; `first_token` is -1 on ranks that do not sample. The request's
@@ -146,20 +172,31 @@ class PrefillConnector:
 
 
 class DecodeConnector:
-    def __init__(self, receiver: KVReceiver | None, num_kv_heads: int, tp_rank: int, tp_size: int):
+    def __init__(self, receiver: KVReceiver | None, num_kv_heads: int, tp_rank: int, tp_size: int,
+                 num_groups: int = 1):
+        """`num_groups`: the model's KV groups (ModelConfig.kv_layout), a transfer each."""
         self.receiver, self.num_kv_heads, self.tp_rank, self.tp_size = receiver, num_kv_heads, tp_rank, tp_size
+        self.num_groups = num_groups
         self._followers = None
-        self._complete: dict[str, list[CompletedTransfer | None]] = {}  # request id -> per rank (None: not yet)
+        # request id -> per KV group, per rank (None: not yet)
+        self._complete: dict[str, list[list[CompletedTransfer | None]]] = {}
+
+    def _ids(self, request_id: str) -> list[str]:
+        return [transfer_id(request_id, g, self.num_groups) for g in range(self.num_groups)]
 
     # -- worker side (every rank) ------------------------------------------------------------------
-    def expect(self, request_id: str, slots: torch.Tensor, prefill_tp: int) -> None:
+    def expect(self, request_id: str, slots: list[torch.Tensor], prefill_tp: int) -> None:
+        """`slots`: per KV group, where its shipped tokens go."""
+        assert len(slots) == self.num_groups, (len(slots), self.num_groups)
         parts = expected_parts(self.num_kv_heads, prefill_tp, self.tp_size, self.tp_rank)
-        self.receiver.expect(request_id, slots, parts)
+        for tid, group_slots in zip(self._ids(request_id), slots):
+            self.receiver.expect(tid, group_slots, parts)
 
     def forget(self, request_id: str) -> None:
         """Once this returns, no more KV of `request_id` is written on this rank."""
         if self.receiver is not None:
-            self.receiver.cancel(request_id)
+            for tid in self._ids(request_id):
+                self.receiver.cancel(tid)
 
     def poll(self) -> tuple[list[CompletedTransfer], list[tuple[str, str]]]:
         return ([], []) if self.receiver is None else self.receiver.poll()
@@ -175,10 +212,10 @@ class DecodeConnector:
         """Some reserved request's KV is still arriving (the ranks' polls are needed)."""
         return bool(self._complete)
 
-    def reserve(self, request_id: str, slots: torch.Tensor, prefill_tp: int) -> None:
-        """The request's blocks are allocated: every rank expects its KV before this returns
-        (the router tells the prefill instance only then)."""
-        self._complete[request_id] = [None] * self.tp_size
+    def reserve(self, request_id: str, slots: list[torch.Tensor], prefill_tp: int) -> None:
+        """The request's blocks are allocated (`slots` per KV group): every rank expects its KV
+        before this returns (the router tells the prefill instance only then)."""
+        self._complete[request_id] = [[None] * self.tp_size for _ in range(self.num_groups)]
         self.expect(request_id, slots, prefill_tp)
         if self._followers is not None:
             self._followers.expect(request_id, slots, prefill_tp)
@@ -194,19 +231,23 @@ class DecodeConnector:
         return True
 
     def admit(self, polls: list) -> tuple[list[CompletedTransfer], dict[str, str]]:
-        """From every rank's poll: the requests whose KV is complete on all ranks (rank 0's record:
-        it always has the first token), and the failed ones with why. Both are forgotten here."""
+        """From every rank's poll: the requests whose KV is complete on all ranks, in every group
+        (rank 0's record of group 0: it always has the first token), and the failed ones with why.
+        Both are forgotten here."""
+        request_of = {tid: (rid, g) for rid in self._complete for g, tid in enumerate(self._ids(rid))}
         failed = {}
         for rank, (done, errors) in enumerate(polls):
             for completed in done:
-                if completed.request_id in self._complete:
-                    self._complete[completed.request_id][rank] = completed
-            for request_id, reason in errors:
-                failed[request_id] = f"KV transfer to rank {rank} failed: {reason}"
+                if completed.request_id in request_of:
+                    rid, g = request_of[completed.request_id]
+                    self._complete[rid][g][rank] = completed._replace(request_id=rid)
+            for tid, reason in errors:
+                rid = request_of.get(tid, (tid,))[0]
+                failed[rid] = f"KV transfer to rank {rank} failed: {reason}"
         ready = []
-        for request_id, ranks in list(self._complete.items()):
-            if request_id not in failed and None not in ranks:
+        for request_id, groups in list(self._complete.items()):
+            if request_id not in failed and all(None not in ranks for ranks in groups):
                 del self._complete[request_id]
-                ready.append(ranks[0])
+                ready.append(groups[0][0])
         failed = {rid: why for rid, why in failed.items() if self.cancel(rid)}
         return ready, failed

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-PROTOCOL_VERSION = 6  # 3: control messages on TCP, payloads alone on the data channel; 4: runs; 5: shared caches;
-# 6: kv_window (a sliding-window model ships only the tokens its decode can still read)
+PROTOCOL_VERSION = 7  # 3: control messages on TCP, payloads alone on the data channel; 4: runs; 5: shared caches;
+# 6: kv_window (a sliding-window model ships only the tokens its decode can still read); 7: kv_layout (a
+# transfer per KV group, num_layers its slabs)
 
 
 @dataclass(frozen=True)
@@ -15,8 +16,10 @@ class CompatRecord:
     `block_size` and `tp_size` are informational (no block ids cross the wire and the sender
     slices heads per decode rank), so they may differ; everything in MUST_MATCH may not.
     `dtype` is the KV cache's element type ("float8_e4m3fn" for an fp8 cache), which may differ
-    from the model's. NOTE: fp8 scales are not here because they are 1.0 on every instance
-    (engine/models/llama.py); a change that loads them from checkpoints must add them to MUST_MATCH.
+    from the model's. `num_layers` is the layers one transfer carries: a KV group's (its slabs;
+    every layer, with one group), and `kv_layout` the groups' windows and sizes (KVLayout.signature).
+    NOTE: fp8 scales are not here because they are 1.0 on every instance (engine/models/llama.py); a
+    change that loads them from checkpoints must add them to MUST_MATCH.
     """
     model: str
     dtype: str
@@ -26,11 +29,11 @@ class CompatRecord:
     block_size: int = 0
     tp_size: int = 1
     device_type: str = "cpu"
-    kv_window: int = 0  # ModelConfig.kv_window (0: None): both ends cut a prompt's KV to the same tokens
+    kv_layout: str = ""  # KVLayout.signature: both ends cut a prompt's KV to the same groups and tokens
     protocol_version: int = PROTOCOL_VERSION
 
     MUST_MATCH = ("protocol_version", "model", "dtype", "num_layers", "num_kv_heads", "head_dim", "device_type",
-                  "kv_window")
+                  "kv_layout")
 
     def __post_init__(self):
         assert self.num_layers > 0 and self.num_kv_heads > 0 and self.head_dim > 0, self

@@ -78,7 +78,7 @@ class PrefillScheduler:
             self.kv.cache_blocks(req, req.num_computed_tokens + n)  # computed in this step
             out.cached_requests.append(CachedRequestData(
                 req.request_id, req.prompt_token_ids[req.num_computed_tokens:req.num_computed_tokens + n],
-                req.num_computed_tokens, [], sample=req.num_computed_tokens + n == req.num_tokens))
+                req.num_computed_tokens, (), sample=req.num_computed_tokens + n == req.num_tokens))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             if not self._admit(self.waiting[0], out, budget):

@@ -44,7 +44,8 @@ class PrefillWorker:
         mc = runner.model_config
         self.scheduler: PrefillScheduler | None = None
         if self.tp.rank == 0:
-            kv = KVCacheManager(runner.num_blocks, runner.block_size, runner.config.cache.enable_prefix_caching)
+            kv = KVCacheManager(runner.num_blocks, runner.block_size, runner.config.cache.enable_prefix_caching,
+                                runner.model_config.kv_layout.windows)
             max_len = min(mc.max_position_embeddings, (runner.num_blocks - 1) * runner.block_size)
             self.scheduler = PrefillScheduler(runner.config.scheduler, kv, max_len)
         self._inbox: queue.Queue = queue.Queue()
@@ -99,7 +100,7 @@ class PrefillWorker:
         self._release_delivered()
         sched = self.scheduler.schedule()
         shipments = self.connector.shipments(sched, self.scheduler.kv.get_block_ids, self.runner.block_size,
-                                             self.runner.device, self.runner.model_config.kv_window)
+                                             self.runner.device)
         self.runner.update_states(sched)
         inp = None if sched.is_empty else self.runner.prepare_inputs(sched)
         self.tp.broadcast_step((inp, shipments))
@@ -135,7 +136,7 @@ class PrefillWorker:
     def _execute(self, inp, shipments: list[Shipment]):
         self.connector.start(shipments)
         kv = self.runner.kv_cache
-        return self.runner.execute_model(inp, (lambda i: self.connector.save_layer(i, kv[i])) if shipments else None)
+        return self.runner.execute_model(inp, (lambda i: self.connector.save_layer(i, kv)) if shipments else None)
 
     def _drain_inbox(self) -> None:
         while True:

@@ -128,9 +128,9 @@ def all_logits(runner, prompt: list[int], chunk: int) -> torch.Tensor:
 
     Writes blocks 1.. of the runner's cache directly, so only call it while the engine that owns
     the runner is idle; the caller then drops the engine's prefix cache (those blocks changed)."""
-    bs, rid = runner.block_size, "logits-probe"
-    blocks = list(range(1, -(-len(prompt) // bs) + 1))
-    assert len(blocks) < runner.num_blocks
+    rid = "logits-probe"
+    blocks = runner.scratch_tables(len(prompt))
+    assert blocks[-1][-1] < runner.num_blocks
     out = []
     try:
         for start in range(0, len(prompt), chunk):
@@ -138,12 +138,11 @@ def all_logits(runner, prompt: list[int], chunk: int) -> torch.Tensor:
             if start == 0:
                 sched = SchedulerOutput(new_requests=[NewRequestData(rid, toks, 0, blocks, SamplingParams(), True)])
             else:
-                sched = SchedulerOutput(cached_requests=[CachedRequestData(rid, toks, start, [], True)])
+                sched = SchedulerOutput(cached_requests=[CachedRequestData(rid, toks, start, (), True)])
             runner.update_states(sched)
             inp = runner.prepare_inputs(sched)
-            runner.backend.prepare(inp.meta)
             with torch.inference_mode():
-                hidden = runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta, runner.backend)
+                hidden = runner.hidden_states(inp)
                 out.append(runner.model.compute_logits(hidden))
     finally:
         runner.update_states(SchedulerOutput(finished_req_ids=[rid]))

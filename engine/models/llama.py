@@ -11,7 +11,7 @@ per-head q/k norms, a sliding window per layer); their modules read their config
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -126,18 +126,24 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-                meta: AttentionMetadata, backend: BaseAttentionBackend,
+                meta: AttentionMetadata | Sequence[AttentionMetadata],
+                backend: BaseAttentionBackend | Sequence[BaseAttentionBackend],
                 after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """input_ids, positions: (num_tokens,); kv_caches: (num_layers, 2, num_blocks, block_size,
-        kv_heads, head_dim). `after_layer(i)` runs once layer i's K/V are in the cache (the prefill
-        side ships them from there while later layers compute). Returns the final-normed hidden
-        states, (num_tokens, hidden_size)."""
+        """input_ids, positions: (num_tokens,); kv_caches: (num_slabs, 2, num_blocks, block_size,
+        kv_heads, head_dim), a slab per layer of a KV group (ModelConfig.kv_layout); `meta` and
+        `backend` per KV group (one of each: a single group). `after_layer(i)` runs once layer i's
+        K/V are in the cache (the prefill side ships them from there while later layers compute).
+        Returns the final-normed hidden states, (num_tokens, hidden_size)."""
+        metas = meta if isinstance(meta, (list, tuple)) else (meta,)
+        backends = backend if isinstance(backend, (list, tuple)) else (backend,)
+        place = self.config.kv_layout.place
         hidden, residual = self.embed(input_ids), None
         # shared by every layer
         rope = ((positions, self.rotary.cos_sin_table(hidden.dtype)) if "rotary" in self.fused
                 else self.rotary.cos_sin(positions, hidden.dtype))
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(rope, hidden, residual, kv_caches[i], meta, backend)
+            group, slab = place[i]
+            hidden, residual = layer(rope, hidden, residual, kv_caches[slab], metas[group], backends[group])
             if after_layer is not None:
                 after_layer(i)
         hidden, _ = self.norm(hidden, residual)

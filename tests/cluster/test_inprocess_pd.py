@@ -34,8 +34,9 @@ def run(spec: ClusterSpec, prompts, max_tokens: int, logprobs: list | None = Non
         assert all(s.error is None for s in streams), [s.error for s in streams]
         if spec.mode == "disaggregated":  # every prompt's KV really crossed the transport
             hosts = [i.ranks[0] for i in cluster.instances.values()]
-            assert sum(h.sender.stats.get("parts_sent", 0) for h in hosts if h.sender) == len(prompts)
-            assert sum(h.receiver.stats.get("completed", 0) for h in hosts if h.receiver) == len(prompts)
+            parts = len(prompts) * hosts[0].runner.model_config.kv_layout.num_groups  # a transfer per KV group
+            assert sum(h.sender.stats.get("parts_sent", 0) for h in hosts if h.sender) == parts
+            assert sum(h.receiver.stats.get("completed", 0) for h in hosts if h.receiver) == parts
             senders = [h.sender.stats for h in hosts if h.sender]
             # a CPU: "auto" and "torch" both use the data channel (same-device writes are CUDA's)
             assert all(st.get("groups_created", 0) > 0 and not st.get("shared_connections") for st in senders)
@@ -92,7 +93,8 @@ def test_vllm_cpu_backend_1p1d_matches_colocated(tmp_path):
 @pytest.mark.parametrize("family", ["qwen3", "mistral_window", "gemma2"])
 def test_families_1p1d_match_colocated(tmp_path, family):
     """Qwen3 (per-head q/k norms), Mistral with a 24-token window (its KV cut to the window) and
-    Gemma 2 (sliding and global layers: all of its KV ships): 1P1D gives the colocated engine's
+    Gemma 2 (sliding and global layers, a transfer per KV group, the sliding ones cut to the
+    window): 1P1D gives the colocated engine's
     greedy tokens, for prompts inside the window and past 3 windows, chunked (the step budget is
     128 tokens) and not."""
     kind, switches = FAMILIES[family]
@@ -102,12 +104,13 @@ def test_families_1p1d_match_colocated(tmp_path, family):
     assert run(spec_for(path), prompts, 16) == colocated
 
 
-def test_window_ships_only_the_kv_decode_reads(tmp_path):
-    """A sliding-window model (every layer, W = 24) ships of each prompt only its last W - 1 tokens'
-    KV (the first decode query sees those and itself), counted from the definition: tokens x
-    layers x K and V x KV heads x head_dim x 4 bytes (fp32); full attention would ship every
-    prompt token."""
-    kind, switches = FAMILIES["mistral_window"]
+@pytest.mark.parametrize("name", ["mistral_window", "gemma2"])
+def test_window_ships_only_the_kv_decode_reads(tmp_path, name):
+    """A sliding layer (W = 24: every layer of Mistral, layers 0 and 2 of Gemma 2) ships of each
+    prompt only its last W - 1 tokens' KV (the first decode query sees those and itself), a global
+    layer (Gemma 2's layer 1) every token, counted from the definition: tokens x K and V x KV heads
+    x head_dim x 4 bytes (fp32) per layer; full attention would ship every prompt token."""
+    kind, switches = FAMILIES[name]
     path = str(save_tiny(tmp_path / "m", kind, seed=3, **switches))
     window, lengths = switches["sliding_window"], [5, 40, 150]
     prompts = random_prompts(3, lengths, seed=6)
@@ -118,8 +121,11 @@ def test_window_ships_only_the_kv_decode_reads(tmp_path):
         decode = cluster.instances["decode-0"].ranks[0]
         got = decode.receiver.stats["bytes_received"]
         mc = decode.runner.model_config
-    per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 4
-    assert got == sum(min(n, window - 1) for n in lengths) * per_token < sum(lengths) * per_token
+    windows = [mc.window(i) for i in range(mc.num_layers)]
+    assert windows == ([24] * 3 if name == "mistral_window" else [24, None, 24])
+    per_token = 2 * mc.num_kv_heads * mc.head_dim * 4  # one layer's
+    want = sum(n if w is None else min(n, window - 1) for n in lengths for w in windows) * per_token
+    assert got == want < sum(lengths) * mc.num_layers * per_token
 
 
 @pytest.mark.parametrize("knob,flag", [(dict(decode_tp=3), "--decode-tp 3"), (dict(prefill_tp=3), "--prefill-tp 3")])
@@ -150,7 +156,7 @@ def test_decode_kv_equals_prefill_kv_checksums(tiny_path):
         p, d = cluster.instances["prefill-0"].ranks[0], cluster.instances["decode-0"].ranks[0]
         found = []
         for kv in (p.worker.scheduler.kv, d.worker.engine.kv):
-            blocks, n = kv.get_computed_blocks(Request("probe", prompt))
+            (blocks,), n = kv.get_computed_blocks(Request("probe", prompt))
             assert n == 40
             found.append([b.block_id for b in blocks])
         for layer in range(p.runner.kv_cache.shape[0]):

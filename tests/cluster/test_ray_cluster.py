@@ -14,7 +14,7 @@ from cluster.cluster import Cluster
 from cluster.nodes import PlacementError, RankPlacement
 from cluster.spec import ClusterSpec
 from engine.request import SamplingParams
-from tests.helpers import assert_logprobs_close, random_prompts, save_tiny_llama
+from tests.helpers import FAMILIES, assert_logprobs_close, random_prompts, save_tiny, save_tiny_llama
 
 pytestmark = pytest.mark.timeout(300)
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -58,6 +58,20 @@ def test_tp_mixes_match_colocated(ray_session, tiny_path, ptp, dtp):
     assert got == [s.token_ids for s in want]
     for s, w in zip(streams, want):
         assert_logprobs_close(s.logprobs, w.logprobs)
+
+
+@pytest.mark.parametrize("ptp,dtp", [(1, 2), (2, 1)])
+def test_gemma2_kv_groups_through_tp_match_colocated(ray_session, tmp_path, ptp, dtp):
+    """Tiny Gemma 2 (layers sliding 24, global, sliding 24: three KV groups, a transfer each, the
+    sliding ones cut to the window) through P tp=1 -> D tp=2 and P tp=2 -> D tp=1: every decode
+    rank expects each group's heads from the right prefill ranks; greedy tokens equal colocated."""
+    kind, switches = FAMILIES["gemma2"]
+    path = str(save_tiny(tmp_path / "gemma2", kind, seed=5, **switches))
+    prompts = random_prompts(4, [7, 60, 140], seed=ptp * 10 + dtp)
+    with Cluster(spec_for(path, prefill_tp=ptp, decode_tp=dtp), log_level="WARNING") as c:
+        got = checked(c.generate(prompts, GREEDY, timeout_s=120))
+        c.assert_no_leaks()
+    assert got == colocated_tokens(path, prompts)
 
 
 def test_no_room_fails_fast_and_leaves_nothing(ray_session, tmp_path):

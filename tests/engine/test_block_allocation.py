@@ -20,7 +20,7 @@ def test_new_blocks_come_in_id_order_so_a_freed_request_returns_as_one_run():
     reqs = create_requests(12, 40)
     for req in reqs:
         prefill(mgr, req)
-    ids = {req.request_id: mgr.get_block_ids(req.request_id) for req in reqs}
+    ids = {req.request_id: mgr.get_block_ids(req.request_id)[0] for req in reqs}
     random.Random(0).shuffle(reqs)
     mgr.free(reqs[0])
     (one,) = create_requests(1, 40, start=20)
@@ -82,10 +82,9 @@ def test_contiguous_allocation_keeps_the_pool_consistent_and_needs_the_fewest_st
         (req,) = create_requests(1, rng.randint(33, 12 * BLOCK_SIZE), prefix=shared[:rng.choice([0, 32])],
                                  start=step, id_prefix=f"s{step}-")
         free = _stretches(pool._free_queue)
-        hits, num_hit = mgr.get_computed_blocks(req)
+        (hits,), num_hit = mgr.get_computed_blocks(req)
         contiguous = rng.random() < 0.5
-        new = mgr.allocate_slots(req, req.num_tokens - num_hit, hits, contiguous=contiguous)
-        assert new is not None
+        (new,) = mgr.allocate_slots(req, req.num_tokens - num_hit, (hits,), contiguous=contiguous)
         req.num_computed_tokens = req.num_tokens
         live.append(req)
         got = _stretches(b.block_id for b in new)
@@ -111,9 +110,9 @@ def test_a_decode_reservation_gets_consecutive_blocks_in_a_fragmented_cache():
         mgr.free(req)
     (lru,) = create_requests(1, 6 * BLOCK_SIZE, start=100)
     (fresh,) = create_requests(1, 6 * BLOCK_SIZE, start=101)
-    assert len(_stretches(b.block_id for b in mgr.allocate_slots(lru, lru.num_tokens))) > 1
+    assert len(_stretches(b.block_id for b in mgr.allocate_slots(lru, lru.num_tokens)[0])) > 1
     decode = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), mgr, max_model_len=1024)
     assert decode.reserve(fresh)
-    assert len(_stretches(mgr.get_block_ids(fresh.request_id))) == 1
+    assert len(_stretches(mgr.get_block_ids(fresh.request_id)[0])) == 1
     decode.finish_request(fresh.request_id, RequestStatus.FINISHED_ABORTED)
     free_and_assert_no_leaks(mgr, *reqs[9::2], lru)

@@ -48,7 +48,7 @@ def prefill(mgr: KVCacheManager, req: Request):
     if new is None:
         return None
     req.num_computed_tokens = req.num_tokens
-    return computed, new
+    return computed[0], new[0]
 
 
 def decode_step(mgr: KVCacheManager, req: Request, token_id: int):
@@ -57,7 +57,7 @@ def decode_step(mgr: KVCacheManager, req: Request, token_id: int):
     new = mgr.allocate_slots(req, 1)
     if new is not None:
         req.num_computed_tokens += 1
-    return new
+    return new if new is None else new[0]
 
 
 def free_all(mgr: KVCacheManager, *reqs: Request) -> None:
@@ -79,7 +79,7 @@ def snapshot(mgr: KVCacheManager):
     pool = mgr.block_pool
     return ([b.ref_cnt for b in pool.blocks], [b.block_hash for b in pool.blocks],
             list(pool._free_queue), {h: b.block_id for h, b in pool._cached.items()},
-            {r: [b.block_id for b in t] for r, t in mgr.req_to_blocks.items()},
+            {r: [b.block_id for b in t] for r, (t,) in mgr.req_to_blocks.items()},
             {r: list(h) for r, h in mgr.req_to_block_hashes.items()}, dict(mgr.num_cached_block))
 
 
@@ -91,15 +91,15 @@ def test_allocation_grows_block_tables(num_tokens):
     reqs = create_requests(3, num_tokens)
     for req in reqs:
         _, new = prefill(mgr, req)
-        assert len(new) == len(mgr.get_block_ids(req.request_id)) == math.ceil(num_tokens / BLOCK_SIZE)
+        assert len(new) == len(mgr.get_block_ids(req.request_id)[0]) == math.ceil(num_tokens / BLOCK_SIZE)
     for step in range(40):
         for req in reqs:
-            before = mgr.get_block_ids(req.request_id)
+            before = mgr.get_block_ids(req.request_id)[0]
             new = decode_step(mgr, req, 7 + step)
-            table = mgr.get_block_ids(req.request_id)
+            table = mgr.get_block_ids(req.request_id)[0]
             assert len(table) == math.ceil(req.num_computed_tokens / BLOCK_SIZE)
             assert table[:len(before)] == before and len(new) == len(table) - len(before) <= 1
-    all_ids = [i for r in reqs for i in mgr.get_block_ids(r.request_id)]
+    all_ids = [i for r in reqs for i in mgr.get_block_ids(r.request_id)[0]]
     assert len(all_ids) == len(set(all_ids)) and 0 not in all_ids
     assert mgr.num_free_blocks == 127 - len(all_ids) and mgr.num_requests == 3
     free_and_assert_no_leaks(mgr, *reqs)
@@ -112,9 +112,9 @@ def test_chunked_prefill_grows_table_per_chunk():
     for chunk in [10, 10, 30, 50]:
         new = mgr.allocate_slots(req, chunk)
         req.num_computed_tokens += chunk
-        assert len(mgr.get_block_ids(req.request_id)) == math.ceil(req.num_computed_tokens / BLOCK_SIZE)
+        assert len(mgr.get_block_ids(req.request_id)[0]) == math.ceil(req.num_computed_tokens / BLOCK_SIZE)
         assert new is not None
-    assert mgr.allocate_slots(req, 0) == []
+    assert mgr.allocate_slots(req, 0) == ([],)
     free_and_assert_no_leaks(mgr, req)
 
 
@@ -139,10 +139,10 @@ def test_touched_free_hits_are_not_counted_as_free():
     mgr.free(a)  # 4 full blocks stay cached, all 8 free
     prefix = a.prompt_token_ids[:64]
     (too_big,) = create_requests(1, 64 + 70, prefix=prefix, start=1)  # 9 blocks: 4 hits + 5 new
-    computed, _ = mgr.get_computed_blocks(too_big)
+    (computed,), _ = mgr.get_computed_blocks(too_big)
     assert len(computed) == 4
     before = snapshot(mgr)
-    assert mgr.allocate_slots(too_big, too_big.num_tokens - 64, computed) is None
+    assert mgr.allocate_slots(too_big, too_big.num_tokens - 64, (computed,)) is None
     assert snapshot(mgr) == before
     mgr.free(too_big)
     (fits,) = create_requests(1, 64 + 60, prefix=prefix, start=2)  # 8 blocks: 4 hits + 4 new
@@ -159,13 +159,13 @@ def test_prefix_hit_shares_full_blocks_of_200_token_prefix():
     (shared,) = create_requests(1, 200, id_prefix="shared")
     a, b = create_requests(2, 250, prefix=shared.prompt_token_ids)
     prefill(mgr, a)
-    a_ids = mgr.get_block_ids(a.request_id)
-    computed, num_computed = mgr.get_computed_blocks(b)
+    a_ids = mgr.get_block_ids(a.request_id)[0]
+    (computed,), num_computed = mgr.get_computed_blocks(b)
     assert (len(computed), num_computed) == (12, 192)
     assert [blk.block_id for blk in computed] == a_ids[:12]
     assert ref_cnts(mgr, a_ids[:12]) == [1] * 12  # get_computed_blocks does not touch
-    new = mgr.allocate_slots(b, b.num_tokens - num_computed, computed)
-    b_ids = mgr.get_block_ids(b.request_id)
+    (new,) = mgr.allocate_slots(b, b.num_tokens - num_computed, (computed,))
+    b_ids = mgr.get_block_ids(b.request_id)[0]
     assert b_ids[:12] == a_ids[:12] and b_ids[12:] == [blk.block_id for blk in new]
     assert len(b_ids) == math.ceil(250 / BLOCK_SIZE)
     assert ref_cnts(mgr, a_ids[:12]) == [2] * 12 and ref_cnts(mgr, a_ids[12:]) == [1] * 4
@@ -181,7 +181,7 @@ def test_hit_on_unreferenced_cached_blocks():
     mgr = create_manager(num_blocks=32)
     (a,) = create_requests(1, 80)
     prefill(mgr, a)
-    a_ids = mgr.get_block_ids(a.request_id)
+    a_ids = mgr.get_block_ids(a.request_id)[0]
     mgr.free(a)
     assert mgr.num_free_blocks == 31 and mgr.usage == 0.0
     (b,) = create_requests(1, 90, prefix=a.prompt_token_ids, start=1)
@@ -199,7 +199,7 @@ def test_cap_leaves_one_token_to_compute(num_tokens, expected_hits):
     (a,) = create_requests(1, num_tokens)
     prefill(mgr, a)
     b = Request("same-prompt", list(a.prompt_token_ids))
-    computed, num_computed = mgr.get_computed_blocks(b)
+    (computed,), num_computed = mgr.get_computed_blocks(b)
     assert (len(computed), num_computed) == (expected_hits, expected_hits * BLOCK_SIZE)
     assert num_computed < b.num_tokens
     assert len(mgr.get_block_hashes(a.request_id)) == num_tokens // BLOCK_SIZE  # all full ones cached
@@ -220,7 +220,7 @@ def test_only_known_and_scheduled_full_blocks_are_cached():
     a.num_computed_tokens = 60
     mgr.allocate_slots(a, 40 + 28)  # lookahead past the 100 known tokens
     assert len(mgr.get_block_hashes(a.request_id)) == 100 // BLOCK_SIZE
-    assert len(mgr.get_block_ids(a.request_id)) == math.ceil(128 / BLOCK_SIZE)
+    assert len(mgr.get_block_ids(a.request_id)[0]) == math.ceil(128 / BLOCK_SIZE)
     (probe,) = create_requests(1, 120, prefix=a.prompt_token_ids, start=1)
     assert mgr.get_computed_blocks(probe)[1] == 96
     free_and_assert_no_leaks(mgr, a, probe)
@@ -247,10 +247,10 @@ def test_duplicate_content_keeps_existing_mapping():
     (a,) = create_requests(1, 48)
     b = Request("twin", list(a.prompt_token_ids))
     hits_a, hits_b = mgr.get_computed_blocks(a), mgr.get_computed_blocks(b)
-    assert hits_a == hits_b == ([], 0)
+    assert hits_a == hits_b == (([],), 0)
     prefill(mgr, a)
     mgr.allocate_slots(b, b.num_tokens)
-    a_ids, b_ids = mgr.get_block_ids(a.request_id), mgr.get_block_ids(b.request_id)
+    a_ids, b_ids = mgr.get_block_ids(a.request_id)[0], mgr.get_block_ids(b.request_id)[0]
     assert set(a_ids).isdisjoint(b_ids)
     hashes = mgr.get_block_hashes(a.request_id)
     assert mgr.get_block_hashes(b.request_id) == hashes
@@ -266,9 +266,9 @@ def test_prefix_caching_disabled():
     mgr = create_manager(enable_prefix_caching=False)
     a, b = create_requests(2, 100, prefix=list(range(80)))
     prefill(mgr, a)
-    assert mgr.get_computed_blocks(b) == ([], 0)
+    assert mgr.get_computed_blocks(b) == (([],), 0)
     prefill(mgr, b)
-    assert set(mgr.get_block_ids(a.request_id)).isdisjoint(mgr.get_block_ids(b.request_id))
+    assert set(mgr.get_block_ids(a.request_id)[0]).isdisjoint(mgr.get_block_ids(b.request_id)[0])
     assert mgr.get_block_hashes(a.request_id) == [] and not mgr.block_pool._cached
     free_and_assert_no_leaks(mgr, a, b)
 
@@ -279,13 +279,13 @@ def test_lru_eviction_oldest_freed_first_and_tail_before_head():
     a, b = create_requests(2, 49)  # 3 full (cached) blocks + 1 partial each
     prefill(mgr, a)
     prefill(mgr, b)
-    a_ids, b_ids = mgr.get_block_ids(a.request_id), mgr.get_block_ids(b.request_id)
+    a_ids, b_ids = mgr.get_block_ids(a.request_id)[0], mgr.get_block_ids(b.request_id)[0]
     assert mgr.num_free_blocks == 0
     free_all(mgr, a, b)
 
     def hits(req):
         probe = Request(f"probe-{req.request_id}", req.prompt_token_ids)
-        num_hits = len(mgr.get_computed_blocks(probe)[0])
+        num_hits = len(mgr.get_computed_blocks(probe)[0][0])
         mgr.free(probe)  # forgets the hashes get_computed_blocks kept for it
         return num_hits
 
@@ -310,7 +310,7 @@ def test_hit_refreshes_recency():
     a, b = create_requests(2, 49)
     prefill(mgr, a)
     prefill(mgr, b)
-    a_ids, b_ids = mgr.get_block_ids(a.request_id), mgr.get_block_ids(b.request_id)
+    a_ids, b_ids = mgr.get_block_ids(a.request_id)[0], mgr.get_block_ids(b.request_id)[0]
     free_all(mgr, a, b)  # eviction order: A3 A2 A1 A0 B3 B2 B1 B0
     (a2,) = create_requests(1, 40, prefix=a.prompt_token_ids[:32], start=5)
     computed, new = prefill(mgr, a2)  # hits A0 A1, takes A3 for its partial block
@@ -320,7 +320,7 @@ def test_hit_refreshes_recency():
     _, new = prefill(mgr, c)
     assert {blk.block_id for blk in new} == {a_ids[2], b_ids[3], b_ids[2]}
     probe = Request("probe", list(a2.prompt_token_ids))
-    assert len(mgr.get_computed_blocks(probe)[0]) == 2
+    assert len(mgr.get_computed_blocks(probe)[0][0]) == 2
     free_and_assert_no_leaks(mgr, probe, c)
 
 
@@ -335,7 +335,7 @@ def test_evicted_blocks_are_no_longer_hits():
     (b,) = create_requests(1, 40, start=1)
     prefill(mgr, b)
     assert all(mgr.block_pool.get_cached_block(h) is None for h in hashes)
-    assert mgr.get_computed_blocks(Request("probe", a.prompt_token_ids)) == ([], 0)
+    assert mgr.get_computed_blocks(Request("probe", a.prompt_token_ids)) == (([],), 0)
     free_and_assert_no_leaks(mgr, b, Request("probe", a.prompt_token_ids))
 
 
@@ -345,11 +345,11 @@ def test_reset_prefix_cache():
     (a,) = create_requests(1, 64)
     prefill(mgr, a)
     assert mgr.reset_prefix_cache() is False
-    assert len(mgr.get_computed_blocks(Request("p1", a.prompt_token_ids))[0]) == 3
+    assert len(mgr.get_computed_blocks(Request("p1", a.prompt_token_ids))[0][0]) == 3
     free_all(mgr, a, Request("p1", a.prompt_token_ids))
     assert mgr.reset_prefix_cache() is True
     assert all(b.block_hash is None for b in mgr.block_pool.blocks) and not mgr.block_pool._cached
-    assert mgr.get_computed_blocks(Request("p2", a.prompt_token_ids)) == ([], 0)
+    assert mgr.get_computed_blocks(Request("p2", a.prompt_token_ids)) == (([],), 0)
     free_and_assert_no_leaks(mgr, Request("p2", a.prompt_token_ids))
 
 
@@ -365,7 +365,7 @@ def test_hashes_are_chained():
     a = Request("a", [1] * 16 + tokens + [5])
     b = Request("b", [2] * 16 + tokens + [5])
     prefill(mgr, a)
-    assert mgr.get_computed_blocks(b) == ([], 0)
+    assert mgr.get_computed_blocks(b) == (([],), 0)
     prefill(mgr, b)
     ha, hb = mgr.get_block_hashes("a"), mgr.get_block_hashes("b")
     assert ha[1] != hb[1] and ha == [h0, hash_block_tokens(h0, tokens)]
@@ -408,7 +408,7 @@ def test_user_errors_raise():
     with pytest.raises(ValueError):  # hits can only start a table
         mgr.allocate_slots(a, 1, computed)
     with pytest.raises(KeyError):
-        mgr.get_block_ids("unknown")
+        mgr.get_block_ids("unknown")[0]
     free_and_assert_no_leaks(mgr, a, b)
 
 
@@ -427,7 +427,7 @@ def check_model(mgr: KVCacheManager, live: dict[str, Request], allocated: dict[s
     pool, bs = mgr.block_pool, mgr.block_size
     expected = [0] * pool.num_blocks
     for rid, req in live.items():
-        table = mgr.req_to_blocks.get(rid, [])
+        table = mgr.req_to_blocks.get(rid, [[]])[0]
         assert len(table) == math.ceil(allocated[rid] / bs)
         assert len({b.block_id for b in table}) == len(table) and pool.null_block not in table
         hashes = mgr._update_block_hashes(req)

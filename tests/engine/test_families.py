@@ -151,7 +151,7 @@ def _tp_rank(rank: int, port: int, folders: list[str], prompt: list[int], out) -
                             timeout=timedelta(seconds=60))
     for folder in folders:
         tp = TPGroup(rank, 2, dist.group.WORLD)
-        runner = ModelRunner(engine_config(model=folder, num_blocks=16, block_size=16), tp)
+        runner = ModelRunner(engine_config(model=folder, num_blocks=32, block_size=16), tp)
         logits = _prefill_logits(runner, prompt)
         if rank == 0:
             out.put((folder, logits.numpy()))  # by value: the process exits before the test reads it
@@ -175,35 +175,47 @@ def test_tensor_parallel_matches_transformers(tmp_path):
         torch.testing.assert_close(torch.from_numpy(got[folder]), ref, atol=2e-4, rtol=1e-4)
 
 
-def test_window_frees_blocks_while_generating(tmp_path):
-    """Mistral with a 24-token window: after the 200-token prompt, every decode step holds at most
-    the blocks its window spans (2 of 32 tokens on the vllm_cpu backend, 3 of 16 on torch), the
-    others are released (allocator counts), and the 32 greedy tokens still equal transformers'."""
-    kind, switches = FAMILIES["mistral_window"]
+@pytest.mark.parametrize("name", ["mistral_window", "gemma2"])
+def test_window_frees_blocks_while_generating(tmp_path, name):
+    """A 24-token window (Mistral: every layer; Gemma 2: layers 0 and 2, each its own KV group,
+    beside the global layer 1's): after the 200-token prompt, every decode step holds in each
+    sliding group at most the blocks its window spans (2 of 32 tokens on the vllm_cpu backend, 3 of
+    16 on torch), the others are released (allocator counts), a global group keeps them all, and
+    the 32 greedy tokens still equal transformers'."""
+    kind, switches = FAMILIES[name]
     hf = make_hf_tiny(kind, seed=2, **switches)
     hf.save_pretrained(tmp_path / "m", safe_serialization=True)
     engine = _llm(tmp_path / "m").engine
     prompt = random_prompts(1, [200], seed=9)[0]
     engine.add_request("r", prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
-    held, tokens = [], []
+    held, tokens = [], []  # per step, the blocks of each group
     while engine.has_unfinished():
         for out in engine.step():
             tokens += out.new_token_ids
         if "r" in engine.kv.req_to_blocks:
-            held.append(sum(b != 0 for b in engine.kv.get_block_ids("r")))
+            held.append([sum(b != 0 for b in table) for table in engine.kv.get_block_ids("r")])
     assert tokens == hf_greedy(hf, prompt, 32)
-    bs, window = engine.runner.block_size, switches["sliding_window"]
-    assert held[0] == -(-200 // bs) and max(held[1:]) <= -(-window // bs) + 1, held  # the prefill wrote all
-    # at the last step, position 230 reads keys 207..230: every block wholly before 207 was released
-    assert engine.kv.num_window_freed == 207 // bs, (engine.kv.num_window_freed, held)
+    bs, window, windows = engine.runner.block_size, switches["sliding_window"], engine.kv.windows
+    assert windows == ((24,) if name == "mistral_window" else (24, None, 24))
+    for g, w in enumerate(windows):
+        steps = [h[g] for h in held]
+        assert steps[0] == -(-200 // bs), held  # the prefill wrote all
+        if w is None:
+            assert steps == sorted(steps) and steps[-1] >= -(-229 // bs), held  # never released
+        else:
+            assert max(steps[1:]) <= -(-window // bs) + 1, held
+    # at the last step, position 230 reads keys 207..230: every sliding block wholly before 207 was released
+    assert engine.kv.num_window_freed == windows.count(24) * (207 // bs), (engine.kv.num_window_freed, held)
     engine.kv.assert_no_leaks()
 
 
-def test_window_keeps_prefix_caching_correct(tmp_path):
+@pytest.mark.parametrize("name", ["mistral_window", "gemma2"])
+def test_window_keeps_prefix_caching_correct(tmp_path, name):
     """Blocks released outside the window keep their prefix-cache hashes: a second prompt sharing
     128 tokens with the first hits them (after the first released them) and still generates
-    transformers' tokens; so does the first prompt again, served from the cache."""
-    kind, switches = FAMILIES["mistral_window"]
+    transformers' tokens; so does the first prompt again, served from the cache. With Gemma 2's
+    global layer beside, a hit needs every global block and the sliding ones the window reads."""
+    kind, switches = FAMILIES[name]
     hf = make_hf_tiny(kind, seed=4, **switches)
     hf.save_pretrained(tmp_path / "m", safe_serialization=True)
     llm = _llm(tmp_path / "m")

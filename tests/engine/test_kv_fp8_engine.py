@@ -46,7 +46,8 @@ def engines(hf):
     """fp32 model: full-precision KV, fp8 KV, and full-precision KV through the round-trip reference."""
     out = {kv: tiny_engine(hf, kv_cache_dtype=kv, max_num_batched_tokens=128) for kv in ("auto", "fp8_e4m3")}
     out["reference"] = tiny_engine(hf, max_num_batched_tokens=128)
-    out["reference"].runner.backend = RoundTripBackend()
+    runner = out["reference"].runner
+    runner.backend = runner.backends[0] = RoundTripBackend()
     return out
 
 

@@ -29,7 +29,7 @@ def make_step(seed: int = 0):
                              seq_lens=torch.tensor([5, 3], dtype=torch.int32),
                              block_tables=torch.randint(0, 9, (2, 4), generator=g, dtype=torch.int32),
                              slot_mapping=torch.randint(0, 99, (4,), generator=g), block_size=4)
-    inp = ModelInput(torch.randint(0, 50, (4,), generator=g), torch.tensor([4, 0, 1, 2]), meta,
+    inp = ModelInput(torch.randint(0, 50, (4,), generator=g), torch.tensor([4, 0, 1, 2]), (meta,),
                      torch.tensor([0, 3]), ["a", "b"])
     params = KVTransferParams("b", "decode-0", 1, (KVEndpoint("decode-0", 0, "10.0.0.9", 7000),))
     return inp, [Shipment("b", params, 3, torch.tensor([8, 9, 10]))]

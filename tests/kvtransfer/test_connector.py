@@ -15,7 +15,7 @@ from kvtransfer.connector import DecodeConnector, PrefillConnector
 from kvtransfer.params import KVEndpoint, KVTransferParams
 from prefill_worker.worker import PrefillWorker
 from tests.decode_worker.test_worker import FakeReceiver
-from tests.helpers import engine_config, make_hf_tiny_llama, model_config_of
+from tests.helpers import FAMILIES, engine_config, make_hf_tiny, make_hf_tiny_llama, model_config_of
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -61,6 +61,26 @@ def prefill_worker(outcome: str, lease_s: float = 5.0) -> tuple[PrefillWorker, S
     sender = ScriptedSender(outcome)
     connector = PrefillConnector(sender, runner.model_config.num_kv_heads, 0, 1, lease_s=lease_s)
     return PrefillWorker(runner, connector), sender
+
+
+def test_prefill_ships_each_kv_group_what_its_window_reads(tmp_path):
+    """Tiny Gemma 2 (layers sliding 24, global, sliding 24: three KV groups of one layer): a
+    60-token prompt leaves as three transfers, each the group's only slab as layer 0: the sliding
+    groups' last 23 tokens, the global group's 60."""
+    kind, switches = FAMILIES["gemma2"]
+    make_hf_tiny(kind, seed=3, **switches).save_pretrained(tmp_path, safe_serialization=True)
+    runner = ModelRunner(engine_config(model=str(tmp_path), num_blocks=64, block_size=8))
+    layout, sender = runner.model_config.kv_layout, ScriptedSender("ack")
+    assert layout.windows == (24, None, 24)
+    connector = PrefillConnector(sender, runner.model_config.num_kv_heads, 0, 1, 5.0, kv_layout=layout)
+    worker = PrefillWorker(runner, connector)
+    params = KVTransferParams("r", "d", 1, (KVEndpoint("d", 0, "h", 1),))
+    worker.submit(Request("r", list(range(3, 63)), PARAMS), params)
+    (first,) = run_until(worker, 1)
+    heads = runner.model_config.num_kv_heads
+    assert [(rid, n) for rid, _, _, _, n, _ in sender.transfers] == [("r#kv0", 23), ("r#kv1", 60), ("r#kv2", 23)]
+    for *_, n, t in sender.transfers:
+        assert t.layers == [(0, (2, n, heads, runner.model_config.head_dim))] and t.finished == first.first_token
 
 
 def run_until(worker: PrefillWorker, want: int, timeout_s: float = 30.0) -> list:
@@ -117,7 +137,7 @@ def test_decode_connector_admits_only_what_every_rank_holds_and_forgets_failures
     c = DecodeConnector(rx, num_kv_heads=2, tp_rank=0, tp_size=2)
     c.set_followers(followers)
     for rid in ("a", "b", "c"):
-        c.reserve(rid, torch.arange(4), prefill_tp=1)
+        c.reserve(rid, [torch.arange(4)], prefill_tp=1)
     assert rx.expected == {"a": 1, "b": 1, "c": 1} and [r for r, _ in followers.expected] == ["a", "b", "c"]
     done = {rid: CompletedTransfer(rid, 7, None) for rid in "abc"}
     polls = [([done["a"], done["b"]], []), ([done["a"]], [("b", "no KV for 1 s")])]
@@ -127,3 +147,20 @@ def test_decode_connector_admits_only_what_every_rank_holds_and_forgets_failures
     assert c.admit([([done["b"]], []), ([done["b"]], [])]) == ([], {})  # late news of a failed one
     assert c.cancel("c") and followers.forgotten == ["b", "c"] and not c.cancel("c")
     assert c.admit([([done["c"]], []), ([done["c"]], [])]) == ([], {})
+
+
+def test_decode_connector_admits_a_request_once_every_kv_group_arrived():
+    """Two KV groups (sliding and global layers): a transfer each, `a#kv0` and `a#kv1`; the request
+    is ready, under its own id, only when both are complete on every rank."""
+    rx = FakeReceiver()
+    c = DecodeConnector(rx, num_kv_heads=2, tp_rank=0, tp_size=2, num_groups=2)
+    c.set_followers(RecordingFollowers())
+    c.reserve("a", [torch.arange(4), torch.arange(8, 16)], prefill_tp=1)
+    assert rx.expected == {"a#kv0": 1, "a#kv1": 1}
+    g0, g1 = CompletedTransfer("a#kv0", 7, None), CompletedTransfer("a#kv1", 7, None)
+    assert c.admit([([g0], []), ([g0, g1], [])]) == ([], {})  # rank 0 lacks group 1
+    ready, failed = c.admit([([g1], []), ([], [])])
+    assert ready == [CompletedTransfer("a", 7, None)] and not failed and not c.awaiting
+    c.reserve("b", [torch.arange(4), torch.arange(4)], prefill_tp=1)
+    ready, failed = c.admit([([], [("b#kv1", "no KV for 1 s")]), ([], [])])
+    assert not ready and list(failed) == ["b"] and not rx.expected.keys() & {"b#kv0", "b#kv1"}

@@ -65,13 +65,12 @@ def test_tiny_quality_against_unquantized(hf_model, quantization):
 
 def _prefill_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor | None:
     """Logits at every position of one prefill; on TP ranks other than 0, None (every rank must call)."""
-    blocks = list(range(1, -(-len(prompt) // runner.block_size) + 1))
+    blocks = runner.scratch_tables(len(prompt))
     sched = SchedulerOutput(new_requests=[NewRequestData("p", prompt, 0, blocks, SamplingParams(), True)])
     runner.update_states(sched)
     inp = runner.prepare_inputs(sched)
-    runner.backend.prepare(inp.meta)
     with torch.inference_mode():
-        hidden = runner.model(inp.input_ids, inp.positions, runner.kv_cache, inp.meta, runner.backend)
+        hidden = runner.hidden_states(inp)
         logits = runner.model.compute_logits(hidden)
     runner.update_states(SchedulerOutput(finished_req_ids=["p"]))
     return logits
