@@ -35,13 +35,18 @@ class TextState:
         self.text = ""  # detokenized output, cut at a stop string
         self.num_emitted_chars = 0
         self.num_seen_tokens = 0
+        self.min_tokens, self.num_fed = req.sampling_params.min_tokens, 0
 
     def feed(self, token_ids: list[int]) -> str | None:
-        """Adds new tokens; returns the stop string found, if any (the text is cut before it)."""
+        """Adds new tokens; returns the stop string found, if any (the text is cut before it). Stop
+        strings count once the output has `min_tokens` tokens (vLLM's rule), in the text then added."""
         if self.detok is None:
             return None
         before = len(self.text)
         self.text += self.detok.step(token_ids)
+        self.num_fed += len(token_ids)
+        if self.num_fed < self.min_tokens:
+            return None
         for stop in self.stops:
             at = self.text.find(stop, max(0, before - len(stop) + 1))
             if at != -1:

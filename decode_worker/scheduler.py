@@ -20,6 +20,7 @@ from collections import deque
 from engine.batch import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from engine.block_manager import KVCacheManager
 from engine.config import SchedulerConfig
+from engine.logits_processing import history_of
 from engine.request import Request, RequestStatus
 from kvtransfer.params import window_start
 
@@ -138,7 +139,7 @@ class Scheduler:
                 self._unknown_to_runner.discard(req.request_id)
                 out.new_requests.append(NewRequestData(req.request_id, token_ids, req.num_computed_tokens,
                                                        self.kv.get_block_ids(req.request_id),
-                                                       req.sampling_params, sample))
+                                                       req.sampling_params, sample, history_of(req)))
             else:
                 out.cached_requests.append(CachedRequestData(req.request_id, token_ids, req.num_computed_tokens,
                                                              tuple([b.block_id for b in g] for g in new_blocks), sample,
@@ -175,7 +176,7 @@ class Scheduler:
             out.new_requests.append(NewRequestData(
                 req.request_id, req.all_token_ids[num_hit:num_hit + num_new], num_hit,
                 self.kv.get_block_ids(req.request_id), req.sampling_params,
-                sample=num_hit + num_new == req.num_tokens))
+                sample=num_hit + num_new == req.num_tokens, history=history_of(req)))
             budget -= num_new
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
@@ -202,12 +203,13 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params
-        if not sp.ignore_eos and token in req.eos_token_ids:
-            req.stop_reason = None
-            return RequestStatus.FINISHED_STOPPED
-        if token in sp.stop_token_ids:
-            req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens > sp.min_tokens:  # before, the sampler holds EOS and stop ids back
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None

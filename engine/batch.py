@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.logits_processing import TokenHistory
 from engine.request import SamplingParams
 
 
@@ -20,6 +21,7 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]  # the whole block table of each KV group (ModelConfig.kv_layout)
     sampling_params: SamplingParams
     sample: bool  # True when this step reaches the end of the known tokens: sample the next one
+    history: TokenHistory | None = None  # its tokens, where its sampling controls read them (history_of)
 
 
 @dataclass

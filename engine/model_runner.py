@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,6 +19,7 @@ from engine.config import EngineConfig, ModelConfig, cpu_has_native_bf16, resolv
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import allocate_kv_cache, blocks_from_device, kv_block_bytes, num_blocks_for
 from engine.loader import load_model_config, load_weights, resolve_model_path
+from engine.logits_processing import TokenHistory
 from engine.models import model_class
 from engine.parallel import TPGroup
 from engine.quant import (create_linear_method, method_reads_q4_codes, process_weights_after_loading,
@@ -56,6 +57,7 @@ class _RequestState:
     block_ids: list[list[int]]  # per KV group
     sampling_params: SamplingParams
     generator: torch.Generator | None
+    history: TokenHistory | None = None  # grows by each token sampled here
 
 
 class ModelRunner:
@@ -201,7 +203,9 @@ class ModelRunner:
         for r in sched.new_requests:
             old = self.requests.get(r.request_id)  # resumed after preemption: keep its RNG stream
             gen = old.generator if old else make_generator(r.sampling_params.seed, self.device)
-            self.requests[r.request_id] = _RequestState([list(t) for t in r.block_ids], r.sampling_params, gen)
+            history = None if r.history is None else replace(r.history, output=list(r.history.output))
+            self.requests[r.request_id] = _RequestState([list(t) for t in r.block_ids], r.sampling_params, gen,
+                                                        history)
         for r in sched.cached_requests:
             tables = self.requests[r.request_id].block_ids
             for g, table in enumerate(tables):
@@ -281,9 +285,12 @@ class ModelRunner:
         if logits is None:
             return out
         states = [self.requests[rid] for rid in inp.sample_req_ids]
-        sampled = self.sampler(logits, [s.sampling_params for s in states], [s.generator for s in states])
+        sampled = self.sampler(logits, [s.sampling_params for s in states], [s.generator for s in states],
+                               [s.history for s in states])
         for i, rid in enumerate(inp.sample_req_ids):
             out.sampled_token_ids[rid] = sampled.token_ids[i]
+            if states[i].history is not None:
+                states[i].history.output.append(sampled.token_ids[i])
             if sampled.logprobs[i] is not None:
                 out.logprobs[rid] = sampled.logprobs[i]
         return out

@@ -23,6 +23,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return besides the sampled token's
+    # Logit processing, with vLLM's and OpenAI's meanings (engine/sampling.py: the formulas, the order)
+    presence_penalty: float = 0.0  # minus this once for every token the output already holds
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # a prompt or output token's logit divided by it (> 0), times it (< 0)
+    min_tokens: int = 0  # EOS and stop_token_ids (and stop strings) held back until this many tokens
+    min_p: float = 0.0  # after temperature: drop tokens below min_p x the likeliest one's probability
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -39,6 +46,19 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in dict(self.logit_bias).items()))
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    @property
+    def needs_token_history(self) -> bool:
+        """Whether sampling reads the request's tokens (penalties, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

@@ -1,4 +1,5 @@
-"""Token sampling: temperature, top-k, top-p, per-request seeds, logprobs.
+"""Token sampling: logit processing (engine/logits_processing.py), temperature, min-p, top-k, top-p,
+per-request seeds, logprobs.
 
 One `Sampler` call turns a batch of last-position logits into one token per
 sequence. Everything that can be batched is batched (temperature, top-k/top-p
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.logits_processing import TokenHistory, apply_min_p, needs_processing, process_logits
 from engine.request import SamplingParams
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32.
@@ -51,27 +53,32 @@ class Sampler:
     """Stateless batch sampler; per-request random state lives in the caller's generators."""
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> SamplerOutput:
+                 generators: list[torch.Generator | None],
+                 histories: list[TokenHistory | None] | None = None) -> SamplerOutput:
         """Pick one token per sequence.
 
         Args:
             logits: last-position logits, any float dtype; computed in float32.
             params: sampling params per sequence.
             generators: per-sequence generator (from `make_generator`), None = default generator.
+            histories: per sequence, its tokens (penalties, min_tokens); None where none are needed.
         Returns:
             SamplerOutput with one token id and one logprobs entry per sequence.
         Shape:
             logits: (num_seqs, vocab_size); len(params) == len(generators) == num_seqs.
         """
         assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators)
-        logits = logits.float()  # (num_seqs, vocab_size)
+        raw = logits.float()  # (num_seqs, vocab_size): the model's, for logprobs
+        logits = raw
+        if any(needs_processing(p) for p in params):
+            logits = process_logits(raw.clone(), params, histories or [None] * len(params))
         greedy = [_is_greedy(p) for p in params]
         if all(greedy):
             token_ids = logits.argmax(dim=-1)  # (num_seqs,)
         else:
             token_ids = self._sample_mixed(logits, params, generators, greedy)
         return SamplerOutput(token_ids=token_ids.tolist(),
-                             logprobs=_gather_logprobs(logits, token_ids, params))
+                             logprobs=_gather_logprobs(raw, token_ids, params))
 
     def _sample_mixed(self, logits: torch.Tensor, params: list[SamplingParams],
                       generators: list[torch.Generator | None], greedy: list[bool]) -> torch.Tensor:
@@ -86,6 +93,9 @@ class Sampler:
         row_idx = torch.tensor(rows, device=device)
         temps = torch.tensor([params[i].temperature for i in rows], device=device)
         sub = logits[row_idx] / temps.unsqueeze(1)  # (num_sampled, vocab_size)
+        min_p = [params[i].min_p for i in rows]
+        if any(min_p):
+            sub = apply_min_p(sub, torch.tensor(min_p, device=device))
         top_k = [params[i].top_k for i in rows]
         top_p = [params[i].top_p for i in rows]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):

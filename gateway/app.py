@@ -12,13 +12,14 @@ import secrets
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from decode_worker.output import TextState
 from engine.request import Request as EngineRequest
 from gateway.logprobs import LogprobsFormatter
+from gateway import openapi
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import APIError, ChatCompletionRequest, CompletionRequest, make_id, now
 from gateway.session import Generation
@@ -90,7 +91,7 @@ class _Gateway:
         if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt_ids):
             raise APIError(400, f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", param="prompt")
         self.check_ready()
-        params = body.sampling_params(len(prompt_ids), self.max_model_len)
+        params = body.sampling_params(len(prompt_ids), self.max_model_len, self.tokenizer.vocab_size)
         rid = make_id("chatcmpl" if kind == "chat" else "cmpl")
         text = TextState(self.tokenizer, EngineRequest(rid, prompt_ids, params))
         logprobs = None if params.logprobs is None else LogprobsFormatter(self.tokenizer, kind, params.logprobs)
@@ -111,20 +112,20 @@ class _Gateway:
 
 
 def _add_generation_routes(app: FastAPI, gw: _Gateway) -> None:
-    @app.post("/v1/chat/completions", dependencies=[Depends(gw.check_key)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(gw.check_key)], responses=openapi.GENERATION)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
                     for m in body.messages]
         return await gw.respond(await gw.start(body, gw.tokenizer.encode_chat(messages), "chat"), body, request)
 
-    @app.post("/v1/completions", dependencies=[Depends(gw.check_key)])
+    @app.post("/v1/completions", dependencies=[Depends(gw.check_key)], responses=openapi.GENERATION)
     async def completions(body: CompletionRequest, request: Request):
         ids = gw.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         return await gw.respond(await gw.start(body, ids, "completion"), body, request)
 
 
 def _add_service_routes(app: FastAPI, gw: _Gateway) -> None:
-    @app.get("/v1/models", dependencies=[Depends(gw.check_key)])
+    @app.get("/v1/models", dependencies=[Depends(gw.check_key)], responses=openapi.UNAUTHORIZED)
     async def models():
         return {"object": "list", "data": [{"id": gw.model_name, "object": "model", "created": now(),
                                             "owned_by": "pdserve", "max_model_len": gw.max_model_len}]}
@@ -133,12 +134,12 @@ def _add_service_routes(app: FastAPI, gw: _Gateway) -> None:
     async def health():
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses=openapi.NOT_READY)
     async def ready():
         gw.check_ready()
         return {"status": "ready"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS)
     async def metrics():
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -159,4 +160,5 @@ def create_app(cluster, tokenizer, model_name: str, max_model_len: int | None, a
     _install_error_handlers(app)
     _add_generation_routes(app, gw)
     _add_service_routes(app, gw)
+    openapi.install(app, model_name)
     return app

@@ -4,18 +4,30 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from engine.request import SamplingParams
 
 # Accepted but without effect on generation (OpenAI bookkeeping fields).
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 # Accepted only at their neutral value.
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "n": 1, "best_of": 1,
-           "echo": False, "suffix": None, "tools": None, "tool_choice": None, "response_format": None}
+NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "tools": None, "tool_choice": None, "response_format": None}
+MAX_SEED = 2**63 - 1  # a torch.Generator's seed
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI allows 20 in chat, 5 in completions; vLLM 20 in both)
+
+
+def _json_integer(value):
+    """JSON Schema's integer: 420 and 420.0, not false or "420" (the strict models take no bools or
+    strings for numbers)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float)
+                                                                          and not value.is_integer()):
+        raise ValueError("must be an integer")
+    return int(value)
+
+
+Int = Annotated[int, BeforeValidator(_json_integer)]
 
 
 class APIError(Exception):
@@ -32,15 +44,18 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
@@ -49,24 +64,50 @@ class ChatMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+def _bounded(**bounds) -> Field:
+    """An optional field whose bounds the OpenAPI document states; `sampling_params` enforces them
+    (a 400 naming the field, as OpenAI answers), not pydantic (which would answer 422)."""
+    return Field(None, json_schema_extra=bounds)
+
+
+_STOP = {"anyOf": [{"type": "string", "minLength": 1},
+                   {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4}, {"type": "null"}]}
+_LOGIT_BIAS = {"anyOf": [{"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                          "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+                         {"type": "null"}]}
+
+
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")  # extras are refused by name in `sampling_params`
+    # extras are refused by name in `sampling_params`; the document says no others are taken
+    # strict: JSON types as the document states them (no false for 0, no "1" for 1)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"additionalProperties": False})
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # a vLLM extension many clients use
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    max_tokens: Int | None = _bounded(minimum=1)
+    temperature: float | None = _bounded(minimum=0, maximum=2)
+    top_p: float | None = _bounded(exclusiveMinimum=0, maximum=1)
+    top_k: Int | None = _bounded(minimum=0)  # a vLLM extension many clients use
+    seed: Int | None = _bounded(minimum=0, maximum=MAX_SEED)
+    stop: str | list[str] | None = Field(None, json_schema_extra=_STOP)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # a vLLM extension (benchmarks)
-    # neutral-only fields, declared so their types are checked
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = _bounded(minimum=-2, maximum=2)
+    frequency_penalty: float | None = _bounded(minimum=-2, maximum=2)
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra=_LOGIT_BIAS)
+    # vLLM extensions
+    repetition_penalty: float | None = _bounded(exclusiveMinimum=0)
+    min_tokens: Int | None = _bounded(minimum=0)
+    min_p: float | None = _bounded(minimum=0, maximum=1)
+    stop_token_ids: list[Int] | None = Field(None, json_schema_extra={"anyOf": [
+        {"type": "array", "items": {"type": "integer", "minimum": 0}}, {"type": "null"}]})
+    # accepted without effect (IGNORED), or only at their neutral value (NEUTRAL)
+    n: Int | None = _bounded(minimum=1, maximum=1)
+    best_of: Int | None = _bounded(minimum=1, maximum=1)
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -81,7 +122,7 @@ class _Sampling(BaseModel):
             raise APIError(400, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", param=name)
         return value
 
-    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+    def sampling_params(self, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
         """Checks every field against what we support; raises APIError(400) naming the first that isn't."""
         for name in sorted(set(self.model_extra or {}) | set(NEUTRAL)):
             value = getattr(self, name, None) if name not in (self.model_extra or {}) else self.model_extra[name]
@@ -100,23 +141,59 @@ class _Sampling(BaseModel):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not s for s in stop) or len(stop) > 4:
             raise APIError(400, "stop must be up to 4 non-empty strings", param="stop")
-        checks = [("temperature", self.temperature, 0.0, 2.0), ("top_p", self.top_p, 1e-9, 1.0)]
+        checks = [("temperature", self.temperature, 0.0, 2.0), ("top_p", self.top_p, 1e-9, 1.0),
+                  ("presence_penalty", self.presence_penalty, -2.0, 2.0),
+                  ("frequency_penalty", self.frequency_penalty, -2.0, 2.0), ("min_p", self.min_p, 0.0, 1.0),
+                  ("repetition_penalty", self.repetition_penalty, 1e-9, float("inf"))]
         for name, value, lo, hi in checks:
             if value is not None and not lo <= value <= hi:
                 raise APIError(400, f"{name} must be in [{lo:g}, {hi:g}], got {value}", param=name)
         if self.top_k is not None and self.top_k < 0:
             raise APIError(400, f"top_k must be >= 0, got {self.top_k}", param="top_k")
-        return SamplingParams(max_tokens=max_tokens or room, temperature=1.0 if self.temperature is None
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise APIError(400, f"seed must be in [0, 2**63 - 1], got {self.seed}", param="seed")
+        max_tokens = max_tokens or room
+        if self.min_tokens is not None and not 0 <= self.min_tokens <= max_tokens:
+            raise APIError(400, f"min_tokens must be between 0 and max_tokens ({max_tokens}), got {self.min_tokens}",
+                           param="min_tokens")
+        return SamplingParams(max_tokens=max_tokens, temperature=1.0 if self.temperature is None
                               else self.temperature, top_p=1.0 if self.top_p is None else self.top_p,
                               top_k=self.top_k or 0, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
-                              logprobs=self._logprobs())
+                              logprobs=self._logprobs(), presence_penalty=self.presence_penalty or 0.0,
+                              frequency_penalty=self.frequency_penalty or 0.0,
+                              repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                              min_tokens=self.min_tokens or 0, min_p=self.min_p or 0.0,
+                              logit_bias=self._logit_bias(vocab_size),
+                              stop_token_ids=self._token_ids("stop_token_ids", self.stop_token_ids or [], vocab_size))
+
+    @staticmethod
+    def _token_ids(name: str, ids: list[int], vocab_size: int) -> tuple[int, ...]:
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise APIError(400, f"{name} must be token ids in [0, {vocab_size}), got {ids}", param=name)
+        return tuple(ids)
+
+    def _logit_bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """OpenAI's map of token ids (as strings) to a bias in [-100, 100]."""
+        out = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+            if not -100 <= bias <= 100:
+                raise APIError(400, f"logit_bias values must be in [-100, 100], got {bias} for {key}",
+                               param="logit_bias")
+            out.append((int(key), float(bias)))
+        self._token_ids("logit_bias", [t for t, _ in out], vocab_size)
+        return tuple(out)
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = _bounded(minimum=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = _bounded(minimum=0, maximum=MAX_LOGPROBS)
+    tools: list[dict] | None = Field(None, json_schema_extra={"maxItems": 0})  # not yet: only [] or null
+    tool_choice: str | dict | None = Field(None, json_schema_extra={"type": "null"})
+    response_format: dict | None = Field(None, json_schema_extra={"type": "null"})
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -130,8 +207,11 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] = Field(min_length=1)
-    logprobs: int | None = None
+    prompt: str | list[Int] = Field(min_length=1, json_schema_extra={"anyOf": [
+        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "integer"}, "minItems": 1}]})
+    logprobs: Int | None = _bounded(minimum=0, maximum=MAX_LOGPROBS)
+    echo: bool | None = Field(None, json_schema_extra={"enum": [False, None]})
+    suffix: str | None = Field(None, json_schema_extra={"type": "null"})
 
     def _logprobs(self) -> int | None:
         return None if self.logprobs is None else self._check_top("logprobs", self.logprobs)

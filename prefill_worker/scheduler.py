@@ -15,6 +15,7 @@ from collections import deque
 from engine.batch import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from engine.block_manager import KVCacheManager
 from engine.config import SchedulerConfig
+from engine.logits_processing import history_of
 from engine.request import Request, RequestStatus
 
 
@@ -99,7 +100,7 @@ class PrefillScheduler:
         req.num_computed_tokens = req.num_cached_tokens = num_hit
         out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids[num_hit:num_hit + n], num_hit,
                                                self.kv.get_block_ids(req.request_id), req.sampling_params,
-                                               sample=num_hit + n == req.num_tokens))
+                                               sample=num_hit + n == req.num_tokens, history=history_of(req)))
         self.running.append(req)
         return True
 

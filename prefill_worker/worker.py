@@ -54,9 +54,11 @@ class PrefillWorker:
         self.num_orphans_aborted = 0  # requests of clients that went silent
         # cumulative, for the autoscaler's online profile: tokens computed and seconds spent doing it
         self.num_computed_tokens, self.busy_s = 0, 0.0
+        self.eos_token_ids = frozenset({*mc.eos_token_ids, mc.eos_token_id} - {None})  # min_tokens holds them back
 
     # -- driver API (rank 0; thread-safe) -----------------------------------------------------
     def submit(self, req: Request, params: KVTransferParams) -> None:
+        req.eos_token_ids = self.eos_token_ids
         self._outbox.add(req.request_id, req.client_id)  # until its blocks are released
         self._inbox.put(("submit", req, params))
 

@@ -65,7 +65,15 @@ def test_stop_string_cuts_text(client):
     (chat(max_tokens=0), 400, "max_tokens"),
     (chat(max_tokens=10_000), 400, "max_tokens"),
     (chat(temperature=3.5), 400, "temperature"),
-    (chat(presence_penalty=0.5), 400, "presence_penalty"),
+    (chat(presence_penalty=2.5), 400, "presence_penalty"),
+    (chat(frequency_penalty=-3), 400, "frequency_penalty"),
+    (chat(repetition_penalty=0), 400, "repetition_penalty"),
+    (chat(min_p=1.5), 400, "min_p"),
+    (chat(max_tokens=4, min_tokens=5), 400, "min_tokens"),
+    (chat(logit_bias={"abc": 1}), 400, "logit_bias"),
+    (chat(logit_bias={"5": 101}), 400, "logit_bias"),
+    (chat(logit_bias={"99999999": 1}), 400, "logit_bias"),
+    (chat(stop_token_ids=[-1]), 400, "stop_token_ids"),
     (chat(n=2), 400, "n"),
     (chat(top_logprobs=2), 400, "top_logprobs"),
     (chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
@@ -87,6 +95,17 @@ def test_bad_requests_get_openai_errors(client, cluster, body, status, param):
     if param:
         assert err["param"] == param
     assert cluster.submitted == []
+
+
+def test_sampling_controls_reach_the_cluster(client, cluster):
+    """The sampling controls vLLM and OpenAI clients send are taken, as given."""
+    body = chat(max_tokens=8, presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.3, min_tokens=2,
+                min_p=0.1, logit_bias={"42": -100, "7": 2.5}, stop_token_ids=[5, 9])
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    p = cluster.submitted[0][2]
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens, p.min_p) == (
+        0.5, -0.25, 1.3, 2, 0.1)
+    assert dict(p.logit_bias) == {42: -100.0, 7: 2.5} and p.stop_token_ids == (5, 9)
 
 
 def test_malformed_json_is_422(client):

@@ -9,10 +9,11 @@ import httpx
 import openai
 import pytest
 
+from cluster.serve import build, serve_in_thread
 from cluster.spec import ClusterSpec
 from decode_worker.llm import LLM
 from engine.request import SamplingParams
-from cluster.serve import build, serve_in_thread
+from tests.helpers import all_logits
 
 pytestmark = pytest.mark.timeout(300)
 QUESTIONS = [f"What is {a} plus {b}?" for a, b in zip(range(2, 12), range(5, 15))]  # 10 distinct chats
@@ -30,9 +31,13 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def reference_outputs():
+def llm():
+    return LLM(model="smollm2", dtype="float32", num_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(llm):
     """Greedy colocated outputs of the test chats, with top-3 logprobs (the in-process engine, fp32)."""
-    llm = LLM(model="smollm2", dtype="float32", num_blocks=256)
     outs = llm.generate(QUESTIONS, SamplingParams(max_tokens=6, temperature=0.0, logprobs=3), chat=True)
     return {q: o for q, o in zip(QUESTIONS, outs)}
 
@@ -100,6 +105,64 @@ def test_completions_stop_and_max_tokens(server):
     streamed = "".join(ch.choices[0].text for ch in c.completions.create(
         model="smollm2", prompt="The capital of France is", max_tokens=8, temperature=0, stream=True))
     assert streamed == text
+
+
+def greedy_by_formula(llm, prompt: list[int], n: int, presence=0.0, frequency=0.0, repetition=1.0, bias=None,
+                      min_tokens=0) -> list[int]:
+    """Greedy tokens, one at a time in plain Python: the engine's logits of the last position, then
+    the written formulas (logit_bias added; EOS at -inf while the output is shorter than
+    min_tokens; repetition: l / r if l > 0 else l * r over prompt and output tokens; then
+    l - c * frequency - (c > 0) * presence over the output's counts c), then the argmax."""
+    out = []
+    for _ in range(n):
+        logits = all_logits(llm.engine.runner, prompt + out, 64)[-1].tolist()
+        for t, b in (bias or {}).items():
+            logits[t] += b
+        if len(out) < min_tokens:
+            for t in llm.engine.eos_token_ids:
+                logits[t] = float("-inf")
+        for t in set(prompt + out):
+            logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition
+        for t in set(out):
+            logits[t] -= out.count(t) * frequency + presence
+        out.append(max(range(len(logits)), key=logits.__getitem__))
+        if out[-1] in llm.engine.eos_token_ids:
+            break
+    llm.engine.kv.reset_prefix_cache()  # all_logits wrote blocks behind its back
+    return out
+
+
+def test_penalties_and_logit_bias_follow_the_written_formulas(server, llm):
+    """Through 1P1D (the first token sampled on the prefill instance, the rest on the decode one),
+    greedy completions with presence, frequency and repetition penalties and a logit bias give the
+    tokens the formulas give on the engine's logits, and not plain greedy's."""
+    c, tok = client(server[1]), llm.tokenizer
+    prompt = tok.encode("The capital of France is Paris. The capital of Italy is")
+    plain = greedy_by_formula(llm, prompt, 10)
+    bias = {plain[1]: -2.0}
+    want = greedy_by_formula(llm, prompt, 10, presence=0.8, frequency=0.6, repetition=1.3, bias=bias)
+    assert want != plain
+    r = c.completions.create(model="smollm2", prompt=prompt, max_tokens=10, temperature=0, presence_penalty=0.8,
+                             frequency_penalty=0.6, logit_bias={str(t): b for t, b in bias.items()},
+                             extra_body={"repetition_penalty": 1.3})
+    assert r.choices[0].text == tok.decode(want)
+    server[0].assert_no_leaks()
+
+
+def test_min_tokens_holds_eos_back_on_both_instances(server, llm):
+    """EOS pushed up by +100: without min_tokens the first token (the prefill's) is EOS; with
+    min_tokens 3 the first three are not (the prefill's masked too), the fourth is."""
+    c, tok = client(server[1]), llm.tokenizer
+    prompt = tok.encode("Hello")
+    eos = min(llm.engine.eos_token_ids)
+    kw = dict(model="smollm2", prompt=prompt, max_tokens=8, temperature=0, logit_bias={str(eos): 100})
+    first = c.completions.create(**kw)
+    assert first.choices[0].finish_reason == "stop" and first.choices[0].text == ""
+    want = greedy_by_formula(llm, prompt, 8, bias={eos: 100.0}, min_tokens=3)
+    assert len(want) == 4 and want[-1] == eos
+    held = c.completions.create(**kw, extra_body={"min_tokens": 3})
+    assert held.choices[0].finish_reason == "stop" and held.choices[0].text == tok.decode(want[:3])
+    server[0].assert_no_leaks()
 
 
 def test_seeded_sampling_reproducible(server):

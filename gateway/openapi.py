@@ -1,0 +1,59 @@
+"""What the gateway's OpenAPI document declares beyond FastAPI's defaults, so that it tells the
+truth: every status a route answers with its OpenAI-style error body (and `Retry-After` where it
+is sent), the streamed content type beside JSON, `/metrics` as Prometheus text, and `model` as
+the one served name (a client or a fuzzer that reads the document asks for a model that exists)."""
+from __future__ import annotations
+
+from fastapi import FastAPI
+from pydantic import BaseModel
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the gateway answers: `{"error": {message, type, param, code}}`."""
+    error: ErrorDetail
+
+
+_RETRY = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "string"}}}
+
+
+def _error(description: str, retry: bool = False) -> dict:
+    return {"model": ErrorResponse, "description": description, **({"headers": _RETRY} if retry else {})}
+
+
+UNAUTHORIZED = {401: _error("missing or wrong API key, when the server has one")}
+NOT_READY = {503: _error("no ready instance (or every retry failed)", retry=True)}
+GENERATION = {
+    200: {"description": "the completion (JSON), or with `stream` its chunks (server-sent events)",
+          "content": {"text/event-stream": {}}},
+    400: _error("a value the server cannot serve: a prompt over the context, max_tokens out of range, "
+                "an unsupported parameter, ..."),
+    **UNAUTHORIZED,
+    404: _error("another model than the one served"),
+    422: _error("the body does not parse or validate"),
+    429: _error("the router's queue is full", retry=True),
+    **NOT_READY,
+}
+METRICS = {200: {"description": "Prometheus text exposition",
+                 "content": {"text/plain": {"schema": {"type": "string"}}}}}
+
+
+def install(app: FastAPI, model_name: str) -> None:
+    """Makes `app.openapi()` give `model` as an enum of the served name in every request body."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            for name in ("ChatCompletionRequest", "CompletionRequest"):
+                schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [model_name]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
