@@ -13,7 +13,8 @@ from engine.request import SamplingParams
 # Accepted but without effect on generation (OpenAI bookkeeping fields).
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 # Accepted only at their neutral value.
-NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "tools": None, "tool_choice": None, "response_format": None}
+NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "tools": None, "tool_choice": None,
+           "response_format": None}
 MAX_SEED = 2**63 - 1  # a torch.Generator's seed
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI allows 20 in chat, 5 in completions; vLLM 20 in both)
 
