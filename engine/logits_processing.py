@@ -23,7 +23,7 @@ from engine.request import Request, SamplingParams
 @dataclass
 class TokenHistory:
     """A request's tokens as the sampler needs them (runner state, one per request)."""
-    prompt: list[int] = field(default_factory=list)
+    prompt: frozenset[int] | list[int] = frozenset()  # its distinct tokens are what counts
     output: list[int] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()  # what min_tokens holds back: EOS (unless ignored), stop_token_ids
 
@@ -34,7 +34,7 @@ def history_of(req: Request) -> TokenHistory | None:
     if not sp.needs_token_history:
         return None
     stop_ids = (frozenset() if sp.ignore_eos else req.eos_token_ids) | frozenset(sp.stop_token_ids)
-    return TokenHistory(list(req.prompt_token_ids), list(req.output_token_ids), stop_ids)
+    return TokenHistory(frozenset(req.prompt_token_ids), list(req.output_token_ids), stop_ids)
 
 
 def needs_processing(p: SamplingParams) -> bool:
@@ -59,7 +59,7 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories
         if p.min_tokens and len(h.output) < p.min_tokens and h.stop_ids:
             row[torch.tensor(sorted(h.stop_ids), device=row.device)] = float("-inf")
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(h.prompt) | set(h.output)), dtype=torch.long, device=row.device)
+            seen = torch.tensor(sorted(set(h.output).union(h.prompt)), dtype=torch.long, device=row.device)
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.frequency_penalty or p.presence_penalty) and h.output:

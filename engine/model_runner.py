@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -203,9 +203,9 @@ class ModelRunner:
         for r in sched.new_requests:
             old = self.requests.get(r.request_id)  # resumed after preemption: keep its RNG stream
             gen = old.generator if old else make_generator(r.sampling_params.seed, self.device)
-            history = None if r.history is None else replace(r.history, output=list(r.history.output))
+            # r.history is this NewRequestData's own (history_of builds it afresh): the runner grows it
             self.requests[r.request_id] = _RequestState([list(t) for t in r.block_ids], r.sampling_params, gen,
-                                                        history)
+                                                        r.history)
         for r in sched.cached_requests:
             tables = self.requests[r.request_id].block_ids
             for g, table in enumerate(tables):
@@ -244,12 +244,12 @@ class ModelRunner:
         for q in query_lens:
             cu.append(cu[-1] + q)
         query_start_loc, seq_lens_t = self._upload(cu, torch.int32), self._upload(seq_lens, torch.int32)
+        num_decodes = sum(1 for q in query_lens if q == 1)
         metas = []
         for group_slots, group_tables in zip(slots, tables):
             width = max(len(t) for t in group_tables)
             metas.append(AttentionMetadata(
-                num_decodes=sum(1 for q in query_lens if q == 1),
-                query_lens=query_lens, seq_lens_cpu=seq_lens,
+                num_decodes=num_decodes, query_lens=query_lens, seq_lens_cpu=seq_lens,
                 query_start_loc=query_start_loc, seq_lens=seq_lens_t,
                 block_tables=self._upload([t + [0] * (width - len(t)) for t in group_tables], torch.int32),
                 slot_mapping=self._upload(group_slots, torch.int64),
