@@ -93,10 +93,13 @@ class Serving:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  timeout_s: float | None = 600.0) -> list[RequestStream]:
-        """All prompts at once through the router; returns their finished streams in order."""
+        """All prompts at once through the router; returns their finished streams in order (a prompt
+        with n > 1 gives its n choices' in a row)."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        streams = [self.submit(f"gen-{time.monotonic_ns()}-{i}", p, sp)
-                   for i, (p, sp) in enumerate(zip(prompts, plist))]
+        streams = []
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            got = self.submit(f"gen-{time.monotonic_ns()}-{i}", p, sp)
+            streams += got if isinstance(got, list) else [got]
         return [s.result(timeout=timeout_s) for s in streams]
 
 

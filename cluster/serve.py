@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
+import jinja2
 import torch
 
 from cluster import model_fit
@@ -23,13 +25,28 @@ logger = logging.getLogger(__name__)
 def build(spec: ClusterSpec, api_key: str | None = None, use_ray: bool = True):
     """Starts the cluster; returns (cluster, app). The caller shuts the cluster down."""
     model_fit.check(spec)  # a config or TP size pdserve cannot run is refused before anything starts
-    tokenizer = Tokenizer.from_path(resolve_model_path(spec.model))
+    tokenizer = gateway_tokenizer(spec)
     cluster = Cluster(spec, use_ray=use_ray).start()
     if spec.autoscale:
         from cluster.autoscale_loop import create_autoscaler
         cluster.autoscaler = create_autoscaler(cluster, spec).start()
-    app = create_app(cluster, tokenizer, spec.model, cluster.max_model_len, api_key)
+    app = create_app(cluster, tokenizer, spec.model, cluster.max_model_len, api_key, spec.tool_call_parser,
+                     spec.reasoning_parser)
     return cluster, app
+
+
+def gateway_tokenizer(spec: ClusterSpec) -> Tokenizer:
+    """The model's tokenizer, with `spec.chat_template` in place of its chat template when given."""
+    tokenizer = Tokenizer.from_path(resolve_model_path(spec.model))
+    if spec.chat_template is not None:
+        path = Path(spec.chat_template)
+        if not path.is_file():
+            raise ValueError(f"chat_template {spec.chat_template!r} is not a file")
+        try:
+            tokenizer.set_chat_template(path.read_text())
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat_template {spec.chat_template!r}: {exc}") from None
+    return tokenizer
 
 
 def _need_shared_cluster(spec: ClusterSpec, command: str) -> None:
@@ -91,9 +108,9 @@ def serve_gateway(spec: ClusterSpec, api_key: str | None = None, log_level: str 
     from cluster.frontend import Frontend
     _need_shared_cluster(spec, "gateway")
     api_key = api_key or spec.api_key or os.environ.get("PDSERVE_API_KEY")
-    tokenizer = Tokenizer.from_path(resolve_model_path(spec.model))
+    tokenizer = gateway_tokenizer(spec)
     frontend = Frontend(spec, log_level=log_level.upper()).start()
-    app = create_app(frontend, tokenizer, spec.model, None, api_key)
+    app = create_app(frontend, tokenizer, spec.model, None, api_key, spec.tool_call_parser, spec.reasoning_parser)
     logger.info("pdserve gateway %s: OpenAI API at http://%s:%d/v1 (%d instances known; %s)", frontend.router.client_id,
                 spec.host, spec.port, len(frontend.instances), "API key required" if api_key else "no API key")
     try:

@@ -30,6 +30,9 @@ KV_LOAD_FAILURE_POLICIES = ("recompute", "retry")  # router/router.py: a decode 
 KV_TRANSPORTS = ("auto", "torch")  # kvtransfer: auto = same-device pairs write into the decode cache
 AUTOSCALE_POLICIES = ("slo", "queue")  # cluster/autoscaler.py: SLOPlanner, QueueThreshold
 AUTOSCALE_ACTUATORS = ("ray", "kubernetes", "dry_run")
+# The names of gateway/tool_parsers.py's and gateway/reasoning.py's registries; keep them in step.
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 STATE_URL_SCHEMES = ("memory://", "redis://", "rediss://", "unix://")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -88,6 +91,10 @@ _HELP = {
     "heartbeat_ttl_s": "an instance missing heartbeats this long is considered dead",
     "replace_dead_instances": "start a new instance for each one that dies, keeping the pools' sizes",
     "api_key": "require this bearer token on the HTTP API",
+    "chat_template": "a Jinja chat template file used instead of the model's (e.g. one that renders tools)",
+    "tool_call_parser": "how the model writes tool calls, for tool_choice auto: hermes, llama3_json or mistral "
+                        "(None: auto is refused; required and named choices need no parser)",
+    "reasoning_parser": "return <think>...</think> as reasoning_content: deepseek_r1 or qwen3 (None: all content)",
     "ray_resources": "rank actors need a `prefill` or `decode` Ray resource (worker pods that carry it)",
     "autoscale": "size the prefill and decode pools from load (cluster/autoscaler.py)",
     "autoscale_policy": "slo (SLOPlanner: TTFT/TBT targets) or queue (QueueThreshold)",
@@ -147,6 +154,9 @@ class ClusterSpec:
     heartbeat_ttl_s: float = 5.0
     replace_dead_instances: bool = True
     api_key: str | None = field(default=None, repr=False)  # a secret: kept out of logs and reprs
+    chat_template: str | None = None  # a Jinja file in place of the model's chat template
+    tool_call_parser: str | None = None  # gateway/tool_parsers.py: tool_choice auto reads calls with it
+    reasoning_parser: str | None = None  # gateway/reasoning.py: <think> ... </think> -> reasoning_content
     ray_resources: bool = False  # Kubernetes: actors land on worker pods carrying `prefill`/`decode`
     # autoscaling (cluster/autoscaler.py)
     autoscale: bool = False
@@ -192,6 +202,9 @@ class ClusterSpec:
                               ("autoscale_actuator", AUTOSCALE_ACTUATORS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+        for name, choices in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
+            if getattr(self, name) is not None and getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         if self.redis_url is not None and not self.redis_url.startswith(STATE_URL_SCHEMES):
@@ -199,7 +212,7 @@ class ClusterSpec:
                              f"got {self.redis_url!r}")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", self.cluster_name):
             raise ValueError(f"cluster_name {self.cluster_name!r}: 1-63 of [A-Za-z0-9_.-], starting alphanumeric")
-        for name in ("model", "host", "ray_address", "api_key", "autoscale_profile", "k8s_namespace",
+        for name in ("model", "host", "ray_address", "api_key", "autoscale_profile", "k8s_namespace", "chat_template",
                      "k8s_prefill_deployment", "k8s_decode_deployment"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name} must not be empty")

@@ -48,6 +48,14 @@ class ColocatedEngine:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self.output.abort(request_id)
 
+    def take_forks(self) -> list[tuple[str, list[Request]]]:
+        """Requests forked into their n choices since the last call (the output processor now
+        follows the choices); (parent id, choices)."""
+        forks = self.scheduler.take_forks()
+        for parent_id, children in forks:
+            self.output.fork(parent_id, children)
+        return forks
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -57,6 +65,7 @@ class ColocatedEngine:
             raise RuntimeError("no request can be scheduled: the KV pool is too small for the waiting prompt")
         result = self.runner.execute(sched)
         touched = self.scheduler.update(sched, result)
+        self.take_forks()
         outputs, stopped = self.output.process(touched)
         for rid in stopped:
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.request import SamplingParams
 from decode_worker.engine import ColocatedEngine
+from decode_worker.scheduler import choice_id
 
 
 @dataclass
@@ -60,20 +61,22 @@ class LLM:
 
     def generate(self, prompts: list[str | list[int]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  chat: bool = False) -> list[CompletionOutput]:
-        """Runs every prompt to completion with continuous batching; outputs keep the prompts' order."""
+        """Runs every prompt to completion with continuous batching; outputs keep the prompts' order
+        (a prompt with n > 1 gives its n choices in a row)."""
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         outs: dict[str, CompletionOutput] = {}
+        reqs = {}  # output id -> the request it comes from (a choice's: its parent, for the cached count)
         for prompt, sp in zip(prompts, params):
             rid = f"gen-{next(self._ids)}"
             ids = self.encode(prompt, chat)
             req = self.engine.add_request(rid, ids, sp)
-            outs[rid] = CompletionOutput(rid, ids, arrival_s=req.arrival_time)
-        self._run(outs)
+            for oid in [rid] if sp.n == 1 else [choice_id(rid, i) for i in range(sp.n)]:
+                outs[oid], reqs[oid] = CompletionOutput(oid, ids, arrival_s=req.arrival_time), req
+        self._run(outs, reqs)
         return list(outs.values())
 
-    def _run(self, outs: dict[str, CompletionOutput]) -> None:
-        reqs = {rid: self.engine.scheduler.requests[rid] for rid in outs}
+    def _run(self, outs: dict[str, CompletionOutput], reqs: dict) -> None:
         while self.engine.has_unfinished():
             for o in self.engine.step():
                 now = time.monotonic()
@@ -83,8 +86,8 @@ class LLM:
                 if c.first_token_s is None and o.new_token_ids:
                     c.first_token_s = now
                 c.token_ids += o.new_token_ids
+                c.logprobs += o.new_logprobs or []
                 c.text += o.new_text
                 if o.finished:
                     c.finish_reason, c.finished_s = o.finish_reason, now
-                    c.logprobs = reqs[o.request_id].output_logprobs
                     c.num_cached_tokens = reqs[o.request_id].num_cached_tokens

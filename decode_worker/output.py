@@ -28,8 +28,8 @@ class TextState:
     """One request's output text: incremental detokenization, stop strings, hold-back. Used by
     the decode worker (to stop generation) and by the gateway (to stream text)."""
 
-    def __init__(self, tokenizer: Tokenizer | None, req: Request):
-        self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids) if tokenizer else None
+    def __init__(self, tokenizer: Tokenizer | None, req: Request, skip_special_tokens: bool = True):
+        self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids, skip_special_tokens) if tokenizer else None
         self.stops = req.sampling_params.stop
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""  # detokenized output, cut at a stop string
@@ -70,6 +70,12 @@ class OutputProcessor:
         if req.sampling_params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
         self.states[req.request_id] = TextState(self.tokenizer, req)
+
+    def fork(self, parent_id: str, children: list[Request]) -> None:
+        """A request became its n choices (Scheduler._fork): each streams its own text."""
+        self.states.pop(parent_id, None)
+        for child in children:
+            self.add_request(child)
 
     def text(self, request_id: str) -> str:
         return self.states[request_id].text

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import replace
 
 from engine.batch import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from engine.block_manager import KVCacheManager
@@ -25,6 +26,11 @@ from engine.request import Request, RequestStatus
 from kvtransfer.params import window_start
 
 logger = logging.getLogger(__name__)
+
+
+def choice_id(request_id: str, index: int) -> str:
+    """The id choice `index` of an n > 1 request takes once forked."""
+    return f"{request_id}/{index}"
 
 
 class Scheduler:
@@ -38,6 +44,8 @@ class Scheduler:
         self.remote: dict[str, Request] = {}  # reserved, KV still arriving
         self._unknown_to_runner: set[str] = set()  # remote requests that joined the batch
         self._finished_ids: list[str] = []  # told to the runner on the next step
+        self.block_copies: list[tuple[int, int]] = []  # (src, dst) blocks of forked choices, made next step
+        self.forks: list[tuple[str, list[Request]]] = []  # (parent id, its choices) since take_forks
         self.num_preemptions = 0
 
     # -- requests in and out ---------------------------------------------------------------
@@ -69,29 +77,74 @@ class Scheduler:
         self.remote[req.request_id] = req
         return True
 
-    def remote_kv_ready(self, request_id: str, first_token: int,
-                        logprobs: dict[int, float] | None = None) -> Request | None:
+    def remote_kv_ready(self, request_id: str, first_token: int, logprobs: dict[int, float] | None = None,
+                        more_choices: tuple = ()) -> list[Request]:
         """The prompt's KV is in place and the prefill sampled `first_token` (with `logprobs`, when
-        the request asked for them): join the batch.
+        the request asked for them; with n > 1, `more_choices` holds the other choices' (token,
+        logprobs)): join the batch.
 
-        Returns the request (it got a token), or None if it is no longer known (aborted)."""
+        Returns the requests that got a token (the n choices, forked), [] if it is no longer known."""
         req = self.remote.pop(request_id, None)
         if req is None:
-            return None
+            return []
         req.num_computed_tokens = req.num_prompt_tokens
         self.kv.cache_blocks(req, req.num_prompt_tokens)  # the KV is there now: cacheable
-        req.output_token_ids.append(first_token)
         if req.sampling_params.logprobs is not None:
             assert logprobs is not None, f"{request_id} asked for logprobs; its first token came without"
+        if req.sampling_params.n > 1:
+            assert len(more_choices) == req.sampling_params.n - 1, f"{request_id}: {len(more_choices) + 1} choices"
+            return self._fork(req, [(first_token, logprobs), *more_choices])
+        self._first_token(req, first_token, logprobs)
+        return [req]
+
+    def _first_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> None:
+        """A request whose prompt's KV is complete got its first token: it runs, or ends at once."""
+        req.output_token_ids.append(token)
+        if req.sampling_params.logprobs is not None:
             req.output_logprobs.append(logprobs)
-        status = self._check_stop(req, first_token)
+        status = self._check_stop(req, token)
         if status is not None:
-            self.finish_request(request_id, status)
-            return req
+            self.finish_request(req.request_id, status)
+            return
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        self._unknown_to_runner.add(request_id)
-        return req
+        self._unknown_to_runner.add(req.request_id)
+
+    def _fork(self, parent: Request, choices: list[tuple[int, dict | None]]) -> list[Request]:
+        """n > 1: the prompt's KV, computed once, becomes each choice's (`choices`: its first token
+        and logprobs). Choice 0 takes the parent's blocks; the others share its full blocks and copy its
+        partial last one (KVCacheManager.fork; the runner copies before the next step). A choice that
+        finds no free block for its copy waits, preempted (recomputed, from its prefix-cache hits)."""
+        sp, pid = parent.sampling_params, parent.request_id
+        ids = [choice_id(pid, i) for i in range(sp.n)]
+        self.requests.pop(pid)
+        self._finished_ids.append(pid)  # the runner forgets the parent (colocated: it prefilled it)
+        children, no_room = [], set()
+        for i in range(len(choices)):
+            child = Request(ids[i], parent.prompt_token_ids,
+                            replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i), parent.arrival_time,
+                            parent.eos_token_ids, client_id=parent.client_id)
+            child.num_computed_tokens, child.num_cached_tokens = parent.num_computed_tokens, parent.num_cached_tokens
+            self.requests[child.request_id] = child
+            children.append(child)
+            if i == 0:
+                self.kv.rename(pid, child.request_id)
+            elif (copies := self.kv.fork(ids[0], child, parent.num_computed_tokens)) is not None:
+                self.block_copies += copies
+            else:
+                no_room.add(i)
+        for i, (child, (token, logprobs)) in enumerate(zip(children, choices)):
+            self._first_token(child, token, logprobs)
+            if i in no_room and child.status == RequestStatus.RUNNING:
+                self.running.remove(child)
+                self._preempt(child)
+        self.forks.append((pid, children))
+        return children
+
+    def take_forks(self) -> list[tuple[str, list[Request]]]:
+        """The requests forked into their n choices since the last call: (parent id, choices)."""
+        forks, self.forks = self.forks, []
+        return forks
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """Ends a request (abort, or a stop found by the output processor) and frees its blocks."""
@@ -113,8 +166,8 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self._finished_ids)
-        self._finished_ids = []
+        out = SchedulerOutput(finished_req_ids=self._finished_ids, block_copies=self.block_copies)
+        self._finished_ids, self.block_copies = [], []
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         self._schedule_waiting(out, budget)
         return out
@@ -191,6 +244,10 @@ class Scheduler:
             req.num_computed_tokens += len(r.token_ids)
             token = result.sampled_token_ids.get(r.request_id)
             if token is None:
+                continue
+            if req.sampling_params.n > 1:  # colocated: it prefilled here; its choices go on
+                self.running.remove(req)
+                touched += self._fork(req, result.choices[r.request_id])
                 continue
             req.output_token_ids.append(token)
             if r.request_id in result.logprobs:

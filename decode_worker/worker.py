@@ -122,6 +122,7 @@ class DecodeWorker:
             outputs = self._admit_transfers(polls)
             if result is not None:
                 touched = self.engine.scheduler.update(sched, result)
+                self._take_forks()
                 outputs += self._process(touched)
         self._publish(outputs)
         return inp is not None
@@ -149,9 +150,9 @@ class DecodeWorker:
                 failed[done.request_id] = "the prefill sent the first token without the logprobs asked for"
                 continue
             # rank 0's heads always overlap the sampling prefill rank's, so rank 0 has the first token
-            req = self.engine.scheduler.remote_kv_ready(done.request_id, done.first_token, done.logprobs)
-            if req is not None:
-                touched.append(req)
+            touched += self.engine.scheduler.remote_kv_ready(done.request_id, done.first_token, done.logprobs,
+                                                             done.more_choices)
+        self._take_forks()
         outputs = self._process(touched)
         for request_id, reason in failed.items():
             if request_id in self.engine.scheduler.remote:
@@ -159,6 +160,14 @@ class DecodeWorker:
                 self.engine.output.abort(request_id)
                 outputs.append(RequestOutput(request_id, [], "", True, "error", error=reason, kv_load_failed=True))
         return outputs
+
+    def _take_forks(self) -> None:
+        """Requests forked into their n choices: each choice's outputs go to the parent's client."""
+        for parent_id, children in self.engine.take_forks():
+            client = self._outbox.client_of(parent_id)
+            for child in children:
+                self._outbox.add(child.request_id, client)
+            self._outbox.forget(parent_id)
 
     def _process(self, touched: list[Request]) -> list[RequestOutput]:
         outputs, stopped = self.engine.output.process(touched)

@@ -41,6 +41,8 @@ class SchedulerOutput:
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # the runner forgets these
     kv_transfer_meta: Any = None  # opaque to the runner; read by the KV connector
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks to copy first
+    # (the partial last prompt block of a forked choice: KVCacheManager.fork)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -55,3 +57,5 @@ class SchedulerOutput:
 class RunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> next token
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)  # only requests that asked
+    # n > 1 (a prompt's first tokens): every choice's (token, logprobs or None); choice 0 is the above
+    choices: dict[str, list[tuple[int, dict[int, float] | None]]] = field(default_factory=dict)

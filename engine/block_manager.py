@@ -379,6 +379,42 @@ class KVCacheManager:
         self.req_to_block_hashes.pop(req_id, None)
         self.num_cached_block.pop(req_id, None)
 
+    def fork(self, parent_id: str, child: Request, num_tokens: int) -> list[tuple[int, int]] | None:
+        """`child` shares the KV of `parent_id`'s first `num_tokens` tokens (n > 1 choices of one prompt):
+        their full blocks are referenced once more; a partial last block is copied into a new block of the
+        child's (copy on write: each sequence writes its next token there).
+
+        Returns:
+            The copies the runner must make before the child's first step, (src, dst) block ids, or None
+            (nothing changed) if too few blocks are free.
+        """
+        tables, bs, null = self.req_to_blocks[parent_id], self.block_size, self.block_pool.null_block
+        num_blocks, partial = -(-num_tokens // bs), num_tokens % bs != 0
+        assert all(len(t) == num_blocks for t in tables), "a parent holds exactly its tokens' blocks"
+        num_copies = sum(partial and t[-1] is not null for t in tables)
+        if num_copies > self.block_pool.num_free_blocks:
+            return None
+        copies, child_tables = [], []
+        fresh = iter(self.block_pool.get_new_blocks(num_copies))
+        for table in tables:
+            shared = table[:-1] if partial and table[-1] is not null else list(table)
+            self.block_pool.touch([b for b in shared if b is not null])
+            if len(shared) < len(table):
+                dst = next(fresh)
+                copies.append((table[-1].block_id, dst.block_id))
+                shared.append(dst)
+            child_tables.append(shared)
+        self.req_to_blocks[child.request_id] = child_tables
+        self.req_to_block_hashes[child.request_id] = self.req_to_block_hashes.get(parent_id, [])[:num_tokens // bs]
+        self.num_cached_block[child.request_id] = min(self.num_cached_block[parent_id], num_tokens // bs)
+        return copies
+
+    def rename(self, old_id: str, new_id: str) -> None:
+        """The blocks of request `old_id` now belong to `new_id` (a parent's first choice takes them over)."""
+        for state in (self.req_to_blocks, self.req_to_block_hashes, self.num_cached_block):
+            if old_id in state:
+                state[new_id] = state.pop(old_id)
+
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block tables.
 

@@ -26,19 +26,25 @@ class TokenHistory:
     prompt: frozenset[int] | list[int] = frozenset()  # its distinct tokens are what counts
     output: list[int] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()  # what min_tokens holds back: EOS (unless ignored), stop_token_ids
+    num_resumed: int = 0  # the first tokens of `output` came in the prompt (a retry: SamplingParams.num_resumed_tokens)
 
 
 def history_of(req: Request) -> TokenHistory | None:
-    """What the runner keeps of `req` for its sampling controls; None when they read no tokens."""
+    """What the runner keeps of `req` for its sampling controls and its grammar (structured output:
+    the runner rebuilds the grammar's state from `output`); None when they read no tokens."""
     sp = req.sampling_params
     if not sp.needs_token_history:
         return None
     stop_ids = (frozenset() if sp.ignore_eos else req.eos_token_ids) | frozenset(sp.stop_token_ids)
-    return TokenHistory(frozenset(req.prompt_token_ids), list(req.output_token_ids), stop_ids)
+    k, prompt = sp.num_resumed_tokens, req.prompt_token_ids  # a retry's earlier output ends its prompt
+    return TokenHistory(frozenset(prompt[:len(prompt) - k]), prompt[len(prompt) - k:] + req.output_token_ids,
+                        stop_ids, k)
 
 
 def needs_processing(p: SamplingParams) -> bool:
-    return bool(p.logit_bias) or p.needs_token_history
+    """Whether `process_logits` changes this row (a grammar alone reads the history, changes nothing here)."""
+    return bool(p.logit_bias or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                or p.min_tokens)
 
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories: list[TokenHistory | None]
@@ -56,7 +62,7 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], histories
         if p.logit_bias:
             ids = torch.tensor([t for t, _ in p.logit_bias], device=row.device)
             row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=row.device))
-        if p.min_tokens and len(h.output) < p.min_tokens and h.stop_ids:
+        if p.min_tokens and len(h.output) - h.num_resumed < p.min_tokens and h.stop_ids:
             row[torch.tensor(sorted(h.stop_ids), device=row.device)] = float("-inf")
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(h.output).union(h.prompt)), dtype=torch.long, device=row.device)

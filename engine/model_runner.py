@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
+import llguidance
 import torch
 
 from engine.attention import AttentionMetadata, create_attention_backend
@@ -27,7 +28,9 @@ from engine.quant import (create_linear_method, method_reads_q4_codes, process_w
 from engine.quant.q8_head import q8_head_method
 from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
+from engine.structured_output import GrammarState, ll_tokenizer
 from engine.threads import use_intraop_threads
+from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ class ModelInput:
     metas: tuple[AttentionMetadata, ...]  # per KV group (ModelConfig.kv_layout): their tables and slots differ
     sample_indices: torch.Tensor  # (num_sampled,) flat index of the last token of each sampled sequence
     sample_req_ids: list[str]
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, before the forward
 
     @property
     def meta(self) -> AttentionMetadata:
@@ -58,6 +62,7 @@ class _RequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     history: TokenHistory | None = None  # grows by each token sampled here
+    grammar: GrammarState | None = None  # structured output: advanced by each token sampled here
 
 
 class ModelRunner:
@@ -90,6 +95,7 @@ class ModelRunner:
         self.block_size = self.backend.block_size_for(config.cache.block_size)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.sampler = Sampler()
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None  # built for the first structured request
         self.requests: dict[str, _RequestState] = {}
         self.graphs: DecodeGraphs | None = None  # set once the KV pool is there (graphs capture its address)
         self.num_blocks = self._num_blocks()
@@ -205,7 +211,7 @@ class ModelRunner:
             gen = old.generator if old else make_generator(r.sampling_params.seed, self.device)
             # r.history is this NewRequestData's own (history_of builds it afresh): the runner grows it
             self.requests[r.request_id] = _RequestState([list(t) for t in r.block_ids], r.sampling_params, gen,
-                                                        r.history)
+                                                        r.history, self._grammar_for(r, old))
         for r in sched.cached_requests:
             tables = self.requests[r.request_id].block_ids
             for g, table in enumerate(tables):
@@ -213,6 +219,30 @@ class ModelRunner:
                     table[:r.num_null_blocks[g]] = [0] * r.num_null_blocks[g]
                 if r.new_block_ids:
                     table.extend(r.new_block_ids[g])
+
+    # -- structured output ---------------------------------------------------------------------------
+    def _grammar_for(self, r: NewRequestData, old: _RequestState | None) -> GrammarState | None:
+        """A new request's grammar state, fed the tokens it has output so far (a remote prefill's first
+        token, a retry's); a resumed one (preempted) keeps its own, like its RNG stream."""
+        if r.sampling_params.structured_output is None:
+            return None
+        output = r.history.output if r.history is not None else []
+        if old is not None and old.grammar is not None and old.grammar.num_tokens == len(output):
+            return old.grammar
+        kind, spec = r.sampling_params.structured_output
+        return GrammarState(kind, spec, self.grammar_tokenizer(), output, r.request_id)
+
+    def grammar_tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's tokenizer for this model (`engine.structured_output.ll_tokenizer`), from the
+        model's own tokenizer, over the logits' width, with the model's EOS ids; built once."""
+        if self._ll_tokenizer is None:
+            tokenizer = Tokenizer.from_path(self.config.model)
+            mc = self.model_config
+            eos = tuple(sorted({*mc.eos_token_ids, mc.eos_token_id, tokenizer.eos_token_id} - {None}))
+            logger.info("structured output: first request; grammar tokenizer from %s, masks unpacked on %s",
+                        self.config.model, "the CPU with numpy" if self.device.type == "cpu" else self.device)
+            self._ll_tokenizer = ll_tokenizer(tokenizer, mc.vocab_size, eos)
+        return self._ll_tokenizer
 
     def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:
         """Packs the scheduled requests flat, decodes (one new token) first."""
@@ -234,8 +264,10 @@ class ModelRunner:
             if r.sample:
                 sample_indices.append(len(input_ids) - 1)
                 sample_req_ids.append(r.request_id)
-        return self._to_model_input(input_ids, positions, slots, query_lens, seq_lens, tables,
-                                    sample_indices, sample_req_ids)
+        inp = self._to_model_input(input_ids, positions, slots, query_lens, seq_lens, tables,
+                                   sample_indices, sample_req_ids)
+        inp.block_copies = list(sched.block_copies)
+        return inp
 
     def _to_model_input(self, input_ids, positions, slots, query_lens, seq_lens, tables,
                         sample_indices, sample_req_ids) -> ModelInput:
@@ -266,12 +298,23 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, inp: ModelInput, after_layer=None) -> torch.Tensor | None:
         """Runs the forward on this rank; returns logits (num_sampled, vocab) on rank 0, else None."""
+        if inp.block_copies:
+            self._copy_blocks(inp.block_copies)
         if self.graphs is not None and after_layer is None and (size := self.graphs.size_for(inp)) is not None:
             return self.graphs.run(inp, size)
         hidden = self.hidden_states(inp, after_layer)
         if not inp.sample_req_ids:
             return None
         return self.model.compute_logits(hidden[inp.sample_indices])
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Forked choices' partial prompt blocks (copy on write), in every slab, through the backend's
+        `kv_views` (a backend may lay a block's bytes out its own way)."""
+        src, dst = (torch.tensor(ids, device=self.kv_cache.device) for ids in zip(*copies))
+        for slab in self.kv_cache:
+            for view in self.backend.kv_views(slab):
+                view = view.view(torch.uint8) if view.dtype == torch.float8_e4m3fn else view  # no fp8 index_put
+                view[dst] = view[src]
 
     @torch.inference_mode()
     def hidden_states(self, inp: ModelInput, after_layer=None) -> torch.Tensor:
@@ -281,16 +324,38 @@ class ModelRunner:
         return self.model(inp.input_ids, inp.positions, self.kv_cache, inp.metas, self.backends, after_layer)
 
     def sample(self, inp: ModelInput, logits: torch.Tensor | None) -> RunnerOutput:
+        """One token per sampled row; a request with n > 1 (its prompt's last step) gets one per choice
+        from the same logits, choice i seeded `seed + i` (RunnerOutput.choices)."""
         out = RunnerOutput()
         if logits is None:
             return out
         states = [self.requests[rid] for rid in inp.sample_req_ids]
-        sampled = self.sampler(logits, [s.sampling_params for s in states], [s.generator for s in states],
-                               [s.history for s in states])
+        rows = [i for i, s in enumerate(states) for _ in range(s.sampling_params.n)]
+        params, generators = [], []
+        for i, s in enumerate(states):
+            params.append(s.sampling_params)
+            generators.append(s.generator)
+            for c in range(1, s.sampling_params.n):
+                seed = None if s.sampling_params.seed is None else s.sampling_params.seed + c
+                params.append(replace(s.sampling_params, n=1, seed=seed))
+                generators.append(make_generator(seed, self.device))
+        if len(rows) > len(states):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        grammars = [states[i].grammar for i in rows]
+        sampled = self.sampler(logits, params, generators, [states[i].history for i in rows],
+                               grammars if any(g is not None for g in grammars) else None)
+        first = 0
         for i, rid in enumerate(inp.sample_req_ids):
-            out.sampled_token_ids[rid] = sampled.token_ids[i]
-            if states[i].history is not None:
-                states[i].history.output.append(sampled.token_ids[i])
-            if sampled.logprobs[i] is not None:
-                out.logprobs[rid] = sampled.logprobs[i]
+            token, state = sampled.token_ids[first], states[i]
+            out.sampled_token_ids[rid] = token
+            if state.history is not None:
+                state.history.output.append(token)
+            if state.grammar is not None:
+                state.grammar.accept(token)
+            if sampled.logprobs[first] is not None:
+                out.logprobs[rid] = sampled.logprobs[first]
+            n = state.sampling_params.n
+            if n > 1:
+                out.choices[rid] = list(zip(sampled.token_ids[first:first + n], sampled.logprobs[first:first + n]))
+            first += n
         return out

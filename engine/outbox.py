@@ -34,6 +34,10 @@ class Outbox:
                 self._queues[client].append(item)
                 self._cond.notify_all()
 
+    def client_of(self, request_id: str) -> str:
+        with self._cond:
+            return self._client_of.get(request_id, "")
+
     def forget(self, request_id: str) -> None:
         with self._cond:
             self._client_of.pop(request_id, None)

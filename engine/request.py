@@ -30,6 +30,13 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids (and stop strings) held back until this many tokens
     min_p: float = 0.0  # after temperature: drop tokens below min_p x the likeliest one's probability
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    n: int = 1  # choices from one prompt: prefilled once, forked on the decode instance (child i: seed + i)
+    # (kind, spec) the output must match (engine/structured_output.py): ("json_schema", schema as JSON text),
+    # ("json_object", ""), ("regex", pattern), ("choice", JSON list of strings), ("grammar", Lark)
+    structured_output: tuple[str, str] | None = None
+    # a retry's (the router's): its prompt ends with this many tokens of its own output from an earlier
+    # attempt; penalties, min_tokens' count and the grammar's state take them as output
+    num_resumed_tokens: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -53,12 +60,14 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
 
     @property
     def needs_token_history(self) -> bool:
-        """Whether sampling reads the request's tokens (penalties, min_tokens)."""
+        """Whether sampling reads the request's tokens (penalties, min_tokens, a grammar's state)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.min_tokens)
+                    or self.min_tokens or self.structured_output is not None)
 
     @property
     def greedy(self) -> bool:

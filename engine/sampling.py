@@ -1,5 +1,5 @@
-"""Token sampling: logit processing (engine/logits_processing.py), temperature, min-p, top-k, top-p,
-per-request seeds, logprobs.
+"""Token sampling: grammar masks (engine/structured_output.py), logit processing
+(engine/logits_processing.py), temperature, min-p, top-k, top-p, per-request seeds, logprobs.
 
 One `Sampler` call turns a batch of last-position logits into one token per
 sequence. Everything that can be batched is batched (temperature, top-k/top-p
@@ -15,6 +15,7 @@ import torch
 
 from engine.logits_processing import TokenHistory, apply_min_p, needs_processing, process_logits
 from engine.request import SamplingParams
+from engine.structured_output import GrammarState, apply_grammar_masks
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32.
 _SAMPLING_EPS = 1e-5
@@ -54,7 +55,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
-                 histories: list[TokenHistory | None] | None = None) -> SamplerOutput:
+                 histories: list[TokenHistory | None] | None = None,
+                 grammars: list[GrammarState | None] | None = None) -> SamplerOutput:
         """Pick one token per sequence.
 
         Args:
@@ -62,6 +64,8 @@ class Sampler:
             params: sampling params per sequence.
             generators: per-sequence generator (from `make_generator`), None = default generator.
             histories: per sequence, its tokens (penalties, min_tokens); None where none are needed.
+            grammars: per sequence, its structured-output state, None where it has none: its mask
+                applies first, before any other processing. The caller advances the states.
         Returns:
             SamplerOutput with one token id and one logprobs entry per sequence.
         Shape:
@@ -70,8 +74,13 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators)
         raw = logits.float()  # (num_seqs, vocab_size): the model's, for logprobs
         logits = raw
+        masked = grammars is not None and any(g is not None for g in grammars)
+        if masked:
+            logits = raw.clone()
+            apply_grammar_masks(logits, grammars)
         if any(needs_processing(p) for p in params):
-            logits = process_logits(raw.clone(), params, histories or [None] * len(params))
+            processed = process_logits(logits.clone(), params, histories or [None] * len(params))
+            logits = _keep_grammar_tokens(processed, logits, grammars) if masked else processed
         greedy = [_is_greedy(p) for p in params]
         if all(greedy):
             token_ids = logits.argmax(dim=-1)  # (num_seqs,)
@@ -104,6 +113,21 @@ class Sampler:
         probs = sub.softmax(dim=-1)  # (num_sampled, vocab_size)
         token_ids[row_idx] = _exponential_race(probs, [generators[i] for i in rows])
         return token_ids
+
+
+def _keep_grammar_tokens(processed: torch.Tensor, masked: torch.Tensor, grammars: list[GrammarState | None]
+                         ) -> torch.Tensor:
+    """Where a grammar row's processing forbade every token its grammar allows (min_tokens holding
+    back the EOS a finished grammar needs), the grammar wins: that row goes back to its masked logits.
+
+    Shape:
+        processed, masked: (num_seqs, vocab_size) -> (num_seqs, vocab_size).
+    """
+    idx = torch.tensor([i for i, g in enumerate(grammars) if g is not None], device=masked.device)
+    rows = processed[idx]  # (num_rows, vocab_size)
+    dead = (rows == float("-inf")).all(dim=-1, keepdim=True)  # no host sync
+    processed[idx] = torch.where(dead, masked[idx], rows)
+    return processed
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
@@ -89,14 +90,53 @@ def _raise_exception(message: str):
     raise ValueError(f"chat template error: {message}")
 
 
-def _compile_chat_template(source: str) -> jinja2.Template:
-    """Compile like transformers does: sandboxed, trim/lstrip blocks, loop controls, `raise_exception`."""
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' `tojson` filter (Jinja's own escapes HTML characters)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _compile_chat_template(source: str) -> tuple[jinja2.Template, frozenset[str]]:
+    """Compile like transformers does: sandboxed, trim/lstrip blocks, loop controls, `raise_exception`.
+
+    Returns:
+        The template, and the variables it reads from the render call (`messages`, `tools`, ...).
+    """
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env.from_string(source)
+    ast = env.parse(source)
+    return env.from_string(ast), frozenset(jinja2.meta.find_undeclared_variables(ast))
+
+
+def _template_tool_call(call: dict, where: str) -> dict:
+    """An OpenAI tool call with its `arguments` JSON string parsed: chat templates render the arguments
+    with `tojson` or iterate over them, so they expect a dict (transformers' convention, as vLLM does)."""
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}.function.arguments is not valid JSON: {err}") from None
+    return {**call, "function": function}
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as chat templates expect them: keys whose value is None dropped (an OpenAI assistant
+    message with tool calls has `content: null`; templates test `'tool_calls' in message` or whether
+    `message.content` is defined, as transformers does), empty `tool_calls` dropped, arguments as dicts."""
+    out = []
+    for i, message in enumerate(messages):
+        message = {key: value for key, value in message.items() if value is not None}
+        if not message.get("tool_calls"):
+            message.pop("tool_calls", None)
+        else:
+            message["tool_calls"] = [_template_tool_call(call, f"messages[{i}].tool_calls[{j}]")
+                                     for j, call in enumerate(message["tool_calls"])]
+        out.append(message)
+    return out
 
 
 def _token_content(value) -> str | None:
@@ -116,8 +156,7 @@ class Tokenizer:
         self.backend = backend
         self.bos_token, self.eos_token = bos_token, eos_token
         self.add_bos_token = add_bos_token
-        self.chat_template = chat_template
-        self._template = _compile_chat_template(chat_template) if chat_template else None
+        self.set_chat_template(chat_template)
         self._name = name
         self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
         self._added_ids = set(backend.get_added_tokens_decoder())
@@ -205,15 +244,34 @@ class Tokenizer:
             return bytes(_BYTE_LEVEL[c] for c in piece)
         return self.backend.decode([token_id], skip_special_tokens=False).encode()
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """Render `messages` ([{"role": ..., "content": ...}]) with the model's chat template.
+    def set_chat_template(self, source: str | None) -> None:
+        """Use the Jinja chat template `source` (the model's, or one given in its place: `--chat-template`)."""
+        self.chat_template = source
+        self._template, self.template_variables = _compile_chat_template(source) if source else (None, frozenset())
 
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template reads `tools`; one that does not would drop them silently."""
+        return "tools" in self.template_variables
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """Render OpenAI-style `messages` with the model's chat template.
+
+        Messages may be `{"role": "assistant", "content": None, "tool_calls": [{"id", "type": "function",
+        "function": {"name", "arguments": "<JSON>"}}]}` and `{"role": "tool", "tool_call_id", "content"}`;
+        the arguments reach the template parsed (a dict) and None-valued keys are left out.
+
+        Args:
+            kwargs: template variables, e.g. `tools=[{"type": "function", "function": {...}}]` (OpenAI's
+                tool definitions, as they came), `enable_thinking=False` (Qwen3).
         Raises:
-            ValueError: the model has no chat template, or the template rejects the messages.
+            ValueError: the model has no chat template, tool call arguments are not JSON, or the
+                template rejects the messages.
         """
         if self._template is None:
             raise ValueError(f"model {self.name!r} has no chat template")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+        return self._template.render(messages=_template_messages(messages),
+                                     add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:

@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from typing import Callable
+
+import jinja2
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,16 +20,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from decode_worker.output import TextState
+from engine import structured_output
 from engine.request import Request as EngineRequest
+from gateway.chat_output import ChatOutput
 from gateway.logprobs import LogprobsFormatter
+from gateway.reasoning import get_reasoning_parser
+from gateway.tool_parsers import get_tool_parser
 from gateway import openapi
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import APIError, ChatCompletionRequest, CompletionRequest, make_id, now
-from gateway.session import Generation
+from gateway.session import Choice, Generation
 from router.router import QueueFullError
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = "1"
+_TEMPLATE_OWN = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}  # set by the gateway
 
 
 def _error_response(exc: APIError) -> JSONResponse:
@@ -59,9 +67,12 @@ def _install_error_handlers(app: FastAPI) -> None:
 class _Gateway:
     """What the routes share: the cluster, tokenizer, limits and metrics."""
 
-    def __init__(self, cluster, tokenizer, model_name: str, max_model_len: int | None, api_key: str | None):
+    def __init__(self, cluster, tokenizer, model_name: str, max_model_len: int | None, api_key: str | None,
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.cluster, self.tokenizer, self.model_name = cluster, tokenizer, model_name
         self._max_model_len, self.api_key = max_model_len, api_key
+        self.tool_parser = None if tool_call_parser is None else get_tool_parser(tool_call_parser)
+        self.reasoning = None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
         self.metrics = GatewayMetrics(cluster)
 
     @property
@@ -82,7 +93,42 @@ class _Gateway:
             raise APIError(503, "not ready: need a healthy decode instance (and prefill, disaggregated)",
                            "service_unavailable", headers={"Retry-After": RETRY_AFTER_S})
 
-    async def start(self, body, prompt_ids: list[int], kind: str) -> Generation:
+    def check_structured_output(self, kind: str, spec: str) -> None:
+        """APIError(400) naming what is wrong with a response format before any work starts."""
+        eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
+        try:
+            structured_output.check(kind, spec, structured_output.ll_tokenizer(self.tokenizer,
+                                                                               self.tokenizer.vocab_size, eos))
+        except ValueError as exc:
+            param = "response_format" if kind in ("json_schema", "json_object") else "structured_outputs"
+            raise APIError(400, str(exc), param=param) from None
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], Callable[[], ChatOutput]]:
+        """The chat's prompt ids (the chat template, with the tools) and a maker of each choice's output
+        shaping (reasoning, tool calls); APIError(400) naming what cannot work, before any work starts."""
+        messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+        tools, choice = body.tool_setup()
+        if tools and not self.tokenizer.supports_tools:
+            raise APIError(400, "this model's chat template takes no tools: serve it with a --chat-template that "
+                                "does", param="tools")
+        if tools and choice == "auto" and self.tool_parser is None:
+            raise APIError(400, 'tool_choice "auto" needs a tool-call parser: serve the model with '
+                                '--tool-call-parser, or ask for "required" or a named function', param="tool_choice")
+        kwargs = dict(body.chat_template_kwargs or {})
+        if clash := sorted(set(kwargs) & _TEMPLATE_OWN):
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, **kwargs, **({"tools": tools} if tools else {}))
+        except (ValueError, TypeError, jinja2.TemplateError) as exc:
+            raise APIError(400, f"the chat template refused the messages: {exc}", param="messages") from None
+        in_reasoning = self.reasoning is not None and self.reasoning.starts_in_reasoning(text)
+        mode = None if not tools or choice == "none" else choice if isinstance(choice, str) else "named"
+        name = choice["function"]["name"] if mode == "named" else None
+        ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
+        return ids, lambda: ChatOutput(self.reasoning, in_reasoning, mode, self.tool_parser, name)
+
+    async def start(self, body, prompt_ids: list[int], kind: str, shaping: Callable[[], ChatOutput] | None = None
+                    ) -> Generation:
         """Validates, submits to the router, returns the generation to stream or wait for. The
         router calls instances while placing, so it runs on a worker thread, not the event loop."""
         if body.model != self.model_name:
@@ -92,10 +138,18 @@ class _Gateway:
             raise APIError(400, f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", param="prompt")
         self.check_ready()
         params = body.sampling_params(len(prompt_ids), self.max_model_len, self.tokenizer.vocab_size)
+        if params.structured_output is not None:  # compiling a grammar may take a while: not on the loop
+            await asyncio.to_thread(self.check_structured_output, *params.structured_output)
         rid = make_id("chatcmpl" if kind == "chat" else "cmpl")
-        text = TextState(self.tokenizer, EngineRequest(rid, prompt_ids, params))
-        logprobs = None if params.logprobs is None else LogprobsFormatter(self.tokenizer, kind, params.logprobs)
-        gen = Generation(rid, kind, body.model, prompt_ids, text, self.metrics, asyncio.get_running_loop(), logprobs)
+        choices = []
+        for i in range(params.n):
+            output = shaping() if shaping else None
+            keep = output is not None and output.keeps_special_tokens  # tool-call markers may be special tokens
+            text = TextState(self.tokenizer, EngineRequest(rid, prompt_ids, params), skip_special_tokens=not keep)
+            hidden = ({self.tokenizer.eos_token_id, *params.stop_token_ids} - {None}) if keep else ()
+            choices.append(Choice(i, text, None if params.logprobs is None else
+                                  LogprobsFormatter(self.tokenizer, kind, params.logprobs), output, frozenset(hidden)))
+        gen = Generation(rid, kind, body.model, prompt_ids, choices, self.metrics, asyncio.get_running_loop())
         try:
             await asyncio.to_thread(self.cluster.submit, rid, prompt_ids, params, gen.listener)
         except QueueFullError as exc:
@@ -114,9 +168,8 @@ class _Gateway:
 def _add_generation_routes(app: FastAPI, gw: _Gateway) -> None:
     @app.post("/v1/chat/completions", dependencies=[Depends(gw.check_key)], responses=openapi.GENERATION)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                    for m in body.messages]
-        return await gw.respond(await gw.start(body, gw.tokenizer.encode_chat(messages), "chat"), body, request)
+        ids, shaping = gw.chat_prompt(body)
+        return await gw.respond(await gw.start(body, ids, "chat", shaping), body, request)
 
     @app.post("/v1/completions", dependencies=[Depends(gw.check_key)], responses=openapi.GENERATION)
     async def completions(body: CompletionRequest, request: Request):
@@ -152,11 +205,13 @@ def _add_service_routes(app: FastAPI, gw: _Gateway) -> None:
                               for i in list(gw.cluster.instances.values())]}
 
 
-def create_app(cluster, tokenizer, model_name: str, max_model_len: int | None, api_key: str | None = None) -> FastAPI:
+def create_app(cluster, tokenizer, model_name: str, max_model_len: int | None, api_key: str | None = None,
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The gateway over a started `Cluster` or `Frontend` (anything with submit/abort/ready/
-    instances/router/max_model_len); `max_model_len` None: the cluster's, asked per request."""
+    instances/router/max_model_len); `max_model_len` None: the cluster's, asked per request.
+    `tool_call_parser` / `reasoning_parser`: names in gateway/tool_parsers.py and gateway/reasoning.py."""
     app = FastAPI(title="pdserve", version="0.1.0")
-    gw = _Gateway(cluster, tokenizer, model_name, max_model_len, api_key)
+    gw = _Gateway(cluster, tokenizer, model_name, max_model_len, api_key, tool_call_parser, reasoning_parser)
     _install_error_handlers(app)
     _add_generation_routes(app, gw)
     _add_service_routes(app, gw)

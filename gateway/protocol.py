@@ -2,6 +2,7 @@
 SamplingParams. Anything we do not support is refused with a 400 naming it, never ignored."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Literal
@@ -9,13 +10,14 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from engine.request import SamplingParams
+from gateway.tools import check_tool_choice, named_schema, required_schema, validate_tools
 
 # Accepted but without effect on generation (OpenAI bookkeeping fields).
-IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+IGNORED = {"user", "metadata", "store", "service_tier"}
 # Accepted only at their neutral value.
-NEUTRAL = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "tools": None, "tool_choice": None,
-           "response_format": None}
+NEUTRAL = {"best_of": 1, "echo": False, "suffix": None}
 MAX_SEED = 2**63 - 1  # a torch.Generator's seed
+MAX_N = 128  # choices per request (OpenAI's bound)
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI allows 20 in chat, 5 in completions; vLLM 20 in both)
 
 
@@ -55,14 +57,51 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None: an assistant message that only calls tools
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def text(self) -> str:
+    def text(self) -> str | None:
+        if self.content is None:
+            return None
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def for_template(self, index: int) -> dict:
+        """The message as the chat template takes it (engine/tokenizer.py); APIError(400) if it cannot be."""
+        where = f"messages[{index}]"
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise APIError(400, f"{where}.content is required (only an assistant message with tool_calls may "
+                                "omit it)", param=f"{where}.content")
+        if self.tool_calls and self.role != "assistant":
+            raise APIError(400, f"{where}: only assistant messages have tool_calls", param=f"{where}.tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise APIError(400, f"{where}: a tool message needs tool_call_id, and only a tool message has one",
+                           param=f"{where}.tool_call_id")
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 def _bounded(**bounds) -> Field:
@@ -76,6 +115,31 @@ _STOP = {"anyOf": [{"type": "string", "minLength": 1},
 _LOGIT_BIAS = {"anyOf": [{"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
                           "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
                          {"type": "null"}]}
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text (no constraint), any JSON object, or JSON matching a schema."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (exactly one of them)."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Sampling(BaseModel):
@@ -101,17 +165,42 @@ class _Sampling(BaseModel):
     min_p: float | None = _bounded(minimum=0, maximum=1)
     stop_token_ids: list[Int] | None = Field(None, json_schema_extra={"anyOf": [
         {"type": "array", "items": {"type": "integer", "minimum": 0}}, {"type": "null"}]})
+    n: Int | None = _bounded(minimum=1, maximum=MAX_N)  # prefilled once, forked on the decode instance
+    response_format: ResponseFormat | None = None  # structured outputs (engine/structured_output.py)
+    structured_outputs: StructuredOutputs | None = None  # vLLM's form: json, regex, choice, grammar
     # accepted without effect (IGNORED), or only at their neutral value (NEUTRAL)
-    n: Int | None = _bounded(minimum=1, maximum=1)
     best_of: Int | None = _bounded(minimum=1, maximum=1)
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def structured_output(self) -> tuple[str, str] | None:
+        """`(kind, spec)` for SamplingParams.structured_output, from `response_format` or vLLM's
+        `structured_outputs`; APIError(400) when both, or several of the latter, are given."""
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and so is not None and rf.type != "text":
+            raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+        if rf is not None and rf.type == "json_object":
+            return ("json_object", "")
+        if rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+            return ("json_schema", json.dumps(rf.json_schema.schema_))
+        if so is None:
+            return None
+        given = {k: v for k, v in [("json_schema", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                   ("grammar", so.grammar), ("json_object", so.json_object or None)] if v is not None}
+        if len(given) != 1:
+            raise APIError(400, f"structured_outputs takes exactly one of json, regex, choice, grammar, json_object; "
+                                f"got {sorted(given) or 'none'}", param="structured_outputs")
+        (kind, value), = given.items()
+        if kind == "json_object":
+            return (kind, "")
+        return (kind, value if isinstance(value, str) else json.dumps(value))
 
     def _logprobs(self) -> int | None:
         """How many top logprobs per token the request wants (None: no logprobs)."""
@@ -151,6 +240,8 @@ class _Sampling(BaseModel):
                 raise APIError(400, f"{name} must be in [{lo:g}, {hi:g}], got {value}", param=name)
         if self.top_k is not None and self.top_k < 0:
             raise APIError(400, f"top_k must be >= 0, got {self.top_k}", param="top_k")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise APIError(400, f"n must be in [1, {MAX_N}], got {self.n}", param="n")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise APIError(400, f"seed must be in [0, 2**63 - 1], got {self.seed}", param="seed")
         max_tokens = max_tokens or room
@@ -163,7 +254,8 @@ class _Sampling(BaseModel):
                               logprobs=self._logprobs(), presence_penalty=self.presence_penalty or 0.0,
                               frequency_penalty=self.frequency_penalty or 0.0,
                               repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                              min_tokens=self.min_tokens or 0, min_p=self.min_p or 0.0,
+                              min_tokens=self.min_tokens or 0, min_p=self.min_p or 0.0, n=self.n or 1,
+                              structured_output=self.structured_output(),
                               logit_bias=self._logit_bias(vocab_size),
                               stop_token_ids=self._token_ids("stop_token_ids", self.stop_token_ids or [], vocab_size))
 
@@ -192,9 +284,38 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Int | None = _bounded(minimum=1)
     logprobs: bool | None = None
     top_logprobs: Int | None = _bounded(minimum=0, maximum=MAX_LOGPROBS)
-    tools: list[dict] | None = Field(None, json_schema_extra={"maxItems": 0})  # not yet: only [] or null
-    tool_choice: str | dict | None = Field(None, json_schema_extra={"type": "null"})
-    response_format: dict | None = Field(None, json_schema_extra={"type": "null"})
+    tools: list[dict] | None = None  # OpenAI's function tools (gateway/tools.py checks them)
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    parallel_tool_calls: bool | None = None  # with tool_choice "required": false allows one call only
+    chat_template_kwargs: dict | None = None  # vLLM's: variables for the chat template (enable_thinking, ...)
+
+    def tool_setup(self) -> tuple[list[dict] | None, str | dict]:
+        """The checked tools and tool choice ("none", "auto", "required" or the named tool's definition);
+        APIError(400) naming what is wrong."""
+        try:
+            tools = validate_tools(self.tools) if self.tools else None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tools") from None
+        try:
+            return tools, check_tool_choice(self.tool_choice, tools)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tool_choice") from None
+
+    def structured_output(self) -> tuple[str, str] | None:
+        """A required or named tool choice is a JSON schema on the output (gateway/tools.py)."""
+        fmt = super().structured_output()
+        tools, choice = self.tool_setup()
+        if choice in ("none", "auto"):
+            return fmt
+        if fmt is not None:
+            raise APIError(400, "a required or named tool_choice fixes the output's format: no response_format "
+                                "or structured_outputs with it", param="tool_choice")
+        try:
+            schema = required_schema(tools, self.parallel_tool_calls is not False) if choice == "required" \
+                else named_schema(choice)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tools") from None
+        return ("json_schema", json.dumps(schema))
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -13,6 +13,7 @@ import time
 from typing import AsyncIterator
 
 from decode_worker.output import TextState
+from gateway.chat_output import ChatOutput
 from gateway.logprobs import LogprobsFormatter
 from gateway.protocol import APIError, now
 from router.stream import StreamEvent
@@ -20,23 +21,67 @@ from router.stream import StreamEvent
 RETRY_AFTER = {"Retry-After": "1"}
 
 
+class Choice:
+    """One of a request's n outputs: its text (stop strings cut), logprobs and end; a chat choice's
+    `output` shapes the text into content, reasoning and tool calls (gateway/chat_output.py)."""
+
+    def __init__(self, index: int, text: TextState, logprobs: LogprobsFormatter | None = None,
+                 output: ChatOutput | None = None, hidden: frozenset[int] = frozenset()):
+        self.index, self.text, self.logprobs, self.output = index, text, logprobs, output
+        self.hidden = hidden  # tokens kept out of the text (EOS, where special tokens are kept for a parser)
+        self.num_tokens = 0
+        self.finished = self.stopped = False
+        self.finish_reason: str | None = None
+
+    def consume(self, event: StreamEvent) -> str:
+        """Applies one event; returns the text that may be sent now."""
+        self.num_tokens += len(event.token_ids)
+        if event.token_ids and not self.stopped:
+            if self.logprobs is not None:
+                self.logprobs.add(event.token_ids, event.logprobs)
+            ids = [t for t in event.token_ids if t not in self.hidden] if self.hidden else event.token_ids
+            if self.text.feed(ids) is not None:
+                self.stopped = True  # the decode worker stops too; text after the stop is dropped
+        if event.finished:
+            self.finished = True
+            self.finish_reason = "stop" if self.stopped else event.finish_reason
+        return self.text.take(self.finished)
+
+    def take_logprobs(self) -> dict | None:
+        return None if self.logprobs is None else self.logprobs.take()
+
+    @property
+    def reason(self) -> str | None:
+        """The finish_reason the client sees ("tool_calls" where the model called tools)."""
+        return self.output.finish_reason(self.finish_reason) if self.output else self.finish_reason
+
+    def deltas(self, text: str) -> list[dict]:
+        """A chat chunk's deltas for new text: content, or reasoning and tool call pieces."""
+        if self.output is None:
+            return [{"content": text}] if text else []
+        return self.output.feed(text) + (self.output.finish() if self.finished else [])
+
+
 class Generation:
-    def __init__(self, request_id: str, kind: str, model: str, prompt_ids: list[int], text: TextState, metrics,
-                 loop: asyncio.AbstractEventLoop, logprobs: LogprobsFormatter | None = None):
-        self.request_id, self.kind, self.model, self.text, self.metrics = request_id, kind, model, text, metrics
-        self.logprobs = logprobs
+    """One request's generation: n choices (one stream each from the router, events by index)."""
+
+    def __init__(self, request_id: str, kind: str, model: str, prompt_ids: list[int], choices: list[Choice], metrics,
+                 loop: asyncio.AbstractEventLoop):
+        self.request_id, self.kind, self.model, self.choices, self.metrics = request_id, kind, model, choices, metrics
         self.num_prompt_tokens = len(prompt_ids)
         self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self.listener = lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        self.num_tokens, self.created, self.arrival_s = 0, now(), time.monotonic()
+        self.created, self.arrival_s = now(), time.monotonic()
         self.first_token_s = self.last_token_s = None
-        self.finished = self.stopped = False
-        self.finish_reason: str | None = None
         self.error: str | None = None
 
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or all(c.finished for c in self.choices)
+
     # -- events -----------------------------------------------------------------------------
-    def _consume(self, event: StreamEvent) -> str:
-        """Applies one event; returns the text that may be sent now."""
+    def _consume(self, event: StreamEvent) -> tuple[Choice, str]:
+        """Applies one event; returns its choice and the text that may be sent now."""
         if event.token_ids:
             t = time.monotonic()
             if self.first_token_s is None:
@@ -45,18 +90,14 @@ class Generation:
             else:
                 self.metrics.itl.observe(t - self.last_token_s)
             self.last_token_s = t
-            self.num_tokens += len(event.token_ids)
             self.metrics.generation_tokens.inc(len(event.token_ids))
-            if not self.stopped:
-                if self.logprobs is not None:
-                    self.logprobs.add(event.token_ids, event.logprobs)
-                if self.text.feed(event.token_ids) is not None:
-                    self.stopped = True  # the decode worker stops too; text after the stop is dropped
+        choice = self.choices[event.index]
+        text = choice.consume(event)
         if event.finished:
-            self.finished, self.error = True, event.error
-            self.finish_reason = "stop" if self.stopped else event.finish_reason
-            self.metrics.e2e.observe(time.monotonic() - self.arrival_s)
-        return self.text.take(self.finished)
+            self.error = self.error or event.error
+            if self.finished:
+                self.metrics.e2e.observe(time.monotonic() - self.arrival_s)
+        return choice, text
 
     def _abort(self, cluster) -> None:
         asyncio.get_running_loop().run_in_executor(None, cluster.abort, self.request_id)
@@ -69,15 +110,17 @@ class Generation:
 
     @property
     def usage(self) -> dict:
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_tokens,
-                "total_tokens": self.num_prompt_tokens + self.num_tokens}
+        """The prompt counts once, however many choices it has (it was prefilled once)."""
+        completion = sum(c.num_tokens for c in self.choices)
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.num_prompt_tokens + completion}
 
     def _head(self, object_: str) -> dict:
         return {"id": self.request_id, "object": object_, "created": self.created, "model": self.model}
 
     # -- non-streaming ----------------------------------------------------------------------
     async def complete(self, cluster, request) -> dict:
-        parts = []
+        parts: list[list[str]] = [[] for _ in self.choices]
         try:
             while not self.finished:
                 try:
@@ -86,7 +129,8 @@ class Generation:
                     if await request.is_disconnected():
                         return {}
                     continue
-                parts.append(self._consume(event))
+                choice, text = self._consume(event)
+                parts[choice.index].append(text)
         finally:
             if not self.finished:
                 self._abort(cluster)
@@ -95,44 +139,57 @@ class Generation:
             self._account("error")
             raise self._failed()
         self._account("ok")
-        text = "".join(parts)
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self._take_logprobs(),
-                      "finish_reason": self.finish_reason}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage}
-        choice = {"index": 0, "text": text, "logprobs": self._take_logprobs(), "finish_reason": self.finish_reason}
-        return {**self._head("text_completion"), "choices": [choice], "usage": self.usage}
+        choices = [self._final(c, "".join(p)) for c, p in zip(self.choices, parts)]
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": choices, "usage": self.usage}
 
-    def _take_logprobs(self) -> dict | None:
-        return None if self.logprobs is None else self.logprobs.take()
+    def _final(self, c: Choice, text: str) -> dict:
+        if self.kind == "chat":
+            message = c.output.message(text) if c.output else {"content": text}
+            return {"index": c.index, "message": {"role": "assistant", **message},
+                    "logprobs": c.take_logprobs(), "finish_reason": c.reason}
+        return {"index": c.index, "text": text, "logprobs": c.take_logprobs(), "finish_reason": c.finish_reason}
 
     # -- streaming ----------------------------------------------------------------------------
-    def _chunk(self, text: str | None, finish_reason: str | None, include_usage: bool, role: bool = False) -> str:
-        """One SSE chunk; it carries the logprobs of every token received since the last chunk."""
-        logprobs = None if role else self._take_logprobs()
+    def _chunk(self, c: Choice, text: str | None, finish_reason: str | None, include_usage: bool,
+               role: bool = False, delta: dict | None = None) -> str:
+        """One SSE chunk; it carries the logprobs of every token the choice received since its last."""
+        logprobs = None if role else c.take_logprobs()
         if self.kind == "chat":
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            delta = {"role": "assistant", "content": ""} if role else (delta or {})
+            choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             body = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": c.index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
             body = {**self._head("text_completion"), "choices": [choice]}
         if include_usage:
             body["usage"] = None
         return f"data: {json.dumps(body)}\n\n"
 
+    def _chunks(self, c: Choice, text: str, include_usage: bool) -> list[str]:
+        """The chunks new text makes; the choice's last one carries its finish_reason."""
+        end = c.reason if c.finished else None
+        if self.kind != "chat":
+            return [self._chunk(c, text, end, include_usage)] if text or c.finished else []
+        deltas = c.deltas(text)
+        if c.finished and not deltas:
+            deltas = [{}]
+        return [self._chunk(c, None, end if i == len(deltas) - 1 else None, include_usage, delta=d)
+                for i, d in enumerate(deltas)]
+
     async def sse(self, cluster, include_usage: bool) -> AsyncIterator[str]:
         try:
             if self.kind == "chat":
-                yield self._chunk(None, None, include_usage, role=True)
+                for c in self.choices:
+                    yield self._chunk(c, None, None, include_usage, role=True)
             while not self.finished:
-                text = self._consume(await self.queue.get())
+                choice, text = self._consume(await self.queue.get())
                 if self.error:
                     self._account("error")
                     yield f"data: {json.dumps(self._failed().body())}\n\n"
                     break
-                if text or self.finished:
-                    yield self._chunk(text, self.finish_reason if self.finished else None, include_usage)
+                for chunk in self._chunks(choice, text, include_usage):
+                    yield chunk
             else:
                 self._account("ok")
                 if include_usage:

@@ -22,6 +22,7 @@ class CompletedTransfer(NamedTuple):
     request_id: str
     first_token: int  # -1 when no part to this rank came from the sampling prefill rank
     logprobs: dict[int, float] | None  # the first token's, when asked for and carried
+    more_choices: tuple = ()  # n > 1: the other choices' (first token, logprobs or None)
 
 
 class TransferError(RuntimeError):
@@ -45,9 +46,10 @@ class Transfer(ABC):
         """
 
     @abstractmethod
-    def finish(self, first_token: int, logprobs: dict[int, float] | None = None) -> None:
+    def finish(self, first_token: int, logprobs: dict[int, float] | None = None, more_choices: tuple = ()) -> None:
         """Queue the trailer: all layers sent; `first_token` (-1 from ranks that do not sample) and,
-        when the request asked for them, its logprobs ({token_id: logprob}, sampled token first)."""
+        when the request asked for them, its logprobs ({token_id: logprob}, sampled token first);
+        with n > 1, `more_choices`: the other choices' (first token, logprobs or None)."""
 
     @abstractmethod
     def wait(self, timeout: float | None = None) -> None:

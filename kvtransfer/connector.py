@@ -137,12 +137,14 @@ class PrefillConnector:
                 lo = head_start - self.my_heads.start
                 transfer.send_layer(slab, gathered[:, :, lo:lo + head_end - head_start].contiguous())
 
-    def finish(self, request_id: str, first_token: int, logprobs: dict[int, float] | None = None) -> None:
-        """All layers are queued; `first_token` is -1 on ranks that do not sample. The request's
-        blocks stay leased until every part is acknowledged, or the lease ends."""
+    def finish(self, request_id: str, first_token: int, logprobs: dict[int, float] | None = None,
+               more_choices: tuple = ()) -> None:
+        """All layers are queued; `first_token` is -1 on ranks that do not sample; with n > 1
+        `more_choices` holds the other choices' (first token, logprobs). The request's blocks stay
+        leased until every part is acknowledged, or the lease ends."""
         transfers = self._open.pop(request_id, [])
         for t in transfers:
-            t.finish(first_token, logprobs)
+            t.finish(first_token, logprobs, more_choices)
         self._params.pop(request_id, None)
         self._watch.put((request_id, transfers, time.monotonic() + self.lease_s))
 

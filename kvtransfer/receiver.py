@@ -60,6 +60,7 @@ class _Expected:
     parts_done: int = 0
     first_token: int = -1
     logprobs: dict[int, float] | None = None
+    more_choices: tuple = ()
     last_activity: float | None = None  # set when its first part begins
     receiving: int = 0  # receives in flight straight into its slots
 
@@ -285,9 +286,11 @@ class TorchDistReceiver(KVReceiver):
             e.first_token = max(e.first_token, msg["first_token"])
             if msg["logprobs"] is not None:
                 e.logprobs = wire.unpack_logprobs(msg["logprobs"])
+            if msg["more_choices"]:
+                e.more_choices = tuple((t, wire.unpack_logprobs(lp)) for t, lp in msg["more_choices"])
             if e.parts_done == e.num_parts:
                 del self._expected[rid]
-                self._completed.append(CompletedTransfer(rid, e.first_token, e.logprobs))
+                self._completed.append(CompletedTransfer(rid, e.first_token, e.logprobs, e.more_choices))
                 self._stats["completed"] += 1
         reply["ok"] = True
         return reply

@@ -62,9 +62,9 @@ class _Transfer(Transfer):
             ready.record()
         self.peer.submit(("layer", self, layer, (kv, ready)))
 
-    def finish(self, first_token: int, logprobs: dict[int, float] | None = None) -> None:
+    def finish(self, first_token: int, logprobs: dict[int, float] | None = None, more_choices: tuple = ()) -> None:
         self.finish_s = time.monotonic()
-        self.peer.submit(("done", self, first_token, logprobs))
+        self.peer.submit(("done", self, first_token, (logprobs, more_choices)))
 
     def fail(self, reason: str) -> None:
         if not self._done.is_set():
@@ -191,7 +191,8 @@ class _Peer:
             return send(t, *self._gather(t, a, b))
         # not waited on: the receiver acks once every payload is in; the next part goes on meanwhile
         self.control.send({"kind": "done", "request_id": t.request_id, "head_start": t.head_start,
-                           "num_layers": t.num_layers_sent, "first_token": a, "logprobs": wire.pack_logprobs(b)},
+                           "num_layers": t.num_layers_sent, "first_token": a, "logprobs": wire.pack_logprobs(b[0]),
+                           "more_choices": [[t, wire.pack_logprobs(lp)] for t, lp in b[1]]},
                           timeout)
         t.posted_before_done = self.posted
         self.unacked.append(t)

@@ -14,7 +14,7 @@ the handshake. Sender -> receiver, with the receiver's answer:
                                                            message, (2, tokens, heads, head_dim);
                                                            else per run [start, length]: K[start:start+length],
                                                            then V[start:start+length], each a message
-    done   {request_id, head_start, num_layers, first_token, logprobs} -> ack {request_id, ok, error}
+    done   {request_id, head_start, num_layers, first_token, logprobs, more_choices} -> ack {request_id, ok, error}
 
 On a shared connection (same device: `cache` describes the receiver's cache, shared_cache.py)
 no payload moves on a data channel; the sender writes the receiver's slots itself:
@@ -34,6 +34,7 @@ many runs to pay off, or the part has some of the rank's heads only (it receives
 scatters it). On a shared connection `runs` always tile the part and `slots` holds each run's
 first slot in the receiver's cache ([] on other connections).
 logprobs: None, or the first token's [[token_id, logprob], ...] (sampled token first).
+more_choices: [] or, for n > 1 choices of one prompt, the others' [first_token, logprobs or nil].
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ SCHEMA: dict[str, dict[str, type | tuple]] = {
     "grant": {"request_id": str, "head_start": int, "ok": bool},
     "wrote": {"request_id": str, "head_start": int, "layer": int, "count": int},
     "done": {"request_id": str, "head_start": int, "num_layers": int, "first_token": int,
-             "logprobs": (list, _NONE)},
+             "logprobs": (list, _NONE), "more_choices": list},
     "ack": {"request_id": str, "ok": bool, "error": (str, _NONE)},
 }
 
@@ -74,6 +75,8 @@ def check_message(msg, schema: dict[str, dict[str, type | tuple]]) -> dict:
             raise WireError(f"{msg['kind']}.{name} has type {type(value).__name__}")
     if msg["kind"] == "done" and msg["logprobs"] is not None and not all(map(_is_logprob_pair, msg["logprobs"])):
         raise WireError("done.logprobs is not a list of [token_id, logprob] pairs")
+    if msg["kind"] == "done" and not all(_is_choice(c) for c in msg["more_choices"]):
+        raise WireError("done.more_choices is not a list of [token_id, logprobs or nil]")
     if msg["kind"] == "ready" and not all(_is_run(run) for run in msg["runs"]):
         raise WireError("ready.runs is not a list of [start, length] pairs")
     if msg["kind"] == "ready" and not all(type(slot) is int and slot >= 0 for slot in msg["slots"]):
@@ -84,6 +87,11 @@ def check_message(msg, schema: dict[str, dict[str, type | tuple]]) -> dict:
 def _is_run(run) -> bool:
     return isinstance(run, list) and len(run) == 2 and type(run[0]) is int and type(run[1]) is int \
         and run[0] >= 0 and run[1] > 0
+
+
+def _is_choice(choice) -> bool:
+    return (isinstance(choice, list) and len(choice) == 2 and type(choice[0]) is int
+            and (choice[1] is None or isinstance(choice[1], list) and all(map(_is_logprob_pair, choice[1]))))
 
 
 def _is_logprob_pair(pair) -> bool:

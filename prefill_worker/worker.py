@@ -32,6 +32,7 @@ class PrefillResult:
     logprobs: dict[int, float] | None = None  # the first token's, when the request asked for them
     num_cached_tokens: int = 0
     finished_at: float = field(default_factory=time.monotonic)
+    more_choices: tuple = ()  # n > 1: the other choices' (first token, logprobs or None)
 
 
 class PrefillWorker:
@@ -115,9 +116,10 @@ class PrefillWorker:
         self.num_computed_tokens += sched.total_num_scheduled_tokens
         for req, token in self.scheduler.update(sched, result):
             logprobs = result.logprobs.get(req.request_id)
-            self.connector.finish(req.request_id, token, logprobs)
+            more = tuple(result.choices.get(req.request_id, ())[1:])  # n > 1: sampled from the same logits
+            self.connector.finish(req.request_id, token, logprobs, more)
             self._report(PrefillResult(req.request_id, token, num_cached_tokens=req.num_cached_tokens,
-                                            logprobs=logprobs))
+                                       logprobs=logprobs, more_choices=more))
 
     def follow(self) -> bool:
         """Ranks > 0: run the step rank 0 broadcast. Returns False when told to stop."""

@@ -28,7 +28,7 @@ from engine.request import Request, SamplingParams
 from kvtransfer.params import KVTransferParams
 from router.client import DecodeClient, InstanceDeadError, PrefillClient
 from router.policy import BaseRoutingPolicy
-from router.stream import RequestStream, StreamEvent, Tracked
+from router.stream import RequestStream, StreamEvent, Tracked, indexed
 
 logger = logging.getLogger(__name__)
 
@@ -148,16 +148,24 @@ class Router:
             self.decode.pop(instance_id, None)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               listener=None) -> RequestStream:
-        """Starts a request; its tokens arrive on the returned stream (or at `listener`). Calls the
-        chosen instances from the caller's thread (an event loop should call this from a worker)."""
-        tracked = Tracked(request_id, list(prompt_token_ids), params, RequestStream(request_id, listener))
+               listener=None) -> RequestStream | list[RequestStream]:
+        """Starts a request; its tokens arrive on the returned stream (or at `listener`). With n > 1,
+        a list of n streams, one per choice (events carry their `index`): the prompt is placed once,
+        and each choice goes on by itself if that placement fails. Calls the chosen instances from the
+        caller's thread (an event loop should call this from a worker)."""
+        tracked = Tracked(request_id, list(prompt_token_ids), params,
+                          RequestStream(request_id, None if params.n > 1 else listener))
+        if params.n > 1:
+            tracked.choices = [Tracked(f"{request_id}/{i}", tracked.prompt_token_ids,
+                                       replace(params, n=1, seed=None if params.seed is None else params.seed + i),
+                                       RequestStream(f"{request_id}/{i}", indexed(listener, i)), parent=tracked,
+                                       index=i, grouped=True) for i in range(params.n)]
         with self._locked():
             if len(self._pending) >= self.max_queued:
                 raise QueueFullError(f"{len(self._pending)} requests already queued")
             self.stats["submitted"] += 1
             self.stats["prompt_tokens"] += len(tracked.prompt_token_ids)
-            self._live[request_id] = tracked
+            self._live[request_id] = tracked  # (an n > 1 request: until its last choice ends)
             queue_behind = bool(self._pending)  # first come, first placed
             if queue_behind:
                 self._pending.append(tracked)
@@ -165,7 +173,7 @@ class Router:
         if not queue_behind and not self._place(tracked):
             with self._locked():
                 self._pending.append(tracked)
-        return tracked.stream
+        return [c.stream for c in tracked.choices] if tracked.choices else tracked.stream
 
     def abort(self, request_id: str) -> None:
         """The client went away: stop the request wherever it is (queued, placing, prefilling,
@@ -174,11 +182,12 @@ class Router:
             tracked = self._live.get(request_id)
             if tracked is None:
                 return
-            if tracked in self._pending:
-                self._pending.remove(tracked)
-            if self._by_attempt.get(tracked.attempt_id) is tracked:
-                self._abort_attempt(tracked)
-            self._finish(tracked, StreamEvent([], True, "abort"))
+            for t in [tracked, *tracked.choices]:
+                if t in self._pending:
+                    self._pending.remove(t)
+                if self._by_attempt.get(t.attempt_id) is t:
+                    self._abort_attempt(t)
+                self._finish(t, StreamEvent([], True, "abort"))
 
     def snapshot(self) -> dict[str, float]:
         """The cumulative counters and the queue's length now (published for the autoscaler)."""
@@ -217,7 +226,9 @@ class Router:
             self._give_up(tracked, "no healthy decode instance")
             return None
         prompt = tracked.prompt_token_ids + tracked.delivered
-        params = replace(tracked.params, max_tokens=tracked.params.max_tokens - len(tracked.delivered))
+        done = len(tracked.delivered)  # the retry's prompt ends with them: its grammar and penalties count them
+        params = replace(tracked.params, max_tokens=tracked.params.max_tokens - done,
+                         min_tokens=max(0, tracked.params.min_tokens - done), num_resumed_tokens=done)
         tracked.base, tracked.decoding = len(tracked.delivered), False
         local = self.mode == "colocated" or not prefills or len(prompt) < self.disagg_threshold_tokens
         first = next((d for d in decodes if d.instance_id == tracked.recompute_on), None)
@@ -229,6 +240,9 @@ class Router:
         tracked.decode_id = None
         tracked.placing = tuple(c.info.instance_id for c in ([prefill] if prefill else []) + ordered)
         self._by_attempt[tracked.attempt_id] = tracked
+        for choice in tracked.choices:  # the ids the decode instance gives them when it forks
+            choice.prefill_id, choice.decode_id = None, None
+            self._by_attempt[choice.attempt_id] = choice
         return _Plan(tracked.attempt_id, Request(tracked.attempt_id, prompt, params, client_id=self.client_id), prefill,
                      ordered[:1] if local else ordered)
 
@@ -265,6 +279,8 @@ class Router:
                     self._deferred.append((client.abort, plan.attempt_id))
             return True
         tracked.decode_id = None if outcome.decode is None else outcome.decode.info.instance_id
+        for choice in tracked.choices:
+            choice.decode_id = tracked.decode_id
         if outcome.dead is not None:
             iid = outcome.dead.instance_id
             tracked.excluded.add(iid)
@@ -276,6 +292,8 @@ class Router:
             self._give_up(tracked, outcome.bad_request)
         elif outcome.decode is None:  # every decode instance is full: the caller queues it
             del self._by_attempt[plan.attempt_id]
+            for choice in tracked.choices:
+                self._by_attempt.pop(choice.attempt_id, None)
             tracked.prefill_id = None
             return False
         else:
@@ -331,8 +349,10 @@ class Router:
             return self._fail(tracked, tracked.prefill_id, r.error or "prefill failed")
         if tracked.attempt == 0:
             self.stats["cached_prompt_tokens"] += r.num_cached_tokens
-        if len(tracked.delivered) == tracked.base:  # the decode side may have been faster
-            self._deliver(tracked, [r.first_token], None if r.logprobs is None else [r.logprobs])
+        firsts = [(r.first_token, r.logprobs), *r.more_choices]
+        for t, (token, logprobs) in zip(tracked.choices or [tracked], firsts):
+            if len(t.delivered) == t.base and not t.done:  # the decode side may have been faster
+                self._deliver(t, [token], None if logprobs is None else [logprobs])
 
     def _on_decode_output(self, o) -> None:
         tracked = self._by_attempt.get(o.request_id)
@@ -343,6 +363,8 @@ class Router:
         if o.error:
             return self._fail(tracked, tracked.decode_id, o.error)
         tracked.decoding = True
+        if tracked.grouped and self._by_attempt.get(tracked.parent.attempt_id) is tracked.parent:
+            self._by_attempt.pop(tracked.parent.attempt_id)  # forked: its choices go on, the KV is there
         have = len(tracked.delivered) - tracked.base  # tokens of this attempt already delivered
         skip = max(0, have - (o.num_output_tokens - len(o.new_token_ids)))
         self._deliver(tracked, o.new_token_ids[skip:], None if o.new_logprobs is None else o.new_logprobs[skip:])
@@ -366,6 +388,8 @@ class Router:
             if self._live.get(tracked.request_id) is tracked:
                 del self._live[tracked.request_id]
             tracked.stream.put(event)
+            if tracked.parent is not None and all(c.done for c in tracked.parent.choices):
+                self._finish(tracked.parent, event)  # its last choice ended
 
     # -- failures --------------------------------------------------------------------------------------
     def _fail(self, tracked: Tracked, instance_id: str | None, reason: str) -> None:
@@ -374,7 +398,17 @@ class Router:
         if instance_id is not None:
             tracked.excluded.add(instance_id)
         self._abort_attempt(tracked)
+        if tracked.choices:
+            return self._split(tracked, lambda choice: self._fail(choice, instance_id, reason))
+        tracked.grouped = False  # a choice goes on by itself
         self._retry(tracked, reason)
+
+    def _split(self, parent: Tracked, each) -> None:
+        """The placement of an n > 1 request ended before its choices forked: `each` choice goes on
+        (or ends) by itself."""
+        for choice in parent.choices:
+            if not choice.done and choice.grouped:
+                each(choice)
 
     def _may_recompute(self, tracked: Tracked) -> bool:
         n = len(tracked.prompt_token_ids) + len(tracked.delivered)
@@ -388,7 +422,9 @@ class Router:
         self.stats["kv_recomputes"] += 1
         decode_id = tracked.decode_id
         self._abort_attempt(tracked)
-        tracked.recompute_on = decode_id
+        if tracked.choices:
+            return self._split(tracked, lambda choice: self._recompute(choice, reason))
+        tracked.recompute_on, tracked.grouped = decode_id, False
         self._retry(tracked, reason)
 
     def _retry(self, tracked: Tracked, reason: str) -> None:
@@ -403,6 +439,8 @@ class Router:
 
     def _give_up(self, tracked: Tracked, reason: str) -> None:
         self._by_attempt.pop(tracked.attempt_id, None)
+        if tracked.choices:
+            return self._split(tracked, lambda choice: self._give_up(choice, reason))
         self.stats["failed"] += 1
         self._finish(tracked, StreamEvent([], True, "error", reason))
 
@@ -431,6 +469,8 @@ class Router:
             self.stats["instance_deaths"] += 1
             logger.error("instance %s is dead (%s); retrying its requests", iid, exc)
             for tracked in [t for t in self._by_attempt.values() if iid in (t.prefill_id, t.decode_id)]:
+                if self._by_attempt.get(tracked.attempt_id) is not tracked:
+                    continue  # a choice its parent's failure already sent on
                 if tracked.prefill_id == iid and tracked.decoding:
                     tracked.prefill_id = None  # its KV is on the decode side already: it goes on there
                     continue
@@ -446,3 +486,4 @@ class Router:
                         self.mark_dead(client.info.instance_id, exc)
                     except Exception:  # the thread must go on (the policy reads these loads)
                         logger.exception("reading the load of %s failed", client.info.instance_id)
+

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from decode_worker.scheduler import choice_id
 from engine.request import SamplingParams
 
 
@@ -16,6 +17,7 @@ class StreamEvent:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None  # one {token_id: logprob} per token, when asked for
+    index: int = 0  # the choice (n > 1)
 
 
 class RequestStream:
@@ -71,6 +73,17 @@ class RequestStream:
         return self
 
 
+def indexed(listener: Callable[[StreamEvent], None] | None, index: int):
+    """`listener` with the choice's index set on each event (n > 1)."""
+    if listener is None:
+        return None
+
+    def put(event: StreamEvent) -> None:
+        event.index = index
+        listener(event)
+    return put
+
+
 @dataclass
 class Tracked:
     """The router's record of one request across attempts (a failed pair is retried elsewhere)."""
@@ -89,8 +102,16 @@ class Tracked:
     placing: tuple[str, ...] = ()  # while a placement's calls are out: the instances it may start on
     recompute_on: str | None = None  # the next attempt prefills on this decode instance (its KV load failed)
     done: bool = False
+    # n > 1: a parent is placed once for its choices (it has no stream of its own); a choice follows its
+    # parent's placement (`grouped`) until that fails, then goes on as a request of its own
+    choices: list["Tracked"] = field(default_factory=list, compare=False, repr=False)
+    parent: "Tracked | None" = field(default=None, compare=False, repr=False)
+    index: int = 0
+    grouped: bool = False
 
     @property
     def attempt_id(self) -> str:
         """The id the instances see: a late message from an earlier attempt can't be mistaken."""
+        if self.grouped:  # the id the decode instance gives the choice when it forks
+            return choice_id(self.parent.attempt_id, self.index)
         return f"{self.request_id}#{self.attempt}"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 
 import torch
@@ -160,6 +161,17 @@ def assert_logprobs_close(got: list[dict[int, float]], want: list[dict[int, floa
         assert len(gv) == len(wv) and max(abs(a - b) for a, b in zip(gv, wv)) <= tol, (i, gv, wv)
 
 
+def _run_rank(target, rank: int, port: int, args: tuple, out) -> None:
+    """One spawned rank: `target`, then its results flushed and an exit without the interpreter's
+    teardown, where a C++ thread left to the static destructors (gloo's) aborted a rank now and then
+    ("terminate called without an active exception") after its work was done. An exception in
+    `target` still ends the process nonzero."""
+    target(rank, port, *args, out)
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
 def run_gloo_ranks(target, args: tuple, num_results: int, world: int = 2, timeout_s: float = 180) -> list:
     """Runs `target(rank, port, *args, out)` in `world` spawned processes (a gloo group on a free
     loopback port); returns the `num_results` items they put on `out`, once every rank exited 0."""
@@ -170,7 +182,7 @@ def run_gloo_ranks(target, args: tuple, num_results: int, world: int = 2, timeou
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(world)]
+    procs = [ctx.Process(target=_run_rank, args=(target, r, port, args, out)) for r in range(world)]
     for p in procs:
         p.start()
     results = [out.get(timeout=timeout_s) for _ in range(num_results)]

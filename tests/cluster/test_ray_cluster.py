@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import ray
@@ -64,14 +65,17 @@ def test_tp_mixes_match_colocated(ray_session, tiny_path, ptp, dtp):
 def test_gemma2_kv_groups_through_tp_match_colocated(ray_session, tmp_path, ptp, dtp):
     """Tiny Gemma 2 (layers sliding 24, global, sliding 24: three KV groups, a transfer each, the
     sliding ones cut to the window) through P tp=1 -> D tp=2 and P tp=2 -> D tp=1: every decode
-    rank expects each group's heads from the right prefill ranks; greedy tokens equal colocated."""
+    rank expects each group's heads from the right prefill ranks; greedy tokens equal colocated.
+    With them an n = 3 request (60 tokens: its choices fork, copying a partial block in each group
+    on every decode rank): each choice equals colocated too."""
     kind, switches = FAMILIES["gemma2"]
     path = str(save_tiny(tmp_path / "gemma2", kind, seed=5, **switches))
     prompts = random_prompts(4, [7, 60, 140], seed=ptp * 10 + dtp)
     with Cluster(spec_for(path, prefill_tp=ptp, decode_tp=dtp), log_level="WARNING") as c:
-        got = checked(c.generate(prompts, GREEDY, timeout_s=120))
+        got = checked(c.generate(prompts + [prompts[1]], [GREEDY] * 4 + [replace(GREEDY, n=3)], timeout_s=120))
         c.assert_no_leaks()
-    assert got == colocated_tokens(path, prompts)
+    want = colocated_tokens(path, prompts)
+    assert got == want + [want[1]] * 3
 
 
 def test_no_room_fails_fast_and_leaves_nothing(ray_session, tmp_path):

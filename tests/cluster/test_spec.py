@@ -190,6 +190,9 @@ def test_cli_rejects_bad_values():
     ({"prefill_gpu_memory_utilization": 0.0}, "prefill_gpu_memory_utilization must be in"),
     ({"decode_gpu_memory_utilization": 1.5}, "decode_gpu_memory_utilization must be in"),
     ({"decode_gpu_memory_utilization": "half"}, "decode_gpu_memory_utilization must be float or null"),
+    ({"tool_call_parser": "pythonic"}, "tool_call_parser must be one of hermes, llama3_json, mistral"),
+    ({"reasoning_parser": "think"}, "reasoning_parser must be one of deepseek_r1, qwen3"),
+    ({"chat_template": ""}, "chat_template must not be empty"),
 ])
 def test_validation_errors(kw, message):
     """Bad values raise a ValueError that names the field."""
@@ -213,3 +216,17 @@ def test_leaf_modules_import_nothing_of_ours(module, allowed):
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert {m for m in imported if m.split(".")[0] in ours} == allowed
+
+
+def test_chat_template_must_be_a_file_with_a_template(tmp_path):
+    from cluster.serve import gateway_tokenizer
+    with pytest.raises(ValueError, match="chat_template .* is not a file"):
+        gateway_tokenizer(ClusterSpec(chat_template=str(tmp_path / "none.jinja")))
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    with pytest.raises(ValueError, match="bad.jinja"):
+        gateway_tokenizer(ClusterSpec(chat_template=str(bad)))
+    good = tmp_path / "good.jinja"
+    good.write_text("{% for m in messages %}{{ m.content }}{% endfor %}{{ tools }}")
+    tokenizer = gateway_tokenizer(ClusterSpec(chat_template=str(good)))
+    assert tokenizer.supports_tools and tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"

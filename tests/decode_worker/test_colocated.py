@@ -107,3 +107,21 @@ def test_seeded_sampling_reproducible(hf_model):
     others = random_prompts(4, [20], seed=9)
     batched, _ = _generate(hf_model, others + [prompt], [SamplingParams(max_tokens=16, temperature=1.0)] * 4 + [sp])
     assert alone[0].token_ids == batched[-1].token_ids
+
+
+def test_n_choices_fork_after_one_prefill(hf_model):
+    """n = 3 prefills the prompt once and forks: greedy choices each equal transformers' greedy
+    tokens (the partial last prompt block copied right, prompt 21 tokens over blocks of 16); seeded
+    ones differ from each other and come back the same on a second run, batched with others."""
+    prompt = random_prompts(1, [21], seed=10)[0]
+    outs, engine = _generate(hf_model, [prompt], SamplingParams(max_tokens=24, n=3, **GREEDY))
+    ref = hf_greedy(hf_model, prompt, 24)
+    assert [o.request_id for o in outs] == ["gen-0/0", "gen-0/1", "gen-0/2"]
+    assert all(o.token_ids == ref for o in outs)
+    assert engine.scheduler.requests == {} and engine.scheduler.num_preemptions == 0
+    sp = SamplingParams(max_tokens=16, temperature=1.0, seed=99, n=3, ignore_eos=True)
+    first, _ = _generate(hf_model, [prompt], sp)
+    again, _ = _generate(hf_model, random_prompts(2, [30], seed=11) + [prompt],
+                         [SamplingParams(max_tokens=8, temperature=1.0)] * 2 + [sp])
+    assert [o.token_ids for o in first] == [o.token_ids for o in again[2:]]
+    assert len({tuple(o.token_ids) for o in first}) == 3

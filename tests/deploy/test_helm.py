@@ -166,9 +166,11 @@ def test_templates_refuse_inconsistent_values(bad, message):
         render(bad)
 
 
+_JSON_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null"}
+
+
 def _json_type(tp) -> set[str]:
-    names = {bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null"}
-    return {names[arg] for arg in (typing.get_args(tp) or (tp,))}
+    return {_JSON_NAMES[arg] for arg in (typing.get_args(tp) or (tp,))}
 
 
 def test_schema_spec_keys_are_cluster_spec_fields():
@@ -179,7 +181,7 @@ def test_schema_spec_keys_are_cluster_spec_fields():
     assert set(schema) == {f.name for f in dataclasses.fields(ClusterSpec)} - CHART_OWNED_SPEC_KEYS
     for key, prop in schema.items():
         if "enum" in prop:
-            assert all(type(choice).__name__ == hints[key].__name__ for choice in prop["enum"]), key
+            assert {_JSON_NAMES[type(choice)] for choice in prop["enum"]} <= _json_type(hints[key]), key
         else:
             declared = {prop["type"]} if isinstance(prop["type"], str) else set(prop["type"])
             assert declared == _json_type(hints[key]), key
@@ -189,6 +191,8 @@ def test_schema_spec_keys_are_cluster_spec_fields():
     assert tuple(schema["router_policy"]["enum"]) == cluster_spec.ROUTER_POLICIES
     assert tuple(schema["attention_backend"]["enum"]) == cluster_spec.ATTENTION_BACKENDS
     assert set(schema["mode"]["enum"]) <= set(cluster_spec.MODES)
+    assert tuple(schema["tool_call_parser"]["enum"]) == (*cluster_spec.TOOL_CALL_PARSERS, None)
+    assert tuple(schema["reasoning_parser"]["enum"]) == (*cluster_spec.REASONING_PARSERS, None)
     root = json.loads((CHART / "values.schema.json").read_text())["properties"]
     assert tuple(root["autoscaler"]["properties"]["policy"]["enum"]) == cluster_spec.AUTOSCALE_POLICIES
 

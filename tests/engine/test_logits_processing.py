@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from engine.logits_processing import TokenHistory, process_logits
-from engine.request import SamplingParams
+from engine.logits_processing import TokenHistory, history_of, process_logits
+from engine.request import Request, SamplingParams
 from engine.sampling import Sampler
 
 GREEDY = dict(temperature=0.0, max_tokens=8)
@@ -42,6 +42,19 @@ def test_logit_bias_adds_and_min_tokens_holds_the_stop_set_back():
     got = processed(logits, p, TokenHistory(output=[0], stop_ids=frozenset({2, 1})))
     assert got == [0.0, -math.inf, -math.inf, 10.5]
     assert processed(logits, p, TokenHistory(output=[0, 0], stop_ids=frozenset({2, 1}))) == [0.0, 2.0, 3.0, 10.5]
+
+
+def test_a_retry_counts_the_output_its_prompt_carries():
+    """A retried request's prompt ends with its earlier output (num_resumed_tokens = 2, min_tokens
+    already lowered by those 2 by the router): the penalties count them as output, min_tokens only
+    counts this attempt's tokens."""
+    sp = SamplingParams(**GREEDY, frequency_penalty=1.0, min_tokens=1, num_resumed_tokens=2)
+    req = Request("r#1", [3, 1, 1], sp, eos_token_ids=frozenset({2}))
+    hist = history_of(req)
+    assert hist.prompt == frozenset({3}) and hist.output == [1, 1] and hist.num_resumed == 2
+    assert processed([1.0, 2.0, 3.0, 0.5], sp, hist) == [1.0, 0.0, -math.inf, 0.5]
+    hist.output.append(0)
+    assert processed([1.0, 2.0, 3.0, 0.5], sp, hist) == [0.0, 0.0, 3.0, 0.5]
 
 
 def test_min_p_keeps_tokens_within_its_fraction_of_the_likeliest():

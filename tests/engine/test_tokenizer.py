@@ -1,6 +1,8 @@
 """Tokenizer (GGUF and HF folder) against transformers, chat template, incremental detokenization."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import pre_tokenizers
@@ -179,3 +181,95 @@ def test_other_gguf_tokenizer_kinds_are_refused_by_name(kind, named):
     with pytest.raises(ValueError, match=named) as err:
         _gguf_backend(meta)
     assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Chat templates with tools (templates in tests/gateway/chat_templates/, written after the models' own)
+
+TOOL_TEMPLATES = Path(__file__).parents[1] / "gateway" / "chat_templates"
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALL_ID = "abcDEF123"  # Mistral's templates want 9 alphanumerics
+
+
+def _tool_chat(arguments) -> list[dict]:
+    """A chat with an earlier tool call (OpenAI form: content None), its result, and a new question."""
+    call = {"id": CALL_ID, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": CALL_ID, "content": "22 C"},
+            {"role": "assistant", "content": "It is 22 C."}, {"role": "user", "content": "And in Rome?"}]
+
+
+def _with_template(tok, source: str, name: str = "t") -> Tokenizer:
+    return Tokenizer(tok.backend, bos_token="<s>", eos_token="</s>", add_bos_token=False,
+                     chat_template=source, name=name)
+
+
+# The text each template must write for the tools, the earlier call and its result.
+TOOL_RENDERINGS = {
+    "hermes": ['<tools>\n{"type": "function", "function": {"name": "get_weather", ',
+               '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+               '</tool_call><|im_end|>\n',
+               "<|im_start|>user\n<tool_response>\n22 C\n</tool_response><|im_end|>\n"],
+    "llama3_json": ['Environment: ipython\n', '{\n    "type": "function",\n    "function": {\n',
+                    '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "get_weather", '
+                    '"parameters": {"city": "Paris"}}<|eot_id|>',
+                    '<|start_header_id|>ipython<|end_header_id|>\n\n"22 C"<|eot_id|>'],
+    "mistral": ['[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcDEF123"}]</s>',
+                '[TOOL_RESULTS] {"content": 22 C, "call_id": "abcDEF123"}[/TOOL_RESULTS]',
+                '[AVAILABLE_TOOLS] [{"type": "function", "function": {"name": "get_weather", '],
+}
+
+
+@pytest.mark.parametrize("family", sorted(TOOL_RENDERINGS))
+def test_tool_chat_templates_render_like_transformers(tok, ref, family):
+    """Tools, an assistant message with tool_calls (arguments as OpenAI's JSON string) and a tool result
+    render as transformers renders them with the arguments as a dict, and as the model's format wants."""
+    source = (TOOL_TEMPLATES / f"{family}.jinja").read_text()
+    ours = _with_template(tok, source, family).apply_chat_template(_tool_chat('{"city": "Paris"}'),
+                                                                   tools=[WEATHER_TOOL])
+    theirs = ref.apply_chat_template(_tool_chat({"city": "Paris"}), tools=[WEATHER_TOOL], chat_template=source,
+                                     tokenize=False, add_generation_prompt=True, bos_token="<s>", eos_token="</s>")
+    assert ours == theirs
+    for piece in TOOL_RENDERINGS[family]:
+        assert piece in ours, piece
+    assert ours.endswith({"hermes": "<|im_start|>assistant\n", "mistral": "And in Rome?[/INST]",
+                          "llama3_json": "<|start_header_id|>assistant<|end_header_id|>\n\n"}[family])
+
+
+def test_supports_tools_reads_the_template(tok):
+    """A template reading `tools` supports them; SmolLM2's own does not (the gateway refuses tools then)."""
+    assert not tok.supports_tools and "messages" in tok.template_variables
+    for family in TOOL_RENDERINGS:
+        assert _with_template(tok, (TOOL_TEMPLATES / f"{family}.jinja").read_text()).supports_tools, family
+    assert not _with_template(tok, "{{ 'tools' }}{% set tools = 1 %}{{ tools }}").supports_tools
+
+
+def test_template_kwargs_reach_the_template(tok):
+    """Keyword arguments such as Qwen3's enable_thinking are template variables."""
+    qwen3_tail = ("{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is defined and enable_thinking is false %}"
+                  "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+                  "{{ x | tojson(separators=(',', ':'), sort_keys=true) }}")
+    t = _with_template(tok, qwen3_tail)
+    assert "enable_thinking" in t.template_variables
+    assert t.apply_chat_template(CHATS[0], x={"b": 1, "a": [2]}) == '<|im_start|>assistant\n{"a":[2],"b":1}'
+    assert t.apply_chat_template(CHATS[0], enable_thinking=False, x=None).endswith("<think>\n\n</think>\n\nnull")
+
+
+def test_tool_messages_are_normalized_for_templates(tok):
+    """None-valued keys and empty tool_calls are left out (templates test `'tool_calls' in message`);
+    arguments that are not JSON are refused naming the message; the caller's messages are not changed."""
+    llama = _with_template(tok, (TOOL_TEMPLATES / "llama3_json.jinja").read_text())
+    plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "tool_calls": []},
+             {"role": "user", "content": "Bye", "name": None}]
+    assert "Hello<|eot_id|>" in llama.apply_chat_template(plain)
+    chat = _tool_chat("{'city': 'Paris'}")
+    with pytest.raises(ValueError, match=r"messages\[2\]\.tool_calls\[0\]\.function\.arguments is not valid JSON"):
+        llama.apply_chat_template(chat, tools=[WEATHER_TOOL])
+    chat = _tool_chat('{"city": "Paris"}')
+    ids = _with_template(tok, (TOOL_TEMPLATES / "hermes.jinja").read_text()).encode_chat(chat, tools=[WEATHER_TOOL])
+    assert chat[2]["content"] is None and chat[2]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    assert tok.decode(ids, skip_special_tokens=False).startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+

@@ -31,10 +31,13 @@ class FakeCluster:
         self.submitted.append((request_id, prompt_token_ids, params))
         n = min(params.max_tokens, len(TOKENS))
 
-        def emit():
+        def emit():  # each choice the same tokens (the events of n > 1 choices interleave)
             for i, t in enumerate(TOKENS[:n]):
-                listener(StreamEvent([t], logprobs=None if params.logprobs is None else [fake_logprobs(i, t, params.logprobs)]))
-            listener(StreamEvent([], True, "length" if n == params.max_tokens else "stop"))
+                for c in range(params.n):
+                    lp = None if params.logprobs is None else [fake_logprobs(i, t, params.logprobs)]
+                    listener(StreamEvent([t], logprobs=lp, index=c))
+            for c in range(params.n):
+                listener(StreamEvent([], True, "length" if n == params.max_tokens else "stop", index=c))
         threading.Thread(target=emit, daemon=True).start()
 
     def abort(self, request_id):

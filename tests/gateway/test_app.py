@@ -3,6 +3,7 @@ health/ready/metrics, and no 5xx for any body schemathesis can think of."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -55,6 +56,21 @@ def test_completion_stream_chunks_usage_and_done(client):
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["usage"]["completion_tokens"] == 7
 
 
+def test_n_choices_each_with_its_index_and_the_prompt_counted_once(client, cluster):
+    r = client.post("/v1/chat/completions", json=chat(max_tokens=3, n=3))
+    assert r.status_code == 200, r.text
+    body, prompt_len = r.json(), len(cluster.submitted[0][1])
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2] and cluster.submitted[0][2].n == 3
+    assert all(c["message"]["content"] == "The capital of" for c in body["choices"])
+    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 9, "total_tokens": prompt_len + 9}
+    with client.stream("POST", "/v1/chat/completions", json=chat(max_tokens=3, n=2, stream=True)) as r:
+        chunks = [json.loads(ln[len("data: "):]) for ln in r.iter_lines() if ln and ln != "data: [DONE]"]
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""} and mine[-1]["finish_reason"] == "length"
+        assert "".join(c["delta"].get("content", "") for c in mine) == "The capital of"
+
+
 def test_stop_string_cuts_text(client):
     r = client.post("/v1/completions", json={"model": "smollm2", "prompt": "x", "max_tokens": 10, "stop": " France"})
     assert r.json()["choices"][0]["text"] == "The capital of" and r.json()["choices"][0]["finish_reason"] == "stop"
@@ -74,7 +90,7 @@ def test_stop_string_cuts_text(client):
     (chat(logit_bias={"5": 101}), 400, "logit_bias"),
     (chat(logit_bias={"99999999": 1}), 400, "logit_bias"),
     (chat(stop_token_ids=[-1]), 400, "stop_token_ids"),
-    (chat(n=2), 400, "n"),
+    (chat(n=129), 400, "n"), (chat(n=0), 400, "n"),
     (chat(top_logprobs=2), 400, "top_logprobs"),
     (chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ({"model": "smollm2", "prompt": "x", "logprobs": -1}, 400, "logprobs"),
@@ -180,3 +196,23 @@ def test_completion_logprobs_streamed(client):
     tops = [top for lp in lps for top in lp["top_logprobs"]]
     assert [len(top) for top in tops] == [1 if i % 2 == 0 else 2 for i in range(len(TOKENS))]
     assert all(tok in top for tok, top in zip(tokens, tops))
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_tools_on_a_template_without_them_are_refused(client):
+    """SmolLM2's own chat template never reads `tools`: they would be dropped silently, so 400."""
+    r = client.post("/v1/chat/completions", json=chat(tools=TOOLS))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools" and "--chat-template" in r.text
+
+
+def test_auto_tool_choice_needs_a_parser(cluster):
+    """With a template that renders tools but no --tool-call-parser, auto is refused; required is not."""
+    tok = Tokenizer.from_path(resolve_model_path("smollm2"))
+    tok.set_chat_template((Path(__file__).parent / "chat_templates" / "hermes.jinja").read_text())
+    c = TestClient(create_app(cluster, tok, "smollm2", FakeCluster.max_model_len))
+    r = c.post("/v1/chat/completions", json=chat(tools=TOOLS))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice" and "--tool-call-parser" in r.text
+    r = c.post("/v1/chat/completions", json=chat(tools=TOOLS, tool_choice="required", max_tokens=3))
+    assert r.status_code == 200 and cluster.submitted[-1][2].structured_output[0] == "json_schema"

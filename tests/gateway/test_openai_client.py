@@ -9,30 +9,11 @@ import httpx
 import openai
 import pytest
 
-from cluster.serve import build, serve_in_thread
-from cluster.spec import ClusterSpec
-from decode_worker.llm import LLM
 from engine.request import SamplingParams
 from tests.helpers import all_logits
 
 pytestmark = pytest.mark.timeout(300)
 QUESTIONS = [f"What is {a} plus {b}?" for a, b in zip(range(2, 12), range(5, 15))]  # 10 distinct chats
-
-
-@pytest.fixture(scope="module")
-def server():
-    spec = ClusterSpec(model="smollm2", dtype="float32", device="cpu", num_kv_blocks=512, block_size=16,
-                       max_num_seqs=128, max_num_batched_tokens=1024, num_threads=2, kv_transfer_timeout_s=30.0)
-    cluster, app = build(spec, use_ray=False)
-    url, stop = serve_in_thread(app)
-    yield cluster, f"{url}/v1"
-    stop()
-    cluster.shutdown()
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(model="smollm2", dtype="float32", num_blocks=256)
 
 
 @pytest.fixture(scope="module")

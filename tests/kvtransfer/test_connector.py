@@ -27,7 +27,7 @@ class ScriptedTransfer(Transfer):
     def send_layer(self, layer: int, kv: torch.Tensor) -> None:
         self.layers.append((layer, tuple(kv.shape)))
 
-    def finish(self, first_token: int, logprobs=None) -> None:
+    def finish(self, first_token: int, logprobs=None, more_choices=()) -> None:
         self.finished = first_token
 
     def wait(self, timeout: float | None = None) -> None:

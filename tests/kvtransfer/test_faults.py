@@ -37,7 +37,7 @@ def serves_again(rx, proxy, tx) -> None:
     proxy.heal()
     rx.expect("next", torch.arange(4), 1)
     send_part(tx, "next", proxy.endpoint(), make_cache(), torch.arange(4), 0, HEADS).wait(BOUND_S)
-    assert poll_until(rx)[0] == [("next", 7, None)]
+    assert poll_until(rx)[0] == [("next", 7, None, ())]
 
 
 @pytest.mark.parametrize("phase", ["hello", "begin", "layer", "done"])
@@ -68,7 +68,7 @@ def test_delays_within_the_deadline_are_only_slow(pair):
     proxy.delay_s = DEADLINE_S / 20
     rx.expect("r", torch.arange(4), 1)
     send_part(tx, "r", proxy.endpoint(), make_cache(), torch.arange(4), 0, HEADS).wait(BOUND_S)
-    assert poll_until(rx)[0] == [("r", 7, None)] and tx.stats.get("groups_failed", 0) == 0
+    assert poll_until(rx)[0] == [("r", 7, None, ())] and tx.stats.get("groups_failed", 0) == 0
 
 
 def test_garbage_mid_part_fails_that_request_on_both_sides(pair):

@@ -63,7 +63,7 @@ def test_fp8_head_halves_of_two_prefill_ranks_land_exactly():
     rx.expect("r", slots, 2)
     for p, tx in enumerate(senders):
         send_part(tx, "r", dest, full, torch.arange(len(slots)), p * half, (p + 1) * half).wait(10)
-    assert poll_until(rx)[0] == [("r", 7, None)]
+    assert poll_until(rx)[0] == [("r", 7, None, ())]
     for layer in range(LAYERS):
         assert torch.equal(as_bytes(flat(dst, layer)[:, slots]), as_bytes(flat(full, layer)[:, :len(slots)]))
     for end in (*senders, rx):

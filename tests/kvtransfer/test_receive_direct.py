@@ -67,7 +67,7 @@ def test_layers_queued_at_the_sender_go_under_one_announcement():
     src, slots = make_cache(), torch.arange(2 * BLOCK)
     rx.expect("r", slots, 1)
     send_part(tx, "r", proxy.endpoint(), src, slots, 0, HEADS).wait(10)
-    assert poll_until(rx)[0] == [("r", 7, None)]
+    assert poll_until(rx)[0] == [("r", 7, None, ())]
     assert proxy.seen.count("layer") == 1 and rx.stats["layers_direct"] == LAYERS
     assert torch.equal(dst[:, :, :2], src[:, :, :2])
     tx.close(), proxy.close(), rx.close()

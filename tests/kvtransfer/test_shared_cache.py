@@ -119,7 +119,7 @@ def test_a_sender_in_another_process_writes_into_the_cache():
     child.start()
     assert queue.get(timeout=60) == 1
     child.join(BOUND_S)
-    assert poll_until(rx)[0] == [("r", 7, None)]
+    assert poll_until(rx)[0] == [("r", 7, None, ())]
     for layer in range(LAYERS):
         assert torch.equal(flat(dst, layer)[:, slots], flat(src, layer)[:, :len(slots)])
     rx.close()

@@ -11,7 +11,7 @@ from kvtransfer.control import MAX_MESSAGE_BYTES
 
 def done(**kw) -> dict:
     return {"kind": "done", "request_id": "r", "head_start": 0, "num_layers": 30, "first_token": 5,
-            "logprobs": None, **kw}
+            "logprobs": None, "more_choices": [], **kw}
 
 
 def test_largest_done_message_round_trips():
@@ -26,6 +26,16 @@ def test_largest_done_message_round_trips():
     assert len(raw) < MAX_MESSAGE_BYTES
     got = wire.check_message(msgpack.unpackb(raw), wire.SCHEMA)
     assert got == msg and wire.unpack_logprobs(got["logprobs"]) == logprobs
+    # n = 128 choices (the gateway's bound), each with as many logprobs
+    msg["more_choices"] = [[49151 - c, wire.pack_logprobs(logprobs)] for c in range(127)]
+    raw = msgpack.packb(msg)
+    assert len(raw) < MAX_MESSAGE_BYTES and wire.check_message(msgpack.unpackb(raw), wire.SCHEMA) == msg
+
+
+@pytest.mark.parametrize("more", [[[1]], [[1, [[2]]]], [["a", None]], [[True, None]], [1], "x", None])
+def test_malformed_more_choices_refused(more):
+    with pytest.raises(wire.WireError):
+        wire.check_message(done(more_choices=more), wire.SCHEMA)
 
 
 @pytest.mark.parametrize("logprobs", [[[1]], [[1, 2]], [["a", -1.0]], [[True, -1.0]], [1, -1.0], "x"])

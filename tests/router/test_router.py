@@ -233,7 +233,7 @@ def test_dead_decode_retries_with_delivered_tokens():
         threading.Event().wait(0.01)
     retry = second.reserved[0]
     assert retry.request_id == "a#1" and retry.prompt_token_ids == [1, 2, 8, 9]
-    assert retry.sampling_params.max_tokens == 2
+    assert retry.sampling_params.max_tokens == 2 and retry.sampling_params.num_resumed_tokens == 2
     second.outputs.put(RequestOutput("a#1", [3, 4], "", True, "length", num_output_tokens=2))
     assert stream.result(timeout=5).token_ids == [8, 9, 3, 4]
     r.close()
