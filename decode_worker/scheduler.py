@@ -49,7 +49,13 @@ class Scheduler:
         self.num_preemptions = 0
 
     # -- requests in and out ---------------------------------------------------------------
+    def _check_n(self, req: Request) -> None:
+        if req.sampling_params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={req.sampling_params.n} is more choices than this instance runs at once "
+                             f"(max_num_seqs {self.config.max_num_seqs})")
+
     def add_request(self, req: Request) -> None:
+        self._check_n(req)
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if req.num_prompt_tokens >= self.max_model_len:
@@ -63,7 +69,9 @@ class Scheduler:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if req.num_prompt_tokens >= self.max_model_len:
             raise ValueError(f"prompt has {req.num_prompt_tokens} tokens; the limit is {self.max_model_len - 1}")
-        if len(self.running) + len(self.remote) >= self.config.max_num_seqs:
+        self._check_n(req)
+        waiting = sum(r.sampling_params.n for r in self.remote.values())  # choices run side by side once forked
+        if len(self.running) + waiting + req.sampling_params.n > self.config.max_num_seqs:
             return False
         # No prefix caching of these blocks until their KV has arrived (see remote_kv_ready). With
         # a sliding window, none for the blocks before it: the prefill ships only what is read.

@@ -74,6 +74,7 @@ class Generation:
         self.created, self.arrival_s = now(), time.monotonic()
         self.first_token_s = self.last_token_s = None
         self.error: str | None = None
+        self.bad_request = False  # the error is the request's own (an instance refused it)
 
     @property
     def finished(self) -> bool:
@@ -95,6 +96,7 @@ class Generation:
         text = choice.consume(event)
         if event.finished:
             self.error = self.error or event.error
+            self.bad_request = self.bad_request or event.bad_request
             if self.finished:
                 self.metrics.e2e.observe(time.monotonic() - self.arrival_s)
         return choice, text
@@ -106,6 +108,8 @@ class Generation:
         self.metrics.requests.labels(self.kind, status).inc()
 
     def _failed(self) -> APIError:
+        if self.bad_request:
+            return APIError(400, self.error)
         return APIError(503, f"generation failed: {self.error}", "service_unavailable", headers=RETRY_AFTER)
 
     @property

@@ -289,7 +289,7 @@ class Router:
                 self._fail(tracked, iid, str(outcome.dead))
         elif outcome.bad_request is not None:
             self._abort_attempt(tracked)
-            self._give_up(tracked, outcome.bad_request)
+            self._give_up(tracked, outcome.bad_request, bad_request=True)
         elif outcome.decode is None:  # every decode instance is full: the caller queues it
             del self._by_attempt[plan.attempt_id]
             for choice in tracked.choices:
@@ -437,12 +437,12 @@ class Router:
         self._pending.appendleft(tracked)
         self._wake.notify_all()
 
-    def _give_up(self, tracked: Tracked, reason: str) -> None:
+    def _give_up(self, tracked: Tracked, reason: str, bad_request: bool = False) -> None:
         self._by_attempt.pop(tracked.attempt_id, None)
         if tracked.choices:
-            return self._split(tracked, lambda choice: self._give_up(choice, reason))
+            return self._split(tracked, lambda choice: self._give_up(choice, reason, bad_request))
         self.stats["failed"] += 1
-        self._finish(tracked, StreamEvent([], True, "error", reason))
+        self._finish(tracked, StreamEvent([], True, "error", reason, bad_request=bad_request))
 
     def _abort_attempt(self, tracked: Tracked) -> None:
         """Under the lock: forgets the attempt; its instances are told once the lock is released."""

@@ -18,6 +18,7 @@ class StreamEvent:
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None  # one {token_id: logprob} per token, when asked for
     index: int = 0  # the choice (n > 1)
+    bad_request: bool = False  # the error is the request's own (an instance refused it): HTTP 400
 
 
 class RequestStream:

@@ -3,6 +3,8 @@ choices, which share the prompt's blocks and copy its partial last block before 
 each has its own seed and first token; one that finds no block waits and is recomputed."""
 from __future__ import annotations
 
+import pytest
+
 from decode_worker.scheduler import Scheduler, choice_id
 from engine.batch import RunnerOutput
 from engine.block_manager import KVCacheManager
@@ -86,3 +88,15 @@ def test_colocated_prefill_forks_after_its_step():
     for rid in list(s.requests):
         s.finish_request(rid, RequestStatus.FINISHED_ABORTED)
     s.kv.assert_no_leaks()
+
+
+def test_choices_count_against_max_num_seqs():
+    """A request's n choices run side by side: reserve counts them, and more than the instance ever
+    runs at once is refused by name."""
+    s = create_scheduler(64)  # max_num_seqs 8
+    assert s.reserve(create_request(5))
+    assert not s.reserve(Request("h", list(range(9)), SamplingParams(max_tokens=4, n=4)))
+    with pytest.raises(ValueError, match=r"n=9 .* \(max_num_seqs 8\)"):
+        s.reserve(Request("big", list(range(9)), SamplingParams(max_tokens=4, n=9)))
+    with pytest.raises(ValueError, match="n=9"):
+        s.add_request(Request("big", list(range(9)), SamplingParams(max_tokens=4, n=9)))

@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from engine.loader import resolve_model_path
 from engine.tokenizer import Tokenizer
 from gateway.app import create_app
+from router.stream import StreamEvent
 from tests.gateway.fakes import TOKENS, FakeCluster, fake_logprobs
 
 pytestmark = pytest.mark.timeout(120)
@@ -216,3 +217,12 @@ def test_auto_tool_choice_needs_a_parser(cluster):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice" and "--tool-call-parser" in r.text
     r = c.post("/v1/chat/completions", json=chat(tools=TOOLS, tool_choice="required", max_tokens=3))
     assert r.status_code == 200 and cluster.submitted[-1][2].structured_output[0] == "json_schema"
+
+
+def test_a_request_an_instance_refuses_is_a_400(client, cluster, monkeypatch):
+    def refuse(request_id, prompt_token_ids, params, listener=None):
+        listener(StreamEvent([], True, "error", "n=3 is more choices than this instance runs at once",
+                             bad_request=True))
+    monkeypatch.setattr(cluster, "submit", refuse)
+    r = client.post("/v1/chat/completions", json=chat(n=3))
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("n=3 is more choices")

@@ -95,3 +95,18 @@ def test_abort_after_the_fork_reaches_every_choice():
     _wait_until(lambda: {"a#0/0", "a#0/1", "a#0/2"} <= set(d.aborted))
     assert {"a#0/0", "a#0/1", "a#0/2"} <= set(d.aborted) and not r._live and not r._by_attempt
     r.close()
+
+
+def test_a_request_an_instance_refuses_is_a_bad_request():
+    """reserve raising ValueError (n beyond max_num_seqs): every choice ends with the reason, marked
+    the request's own fault (the gateway answers 400), not retried."""
+    class Refusing(FakeDecode):
+        def reserve(self, req, prefill_tp):
+            raise ValueError("n=3 is more choices than this instance runs at once (max_num_seqs 2)")
+    p, d = FakePrefill("p0"), Refusing("d0")
+    r = make_router([p], [d])
+    events = []
+    r.submit("a", [1, 2], PARAMS, listener=events.append)
+    _wait_until(lambda: len(events) == 3)
+    assert all(e.bad_request and "max_num_seqs" in e.error for e in events) and r.stats["retries"] == 0
+    r.close()
