@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-import engine.sampling
+import engine.structured_output
 from decode_worker.llm import LLM
 from engine.attention import BACKENDS
 from engine.request import SamplingParams
@@ -37,18 +37,18 @@ PROMPT = "List 50 products of a hardware store as JSON, with their prices and ta
 @contextlib.contextmanager
 def _timed_masks(totals: list[float]):
     """Adds the time spent in the sampler's `apply_grammar_masks` calls to totals[0]."""
-    apply = engine.sampling.apply_grammar_masks
+    apply = engine.structured_output.apply_grammar_masks
 
     def timed(logits, grammars):
         start = time.perf_counter()
         apply(logits, grammars)
         totals[0] += time.perf_counter() - start
 
-    engine.sampling.apply_grammar_masks = timed
+    engine.structured_output.apply_grammar_masks = timed
     try:
         yield
     finally:
-        engine.sampling.apply_grammar_masks = apply
+        engine.structured_output.apply_grammar_masks = apply
 
 
 def one_round(llm: LLM, n: int, steps: int, grammar: bool, tag: str) -> tuple[float, float, float]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
-import llguidance
 import torch
 
 from engine.attention import AttentionMetadata, create_attention_backend
@@ -28,9 +28,13 @@ from engine.quant import (create_linear_method, method_reads_q4_codes, process_w
 from engine.quant.q8_head import q8_head_method
 from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
-from engine.structured_output import GrammarState, ll_tokenizer
 from engine.threads import use_intraop_threads
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # llguidance is imported with the first structured request (not on every machine)
+    import llguidance
+
+    from engine.structured_output import GrammarState
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +233,7 @@ class ModelRunner:
         output = r.history.output if r.history is not None else []
         if old is not None and old.grammar is not None and old.grammar.num_tokens == len(output):
             return old.grammar
+        from engine.structured_output import GrammarState
         kind, spec = r.sampling_params.structured_output
         return GrammarState(kind, spec, self.grammar_tokenizer(), output, r.request_id)
 
@@ -236,6 +241,7 @@ class ModelRunner:
         """llguidance's tokenizer for this model (`engine.structured_output.ll_tokenizer`), from the
         model's own tokenizer, over the logits' width, with the model's EOS ids; built once."""
         if self._ll_tokenizer is None:
+            from engine.structured_output import ll_tokenizer
             tokenizer = Tokenizer.from_path(self.config.model)
             mc = self.model_config
             eos = tuple(sorted({*mc.eos_token_ids, mc.eos_token_id, tokenizer.eos_token_id} - {None}))

@@ -10,12 +10,15 @@ matter which other requests share the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.logits_processing import TokenHistory, apply_min_p, needs_processing, process_logits
 from engine.request import SamplingParams
-from engine.structured_output import GrammarState, apply_grammar_masks
+
+if TYPE_CHECKING:
+    from engine.structured_output import GrammarState
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32.
 _SAMPLING_EPS = 1e-5
@@ -76,6 +79,7 @@ class Sampler:
         logits = raw
         masked = grammars is not None and any(g is not None for g in grammars)
         if masked:
+            from engine.structured_output import apply_grammar_masks  # llguidance: only where grammars run
             logits = raw.clone()
             apply_grammar_masks(logits, grammars)
         if any(needs_processing(p) for p in params):

