@@ -226,3 +226,13 @@ def test_a_request_an_instance_refuses_is_a_400(client, cluster, monkeypatch):
     monkeypatch.setattr(cluster, "submit", refuse)
     r = client.post("/v1/chat/completions", json=chat(n=3))
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("n=3 is more choices")
+
+
+def test_chat_template_kwargs_reach_the_template(cluster):
+    tok = Tokenizer.from_path(resolve_model_path("smollm2"))
+    tok.set_chat_template("{{ 'thinking:' if enable_thinking else 'plain:' }}{% for m in messages %}{{ m.content }}"
+                          "{% endfor %}")
+    c = TestClient(create_app(cluster, tok, "smollm2", FakeCluster.max_model_len))
+    for kwargs, want in (({"enable_thinking": True}, "thinking:Capital of France?"), ({}, "plain:Capital of France?")):
+        assert c.post("/v1/chat/completions", json=chat(max_tokens=2, chat_template_kwargs=kwargs)).status_code == 200
+        assert tok.decode(cluster.submitted[-1][1]) == want
