@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 
 import llguidance
-import llguidance.torch as llg_torch
+import llguidance.numpy as llg_numpy  # not llguidance.torch: it imports torch._dynamo (~5 s)
 import numpy as np
 import torch
 
@@ -186,7 +186,7 @@ class GrammarState:
             bitmask: (num_rows, ceil(vocab_size / 32)) int32, on the CPU, contiguous.
         """
         if not self.failed:
-            llg_torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+            llg_numpy.fill_next_token_bitmask(self.matcher, bitmask.numpy(), row)  # the tensor's memory
             if not self.matcher.is_error():
                 return
             self._fail(self.matcher.get_error())
@@ -243,7 +243,9 @@ def apply_grammar_masks(logits: torch.Tensor, grammars: Sequence[GrammarState | 
     vocab = logits.shape[-1]
     width = grammars[rows[0]].vocab_size
     assert all(grammars[i].vocab_size == width for i in rows), "one tokenizer per batch"
-    bitmask = llg_torch.allocate_token_bitmask(len(rows), width)  # (num_rows, words) int32, pinned with CUDA
+    bitmask = torch.from_numpy(llg_numpy.allocate_token_bitmask(len(rows), width))  # (num_rows, words) int32
+    if logits.device.type == "cuda":
+        bitmask = bitmask.pin_memory()  # uploaded without waiting for the forward still running
     for j, i in enumerate(rows):
         grammars[i].fill_bitmask(bitmask, j)
     forbidden = ~unpack_bitmask(bitmask, min(width, vocab), logits.device)  # (num_rows, min(width, vocab))
