@@ -45,6 +45,7 @@ def _one_line(message: str) -> str:
     return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE - 3] + "..."
 
 
+@functools.lru_cache(maxsize=64)  # a memo: each choice of an n > 1 request, each retry, asks again
 def _compile(kind: str, spec: str) -> str:
     """The llguidance grammar of `(kind, spec)`, checking only what llguidance's `grammar_from_*`
     do not (they never check validity: an `LLMatcher` built from a bad grammar is in error)."""

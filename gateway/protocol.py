@@ -2,6 +2,7 @@
 SamplingParams. Anything we do not support is refused with a 400 naming it, never ignored."""
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -291,7 +292,11 @@ class ChatCompletionRequest(_Sampling):
 
     def tool_setup(self) -> tuple[list[dict] | None, str | dict]:
         """The checked tools and tool choice ("none", "auto", "required" or the named tool's definition);
-        APIError(400) naming what is wrong."""
+        APIError(400) naming what is wrong. Checked once (the prompt and the output format both ask)."""
+        return self._tool_setup
+
+    @functools.cached_property
+    def _tool_setup(self) -> tuple[list[dict] | None, str | dict]:
         try:
             tools = validate_tools(self.tools) if self.tools else None
         except ValueError as exc:
