@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import replace
 
 from engine.batch import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from engine.block_manager import KVCacheManager
@@ -130,7 +129,7 @@ class Scheduler:
         children, no_room = [], set()
         for i in range(len(choices)):
             child = Request(ids[i], parent.prompt_token_ids,
-                            replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i), parent.arrival_time,
+                            sp.choice(i), parent.arrival_time,
                             parent.eos_token_ids, client_id=parent.client_id)
             child.num_computed_tokens, child.num_cached_tokens = parent.num_computed_tokens, parent.num_cached_tokens
             self.requests[child.request_id] = child

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -342,9 +342,8 @@ class ModelRunner:
             params.append(s.sampling_params)
             generators.append(s.generator)
             for c in range(1, s.sampling_params.n):
-                seed = None if s.sampling_params.seed is None else s.sampling_params.seed + c
-                params.append(replace(s.sampling_params, n=1, seed=seed))
-                generators.append(make_generator(seed, self.device))
+                params.append(s.sampling_params.choice(c))
+                generators.append(make_generator(params[-1].seed, self.device))
         if len(rows) > len(states):
             logits = logits[torch.tensor(rows, device=logits.device)]
         grammars = [states[i].grammar for i in rows]

@@ -7,7 +7,7 @@ history already has K/V in the paged cache.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,10 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+
+    def choice(self, index: int) -> SamplingParams:
+        """Choice `index`'s own params once an n > 1 request forks: n = 1, seed + index (vLLM's child seeds)."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
     @property
     def needs_token_history(self) -> bool:

@@ -157,7 +157,7 @@ class Router:
                           RequestStream(request_id, None if params.n > 1 else listener))
         if params.n > 1:
             tracked.choices = [Tracked(f"{request_id}/{i}", tracked.prompt_token_ids,
-                                       replace(params, n=1, seed=None if params.seed is None else params.seed + i),
+                                       params.choice(i),
                                        RequestStream(f"{request_id}/{i}", indexed(listener, i)), parent=tracked,
                                        index=i, grouped=True) for i in range(params.n)]
         with self._locked():
