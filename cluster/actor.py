@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 import ray
 import torch
 
+from cluster import cpu_plan
 from cluster.nodes import RankPlacement, node_address, set_socket_ifnames, unreachable
 from cluster.rank import RankHost, free_address
 from engine.config import EngineConfig
@@ -36,10 +38,13 @@ class _Followers:
 class RankActor:
     def __init__(self, config: EngineConfig, role: str, instance_id: str, rank: int, tp_size: int,
                  kv_timeout_s: float, log_level: str = "INFO", loopback: bool = False, client_ttl_s: float = 30.0,
-                 kv_same_device: bool = True):
+                 kv_same_device: bool = True, cpu: cpu_plan.RankCpuPlan = cpu_plan.RankCpuPlan()):
         """`loopback`: the driver started Ray on this one host; bind 127.0.0.1. `kv_same_device`:
-        the spec's kv_transport is auto (KV within one device is written into the decode cache)."""
+        the spec's kv_transport is auto (KV within one device is written into the decode cache).
+        `cpu`: this process's niceness and cores, applied before the rank's threads start."""
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._cpu = cpu
+        cpu_plan.apply(cpu)
         self._args = (config, role, instance_id, rank, tp_size)
         self._kv_timeout_s, self._client_ttl_s, self._kv_same_device = kv_timeout_s, client_ttl_s, kv_same_device
         self._host_name = node_address(loopback)
@@ -62,14 +67,16 @@ class RankActor:
     def describe(self) -> dict:
         """What a controller that did not start this rank needs to adopt it: role, instance_id,
         tp_size, rank, ready (model loaded, TP group joined), kv_endpoint, max_model_len, block_size, engine,
-        placement, config (the EngineConfig it runs)."""
+        placement (with its CPU state once ready), cpu_slot (its pinned cores' slot, or None), config (the
+        EngineConfig it runs)."""
         config, role, instance_id, rank, tp_size = self._args
         ready = self.host is not None and (rank > 0 or self._complete)
+        placement = replace(self.placement(), cpu=self.cpu()) if ready else self.placement()
         return {"role": role, "instance_id": instance_id, "tp_size": tp_size, "rank": rank, "ready": ready,
                 "kv_endpoint": self.host.kv_endpoint() if ready else None,
                 "max_model_len": self.host.max_model_len if ready else 0,
                 "block_size": self.host.block_size if ready else 0, "engine": self.host.engine if ready else {},
-                "placement": self.placement(), "config": config}
+                "placement": placement, "cpu_slot": self._cpu.slot, "config": config}
 
     def mark_complete(self) -> None:
         """Rank 0: every rank is set up (followers known): the instance may be adopted."""
@@ -85,7 +92,14 @@ class RankActor:
         self.host = RankHost(config, role, instance_id, rank, tp_size, tp_address, self._host_name, self._kv_timeout_s,
                              on_loop_death=lambda: os._exit(1), client_ttl_s=self._client_ttl_s,
                              kv_same_device=self._kv_same_device)
+        cpu_plan.set_niceness(self._cpu.niceness)  # threads Ray started meanwhile, too
         return self.host.kv_endpoint()
+
+    def cpu(self) -> dict:
+        """How this rank shares its host's CPUs (cluster/cpu_plan.py cpu_state), for /status."""
+        runner = self.host.runner
+        most = runner.team.max_threads if runner.team is not None else runner.intraop_threads
+        return cpu_plan.cpu_state(self.host.step_thread_id, most, runner.team is not None)
 
     def max_model_len(self) -> int:
         return self.host.max_model_len

@@ -63,6 +63,8 @@ class Adoption:
         pg = ray.util.get_placement_group(f"{self._namespace}/{iid}")
         if node is not None:
             self._nodes.adopt(iid, role, tp, self._rank_resources(role, self._use_gpus()), node.node_id)
+            if self._core_slots is not None and all(d.get("cpu_slot") is not None for d in described):
+                self._core_slots.hold(node.node_id, iid, [d["cpu_slot"] for d in described])
         endpoints = tuple(d["kv_endpoint"] for d in described) if role == "decode" else ()
         info = InstanceInfo(iid, role, tp, endpoints, max_model_len=head["max_model_len"],
                             block_size=head.get("block_size", 0), engine=head.get("engine", {}))
@@ -79,7 +81,7 @@ class Adoption:
         on GPU with the GPU plan's gpu_memory_utilization, as the controller starts it)."""
         want = self._role_engine_config(role, self._use_gpus())
         if want.num_threads is None:
-            config = replace(config, num_threads=None)
+            config = replace(config, num_threads=None, adapt_threads=False)
         return config == want
 
     def _kill_named(self, names) -> None:

@@ -167,6 +167,13 @@ def _add_status(sub) -> None:
     p.set_defaults(func=cmd_status)
 
 
+def _rank_cpu(cpu: dict | None) -> str:
+    """" [nice 0, cores 0-1, 2 threads, PASSIVE]" (cluster/cpu_plan.py cpu_state), or "" when unknown."""
+    if not cpu:
+        return ""
+    return f" [nice {cpu['niceness']}, cores {cpu['cpus']}, {cpu['intraop_threads']} threads, {cpu['omp_wait_policy']}]"
+
+
 def cmd_status(args) -> int:
     import httpx
     try:
@@ -174,10 +181,10 @@ def cmd_status(args) -> int:
     except httpx.HTTPError as exc:
         raise ValueError(f"cannot read {args.url}/status: {exc}") from None
     print(f"{'instance':<14}{'role':<11}{'tp':>3}  {'health':<8}{'running':>8}{'waiting':>8}{'queued tok':>11}"
-          f"{'KV use':>8}  ranks (node address/pid)")
+          f"{'KV use':>8}  ranks (node address/pid [nice, cores, intra-op threads, OpenMP wait])")
     for i in instances:
         load = i["load"]
-        ranks = " ".join(f"{r['node_ip']}/{r['pid']}" for r in i.get("ranks", []))
+        ranks = " ".join(f"{r['node_ip']}/{r['pid']}{_rank_cpu(r.get('cpu'))}" for r in i.get("ranks", []))
         print(f"{i['instance_id']:<14}{i['role']:<11}{i['tp_size']:>3}  {'ok' if i['healthy'] else 'dead':<8}"
               f"{load.get('running', 0):>8.0f}{load.get('waiting', 0):>8.0f}"
               f"{load.get('queued_prefill_tokens', 0):>11.0f}{load.get('kv_usage', 0):>8.1%}  {ranks}")

@@ -23,9 +23,10 @@ import threading
 import time
 from dataclasses import replace
 
-from cluster import gpu_share, model_fit, nodes
+from cluster import cpu_plan, gpu_share, model_fit, nodes
 from cluster.adoption import Adoption
 from cluster.clients import LocalDecodeClient, LocalPrefillClient, RayDecodeClient, RayPrefillClient
+from cluster.rank_setup import RankSetup
 from cluster.instance import Instance, init_ray, rank_actor_name, setup_ray_auth  # noqa: F401 (re-exported)
 from cluster.spec import ClusterSpec
 from cluster.state import ClusterState, InstanceRecord, create_state
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 DRAIN_GRACE_S = 1.5  # gateways see a draining instance within their sync interval (cluster/frontend.py)
 
 
-class Controller(Adoption):
+class Controller(Adoption, RankSetup):
     def __init__(self, spec: ClusterSpec, state: ClusterState | None = None, use_ray: bool = True,
                  log_level: str = "WARNING", wait_for_room: bool = False):
         """`wait_for_room`: an instance no node has room for yet is owed and retried (a node may
@@ -52,6 +53,8 @@ class Controller(Adoption):
         self._next_id = {"prefill": 0, "decode": 0, "colocated": 0}
         self._nodes = nodes.PlacementManager()
         self._plan: gpu_share.GpuPlan | None = None  # how ranks use the GPUs (on GPU, once Ray is up)
+        self._core_slots = (cpu_plan.CoreSlots(spec.cpus_per_rank, spec.reserved_cpus)
+                            if spec.cpus_per_rank is not None else None)  # each node's pinned cores
         self._start_lock = threading.Lock()  # one instance starts at a time on shared GPUs
         self._dead_ids: list[str] = []  # dead instances, kept in the cluster state as such until shutdown
         self._stop = threading.Event()
@@ -73,6 +76,8 @@ class Controller(Adoption):
     def start(self) -> Controller:
         """Adopts or starts every instance; on failure, what this call started is stopped again."""
         model_fit.check(self.spec)  # before anything starts
+        if self.use_ray:
+            cpu_plan.check_host_cores(self.spec)
         try:
             if self.use_ray:
                 ranks = sum(n * self.spec.tp_size(r) for r, n in self.spec.instance_counts.items())
@@ -274,7 +279,8 @@ class Controller(Adoption):
         self.state.register(InstanceRecord(inst.instance_id, inst.role, inst.tp_size,
                                            [(e.host, e.port) for e in info.kv_endpoints],
                                            max_model_len=info.max_model_len, block_size=info.block_size,
-                                           ranks=[(p.node_ip, p.pid) for p in inst.placements], engine=info.engine))
+                                           ranks=[(p.node_ip, p.pid) for p in inst.placements], engine=info.engine,
+                                           rank_cpus=[p.cpu for p in inst.placements]))
 
     def _create_local(self, role: str, iid: str) -> Instance:
         from cluster.rank import RankHost
@@ -284,7 +290,9 @@ class Controller(Adoption):
         info = InstanceInfo(iid, role, 1, (ep,) if ep else (), max_model_len=host.max_model_len,
                             block_size=host.block_size, engine=host.engine)
         client = (LocalPrefillClient if role == "prefill" else LocalDecodeClient)(info, host.worker)
-        return Instance(iid, role, 1, [host], client, placements=[nodes.RankPlacement(0, nodes.LOOPBACK, os.getpid())])
+        runner = host.runner
+        cpu = cpu_plan.cpu_state(host.step_thread_id, runner.intraop_threads, runner.team is not None)
+        return Instance(iid, role, 1, [host], client, placements=[nodes.RankPlacement(0, nodes.LOOPBACK, os.getpid(), cpu)])
 
     def _create_ray(self, role: str, iid: str, tp: int) -> Instance:
         """Chooses a node, reserves a STRICT_PACK placement group on it, starts the ranks there."""
@@ -300,6 +308,7 @@ class Controller(Adoption):
             for actor in actors:
                 ray.kill(actor, no_restart=True)
             self._nodes.release(iid, pg)
+            self._release_cores(iid)
             raise
 
     def _start_ranks(self, role: str, iid: str, tp: int, gpu: bool, node: nodes.NodeInfo, pg,
@@ -309,19 +318,22 @@ class Controller(Adoption):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         from cluster.actor import RankActor
         config, num_gpus = self._engine_config(role, gpu, node), self._rank_resources(role, gpu).get("GPU", 0)
+        cpu_plans = self._rank_cpu_plans(iid, tp, node)
         for r in range(tp):
             actors.append(RankActor.options(
                 num_cpus=1, num_gpus=num_gpus, name=rank_actor_name(iid, r), namespace=self._namespace,
-                lifetime="detached" if self.detached else None,
+                lifetime="detached" if self.detached else None, runtime_env={"env_vars": self._rank_env},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote(
                 config, role, iid, r, tp, self.spec.kv_transfer_timeout_s, self.log_level, not self.multihost,
-                self.spec.client_ttl_s, self._kv_same_device(gpu)))
+                self.spec.client_ttl_s, self._kv_same_device(gpu), cpu_plans[r]))
         start = time.monotonic()
         placements = ray.get([a.placement.remote() for a in actors], timeout=300)
         address = ray.get(actors[0].rendezvous_address.remote()) if tp > 1 else None
         logger.info("%s: %d rank actors up on %s (interface %s, pids %s) in %.1f s", iid, tp, placements[0].node_ip,
                     ray.get(actors[0].socket_interface.remote()), [p.pid for p in placements], time.monotonic() - start)
         endpoints = ray.get([a.setup.remote(address) for a in actors], timeout=600)
+        placements = [replace(p, cpu=c) for p, c in zip(placements, ray.get([a.cpu.remote() for a in actors]))]
+        logger.info("%s: ranks' CPUs %s", iid, [p.cpu for p in placements])
         engine = ray.get(actors[0].engine.remote())  # logged here: rank actors' own logs may not reach the driver
         logger.info("%s: ranks ready in %.1f s, engine %s", iid, time.monotonic() - start, engine)
         if role == "decode" and tp > 1:
@@ -418,52 +430,6 @@ class Controller(Adoption):
         except KeyError:
             pass
 
-    def _gpu_plan(self) -> gpu_share.GpuPlan:
-        """How the ranks use the Ray cluster's GPUs (all nodes'), worked out once: in `start`,
-        before any instance. The cluster's total, not a node's: a spec whose ranks each had a GPU
-        keeps them, and Ray's accounting of the fractions keeps any node's ranks within its GPUs."""
-        if self._plan is None:
-            import ray
-            self._plan = gpu_share.gpu_plan(self.spec, int(ray.cluster_resources().get("GPU", 0)))
-            logger.info("%s", self._plan.describe())
-        return self._plan
-
-    def _rank_resources(self, role: str, gpu: bool) -> dict[str, float]:
-        """What one rank of `role` asks of its node (its placement group bundle and its actor)."""
-        num_gpus = self._gpu_plan().roles[role].num_gpus if gpu else 0.0
-        return nodes.rank_resources(role, gpu, self.spec.ray_resources, num_gpus)
-
-    def _role_engine_config(self, role: str, gpu: bool):
-        """The spec's engine config of `role`; on GPU with the plan's gpu_memory_utilization."""
-        config = self.spec.engine_config(role)
-        if not gpu:
-            return config
-        share = self._gpu_plan().roles[role].gpu_memory_utilization
-        return replace(config, cache=replace(config.cache, gpu_memory_utilization=share))
-
-    def _engine_config(self, role: str, gpu: bool, node: nodes.NodeInfo):
-        """What the ranks of a new `role` instance on `node` run: the role's config, CPU threads shared out."""
-        config = self._role_engine_config(role, gpu)
-        if config.num_threads is None and not gpu:  # share the node's cores among the ranks, not oversubscribe
-            ranks = sum(n * self.spec.tp_size(r) for r, n in self.spec.instance_counts.items())
-            cores = node.resources.get("CPU", 1) if self.multihost else os.cpu_count() or 1
-            config = replace(config, num_threads=max(1, int(cores) // ranks))
-        return config
-
-    def _kv_same_device(self, gpu: bool) -> bool:
-        """kv_transport auto: KV between ranks on one GPU is written into the decode cache (CUDA IPC,
-        freed by the driver with its processes). CPUs keep the data channel: a POSIX shared-memory
-        cache outlives a killed decode process in /dev/shm (measured: a test suite's killed actors
-        left 9.6 GB there), so that path is for processes that close their receivers."""
-        from engine.model_runner import select_device
-        return self.spec.kv_transport == "auto" and (gpu or select_device(self.spec.device).type == "cuda")
-
-    def _use_gpus(self) -> bool:
-        import ray
-        if self.spec.device == "cpu":
-            return False
-        return self.spec.device.startswith("cuda") or ray.cluster_resources().get("GPU", 0) > 0
-
     def _call(self, inst: Instance, method: str):
         if self.use_ray:
             import ray
@@ -497,3 +463,4 @@ class Controller(Adoption):
         for actor in inst.ranks:
             ray.kill(actor, no_restart=True)
         self._nodes.release(inst.instance_id, inst.placement_group)
+        self._release_cores(inst.instance_id)

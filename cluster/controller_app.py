@@ -63,7 +63,7 @@ def create_controller_app(controller) -> tuple[FastAPI, threading.Event]:
                                "healthy": i.client.info.healthy, "draining": i.client.info.draining,
                                "load": i.client.info.load, "adopted": i.instance_id in controller.adopted,
                                "engine": i.client.info.engine,
-                               "ranks": [{"rank": p.rank, "node_ip": p.node_ip, "pid": p.pid} for p in i.placements]}
+                               "ranks": [p.status() for p in i.placements]}
                               for i in list(controller.instances.values())]}
 
     @app.get("/metrics")

@@ -190,7 +190,8 @@ class Frontend(Serving):
                             block_size=record.block_size, engine=record.engine)
         client = (RayPrefillClient if record.role == "prefill" else RayDecodeClient)(info, actor,
                                                                                      self.spec.heartbeat_ttl_s)
-        placements = [RankPlacement(r, host, pid) for r, (host, pid) in enumerate(record.ranks)]
+        cpus = record.rank_cpus if len(record.rank_cpus) == len(record.ranks) else [{}] * len(record.ranks)
+        placements = [RankPlacement(r, host, pid, cpu) for r, ((host, pid), cpu) in enumerate(zip(record.ranks, cpus))]
         self.instances[iid] = Instance(iid, record.role, record.tp_size, [actor], client, placements=placements)
         self.router.add_instance(client)
         logger.info("instance %s (%s, tp=%d) joined", iid, record.role, record.tp_size)

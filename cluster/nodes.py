@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +35,16 @@ PIN = 0.001  # of Ray's built-in `node:<address>` resource (1.0 per node), per b
 
 @dataclass(frozen=True)
 class RankPlacement:
-    """Where one rank of an instance runs: the address it binds (its node's) and its process."""
+    """Where one rank of an instance runs: the address it binds (its node's), its process, and how
+    that process shares the host's CPUs (cluster/cpu_plan.py cpu_state; {} until the rank is set up)."""
     rank: int
     node_ip: str
     pid: int
+    cpu: dict = field(default_factory=dict)
+
+    def status(self) -> dict:
+        """This rank as /status shows it."""
+        return {"rank": self.rank, "node_ip": self.node_ip, "pid": self.pid, "cpu": self.cpu}
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,11 @@ class RankHost:
             self.worker = DecodeWorker(engine, connector, instance_id, client_ttl_s=client_ttl_s)
 
     @property
+    def step_thread_id(self) -> int:
+        """The kernel's id of the thread that builds and steps the model."""
+        return self._thread.native_id
+
+    @property
     def max_model_len(self) -> int:
         w = self.worker
         return w.scheduler.max_model_len if self.role == "prefill" else w.engine.max_model_len

@@ -81,7 +81,8 @@ class RedisState(ClusterState):
                               kv_endpoints=[tuple(e) for e in values["kv_endpoints"]], health=values["health"],
                               load=load, updated_at=values["updated_at"],
                               max_model_len=values.get("max_model_len", 0), block_size=values.get("block_size", 0),
-                              ranks=[tuple(r) for r in values.get("ranks", [])], engine=values.get("engine", {}))
+                              ranks=[tuple(r) for r in values.get("ranks", [])], engine=values.get("engine", {}),
+                              rank_cpus=values.get("rank_cpus", []))
 
     def register(self, record: InstanceRecord) -> None:
         i = record.instance_id
@@ -89,6 +90,7 @@ class RedisState(ClusterState):
                   "kv_endpoints": [list(e) for e in record.kv_endpoints], "health": record.health,
                   "updated_at": time.time(), "max_model_len": record.max_model_len, "block_size": record.block_size,
                   "ranks": [list(r) for r in record.ranks], "engine": dict(record.engine),
+                  "rank_cpus": [dict(c) for c in record.rank_cpus],
                   **{_LOAD_PREFIX + k: float(v) for k, v in record.load.items()}}
         with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(self._key("inst", i), self._key("hb", i), self._key("hashes", i))

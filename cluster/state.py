@@ -40,6 +40,8 @@ class InstanceRecord:
         ranks: (node address, process id) of each rank, rank order; a gateway shows them.
         engine: what the engine chose at load (dtype, linear_layers, attention, kv_cache_dtype),
             shown in /status ({}: unknown, e.g. written by an older controller).
+        rank_cpus: how each rank shares its host's CPUs (niceness, cores, threads; cluster/cpu_plan.py),
+            rank order, shown in /status ([]: unknown).
     """
 
     instance_id: str
@@ -53,6 +55,7 @@ class InstanceRecord:
     ranks: list[tuple[str, int]] = field(default_factory=list)
     block_size: int = 0
     engine: dict[str, str] = field(default_factory=dict)
+    rank_cpus: list[dict] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.instance_id:
@@ -66,13 +69,14 @@ class InstanceRecord:
         self.load = {str(k): float(v) for k, v in self.load.items()}
         self.ranks = [(str(host), int(pid)) for host, pid in self.ranks]
         self.engine = {str(k): str(v) for k, v in self.engine.items()}
+        self.rank_cpus = [dict(c) for c in self.rank_cpus]
         if self.kv_endpoints and len(self.kv_endpoints) != self.tp_size:
             raise ValueError(f"{len(self.kv_endpoints)} kv_endpoints for tp_size {self.tp_size}: "
                              "give one per rank (or none)")
 
     def copy(self) -> InstanceRecord:
         return replace(self, kv_endpoints=list(self.kv_endpoints), load=dict(self.load), ranks=list(self.ranks),
-                       engine=dict(self.engine))
+                       engine=dict(self.engine), rank_cpus=[dict(c) for c in self.rank_cpus])
 
 
 def _check_health(health: str) -> None:

@@ -94,7 +94,8 @@ class DecodeWorker:
                 "kv_messages_dropped": float(st.get("garbage_messages", 0) + st.get("unknown_requests", 0)),
                 "decode_steps": float(self.num_steps),
                 "decode_step_s": self.step_s, "decode_step_seqs": float(self.num_step_seqs),
-                "kv_capacity_tokens": float((self.engine.runner.num_blocks - 1) * self.engine.runner.block_size)}
+                "kv_capacity_tokens": float((self.engine.runner.num_blocks - 1) * self.engine.runner.block_size),
+                "intraop_threads": float(self.engine.runner.intraop_threads)}  # rank 0's, now (engine/threads.py)
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished()

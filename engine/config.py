@@ -207,7 +207,8 @@ class EngineConfig:
     dtype: str = "auto"  # see resolve_dtype
     device: str = "auto"  # auto = cuda when present, else cpu
     attention_backend: str = "auto"  # auto = flash_attn on CUDA, vllm_cpu on a CPU where it fits, else torch
-    num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+    num_threads: int | None = None  # the step thread's intra-op threads; None: torch's default (CPU), 1 (GPU)
+    adapt_threads: bool = False  # CPU: num_threads is a most; fewer while other processes take cores (TeamSizer)
     tp_size: int = 1
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     quantization: str = "auto"  # linear method: auto (the checkpoint's format), none, int8, w8a8, int4

@@ -28,7 +28,7 @@ from engine.quant import (create_linear_method, method_reads_q4_codes, process_w
 from engine.quant.q8_head import q8_head_method
 from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
-from engine.threads import use_intraop_threads
+from engine.threads import TeamSizer, use_intraop_threads
 from engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # llguidance is imported with the first structured request (not on every machine)
@@ -80,8 +80,11 @@ class ModelRunner:
         if config.dtype == "auto":
             logger.info("dtype auto -> %s on %s (native bf16 on this CPU: %s)", self.dtype, self.device.type,
                         cpu_has_native_bf16())
-        if self.device.type == "cpu":  # this thread's own team, whatever other threads set (engine/threads.py)
-            use_intraop_threads(config.num_threads)
+        # this thread's own team, whatever other threads set (engine/threads.py); on a GPU the CPU
+        # ops are bookkeeping, and one thread per rank keeps the ranks of a host off each other's cores
+        self.intraop_threads = use_intraop_threads(config.num_threads or (1 if self.device.type == "cuda" else None))
+        self.team = TeamSizer(self.intraop_threads) if config.adapt_threads and self.device.type == "cpu" and \
+            self.intraop_threads > 1 else None
         path = None
         if model_config is None:
             path = resolve_model_path(config.model)
@@ -304,6 +307,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, inp: ModelInput, after_layer=None) -> torch.Tensor | None:
         """Runs the forward on this rank; returns logits (num_sampled, vocab) on rank 0, else None."""
+        if self.team is not None:
+            self.intraop_threads = self.team.maybe_resize()
         if inp.block_copies:
             self._copy_blocks(inp.block_copies)
         if self.graphs is not None and after_layer is None and (size := self.graphs.size_for(inp)) is not None:

@@ -11,7 +11,14 @@ its own team size, and every other thread that touches tensors runs its ops seri
 """
 from __future__ import annotations
 
+import logging
+import math
+import os
+import time
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 # torch's own default, read at import, before any thread can have changed it
 DEFAULT_NUM_THREADS = torch.get_num_threads()
@@ -37,3 +44,61 @@ def run_serially() -> None:
     on it alone and start no OpenMP team. Threads that set their own size keep it; threads that
     have not yet run a torch op start with one too."""
     _set_this_threads(1)
+
+
+def read_cpu_busy_s(cpus: frozenset[int], stat: str = "/proc/stat") -> float:
+    """Seconds the `cpus` spent busy since boot (all but idle and iowait), from the kernel's counters."""
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = 0
+    with open(stat) as f:
+        for line in f:
+            name, *ticks = line.split()
+            if name.startswith("cpu") and name != "cpu" and int(name[3:]) in cpus:
+                values = [int(t) for t in ticks]
+                busy += sum(values) - values[3] - values[4]  # idle, iowait
+    return busy / hz
+
+
+class TeamSizer:
+    """Sizes the step thread's OpenMP team to the cores other processes leave it, between steps.
+
+    A team of n threads steps at the pace of its slowest thread: when another process takes one
+    of the team's cores, every parallel region waits for the thread that shares it (measured on 2
+    cores beside one busy process: 2 threads 21-22 tok/s, 1 thread 33; docs/cpu.md). Every
+    `interval_s` it reads how much of its cores' time went to other processes (their busy time
+    less this process's own) and sizes the team to the cores left, rounded at `round_at`:
+
+        free = len(cpus) - others' busy time / interval      team = clamp(floor(free + 1 - round_at), 1, max)
+
+    A new size is taken once two windows in a row agree (one burst does not resize). Call
+    `maybe_resize()` on the step thread only; the size is that thread's own (OpenMP's ICV)."""
+
+    def __init__(self, max_threads: int, interval_s: float = 0.5, round_at: float = 0.65, clock=time.monotonic,
+                 read_busy=read_cpu_busy_s, read_own=lambda: sum(os.times()[:2])):
+        self.max_threads, self.num_threads = max_threads, max_threads
+        self.interval_s, self.round_at = interval_s, round_at
+        self.cpus = frozenset(os.sched_getaffinity(0))
+        self._clock, self._read_busy, self._read_own = clock, read_busy, read_own
+        self._last = (clock(), read_busy(self.cpus), read_own())
+        self._pending: int | None = None
+        self.num_resizes = 0
+
+    def maybe_resize(self) -> int:
+        """Returns the team size, resized (on this thread) when the host's load asked it twice in a row."""
+        now = self._clock()
+        t0, busy0, own0 = self._last
+        if now - t0 < self.interval_s:
+            return self.num_threads
+        busy, own = self._read_busy(self.cpus), self._read_own()
+        self._last = (now, busy, own)
+        others = max(0.0, (busy - busy0) - (own - own0)) / (now - t0)
+        want = max(1, min(self.max_threads, math.floor(len(self.cpus) - others + 1 - self.round_at)))
+        if want == self.num_threads or want != self._pending:
+            self._pending = None if want == self.num_threads else want
+            return self.num_threads
+        logger.info("intra-op threads %d -> %d: other processes kept %.2f of %d cores busy", self.num_threads, want,
+                    others, len(self.cpus))
+        self.num_threads, self._pending = want, None
+        self.num_resizes += 1
+        _set_this_threads(want)
+        return want

@@ -201,7 +201,7 @@ def _add_service_routes(app: FastAPI, gw: _Gateway) -> None:
         return {"instances": [{"instance_id": i.instance_id, "role": i.role, "tp_size": i.tp_size,
                                "healthy": i.client.info.healthy, "load": i.client.info.load,
                                "engine": i.client.info.engine,
-                               "ranks": [{"rank": p.rank, "node_ip": p.node_ip, "pid": p.pid} for p in i.placements]}
+                               "ranks": [p.status() for p in i.placements]}
                               for i in list(gw.cluster.instances.values())]}
 
 

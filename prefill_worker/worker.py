@@ -91,7 +91,8 @@ class PrefillWorker:
                 "kv_bytes_sent": float(st.get("bytes_sent", 0)), "kv_transfer_seconds": sender.transfer_seconds,
                 "kv_transfer_failures": float(st.get("groups_failed", 0) + st.get("parts_rejected", 0)),
                 "prefill_tokens_computed": float(self.num_computed_tokens), "prefill_busy_s": self.busy_s,
-                "orphans_aborted": float(self.num_orphans_aborted)}
+                "orphans_aborted": float(self.num_orphans_aborted),
+                "intraop_threads": float(self.runner.intraop_threads)}  # rank 0's, now (engine/threads.py)
 
     def has_work(self) -> bool:
         return not self._inbox.empty() or self.scheduler.has_work()

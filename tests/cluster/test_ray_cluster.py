@@ -3,6 +3,7 @@ prefill and decode, failover and membership changes. Greedy fp32 outputs must eq
 engine's token for token."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import replace
@@ -46,7 +47,9 @@ def checked(streams) -> list[list[int]]:
 def test_tp_mixes_match_colocated(ray_session, tiny_path, ptp, dtp):
     """P tp=1 -> D tp=2, P tp=2 -> D tp=1, and TP=2 on both: each decode rank gets its KV heads
     from the right prefill ranks; outputs and their logprobs (the first token's from the prefill
-    driver, the rest from the decode driver) equal colocated; every allocator ends empty."""
+    driver, the rest from the decode driver) equal colocated; every allocator ends empty. Every rank
+    runs at nice 0 (not Ray's 15) with the spec's one intra-op thread, fixed, and the environment's
+    OpenMP wait policy (the spec's default)."""
     prompts = random_prompts(6, [7, 30, 140], seed=ptp * 10 + dtp)
     with Cluster(spec_for(tiny_path, prefill_tp=ptp, decode_tp=dtp), log_level="WARNING") as c:
         streams = c.generate(prompts, GREEDY_LOGPROBS, timeout_s=120)
@@ -54,7 +57,11 @@ def test_tp_mixes_match_colocated(ray_session, tiny_path, ptp, dtp):
         c.assert_no_leaks()
         for inst in c.instances.values():  # where the ranks are: loopback on a driver-started Ray
             pids = ray.get([r.pid.remote() for r in inst.ranks])
-            assert inst.placements == [RankPlacement(r, "127.0.0.1", pid) for r, pid in enumerate(pids)]
+            assert [replace(p, cpu={}) for p in inst.placements] == [
+                RankPlacement(r, "127.0.0.1", pid) for r, pid in enumerate(pids)]
+            wait = os.environ.get("OMP_WAIT_POLICY", "default")
+            assert all((p.cpu["niceness"], p.cpu["omp_wait_policy"], p.cpu["intraop_threads"], p.cpu["adapt_threads"])
+                       == (0, wait, 1, False) for p in inst.placements), inst.placements
     want = colocated_streams(tiny_path, prompts, GREEDY_LOGPROBS)
     assert got == [s.token_ids for s in want]
     for s, w in zip(streams, want):
@@ -76,6 +83,24 @@ def test_gemma2_kv_groups_through_tp_match_colocated(ray_session, tmp_path, ptp,
         c.assert_no_leaks()
     want = colocated_tokens(path, prompts)
     assert got == want + [want[1]] * 3
+
+
+def test_pinned_rank_runs_on_its_own_core(ray_session, tiny_path):
+    """cpus_per_rank 1 with one reserved core: the colocated rank's every thread runs on the second
+    usable core at nice 0, its one intra-op thread matches, and it serves what it serves unpinned;
+    its slot is free again once the cluster is gone."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 usable cores")
+    prompts = random_prompts(3, [9, 40], seed=5)
+    with Cluster(spec_for(tiny_path, mode="colocated", cpus_per_rank=1, num_threads=None), log_level="WARNING") as c:
+        got = checked(c.generate(prompts, GREEDY, timeout_s=120))
+        (inst,) = c.instances.values()
+        cpu = inst.placements[0].cpu
+        assert (cpu["cpus"], cpu["niceness"], cpu["intraop_threads"]) == (str(cpus[1]), 0, 1), cpu
+        assert c._core_slots._held == {inst.node_id: {inst.instance_id: [0]}}
+    assert c._core_slots._held[inst.node_id] == {}
+    assert got == colocated_tokens(tiny_path, prompts)
 
 
 def test_no_room_fails_fast_and_leaves_nothing(ray_session, tmp_path):

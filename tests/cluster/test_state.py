@@ -93,6 +93,27 @@ def test_engine_round_trips_and_defaults_to_empty(state):
         assert state.get("d0").engine == {} and state.get("d0").load == {"running": 1.0}
 
 
+RANK_CPUS = [{"niceness": 0, "cpus": "1", "num_threads": 31, "intraop_threads": 1, "adapt_threads": True,
+              "omp_wait_policy": "default"}, {"niceness": 0, "cpus": "2-3", "num_threads": 30, "intraop_threads": 2,
+                                              "adapt_threads": False, "omp_wait_policy": "PASSIVE"}]
+
+
+def test_rank_cpus_round_trip_and_default_to_empty(state):
+    """How each rank shares its host's CPUs round-trips per rank (a copy each get) through load and
+    health writes; a record without it, or one an older version wrote to Redis, reads as []."""
+    state.register(create_record("d0", tp_size=2, rank_cpus=RANK_CPUS))
+    state.register(create_record("d1"))
+    state.update_load("d0", {"running": 1})
+    state.set_health("d0", "draining")
+    d0 = state.get("d0")
+    assert d0.rank_cpus == RANK_CPUS and state.get("d1").rank_cpus == []
+    d0.rank_cpus[0].clear()
+    assert [r.rank_cpus for r in state.list_instances()] == [RANK_CPUS, []]
+    if isinstance(state, RedisState):
+        state._redis.hdel(state._key("inst", "d0"), "rank_cpus")
+        assert state.get("d0").rank_cpus == []
+
+
 def test_register_replaces_record_heartbeat_and_hashes(state):
     """Re-registering an id (a restarted instance) starts it clean: no hashes, no armed TTL."""
     state.register(create_record("d0", load={"running": 2}))

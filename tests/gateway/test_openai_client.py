@@ -188,19 +188,29 @@ def test_disconnect_mid_stream_frees_blocks_within_a_second(server):
 
 
 def test_status_shows_each_rank_node_and_pid(server, capsys):
-    """/status and `pdserve status` give every rank's node address and process id; /status gives
-    each instance's engine: the dtype, linear layers, attention backend and KV cache dtype it chose."""
+    """/status and `pdserve status` give every rank's node address and process id, and how it shares
+    the host's CPUs (niceness, cores, intra-op threads, OpenMP wait policy); /status gives each
+    instance's engine: the dtype, linear layers, attention backend and KV cache dtype it chose."""
     import os
 
     from cluster.cli import main
+    from cluster.cpu_plan import format_cpus
     cluster, url = server
     base = url.removesuffix("/v1")
     instances = httpx.get(f"{base}/status", timeout=10).json()["instances"]
     assert {i["instance_id"] for i in instances} == set(cluster.instances)
-    assert all(i["ranks"] == [{"rank": 0, "node_ip": "127.0.0.1", "pid": os.getpid()}] for i in instances)
+    ranks = [r for i in instances for r in i["ranks"]]
+    assert [(r["rank"], r["node_ip"], r["pid"]) for r in ranks] == [(0, "127.0.0.1", os.getpid())] * 2
+    cpus = format_cpus(os.sched_getaffinity(0))  # not pinned: the test process's own cores
+    for r in ranks:  # in-process ranks: the test process's own priority and cores; the spec's 2 threads
+        assert r["cpu"]["niceness"] == os.getpriority(os.PRIO_PROCESS, 0) and r["cpu"]["intraop_threads"] == 2
+        assert r["cpu"]["num_threads"] >= 2 and r["cpu"]["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY",
+                                                                                                "default")
+        assert r["cpu"]["cpus"] == cpus
     engines = [i["engine"] for i in instances]
     assert all(e["dtype"] in ("float32", "bfloat16") and e["linear_layers"] and e["attention"] and e["kv_cache_dtype"]
                and all(isinstance(v, str) for v in e.values()) for e in engines), engines
     assert main(["status", "--url", base]) == 0
     table = capsys.readouterr().out
-    assert all(f"127.0.0.1/{os.getpid()}" in line for line in table.splitlines()[1:]) and len(instances) == 2
+    assert all(f"127.0.0.1/{os.getpid()} [nice " in line and ", 2 threads, " in line
+               for line in table.splitlines()[1:]) and len(instances) == 2

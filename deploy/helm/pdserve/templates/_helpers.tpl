@@ -78,6 +78,9 @@ Env of every Ray pod: token authentication with the release's token, and the pod
   valueFrom:
     fieldRef:
       fieldPath: status.podIP
+{{/* Ray starts workers at nice 15; a rank at the spec's rank_niceness 0 needs no CAP_SYS_NICE then */}}
+- name: RAY_worker_niceness
+  value: "{{ max 0 (.Values.spec.rank_niceness | default 0) }}"
 {{- end }}
 
 {{/* Every `ray start` names its node by the pod's address (kubelet expands the variable). */}}
