@@ -292,7 +292,8 @@ class Controller(Adoption, RankSetup):
         client = (LocalPrefillClient if role == "prefill" else LocalDecodeClient)(info, host.worker)
         runner = host.runner
         cpu = cpu_plan.cpu_state(host.step_thread_id, runner.intraop_threads, runner.team is not None)
-        return Instance(iid, role, 1, [host], client, placements=[nodes.RankPlacement(0, nodes.LOOPBACK, os.getpid(), cpu)])
+        placement = nodes.RankPlacement(0, nodes.LOOPBACK, os.getpid(), cpu)
+        return Instance(iid, role, 1, [host], client, placements=[placement])
 
     def _create_ray(self, role: str, iid: str, tp: int) -> Instance:
         """Chooses a node, reserves a STRICT_PACK placement group on it, starts the ranks there."""

@@ -82,9 +82,9 @@ _HELP = {
                    "the host's ranks, or cpus_per_rank; 1 on a GPU)",
     "rank_niceness": "scheduling priority (nice) of every rank's threads: 0 competes evenly with other processes "
                      "(Ray would leave workers at 15); below 0 needs CAP_SYS_NICE (docs/cpu.md)",
-    "omp_wait_policy": "OpenMP's wait in rank processes: inherit (the environment's, else libgomp's spin, then "
-                       "sleep), passive (sleep at once: holds up on an oversubscribed host, 5-15 percent slower quiet) or "
-                       "active (spin); docs/cpu.md",
+    "omp_wait_policy": "OpenMP's wait in rank processes: inherit (the environment's, else libgomp's spin, "
+                       "then sleep), passive (sleep at once: holds up on an oversubscribed host, 5-15 percent "
+                       "slower quiet) or active (spin); docs/cpu.md",
     "cpus_per_rank": "pin each rank to this many cores of its own (None: not pinned); the serving host keeps "
                      "reserved_cpus cores for the gateway and router",
     "reserved_cpus": "with cpus_per_rank: the first cores of each node, kept off the ranks (gateway, router, Ray)",

@@ -355,6 +355,16 @@ def test_ray_pods_use_token_auth(rendered):
         assert pod["securityContext"]["runAsNonRoot"] is True, name
 
 
+@pytest.mark.parametrize("niceness,want", [(None, "0"), (5, "5"), (-5, "0")])
+def test_ray_pods_start_workers_at_the_rank_niceness(niceness, want):
+    """Every Ray pod's raylet starts workers at the spec's rank_niceness (at least 0), not Ray's 15:
+    the pods run as non-root, so a rank could not lower its own priority."""
+    objects = manifests(None if niceness is None else {"spec": {"rank_niceness": niceness}})
+    for name in RAY_PODS:
+        env = {e["name"]: e for e in container(one(objects, "Deployment", name))["env"]}
+        assert env["RAY_worker_niceness"]["value"] == want, name
+
+
 def test_existing_ray_secret_is_used_not_generated():
     """With ray.auth.existingSecret the chart renders no token Secret and points every Ray pod at the given one."""
     objects = manifests({"ray": {"auth": {"existingSecret": "ray-token", "existingSecretKey": "t"}}})
