@@ -323,7 +323,7 @@ class Controller(Adoption, RankSetup):
         for r in range(tp):
             actors.append(RankActor.options(
                 num_cpus=1, num_gpus=num_gpus, name=rank_actor_name(iid, r), namespace=self._namespace,
-                lifetime="detached" if self.detached else None, runtime_env={"env_vars": self._rank_env},
+                lifetime="detached" if self.detached else None, runtime_env=self._rank_runtime_env,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote(
                 config, role, iid, r, tp, self.spec.kv_transfer_timeout_s, self.log_level, not self.multihost,
                 self.spec.client_ttl_s, self._kv_same_device(gpu), cpu_plans[r]))

@@ -72,9 +72,11 @@ class RankSetup:
             self._core_slots.release(iid)
 
     @property
-    def _rank_env(self) -> dict[str, str]:
-        """The environment rank processes start with (OpenMP reads it when torch loads)."""
-        return cpu_plan.wait_policy_env(self.spec.omp_wait_policy)
+    def _rank_runtime_env(self) -> dict | None:
+        """The environment rank processes start with (OpenMP reads it when torch loads); None when
+        the spec adds nothing (omp_wait_policy inherit), as before there was a choice."""
+        env = cpu_plan.wait_policy_env(self.spec.omp_wait_policy)
+        return {"env_vars": env} if env else None
 
     def _kv_same_device(self, gpu: bool) -> bool:
         """kv_transport auto: KV between ranks on one GPU is written into the decode cache (CUDA IPC,
