@@ -12,7 +12,6 @@ its own team size, and every other thread that touches tensors runs its ops seri
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 
@@ -66,17 +65,18 @@ class TeamSizer:
     of the team's cores, every parallel region waits for the thread that shares it (measured on 2
     cores beside one busy process: 2 threads 21-22 tok/s, 1 thread 33; docs/cpu.md). Every
     `interval_s` it reads how much of its cores' time went to other processes (their busy time
-    less this process's own) and sizes the team to the cores left, rounded at `round_at`:
-
-        free = len(cpus) - others' busy time / interval      team = clamp(floor(free + 1 - round_at), 1, max)
+    less this process's own, in cores) and resizes by one thread when they took more than the
+    cores the team leaves free plus `shrink_at` of a core, or less than those less one plus
+    `grow_at` (on 2 cores: a team of 2 shrinks beside more than 0.55 of a core of others' work, a
+    team of 1 grows back below 0.35; a gateway and a client under load take ~0.1-0.3).
 
     A new size is taken once two windows in a row agree (one burst does not resize). Call
     `maybe_resize()` on the step thread only; the size is that thread's own (OpenMP's ICV)."""
 
-    def __init__(self, max_threads: int, interval_s: float = 0.5, round_at: float = 0.65, clock=time.monotonic,
-                 read_busy=read_cpu_busy_s, read_own=lambda: sum(os.times()[:2])):
+    def __init__(self, max_threads: int, interval_s: float = 0.5, shrink_at: float = 0.55, grow_at: float = 0.35,
+                 clock=time.monotonic, read_busy=read_cpu_busy_s, read_own=lambda: sum(os.times()[:2])):
         self.max_threads, self.num_threads = max_threads, max_threads
-        self.interval_s, self.round_at = interval_s, round_at
+        self.interval_s, self.shrink_at, self.grow_at = interval_s, shrink_at, grow_at
         self.cpus = frozenset(os.sched_getaffinity(0))
         self._clock, self._read_busy, self._read_own = clock, read_busy, read_own
         self._last = (clock(), read_busy(self.cpus), read_own())
@@ -92,7 +92,12 @@ class TeamSizer:
         busy, own = self._read_busy(self.cpus), self._read_own()
         self._last = (now, busy, own)
         others = max(0.0, (busy - busy0) - (own - own0)) / (now - t0)
-        want = max(1, min(self.max_threads, math.floor(len(self.cpus) - others + 1 - self.round_at)))
+        spare = len(self.cpus) - self.num_threads  # cores the team leaves to others
+        want = self.num_threads
+        if others > spare + self.shrink_at and self.num_threads > 1:
+            want -= 1
+        elif others < spare - 1 + self.grow_at and self.num_threads < self.max_threads:
+            want += 1
         if want == self.num_threads or want != self._pending:
             self._pending = None if want == self.num_threads else want
             return self.num_threads
