@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -49,7 +48,7 @@ import httpx
 
 from bench.aiperf_client import DEFAULT_AIPERF, AiperfRun, run_aiperf
 from bench.busy_host_report import fmt, format_table, ratios, write_plot
-from bench.serving_vs_vllm import REPO, Server, Workload, _free_port, convert_model, server_command, target_row
+from bench.serving_vs_vllm import REPO, Server, Workload, _free_port, run_main, server_command, target_row
 from cluster.loadgen import _first_model, run_load
 from engine.attention import BACKENDS
 from engine.config import QUANTIZATION_CHOICES
@@ -315,18 +314,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    # NOTE: SIGTERM as an exception, so the finally blocks kill the neighbours, aiperf and the server.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if args.convert_to:
-        convert_model(args.convert_to)
-        return 0
-    with contextlib.redirect_stdout(sys.stderr):
-        result = run(args)
-    print(json.dumps(result) if args.json else format_table(result))
-    return 0
+    return run_main(parse_args(argv), run, format_table)
 
 
 if __name__ == "__main__":

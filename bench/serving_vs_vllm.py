@@ -324,19 +324,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_main(args: argparse.Namespace, run_fn, table_fn) -> int:
+    """A server benchmark's main: logs on stderr, `--convert-to` alone, else `run_fn(args)` with
+    its result on stdout (JSON with --json, else `table_fn(result)`)."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    # NOTE: SIGTERM as an exception, so the servers' process groups are killed on the way out.
+    # NOTE: SIGTERM as an exception, so the finally blocks kill what was started (servers' process
+    # groups, neighbours, clients) on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.convert_to:
         convert_model(args.convert_to)
         return 0
     with contextlib.redirect_stdout(sys.stderr):
-        result = run(args)
-    print(json.dumps(result) if args.json else format_table(result))
+        result = run_fn(args)
+    print(json.dumps(result) if args.json else table_fn(result))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(parse_args(argv), run, format_table)
 
 
 if __name__ == "__main__":
