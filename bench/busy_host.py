@@ -48,7 +48,8 @@ import httpx
 
 from bench.aiperf_client import DEFAULT_AIPERF, AiperfRun, run_aiperf
 from bench.busy_host_report import fmt, format_table, ratios, write_plot
-from bench.serving_vs_vllm import REPO, Server, Workload, _free_port, run_main, server_command, target_row
+from bench.serving_vs_vllm import (REPO, Server, Workload, _free_port, run_main, server_command, target_row,
+                                    workload_of)
 from cluster.loadgen import _first_model, run_load
 from engine.attention import BACKENDS
 from engine.config import QUANTIZATION_CHOICES
@@ -304,11 +305,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.convert_to:
         return args
-    try:
-        args.workload = Workload(args.num_requests, args.concurrency, args.prompt_tokens, args.output_tokens,
-                                 args.warmup, args.seed)
-    except ValueError as exc:
-        p.error(str(exc))
+    args.workload = workload_of(p, args)
     _check_paths(p, args)
     return args
 

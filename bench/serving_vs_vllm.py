@@ -282,6 +282,15 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def workload_of(p: argparse.ArgumentParser, args: argparse.Namespace) -> Workload:
+    """The Workload the flags ask for; a value it refuses ends the program with argparse's one line."""
+    try:
+        return Workload(args.num_requests, args.concurrency, args.prompt_tokens, args.output_tokens, args.warmup,
+                        args.seed)
+    except ValueError as exc:
+        p.error(str(exc))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.serving_vs_vllm", description=__doc__.split("\n\n")[0])
     p.add_argument("--targets", type=parse_targets, default=TARGETS, help=f"comma-separated, of {', '.join(TARGETS)}")
@@ -312,11 +321,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.convert_to:
         return args
-    try:
-        args.workload = Workload(args.num_requests, args.concurrency, args.prompt_tokens, args.output_tokens,
-                                 args.warmup, args.seed)
-    except ValueError as exc:
-        p.error(str(exc))
+    args.workload = workload_of(p, args)
     if "vllm" in args.targets and not Path(args.vllm_python).exists():
         p.error(f"--vllm-python {args.vllm_python} does not exist (this script's docstring says how to make it)")
     if "vllm" in args.targets and not (Path(args.vllm_model) / "config.json").exists():
