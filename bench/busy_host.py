@@ -50,7 +50,7 @@ from bench.aiperf_client import DEFAULT_AIPERF, AiperfRun, run_aiperf
 from bench.busy_host_report import fmt, format_table, ratios, write_plot
 from bench.serving_vs_vllm import (REPO, Server, Workload, _free_port, run_main, server_command, target_row,
                                     workload_of)
-from cluster.loadgen import _first_model, run_load
+from cluster.loadgen import first_model, run_load
 from engine.attention import BACKENDS
 from engine.config import QUANTIZATION_CHOICES
 
@@ -132,7 +132,7 @@ def _model_id(url: str) -> str:
     """The first id the server's GET /v1/models lists (what loadgen sends; aiperf needs it given)."""
     async def ask() -> str:
         async with httpx.AsyncClient(base_url=url, timeout=10) as http:
-            return await _first_model(http, url)
+            return await first_model(http, url)
     return asyncio.run(ask())
 
 

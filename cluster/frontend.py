@@ -78,6 +78,10 @@ class Serving:
         """Stop a request on every instance it touches; its blocks are freed."""
         self.router.abort(request_id)
 
+    def stop(self, request_id: str, index: int, num_tokens: int) -> None:
+        """The gateway found a stop string in choice `index`, completed by its token `num_tokens`."""
+        self.router.stop(request_id, index, num_tokens)
+
     @property
     def max_model_len(self) -> int:
         """The longest prompt + output every instance holds (0 while none is known)."""

@@ -257,7 +257,7 @@ async def send_request(http: httpx.AsyncClient, body: dict, record: RequestRecor
 
 # -- the run ----------------------------------------------------------------------------------
 
-async def _first_model(http: httpx.AsyncClient, base_url: str) -> str:
+async def first_model(http: httpx.AsyncClient, base_url: str) -> str:
     try:
         resp = await http.get("/v1/models")
     except httpx.HTTPError as exc:
@@ -332,7 +332,7 @@ async def run_load(config: LoadConfig) -> LoadResult:
     limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=config.concurrency)
     timeout = httpx.Timeout(config.request_timeout_s, connect=min(10.0, config.request_timeout_s))
     async with httpx.AsyncClient(base_url=config.base_url, headers=headers, limits=limits, timeout=timeout) as http:
-        model = config.model or await _first_model(http, config.base_url)
+        model = config.model or await first_model(http, config.base_url)
         specs = request_specs(config)
         first = next(specs)
         await _probe(http, model, first, config)

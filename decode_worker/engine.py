@@ -29,28 +29,25 @@ class ColocatedEngine:
         # a sliding KV group frees the blocks its window left behind (KVCacheManager)
         self.kv = KVCacheManager(self.runner.num_blocks, block_size, config.cache.enable_prefix_caching,
                                  mc.kv_layout.windows)
-        max_len = config.scheduler.max_model_len or mc.max_position_embeddings
-        # a sequence can never need more blocks than the pool holds (block 0 is the null block)
-        self.max_model_len = min(max_len, mc.max_position_embeddings, (self.runner.num_blocks - 1) * block_size)
+        self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.output = OutputProcessor(tokenizer)
-        # the config's and generation_config's EOS ids and the tokenizer's (Qwen: <|im_end|>, <|endoftext|>)
-        ids = {*mc.eos_token_ids, mc.eos_token_id, tokenizer.eos_token_id if tokenizer else None}
-        self.eos_token_ids = frozenset(ids - {None})
+        self.output = OutputProcessor()  # token ids only: text is the front end's (engine/text.py)
+        self.eos_token_ids = frozenset(mc.eos_token_ids)  # the model's one EOS set (ModelConfig)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         req = Request(request_id, list(prompt_token_ids), params, time.monotonic(), self.eos_token_ids)
         self.scheduler.add_request(req)
-        self.output.add_request(req)
+        self.output.add_request(request_id)
         return req
 
-    def abort_request(self, request_id: str) -> None:
-        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+    def abort_request(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Ends a request here (`status` FINISHED_STOPPED: its front end found a stop string)."""
+        self.scheduler.finish_request(request_id, status)
         self.output.abort(request_id)
 
     def take_forks(self) -> list[tuple[str, list[Request]]]:
-        """Requests forked into their n choices since the last call (the output processor now
-        follows the choices); (parent id, choices)."""
+        """Requests forked into their n choices since the last call (the outputs now follow the
+        choices); (parent id, choices)."""
         forks = self.scheduler.take_forks()
         for parent_id, children in forks:
             self.output.fork(parent_id, children)
@@ -66,7 +63,4 @@ class ColocatedEngine:
         result = self.runner.execute(sched)
         touched = self.scheduler.update(sched, result)
         self.take_forks()
-        outputs, stopped = self.output.process(touched)
-        for rid in stopped:
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-        return outputs
+        return self.output.process(touched)

@@ -6,9 +6,9 @@ import time
 from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.request import SamplingParams
+from engine.request import RequestStatus, SamplingParams, choice_id
+from engine.text import TextState
 from decode_worker.engine import ColocatedEngine
-from decode_worker.scheduler import choice_id
 
 
 @dataclass
@@ -37,7 +37,10 @@ class CompletionOutput:
 
 
 class LLM:
-    """`LLM(model="smollm2").generate(["Hello"], SamplingParams(max_tokens=32))`."""
+    """`LLM(model="smollm2").generate(["Hello"], SamplingParams(max_tokens=32))`.
+
+    The offline front end: it decides the text (engine/text.py) and ends a request at a stop string,
+    as the gateway does for served requests."""
 
     def __init__(self, model: str = "smollm2", dtype: str = "auto", engine: ColocatedEngine | None = None,
                  **overrides):
@@ -65,29 +68,40 @@ class LLM:
         (a prompt with n > 1 gives its n choices in a row)."""
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
+        if self.tokenizer is None and any(sp.stop for sp in params):
+            raise ValueError("stop strings need a tokenizer, and this model has none")
         outs: dict[str, CompletionOutput] = {}
         reqs = {}  # output id -> the request it comes from (a choice's: its parent, for the cached count)
+        texts: dict[str, TextState] = {}
         for prompt, sp in zip(prompts, params):
             rid = f"gen-{next(self._ids)}"
             ids = self.encode(prompt, chat)
             req = self.engine.add_request(rid, ids, sp)
             for oid in [rid] if sp.n == 1 else [choice_id(rid, i) for i in range(sp.n)]:
                 outs[oid], reqs[oid] = CompletionOutput(oid, ids, arrival_s=req.arrival_time), req
-        self._run(outs, reqs)
+                if self.tokenizer is not None:
+                    texts[oid] = TextState(self.tokenizer, ids, sp.stop, sp.min_tokens)
+        self._run(outs, reqs, texts)
         return list(outs.values())
 
-    def _run(self, outs: dict[str, CompletionOutput], reqs: dict) -> None:
+    def _run(self, outs: dict[str, CompletionOutput], reqs: dict, texts: dict[str, TextState]) -> None:
         while self.engine.has_unfinished():
             for o in self.engine.step():
                 now = time.monotonic()
-                c = outs.get(o.request_id)
-                if c is None:
+                c, text = outs.get(o.request_id), texts.get(o.request_id)
+                if c is None or c.finished_s is not None:
                     continue
                 if c.first_token_s is None and o.new_token_ids:
                     c.first_token_s = now
-                c.token_ids += o.new_token_ids
-                c.logprobs += o.new_logprobs or []
-                c.text += o.new_text
-                if o.finished:
-                    c.finish_reason, c.finished_s = o.finish_reason, now
+                num_past = text.feed(o.new_token_ids) if text is not None else 0
+                kept = len(o.new_token_ids) - num_past
+                c.token_ids += o.new_token_ids[:kept]
+                c.logprobs += (o.new_logprobs or [])[:kept]
+                if text is not None:
+                    c.text += text.take(o.finished)
+                if text is not None and text.stop is not None and not o.finished:
+                    self.engine.abort_request(o.request_id, RequestStatus.FINISHED_STOPPED)
+                if o.finished or (text is not None and text.stop is not None):
+                    c.finish_reason = "stop" if text is not None and text.stop is not None else o.finish_reason
+                    c.finished_s = now
                     c.num_cached_tokens = reqs[o.request_id].num_cached_tokens

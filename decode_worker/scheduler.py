@@ -19,17 +19,11 @@ from collections import deque
 
 from engine.batch import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from engine.block_manager import KVCacheManager
-from engine.config import SchedulerConfig
+from engine.config import SchedulerConfig, window_start
 from engine.logits_processing import history_of
-from engine.request import Request, RequestStatus
-from kvtransfer.params import window_start
+from engine.request import Request, RequestStatus, choice_id, prompt_misfit
 
 logger = logging.getLogger(__name__)
-
-
-def choice_id(request_id: str, index: int) -> str:
-    """The id choice `index` of an n > 1 request takes once forked."""
-    return f"{request_id}/{index}"
 
 
 class Scheduler:
@@ -57,8 +51,8 @@ class Scheduler:
         self._check_n(req)
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        if req.num_prompt_tokens >= self.max_model_len:
-            raise ValueError(f"prompt has {req.num_prompt_tokens} tokens; the limit is {self.max_model_len - 1}")
+        if why := prompt_misfit(req.num_prompt_tokens, self.max_model_len):
+            raise ValueError(why)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -66,8 +60,8 @@ class Scheduler:
         """Allocates blocks for a remote-prefilled prompt; False (and no change) if they don't fit."""
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        if req.num_prompt_tokens >= self.max_model_len:
-            raise ValueError(f"prompt has {req.num_prompt_tokens} tokens; the limit is {self.max_model_len - 1}")
+        if why := prompt_misfit(req.num_prompt_tokens, self.max_model_len):
+            raise ValueError(why)
         self._check_n(req)
         waiting = sum(r.sampling_params.n for r in self.remote.values())  # choices run side by side once forked
         if len(self.running) + waiting + req.sampling_params.n > self.config.max_num_seqs:

@@ -18,10 +18,10 @@ import time
 
 from decode_worker.engine import ColocatedEngine
 from decode_worker.output import RequestOutput
+from engine.config import window_start
 from engine.outbox import Outbox
 from engine.request import Request, RequestStatus, SamplingParams
 from kvtransfer.connector import DecodeConnector, prompt_slots
-from kvtransfer.params import window_start
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class DecodeWorker:
             if not self.engine.scheduler.reserve(req):
                 return False
             self._outbox.add(req.request_id, req.client_id)
-            self.engine.output.add_request(req)
+            self.engine.output.add_request(req.request_id, num_handed_over=1)  # the prefill streams the first token
             # the tokens a decode step can still read: blocks wholly before them are null (reserve)
             n, kv = req.num_prompt_tokens, self.engine.kv
             slots = [prompt_slots(table, self.engine.runner.block_size, n, start=window_start(n, window))
@@ -159,7 +159,7 @@ class DecodeWorker:
             if request_id in self.engine.scheduler.remote:
                 self.engine.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
                 self.engine.output.abort(request_id)
-                outputs.append(RequestOutput(request_id, [], "", True, "error", error=reason, kv_load_failed=True))
+                outputs.append(RequestOutput(request_id, [], True, "error", error=reason, kv_load_failed=True))
         return outputs
 
     def _take_forks(self) -> None:
@@ -171,10 +171,7 @@ class DecodeWorker:
             self._outbox.forget(parent_id)
 
     def _process(self, touched: list[Request]) -> list[RequestOutput]:
-        outputs, stopped = self.engine.output.process(touched)
-        for rid in stopped:
-            self.engine.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-        return outputs
+        return self.engine.output.process(touched)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:

@@ -12,6 +12,12 @@ from dataclasses import dataclass, field
 import torch
 
 
+def window_start(num_tokens: int, kv_window: int | None) -> int:
+    """The first prompt position a decode step can still read after a prompt of `num_tokens`: its
+    first query (position num_tokens) sees the `kv_window` keys ending at it. 0 without a window."""
+    return 0 if kv_window is None else max(0, num_tokens - kv_window + 1)
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """How a model's layers use the paged KV pool (vLLM's KV cache groups).
@@ -86,7 +92,9 @@ class ModelConfig:
     # per layer, "full_attention" or "sliding_attention" (HF `layer_types`); () = every layer full,
     # or every layer sliding when sliding_window is set
     layer_types: tuple[str, ...] = ()
-    eos_token_ids: tuple[int, ...] = ()  # every id that ends generation (config, generation_config)
+    # every id that ends generation: the config's, generation_config's and the tokenizer's (the one EOS set:
+    # loaders fill it, eos_token_id is always in it, every worker and the grammar read it)
+    eos_token_ids: tuple[int, ...] = ()
     # Gemma 2's: tanh soft-capping of attention scores and of the final logits (cap * tanh(x / cap)),
     # and the softmax scale query_pre_attn_scalar ** -0.5 in place of head_dim ** -0.5
     attn_logit_softcapping: float | None = None
@@ -97,6 +105,8 @@ class ModelConfig:
         assert self.num_heads % self.num_kv_heads == 0, "GQA needs num_heads divisible by num_kv_heads"
         assert self.head_dim % 2 == 0
         assert not self.layer_types or len(self.layer_types) == self.num_layers, "one layer type per layer"
+        if self.eos_token_id is not None and self.eos_token_id not in self.eos_token_ids:
+            object.__setattr__(self, "eos_token_ids", (self.eos_token_id, *self.eos_token_ids))
 
     def tp_misfit(self, tp: int) -> str | None:
         """Why `tp` tensor-parallel ranks cannot split this model (None: they can), as

@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig, parse_dtype
 from engine.models import config_from_hf
-from engine.models.hf_config import generation_eos
+from engine.models.hf_config import generation_eos, tokenizer_eos_ids
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def _is_gguf(path: Path) -> bool:
 
 def hf_model_config(folder: Path) -> ModelConfig:
     """A `ModelConfig` from a Hugging Face `config.json` by its family (engine/models), with the
-    EOS ids of generation_config.json added; what the family does not run is refused."""
+    EOS ids of generation_config.json and the tokenizer's added; what the family does not run is refused."""
     cfg = json.loads((folder / "config.json").read_text())
     if quant := cfg.get("quantization_config"):
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
@@ -93,7 +93,7 @@ def hf_model_config(folder: Path) -> ModelConfig:
                          "pdserve loads float safetensors and GGUF files, not AWQ/GPTQ/other pre-quantized "
                          "safetensors (use the float checkpoint with --quantization int4 or int8)")
     config = config_from_hf(cfg, folder.resolve().name)
-    eos = tuple(dict.fromkeys(config.eos_token_ids + generation_eos(folder)))
+    eos = tuple(dict.fromkeys(config.eos_token_ids + generation_eos(folder) + tokenizer_eos_ids(folder)))
     return replace(config, eos_token_ids=eos, eos_token_id=eos[0] if eos else None)
 
 

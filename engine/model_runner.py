@@ -142,9 +142,16 @@ class ModelRunner:
         if why is not None:
             logger.info("CUDA graphs: off (%s); decode steps run eagerly", why)
             return None
-        max_len = min(self.config.scheduler.max_model_len or self.model_config.max_position_embeddings,
-                      (self.num_blocks - 1) * self.block_size)
-        return DecodeGraphs(self, self.config.scheduler.max_num_seqs, -(-max_len // self.block_size))
+        return DecodeGraphs(self, self.config.scheduler.max_num_seqs, -(-self.max_model_len // self.block_size))
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + output) this runner serves: the config's limit, the model's
+        positions and what the KV pool holds (block 0 is the null block), whichever is least. The one
+        definition: both schedulers, the workers' reports and the CUDA graphs read it."""
+        mc = self.model_config
+        return min(self.config.scheduler.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
+                   (self.num_blocks - 1) * self.block_size)
 
     def profile_forward(self, num_tokens: int) -> None:
         """One prefill of `num_tokens` tokens through a KV pool just big enough for it, which is
@@ -247,7 +254,7 @@ class ModelRunner:
             from engine.structured_output import ll_tokenizer
             tokenizer = Tokenizer.from_path(self.config.model)
             mc = self.model_config
-            eos = tuple(sorted({*mc.eos_token_ids, mc.eos_token_id, tokenizer.eos_token_id} - {None}))
+            eos = tuple(sorted(mc.eos_token_ids))
             logger.info("structured output: first request; grammar tokenizer from %s, masks unpacked on %s",
                         self.config.model, "the CPU with numpy" if self.device.type == "cpu" else self.device)
             self._ll_tokenizer = ll_tokenizer(tokenizer, mc.vocab_size, eos)

@@ -78,6 +78,23 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+def prompt_misfit(num_prompt_tokens: int, max_model_len: int) -> str | None:
+    """Why a prompt cannot run in a context of `max_model_len` tokens (None: it can). The one length
+    check of admission: the gateway answers it with HTTP 400, both schedulers raise it as ValueError."""
+    if num_prompt_tokens < 1:
+        return "the prompt is empty: it must hold at least one token"
+    if num_prompt_tokens >= max_model_len:
+        return (f"the prompt has {num_prompt_tokens} tokens; this model's context is {max_model_len} "
+                f"(at most {max_model_len - 1} prompt tokens, so that one can be generated)")
+    return None
+
+
+def choice_id(request_id: str, index: int) -> str:
+    """The id choice `index` of an n > 1 request takes once forked (the one definition: the decode
+    scheduler forks under it, the router and the offline front end address the choice by it)."""
+    return f"{request_id}/{index}"
+
+
 class RequestStatus(enum.IntEnum):
     """Ordered: everything after PREEMPTED is finished."""
 

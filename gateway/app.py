@@ -19,9 +19,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from decode_worker.output import TextState
 from engine import structured_output
-from engine.request import Request as EngineRequest
+from engine.text import TextState
 from gateway.chat_output import ChatOutput
 from gateway.logprobs import LogprobsFormatter
 from gateway.reasoning import get_reasoning_parser
@@ -145,11 +144,11 @@ class _Gateway:
         for i in range(params.n):
             output = shaping() if shaping else None
             keep = output is not None and output.keeps_special_tokens  # tool-call markers may be special tokens
-            text = TextState(self.tokenizer, EngineRequest(rid, prompt_ids, params), skip_special_tokens=not keep)
+            text = TextState(self.tokenizer, prompt_ids, params.stop, params.min_tokens, skip_special_tokens=not keep)
             hidden = ({self.tokenizer.eos_token_id, *params.stop_token_ids} - {None}) if keep else ()
             choices.append(Choice(i, text, None if params.logprobs is None else
                                   LogprobsFormatter(self.tokenizer, kind, params.logprobs), output, frozenset(hidden)))
-        gen = Generation(rid, kind, body.model, prompt_ids, choices, self.metrics, asyncio.get_running_loop())
+        gen = Generation(self.cluster, rid, kind, body.model, prompt_ids, choices, self.metrics, asyncio.get_running_loop())
         try:
             await asyncio.to_thread(self.cluster.submit, rid, prompt_ids, params, gen.listener)
         except QueueFullError as exc:
@@ -161,8 +160,8 @@ class _Gateway:
     async def respond(self, gen: Generation, body, request: Request):
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(gen.sse(self.cluster, include_usage), media_type="text/event-stream")
-        return JSONResponse(await gen.complete(self.cluster, request))
+            return StreamingResponse(gen.sse(include_usage), media_type="text/event-stream")
+        return JSONResponse(await gen.complete(request))
 
 
 def _add_generation_routes(app: FastAPI, gw: _Gateway) -> None:

@@ -25,6 +25,8 @@ ROUTER_COUNTERS = {
     "retries": ("pdserve_router_retries", "request attempts placed again after a failure"),
     "failed": ("pdserve_router_failed_requests", "requests that ended with an error after their retries"),
     "instance_deaths": ("pdserve_router_instance_deaths", "instances found dead (their requests were retried)"),
+    "tokens_past_stop": ("pdserve_router_tokens_past_stop", "tokens generated after the gateway matched a stop "
+                                                              "string, before the abort reached the instance"),
 }
 
 
@@ -51,9 +53,9 @@ class GatewayMetrics:
         """Scrape-time gauges from the router's view (refreshed every 0.1 s)."""
         router = self.cluster.router
         queue = GaugeMetricFamily("pdserve_router_queue_depth", "requests waiting for a decode instance")
-        queue.add_metric([], float(len(router._pending)) if router else 0.0)
+        queue.add_metric([], float(router.num_queued) if router else 0.0)
         active = GaugeMetricFamily("pdserve_router_active_requests", "requests placed on instances")
-        active.add_metric([], float(len(router._by_attempt)) if router else 0.0)
+        active.add_metric([], float(router.num_placed) if router else 0.0)
         healthy = GaugeMetricFamily("pdserve_instance_healthy", "1 if the instance is serving", labels=["instance_id", "role"])
         families = {k: GaugeMetricFamily(name, doc, labels=["instance_id", "role"])
                     for k, (name, doc) in INSTANCE_GAUGES.items()}

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from engine.request import SamplingParams
+from engine.request import SamplingParams, prompt_misfit
 from gateway.tools import check_tool_choice, named_schema, required_schema, validate_tools
 
 # Accepted but without effect on generation (OpenAI bookkeeping fields).
@@ -220,11 +220,10 @@ class _Sampling(BaseModel):
             if name in IGNORED or value is None or (name in NEUTRAL and value in (NEUTRAL[name], {}, [])):
                 continue
             raise APIError(400, f"unsupported parameter: {name}={value!r}", param=name)
+        if why := prompt_misfit(prompt_len, max_model_len):
+            raise APIError(400, why, param="messages" if hasattr(self, "messages") else "prompt",
+                           code="context_length_exceeded" if prompt_len else None)
         room = max_model_len - prompt_len
-        if room < 1:
-            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is {max_model_len}",
-                           param="messages" if hasattr(self, "messages") else "prompt",
-                           code="context_length_exceeded")
         max_tokens = self._max_tokens()
         if max_tokens is not None and not 1 <= max_tokens <= room:
             raise APIError(400, f"max_tokens must be between 1 and {room} (context {max_model_len} minus "

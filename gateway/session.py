@@ -4,6 +4,9 @@ Events come from the router's threads through `listener` (call_soon_threadsafe i
 queue), so hundreds of concurrent streams cost no threads. A client that goes away mid-request
 aborts it on every instance (`cluster.abort`, on a worker thread: the event loop never waits on
 the router), which frees its blocks.
+
+Text is decided here and nowhere else (engine/text.py): instances stream token ids; a stop string
+found here ends the choice at once and stops it on its instances (`cluster.stop`).
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import json
 import time
 from typing import AsyncIterator
 
-from decode_worker.output import TextState
+from engine.text import TextState
 from gateway.chat_output import ChatOutput
 from gateway.logprobs import LogprobsFormatter
 from gateway.protocol import APIError, now
@@ -34,15 +37,22 @@ class Choice:
         self.finish_reason: str | None = None
 
     def consume(self, event: StreamEvent) -> str:
-        """Applies one event; returns the text that may be sent now."""
-        self.num_tokens += len(event.token_ids)
-        if event.token_ids and not self.stopped:
+        """Applies one event; returns the text that may be sent now. Tokens after a stop string are
+        dropped (the choice ends with the token that completed it)."""
+        if self.finished:
+            return ""
+        ids = event.token_ids
+        if ids:
+            visible = [t for t in ids if t not in self.hidden] if self.hidden else ids
+            num_past = self.text.feed(visible)
+            kept = len(ids) - num_past if num_past else len(ids)
+            if num_past and self.hidden:  # the hidden tokens among those past the stop are past it too
+                kept = _index_after(ids, self.hidden, len(visible) - num_past)
+            self.num_tokens += kept
             if self.logprobs is not None:
-                self.logprobs.add(event.token_ids, event.logprobs)
-            ids = [t for t in event.token_ids if t not in self.hidden] if self.hidden else event.token_ids
-            if self.text.feed(ids) is not None:
-                self.stopped = True  # the decode worker stops too; text after the stop is dropped
-        if event.finished:
+                self.logprobs.add(ids[:kept], None if event.logprobs is None else event.logprobs[:kept])
+            self.stopped = self.text.stop is not None
+        if event.finished or self.stopped:
             self.finished = True
             self.finish_reason = "stop" if self.stopped else event.finish_reason
         return self.text.take(self.finished)
@@ -62,11 +72,22 @@ class Choice:
         return self.output.feed(text) + (self.output.finish() if self.finished else [])
 
 
+def _index_after(ids: list[int], hidden: frozenset[int], num_visible: int) -> int:
+    """The length of the prefix of `ids` that holds its first `num_visible` tokens not in `hidden`."""
+    seen = 0
+    for i, t in enumerate(ids):
+        if seen == num_visible:
+            return i
+        seen += t not in hidden
+    return len(ids)
+
+
 class Generation:
     """One request's generation: n choices (one stream each from the router, events by index)."""
 
-    def __init__(self, request_id: str, kind: str, model: str, prompt_ids: list[int], choices: list[Choice], metrics,
-                 loop: asyncio.AbstractEventLoop):
+    def __init__(self, cluster, request_id: str, kind: str, model: str, prompt_ids: list[int], choices: list[Choice],
+                 metrics, loop: asyncio.AbstractEventLoop):
+        self.cluster = cluster  # submit, abort, stop (gateway/app.py: what the routes share)
         self.request_id, self.kind, self.model, self.choices, self.metrics = request_id, kind, model, choices, metrics
         self.num_prompt_tokens = len(prompt_ids)
         self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
@@ -93,7 +114,11 @@ class Generation:
             self.last_token_s = t
             self.metrics.generation_tokens.inc(len(event.token_ids))
         choice = self.choices[event.index]
+        stopped = choice.stopped
         text = choice.consume(event)
+        if choice.stopped and not stopped:  # ends it on the instances too (from a worker thread)
+            loop = asyncio.get_running_loop()
+            loop.run_in_executor(None, self.cluster.stop, self.request_id, choice.index, choice.num_tokens)
         if event.finished:
             self.error = self.error or event.error
             self.bad_request = self.bad_request or event.bad_request
@@ -101,14 +126,14 @@ class Generation:
                 self.metrics.e2e.observe(time.monotonic() - self.arrival_s)
         return choice, text
 
-    def _abort(self, cluster) -> None:
-        asyncio.get_running_loop().run_in_executor(None, cluster.abort, self.request_id)
+    def _abort(self) -> None:
+        asyncio.get_running_loop().run_in_executor(None, self.cluster.abort, self.request_id)
 
-    def _end(self, cluster) -> None:
+    def _end(self) -> None:
         """Leaving before every choice ended (the client went away, or one choice failed): the rest
         are aborted on the instances, so their blocks are freed."""
         if not all(c.finished for c in self.choices):
-            self._abort(cluster)
+            self._abort()
             if self.error is None:
                 self._account("cancelled")
 
@@ -131,7 +156,7 @@ class Generation:
         return {"id": self.request_id, "object": object_, "created": self.created, "model": self.model}
 
     # -- non-streaming ----------------------------------------------------------------------
-    async def complete(self, cluster, request) -> dict:
+    async def complete(self, request) -> dict:
         parts: list[list[str]] = [[] for _ in self.choices]
         try:
             while not self.finished:
@@ -144,7 +169,7 @@ class Generation:
                 choice, text = self._consume(event)
                 parts[choice.index].append(text)
         finally:
-            self._end(cluster)
+            self._end()
         if self.error:
             self._account("error")
             raise self._failed()
@@ -187,7 +212,7 @@ class Generation:
         return [self._chunk(c, None, end if i == len(deltas) - 1 else None, include_usage, delta=d)
                 for i, d in enumerate(deltas)]
 
-    async def sse(self, cluster, include_usage: bool) -> AsyncIterator[str]:
+    async def sse(self, include_usage: bool) -> AsyncIterator[str]:
         try:
             if self.kind == "chat":
                 for c in self.choices:
@@ -207,4 +232,4 @@ class Generation:
                     yield f"data: {json.dumps({**self._head(obj), 'choices': [], 'usage': self.usage})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            self._end(cluster)  # the client may have disconnected (the generator was cancelled)
+            self._end()  # the client may have disconnected (the generator was cancelled)

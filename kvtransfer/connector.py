@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import KVLayout
+from engine.config import KVLayout, window_start
 from kvtransfer.base import CompletedTransfer, KVReceiver, KVSender, Transfer
-from kvtransfer.params import KVTransferParams, kv_heads_of_rank, window_start
+from kvtransfer.params import KVTransferParams, kv_heads_of_rank
 from kvtransfer.plan import expected_parts, plan_head_slices
 from kvtransfer.scatter import as_bytes, gather_tokens
 

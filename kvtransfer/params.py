@@ -87,12 +87,6 @@ class KVTransferParams:
         assert [e.rank for e in self.endpoints] == list(range(self.decode_tp_size)), self
 
 
-def window_start(num_tokens: int, kv_window: int | None) -> int:
-    """The first prompt position a decode step can still read after a prompt of `num_tokens`: its
-    first query (position num_tokens) sees the `kv_window` keys ending at it. 0 without a window."""
-    return 0 if kv_window is None else max(0, num_tokens - kv_window + 1)
-
-
 def kv_heads_of_rank(num_kv_heads: int, tp_size: int, rank: int) -> range:
     """The KV heads rank `rank` of a `tp_size` group holds (as QKVParallelLinear shards them).
 

@@ -10,7 +10,7 @@ A control server (control.py) accepts one connection per prefill rank; each gets
              else into a buffer, then scattered into the request's slots
     done  -> all layers there? -> ack;  every part of the request done -> poll() reports it
 
-Requests are tracked in `_Expected`: expect(rid, slots, num_parts) ... poll() reports
+Requests are tracked in `Expected`: expect(rid, slots, num_parts) ... poll() reports
 (rid, first_token, logprobs), or a failure: a begun part silent for timeout_s (unless its
 connection is busy with other requests' KV), a connection lost mid-part, a part of the wrong
 size. A garbage message or a receive past its deadline drops its connection (the sender
@@ -51,7 +51,7 @@ MAX_DIRECT_RUNS = 4
 
 
 @dataclass
-class _Expected:
+class Expected:
     slots: torch.Tensor  # (num_tokens,) int64
     num_parts: int
     block_ids: torch.Tensor | None  # (num_tokens // block_size,) when the slots fill whole blocks in order
@@ -84,7 +84,7 @@ class TorchDistReceiver(KVReceiver):
                                     timeout=timedelta(seconds=timeout_s))
         self._lock = threading.Lock()
         self._receives_done = threading.Condition(self._lock)
-        self._expected: dict[str, _Expected] = {}
+        self._expected: dict[str, Expected] = {}
         self._completed: list[CompletedTransfer] = []
         self._failed: list[tuple[str, str]] = []
         self._stats: Counter = Counter()
@@ -111,7 +111,7 @@ class TorchDistReceiver(KVReceiver):
         assert slots.dim() == 1 and num_parts >= 1
         host = slots.to("cpu", torch.int64)  # the layout is worked out on the host: no device sync
         blocks = whole_blocks(host, self.block_size)
-        e = _Expected(host.to(self.kv_cache.device), num_parts,
+        e = Expected(host.to(self.kv_cache.device), num_parts,
                       None if blocks is None else blocks.to(self.kv_cache.device), slot_runs(host))
         with self._lock:
             self._expected[request_id] = e
@@ -160,7 +160,7 @@ class TorchDistReceiver(KVReceiver):
         self._store = None  # its server stops once the channels let go of their clients
 
     # -- the sessions' calls -----------------------------------------------------------------------
-    def _count(self, key: str) -> None:
+    def count(self, key: str) -> None:
         with self._lock:
             self._stats[key] += 1
 
@@ -170,7 +170,7 @@ class TorchDistReceiver(KVReceiver):
             self._failed.append((rid, reason))
             self._stats["failed"] += 1
 
-    def _hello(self, session: Session, msg: dict) -> dict:
+    def on_hello(self, session: Session, msg: dict) -> dict:
         reply = {"kind": "welcome", "ok": False, "error": None, "compat": self.compat.to_dict(),
                  "store_port": self._store.port, "channel": -1, "cache": None}
         try:
@@ -192,7 +192,7 @@ class TorchDistReceiver(KVReceiver):
         reply["ok"] = True
         return reply
 
-    def _open(self, index: int) -> DataChannel:
+    def open_data_channel(self, index: int) -> DataChannel:
         """This end of a data channel. Rendezvous goes through the master store object itself:
         one more client per connection made torch's TCPStore refuse connections after a few."""
         store = self._store
@@ -203,7 +203,7 @@ class TorchDistReceiver(KVReceiver):
         except (RuntimeError, OSError) as exc:  # the sender did not join in time
             raise ControlGarbage(f"data channel {index} was not built: {exc}") from None
 
-    def _begin(self, session: Session, msg: dict) -> dict:
+    def on_begin(self, session: Session, msg: dict) -> dict:
         rid, lo = msg["request_id"], msg["head_start"] - self.head_offset
         reply = {"kind": "ready", "request_id": rid, "ok": False, "error": None, "runs": [], "slots": []}
         n_heads = msg["head_end"] - msg["head_start"]
@@ -229,15 +229,15 @@ class TorchDistReceiver(KVReceiver):
                 reply["slots"] = [slot for *_, slot in part.runs] if session.shared else []
         return reply
 
-    def _receiving(self, rid: str) -> _Expected | None:
-        """A receive straight into the request's slots starts: its _Expected (None: it is gone)."""
+    def start_receiving(self, rid: str) -> Expected | None:
+        """A receive straight into the request's slots starts: its Expected (None: it is gone)."""
         with self._lock:
             if (e := self._expected.get(rid)) is not None:
                 e.receiving += 1
             return e
 
-    def _received(self, rid: str, part: Part, e: _Expected | None, layers: int, num_bytes: int) -> None:
-        """Ends what `_receiving` began (e: what it returned): `layers` of the part landed."""
+    def on_received(self, rid: str, part: Part, e: Expected | None, layers: int, num_bytes: int) -> None:
+        """Ends what `start_receiving` began (e: what it returned): `layers` of the part landed."""
         with self._lock:
             self._stats["bytes_received"] += num_bytes
             if e is not None:
@@ -250,7 +250,7 @@ class TorchDistReceiver(KVReceiver):
             self._stats["layers_direct"] += layers
             e.last_activity = time.monotonic()
 
-    def _write(self, session: Session, rid: str, layer: int, part: Part, payload: torch.Tensor) -> None:
+    def write_part(self, session: Session, rid: str, layer: int, part: Part, payload: torch.Tensor) -> None:
         kv = payload.view(self.kv_cache.dtype).view(2, part.num_tokens, part.num_heads, self.compat.head_dim)
         with self._lock:
             self._stats["bytes_received"] += payload.numel()
@@ -267,7 +267,7 @@ class TorchDistReceiver(KVReceiver):
             self._stats["layers_scattered"] += 1
             e.last_activity = time.monotonic()
 
-    def _done(self, session: Session, msg: dict, part: Part) -> dict:
+    def on_done(self, session: Session, msg: dict, part: Part) -> dict:
         rid = msg["request_id"]
         reply = {"kind": "ack", "request_id": rid, "ok": False, "error": None}
         if session.channel is not None:  # CUDA: this part's writes are done before admission
@@ -295,7 +295,7 @@ class TorchDistReceiver(KVReceiver):
         reply["ok"] = True
         return reply
 
-    def _closed_session(self, session: Session) -> None:
+    def on_session_closed(self, session: Session) -> None:
         with self._lock:
             self._sessions.discard(session)
             for rid, _ in session.parts:

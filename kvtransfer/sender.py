@@ -177,7 +177,7 @@ class _Peer:
                                "head_end": t.head_end, "num_tokens": t.num_tokens}, timeout)
             ready = self._answer(t)
             if not ready["ok"]:  # the receiver is fine, this request is not (cancelled, wrong size)
-                self.owner._count("parts_rejected")
+                self.owner.count("parts_rejected")
                 return t.fail(f"receiver rejected {t.request_id}: {ready['error']}")
             try:
                 wire.check_runs(ready["runs"], t.num_tokens)
@@ -215,10 +215,10 @@ class _Peer:
         while self.inflight and self.inflight[0][0] < t.posted_before_done:  # received: they are complete
             self.channel.wait(self.inflight.popleft()[1], self.owner.timeout_s)
         if ack["ok"]:
-            self.owner._count("parts_sent")
+            self.owner.count("parts_sent")
             t.succeed()
         else:
-            self.owner._count("parts_rejected")
+            self.owner.count("parts_rejected")
             t.fail(f"receiver rejected {t.request_id}: {ack['error']}")
 
     def _send_layers(self, t: _Transfer, layers: list[int], payloads: list[tuple]) -> None:
@@ -238,7 +238,7 @@ class _Peer:
                 num_bytes += payload.numel()
         t.num_layers_sent += len(layers)
         t.num_bytes += num_bytes
-        self.owner._count("bytes_sent", num_bytes)
+        self.owner.count("bytes_sent", num_bytes)
 
     def _write_layers(self, t: _Transfer, layers: list[int], payloads: list[tuple]) -> None:
         """Shared: once granted, the layers go straight into the receiver's slots; `wrote` once
@@ -248,7 +248,7 @@ class _Peer:
                     "count": len(layers)}
         self.control.send(announce, timeout)
         if not self._answer(t, "grant")["ok"]:
-            self.owner._count("parts_rejected")
+            self.owner.count("parts_rejected")
             return t.fail(f"receiver rejected {t.request_id}: unknown or cancelled request")
         for layer, (kv, event) in zip(layers, payloads):
             self.shared.write(layer, t.target, kv, event, t.head_start)
@@ -257,8 +257,8 @@ class _Peer:
         num_bytes = sum(kv.numel() * kv.element_size() for kv, _ in payloads)
         t.num_layers_sent += len(layers)
         t.num_bytes += num_bytes
-        self.owner._count("bytes_sent", num_bytes)
-        self.owner._count("layers_shared", len(layers))
+        self.owner.count("bytes_sent", num_bytes)
+        self.owner.count("layers_shared", len(layers))
 
     def _check_answer(self, msg: dict, kind: str, t: _Transfer) -> None:
         if msg["kind"] != kind or msg["request_id"] != t.request_id:
@@ -281,7 +281,7 @@ class _Peer:
             raise IncompatiblePeerError(f"refused {self.name}: {diff}")
         if welcome["cache"] is not None and self._open_shared(welcome["cache"]):
             self.control.send({"kind": "join", "channel": welcome["channel"], "shared": True}, timeout)
-            o._count("shared_connections")
+            o.count("shared_connections")
             return
         try:
             store = dist.TCPStore(self.dest.host, welcome["store_port"], is_master=False,
@@ -290,7 +290,7 @@ class _Peer:
             self.channel = open_channel(store, welcome["channel"], SENDER, o.device, o.host, timeout)
         except (RuntimeError, OSError) as exc:  # TCPStore / group rendezvous failures
             raise TransferError(f"building the data channel to {self.name} failed: {exc}") from None
-        o._count("groups_created")
+        o.count("groups_created")
 
     def _open_shared(self, desc: dict) -> bool:
         """Opens the receiver's cache (same device); False, logged, when it cannot be opened here."""
@@ -351,7 +351,7 @@ class TorchDistSender(KVSender):
         self.recent_transfers.append({"request_id": t.request_id, "bytes": t.num_bytes, "begin_s": t.begin_s,
                                       "finish_s": t.finish_s, "acked_s": t.acked_s})
 
-    def _count(self, key: str, n: int = 1) -> None:
+    def count(self, key: str, n: int = 1) -> None:
         with self._lock:
             self._stats[key] += n
 

@@ -19,7 +19,7 @@ from kvtransfer.channel import ChannelError, DataChannel
 from kvtransfer.control import ControlError, ControlGarbage
 
 if TYPE_CHECKING:
-    from kvtransfer.receiver import TorchDistReceiver, _Expected
+    from kvtransfer.receiver import TorchDistReceiver, Expected
 
 logger = logging.getLogger(__name__)
 # Layers (or announced spans, received straight into the cache) posted and not yet written, per
@@ -44,7 +44,7 @@ class Session:
         self.sender_id, self.index = "?", None
         self.channel: DataChannel | None = None
         self.offered = self.shared = False  # offered the cache at hello; joined to write into it
-        self.granted: deque[tuple] = deque()  # (layer msg, part, _Expected or None, when) awaiting `wrote`
+        self.granted: deque[tuple] = deque()  # (layer msg, part, Expected or None, when) awaiting `wrote`
         self.parts: dict[tuple[str, int], Part] = {}  # (request id, head_start) -> begun, not done
         self.activity = time.monotonic()
         # receive buffers: later layers arrive in some while the writer thread scatters one from another
@@ -57,19 +57,19 @@ class Session:
         self.activity = time.monotonic()
         kind = msg["kind"]
         if kind == "hello" and self.index is None:
-            return self.rx._hello(self, msg)
+            return self.rx.on_hello(self, msg)
         joined = self.channel is not None or self.shared
         if kind == "join" and self.index is not None and not joined and msg["channel"] == self.index:
             if msg["shared"] and not self.offered:
                 raise ControlGarbage("joined shared without the cache being offered")
             self.shared = msg["shared"]
             if not self.shared:
-                self.channel = self.rx._open(self.index)
+                self.channel = self.rx.open_data_channel(self.index)
             return None
         if not joined or kind not in ("begin", "layer", "done", "wrote") or (kind == "wrote" and not self.shared):
             raise ControlGarbage(f"{kind} message out of order")
         if kind == "begin":
-            return self.rx._begin(self, msg)
+            return self.rx.on_begin(self, msg)
         part = self.parts.get((msg["request_id"], msg["head_start"]))
         if part is None:
             raise ControlGarbage(f"{kind} for a part that did not begin: {msg['request_id']}")
@@ -79,7 +79,7 @@ class Session:
             return self._wrote(msg, part)
         self._written()
         del self.parts[(msg["request_id"], msg["head_start"])]
-        return self.rx._done(self, msg, part)
+        return self.rx.on_done(self, msg, part)
 
     def _layer(self, msg: dict, part: Part) -> None:
         """The announced layers arrive while the ones before are written (or still arriving, when
@@ -108,10 +108,10 @@ class Session:
         first, count = msg["layer"], msg["count"]
         if not (0 <= first and 0 < count and first + count <= self.rx.compat.num_layers):
             raise ControlGarbage(f"layers {first} + {count} of {self.rx.compat.num_layers}")
-        e = self.rx._receiving(msg["request_id"])
+        e = self.rx.start_receiving(msg["request_id"])
         if e is None:  # cancelled: the sender fails the part and sends no more of it
             del self.parts[(msg["request_id"], msg["head_start"])]
-            self.rx._count("dropped_layers")
+            self.rx.count("dropped_layers")
         else:
             self.granted.append((msg, part, e, time.monotonic()))
         return {"kind": "grant", "request_id": msg["request_id"], "head_start": msg["head_start"], "ok": e is not None}
@@ -122,7 +122,7 @@ class Session:
         _, _, e, _ = self.granted.popleft()
         num_bytes = msg["count"] * wire.payload_bytes(part.num_tokens, part.num_heads, self.rx.compat.head_dim,
                                                       self.rx.kv_cache.dtype)
-        self.rx._received(msg["request_id"], part, e, msg["count"], num_bytes)
+        self.rx.on_received(msg["request_id"], part, e, msg["count"], num_bytes)
 
     def granted_since(self) -> float:
         """When the oldest grant still awaiting `wrote` was given (inf: none)."""
@@ -138,7 +138,7 @@ class Session:
         except ChannelError as exc:  # the pair is aborted (the channel already is); the sender rebuilds it
             self._payload_failed(msg, exc)
         self.activity = time.monotonic()
-        self.rx._write(self, msg["request_id"], layer, part, payload)
+        self.rx.write_part(self, msg["request_id"], layer, part, payload)
 
     def _next_write(self) -> int:
         """The write slot to use next, once the write it held before is done."""
@@ -149,8 +149,8 @@ class Session:
 
     def _post_direct(self, msg: dict, part: Part) -> tuple:
         """Posts receives of the layers' K and V of each run straight into the request's slots (or,
-        if it was cancelled, into a buffer that is dropped). Returns (its _Expected, handles, error)."""
-        e = self.rx._receiving(msg["request_id"])
+        if it was cancelled, into a buffer that is dropped). Returns (its Expected, handles, error)."""
+        e = self.rx.start_receiving(msg["request_id"])
         handles, error = [], None
         try:  # all posted at once: the sender's posted sends meet them without a round trip each
             for layer in range(msg["layer"], msg["layer"] + msg["count"]):
@@ -163,7 +163,7 @@ class Session:
             error = ChannelError(f"KV receive could not be posted: {str(exc)[:200]}")
         return e, handles, error
 
-    def _land(self, msg: dict, part: Part, e: _Expected | None, handles: list, error: Exception | None) -> None:
+    def _land(self, msg: dict, part: Part, e: Expected | None, handles: list, error: Exception | None) -> None:
         """On the writer thread: waits for every posted receive to end (after a failure the channel
         is aborted: at once), then releases the request's slots to cancel()."""
         for handle in handles:
@@ -173,13 +173,13 @@ class Session:
                 error = error or exc
         num_bytes = msg["count"] * wire.payload_bytes(part.num_tokens, part.num_heads, self.rx.compat.head_dim,
                                                       self.rx.kv_cache.dtype)
-        self.rx._received(msg["request_id"], part, e, msg["count"] if error is None else 0, num_bytes)
+        self.rx.on_received(msg["request_id"], part, e, msg["count"] if error is None else 0, num_bytes)
         if error is not None:
             self._payload_failed(msg, error)
         self.activity = time.monotonic()
 
     def _payload_failed(self, msg: dict, exc: Exception):
-        self.rx._count("payload_failures")
+        self.rx.count("payload_failures")
         logger.warning("KV from %s: payload of %s layer %d: %s", self.sender_id, msg["request_id"], msg["layer"], exc)
         raise ControlError(str(exc)) from None
 
@@ -196,5 +196,5 @@ class Session:
         self.writer.shutdown(wait=True)
         while self.granted:  # a dead or stuck sender's grants end: a cancel waits no longer
             msg, part, e, _ = self.granted.popleft()
-            self.rx._received(msg["request_id"], part, e, 0, 0)
-        self.rx._closed_session(self)
+            self.rx.on_received(msg["request_id"], part, e, 0, 0)
+        self.rx.on_session_closed(self)

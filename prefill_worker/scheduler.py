@@ -16,7 +16,7 @@ from engine.batch import CachedRequestData, NewRequestData, RunnerOutput, Schedu
 from engine.block_manager import KVCacheManager
 from engine.config import SchedulerConfig
 from engine.logits_processing import history_of
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, prompt_misfit
 
 
 class PrefillScheduler:
@@ -37,8 +37,8 @@ class PrefillScheduler:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.done or any(r.request_id == req.request_id for r in (*self.waiting, *self.running)):
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        if req.num_prompt_tokens >= self.max_model_len:
-            raise ValueError(f"prompt has {req.num_prompt_tokens} tokens; the limit is {self.max_model_len - 1}")
+        if why := prompt_misfit(req.num_prompt_tokens, self.max_model_len):
+            raise ValueError(why)
         self.waiting.append(req)
 
     def has_work(self) -> bool:

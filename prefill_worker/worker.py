@@ -47,15 +47,14 @@ class PrefillWorker:
         if self.tp.rank == 0:
             kv = KVCacheManager(runner.num_blocks, runner.block_size, runner.config.cache.enable_prefix_caching,
                                 runner.model_config.kv_layout.windows)
-            max_len = min(mc.max_position_embeddings, (runner.num_blocks - 1) * runner.block_size)
-            self.scheduler = PrefillScheduler(runner.config.scheduler, kv, max_len)
+            self.scheduler = PrefillScheduler(runner.config.scheduler, kv, runner.max_model_len)
         self._inbox: queue.Queue = queue.Queue()
         self._outbox = Outbox()  # results per client (router): each gateway gets only its own
         self.client_ttl_s = client_ttl_s
         self.num_orphans_aborted = 0  # requests of clients that went silent
         # cumulative, for the autoscaler's online profile: tokens computed and seconds spent doing it
         self.num_computed_tokens, self.busy_s = 0, 0.0
-        self.eos_token_ids = frozenset({*mc.eos_token_ids, mc.eos_token_id} - {None})  # min_tokens holds them back
+        self.eos_token_ids = frozenset(mc.eos_token_ids)  # min_tokens holds them back (the model's one EOS set)
 
     # -- driver API (rank 0; thread-safe) -----------------------------------------------------
     def submit(self, req: Request, params: KVTransferParams) -> None:

@@ -2,8 +2,11 @@
 
 Lifecycle of one attempt (disaggregated):
     pick D, pick P  ->  D.reserve(prompt)  ->  P.submit(prompt, D's KV endpoints)
-    P's first token  ->  client  (while the KV is still moving)
-    D's tokens (one long-poll per D per step, every request's tokens together)  ->  client
+    P's first token (position 0)  ->  client  (while the KV is still moving)
+    D's tokens from position 1 (one long-poll per D per step, every request's tokens together)  ->  client
+Each output names the position of its first token in the attempt's output, so the two streams join
+without overlap; one that comes before the tokens ahead of it (D polled before P) waits for them.
+Text is not the router's: a front end that finds a stop string calls `stop`.
 On an error from P or D, or an instance found dead, the attempt is aborted on both and the
 request is placed again (prompt + tokens already delivered as the new prompt) on instances that
 have not failed it, up to `max_attempts`; then the client gets an error. Nobody hangs. A decode
@@ -24,9 +27,10 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
-from engine.request import Request, SamplingParams
+from engine.request import Request, SamplingParams, choice_id
 from kvtransfer.params import KVTransferParams
 from router.client import DecodeClient, InstanceDeadError, PrefillClient
+from router.failures import Failures
 from router.policy import BaseRoutingPolicy
 from router.stream import RequestStream, StreamEvent, Tracked, indexed
 
@@ -53,7 +57,7 @@ class _Outcome:
     bad_request: str | None = None
 
 
-class Router:
+class Router(Failures):
     def __init__(self, prefill: list[PrefillClient], decode: list[DecodeClient], policy: BaseRoutingPolicy,
                  mode: str = "disaggregated", disagg_threshold_tokens: int = 0, max_attempts: int = 3,
                  max_queued: int = 4096, poll_s: float = 0.2, kv_recompute_max_tokens: int = 0):
@@ -76,7 +80,8 @@ class Router:
         # cumulative counters (the autoscaler's arrival rate and request shape come from these)
         self.stats = {"retries": 0, "failed": 0, "completed": 0, "submitted": 0, "prompt_tokens": 0,
                       "cached_prompt_tokens": 0, "output_tokens": 0, "instance_deaths": 0,
-                      "kv_recomputes": 0}
+                      "kv_recomputes": 0, "tokens_past_stop": 0}
+        self._stopped: dict[str, None] = {}  # attempt ids ended by `stop` (latest 1024): their late tokens count
 
     @contextmanager
     def _locked(self):
@@ -156,9 +161,9 @@ class Router:
         tracked = Tracked(request_id, list(prompt_token_ids), params,
                           RequestStream(request_id, None if params.n > 1 else listener))
         if params.n > 1:
-            tracked.choices = [Tracked(f"{request_id}/{i}", tracked.prompt_token_ids,
+            tracked.choices = [Tracked(choice_id(request_id, i), tracked.prompt_token_ids,
                                        params.choice(i),
-                                       RequestStream(f"{request_id}/{i}", indexed(listener, i)), parent=tracked,
+                                       RequestStream(choice_id(request_id, i), indexed(listener, i)), parent=tracked,
                                        index=i, grouped=True) for i in range(params.n)]
         with self._locked():
             if len(self._pending) >= self.max_queued:
@@ -188,6 +193,41 @@ class Router:
                 if self._by_attempt.get(t.attempt_id) is t:
                     self._abort_attempt(t)
                 self._finish(t, StreamEvent([], True, "abort"))
+
+    def stop(self, request_id: str, index: int = 0, num_tokens: int | None = None) -> None:
+        """The front end found a stop string in choice `index`'s text, completed by its output token
+        `num_tokens` (1-based): the choice ends here with "stop" and is aborted on its instances. The
+        tokens the router has or gets for it beyond that count as `tokens_past_stop`."""
+        with self._locked():
+            tracked = self._live.get(request_id)
+            t = tracked.choices[index] if tracked is not None and tracked.choices else tracked
+            if t is None or t.done:
+                return
+            if num_tokens is not None:
+                self.stats["tokens_past_stop"] += max(0, len(t.delivered) - num_tokens)
+            if t in self._pending:
+                self._pending.remove(t)
+            if self._by_attempt.get(t.attempt_id) is t:
+                self._stopped[t.attempt_id] = None
+                while len(self._stopped) > 1024:
+                    del self._stopped[next(iter(self._stopped))]
+                self._abort_attempt(t)
+            self.stats["completed"] += 1
+            self.stats["output_tokens"] += len(t.delivered)
+            self._finish(t, StreamEvent([], True, "stop"))
+            self._wake.notify_all()
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting to be placed (admission, or a retry's turn)."""
+        with self._locked():
+            return len(self._pending)
+
+    @property
+    def num_placed(self) -> int:
+        """Attempts on instances now."""
+        with self._locked():
+            return len(self._by_attempt)
 
     def snapshot(self) -> dict[str, float]:
         """The cumulative counters and the queue's length now (published for the autoscaler)."""
@@ -229,7 +269,7 @@ class Router:
         done = len(tracked.delivered)  # the retry's prompt ends with them: its grammar and penalties count them
         params = replace(tracked.params, max_tokens=tracked.params.max_tokens - done,
                          min_tokens=max(0, tracked.params.min_tokens - done), num_resumed_tokens=done)
-        tracked.base, tracked.decoding = len(tracked.delivered), False
+        tracked.base, tracked.decoding, tracked.held = len(tracked.delivered), False, []
         local = self.mode == "colocated" or not prefills or len(prompt) < self.disagg_threshold_tokens
         first = next((d for d in decodes if d.instance_id == tracked.recompute_on), None)
         local, tracked.recompute_on = local or first is not None, None
@@ -351,23 +391,38 @@ class Router:
             self.stats["cached_prompt_tokens"] += r.num_cached_tokens
         firsts = [(r.first_token, r.logprobs), *r.more_choices]
         for t, (token, logprobs) in zip(tracked.choices or [tracked], firsts):
-            if len(t.delivered) == t.base and not t.done:  # the decode side may have been faster
+            if not t.done:  # the first token of the attempt: position 0
                 self._deliver(t, [token], None if logprobs is None else [logprobs])
+                self._release_held(t)
+
+    def _release_held(self, tracked: Tracked) -> None:
+        """Decode outputs that came before the prefill's first token go on now, in order."""
+        held, tracked.held = sorted(tracked.held, key=lambda o: o.start), []
+        for o in held:
+            if self._by_attempt.get(o.request_id) is tracked:
+                self._on_decode_output(o)
 
     def _on_decode_output(self, o) -> None:
         tracked = self._by_attempt.get(o.request_id)
         if tracked is None:
+            if o.request_id in self._stopped:
+                self.stats["tokens_past_stop"] += len(o.new_token_ids)
             return
         if o.error and o.kv_load_failed and self._may_recompute(tracked):
             return self._recompute(tracked, o.error)
         if o.error:
             return self._fail(tracked, tracked.decode_id, o.error)
+        if o.start > tracked.num_attempt_tokens:  # the prefill's first token has not come yet
+            tracked.held.append(o)
+            return
         tracked.decoding = True
         if tracked.grouped and self._by_attempt.get(tracked.parent.attempt_id) is tracked.parent:
             self._by_attempt.pop(tracked.parent.attempt_id)  # forked: its choices go on, the KV is there
-        have = len(tracked.delivered) - tracked.base  # tokens of this attempt already delivered
-        skip = max(0, have - (o.num_output_tokens - len(o.new_token_ids)))
-        self._deliver(tracked, o.new_token_ids[skip:], None if o.new_logprobs is None else o.new_logprobs[skip:])
+        if o.start < tracked.num_attempt_tokens:  # never from a sound instance: its streams do not overlap
+            logger.error("request %s: %s sent tokens from position %d, %d are delivered; dropped",
+                         tracked.request_id, tracked.decode_id, o.start, tracked.num_attempt_tokens)
+            return
+        self._deliver(tracked, o.new_token_ids, o.new_logprobs)
         if o.finished:
             del self._by_attempt[tracked.attempt_id]
             if tracked.prefill_id in self.prefill:
@@ -390,91 +445,6 @@ class Router:
             tracked.stream.put(event)
             if tracked.parent is not None and all(c.done for c in tracked.parent.choices):
                 self._finish(tracked.parent, event)  # its last choice ended
-
-    # -- failures --------------------------------------------------------------------------------------
-    def _fail(self, tracked: Tracked, instance_id: str | None, reason: str) -> None:
-        logger.warning("request %s attempt %d failed on %s: %s", tracked.request_id, tracked.attempt,
-                       instance_id, reason)
-        if instance_id is not None:
-            tracked.excluded.add(instance_id)
-        self._abort_attempt(tracked)
-        if tracked.choices:
-            return self._split(tracked, lambda choice: self._fail(choice, instance_id, reason))
-        tracked.grouped = False  # a choice goes on by itself
-        self._retry(tracked, reason)
-
-    def _split(self, parent: Tracked, each) -> None:
-        """The placement of an n > 1 request ended before its choices forked: `each` choice goes on
-        (or ends) by itself."""
-        for choice in parent.choices:
-            if not choice.done and choice.grouped:
-                each(choice)
-
-    def _may_recompute(self, tracked: Tracked) -> bool:
-        n = len(tracked.prompt_token_ids) + len(tracked.delivered)
-        return n <= self.kv_recompute_max_tokens and tracked.attempt + 1 < self.max_attempts
-
-    def _recompute(self, tracked: Tracked, reason: str) -> None:
-        """The decode instance's KV load failed: its next attempt prefills there (prompt and the
-        tokens already streamed, as for any retry), no transfer involved."""
-        logger.warning("request %s attempt %d: KV load on %s failed (%s); recomputing it there",
-                       tracked.request_id, tracked.attempt, tracked.decode_id, reason)
-        self.stats["kv_recomputes"] += 1
-        decode_id = tracked.decode_id
-        self._abort_attempt(tracked)
-        if tracked.choices:
-            return self._split(tracked, lambda choice: self._recompute(choice, reason))
-        tracked.recompute_on, tracked.grouped = decode_id, False
-        self._retry(tracked, reason)
-
-    def _retry(self, tracked: Tracked, reason: str) -> None:
-        """Queues the request's next attempt at the head of the queue (the placement thread
-        makes it: the caller holds the lock)."""
-        if tracked.attempt + 1 >= self.max_attempts or tracked.done:
-            return self._give_up(tracked, reason)
-        tracked.attempt += 1
-        self.stats["retries"] += 1
-        self._pending.appendleft(tracked)
-        self._wake.notify_all()
-
-    def _give_up(self, tracked: Tracked, reason: str, bad_request: bool = False) -> None:
-        self._by_attempt.pop(tracked.attempt_id, None)
-        if tracked.choices:
-            return self._split(tracked, lambda choice: self._give_up(choice, reason, bad_request))
-        self.stats["failed"] += 1
-        self._finish(tracked, StreamEvent([], True, "error", reason, bad_request=bad_request))
-
-    def _abort_attempt(self, tracked: Tracked) -> None:
-        """Under the lock: forgets the attempt; its instances are told once the lock is released."""
-        self._by_attempt.pop(tracked.attempt_id, None)
-        for iid in (tracked.prefill_id, tracked.decode_id):
-            client = self._client(iid) if iid is not None else None
-            if client is not None:
-                self._deferred.append((client.abort, tracked.attempt_id))
-
-    def _safe(self, fn, *args) -> None:
-        try:
-            fn(*args)
-        except InstanceDeadError:
-            pass
-
-    def mark_dead(self, iid: str, exc: Exception | None = None) -> None:
-        """An instance died (found by this router's calls, or told by its owner): every attempt
-        on it is retried elsewhere."""
-        with self._locked():
-            client = self._client(iid)
-            if client is None or not client.info.healthy:
-                return
-            client.info.healthy = False
-            self.stats["instance_deaths"] += 1
-            logger.error("instance %s is dead (%s); retrying its requests", iid, exc)
-            for tracked in [t for t in self._by_attempt.values() if iid in (t.prefill_id, t.decode_id)]:
-                if self._by_attempt.get(tracked.attempt_id) is not tracked:
-                    continue  # a choice its parent's failure already sent on
-                if tracked.prefill_id == iid and tracked.decoding:
-                    tracked.prefill_id = None  # its KV is on the decode side already: it goes on there
-                    continue
-                self._fail(tracked, iid, f"instance {iid} died")
 
     def _refresh_loads(self) -> None:
         while not self._stop.wait(0.1):

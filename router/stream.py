@@ -6,8 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from decode_worker.scheduler import choice_id
-from engine.request import SamplingParams
+from engine.request import SamplingParams, choice_id
 
 
 @dataclass
@@ -100,6 +99,7 @@ class Tracked:
     decode_id: str | None = None
     excluded: set[str] = field(default_factory=set)  # instances that failed this request
     decoding: bool = False  # this attempt's decode instance has its KV (it reported tokens)
+    held: list = field(default_factory=list)  # outputs that came before the tokens ahead of them (RequestOutput)
     placing: tuple[str, ...] = ()  # while a placement's calls are out: the instances it may start on
     recompute_on: str | None = None  # the next attempt prefills on this decode instance (its KV load failed)
     done: bool = False
@@ -109,6 +109,11 @@ class Tracked:
     parent: "Tracked | None" = field(default=None, compare=False, repr=False)
     index: int = 0
     grouped: bool = False
+
+    @property
+    def num_attempt_tokens(self) -> int:
+        """Output tokens this attempt has delivered: the position its next token takes."""
+        return len(self.delivered) - self.base
 
     @property
     def attempt_id(self) -> str:

@@ -47,6 +47,21 @@ def generation_eos(folder: Path) -> tuple[int, ...]:
     return token_ids(json.loads(path.read_text()).get("eos_token_id")) if path.is_file() else ()
 
 
+def tokenizer_eos_ids(folder: Path) -> tuple[int, ...]:
+    """The id of the EOS token tokenizer_config.json names (Qwen's chat models end turns on
+    <|im_end|>, which config.json may not list); () without a tokenizer."""
+    config, vocab = folder / "tokenizer_config.json", folder / "tokenizer.json"
+    if not config.is_file() or not vocab.is_file():
+        return ()
+    eos = json.loads(config.read_text()).get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if not eos:
+        return ()
+    from tokenizers import Tokenizer  # loaded only for folders that carry one
+    token_id = Tokenizer.from_file(str(vocab)).token_to_id(eos)
+    return () if token_id is None else (token_id,)
+
+
 def llama_like_fields(cfg: dict, name: str, activation: str = "silu", activation_key: str = "hidden_act",
                       softcapping: bool = False) -> dict:
     """`ModelConfig` keyword arguments from the keys Llama, Mistral, Qwen2, Qwen3 and Gemma 2 share.

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from decode_worker.scheduler import Scheduler, choice_id
+from decode_worker.scheduler import Scheduler
+from engine.request import choice_id
 from engine.batch import RunnerOutput
 from engine.block_manager import KVCacheManager
 from engine.config import SchedulerConfig

@@ -38,8 +38,8 @@ class FakeReceiver(KVReceiver):
 
 
 def test_transferred_logprobs_lead_and_missing_ones_fail_the_request():
-    """A request that asked for logprobs gets the transferred first token's logprobs first, then
-    one map per decoded token; one whose first token came without them ends with an error (the
+    """A request that asked for logprobs streams one map per decoded token from position 1 (the
+    first token and its logprobs are the prefill's to hand over); one whose first token came without them ends with an error (the
     router retries it) instead of streaming tokens without logprobs."""
     engine = tiny_engine(make_hf_tiny_llama(), num_blocks=32, block_size=8)
     rx = FakeReceiver()
@@ -58,7 +58,8 @@ def test_transferred_logprobs_lead_and_missing_ones_fail_the_request():
     assert bad.finished and bad.error and "logprobs" in bad.error and bad.new_token_ids == []
     tokens = [t for o in ok for t in o.new_token_ids]
     logprobs = [lp for o in ok for lp in o.new_logprobs]
-    assert ok[-1].finished and len(tokens) == len(logprobs) == 3 and tokens[0] == 5 and logprobs[0] == {5: -0.5}
+    # the first token (and its logprobs) is the prefill's to hand over: this instance's outputs begin after it
+    assert ok[-1].finished and ok[0].start == 1 and len(tokens) == len(logprobs) == 2
     assert all(next(iter(lp)) == t and len(lp) in (1, 2) for t, lp in zip(tokens, logprobs))
     engine.kv.assert_no_leaks()
 

@@ -19,9 +19,9 @@ class FakeCluster:
     max_model_len = 256
 
     def __init__(self):
-        self.instances, self.aborted, self.submitted = {}, [], []
-        self.router = SimpleNamespace(_pending=[], _by_attempt={}, stats={"retries": 2, "failed": 1,
-                                                                           "instance_deaths": 1})
+        self.instances, self.aborted, self.submitted, self.stopped = {}, [], [], []
+        self.router = SimpleNamespace(num_queued=0, num_placed=0, stats={"retries": 2, "failed": 1,
+                                                                         "instance_deaths": 1, "tokens_past_stop": 0})
         self.is_ready = True
 
     def ready(self) -> bool:
@@ -42,3 +42,6 @@ class FakeCluster:
 
     def abort(self, request_id):
         self.aborted.append(request_id)
+
+    def stop(self, request_id, index, num_tokens):
+        self.stopped.append((request_id, index, num_tokens))

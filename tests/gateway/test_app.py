@@ -72,9 +72,19 @@ def test_n_choices_each_with_its_index_and_the_prompt_counted_once(client, clust
         assert "".join(c["delta"].get("content", "") for c in mine) == "The capital of"
 
 
-def test_stop_string_cuts_text(client):
+def test_stop_string_cuts_text(client, cluster):
+    """The gateway decides the text: a stop string ends the choice at the token that completed it
+    (usage counts up to it), and the request is stopped on the cluster with that token's position."""
     r = client.post("/v1/completions", json={"model": "smollm2", "prompt": "x", "max_tokens": 10, "stop": " France"})
     assert r.json()["choices"][0]["text"] == "The capital of" and r.json()["choices"][0]["finish_reason"] == "stop"
+    assert r.json()["usage"]["completion_tokens"] == 4  # "The capital of France": the fourth completed it
+    (rid, index, num_tokens), = cluster.stopped
+    assert rid == r.json()["id"] and index == 0 and num_tokens == 4
+    chunks = [line for line in client.post("/v1/completions", json={
+        "model": "smollm2", "prompt": "x", "max_tokens": 10, "stop": " France", "stream": True}).text.splitlines()
+        if line.startswith("data: {")]
+    text = "".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks)
+    assert text == "The capital of" and json.loads(chunks[-1][6:])["choices"][0]["finish_reason"] == "stop"
 
 
 @pytest.mark.parametrize("body,status,param", [

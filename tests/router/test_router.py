@@ -1,5 +1,5 @@
 """The router against fake instances (no model): placement, policies, conditional
-disaggregation, token de-duplication, retries on failure, and no hangs."""
+disaggregation, streams joined by position, stop, retries on failure, and no hangs."""
 from __future__ import annotations
 
 import queue
@@ -78,30 +78,44 @@ class FakeDecode(_FakeInstance, DecodeClient):
         return self._poll(timeout)
 
 
+def _wait_until(predicate, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return
+        threading.Event().wait(0.01)
+
+
 def make_router(prefills, decodes, policy="round_robin", **kw) -> Router:
     r = Router(prefills, decodes, create_routing_policy(policy), poll_s=0.02, **kw)
     r.start()
     return r
 
 
-def test_disaggregated_lifecycle_dedups_tokens():
-    """Reserve on D, submit to P with D's endpoints; the first token comes from P, D's outputs
-    repeat it (num_output_tokens tells), the client sees each token once."""
+@pytest.mark.parametrize("decode_first", [False, True])
+def test_disaggregated_streams_join_by_position(decode_first):
+    """Reserve on D, submit to P with D's endpoints; the first token comes from P (position 0), D's
+    outputs begin at position 1: nothing is sent twice, so nothing is de-duplicated. D's outputs that
+    come before P's first token wait for it."""
     p, d = FakePrefill("p0"), FakeDecode("d0")
     r = make_router([p], [d])
     stream = r.submit("a", [1, 2, 3], PARAMS)
     (req, kv), = p.submitted
     assert req.request_id == "a#0" and d.reserved[0].request_id == "a#0" and kv.endpoints == d.info.kv_endpoints
-    p.results.put(PrefillResult("a#0", 11))
-    d.outputs.put(RequestOutput("a#0", [11, 12], "", False, num_output_tokens=2))
-    d.outputs.put(RequestOutput("a#0", [13], "", True, "length", num_output_tokens=3))
+    if not decode_first:
+        p.results.put(PrefillResult("a#0", 11))
+    d.outputs.put(RequestOutput("a#0", [12], False, start=1))
+    d.outputs.put(RequestOutput("a#0", [13], True, "length", start=2))
+    if decode_first:
+        _wait_until(lambda: r._by_attempt["a#0"].held and len(r._by_attempt["a#0"].held) == 2)
+        assert stream._events.qsize() == 0  # held: position 0 has not come
+        p.results.put(PrefillResult("a#0", 11))
     assert stream.result(timeout=5).token_ids == [11, 12, 13] and stream.finish_reason == "length"
     r.close()
 
 
 @pytest.mark.parametrize("decode_first", [False, True])
 def test_logprobs_follow_their_tokens(decode_first):
-    """Each token's logprobs reach the client once, with it, whichever side reports it first."""
+    """Each token's logprobs reach the client once, with it, whichever side reports first."""
     p, d = FakePrefill("p0"), FakeDecode("d0")
     r = make_router([p], [d])
     stream = r.submit("a", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0, logprobs=1))
@@ -109,12 +123,43 @@ def test_logprobs_follow_their_tokens(decode_first):
     first = PrefillResult("a#0", 11, logprobs=lp[11])
     if not decode_first:
         p.results.put(first)
-    d.outputs.put(RequestOutput("a#0", [11, 12], "", False, num_output_tokens=2, new_logprobs=[lp[11], lp[12]]))
-    d.outputs.put(RequestOutput("a#0", [13], "", True, "length", num_output_tokens=3, new_logprobs=[lp[13]]))
+    d.outputs.put(RequestOutput("a#0", [12], False, start=1, new_logprobs=[lp[12]]))
+    d.outputs.put(RequestOutput("a#0", [13], True, "length", start=2, new_logprobs=[lp[13]]))
     if decode_first:
-        stream.result(timeout=5)
-        p.results.put(first)  # late: nothing repeats
+        p.results.put(first)
     assert stream.result(timeout=5).token_ids == [11, 12, 13] and stream.logprobs == [lp[11], lp[12], lp[13]]
+    r.close()
+
+
+def test_overlapping_positions_are_dropped_not_repeated():
+    """An output whose tokens start before what is delivered (no sound instance sends one) is
+    dropped: the client never sees a token twice."""
+    p, d = FakePrefill("p0"), FakeDecode("d0")
+    r = make_router([p], [d])
+    stream = r.submit("a", [1, 2, 3], PARAMS)
+    p.results.put(PrefillResult("a#0", 11))
+    d.outputs.put(RequestOutput("a#0", [12], False, start=1))
+    d.outputs.put(RequestOutput("a#0", [12], False, start=1))
+    d.outputs.put(RequestOutput("a#0", [13], True, "length", start=2))
+    assert stream.result(timeout=5).token_ids == [11, 12, 13]
+    r.close()
+
+
+def test_stop_ends_the_choice_and_counts_tokens_past_it():
+    """A front end's stop: the stream ends with "stop" at once, the attempt is aborted on both
+    instances, and the tokens delivered or arriving after the stop token count as tokens_past_stop."""
+    p, d = FakePrefill("p0"), FakeDecode("d0")
+    r = make_router([p], [d])
+    stream = r.submit("a", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    p.results.put(PrefillResult("a#0", 11))
+    d.outputs.put(RequestOutput("a#0", [12, 13], False, start=1))
+    _wait_until(lambda: len(r._live["a"].delivered) == 3)
+    r.stop("a", 0, num_tokens=2)  # token 12 completed the stop string: 13 is past it
+    assert stream.result(timeout=5).finish_reason == "stop" and stream.token_ids == [11, 12, 13]
+    d.outputs.put(RequestOutput("a#0", [14], False, start=3))  # generated before the abort landed
+    _wait_until(lambda: r.stats["tokens_past_stop"] == 2)
+    assert r.stats["tokens_past_stop"] == 2 and "a#0" in d.aborted and "a#0" in p.aborted
+    assert r.num_placed == 0 and r.num_queued == 0
     r.close()
 
 
@@ -136,7 +181,8 @@ def test_prefill_found_dead_at_submit_places_the_request_once():
     p0, p1, d = FakePrefill("p0"), FakePrefill("p1"), FakeDecode("d0")
     r = make_router([p0, p1], [d])
     decoding = r.submit("old", [1, 2, 3], PARAMS)  # round robin: on p0
-    d.outputs.put(RequestOutput("old#0", [11], "", False, num_output_tokens=1))
+    p0.results.put(PrefillResult("old#0", 11))
+    d.outputs.put(RequestOutput("old#0", [12], False, start=1))
     while not r._by_attempt["old#0"].decoding:
         pass
     p0.dead = True
@@ -146,7 +192,7 @@ def test_prefill_found_dead_at_submit_places_the_request_once():
     ids = [req.request_id for req, _ in p1.submitted]
     assert sorted(ids) == sorted(set(ids)) and len(ids) == 2
     assert r.stats["retries"] <= 1 and "old#0" in r._by_attempt  # decoding one untouched
-    d.outputs.put(RequestOutput("old#0", [12, 13], "", True, "length", num_output_tokens=3))
+    d.outputs.put(RequestOutput("old#0", [13], True, "length", start=2))
     assert decoding.result(timeout=5).token_ids == [11, 12, 13]
     r.close()
 
@@ -174,16 +220,10 @@ def test_prefill_failure_retries_on_another_pair():
             break
         threading.Event().wait(0.01)
     assert other.submitted[0][0].request_id == "a#1" and "a#0" in d.aborted
-    d.outputs.put(RequestOutput("a#1", [5, 6, 7], "", True, "length", num_output_tokens=3))
+    other.results.put(PrefillResult("a#1", 5))
+    d.outputs.put(RequestOutput("a#1", [6, 7], True, "length", start=1))
     assert stream.result(timeout=5).token_ids == [5, 6, 7] and r.stats["retries"] == 1
     r.close()
-
-
-def _wait_until(predicate, timeout_s: float = 5.0) -> None:
-    for _ in range(int(timeout_s / 0.01)):
-        if predicate():
-            return
-        threading.Event().wait(0.01)
 
 
 @pytest.mark.parametrize("prompt_len,limit,recompute", [(4, 8, True), (9, 8, False), (4, 0, False)])
@@ -198,7 +238,7 @@ def test_failed_kv_load_recomputes_on_the_decode_instance_when_short(prompt_len,
     first, d, other = (p0 if p0.submitted else p1), (d0 if d0.reserved else d1), (d1 if d0.reserved else d0)
     first.results.put(PrefillResult("a#0", 11))
     _wait_until(lambda: stream._events.qsize())
-    d.outputs.put(RequestOutput("a#0", [], "", True, "error", error="KV transfer to rank 0 failed: no KV",
+    d.outputs.put(RequestOutput("a#0", [], True, "error", start=1, error="KV transfer to rank 0 failed: no KV",
                                 kv_load_failed=True))
     _wait_until(lambda: d.local or other.reserved)
     want_prompt = list(range(1, prompt_len)) + [11]
@@ -208,9 +248,12 @@ def test_failed_kv_load_recomputes_on_the_decode_instance_when_short(prompt_len,
     else:
         assert d.local == [] and r.stats["kv_recomputes"] == 0
         assert other.reserved[0].request_id == "a#1" and other.reserved[0].prompt_token_ids == want_prompt
+        retry = p0 if p0.submitted and p0.submitted[-1][0].request_id == "a#1" else p1
+        retry.results.put(PrefillResult("a#1", 12))  # the retry is disaggregated: its first token is P's
         d = other
     assert "a#0" in first.aborted
-    d.outputs.put(RequestOutput("a#1", [12, 13], "", True, "length", num_output_tokens=2))
+    d.outputs.put(RequestOutput("a#1", [13], True, "length", start=1) if not recompute else
+                  RequestOutput("a#1", [12, 13], True, "length", start=0))
     assert stream.result(timeout=5).token_ids == [11, 12, 13] and stream.finish_reason == "length"
     r.close()
 
@@ -221,7 +264,8 @@ def test_dead_decode_retries_with_delivered_tokens():
     r = make_router([p], [d0, d1])
     stream = r.submit("a", [1, 2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     first, second = (d0, d1) if d0.reserved else (d1, d0)
-    first.outputs.put(RequestOutput("a#0", [8, 9], "", False, num_output_tokens=2))
+    p.results.put(PrefillResult("a#0", 8))
+    first.outputs.put(RequestOutput("a#0", [9], False, start=1))
     for _ in range(200):
         if stream._events.qsize():
             break
@@ -234,7 +278,8 @@ def test_dead_decode_retries_with_delivered_tokens():
     retry = second.reserved[0]
     assert retry.request_id == "a#1" and retry.prompt_token_ids == [1, 2, 8, 9]
     assert retry.sampling_params.max_tokens == 2 and retry.sampling_params.num_resumed_tokens == 2
-    second.outputs.put(RequestOutput("a#1", [3, 4], "", True, "length", num_output_tokens=2))
+    p.results.put(PrefillResult("a#1", 3))
+    second.outputs.put(RequestOutput("a#1", [4], True, "length", start=1))
     assert stream.result(timeout=5).token_ids == [8, 9, 3, 4]
     r.close()
 

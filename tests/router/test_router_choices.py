@@ -24,8 +24,8 @@ def test_choices_are_placed_once_and_stream_by_index():
     assert req.request_id == "a#0" and req.sampling_params.n == 3 and [q.request_id for q in d.reserved] == ["a#0"]
     p.results.put(PrefillResult("a#0", 10, more_choices=((20, None), (30, None))))
     for i in range(3):  # the decode instance forked "a#0" into "a#0/0" .. "a#0/2"
-        d.outputs.put(RequestOutput(f"a#0/{i}", [10 * (i + 1), 10 * (i + 1) + 1], "", False, num_output_tokens=2))
-        d.outputs.put(RequestOutput(f"a#0/{i}", [10 * (i + 1) + 2], "", True, "length", num_output_tokens=3))
+        d.outputs.put(RequestOutput(f"a#0/{i}", [10 * (i + 1) + 1], False, start=1))
+        d.outputs.put(RequestOutput(f"a#0/{i}", [10 * (i + 1) + 2], True, "length", start=2))
     _wait_until(lambda: sum(e.finished for e in events) == 3)
     for i in range(3):
         mine = [e for e in events if e.index == i]
@@ -52,7 +52,9 @@ def test_a_failed_placement_sends_each_choice_on_alone():
         q = retries[f"a/{i}#1"]
         assert q.prompt_token_ids == [1, 2, 10 * (i + 1)] and q.sampling_params.n == 1
         assert q.sampling_params.seed == 10 + i and q.sampling_params.max_tokens == 2
-        d.outputs.put(RequestOutput(f"a/{i}#1", [7, 8], "", True, "length", num_output_tokens=2))
+        retry = p0 if any(q.request_id == f"a/{i}#1" for q, _ in p0.submitted) else p1
+        retry.results.put(PrefillResult(f"a/{i}#1", 7))
+        d.outputs.put(RequestOutput(f"a/{i}#1", [8], True, "length", start=1))
     assert [s.result(timeout=5).token_ids for s in streams] == [[10, 7, 8], [20, 7, 8], [30, 7, 8]]
     r.close()
 
@@ -62,13 +64,13 @@ def test_a_dead_decode_after_the_fork_retries_only_unfinished_choices():
     r = make_router([p], [d0, d1])
     streams = r.submit("a", [1, 2], PARAMS)
     first, second = (d0, d1) if d0.reserved else (d1, d0)
-    first.outputs.put(RequestOutput("a#0/0", [5, 6, 7], "", True, "length", num_output_tokens=3))
-    first.outputs.put(RequestOutput("a#0/1", [5], "", False, num_output_tokens=1))
-    _wait_until(lambda: streams[1]._events.qsize())
+    p.results.put(PrefillResult("a#0", 5, more_choices=((5, None), (4, None))))
+    first.outputs.put(RequestOutput("a#0/0", [6, 7], True, "length", start=1))
+    _wait_until(lambda: streams[0]._events.qsize() == 3)  # its token, the decode's two, the end
     first.dead = True
     _wait_until(lambda: len(second.reserved) == 2)
     assert sorted(q.request_id for q in second.reserved) == ["a/1#1", "a/2#1"]
-    assert {q.request_id: q.prompt_token_ids for q in second.reserved} == {"a/1#1": [1, 2, 5], "a/2#1": [1, 2]}
+    assert {q.request_id: q.prompt_token_ids for q in second.reserved} == {"a/1#1": [1, 2, 5], "a/2#1": [1, 2, 4]}
     r.close()
 
 
@@ -87,8 +89,9 @@ def test_abort_after_the_fork_reaches_every_choice():
     p, d = FakePrefill("p0"), FakeDecode("d0")
     r = make_router([p], [d])
     streams = r.submit("a", [1, 2], PARAMS)
+    p.results.put(PrefillResult("a#0", 4, more_choices=((4, None), (4, None))))
     for i in range(3):
-        d.outputs.put(RequestOutput(f"a#0/{i}", [5], "", False, num_output_tokens=1))
+        d.outputs.put(RequestOutput(f"a#0/{i}", [5], False, start=1))
     _wait_until(lambda: all(s._events.qsize() for s in streams))
     r.abort("a")
     assert [s.result(timeout=5).finish_reason for s in streams] == ["abort"] * 3

@@ -47,7 +47,7 @@ def test_stuck_reserve_does_not_stall_other_requests():
     stream = r.submit("fast", [4, 5], PARAMS)  # round robin: d1
     (req, _), = p1.submitted
     p1.results.put(PrefillResult(req.request_id, 7))
-    d1.outputs.put(RequestOutput(req.request_id, [7, 8], "", True, "length", num_output_tokens=2))
+    d1.outputs.put(RequestOutput(req.request_id, [8], True, "length", start=1))
     assert stream.result(timeout=5).token_ids == [7, 8]
     assert r.num_active == 1 and time.monotonic() - start < 5  # only "slow", still placing
     stuck.release.set()
@@ -90,7 +90,8 @@ def test_instance_dying_during_placement_retries_elsewhere():
     while not d1.reserved and time.monotonic() < deadline:
         time.sleep(0.01)
     assert d1.reserved[0].request_id == "a#1"
-    d1.outputs.put(RequestOutput("a#1", [3, 4], "", True, "length", num_output_tokens=2))
+    p.results.put(PrefillResult("a#1", 3))
+    d1.outputs.put(RequestOutput("a#1", [4], True, "length", start=1))
     assert out["stream"].result(timeout=5).token_ids == [3, 4]
     assert "a#0" in p.aborted
     r.close()
@@ -108,7 +109,8 @@ def test_instance_with_a_placement_in_flight_is_not_drained():
     stuck.release.set()
     t.join(5)
     assert not r.is_drained("d0")  # placed there: it decodes there until it finishes
-    stuck.outputs.put(RequestOutput("a#0", [1, 2], "", True, "length", num_output_tokens=2))
+    p.results.put(PrefillResult("a#0", 1))
+    stuck.outputs.put(RequestOutput("a#0", [2], True, "length", start=1))
     assert out["stream"].result(timeout=5).token_ids == [1, 2]
     assert r.is_drained("d0") and r.stats["retries"] == 0
     r.close()
