@@ -167,12 +167,13 @@ class _Stream:
         if r.first_token is None:
             raise RuntimeError(f"the prefill of {r.request_id} failed: {r.error}")
         self.first_token, self.prefill_done_s = r.first_token, r.finished_at
+        self.tokens[0] = r.first_token  # position 0: the decode instance streams from position 1
 
     def add_output(self, o, now: float) -> None:
         if o.error is not None:
             raise RuntimeError(f"the decode of {o.request_id} failed: {o.error}")
         self.first_output_s = self.first_output_s or now
-        self.tokens.update(enumerate(o.new_token_ids, o.num_output_tokens - len(o.new_token_ids)))
+        self.tokens.update(enumerate(o.new_token_ids, o.start))  # from position 1: the first is the prefill's
         self.finished = o.finished
 
     @property
