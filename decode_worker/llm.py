@@ -93,15 +93,14 @@ class LLM:
                     continue
                 if c.first_token_s is None and o.new_token_ids:
                     c.first_token_s = now
-                num_past = text.feed(o.new_token_ids) if text is not None else 0
-                kept = len(o.new_token_ids) - num_past
+                kept = len(o.new_token_ids) - (text.feed(o.new_token_ids) if text is not None else 0)
                 c.token_ids += o.new_token_ids[:kept]
                 c.logprobs += (o.new_logprobs or [])[:kept]
+                stopped = text is not None and text.stop is not None
                 if text is not None:
                     c.text += text.take(o.finished)
-                if text is not None and text.stop is not None and not o.finished:
+                if stopped and not o.finished:  # the front end's stop string ends it in the engine too
                     self.engine.abort_request(o.request_id, RequestStatus.FINISHED_STOPPED)
-                if o.finished or (text is not None and text.stop is not None):
-                    c.finish_reason = "stop" if text is not None and text.stop is not None else o.finish_reason
-                    c.finished_s = now
+                if o.finished or stopped:
+                    c.finish_reason, c.finished_s = "stop" if stopped else o.finish_reason, now
                     c.num_cached_tokens = reqs[o.request_id].num_cached_tokens

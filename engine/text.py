@@ -16,8 +16,11 @@ class TextState:
     """One output's text. `feed` tokens as they come; `take` the text that may be sent now."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (),
-                 min_tokens: int = 0, skip_special_tokens: bool = True):
+                 min_tokens: int = 0, skip_special_tokens: bool = True, hidden: frozenset[int] = frozenset()):
+        """`hidden`: tokens that count but add no text (EOS and stop ids, where special tokens are kept
+        for a tool-call parser)."""
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+        self.hidden = hidden
         self.stops, self.min_tokens = stop, min_tokens
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # detokenized output, cut at a stop string
@@ -34,8 +37,10 @@ class TextState:
             if self.stop is not None:
                 return len(token_ids) - i
             before = len(self.text)
-            self.text += self.detok.step([token])
             self.num_tokens += 1
+            if token in self.hidden:
+                continue
+            self.text += self.detok.step([token])
             if self.num_tokens >= self.min_tokens:
                 self._find_stop(before)
         return 0

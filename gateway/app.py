@@ -144,10 +144,10 @@ class _Gateway:
         for i in range(params.n):
             output = shaping() if shaping else None
             keep = output is not None and output.keeps_special_tokens  # tool-call markers may be special tokens
-            text = TextState(self.tokenizer, prompt_ids, params.stop, params.min_tokens, skip_special_tokens=not keep)
             hidden = ({self.tokenizer.eos_token_id, *params.stop_token_ids} - {None}) if keep else ()
+            text = TextState(self.tokenizer, prompt_ids, params.stop, params.min_tokens, not keep, frozenset(hidden))
             choices.append(Choice(i, text, None if params.logprobs is None else
-                                  LogprobsFormatter(self.tokenizer, kind, params.logprobs), output, frozenset(hidden)))
+                                  LogprobsFormatter(self.tokenizer, kind, params.logprobs), output))
         gen = Generation(self.cluster, rid, kind, body.model, prompt_ids, choices, self.metrics, asyncio.get_running_loop())
         try:
             await asyncio.to_thread(self.cluster.submit, rid, prompt_ids, params, gen.listener)

@@ -29,9 +29,8 @@ class Choice:
     `output` shapes the text into content, reasoning and tool calls (gateway/chat_output.py)."""
 
     def __init__(self, index: int, text: TextState, logprobs: LogprobsFormatter | None = None,
-                 output: ChatOutput | None = None, hidden: frozenset[int] = frozenset()):
+                 output: ChatOutput | None = None):
         self.index, self.text, self.logprobs, self.output = index, text, logprobs, output
-        self.hidden = hidden  # tokens kept out of the text (EOS, where special tokens are kept for a parser)
         self.num_tokens = 0
         self.finished = self.stopped = False
         self.finish_reason: str | None = None
@@ -41,16 +40,11 @@ class Choice:
         dropped (the choice ends with the token that completed it)."""
         if self.finished:
             return ""
-        ids = event.token_ids
-        if ids:
-            visible = [t for t in ids if t not in self.hidden] if self.hidden else ids
-            num_past = self.text.feed(visible)
-            kept = len(ids) - num_past if num_past else len(ids)
-            if num_past and self.hidden:  # the hidden tokens among those past the stop are past it too
-                kept = _index_after(ids, self.hidden, len(visible) - num_past)
+        if event.token_ids:
+            kept = len(event.token_ids) - self.text.feed(event.token_ids)
             self.num_tokens += kept
             if self.logprobs is not None:
-                self.logprobs.add(ids[:kept], None if event.logprobs is None else event.logprobs[:kept])
+                self.logprobs.add(event.token_ids[:kept], None if event.logprobs is None else event.logprobs[:kept])
             self.stopped = self.text.stop is not None
         if event.finished or self.stopped:
             self.finished = True
@@ -70,16 +64,6 @@ class Choice:
         if self.output is None:
             return [{"content": text}] if text else []
         return self.output.feed(text) + (self.output.finish() if self.finished else [])
-
-
-def _index_after(ids: list[int], hidden: frozenset[int], num_visible: int) -> int:
-    """The length of the prefix of `ids` that holds its first `num_visible` tokens not in `hidden`."""
-    seen = 0
-    for i, t in enumerate(ids):
-        if seen == num_visible:
-            return i
-        seen += t not in hidden
-    return len(ids)
 
 
 class Generation:

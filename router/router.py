@@ -194,7 +194,7 @@ class Router(Failures):
                     self._abort_attempt(t)
                 self._finish(t, StreamEvent([], True, "abort"))
 
-    def stop(self, request_id: str, index: int = 0, num_tokens: int | None = None) -> None:
+    def stop(self, request_id: str, index: int, num_tokens: int) -> None:
         """The front end found a stop string in choice `index`'s text, completed by its output token
         `num_tokens` (1-based): the choice ends here with "stop" and is aborted on its instances. The
         tokens the router has or gets for it beyond that count as `tokens_past_stop`."""
@@ -203,8 +203,7 @@ class Router(Failures):
             t = tracked.choices[index] if tracked is not None and tracked.choices else tracked
             if t is None or t.done:
                 return
-            if num_tokens is not None:
-                self.stats["tokens_past_stop"] += max(0, len(t.delivered) - num_tokens)
+            self.stats["tokens_past_stop"] += max(0, len(t.delivered) - num_tokens)
             if t in self._pending:
                 self._pending.remove(t)
             if self._by_attempt.get(t.attempt_id) is t:
@@ -212,10 +211,7 @@ class Router(Failures):
                 while len(self._stopped) > 1024:
                     del self._stopped[next(iter(self._stopped))]
                 self._abort_attempt(t)
-            self.stats["completed"] += 1
-            self.stats["output_tokens"] += len(t.delivered)
-            self._finish(t, StreamEvent([], True, "stop"))
-            self._wake.notify_all()
+            self._complete(t, "stop")
 
     @property
     def num_queued(self) -> int:
@@ -427,10 +423,14 @@ class Router(Failures):
             del self._by_attempt[tracked.attempt_id]
             if tracked.prefill_id in self.prefill:
                 self._deferred.append((self.prefill[tracked.prefill_id].abort, tracked.attempt_id))
-            self.stats["completed"] += 1
-            self.stats["output_tokens"] += len(tracked.delivered)
-            self._finish(tracked, StreamEvent([], True, o.finish_reason))
-            self._wake.notify_all()  # its blocks come free: queued requests may fit now
+            self._complete(tracked, o.finish_reason)
+
+    def _complete(self, tracked: Tracked, finish_reason: str) -> None:
+        """The request (choice) ended well: counted, its stream ended."""
+        self.stats["completed"] += 1
+        self.stats["output_tokens"] += len(tracked.delivered)
+        self._finish(tracked, StreamEvent([], True, finish_reason))
+        self._wake.notify_all()  # its blocks come free: queued requests may fit now
 
     def _deliver(self, tracked: Tracked, token_ids: list[int], logprobs: list[dict] | None = None) -> None:
         if token_ids:
