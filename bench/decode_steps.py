@@ -3,6 +3,7 @@
     python -m bench.decode_steps                        # SmolLM2, the engine's defaults, batches 1, 8, 32
     python -m bench.decode_steps --batches 1 --steps 100 --attention-backend torch
     python -m bench.decode_steps --json
+    python -m bench.decode_steps --batch-invariant      # what the batch-invariant mode costs
 
 For each batch size, N requests of `--prompt-len` random tokens are added, prefilled and stepped
 3 times unmeasured, then `--steps` decode steps are timed (ms per step, wall clock), and the
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention-backend", default="auto", choices=BACKENDS)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch-invariant", action="store_true", help="the batch-invariant mode (engine/batch_invariant.py)")
     p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per batch size")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or any(b < 1 for b in batches):
         p.error("--steps and every batch size must be >= 1")
     llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads, quantization=args.quantization,
-              attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=max(batches))
+              attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=max(batches),
+              batch_invariant=args.batch_invariant)
     times = step_times(llm, batches, args.steps, args.prompt_len)
     runner = llm.engine.runner
     config = {"dtype": str(runner.dtype).removeprefix("torch."), "attention": runner.backend.name,

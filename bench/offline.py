@@ -68,14 +68,14 @@ def _greedy(max_tokens: int) -> SamplingParams:
 
 
 def bench_pdserve(wl: Workload, dtype: str, threads: int, quantization: str = "auto",
-                  attention_backend: str = "auto") -> dict:
+                  attention_backend: str = "auto", batch_invariant: bool = False) -> dict:
     """W1 through `LLM.generate`, after a small warm-up; then one batch-1 request.
 
     Warm-up and batch-1 prompts use their own seeds, so none of them hits the prefix cache.
     """
     from decode_worker.llm import LLM
     llm = LLM(model="smollm2", dtype=dtype, num_threads=threads, quantization=quantization,
-              attention_backend=attention_backend)
+              attention_backend=attention_backend, batch_invariant=batch_invariant)
     llm.generate(random_prompts(2, wl.prompt_len, wl.seed + 1), _greedy(4))
 
     prompts = random_prompts(wl.num_requests, wl.prompt_len, wl.seed)
@@ -91,7 +91,8 @@ def bench_pdserve(wl: Workload, dtype: str, threads: int, quantization: str = "a
     logger.info("pdserve: %d tokens in %.2f s, batch-1 %.2f ms/step", num_out, wall_s, ms_per_step)
     runner = llm.engine.runner
     config = {"dtype": str(runner.dtype).removeprefix("torch."), "quantization": quantization,
-              "linear_layers": runner.linear_layers, "attention": runner.backend.name}
+              "linear_layers": runner.linear_layers, "attention": runner.backend.name,
+              "batch_invariant": batch_invariant}
     return {"pdserve_output_tok_s": num_out / wall_s, "pdserve_wall_s": wall_s,
             "pdserve_batch1_ms_per_step": ms_per_step, "pdserve_config": config,
             "pdserve_ttft_mean_s": statistics.fmean(ttfts), "pdserve_ttft_p50_s": statistics.median(ttfts)}
@@ -144,15 +145,16 @@ def machine_info() -> dict:
 
 
 def run(wl: Workload, dtype: str, threads: int, skip_hf: bool, quantization: str = "auto",
-        hf_dtype: str = "float32", skip_llamacpp: bool = False, attention_backend: str = "auto") -> dict:
+        hf_dtype: str = "float32", skip_llamacpp: bool = False, attention_backend: str = "auto",
+        batch_invariant: bool = False) -> dict:
     """Every measurement in one process, pdserve first; returns the flat result dict. `dtype` and
     `quantization` are pdserve's; transformers runs `hf_dtype`, unquantized."""
     torch.set_num_threads(threads)
     result = {"workload": {**asdict(wl), "temperature": 0.0, "ignore_eos": True, "dtype": dtype, "hf_dtype": hf_dtype,
-                           "quantization": quantization, "attention_backend": attention_backend,
+                           "quantization": quantization, "attention_backend": attention_backend, "batch_invariant": batch_invariant,
                            "token_id_range": list(TOKEN_ID_RANGE)},
               "threads": threads, "torch_version": torch.__version__, "machine": machine_info()}
-    result.update(bench_pdserve(wl, dtype, threads, quantization, attention_backend))
+    result.update(bench_pdserve(wl, dtype, threads, quantization, attention_backend, batch_invariant))
     if skip_hf:
         result.update(hf_output_tok_s=None, hf_batch1_ms_per_step=None)
     else:
@@ -214,6 +216,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
                    help="pdserve's linear layers (docs/engine.md, Linear methods); transformers stays unquantized")
     p.add_argument("--attention-backend", default="auto", choices=BACKENDS, help="pdserve's")
+    p.add_argument("--batch-invariant", action="store_true", help="pdserve's batch-invariant mode")
     p.add_argument("--skip-hf", action="store_true", help="do not measure transformers")
     p.add_argument("--skip-llamacpp", action="store_true", help="do not measure llama.cpp")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: libraries that print keep stdout clean for --json: everything until the result goes to stderr.
     with contextlib.redirect_stdout(sys.stderr):
         result = run(wl, args.dtype, args.threads, args.skip_hf, args.quantization, args.hf_dtype,
-                     args.skip_llamacpp, args.attention_backend)
+                     args.skip_llamacpp, args.attention_backend, args.batch_invariant)
     print(json.dumps(result) if args.json else format_table(result))
     return 0
 

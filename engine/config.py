@@ -221,6 +221,7 @@ class EngineConfig:
     adapt_threads: bool = False  # CPU: num_threads is a most; fewer while other processes take cores (TeamSizer)
     tp_size: int = 1
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    batch_invariant: bool = False  # each row's numbers independent of its batch (engine/batch_invariant.py)
     quantization: str = "auto"  # linear method: auto (the checkpoint's format), none, int8, w8a8, int4
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

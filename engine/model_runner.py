@@ -16,6 +16,7 @@ import torch
 
 from engine.attention import AttentionMetadata, create_attention_backend
 from engine.batch import NewRequestData, RunnerOutput, SchedulerOutput
+from engine.batch_invariant import BatchInvariantLinearMethod
 from engine.config import EngineConfig, ModelConfig, cpu_has_native_bf16, resolve_dtype, resolve_kv_cache_dtype
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import allocate_kv_cache, blocks_from_device, kv_block_bytes, num_blocks_for
@@ -25,6 +26,7 @@ from engine.models import model_class
 from engine.parallel import TPGroup
 from engine.quant import (create_linear_method, method_reads_q4_codes, process_weights_after_loading,
                           resolve_quantization)
+from engine.quant.base import BaseLinearMethod
 from engine.quant.q8_head import q8_head_method
 from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
@@ -91,13 +93,12 @@ class ModelRunner:
             model_config = load_model_config(path)
         self.model_config = model_config
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)  # the pool's element type
-        self.backend = create_attention_backend(config.attention_backend, self.device, self.dtype, self.kv_dtype,
-                                                model_config.head_dim)
-        self.backend.check_head_dim(model_config.head_dim)
         # one per KV group: a backend keeps the step's plan (block tables) that its layers reuse
-        self.backends = [self.backend] + [
-            create_attention_backend(config.attention_backend, self.device, self.dtype, self.kv_dtype,
-                                     model_config.head_dim) for _ in range(model_config.kv_layout.num_groups - 1)]
+        self.backends = [create_attention_backend(config.attention_backend, self.device, self.dtype, self.kv_dtype,
+                                                  model_config.head_dim, config.batch_invariant)
+                         for _ in range(model_config.kv_layout.num_groups)]
+        self.backend = self.backends[0]
+        self.backend.check_head_dim(model_config.head_dim)
         self.model = self._load_model(path, weights)
         self.block_size = self.backend.block_size_for(config.cache.block_size)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
@@ -135,6 +136,7 @@ class ModelRunner:
     def _decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for decode steps where they can run; says which path runs and why."""
         why = ("--enforce-eager" if self.config.enforce_eager else
+               "--batch-invariant (its attention is one call per sequence)" if self.config.batch_invariant else
                f"device {self.device.type}" if self.device.type != "cuda" else
                f"the {self.backend.name} attention backend" if self.backend.name != "torch" else
                "tensor-parallel ranks (a collective cannot be captured)" if self.tp is not None and self.tp.size > 1
@@ -178,8 +180,7 @@ class ModelRunner:
 
     def _load_model(self, path, weights) -> torch.nn.Module:
         start = time.perf_counter()
-        name = resolve_quantization(self.config.quantization, path, self.model_config, self.tp.size)
-        method = create_linear_method(name, path if weights is None else None)
+        method = self._linear_method(path if weights is None else None)
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
@@ -197,13 +198,29 @@ class ModelRunner:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
         logger.info("loaded weights in %.2f s", time.perf_counter() - start)
         start = time.perf_counter()
-        if weights_from_file and (head := q8_head_method(path, method, self.dtype, self.device,
-                                                          self.tp.size)) is not None:
+        if self.config.batch_invariant:
+            model.lm_head.linear_method = method
+        elif weights_from_file and (head := q8_head_method(path, method, self.dtype, self.device,
+                                                            self.tp.size)) is not None:
             model.lm_head.linear_method = head
         # after every shard is in, so a quantizing method sees exactly this rank's slice
         described = self.linear_layers = process_weights_after_loading(model)
         logger.info("linear layers: %s; prepared in %.2f s", described, time.perf_counter() - start)
         return model.eval()
+
+    def _linear_method(self, path) -> BaseLinearMethod:
+        """The quantization knob's linear method; with --batch-invariant, unquantized weights in its
+        tiled matmul (a quantized checkpoint dequantized at load), and an explicit int8/w8a8/int4
+        refused."""
+        if not self.config.batch_invariant:
+            name = resolve_quantization(self.config.quantization, path, self.model_config, self.tp.size)
+            return create_linear_method(name, path)
+        if self.config.quantization not in ("auto", "none"):
+            raise ValueError(f"--batch-invariant runs unquantized weights; --quantization {self.config.quantization} "
+                             "cannot run with it (use auto or none)")
+        logger.info("batch-invariant mode: weights unquantized (dequantized at load), fixed-tile matmuls, "
+                    "fixed-split attention")
+        return BatchInvariantLinearMethod()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, after_layer=None) -> RunnerOutput:

@@ -57,6 +57,15 @@ class TPGroup:
         return torch.cat(parts, dim=dim) if self.rank == 0 else None
 
 
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's `x` concatenated along `dim` in rank order, on every rank."""
+        if self.size == 1:
+            return x
+        self._need_group()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
     @property
     def control_group(self):
         return self.group if self.control is None else self.control
@@ -174,23 +183,33 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     """y = x W^T with W's input columns split across ranks; partial sums all-reduced.
-    The bias is added once, on rank 0, before the reduction."""
+    The bias is added once, on rank 0, before the reduction.
+
+    A method that `replicates_row_parallel` (the batch-invariant one) holds the whole W on every
+    rank and gathers x's columns instead: each rank then sums in one rank's order, whatever the TP
+    size (an all-reduce of partial sums rounds otherwise)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = TPGroup(),
                  linear_method: BaseLinearMethod | None = None):
         self.tp = tp
         self.input_size_per_rank = _divide(input_size, tp.size)
-        super().__init__(self.input_size_per_rank, output_size, linear_method)
+        self.replicated = getattr(linear_method, "replicates_row_parallel", False)
+        super().__init__(input_size if self.replicated else self.input_size_per_rank, output_size, linear_method)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = lambda p, full: p.data.copy_(full)
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor) -> None:
+        if self.replicated:
+            param.data.copy_(full)
+            return
         n = param.shape[1]
         param.data.copy_(full.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.replicated:
+            return self._linear(self.tp.all_gather(x, dim=-1), self.bias)
         bias = self.bias if self.tp.rank == 0 else None
         return self.tp.all_reduce(self._linear(x, bias))
 

@@ -23,14 +23,21 @@ def flash_attn_available() -> bool:
 
 
 def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
-                             kv_cache_dtype: torch.dtype | None = None, head_dim: int | None = None
-                             ) -> BaseAttentionBackend:
+                             kv_cache_dtype: torch.dtype | None = None, head_dim: int | None = None,
+                             batch_invariant: bool = False) -> BaseAttentionBackend:
     """`auto` picks flash_attn on CUDA in fp16/bf16 when importable, vllm_cpu on a CPU where its
     kernels load and fit the model (docs/engine.md), else torch; it logs which runs and why. With
-    an fp8 KV cache (`kv_cache_dtype`), see `_fp8_choice`. Raises ValueError for a backend that
-    cannot run."""
+    an fp8 KV cache (`kv_cache_dtype`), see `_fp8_choice`. `batch_invariant` (auto or torch only):
+    the fixed-split attention of engine/attention/batch_invariant_backend.py. Raises ValueError for
+    a backend that cannot run."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose {', '.join(BACKENDS)}")
+    if batch_invariant:
+        if name not in ("auto", "torch"):
+            raise ValueError(f"--batch-invariant runs its own fixed-split attention (torch ops), not attention "
+                             f"backend {name}; use --attention-backend auto or torch")
+        from engine.attention.batch_invariant_backend import BatchInvariantAttentionBackend
+        return BatchInvariantAttentionBackend()
     if kv_cache_dtype == FP8:
         name = _fp8_choice(name, device, dtype, head_dim)
     elif name == "auto":

@@ -1,0 +1,130 @@
+"""The batch-invariant mode (`--batch-invariant`): a token's numbers do not depend on its batch.
+
+A server's default kernels make a request's logits depend on what runs beside it: a matmul of M
+rows takes another code path for M = 1 than for M = 16 (BLAS's gemv against its gemm; oneDNN a
+kernel JIT-built per shape), decode attention pads each sequence to the batch's longest context,
+a prefill chunk's attention reduces over the chunk's keys, and a tensor-parallel layer sums its
+ranks' partial products in another order than one rank does. Greedy decoding turns one rounding
+difference into another text. In this mode every operation runs one fixed-shape kernel, so that
+each row's result is a function of that row alone (vLLM's batch-invariant mode and SGLang's
+deterministic inference do the same on GPUs, with their own kernels):
+
+- linear layers (`BatchInvariantLinearMethod`): the rows cut into tiles of TILE_ROWS (padded with
+  zero rows), every tile one (TILE_ROWS, in) x (in, out) product of one batched matmul; weights
+  unquantized. A row-parallel layer (o_proj, down_proj) gathers its input from the ranks and
+  multiplies by its whole weight on every rank (`replicates_row_parallel`), so that its sum runs
+  in one rank's order whatever the TP size: no all-reduce of partial sums.
+- attention (engine/attention/batch_invariant_backend.py): keys in fixed splits of SPLIT_KEYS
+  counted from position 0, queries in tiles of TILE_ROWS, each split's scores and weighted values a
+  fixed-shape matmul, the splits summed one after another in position order.
+- RMSNorm, the elementwise ops, the softmax and log-softmax of sampling already reduce each row on
+  its own (tests/engine/test_batch_invariant.py checks them beside the above).
+
+What it costs is measured in BENCHMARKS.md; docs/engine.md says what it guarantees.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.quant.base import UnquantizedLinearMethod
+
+TILE_ROWS = 16  # rows (tokens, queries) per fixed-shape matmul
+SPLIT_KEYS = 32  # keys per attention split
+MAX_TILE_SPLITS = 2048  # (query tile, key split) pairs attended at once: bounds a long prefill's memory
+
+
+def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """x (rows, ...) with zero rows appended up to a multiple of `multiple`."""
+    extra = -x.shape[0] % multiple
+    return x if extra == 0 else torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
+
+
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) with every row computed in a (TILE_ROWS, in) x (in, out) product.
+
+    x: (..., in); weight: (out, in). Zero rows pad the last tile; their outputs are dropped."""
+    x2 = x.reshape(-1, x.shape[-1])
+    m = x2.shape[0]
+    tiles = pad_rows(x2, TILE_ROWS).view(-1, TILE_ROWS, x2.shape[1])
+    wt = weight.t()
+    out = torch.bmm(tiles, wt.expand(tiles.shape[0], *wt.shape)).view(-1, weight.shape[0])[:m]
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+class BatchInvariantLinearMethod(UnquantizedLinearMethod):
+    """The checkpoint's weights in the model dtype (never packed, never quantized), multiplied by
+    `tiled_linear`. A row-parallel layer holds its whole weight on every rank and gathers its input
+    (engine/parallel.py reads `replicates_row_parallel`)."""
+
+    name = "batch_invariant"
+    replicates_row_parallel = True
+
+    def process_layers(self, layers) -> None:
+        for layer in layers:
+            self.process_weights_after_loading(layer)
+
+    def process_weights_after_loading(self, layer) -> None:
+        layer.packed = None
+
+    def apply(self, layer, x, bias) -> torch.Tensor:
+        return tiled_linear(x, layer.weight, bias)
+
+    def describe(self, layers) -> str:
+        return f"batch-invariant tiled matmul ({TILE_ROWS}-row tiles, unquantized weights)"
+
+
+def fixed_split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                          window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of one sequence's newest queries over its whole context, batch-invariant.
+
+    q: (q_len, heads, head_dim), the queries of positions L - q_len .. L - 1; k, v: (L, kv_heads,
+    head_dim), positions 0 .. L - 1 (GQA: heads / kv_heads query heads per KV head). `window`: a
+    query sees its own key and the window - 1 before it; `softcap`: scores become
+    softcap * tanh(score / softcap). Returns (q_len, heads, head_dim) in q's dtype.
+
+    Keys fall in splits of SPLIT_KEYS counted from position 0, queries in tiles of TILE_ROWS; each
+    (tile, split) pair is one fixed-shape matmul for the scores and one for the weighted values, in
+    float32; the softmax's maximum is exact, and the splits' sums are added one after another in
+    position order. A split a query does not see adds exact zeros. So a query's result depends on
+    its position and the keys it sees only: not on how many queries came with it, where in a tile
+    it sits, or how far the context reaches past it. Long prefills run in groups of query tiles,
+    each over the keys up to its last query (the same numbers, in bounded memory)."""
+    q_len, length = q.shape[0], k.shape[0]
+    step = max(1, MAX_TILE_SPLITS // -(-length // SPLIT_KEYS)) * TILE_ROWS
+    if q_len <= step:
+        return _attend(q, k, v, scale, window, softcap)
+    first = length - q_len
+    return torch.cat([_attend(q[a:a + step], k[:first + a + step], v[:first + a + step], scale, window, softcap)
+                      for a in range(0, q_len, step)])
+
+
+def _attend(q, k, v, scale, window, softcap) -> torch.Tensor:
+    q_len, heads, head_dim = q.shape
+    length, kv_heads = k.shape[:2]
+    first = length - q_len
+    qt = pad_rows(q.float(), TILE_ROWS).view(-1, TILE_ROWS, heads, head_dim).permute(2, 0, 1, 3)  # (H, nq, T, D)
+    num_splits = -(-length // SPLIT_KEYS)
+    kt, vt = (pad_rows(t.float(), SPLIT_KEYS).view(num_splits, SPLIT_KEYS, kv_heads, head_dim)
+              .permute(2, 0, 1, 3).repeat_interleave(heads // kv_heads, dim=0) for t in (k, v))  # (H, ns, S, D)
+    q_pos = first + torch.arange(qt.shape[1] * TILE_ROWS, device=q.device).view(-1, 1, TILE_ROWS, 1)
+    k_pos = torch.arange(num_splits * SPLIT_KEYS, device=q.device).view(1, num_splits, 1, SPLIT_KEYS)
+    seen = (k_pos <= q_pos) & (k_pos < length)  # (nq, ns, T, S)
+    if window is not None:
+        seen &= k_pos > q_pos - window
+    scores = torch.matmul(qt.unsqueeze(2), kt.unsqueeze(1).transpose(-1, -2)) * scale  # (H, nq, ns, T, S)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~seen, float("-inf"))
+    top = scores.amax(dim=(2, 4), keepdim=True)  # every query sees its own key: finite
+    weights = torch.exp(scores - top)
+    sums = weights.sum(-1)  # (H, nq, ns, T)
+    parts = torch.matmul(weights, vt.unsqueeze(1))  # (H, nq, ns, T, D)
+    total, out = sums[:, :, 0], parts[:, :, 0]
+    for s in range(1, num_splits):  # in position order, one split after another
+        total = total + sums[:, :, s]
+        out = out + parts[:, :, s]
+    out = out / total.unsqueeze(-1)  # (H, nq, T, D)
+    return out.permute(1, 2, 0, 3).reshape(-1, heads, head_dim)[:q_len].to(q.dtype)
