@@ -4,8 +4,8 @@ the KV written straight into the decode rank's cache (CUDA IPC on a GPU, POSIX s
 CPU: kvtransfer/shared_cache.py), against the colocated engine on the same weights.
 
     section process (the router's part)    prefill process              decode process
-    Reserve(req) -------------------------------------------------------> DecodeWorker.reserve
-    Submit(req, KVTransferParams) -------> PrefillWorker.submit
+    Reserve(msg) -------------------------------------------------------> DecodeWorker.reserve
+    Submit(msg, KVTransferParams) -------> PrefillWorker.submit
                                            prefill, layer by layer --KV--> the reserved blocks
     Poll <-------------------------------- the first token
     Poll <--------------------------------------------------------------- the tokens so far
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 import torch.multiprocessing as mp
 
 from bench.gpu_sections import TINY, Plan, _greedy, _hf_llama, _llm, _prompts, engine_config, model_config_of
-from engine.request import Request
+from engine.request import RequestMessage
 from kvtransfer.params import KVTransferParams
 
 logger = logging.getLogger("bench.gpu_pd")
@@ -40,12 +40,12 @@ READY_S, CALL_S, GROUP_S, STOP_S = 30.0, 10.0, 15.0, 10.0
 # -- the command protocol: the section sends one of these, the rank answers with a value or Failed
 @dataclass(frozen=True)
 class Reserve:
-    req: Request  # decode: blocks for its prompt; answers whether they fit
+    msg: RequestMessage  # decode: blocks for its prompt; answers whether they fit
 
 
 @dataclass(frozen=True)
 class Submit:
-    req: Request  # prefill: queued; its KV goes where `params` says
+    msg: RequestMessage  # prefill: queued; its KV goes where `params` says
     params: KVTransferParams
 
 
@@ -72,12 +72,12 @@ class Failed:
 def _serve(host, cmd):
     w = host.worker
     match cmd:
-        case Reserve(req):
-            return w.reserve(req, 1)
-        case Submit(req, params):
-            return w.submit(req, params)
+        case Reserve(msg):
+            return w.reserve(msg, 1)
+        case Submit(msg, params):
+            return w.submit(msg, params)
         case Poll(timeout_s):
-            return (w.poll_results if host.role == "prefill" else w.get_outputs)(timeout_s, CLIENT)
+            return w.poll_outputs(timeout_s, CLIENT)
         case Stats():
             return (host.sender or host.receiver).stats
     raise TypeError(f"unknown command {cmd!r}")
@@ -188,12 +188,12 @@ class _Stream:
 def _place(prefill: _Rank, decode: _Rank, rid: str, prompt: list[int], params) -> _Stream:
     """What the router does: blocks on the decode first, then the prompt to the prefill with the
     decode's KV endpoint."""
-    req = Request(rid, prompt, params, client_id=CLIENT)
-    if not decode.call(Reserve(req)):
+    msg = RequestMessage(rid, prompt, params, CLIENT)
+    if not decode.call(Reserve(msg)):
         raise RuntimeError(f"the decode rank has no room for {rid}")
     kv = KVTransferParams(rid, decode.instance_id, 1, (decode.endpoint,))
     stream = _Stream(time.monotonic())
-    prefill.call(Submit(req, kv))
+    prefill.call(Submit(msg, kv))
     return stream
 
 

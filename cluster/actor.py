@@ -17,7 +17,7 @@ from cluster import cpu_plan
 from cluster.nodes import RankPlacement, node_address, set_socket_ifnames, unreachable
 from cluster.rank import RankHost, free_address
 from engine.config import EngineConfig
-from engine.request import Request, SamplingParams
+from engine.request import RequestMessage
 from kvtransfer.params import KVEndpoint, KVTransferParams
 
 
@@ -120,15 +120,12 @@ class RankActor:
         self.host.worker.connector.set_followers(_Followers(followers))
 
     # prefill
-    def submit(self, req: Request, params: KVTransferParams) -> None:
-        self.host.worker.submit(req, params)
-
-    def poll_results(self, timeout: float, client_id: str = "") -> list:
-        return self.host.worker.poll_results(timeout, client_id)
+    def submit(self, msg: RequestMessage, params: KVTransferParams) -> None:
+        self.host.worker.submit(msg, params)
 
     # decode
-    def reserve(self, req: Request, prefill_tp: int) -> bool:
-        return self.host.worker.reserve(req, prefill_tp)
+    def reserve(self, msg: RequestMessage, prefill_tp: int) -> bool:
+        return self.host.worker.reserve(msg, prefill_tp)
 
     def expect(self, request_id: str, slots: list[torch.Tensor], prefill_tp: int) -> None:
         self.host.worker.connector.expect(request_id, slots, prefill_tp)
@@ -136,14 +133,13 @@ class RankActor:
     def forget(self, request_id: str) -> None:
         self.host.worker.connector.forget(request_id)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    client_id: str = "") -> None:
-        self.host.worker.add_request(request_id, prompt_token_ids, params, client_id)
-
-    def get_outputs(self, timeout: float, client_id: str = "") -> list:
-        return self.host.worker.get_outputs(timeout, client_id)
+    def add_request(self, msg: RequestMessage) -> None:
+        self.host.worker.add_request(msg)
 
     # both
+    def poll_outputs(self, timeout: float, client_id: str = "") -> list:
+        return self.host.worker.poll_outputs(timeout, client_id)
+
     def abort(self, request_id: str) -> None:
         self.host.worker.abort(request_id)
 

@@ -11,11 +11,11 @@ class LocalPrefillClient(PrefillClient):
     def __init__(self, info: InstanceInfo, worker):
         self.info, self.worker = info, worker
 
-    def submit(self, req, params):
-        self.worker.submit(req, params)
+    def submit(self, msg, params):
+        self.worker.submit(msg, params)
 
-    def poll_results(self, timeout, client_id=""):
-        return self.worker.poll_results(timeout, client_id)
+    def poll_outputs(self, timeout, client_id=""):
+        return self.worker.poll_outputs(timeout, client_id)
 
     def abort(self, request_id):
         self.worker.abort(request_id)
@@ -28,14 +28,14 @@ class LocalDecodeClient(DecodeClient):
     def __init__(self, info: InstanceInfo, worker):
         self.info, self.worker = info, worker
 
-    def reserve(self, req, prefill_tp):
-        return self.worker.reserve(req, prefill_tp)
+    def reserve(self, msg, prefill_tp):
+        return self.worker.reserve(msg, prefill_tp)
 
-    def add_request(self, request_id, prompt_token_ids, params, client_id=""):
-        self.worker.add_request(request_id, prompt_token_ids, params, client_id)
+    def add_request(self, msg):
+        self.worker.add_request(msg)
 
-    def get_outputs(self, timeout, client_id=""):
-        return self.worker.get_outputs(timeout, client_id)
+    def poll_outputs(self, timeout, client_id=""):
+        return self.worker.poll_outputs(timeout, client_id)
 
     def abort(self, request_id):
         self.worker.abort(request_id)
@@ -62,25 +62,25 @@ class _RayClient:
 
 
 class RayPrefillClient(_RayClient, PrefillClient):
-    def submit(self, req, params):
-        self._call("submit", req, params)
+    def submit(self, msg, params):
+        self._call("submit", msg, params)
 
-    def poll_results(self, timeout, client_id=""):
-        return self._call("poll_results", timeout, client_id, wait_s=timeout)
+    def poll_outputs(self, timeout, client_id=""):
+        return self._call("poll_outputs", timeout, client_id, wait_s=timeout)
 
     def load(self):
         return self._call("load")
 
 
 class RayDecodeClient(_RayClient, DecodeClient):
-    def reserve(self, req, prefill_tp):
-        return self._call("reserve", req, prefill_tp)
+    def reserve(self, msg, prefill_tp):
+        return self._call("reserve", msg, prefill_tp)
 
-    def add_request(self, request_id, prompt_token_ids, params, client_id=""):
-        self._call("add_request", request_id, prompt_token_ids, params, client_id)
+    def add_request(self, msg):
+        self._call("add_request", msg)
 
-    def get_outputs(self, timeout, client_id=""):
-        return self._call("get_outputs", timeout, client_id, wait_s=timeout)
+    def poll_outputs(self, timeout, client_id=""):
+        return self._call("poll_outputs", timeout, client_id, wait_s=timeout)
 
     def load(self):
         return self._call("load")

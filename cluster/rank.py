@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import time
 from datetime import timedelta
 
 import torch
@@ -164,32 +163,11 @@ class RankHost:
 
     def _loop(self) -> None:
         try:
-            if self.rank > 0:
-                while self.worker.follow():
-                    pass
-            elif self.role == "prefill":
-                self._prefill_loop()
-            else:
-                self.worker.run(self._stop)
+            self.worker.run(self._stop)  # rank 0 drives, the others follow (engine/worker_base.py)
         except Exception:  # a dead loop must be loud, and must not leave a live-looking instance
             logger.exception("%s rank %d loop died", self.instance_id, self.rank)
             if self.on_loop_death is not None:
                 self.on_loop_death()
-
-    def _prefill_loop(self) -> None:
-        checked = time.monotonic()
-        while not self._stop.is_set():
-            if self.worker.has_work():
-                self.worker.step()
-            else:  # no collective: followers wait on the control group for the next step
-                self.worker.release_delivered()
-                time.sleep(0.002)
-            if time.monotonic() - checked > 1.0:
-                checked = time.monotonic()
-                if orphans := self.worker.abort_silent_clients():
-                    logger.warning("%s: aborted %d requests of silent clients", self.instance_id, len(orphans))
-        if self.worker.tp.size > 1:
-            self.worker.stop_followers()
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from engine.request import Request
 
 
-@dataclass
+@dataclass(frozen=True)
 class RequestOutput:
+    """One step's news of one request, streamed to its router: immutable once made."""
+
     request_id: str
     new_token_ids: list[int]
     finished: bool

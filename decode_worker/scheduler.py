@@ -21,7 +21,7 @@ from engine.batch import CachedRequestData, NewRequestData, RunnerOutput, Schedu
 from engine.block_manager import KVCacheManager
 from engine.config import SchedulerConfig, window_start
 from engine.logits_processing import history_of
-from engine.request import Request, RequestStatus, choice_id, prompt_misfit
+from engine.request import Request, RequestStatus, check_admission, choice_id
 
 logger = logging.getLogger(__name__)
 
@@ -42,27 +42,17 @@ class Scheduler:
         self.num_preemptions = 0
 
     # -- requests in and out ---------------------------------------------------------------
-    def _check_n(self, req: Request) -> None:
-        if req.sampling_params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={req.sampling_params.n} is more choices than this instance runs at once "
-                             f"(max_num_seqs {self.config.max_num_seqs})")
-
     def add_request(self, req: Request) -> None:
-        self._check_n(req)
-        if req.request_id in self.requests:
-            raise ValueError(f"duplicate request id {req.request_id!r}")
-        if why := prompt_misfit(req.num_prompt_tokens, self.max_model_len):
-            raise ValueError(why)
+        """Colocated: queues a prompt to prefill here; ValueError (engine.request.check_admission) if it
+        cannot be taken (its n choices run side by side once forked)."""
+        check_admission(req, self.max_model_len, self.requests, max_num_choices=self.config.max_num_seqs)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
     def reserve(self, req: Request) -> bool:
-        """Allocates blocks for a remote-prefilled prompt; False (and no change) if they don't fit."""
-        if req.request_id in self.requests:
-            raise ValueError(f"duplicate request id {req.request_id!r}")
-        if why := prompt_misfit(req.num_prompt_tokens, self.max_model_len):
-            raise ValueError(why)
-        self._check_n(req)
+        """Allocates blocks for a remote-prefilled prompt; False (and no change) if they don't fit,
+        ValueError if it cannot be taken at all (as `add_request`)."""
+        check_admission(req, self.max_model_len, self.requests, max_num_choices=self.config.max_num_seqs)
         waiting = sum(r.sampling_params.n for r in self.remote.values())  # choices run side by side once forked
         if len(self.running) + waiting + req.sampling_params.n > self.config.max_num_seqs:
             return False

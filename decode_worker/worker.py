@@ -2,9 +2,10 @@
 
 Rank 0 drives: it reserves blocks for requests that a prefill instance will fill, runs the
 continuous-batching loop, and queues each step's new tokens for the router's collector, which
-long-polls `get_outputs` (one call per step at most, never one per token). Every rank's KV
+long-polls `poll_outputs` (one call per step at most, never one per token). Every rank's KV
 connector (kvtransfer/connector.py) receives its heads; a request joins the batch only when all
 ranks hold its complete KV. In colocated mode (`add_request`) rank 0 also prefills locally.
+The loop that drives the ranks, and the per-client queue of outputs, are engine/worker_base.py's.
 
 Per step, with tensor parallelism:  rank 0 schedules -> broadcast(step) -> all ranks execute
 -> all_gather(each rank's finished/failed transfers) -> rank 0 admits requests complete everywhere.
@@ -12,42 +13,36 @@ A failed load ends the request with `kv_load_failed` (the router retries it, or 
 """
 from __future__ import annotations
 
-import logging
 import threading
 import time
 
 from decode_worker.engine import ColocatedEngine
 from decode_worker.output import RequestOutput
 from engine.config import window_start
-from engine.outbox import Outbox
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.request import Request, RequestMessage, RequestStatus
+from engine.worker_base import BaseWorker
 from kvtransfer.connector import DecodeConnector, prompt_slots
 
-logger = logging.getLogger(__name__)
 
-
-class DecodeWorker:
+class DecodeWorker(BaseWorker):
     def __init__(self, engine: ColocatedEngine, connector: DecodeConnector, instance_id: str = "decode-0",
                  client_ttl_s: float = 30.0):
         """`client_ttl_s`: a client (router) that has not polled for this long is gone; its
         requests are aborted."""
-        self.engine, self.connector, self.instance_id = engine, connector, instance_id
-        self.client_ttl_s = client_ttl_s
-        self.num_orphans_aborted = 0  # requests of clients that went silent
-        self.tp = engine.runner.tp
+        super().__init__(engine.runner, instance_id, client_ttl_s)
+        self.engine, self.connector = engine, connector
         self._lock = threading.Lock()
-        self._outbox = Outbox()  # outputs per client (router): each gateway gets only its own
         # cumulative, for the autoscaler's online profile: steps, their seconds, sequences in them
         self.num_steps, self.step_s, self.num_step_seqs = 0, 0.0, 0
 
     # -- rank 0 API (thread-safe) ---------------------------------------------------------------
-    def reserve(self, req: Request, prefill_tp: int) -> bool:
+    def reserve(self, msg: RequestMessage, prefill_tp: int) -> bool:
         """Admission control: blocks for the prompt, or False. Registers the expected KV on all ranks."""
+        req = Request.from_message(msg, self.engine.eos_token_ids)
         with self._lock:
-            req.eos_token_ids = self.engine.eos_token_ids
             if not self.engine.scheduler.reserve(req):
                 return False
-            self._outbox.add(req.request_id, req.client_id)
+            self.outbox.add(req.request_id, req.client_id)
             self.engine.output.add_request(req.request_id, num_handed_over=1)  # the prefill streams the first token
             # the tokens a decode step can still read: blocks wholly before them are null (reserve)
             n, kv = req.num_prompt_tokens, self.engine.kv
@@ -56,32 +51,17 @@ class DecodeWorker:
             self.connector.reserve(req.request_id, slots, prefill_tp)
         return True
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    client_id: str = "") -> None:
+    def add_request(self, msg: RequestMessage) -> None:
         """Colocated: prefill here too."""
         with self._lock:
-            self.engine.add_request(request_id, prompt_token_ids, params)
-            self._outbox.add(request_id, client_id)
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params)
+            self.outbox.add(msg.request_id, msg.client_id)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             self.engine.abort_request(request_id)
-            self._outbox.forget(request_id)
+            self.outbox.forget(request_id)
             self.connector.cancel(request_id)
-
-    def get_outputs(self, timeout: float = 1.0, client_id: str = "") -> list[RequestOutput]:
-        """Long poll: the outputs of `client_id`'s requests since its last call, waiting up to
-        `timeout` for something."""
-        return self._outbox.take(client_id, timeout)
-
-    def abort_silent_clients(self) -> list[str]:
-        """Aborts the requests of clients that have not polled for `client_ttl_s` (their gateway
-        died): their blocks are freed. Returns the ids of those requests."""
-        orphans = self._outbox.drop_silent(self.client_ttl_s)
-        for rid in orphans:
-            self.abort(rid)
-        self.num_orphans_aborted += len(orphans)
-        return orphans
 
     def load(self) -> dict[str, float]:
         s = self.engine.scheduler
@@ -90,12 +70,12 @@ class DecodeWorker:
         return {"running": float(len(s.running)), "waiting": float(len(s.waiting)),
                 "reserved": float(len(s.remote)), "kv_usage": self.engine.kv.usage,
                 "num_preemptions": float(s.num_preemptions), "kv_bytes_received": float(st.get("bytes_received", 0)),
-                "kv_transfer_failures": float(st.get("failed", 0)), "orphans_aborted": float(self.num_orphans_aborted),
+                "kv_transfer_failures": float(st.get("failed", 0)),
                 "kv_messages_dropped": float(st.get("garbage_messages", 0) + st.get("unknown_requests", 0)),
                 "decode_steps": float(self.num_steps),
                 "decode_step_s": self.step_s, "decode_step_seqs": float(self.num_step_seqs),
-                "kv_capacity_tokens": float((self.engine.runner.num_blocks - 1) * self.engine.runner.block_size),
-                "intraop_threads": float(self.engine.runner.intraop_threads)}  # rank 0's, now (engine/threads.py)
+                "kv_capacity_tokens": float((self.runner.num_blocks - 1) * self.runner.block_size),
+                **super().load()}
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished()
@@ -138,9 +118,6 @@ class DecodeWorker:
         self.tp.all_gather_object(self.connector.poll())
         return True
 
-    def stop_followers(self) -> None:
-        self.tp.broadcast_step("stop")
-
     def _admit_transfers(self, polls) -> list[RequestOutput]:
         """Requests whose KV is complete on every rank join the batch; failed ones end with an error."""
         touched = []
@@ -165,30 +142,14 @@ class DecodeWorker:
     def _take_forks(self) -> None:
         """Requests forked into their n choices: each choice's outputs go to the parent's client."""
         for parent_id, children in self.engine.take_forks():
-            client = self._outbox.client_of(parent_id)
+            client = self.outbox.client_of(parent_id)
             for child in children:
-                self._outbox.add(child.request_id, client)
-            self._outbox.forget(parent_id)
+                self.outbox.add(child.request_id, client)
+            self.outbox.forget(parent_id)
 
     def _process(self, touched: list[Request]) -> list[RequestOutput]:
         return self.engine.output.process(touched)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:
-            self._outbox.put(o.request_id, o, last=o.finished)
-
-    def run(self, stop: threading.Event, idle_wait_s: float = 0.001) -> None:
-        """Rank 0's loop, on its own thread, until `stop` is set; then releases the followers.
-
-        With no batch to run it sleeps between steps even while KV is arriving: a busy loop here
-        would hold the GIL and starve this process's KV receiver threads (transfers took 100x longer)."""
-        checked = time.monotonic()
-        while not stop.is_set():
-            if not self.step():
-                time.sleep(idle_wait_s)
-            if time.monotonic() - checked > 1.0:
-                checked = time.monotonic()
-                if orphans := self.abort_silent_clients():
-                    logger.warning("%s: aborted %d requests of clients silent for %.0f s", self.instance_id,
-                                   len(orphans), self.client_ttl_s)
-        self.stop_followers()
+            self.outbox.put(o.request_id, o, last=o.finished)

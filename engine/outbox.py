@@ -1,7 +1,7 @@
 """Per-client queues of a worker's outputs.
 
 Several routers (one per gateway) share an instance; each long-polls only the outputs of its own
-requests, addressed by `Request.client_id` (vLLM v1 routes EngineCoreOutputs to its API servers
+requests, addressed by `RequestMessage.client_id` (vLLM v1 routes EngineCoreOutputs to its API servers
 by `client_index` alike). A client that stops polling for `ttl_s` is gone (its gateway died): the
 worker aborts its requests (`drop_silent` names them), so their blocks are freed.
 """

@@ -1,12 +1,15 @@
-"""Shared request types: SamplingParams, RequestStatus, Request.
+"""Shared request types: SamplingParams, RequestMessage, RequestStatus, Request, and the one admission check.
 
-A `Request` is the unit every layer passes around. Its token history is
-`prompt_token_ids + output_token_ids`; `num_computed_tokens` says how much of that
-history already has K/V in the paged cache.
+What crosses a process is immutable: a `RequestMessage` (a request to place, from the router or a
+front end to an instance) and its `SamplingParams`. What an instance's scheduler changes is its own
+`Request`, made from the message on arrival: its token history is `prompt_token_ids + output_token_ids`;
+`num_computed_tokens` says how much of that history already has K/V in the paged cache.
 """
 from __future__ import annotations
 
 import enum
+import time
+from collections.abc import Container
 from dataclasses import dataclass, field, replace
 
 
@@ -80,7 +83,8 @@ class SamplingParams:
 
 def prompt_misfit(num_prompt_tokens: int, max_model_len: int) -> str | None:
     """Why a prompt cannot run in a context of `max_model_len` tokens (None: it can). The one length
-    check of admission: the gateway answers it with HTTP 400, both schedulers raise it as ValueError."""
+    check of admission: the gateway answers it with HTTP 400, both schedulers raise it as ValueError
+    (`check_admission`)."""
     if num_prompt_tokens < 1:
         return "the prompt is empty: it must hold at least one token"
     if num_prompt_tokens >= max_model_len:
@@ -89,10 +93,50 @@ def prompt_misfit(num_prompt_tokens: int, max_model_len: int) -> str | None:
     return None
 
 
+def check_admission(req: Request, max_model_len: int, known_ids: Container[str] = (),
+                    max_num_choices: int | None = None) -> None:
+    """The one check an instance's scheduler (prefill or decode) makes before taking a request.
+
+    Args:
+        req: the request (its id, prompt and sampling params).
+        max_model_len: the instance's context (`ModelRunner.max_model_len`).
+        known_ids: the ids of the requests the scheduler holds: a new one's must differ.
+        max_num_choices: how many sequences the instance runs side by side (a decode instance's
+            `max_num_seqs`, which an n > 1 request's choices must fit); None where choices never run
+            side by side (a prefill samples every choice's first token from one prompt's logits).
+    Raises:
+        ValueError: one line naming why the request is refused.
+    """
+    if req.request_id in known_ids:
+        raise ValueError(f"duplicate request id {req.request_id!r}")
+    if why := prompt_misfit(len(req.prompt_token_ids), max_model_len):
+        raise ValueError(why)
+    n = req.sampling_params.n
+    if max_num_choices is not None and n > max_num_choices:
+        raise ValueError(f"n={n} is more choices than this instance runs at once (max_num_seqs {max_num_choices})")
+
+
 def choice_id(request_id: str, index: int) -> str:
     """The id choice `index` of an n > 1 request takes once forked (the one definition: the decode
     scheduler forks under it, the router and the offline front end address the choice by it)."""
     return f"{request_id}/{index}"
+
+
+@dataclass(frozen=True)
+class RequestMessage:
+    """A request to place on an instance: what the router (or a front end) sends a prefill or decode
+    instance, through a Ray call or in-process. Immutable, and nothing of how the instance runs it:
+    each instance makes its own `Request` of it (`Request.from_message`), so two never share state."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    client_id: str = ""  # the router (one per gateway) that placed it: its outputs go there
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+        if not self.prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
 
 
 class RequestStatus(enum.IntEnum):
@@ -119,10 +163,12 @@ class RequestStatus(enum.IntEnum):
 
 @dataclass
 class Request:
+    """One request's state in an instance's scheduler (mutable, never sent to another process)."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
-    arrival_time: float = 0.0
+    arrival_time: float = 0.0  # time.monotonic() where it arrived (no clock crosses a process)
     eos_token_ids: frozenset[int] = frozenset()  # the model's: any of them ends generation
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -136,6 +182,13 @@ class Request:
     def __post_init__(self):
         if not self.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
+
+    @classmethod
+    def from_message(cls, msg: RequestMessage, eos_token_ids: frozenset[int]) -> Request:
+        """This instance's state of a request placed here: it arrives now and ends on the model's
+        EOS set (`ModelConfig.eos_token_ids`)."""
+        return cls(msg.request_id, list(msg.prompt_token_ids), msg.sampling_params, time.monotonic(), eos_token_ids,
+                   client_id=msg.client_id)
 
     @property
     def num_prompt_tokens(self) -> int:

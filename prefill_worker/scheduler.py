@@ -16,7 +16,7 @@ from engine.batch import CachedRequestData, NewRequestData, RunnerOutput, Schedu
 from engine.block_manager import KVCacheManager
 from engine.config import SchedulerConfig
 from engine.logits_processing import history_of
-from engine.request import Request, RequestStatus, prompt_misfit
+from engine.request import Request, RequestStatus, check_admission
 
 
 class PrefillScheduler:
@@ -34,11 +34,15 @@ class PrefillScheduler:
         """Prompt tokens not yet computed: the load figure routers balance on."""
         return sum(r.num_tokens - r.num_computed_tokens for r in list(self.waiting) + self.running)
 
+    @property
+    def request_ids(self) -> set[str]:
+        """The requests held here: waiting, running, or delivering their KV."""
+        return {*(r.request_id for r in (*self.waiting, *self.running)), *self.done}
+
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.done or any(r.request_id == req.request_id for r in (*self.waiting, *self.running)):
-            raise ValueError(f"duplicate request id {req.request_id!r}")
-        if why := prompt_misfit(req.num_prompt_tokens, self.max_model_len):
-            raise ValueError(why)
+        """Queues a prompt; ValueError (engine.request.check_admission) if it cannot be taken. An
+        n > 1 request is one prompt here: every choice's first token comes from its logits."""
+        check_admission(req, self.max_model_len, self.request_ids)
         self.waiting.append(req)
 
     def has_work(self) -> bool:

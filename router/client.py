@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from engine.request import Request, SamplingParams
+from engine.request import RequestMessage
 from kvtransfer.params import KVEndpoint, KVTransferParams
 
 
@@ -35,11 +35,11 @@ class PrefillClient(ABC):
     info: InstanceInfo
 
     @abstractmethod
-    def submit(self, req: Request, params: KVTransferParams) -> None:
+    def submit(self, msg: RequestMessage, params: KVTransferParams) -> None:
         """Queue a prompt for prefill; its KV goes to `params.endpoints`."""
 
     @abstractmethod
-    def poll_results(self, timeout: float, client_id: str = "") -> list:
+    def poll_outputs(self, timeout: float, client_id: str = "") -> list:
         """PrefillResults (first token or error) of `client_id`'s requests since its last call;
         long-polls up to `timeout`. A client that stops polling has its requests aborted."""
 
@@ -54,16 +54,15 @@ class DecodeClient(ABC):
     info: InstanceInfo
 
     @abstractmethod
-    def reserve(self, req: Request, prefill_tp: int) -> bool:
-        """Reserve KV blocks for `req`'s prompt (admission control); False if they don't fit now."""
+    def reserve(self, msg: RequestMessage, prefill_tp: int) -> bool:
+        """Reserve KV blocks for `msg`'s prompt (admission control); False if they don't fit now."""
 
     @abstractmethod
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    client_id: str = "") -> None:
+    def add_request(self, msg: RequestMessage) -> None:
         """Prefill and decode here (colocated, or conditional disaggregation's short prompts)."""
 
     @abstractmethod
-    def get_outputs(self, timeout: float, client_id: str = "") -> list:
+    def poll_outputs(self, timeout: float, client_id: str = "") -> list:
         """RequestOutputs of `client_id`'s requests on the instance since its last call (long
         poll). A client that stops polling has its requests aborted."""
 

@@ -27,7 +27,7 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
-from engine.request import Request, SamplingParams, choice_id
+from engine.request import RequestMessage, SamplingParams, choice_id
 from kvtransfer.params import KVTransferParams
 from router.client import DecodeClient, InstanceDeadError, PrefillClient
 from router.failures import Failures
@@ -45,7 +45,7 @@ class QueueFullError(RuntimeError):
 class _Plan:
     """One placement attempt, decided under the lock and carried out without it."""
     attempt_id: str
-    req: Request
+    msg: RequestMessage  # the attempt's, sent to both instances
     prefill: PrefillClient | None  # None: prefilled on the decode instance
     decodes: list[DecodeClient]  # candidates, policy's pick first
 
@@ -279,25 +279,23 @@ class Router(Failures):
         for choice in tracked.choices:  # the ids the decode instance gives them when it forks
             choice.prefill_id, choice.decode_id = None, None
             self._by_attempt[choice.attempt_id] = choice
-        return _Plan(tracked.attempt_id, Request(tracked.attempt_id, prompt, params, client_id=self.client_id), prefill,
+        return _Plan(tracked.attempt_id, RequestMessage(tracked.attempt_id, prompt, params, self.client_id), prefill,
                      ordered[:1] if local else ordered)
 
     def _call(self, plan: _Plan) -> _Outcome:
         """Without the lock: reserve on a decode instance and submit to the prefill instance (or
         add the request to the decode instance, prefilled there)."""
-        req, p, d = plan.req, plan.prefill, None
+        msg, p, d = plan.msg, plan.prefill, None
         try:
             if p is None:
                 d = plan.decodes[0]
-                d.add_request(req.request_id, req.prompt_token_ids, req.sampling_params, self.client_id)
+                d.add_request(msg)
                 return _Outcome(d)
             for candidate in plan.decodes:
-                if candidate.reserve(req, p.info.tp_size):
+                if candidate.reserve(msg, p.info.tp_size):
                     d = candidate
-                    kv = KVTransferParams(req.request_id, d.info.instance_id, d.info.tp_size, d.info.kv_endpoints)
-                    # NOTE: its own Request: in-process, the two workers must not share one object
-                    p.submit(Request(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                     client_id=self.client_id), kv)
+                    kv = KVTransferParams(msg.request_id, d.info.instance_id, d.info.tp_size, d.info.kv_endpoints)
+                    p.submit(msg, kv)
                     return _Outcome(d)
             return _Outcome(None)
         except InstanceDeadError as exc:
@@ -360,12 +358,12 @@ class Router(Failures):
     def _collect(self, iid: str) -> None:
         """One thread per instance: long-polls its events (decode outputs or prefill results)."""
         if iid in self.prefill:
-            client, fetch, handle = self.prefill[iid], self.prefill[iid].poll_results, self._on_prefill_result
+            client, handle = self.prefill[iid], self._on_prefill_result
         else:
-            client, fetch, handle = self.decode[iid], self.decode[iid].get_outputs, self._on_decode_output
+            client, handle = self.decode[iid], self._on_decode_output
         while not self._stop.is_set() and client.info.healthy:
             try:
-                events = fetch(self.poll_s, self.client_id)
+                events = client.poll_outputs(self.poll_s, self.client_id)
             except InstanceDeadError as exc:
                 self.mark_dead(iid, exc)
                 return

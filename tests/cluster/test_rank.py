@@ -9,7 +9,7 @@ import cluster.rank as rank_module
 from cluster.rank import RankHost
 from cluster.spec import ClusterSpec
 from engine.model_runner import ModelRunner
-from engine.request import SamplingParams
+from engine.request import RequestMessage, SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,10 +40,11 @@ def test_model_loads_and_runs_on_the_step_thread(tiny_path, monkeypatch):
     ThreadRecordingRunner.threads = {"built": set(), "ran": set()}
     host = RankHost(_config(tiny_path), "colocated", "colocated-0")
     try:
-        host.worker.add_request("r0", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        host.worker.add_request(RequestMessage("r0", [1, 2, 3, 4, 5], params))
         outputs = []
         while not any(o.finished for o in outputs):
-            outputs += host.worker.get_outputs(timeout=10.0)
+            outputs += host.worker.poll_outputs(timeout=10.0)
         assert sum(len(o.new_token_ids) for o in outputs) == 4
     finally:
         host.shutdown()

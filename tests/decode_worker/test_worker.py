@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from decode_worker.worker import DecodeWorker
-from engine.request import Request, SamplingParams
+from engine.request import RequestMessage, SamplingParams
 from kvtransfer.base import CompletedTransfer, KVReceiver
 from kvtransfer.connector import DecodeConnector
 from tests.helpers import make_hf_tiny_llama, tiny_engine
@@ -46,13 +46,13 @@ def test_transferred_logprobs_lead_and_missing_ones_fail_the_request():
     worker = DecodeWorker(engine, DecodeConnector(rx, engine.runner.model_config.num_kv_heads, 0, 1))
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=1)
     for rid in ("ok", "bad"):
-        assert worker.reserve(Request(rid, list(range(3, 20)), params), prefill_tp=1)
+        assert worker.reserve(RequestMessage(rid, list(range(3, 20)), params), prefill_tp=1)
     assert rx.expected == {"ok": 1, "bad": 1}
     rx.done = [CompletedTransfer("ok", 5, {5: -0.5}), CompletedTransfer("bad", 5, None)]
     outputs = []
     for _ in range(10):
         worker.step()
-        outputs += worker.get_outputs(0)
+        outputs += worker.poll_outputs(0)
     ok = [o for o in outputs if o.request_id == "ok"]
     (bad,) = [o for o in outputs if o.request_id == "bad"]
     assert bad.finished and bad.error and "logprobs" in bad.error and bad.new_token_ids == []
@@ -73,12 +73,12 @@ def test_a_failed_load_ends_the_request_with_kv_load_failed_and_frees_its_blocks
     worker = DecodeWorker(engine, DecodeConnector(rx, engine.runner.model_config.num_kv_heads, 0, 1))
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     for rid in ("ok", "lost"):
-        assert worker.reserve(Request(rid, list(range(3, 20)), params), prefill_tp=1)
+        assert worker.reserve(RequestMessage(rid, list(range(3, 20)), params), prefill_tp=1)
     rx.done, rx.failed = [CompletedTransfer("ok", 5, None)], [("lost", "no KV for 10 s after the transfer began")]
     outputs = []
     for _ in range(10):
         worker.step()
-        outputs += worker.get_outputs(0)
+        outputs += worker.poll_outputs(0)
     (lost,) = [o for o in outputs if o.request_id == "lost"]
     assert lost.finished and lost.kv_load_failed and "no KV" in lost.error and "lost" not in rx.expected
     assert [o for o in outputs if o.request_id == "ok"][-1].finish_reason == "length"
@@ -113,7 +113,7 @@ def test_an_idle_decode_instance_makes_no_collective_call():
         assert not worker.step()
     assert tp.calls == 0
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    assert worker.reserve(Request("r", list(range(3, 20)), params), prefill_tp=1)
+    assert worker.reserve(RequestMessage("r", list(range(3, 20)), params), prefill_tp=1)
     worker.step()
     assert tp.calls == 2  # awaiting KV: the ranks' polls are gathered
     rx.done = [CompletedTransfer("r", 5, None)]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.model_runner import ModelRunner
-from engine.request import Request, SamplingParams
+from engine.request import RequestMessage, SamplingParams
 from kvtransfer.base import CompletedTransfer, KVSender, Transfer, TransferError
 from kvtransfer.connector import DecodeConnector, PrefillConnector
 from kvtransfer.params import KVEndpoint, KVTransferParams
@@ -75,7 +75,7 @@ def test_prefill_ships_each_kv_group_what_its_window_reads(tmp_path):
     connector = PrefillConnector(sender, runner.model_config.num_kv_heads, 0, 1, 5.0, kv_layout=layout)
     worker = PrefillWorker(runner, connector)
     params = KVTransferParams("r", "d", 1, (KVEndpoint("d", 0, "h", 1),))
-    worker.submit(Request("r", list(range(3, 63)), PARAMS), params)
+    worker.submit(RequestMessage("r", list(range(3, 63)), PARAMS), params)
     (first,) = run_until(worker, 1)
     heads = runner.model_config.num_kv_heads
     assert [(rid, n) for rid, _, _, _, n, _ in sender.transfers] == [("r#kv0", 23), ("r#kv1", 60), ("r#kv2", 23)]
@@ -87,7 +87,7 @@ def run_until(worker: PrefillWorker, want: int, timeout_s: float = 30.0) -> list
     results, deadline = [], time.monotonic() + timeout_s
     while len(results) < want and time.monotonic() < deadline:
         worker.step()
-        results += worker.poll_results(0.01)
+        results += worker.poll_outputs(0.01)
     return results
 
 
@@ -98,7 +98,7 @@ def test_prefill_blocks_stay_leased_until_the_transfer_ends(outcome, lease_s):
     the request reported failed, so the router retries it)."""
     worker, sender = prefill_worker(outcome, lease_s)
     params = KVTransferParams("r", "d", 2, (KVEndpoint("d", 0, "h", 1), KVEndpoint("d", 1, "h", 2)))
-    worker.submit(Request("r", list(range(3, 23)), PARAMS), params)
+    worker.submit(RequestMessage("r", list(range(3, 23)), PARAMS), params)
     (first,) = run_until(worker, 1)
     assert first.first_token is not None and first.error is None
     heads = worker.runner.model_config.num_kv_heads

@@ -50,11 +50,11 @@ class FakePrefill(_FakeInstance, PrefillClient):
         super().__init__(InstanceInfo(iid, "prefill", 1, load={"queued_prefill_tokens": load}))
         self.submitted, self.results = [], self.events
 
-    def submit(self, req, params):
+    def submit(self, msg, params):
         self._check()
-        self.submitted.append((req, params))
+        self.submitted.append((msg, params))
 
-    def poll_results(self, timeout, client_id=""):
+    def poll_outputs(self, timeout, client_id=""):
         return self._poll(timeout)
 
 
@@ -63,18 +63,18 @@ class FakeDecode(_FakeInstance, DecodeClient):
         super().__init__(InstanceInfo(iid, "decode", 1, (KVEndpoint(iid, 0, "127.0.0.1", 1),), load=load or {}))
         self.capacity, self.reserved, self.local, self.outputs = capacity, [], [], self.events
 
-    def reserve(self, req, prefill_tp):
+    def reserve(self, msg, prefill_tp):
         self._check()
         if len(self.reserved) >= self.capacity:
             return False
-        self.reserved.append(req)
+        self.reserved.append(msg)
         return True
 
-    def add_request(self, request_id, prompt_token_ids, params, client_id=""):
+    def add_request(self, msg):
         self._check()
-        self.local.append((request_id, prompt_token_ids))
+        self.local.append((msg.request_id, list(msg.prompt_token_ids)))
 
-    def get_outputs(self, timeout, client_id=""):
+    def poll_outputs(self, timeout, client_id=""):
         return self._poll(timeout)
 
 
@@ -247,7 +247,7 @@ def test_failed_kv_load_recomputes_on_the_decode_instance_when_short(prompt_len,
         assert len(p0.submitted) + len(p1.submitted) == 1 and other.reserved == []
     else:
         assert d.local == [] and r.stats["kv_recomputes"] == 0
-        assert other.reserved[0].request_id == "a#1" and other.reserved[0].prompt_token_ids == want_prompt
+        assert other.reserved[0].request_id == "a#1" and other.reserved[0].prompt_token_ids == tuple(want_prompt)
         retry = p0 if p0.submitted and p0.submitted[-1][0].request_id == "a#1" else p1
         retry.results.put(PrefillResult("a#1", 12))  # the retry is disaggregated: its first token is P's
         d = other
@@ -276,7 +276,7 @@ def test_dead_decode_retries_with_delivered_tokens():
             break
         threading.Event().wait(0.01)
     retry = second.reserved[0]
-    assert retry.request_id == "a#1" and retry.prompt_token_ids == [1, 2, 8, 9]
+    assert retry.request_id == "a#1" and retry.prompt_token_ids == (1, 2, 8, 9)
     assert retry.sampling_params.max_tokens == 2 and retry.sampling_params.num_resumed_tokens == 2
     p.results.put(PrefillResult("a#1", 3))
     second.outputs.put(RequestOutput("a#1", [4], True, "length", start=1))

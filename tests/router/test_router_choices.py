@@ -50,7 +50,7 @@ def test_a_failed_placement_sends_each_choice_on_alone():
     assert sorted(retries) == ["a/0#1", "a/1#1", "a/2#1"] and "a#0" in d.aborted
     for i in range(3):
         q = retries[f"a/{i}#1"]
-        assert q.prompt_token_ids == [1, 2, 10 * (i + 1)] and q.sampling_params.n == 1
+        assert q.prompt_token_ids == (1, 2, 10 * (i + 1)) and q.sampling_params.n == 1
         assert q.sampling_params.seed == 10 + i and q.sampling_params.max_tokens == 2
         retry = p0 if any(q.request_id == f"a/{i}#1" for q, _ in p0.submitted) else p1
         retry.results.put(PrefillResult(f"a/{i}#1", 7))
@@ -70,7 +70,7 @@ def test_a_dead_decode_after_the_fork_retries_only_unfinished_choices():
     first.dead = True
     _wait_until(lambda: len(second.reserved) == 2)
     assert sorted(q.request_id for q in second.reserved) == ["a/1#1", "a/2#1"]
-    assert {q.request_id: q.prompt_token_ids for q in second.reserved} == {"a/1#1": [1, 2, 5], "a/2#1": [1, 2, 4]}
+    assert {q.request_id: q.prompt_token_ids for q in second.reserved} == {"a/1#1": (1, 2, 5), "a/2#1": (1, 2, 4)}
     r.close()
 
 

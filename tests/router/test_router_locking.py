@@ -23,10 +23,10 @@ class StuckDecode(FakeDecode):
         super().__init__(iid)
         self.entered, self.release = threading.Event(), threading.Event()
 
-    def reserve(self, req, prefill_tp):
+    def reserve(self, msg, prefill_tp):
         self.entered.set()
         self.release.wait(10)
-        return super().reserve(req, prefill_tp)
+        return super().reserve(msg, prefill_tp)
 
 
 def _submit_in_thread(router, rid):
