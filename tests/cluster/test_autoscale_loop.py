@@ -7,10 +7,10 @@ import time
 import pytest
 from prometheus_client import generate_latest
 
-from cluster.actuators import PoolSizes
-from cluster.autoscale_loop import create_autoscaler
-from cluster.autoscaler import Profile
-from cluster.cluster import Cluster
+from cluster.autoscale.actuators import PoolSizes
+from cluster.autoscale.autoscale_loop import create_autoscaler
+from cluster.autoscale.autoscaler import Profile
+from cluster.control.cluster import Cluster
 from cluster.spec import ClusterSpec
 from engine.request import SamplingParams
 from gateway.metrics import GatewayMetrics

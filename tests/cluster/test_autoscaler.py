@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.actuators import DryRunActuator, PoolSizes
-from cluster.autoscale_loop import OnlineProfile
-from cluster.autoscaler import Observation, Profile, QueueThreshold, ScalingLimits, SLOPlanner, fit_line
+from cluster.autoscale.actuators import DryRunActuator, PoolSizes
+from cluster.autoscale.autoscale_loop import OnlineProfile
+from cluster.autoscale.autoscaler import Observation, Profile, QueueThreshold, ScalingLimits, SLOPlanner, fit_line
 
 PROFILE = Profile(prefill_tokens_per_s=1000.0, decode_itl_base_s=0.02, decode_itl_per_seq_s=0.001,
                   max_num_seqs=128, kv_capacity_tokens=100_000)

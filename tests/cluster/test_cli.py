@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from cluster.cli import _cluster_spec, build_parser
+from cluster.cli.cli import _cluster_spec, build_parser
 
 
 def test_cluster_flags_build_the_spec():
@@ -53,7 +53,7 @@ def test_abbreviated_flags_are_refused(argv, capsys):
 def test_separate_processes_need_ray_and_redis(command, capsys):
     """`pdserve controller|gateway` without --ray-address or --redis-url: one line naming both,
     before anything starts (they meet only in Ray and the cluster state)."""
-    from cluster.cli import main
+    from cluster.cli.cli import main
     assert main([command, "--ray-address", "127.0.0.1:1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"pdserve: error: pdserve {command} needs --ray-address and --redis-url: the controller and "
@@ -64,7 +64,7 @@ def test_separate_processes_need_ray_and_redis(command, capsys):
 def test_generate_through_1p1d_cluster_json():
     """SmolLM2 through one prefill and one decode actor: greedy JSON output with every field, and
     the same tokens as the in-process engine."""
-    args = [sys.executable, "-m", "cluster.cli", "--log-level", "WARNING", "generate",
+    args = [sys.executable, "-m", "cluster.cli.cli", "--log-level", "WARNING", "generate",
             "What is the capital of France?", "--chat", "--dtype", "float32", "--max-tokens", "8", "--json"]
     outs = [json.loads(subprocess.run(args + extra, capture_output=True, text=True, timeout=280, check=True)
                        .stdout.strip().splitlines()[-1]) for extra in (["--prefill", "1", "--decode", "1"], [])]

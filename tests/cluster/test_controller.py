@@ -10,10 +10,10 @@ from dataclasses import replace
 
 import pytest
 
-from cluster.autoscale_loop import LoadWindow
-from cluster.actuators import PoolSizes
-from cluster.controller import Controller
-from cluster.frontend import Frontend
+from cluster.autoscale.actuators import PoolSizes
+from cluster.autoscale.autoscale_loop import LoadWindow
+from cluster.control.controller import Controller
+from cluster.control.frontend import Frontend
 from cluster.redis_state import RedisState
 from cluster.state import MemoryState
 from tests.cluster.test_ray_cluster import GREEDY, checked, colocated_tokens, spec_for
@@ -44,7 +44,7 @@ def check_endpoints(controller: Controller) -> None:
     with the engine its ranks chose at load (read back from the adopted ranks)."""
     from fastapi.testclient import TestClient
 
-    from cluster.controller_app import create_controller_app
+    from cluster.cli.controller_app import create_controller_app
     app, started = create_controller_app(controller)
     http = TestClient(app)
     assert http.get("/health").status_code == 200 and http.get("/ready").status_code == 503
@@ -118,7 +118,7 @@ def test_incomplete_instance_is_not_adopted(ray_session, tiny_path, redis_url):
     and a new instance started in its place (with an id after it)."""
     import ray
 
-    from cluster.actor import RankActor
+    from cluster.ranks.actor import RankActor
     spec = spec_for(tiny_path, ray_address="auto", redis_url=redis_url, mode="colocated",
                     cluster_name=f"test-{secrets.token_hex(3)}")
     stray = RankActor.options(name="colocated-4.rank0", namespace=spec.cluster_name, lifetime="detached",

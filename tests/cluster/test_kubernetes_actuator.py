@@ -12,9 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from kubernetes import client
 
-import cluster.kubernetes_actuator as kubernetes_actuator
-from cluster.actuators import ActuatorError, PoolSizes
-from cluster.kubernetes_actuator import KubernetesActuator
+from cluster.autoscale.actuators import ActuatorError, PoolSizes
+from cluster.autoscale.kubernetes_actuator import KubernetesActuator
+import cluster.autoscale.kubernetes_actuator as kubernetes_actuator
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -201,7 +201,7 @@ def test_dry_run_logs_and_patches_nothing(fake_api, api_client, caplog):
     api, _ = fake_api
     drained = []
     actuator = create_actuator(api_client, dry_run=True, drain=lambda *a: drained.append(a))
-    with caplog.at_level(logging.INFO, logger="cluster.kubernetes_actuator"):
+    with caplog.at_level(logging.INFO, logger="cluster.autoscale.kubernetes_actuator"):
         actuator.apply(PoolSizes(prefill=3, decode=0))
     assert api.patches() == [] and drained == []
     assert actuator.current() == PoolSizes(1, 1)
@@ -251,7 +251,7 @@ def test_negative_target_rejected(api_client):
 def test_namespace_none_falls_back_to_default(api_client, tmp_path, monkeypatch, caplog):
     """namespace=None outside a pod (no service-account namespace file) uses "default" and says so."""
     monkeypatch.setattr(kubernetes_actuator, "SERVICE_ACCOUNT_NAMESPACE_FILE", tmp_path / "missing")
-    with caplog.at_level(logging.INFO, logger="cluster.kubernetes_actuator"):
+    with caplog.at_level(logging.INFO, logger="cluster.autoscale.kubernetes_actuator"):
         actuator = create_actuator(api_client, namespace=None)
     assert actuator.namespace == "default"
     assert any("default" in r.getMessage() for r in caplog.records)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.cluster import Cluster
+from cluster.control.cluster import Cluster
 from engine.request import SamplingParams
 from tests.cluster.test_inprocess_pd import spec_for
 from tests.helpers import random_prompts

@@ -15,12 +15,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cluster.loadgen import LoadConfig, RequestRecord, arrival_times, load_dataset, request_specs, run_load
-from cluster.loadgen_report import Slo, summarize, write_outputs
-from cluster.cli import build_parser, main
+from cluster.cli.cli import build_parser, main
+from cluster.loadgen.loadgen import LoadConfig, RequestRecord, arrival_times, load_dataset, request_specs, run_load
+from cluster.loadgen.loadgen_report import Slo, summarize, write_outputs
 from engine.loader import resolve_model_path
 from engine.tokenizer import Tokenizer
-from cluster.serve import serve_in_thread
+from cluster.cli.serve import serve_in_thread
 from gateway.app import create_app
 from router.router import QueueFullError
 from router.stream import StreamEvent
@@ -297,6 +297,6 @@ def test_profile_mode_still_parses_and_dispatches(monkeypatch, tmp_path):
     seen = []
     profile = SimpleNamespace(prefill_tokens_per_s=1.0, decode_itl_base_s=0.01, decode_itl_per_seq_s=0.001,
                               kv_capacity_tokens=64, startup_s=1.0, save=lambda path, **raw: seen.append(path))
-    monkeypatch.setattr("cluster.profiler.measure_profile", lambda spec: (seen.append(spec), (profile, {}))[1])
+    monkeypatch.setattr("cluster.autoscale.profiler.measure_profile", lambda spec: (seen.append(spec), (profile, {}))[1])
     assert main(["bench", "--profile", str(tmp_path / "p.json"), "--num-decode", "2"]) == 0
     assert seen[0].num_decode == 2 and seen[1] == str(tmp_path / "p.json")

@@ -1,4 +1,4 @@
-"""Node choice, per-node addresses and the start-up network checks of cluster/nodes.py: pure
+"""Node choice, per-node addresses and the start-up network checks of cluster/ranks/nodes.py: pure
 functions over node dicts, plus the rank actor's `placement` and `probe` on a local Ray."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cluster import nodes
-from cluster.nodes import NodeInfo, PlacedInstance, PlacementError, RankPlacement
+from cluster.ranks import nodes
+from cluster.ranks.nodes import NodeInfo, PlacedInstance, PlacementError, RankPlacement
 from kvtransfer.base import create_kv_transport
 from kvtransfer.params import KVEndpoint
 from tests.kvtransfer.test_torch_dist import COMPAT, HEADS, make_cache, make_receiver, poll_until, send_part
@@ -89,7 +89,7 @@ def test_role_resources_and_gpus_restrict_nodes():
 
 
 def test_shares_of_one_gpu_fit_on_a_one_gpu_node():
-    """Ranks asking for shares of a GPU (cluster/gpu_share.py: 1P1D on one GPU) both fit on a
+    """Ranks asking for shares of a GPU (cluster/control/gpu_share.py: 1P1D on one GPU) both fit on a
     node with one GPU; a third share that does not fit names the GPU left."""
     one_gpu = create_node("10.0.0.1", gpus=1)
     prefill = nodes.rank_resources("prefill", True, False, num_gpus=0.3333)
@@ -192,7 +192,7 @@ def test_rank_actor_placement_and_network_check(ray_session):
     """A rank actor reports (rank, 127.0.0.1, its pid) on a driver-started Ray and probes from its
     node; check_network passes for a listening endpoint and names a closed one in one line."""
     import ray
-    from cluster.actor import RankActor
+    from cluster.ranks.actor import RankActor
     from engine.config import EngineConfig
     actor = RankActor.remote(EngineConfig(model="unused"), "prefill", "prefill-0", 0, 1, 5.0, "WARNING", True)
     where = ray.get(actor.placement.remote(), timeout=60)

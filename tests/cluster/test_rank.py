@@ -1,12 +1,12 @@
-"""A rank builds and runs its model on one thread of its own (cluster/rank.py)."""
+"""A rank builds and runs its model on one thread of its own (cluster/ranks/rank.py)."""
 from __future__ import annotations
 
 import threading
 
 import pytest
 
-import cluster.rank as rank_module
-from cluster.rank import RankHost
+from cluster.ranks.rank import RankHost
+import cluster.ranks.rank as rank_module
 from cluster.spec import ClusterSpec
 from engine.model_runner import ModelRunner
 from engine.request import SamplingParams

@@ -11,9 +11,9 @@ from dataclasses import replace
 import pytest
 import ray
 
-from cluster.actuators import PoolSizes, RayActuator
-from cluster.cluster import Cluster
-from cluster.nodes import PlacementError, RankPlacement
+from cluster.autoscale.actuators import PoolSizes, RayActuator
+from cluster.control.cluster import Cluster
+from cluster.ranks.nodes import PlacementError, RankPlacement
 from cluster.spec import ClusterSpec
 from engine.request import SamplingParams
 from tests.helpers import FAMILIES, assert_logprobs_close, random_prompts, save_tiny, save_tiny_llama

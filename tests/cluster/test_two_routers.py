@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cluster.cluster import Cluster
+from cluster.control.cluster import Cluster
 from engine.request import RequestStatus, SamplingParams
 from router.policy import create_routing_policy
 from router.router import Router

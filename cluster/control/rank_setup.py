@@ -1,11 +1,12 @@
 """What the controller gives each rank it starts: its node's resources, its engine config (GPU
-memory share, CPU threads) and how its process shares the host's CPUs (cluster/cpu_plan.py)."""
+memory share, CPU threads) and how its process shares the host's CPUs (cluster/ranks/cpu_plan.py)."""
 from __future__ import annotations
 
 import logging
 from dataclasses import replace
 
-from cluster import cpu_plan, gpu_share, nodes
+from cluster.control import gpu_share
+from cluster.ranks import cpu_plan, nodes
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ PIN = 0.001  # of Ray's built-in `node:<address>` resource (1.0 per node), per b
 @dataclass(frozen=True)
 class RankPlacement:
     """Where one rank of an instance runs: the address it binds (its node's), its process, and how
-    that process shares the host's CPUs (cluster/cpu_plan.py cpu_state; {} until the rank is set up)."""
+    that process shares the host's CPUs (cluster/ranks/cpu_plan.py cpu_state; {} until the rank is set up)."""
     rank: int
     node_ip: str
     pid: int
@@ -91,7 +91,7 @@ def role_resource(role: str) -> str:
 
 def rank_resources(role: str, gpu: bool, ray_resources: bool, num_gpus: float = 1.0) -> dict[str, float]:
     """What one rank's bundle asks of its node: a CPU, and on GPU `num_gpus` (a GPU, or a rank's
-    share of one when ranks share GPUs: cluster/gpu_share.py)."""
+    share of one when ranks share GPUs: cluster/control/gpu_share.py)."""
     need = {"CPU": 1.0, "GPU": num_gpus} if gpu else {"CPU": 1.0}
     if ray_resources:  # Kubernetes: only worker pods of this role carry the resource
         need[role_resource(role)] = 1.0

@@ -27,7 +27,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from cluster.actuators import Actuator, ActuatorError, PoolSizes
+from cluster.autoscale.actuators import Actuator, ActuatorError, PoolSizes
 
 logger = logging.getLogger(__name__)
 

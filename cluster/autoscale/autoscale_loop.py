@@ -13,8 +13,8 @@ from collections import deque
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from cluster.actuators import Actuator, DryRunActuator, PodsThenInstances, PoolSizes, RayActuator
-from cluster.autoscaler import Observation, Policy, Profile, QueueThreshold, ScalingLimits, SLOPlanner, fit_line
+from cluster.autoscale.actuators import Actuator, DryRunActuator, PodsThenInstances, PoolSizes, RayActuator
+from cluster.autoscale.autoscaler import Observation, Policy, Profile, QueueThreshold, ScalingLimits, SLOPlanner, fit_line
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ def create_autoscaler(cluster, spec) -> Autoscaler:
     if spec.autoscale_actuator == "ray":
         actuator: Actuator = RayActuator(cluster)
     elif spec.autoscale_actuator == "kubernetes":
-        from cluster.kubernetes_actuator import KubernetesActuator
+        from cluster.autoscale.kubernetes_actuator import KubernetesActuator
         ray_side = RayActuator(cluster)
         actuator = PodsThenInstances(KubernetesActuator(spec.k8s_prefill_deployment, spec.k8s_decode_deployment,
                                                         spec.k8s_namespace, drain=ray_side.drain), ray_side)

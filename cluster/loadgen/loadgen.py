@@ -1,11 +1,11 @@
 """`pdserve bench`'s load generator: streams `POST /v1/completions` at a running server with
 Poisson or fixed-rate arrivals under an optional concurrency cap, and records every request's
-send, chunk and end times (the report, JSON and plots are in `cluster/loadgen_report.py`).
+send, chunk and end times (the report, JSON and plots are in `cluster/loadgen/loadgen_report.py`).
 
     pdserve bench --url http://127.0.0.1:8000 --rate 4 --num-requests 200 --out results/
 
-    from cluster.loadgen import LoadConfig, run_load
-    from cluster.loadgen_report import Slo, summarize, write_outputs
+    from cluster.loadgen.loadgen import LoadConfig, run_load
+    from cluster.loadgen.loadgen_report import Slo, summarize, write_outputs
     result = asyncio.run(run_load(LoadConfig(url="http://127.0.0.1:8000", rate=4.0, num_requests=200)))
     summary = summarize(result.records, Slo(ttft_s=2.0, tbt_s=0.1))
     write_outputs(result, summary, "results/")
@@ -390,7 +390,7 @@ def config_from_args(args) -> LoadConfig:
 
 def run_from_args(args) -> int:
     """`pdserve bench` without --profile: run, print the table, write --out. 1 when no request succeeded."""
-    from cluster.loadgen_report import Slo, format_table, summarize, write_outputs
+    from cluster.loadgen.loadgen_report import Slo, format_table, summarize, write_outputs
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request
     result = asyncio.run(run_load(config_from_args(args)))
     summary = summarize(result.records, Slo(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo))

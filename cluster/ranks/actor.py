@@ -1,6 +1,6 @@
-"""The Ray actor that hosts one rank of an instance (see cluster/rank.py). Typed methods only.
+"""The Ray actor that hosts one rank of an instance (see cluster/ranks/rank.py). Typed methods only.
 
-The actor finds its own node's address (cluster/nodes.py: PDSERVE_NODE_IP, else Ray's address of
+The actor finds its own node's address (cluster/ranks/nodes.py: PDSERVE_NODE_IP, else Ray's address of
 the node it runs on; 127.0.0.1 on a single-host Ray) and binds its TP rendezvous and KV endpoint
 there; gloo and NCCL are pointed at the interface that holds it before any process group exists.
 """
@@ -13,9 +13,9 @@ from dataclasses import replace
 import ray
 import torch
 
-from cluster import cpu_plan
-from cluster.nodes import RankPlacement, node_address, set_socket_ifnames, unreachable
-from cluster.rank import RankHost, free_address
+from cluster.ranks import cpu_plan
+from cluster.ranks.nodes import RankPlacement, node_address, set_socket_ifnames, unreachable
+from cluster.ranks.rank import RankHost, free_address
 from engine.config import EngineConfig
 from engine.request import Request, SamplingParams
 from kvtransfer.params import KVEndpoint, KVTransferParams
@@ -96,7 +96,7 @@ class RankActor:
         return self.host.kv_endpoint()
 
     def cpu(self) -> dict:
-        """How this rank shares its host's CPUs (cluster/cpu_plan.py cpu_state), for /status."""
+        """How this rank shares its host's CPUs (cluster/ranks/cpu_plan.py cpu_state), for /status."""
         runner = self.host.runner
         most = runner.team.max_threads if runner.team is not None else runner.intraop_threads
         return cpu_plan.cpu_state(self.host.step_thread_id, most, runner.team is not None)

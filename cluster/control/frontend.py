@@ -16,9 +16,9 @@ import logging
 import threading
 import time
 
-from cluster.clients import RayDecodeClient, RayPrefillClient
-from cluster.instance import Instance, init_ray, rank_actor_name
-from cluster.nodes import RankPlacement
+from cluster.control.clients import RayDecodeClient, RayPrefillClient
+from cluster.control.instance import Instance, init_ray, rank_actor_name
+from cluster.ranks.nodes import RankPlacement
 from cluster.spec import ClusterSpec
 from cluster.state import ClusterState, InstanceRecord, create_state
 from engine.block_manager import block_hashes

@@ -1,4 +1,4 @@
-"""How a controller finds the instances an earlier controller left running (cluster/controller.py
+"""How a controller finds the instances an earlier controller left running (cluster/control/controller.py
 explains when): the named rank actors of its Ray namespace, each instance adopted only when
 complete, ready and of the spec it runs; everything else is stopped."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import logging
 import re
 from dataclasses import replace
 
-from cluster import nodes
-from cluster.instance import Instance
+from cluster.control.instance import Instance
+from cluster.ranks import nodes
 from cluster.state import InstanceRecord
 from router.client import InstanceInfo
 

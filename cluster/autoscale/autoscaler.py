@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from cluster.actuators import PoolSizes
+from cluster.autoscale.actuators import PoolSizes
 from cluster.spec import ClusterSpec
 
 HYSTERESIS = 0.25  # extra headroom a lower target must show before a pool shrinks

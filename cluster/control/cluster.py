@@ -1,4 +1,4 @@
-"""The cluster in one process: the controller (cluster/controller.py: the instances) and a router
+"""The cluster in one process: the controller (cluster/control/controller.py: the instances) and a router
 over them, plus an offline `generate` API. `pdserve serve` and the tests use it.
 
     Cluster(spec).start()
@@ -6,16 +6,16 @@ over them, plus an offline `generate` API. `pdserve serve` and the tests use it.
       Router(prefill clients, decode clients, policy)  -> generate() / submit() go through it
       its counters -> cluster state (the autoscaler reads every router's, this one's included)
 
-Other gateways (cluster/frontend.py) may route over the same instances through the cluster state.
+Other gateways (cluster/control/frontend.py) may route over the same instances through the cluster state.
 With `use_ray=False` the instances run in this process (tp=1 only): quick tests and tools.
 """
 from __future__ import annotations
 
 import threading
 
-from cluster.controller import Controller
-from cluster.instance import Instance, setup_ray_auth  # noqa: F401 (re-exported)
-from cluster.frontend import Serving, create_router, publish_stats
+from cluster.control.controller import Controller
+from cluster.control.frontend import Serving, create_router, publish_stats
+from cluster.control.instance import Instance, setup_ray_auth  # noqa: F401 (re-exported)
 from router.router import Router
 
 

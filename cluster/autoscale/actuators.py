@@ -4,8 +4,8 @@
     Actuator.apply(PoolSizes)            make it so (scale-down drains first)
 
 `RayActuator` adds and removes instances of the running cluster; `KubernetesActuator`
-(cluster/kubernetes_actuator.py) patches the scale of the worker Deployments; `DryRunActuator`
-only logs. The policies that decide live in cluster/autoscaler.py.
+(cluster/autoscale/kubernetes_actuator.py) patches the scale of the worker Deployments; `DryRunActuator`
+only logs. The policies that decide live in cluster/autoscale/autoscaler.py.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import logging
 import random
 import time
 
-from cluster.autoscaler import Profile, fit_line
+from cluster.autoscale.autoscaler import Profile, fit_line
 from cluster.spec import ClusterSpec
 
 logger = logging.getLogger(__name__)

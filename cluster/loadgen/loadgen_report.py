@@ -1,5 +1,5 @@
 """The load generator's report: latency percentiles, throughput and goodput from the request
-records of `cluster/loadgen.py`, a compact table, and `result.json` with two PNG plots."""
+records of `cluster/loadgen/loadgen.py`, a compact table, and `result.json` with two PNG plots."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from cluster.loadgen import LoadResult, RequestRecord
+    from cluster.loadgen.loadgen import LoadResult, RequestRecord
 
 
 @dataclass(frozen=True)

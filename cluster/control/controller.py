@@ -1,4 +1,4 @@
-"""The controller: owns a cluster's instances. It creates them (cluster/nodes.py places them),
+"""The controller: owns a cluster's instances. It creates them (cluster/ranks/nodes.py places them),
 watches them, replaces the dead, drains and removes them; the autoscaler acts through it. Routers
 (the gateways) find the instances in the cluster state; they never ask the controller.
 
@@ -10,7 +10,7 @@ watches them, replaces the dead, drains and removes them; the autoscaler acts th
 Joined to a Ray cluster (`ray_address`), each rank is a detached Ray actor named
 `<instance id>.rank<r>` in the Ray namespace `cluster_name`, in a detached placement group named
 `<cluster_name>/<instance id>`: instances outlive this process, and a controller that starts adopts
-the complete, ready ones of its spec (cluster/adoption.py) instead of starting new ones.
+the complete, ready ones of its spec (cluster/control/adoption.py) instead of starting new ones.
 Otherwise (Ray started here, or in-process) instances live and die with this process.
 """
 from __future__ import annotations
@@ -23,17 +23,18 @@ import threading
 import time
 from dataclasses import replace
 
-from cluster import cpu_plan, gpu_share, model_fit, nodes
-from cluster.adoption import Adoption
-from cluster.clients import LocalDecodeClient, LocalPrefillClient, RayDecodeClient, RayPrefillClient
-from cluster.rank_setup import RankSetup
-from cluster.instance import Instance, init_ray, rank_actor_name, setup_ray_auth  # noqa: F401 (re-exported)
+from cluster.control import gpu_share, model_fit
+from cluster.control.adoption import Adoption
+from cluster.control.clients import LocalDecodeClient, LocalPrefillClient, RayDecodeClient, RayPrefillClient
+from cluster.control.instance import Instance, init_ray, rank_actor_name, setup_ray_auth  # noqa: F401 (re-exported)
+from cluster.control.rank_setup import RankSetup
+from cluster.ranks import cpu_plan, nodes
 from cluster.spec import ClusterSpec
 from cluster.state import ClusterState, InstanceRecord, create_state
 from router.client import InstanceDeadError, InstanceInfo
 
 logger = logging.getLogger(__name__)
-DRAIN_GRACE_S = 1.5  # gateways see a draining instance within their sync interval (cluster/frontend.py)
+DRAIN_GRACE_S = 1.5  # gateways see a draining instance within their sync interval (cluster/control/frontend.py)
 
 
 class Controller(Adoption, RankSetup):
@@ -48,7 +49,7 @@ class Controller(Adoption, RankSetup):
         self.state = state or create_state(spec.redis_url, spec.cluster_name)
         self.instances: dict[str, Instance] = {}
         self.adopted: list[str] = []  # instances found running at start (an earlier controller's)
-        self.autoscaler = None  # cluster/autoscale_loop.Autoscaler when the spec asks for one
+        self.autoscaler = None  # cluster/autoscale/autoscale_loop.Autoscaler when the spec asks for one
         self._started_ray = False
         self._next_id = {"prefill": 0, "decode": 0, "colocated": 0}
         self._nodes = nodes.PlacementManager()
@@ -161,7 +162,7 @@ class Controller(Adoption, RankSetup):
             ray.shutdown()
         self.state.close()
 
-    # -- hooks for a router in this process (cluster/cluster.py) ---------------------------------
+    # -- hooks for a router in this process (cluster/control/cluster.py) ---------------------------------
     def _on_started(self) -> None:
         """Every initial instance is up."""
 
@@ -283,7 +284,7 @@ class Controller(Adoption, RankSetup):
                                            rank_cpus=[p.cpu for p in inst.placements]))
 
     def _create_local(self, role: str, iid: str) -> Instance:
-        from cluster.rank import RankHost
+        from cluster.ranks.rank import RankHost
         host = RankHost(self.spec.engine_config(role), role, iid, kv_timeout_s=self.spec.kv_transfer_timeout_s,
                         client_ttl_s=self.spec.client_ttl_s, kv_same_device=self._kv_same_device(False))
         ep = host.kv_endpoint()
@@ -317,7 +318,7 @@ class Controller(Adoption, RankSetup):
         """One RankActor per bundle of `pg` (appended to `actors` as they start); returns the ready instance."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        from cluster.actor import RankActor
+        from cluster.ranks.actor import RankActor
         config, num_gpus = self._engine_config(role, gpu, node), self._rank_resources(role, gpu).get("GPU", 0)
         cpu_plans = self._rank_cpu_plans(iid, tp, node)
         for r in range(tp):

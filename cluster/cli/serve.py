@@ -11,8 +11,9 @@ from pathlib import Path
 import jinja2
 import torch
 
-from cluster import cpu_plan, model_fit
-from cluster.cluster import Cluster
+from cluster.control import model_fit
+from cluster.control.cluster import Cluster
+from cluster.ranks import cpu_plan
 from cluster.spec import ClusterSpec
 from engine.config import resolve_dtype
 from engine.loader import resolve_model_path
@@ -30,7 +31,7 @@ def build(spec: ClusterSpec, api_key: str | None = None, use_ray: bool = True):
     if use_ray:  # after Ray started here: its processes would inherit these cores, the ranks' too
         cpu_plan.keep_off_ranks(spec)
     if spec.autoscale:
-        from cluster.autoscale_loop import create_autoscaler
+        from cluster.autoscale.autoscale_loop import create_autoscaler
         cluster.autoscaler = create_autoscaler(cluster, spec).start()
     app = create_app(cluster, tokenizer, spec.model, cluster.max_model_len, api_key, spec.tool_call_parser,
                      spec.reasoning_parser)
@@ -84,8 +85,8 @@ def serve_controller(spec: ClusterSpec, log_level: str = "info") -> int:
     """`pdserve controller`: adopts or starts the instances, watches and replaces them, runs the
     autoscaler; answers /health, /ready (every instance up), /status and /metrics on host:port.
     On exit the instances keep serving: the next controller adopts them."""
-    from cluster.controller import Controller, init_ray
-    from cluster.controller_app import create_controller_app
+    from cluster.cli.controller_app import create_controller_app
+    from cluster.control.controller import Controller, init_ray
     _need_shared_cluster(spec, "controller")
     cpu_plan.keep_off_ranks(spec)
     init_ray(spec, log_level.upper())  # here, on the main thread: Ray installs its signal handlers
@@ -95,7 +96,7 @@ def serve_controller(spec: ClusterSpec, log_level: str = "info") -> int:
     def start() -> None:
         controller.start()
         if spec.autoscale:
-            from cluster.autoscale_loop import create_autoscaler
+            from cluster.autoscale.autoscale_loop import create_autoscaler
             controller.autoscaler = create_autoscaler(controller, spec).start()
         started.set()
     logger.info("pdserve controller: %s, Ray namespace %s; health at http://%s:%d/health", spec.model,
@@ -108,7 +109,7 @@ def serve_controller(spec: ClusterSpec, log_level: str = "info") -> int:
 
 def serve_gateway(spec: ClusterSpec, api_key: str | None = None, log_level: str = "info") -> int:
     """`pdserve gateway`: routes over the instances of the cluster state (a controller owns them)."""
-    from cluster.frontend import Frontend
+    from cluster.control.frontend import Frontend
     _need_shared_cluster(spec, "gateway")
     cpu_plan.keep_off_ranks(spec)
     api_key = api_key or spec.api_key or os.environ.get("PDSERVE_API_KEY")

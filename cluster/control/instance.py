@@ -7,7 +7,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from cluster import nodes
+from cluster.ranks import nodes
 from cluster.spec import ClusterSpec
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def init_ray(spec: ClusterSpec, log_level: str, ranks: int = 0) -> bool:
         return False
     if spec.ray_address is None:
         # the raylet starts workers at this niceness (Ray's default 15); ranks then set the spec's
-        # rank_niceness themselves (cluster/cpu_plan.py), and raising a priority needs CAP_SYS_NICE
+        # rank_niceness themselves (cluster/ranks/cpu_plan.py), and raising a priority needs CAP_SYS_NICE
         os.environ.setdefault("RAY_worker_niceness", str(max(spec.rank_niceness, 0)))
         ray.init(num_cpus=max(os.cpu_count() or 1, ranks + 2), include_dashboard=False,
                  logging_level=log_level, log_to_driver=log_level == "DEBUG")

@@ -54,7 +54,7 @@ def _cluster_spec(args):
 
 def _generate_on_cluster(spec, args, params) -> dict:
     """One prompt through a fresh cluster; the same fields as the in-process path."""
-    from cluster.cluster import Cluster
+    from cluster.control.cluster import Cluster
     from engine.loader import resolve_model_path
     from engine.tokenizer import Tokenizer
     tok = Tokenizer.from_path(resolve_model_path(args.model))
@@ -97,12 +97,12 @@ def _add_serve(sub) -> None:
 
 
 def cmd_serve(args) -> int:
+    from cluster.cli.serve import serve
     from cluster.spec import ClusterSpec
-    from cluster.serve import serve
     return serve(ClusterSpec.from_args(args), log_level=args.log_level.lower())
 
 
-_PROCESSES = {  # the commands that run one process of a cluster from the spec flags (cluster/serve.py)
+_PROCESSES = {  # the commands that run one process of a cluster from the spec flags (cluster/cli/serve.py)
     "controller": ("own the instances (start, adopt, replace, scale) for separate gateways",
                    "The cluster's controller: joins Ray (--ray-address), adopts the live instances of its Ray "
                    "namespace or starts them, replaces dead ones, runs the autoscaler. Gateways (`pdserve "
@@ -122,14 +122,14 @@ def _add_process(sub, name: str) -> None:
 
 
 def cmd_process(args) -> int:
-    from cluster import serve
+    from cluster.cli import serve
     from cluster.spec import ClusterSpec
     run = {"controller": serve.serve_controller, "gateway": serve.serve_gateway}[args.command]
     return run(ClusterSpec.from_args(args), log_level=args.log_level.lower())
 
 
 def _add_bench(sub) -> None:
-    from cluster.loadgen import add_flags
+    from cluster.loadgen.loadgen import add_flags
     from cluster.spec import add_cli_flags
     p = sub.add_parser("bench", allow_abbrev=False, help="load-test a running server over HTTP, or --profile one instance",
                        description="Without --profile: stream /v1/completions at a running server and report "
@@ -150,9 +150,9 @@ def cmd_bench(args) -> int:
         given = [f"--{f.name.replace('_', '-')}" for f in fields(ClusterSpec) if hasattr(args, f.name)]
         if given or args.config:  # they would be ignored: say so instead
             raise ValueError(f"{', '.join(given or ['--config'])}: cluster spec flags only apply with --profile")
-        from cluster.loadgen import run_from_args
+        from cluster.loadgen.loadgen import run_from_args
         return run_from_args(args)
-    from cluster.profiler import measure_profile
+    from cluster.autoscale.profiler import measure_profile
     profile, raw = measure_profile(ClusterSpec.from_args(args))
     profile.save(args.profile, **raw)
     print(f"prefill {profile.prefill_tokens_per_s:.0f} tokens/s; decode step {profile.decode_itl_base_s * 1000:.1f} ms "
@@ -168,7 +168,7 @@ def _add_status(sub) -> None:
 
 
 def _rank_cpu(cpu: dict | None) -> str:
-    """" [nice 0, cores 0-1, 2 threads, PASSIVE]" (cluster/cpu_plan.py cpu_state), or "" when unknown."""
+    """" [nice 0, cores 0-1, 2 threads, PASSIVE]" (cluster/ranks/cpu_plan.py cpu_state), or "" when unknown."""
     if not cpu:
         return ""
     return f" [nice {cpu['niceness']}, cores {cpu['cpus']}, {cpu['intraop_threads']} threads, {cpu['omp_wait_policy']}]"
