@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,7 @@ from cluster.cli.cli import build_parser
 from cluster.ranks import cpu_plan
 from cluster.spec import ClusterSpec
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_cpu_quota_reads_cgroup_v2_and_v1(tmp_path):

@@ -16,7 +16,7 @@ from cluster.control.controller import Controller
 from cluster.control.frontend import Frontend
 from cluster.redis_state import RedisState
 from cluster.state import MemoryState
-from tests.cluster.test_ray_cluster import GREEDY, checked, colocated_tokens, spec_for
+from tests.cluster.control.test_ray_cluster import GREEDY, checked, colocated_tokens, spec_for
 from tests.helpers import random_prompts
 
 pytestmark = pytest.mark.timeout(300)

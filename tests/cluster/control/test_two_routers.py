@@ -11,7 +11,7 @@ from cluster.control.cluster import Cluster
 from engine.request import RequestStatus, SamplingParams
 from router.policy import create_routing_policy
 from router.router import Router
-from tests.cluster.test_inprocess_pd import spec_for
+from tests.cluster.control.test_inprocess_pd import spec_for
 from tests.helpers import random_prompts, save_tiny_llama
 
 pytestmark = pytest.mark.timeout(180)

@@ -8,7 +8,7 @@ import pytest
 
 from cluster.control.cluster import Cluster
 from engine.request import SamplingParams
-from tests.cluster.test_inprocess_pd import spec_for
+from tests.cluster.control.test_inprocess_pd import spec_for
 from tests.helpers import random_prompts
 from tests.kvtransfer.faults import FaultProxy
 
