@@ -115,8 +115,9 @@ def server_command(target: str, port: int, args: argparse.Namespace) -> tuple[li
         argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
                 "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
         return argv, vllm_env(args.vllm_python, args.vllm_kv_gib, not args.vllm_no_preload), "/v1/models"
-    argv = [sys.executable, "-m", "cluster.cli.cli", "serve", "--dtype", args.dtype, "--quantization", args.quantization,
-            "--attention-backend", args.attention_backend, "--host", "127.0.0.1", "--port", str(port)]
+    argv = [sys.executable, "-m", "cluster.cli.cli", "serve", "--dtype", args.dtype,
+            "--quantization", args.quantization, "--attention-backend", args.attention_backend,
+            "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--mode", "colocated"] if target == "colocated" else []
     return argv + args.pdserve_arg, {}, "/ready"
 

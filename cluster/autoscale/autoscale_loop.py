@@ -14,7 +14,8 @@ from collections import deque
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cluster.autoscale.actuators import Actuator, DryRunActuator, PodsThenInstances, PoolSizes, RayActuator
-from cluster.autoscale.autoscaler import Observation, Policy, Profile, QueueThreshold, ScalingLimits, SLOPlanner, fit_line
+from cluster.autoscale.autoscaler import (Observation, Policy, Profile, QueueThreshold, ScalingLimits, SLOPlanner,
+                                          fit_line)
 
 logger = logging.getLogger(__name__)
 

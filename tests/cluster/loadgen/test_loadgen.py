@@ -297,6 +297,7 @@ def test_profile_mode_still_parses_and_dispatches(monkeypatch, tmp_path):
     seen = []
     profile = SimpleNamespace(prefill_tokens_per_s=1.0, decode_itl_base_s=0.01, decode_itl_per_seq_s=0.001,
                               kv_capacity_tokens=64, startup_s=1.0, save=lambda path, **raw: seen.append(path))
-    monkeypatch.setattr("cluster.autoscale.profiler.measure_profile", lambda spec: (seen.append(spec), (profile, {}))[1])
+    monkeypatch.setattr("cluster.autoscale.profiler.measure_profile",
+                        lambda spec: (seen.append(spec), (profile, {}))[1])
     assert main(["bench", "--profile", str(tmp_path / "p.json"), "--num-decode", "2"]) == 0
     assert seen[0].num_decode == 2 and seen[1] == str(tmp_path / "p.json")
