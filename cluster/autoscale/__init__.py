@@ -1,1 +1,1 @@
-"""Control-plane floor, beside control and loadgen: autoscaling policies, their loop, actuators, profiler."""
+"""Floor above the gateway, beside control and loadgen: autoscaling policies, their loop, actuators, profiler."""

@@ -1,1 +1,1 @@
-"""Top floor: the `pdserve` command line, the server processes (`serve`) and the controller's HTTP app."""
+"""Top floor of the cluster (only bench/ above): the `pdserve` command line, its processes, the controller's app."""

@@ -1,1 +1,1 @@
-"""Control-plane floor, above the router: the controller, its instances and the routers' clients of them."""
+"""Floor above the gateway, beside autoscale and loadgen: the controller, its instances, the router's clients."""

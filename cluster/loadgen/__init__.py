@@ -1,1 +1,1 @@
-"""Control-plane floor, beside control and autoscale: `pdserve bench`'s load generator and its report."""
+"""Floor above the gateway, beside control and autoscale: `pdserve bench`'s load generator and its report."""
