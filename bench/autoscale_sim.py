@@ -18,8 +18,8 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from cluster.actuators import PoolSizes
-from cluster.autoscaler import Observation, Policy, Profile, QueueThreshold, ScalingLimits, SLOPlanner
+from cluster.autoscale.actuators import PoolSizes
+from cluster.autoscale.autoscaler import Observation, Policy, Profile, QueueThreshold, ScalingLimits, SLOPlanner
 
 
 @dataclass(frozen=True)

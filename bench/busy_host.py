@@ -1,6 +1,6 @@
 """Serving on a busy host: how much of its throughput each server keeps when busy neighbour
 processes (`python3 -c 'while 1: pass'`, each one CPU's worth of load at the same nice) share
-its CPUs, measured with our load generator (`cluster/loadgen.py`) and with NVIDIA's aiperf.
+its CPUs, measured with our load generator (`cluster/loadgen/loadgen.py`) and with NVIDIA's aiperf.
 
     python -m bench.busy_host                           # colocated, 1P1D and vLLM; 0, 1, 2 neighbours
     python -m bench.busy_host --json                    # one JSON object on stdout; logs on stderr
@@ -50,7 +50,7 @@ from bench.aiperf_client import DEFAULT_AIPERF, AiperfRun, run_aiperf
 from bench.busy_host_report import fmt, format_table, ratios, write_plot
 from bench.serving_vs_vllm import (REPO, Server, Workload, _free_port, run_main, server_command, target_row,
                                     workload_of)
-from cluster.loadgen import first_model, run_load
+from cluster.loadgen.loadgen import first_model, run_load
 from engine.attention import BACKENDS
 from engine.config import QUANTIZATION_CHOICES
 

@@ -23,7 +23,7 @@ import sys
 import time
 
 from bench.offline import random_prompts
-from cluster.cluster import Cluster
+from cluster.control.cluster import Cluster
 from cluster.spec import ClusterSpec
 from engine.request import SamplingParams
 

@@ -20,9 +20,9 @@ import random
 import tempfile
 from pathlib import Path
 
-from cluster.loadgen import LoadConfig, run_load
-from cluster.loadgen_report import Slo, inter_chunk_gaps, summarize
-from cluster.serve import build, serve_in_thread
+from cluster.cli.serve import build, serve_in_thread
+from cluster.loadgen.loadgen import LoadConfig, run_load
+from cluster.loadgen.loadgen_report import Slo, inter_chunk_gaps, summarize
 from cluster.spec import ClusterSpec
 
 

@@ -26,7 +26,7 @@ import httpx
 from bench.offline import random_prompts
 from cluster.spec import ClusterSpec
 from engine.request import SamplingParams
-from cluster.serve import build, serve_in_thread
+from cluster.cli.serve import build, serve_in_thread
 
 logger = logging.getLogger("bench.gateway")
 

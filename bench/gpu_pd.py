@@ -1,5 +1,5 @@
 """The `pd_one_gpu` section of bench/gpu_check.py (issue 13 item 5): one prefill rank and one
-decode rank (cluster/rank.py `RankHost`), each in a spawned process of its own on the same device,
+decode rank (cluster/ranks/rank.py `RankHost`), each in a spawned process of its own on the same device,
 the KV written straight into the decode rank's cache (CUDA IPC on a GPU, POSIX shared memory on a
 CPU: kvtransfer/shared_cache.py), against the colocated engine on the same weights.
 
@@ -87,7 +87,7 @@ def _rank_main(role: str, config, model_config, weights: dict, conn) -> None:
     """Child: one rank, answering the section's commands until Stop (or the section is gone)."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s [pd {role}] %(name)s: %(message)s")
     sys.stdout = sys.stderr  # the check's stdout carries its JSON object only
-    from cluster.rank import RankHost
+    from cluster.ranks.rank import RankHost
     try:
         host = RankHost(config, role, f"{role}-0", model_config=model_config, weights=weights.items(),
                         kv_same_device=True)

@@ -30,7 +30,7 @@ def trace_one_request(model: str = "smollm2") -> list[str]:
     """The repository-relative paths of the package files a streaming chat request ran code in."""
     from fastapi.testclient import TestClient
 
-    from cluster.cluster import Cluster
+    from cluster.control.cluster import Cluster
     from cluster.spec import ClusterSpec
     from engine.loader import resolve_model_path
     from engine.tokenizer import Tokenizer

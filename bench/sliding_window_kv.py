@@ -51,7 +51,7 @@ def save_model(folder: Path, family: str, window: int, sliding: bool, max_len: i
 def measure(model: str, prompt_len: int, max_tokens: int, block_size: int) -> dict:
     import torch
 
-    from cluster.cluster import Cluster
+    from cluster.control.cluster import Cluster
     from cluster.spec import ClusterSpec
     from engine.kv_cache import kv_block_bytes
     from engine.loader import hf_model_config

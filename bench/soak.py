@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from cluster.cluster import Cluster
+from cluster.control.cluster import Cluster
 from cluster.spec import ClusterSpec
 from engine.request import SamplingParams
 

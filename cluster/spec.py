@@ -28,9 +28,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "vllm_cpu")
 ROUTER_POLICIES = ("least_loaded", "prefix_aware", "round_robin")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "retry")  # router/router.py: a decode instance's failed KV load
 KV_TRANSPORTS = ("auto", "torch")  # kvtransfer: auto = same-device pairs write into the decode cache
-AUTOSCALE_POLICIES = ("slo", "queue")  # cluster/autoscaler.py: SLOPlanner, QueueThreshold
+AUTOSCALE_POLICIES = ("slo", "queue")  # cluster/autoscale/autoscaler.py: SLOPlanner, QueueThreshold
 AUTOSCALE_ACTUATORS = ("ray", "kubernetes", "dry_run")
-WAIT_POLICIES = ("passive", "active", "inherit")  # cluster/cpu_plan.py: OMP_WAIT_POLICY of rank processes
+WAIT_POLICIES = ("passive", "active", "inherit")  # cluster/ranks/cpu_plan.py: OMP_WAIT_POLICY of rank processes
 # The names of gateway/tool_parsers.py's and gateway/reasoning.py's registries; keep them in step.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
@@ -109,7 +109,7 @@ _HELP = {
                         "(None: auto is refused; required and named choices need no parser)",
     "reasoning_parser": "return <think>...</think> as reasoning_content: deepseek_r1 or qwen3 (None: all content)",
     "ray_resources": "rank actors need a `prefill` or `decode` Ray resource (worker pods that carry it)",
-    "autoscale": "size the prefill and decode pools from load (cluster/autoscaler.py)",
+    "autoscale": "size the prefill and decode pools from load (cluster/autoscale/autoscaler.py)",
     "autoscale_policy": "slo (SLOPlanner: TTFT/TBT targets) or queue (QueueThreshold)",
     "autoscale_actuator": "ray (add/remove instances here), kubernetes (patch worker Deployments) or dry_run",
     "autoscale_interval_s": "seconds between autoscaling decisions",
@@ -147,7 +147,7 @@ class ClusterSpec:
     block_size: int = 16
     kv_memory_gib: float = 1.0  # CPU
     gpu_memory_utilization: float = 0.9  # GPU
-    prefill_gpu_memory_utilization: float | None = None  # None: derived (cluster/gpu_share.py)
+    prefill_gpu_memory_utilization: float | None = None  # None: derived (cluster/control/gpu_share.py)
     decode_gpu_memory_utilization: float | None = None  # colocated instances' too
     num_kv_blocks: int | None = None  # overrides both when set
     max_num_seqs: int = 128
@@ -158,7 +158,7 @@ class ClusterSpec:
     enforce_eager: bool = False
     batch_invariant: bool = False
     num_threads: int | None = None
-    # how ranks share their host's CPUs (cluster/cpu_plan.py)
+    # how ranks share their host's CPUs (cluster/ranks/cpu_plan.py)
     rank_niceness: int = 0
     omp_wait_policy: str = "inherit"
     cpus_per_rank: int | None = None
@@ -177,7 +177,7 @@ class ClusterSpec:
     tool_call_parser: str | None = None  # gateway/tool_parsers.py: tool_choice auto reads calls with it
     reasoning_parser: str | None = None  # gateway/reasoning.py: <think> ... </think> -> reasoning_content
     ray_resources: bool = False  # Kubernetes: actors land on worker pods carrying `prefill`/`decode`
-    # autoscaling (cluster/autoscaler.py)
+    # autoscaling (cluster/autoscale/autoscaler.py)
     autoscale: bool = False
     autoscale_policy: str = "slo"
     autoscale_actuator: str = "ray"
@@ -313,7 +313,7 @@ class ClusterSpec:
         Returns:
             A frozen `EngineConfig` with this spec's model, cache and scheduler settings; the
             role's own gpu_memory_utilization when set (the controller applies a shared GPU's
-            split on top: cluster/gpu_share.py).
+            split on top: cluster/control/gpu_share.py).
         """
         own = self.role_gpu_memory_utilization(role)
         cache = self.cache_config if own is None else replace(self.cache_config, gpu_memory_utilization=own)

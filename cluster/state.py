@@ -40,7 +40,7 @@ class InstanceRecord:
         ranks: (node address, process id) of each rank, rank order; a gateway shows them.
         engine: what the engine chose at load (dtype, linear_layers, attention, kv_cache_dtype),
             shown in /status ({}: unknown, e.g. written by an older controller).
-        rank_cpus: how each rank shares its host's CPUs (niceness, cores, threads; cluster/cpu_plan.py),
+        rank_cpus: how each rank shares its host's CPUs (niceness, cores, threads; cluster/ranks/cpu_plan.py),
             rank order, shown in /status ([]: unknown).
     """
 

@@ -6,7 +6,7 @@ thread lives. Once a process holds more OpenMP threads than it has cores, libgom
 between parallel regions, and every region of the step thread waits for its workers to wake.
 Measured on 2 cores: one kept thread beside the step loop that had once copied a 50k-element
 tensor (a KV receive does) slowed the engine by ~40%; a model built on one thread and run on
-another, ~30%. So a rank builds and runs its model on one thread (cluster/rank.py), which sets
+another, ~30%. So a rank builds and runs its model on one thread (cluster/ranks/rank.py), which sets
 its own team size, and every other thread that touches tensors runs its ops serially.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.autoscale_sim import STANDARD_TRACE, simulate
-from cluster.autoscaler import Profile, QueueThreshold, ScalingLimits, SLOPlanner
+from cluster.autoscale.autoscaler import Profile, QueueThreshold, ScalingLimits, SLOPlanner
 
 PROFILE = Path(__file__).resolve().parents[2] / "bench" / "profiles" / "smollm2-cpu.json"
 LIMITS = ScalingLimits(min_prefill=1, max_prefill=6, min_decode=1, max_decode=6, headroom=0.2,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench import serving_vs_vllm as bench
-from cluster.loadgen import RequestRecord, request_specs
+from cluster.loadgen.loadgen import RequestRecord, request_specs
 
 
 def create_record(index: int, chunk_s: list[float], end_s: float, send_s: float = 0.0,
@@ -44,7 +44,7 @@ def test_server_commands():
     default is 1P1D); vLLM binds its OpenMP threads to the usable CPUs."""
     args = bench.parse_args(["--targets", "colocated", "--quantization", "none"])
     colocated, env, ready = bench.server_command("colocated", 9001, args)
-    assert colocated[1:4] == ["-m", "cluster.cli", "serve"] and ready == "/ready" and env == {}
+    assert colocated[1:4] == ["-m", "cluster.cli.cli", "serve"] and ready == "/ready" and env == {}
     assert colocated[-2:] == ["--mode", "colocated"]
     disagg, _, _ = bench.server_command("disaggregated", 9001, args)
     assert "--mode" not in disagg and disagg[disagg.index("--quantization") + 1] == "none"

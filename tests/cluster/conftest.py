@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.cluster import setup_ray_auth
+from cluster.control.cluster import setup_ray_auth
 from tests.helpers import save_tiny_llama
 
 

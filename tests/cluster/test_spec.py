@@ -219,7 +219,7 @@ def test_leaf_modules_import_nothing_of_ours(module, allowed):
 
 
 def test_chat_template_must_be_a_file_with_a_template(tmp_path):
-    from cluster.serve import gateway_tokenizer
+    from cluster.cli.serve import gateway_tokenizer
     with pytest.raises(ValueError, match="chat_template .* is not a file"):
         gateway_tokenizer(ClusterSpec(chat_template=str(tmp_path / "none.jinja")))
     bad = tmp_path / "bad.jinja"

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(300)
 
 DASHBOARD = json.loads((Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdserve-dashboard.json")
                        .read_text())
-# The autoscaler's metrics (cluster/autoscale_loop.py `Autoscaler.collect`), on the gateway's /metrics.
+# The autoscaler's metrics (cluster/autoscale/autoscale_loop.py `Autoscaler.collect`), on the gateway's /metrics.
 AUTOSCALER_SERIES = {"pdserve_autoscaler_desired_instances", "pdserve_autoscaler_current_instances",
                      "pdserve_autoscaler_decisions_total", "pdserve_autoscaler_predicted_ttft_seconds",
                      "pdserve_autoscaler_arrival_rate", "pdserve_autoscaler_errors_total"}

@@ -387,7 +387,7 @@ def test_ray_head_command_and_ports(rendered):
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_worker_pods_carry_role_resource_and_gpus(rendered, role):
     """A worker pod joins the head as a Ray node with the pool's CPUs, GPUs and one unit of its role
-    resource per rank it hosts (instancesPerPod x TP, as cluster/cluster.py asks one per rank); its
+    resource per rank it hosts (instancesPerPod x TP, as cluster/control/cluster.py asks one per rank); its
     `nvidia.com/gpu` limit equals the GPUs it advertises to Ray, and its grace period outlasts the
     preStop drain."""
     values, objects = rendered

@@ -220,7 +220,7 @@ def cli_engines(monkeypatch):
 def test_cli_generate_json(capsys, cli_engines):
     """`pdserve generate --chat --json` prints one JSON object with the text and timings; the model
     (bf16, greedy) names Paris as the capital of France."""
-    from cluster.cli import main
+    from cluster.cli.cli import main
     rc = main(["generate", "What is the capital of France?", "--chat", "--json", "--max-tokens", "24"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
@@ -238,7 +238,7 @@ def test_cli_generate_json(capsys, cli_engines):
 
 def test_cli_unknown_model_is_a_clear_error(capsys):
     """An unknown --model exits with code 2 and a one-line error naming it, no traceback."""
-    from cluster.cli import main
+    from cluster.cli.cli import main
     rc = main(["generate", "hi", "--model", "does-not-exist"])
     captured = capsys.readouterr()
     assert rc == 2

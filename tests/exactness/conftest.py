@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cluster.cluster import setup_ray_auth
+from cluster.control.cluster import setup_ray_auth
 from engine.tokenizer import Tokenizer
 from tests.helpers import save_tiny_llama
 

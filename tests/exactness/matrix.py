@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from allpairspy import AllPairs
 
-from cluster.cluster import Cluster
+from cluster.control.cluster import Cluster
 from cluster.spec import ClusterSpec
 from engine.request import SamplingParams
 from tests.helpers import random_prompts

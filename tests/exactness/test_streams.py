@@ -12,7 +12,7 @@ import time
 import openai
 import pytest
 
-from cluster.serve import build, serve_in_thread
+from cluster.cli.serve import build, serve_in_thread
 from cluster.spec import ClusterSpec
 
 pytestmark = pytest.mark.timeout(600)

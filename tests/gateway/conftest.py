@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.serve import build, serve_in_thread
+from cluster.cli.serve import build, serve_in_thread
 from cluster.spec import ClusterSpec
 from decode_worker.llm import LLM
 

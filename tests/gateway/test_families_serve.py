@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from cluster.serve import build, serve_in_thread
+from cluster.cli.serve import build, serve_in_thread
 from cluster.spec import ClusterSpec
 from engine.tokenizer import Tokenizer
 from tests.helpers import hf_greedy, make_hf_tiny

@@ -193,8 +193,8 @@ def test_status_shows_each_rank_node_and_pid(server, capsys):
     instance's engine: the dtype, linear layers, attention backend and KV cache dtype it chose."""
     import os
 
-    from cluster.cli import main
-    from cluster.cpu_plan import format_cpus
+    from cluster.cli.cli import main
+    from cluster.ranks.cpu_plan import format_cpus
     cluster, url = server
     base = url.removesuffix("/v1")
     instances = httpx.get(f"{base}/status", timeout=10).json()["instances"]

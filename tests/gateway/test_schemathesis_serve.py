@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.serve import build, serve_in_thread
+from cluster.cli.serve import build, serve_in_thread
 from cluster.spec import ClusterSpec
 from engine.tokenizer import Tokenizer
 from tests.helpers import make_hf_tiny

@@ -1,0 +1,106 @@
+"""Actuators: what turns an autoscaling decision (pool sizes) into instances.
+
+    Actuator.current() -> PoolSizes      what runs now
+    Actuator.apply(PoolSizes)            make it so (scale-down drains first)
+
+`RayActuator` adds and removes instances of the running cluster; `KubernetesActuator`
+(cluster/autoscale/kubernetes_actuator.py) patches the scale of the worker Deployments; `DryRunActuator`
+only logs. The policies that decide live in cluster/autoscale/autoscaler.py.
+"""
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    prefill: int
+    decode: int
+
+    def __str__(self) -> str:
+        return f"{self.prefill}P{self.decode}D"
+
+
+class ActuatorError(RuntimeError):
+    """An actuator could not read or change the pool sizes (the reason is in the message)."""
+
+
+class Actuator(ABC):
+    @abstractmethod
+    def current(self) -> PoolSizes:
+        """The pool sizes now (instances, or desired replicas of the worker Deployments)."""
+
+    @abstractmethod
+    def apply(self, target: PoolSizes) -> None:
+        """Move to `target`. Raises ActuatorError when that cannot be done."""
+
+
+class DryRunActuator(Actuator):
+    """Logs each decision and pretends it happened (so the planner sees its own decisions)."""
+
+    def __init__(self, start: PoolSizes):
+        self.sizes = start
+
+    def current(self) -> PoolSizes:
+        return self.sizes
+
+    def apply(self, target: PoolSizes) -> None:
+        if target != self.sizes:
+            logger.info("autoscaler (dry run): %s -> %s", self.sizes, target)
+        self.sizes = target
+
+
+class RayActuator(Actuator):
+    """Adds and removes instances of a running `Cluster`. A pool shrinks by draining its least
+    loaded instance (no new requests; it leaves once its requests have finished)."""
+
+    def __init__(self, cluster, drain_timeout_s: float = 120.0):
+        self.cluster, self.drain_timeout_s = cluster, drain_timeout_s
+
+    def _ids(self, role: str) -> list[str]:
+        return [iid for iid, inst in self.cluster.instances.items()
+                if inst.role == role and inst.client.info.healthy and not inst.client.info.draining]
+
+    def current(self) -> PoolSizes:
+        return PoolSizes(len(self._ids("prefill")), len(self._ids("decode")))
+
+    def apply(self, target: PoolSizes) -> None:
+        for role in ("prefill", "decode"):
+            ids, want = self._ids(role), getattr(target, role)
+            for _ in range(want - len(ids)):
+                try:
+                    logger.info("autoscaler: adding a %s instance -> %s", role, self.cluster.add_instance(role))
+                except Exception as exc:  # no room in Ray, model load failed: say so, keep serving
+                    raise ActuatorError(f"cannot add a {role} instance: {exc}") from exc
+            if want < len(ids):
+                self.drain(role, len(ids) - want)
+
+    def drain(self, role: str, count: int) -> None:
+        """Drains and removes `count` instances of `role`, least loaded first, one at a time."""
+        key = "queued_prefill_tokens" if role == "prefill" else "running"
+        ids = sorted(self._ids(role), key=lambda iid: self.cluster.instances[iid].client.info.load.get(key, 0.0))
+        for iid in ids[:count]:
+            drained = self.cluster.drain_instance(iid, self.drain_timeout_s)
+            logger.info("autoscaler: removed %s (%s)", iid, "drained" if drained else "drain timed out")
+
+
+class PodsThenInstances(Actuator):
+    """Kubernetes: `pods` (a KubernetesActuator) sizes the worker Deployments whose pods carry the
+    `prefill`/`decode` Ray resources, `instances` (a RayActuator) places instances on them. A
+    shrinking pool is drained by `instances` before its Deployment is scaled down (the pods
+    actuator's drain hook); a growing one gets its pods first, then its instances (whose
+    placement groups wait for the new pods' resources)."""
+
+    def __init__(self, pods: Actuator, instances: RayActuator):
+        self.pods, self.instances = pods, instances
+
+    def current(self) -> PoolSizes:
+        return self.instances.current()
+
+    def apply(self, target: PoolSizes) -> None:
+        self.pods.apply(target)
+        self.instances.apply(target)

@@ -1,0 +1,220 @@
+"""The `pdserve` command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _add_generate(sub) -> None:
+    from engine.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES  # the serve flags import it too
+    p = sub.add_parser("generate", allow_abbrev=False, help="generate a completion for one prompt")
+    p.add_argument("prompt")
+    p.add_argument("--model", default="smollm2", help="smollm2, a .gguf file or a HF safetensors folder")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="auto: bfloat16 on CUDA or a CPU with native bf16, else float32")
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
+                   help="linear layers: auto (the checkpoint's format: a Q4_0/Q4_1 GGUF runs int4), none; lossy: "
+                        "int8 (per-channel int8 weights), w8a8 (int8 activations too), int4 (Q4_1 groups of 32)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                   help="KV cache element type: auto (the model's dtype) or fp8_e4m3 (docs/engine.md)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--threads", type=int, default=None, help="torch threads on CPU")
+    g = p.add_argument_group("cluster", "any of these runs the prompt through a cluster of Ray actors")
+    g.add_argument("--prefill", type=int, default=None, help="prefill instances")
+    g.add_argument("--decode", type=int, default=None, help="decode (or colocated) instances")
+    g.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks per instance")
+    g.add_argument("--prefill-tp", type=int, default=None, help="tensor-parallel ranks per prefill instance "
+                                                                "(default: --tp)")
+    g.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
+    p.set_defaults(func=cmd_generate)
+
+
+def _cluster_spec(args):
+    """The ClusterSpec the cluster flags ask for, or None when none was given."""
+    flags = (args.prefill, args.decode, args.tp, args.prefill_tp, args.mode)
+    if all(f is None for f in flags):
+        return None
+    from cluster.spec import ClusterSpec
+    tp = args.tp or 1
+    return ClusterSpec(model=args.model, dtype=args.dtype, num_prefill=1 if args.prefill is None else args.prefill,
+                       num_decode=args.decode or 1, decode_tp=tp, prefill_tp=args.prefill_tp or tp,
+                       mode=args.mode or "disaggregated", num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
+                       quantization=args.quantization)
+
+
+def _generate_on_cluster(spec, args, params) -> dict:
+    """One prompt through a fresh cluster; the same fields as the in-process path."""
+    from cluster.control.cluster import Cluster
+    from engine.loader import resolve_model_path
+    from engine.tokenizer import Tokenizer
+    tok = Tokenizer.from_path(resolve_model_path(args.model))
+    prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat \
+        else tok.encode(args.prompt)
+    with Cluster(spec) as cluster:
+        stream = cluster.submit("cli-0", prompt_ids, params).result(timeout=600)
+    if stream.error:
+        raise RuntimeError(f"generation failed: {stream.error}")
+    decode_s = stream.finished_s - stream.first_token_s
+    return {"text": tok.decode(stream.token_ids, skip_special_tokens=True), "token_ids": stream.token_ids,
+            "prompt_token_ids": prompt_ids, "finish_reason": stream.finish_reason,
+            "ttft_s": stream.first_token_s - stream.arrival_s,
+            "tokens_per_s": (len(stream.token_ids) - 1) / decode_s if decode_s > 0 else None}
+
+
+def cmd_generate(args) -> int:
+    from decode_worker.llm import LLM
+    from engine.request import SamplingParams
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    spec = _cluster_spec(args)
+    if spec is not None:
+        result = _generate_on_cluster(spec, args, params)
+    else:
+        llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
+                  quantization=args.quantization)
+        out = llm.generate([args.prompt], params, chat=args.chat)[0]
+        result = {"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
+                  "finish_reason": out.finish_reason, "ttft_s": out.ttft_s, "tokens_per_s": out.tokens_per_s}
+    print(json.dumps(result) if args.json else result["text"])
+    return 0
+
+
+def _add_serve(sub) -> None:
+    from cluster.spec import add_cli_flags
+    p = sub.add_parser("serve", allow_abbrev=False, help="start the cluster and the OpenAI-compatible HTTP gateway")
+    add_cli_flags(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from cluster.cli.serve import serve
+    from cluster.spec import ClusterSpec
+    return serve(ClusterSpec.from_args(args), log_level=args.log_level.lower())
+
+
+_PROCESSES = {  # the commands that run one process of a cluster from the spec flags (cluster/cli/serve.py)
+    "controller": ("own the instances (start, adopt, replace, scale) for separate gateways",
+                   "The cluster's controller: joins Ray (--ray-address), adopts the live instances of its Ray "
+                   "namespace or starts them, replaces dead ones, runs the autoscaler. Gateways (`pdserve "
+                   "gateway`) find the instances through --redis-url."),
+    "gateway": ("a stateless OpenAI-compatible gateway over a controller's instances",
+                "Routes over the instances a `pdserve controller` owns, found in the cluster state "
+                "(--redis-url); run any number. Instance counts and engine flags are the controller's."),
+}
+
+
+def _add_process(sub, name: str) -> None:
+    from cluster.spec import add_cli_flags
+    help_, description = _PROCESSES[name]
+    p = sub.add_parser(name, allow_abbrev=False, help=help_, description=description)
+    add_cli_flags(p)
+    p.set_defaults(func=cmd_process)
+
+
+def cmd_process(args) -> int:
+    from cluster.cli import serve
+    from cluster.spec import ClusterSpec
+    run = {"controller": serve.serve_controller, "gateway": serve.serve_gateway}[args.command]
+    return run(ClusterSpec.from_args(args), log_level=args.log_level.lower())
+
+
+def _add_bench(sub) -> None:
+    from cluster.loadgen.loadgen import add_flags
+    from cluster.spec import add_cli_flags
+    p = sub.add_parser("bench", allow_abbrev=False, help="load-test a running server over HTTP, or --profile one instance",
+                       description="Without --profile: stream /v1/completions at a running server and report "
+                                   "TTFT, TBT, end-to-end latency, throughput and goodput. With --profile: measure "
+                                   "one in-process instance for the autoscaler.")
+    p.add_argument("--profile", metavar="OUT.json", default=None,
+                   help="measure one instance (prefill tokens/s, decode step time by batch, KV capacity) into OUT.json "
+                        "instead of load-testing; takes the cluster spec flags")
+    add_flags(p.add_argument_group("load generator", "the default mode: a running server at --url"))
+    add_cli_flags(p.add_argument_group("cluster spec", "with --profile: the instance to measure"))
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> int:
+    from dataclasses import fields
+    from cluster.spec import ClusterSpec
+    if args.profile is None:
+        given = [f"--{f.name.replace('_', '-')}" for f in fields(ClusterSpec) if hasattr(args, f.name)]
+        if given or args.config:  # they would be ignored: say so instead
+            raise ValueError(f"{', '.join(given or ['--config'])}: cluster spec flags only apply with --profile")
+        from cluster.loadgen.loadgen import run_from_args
+        return run_from_args(args)
+    from cluster.autoscale.profiler import measure_profile
+    profile, raw = measure_profile(ClusterSpec.from_args(args))
+    profile.save(args.profile, **raw)
+    print(f"prefill {profile.prefill_tokens_per_s:.0f} tokens/s; decode step {profile.decode_itl_base_s * 1000:.1f} ms "
+          f"+ {profile.decode_itl_per_seq_s * 1000:.2f} ms/sequence; KV {profile.kv_capacity_tokens} tokens; "
+          f"startup {profile.startup_s:.1f} s -> {args.profile}")
+    return 0
+
+
+def _add_status(sub) -> None:
+    p = sub.add_parser("status", allow_abbrev=False, help="the instances of a running server, as a table")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's address")
+    p.set_defaults(func=cmd_status)
+
+
+def _rank_cpu(cpu: dict | None) -> str:
+    """" [nice 0, cores 0-1, 2 threads, PASSIVE]" (cluster/ranks/cpu_plan.py cpu_state), or "" when unknown."""
+    if not cpu:
+        return ""
+    return f" [nice {cpu['niceness']}, cores {cpu['cpus']}, {cpu['intraop_threads']} threads, {cpu['omp_wait_policy']}]"
+
+
+def cmd_status(args) -> int:
+    import httpx
+    try:
+        instances = httpx.get(f"{args.url.rstrip('/')}/status", timeout=10).raise_for_status().json()["instances"]
+    except httpx.HTTPError as exc:
+        raise ValueError(f"cannot read {args.url}/status: {exc}") from None
+    print(f"{'instance':<14}{'role':<11}{'tp':>3}  {'health':<8}{'running':>8}{'waiting':>8}{'queued tok':>11}"
+          f"{'KV use':>8}  ranks (node address/pid [nice, cores, intra-op threads, OpenMP wait])")
+    for i in instances:
+        load = i["load"]
+        ranks = " ".join(f"{r['node_ip']}/{r['pid']}{_rank_cpu(r.get('cpu'))}" for r in i.get("ranks", []))
+        print(f"{i['instance_id']:<14}{i['role']:<11}{i['tp_size']:>3}  {'ok' if i['healthy'] else 'dead':<8}"
+              f"{load.get('running', 0):>8.0f}{load.get('waiting', 0):>8.0f}"
+              f"{load.get('queued_prefill_tokens', 0):>11.0f}{load.get('kv_usage', 0):>8.1%}  {ranks}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving",
+                                     allow_abbrev=False)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_serve(sub)
+    _add_process(sub, "controller")
+    _add_process(sub, "gateway")
+    _add_bench(sub)
+    _add_status(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as exc:  # bad user input: a clear message, no traceback
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""The processes: `pdserve serve` (controller and OpenAI-compatible gateway in one process),
+`pdserve controller` (the instances' owner, alone) and `pdserve gateway` (a stateless gateway over
+a controller's instances; any number). Cluster wires the gateway on top of the router, so this
+lives in the top layer."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import jinja2
+import torch
+
+from cluster.control import model_fit
+from cluster.control.cluster import Cluster
+from cluster.ranks import cpu_plan
+from cluster.spec import ClusterSpec
+from engine.config import resolve_dtype
+from engine.loader import resolve_model_path
+from engine.tokenizer import Tokenizer
+from gateway.app import create_app
+
+logger = logging.getLogger(__name__)
+
+
+def build(spec: ClusterSpec, api_key: str | None = None, use_ray: bool = True):
+    """Starts the cluster; returns (cluster, app). The caller shuts the cluster down."""
+    model_fit.check(spec)  # a config or TP size pdserve cannot run is refused before anything starts
+    tokenizer = gateway_tokenizer(spec)
+    cluster = Cluster(spec, use_ray=use_ray).start()
+    if use_ray:  # after Ray started here: its processes would inherit these cores, the ranks' too
+        cpu_plan.keep_off_ranks(spec)
+    if spec.autoscale:
+        from cluster.autoscale.autoscale_loop import create_autoscaler
+        cluster.autoscaler = create_autoscaler(cluster, spec).start()
+    app = create_app(cluster, tokenizer, spec.model, cluster.max_model_len, api_key, spec.tool_call_parser,
+                     spec.reasoning_parser)
+    return cluster, app
+
+
+def gateway_tokenizer(spec: ClusterSpec) -> Tokenizer:
+    """The model's tokenizer, with `spec.chat_template` in place of its chat template when given."""
+    tokenizer = Tokenizer.from_path(resolve_model_path(spec.model))
+    if spec.chat_template is not None:
+        path = Path(spec.chat_template)
+        if not path.is_file():
+            raise ValueError(f"chat_template {spec.chat_template!r} is not a file")
+        try:
+            tokenizer.set_chat_template(path.read_text())
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat_template {spec.chat_template!r}: {exc}") from None
+    return tokenizer
+
+
+def _need_shared_cluster(spec: ClusterSpec, command: str) -> None:
+    if spec.ray_address is None or spec.redis_url is None:
+        raise ValueError(f"pdserve {command} needs --ray-address and --redis-url: the controller and the gateways "
+                         "are separate processes that meet in Ray and the cluster state")
+
+
+def _run_uvicorn(app, spec: ClusterSpec, log_level: str, starting=None) -> int:
+    """Serves `app` until SIGTERM/SIGINT. `starting()` (if given) runs on a thread once the port
+    is open (probes answer meanwhile); when it raises, the server stops and 1 is returned."""
+    import threading
+
+    import uvicorn
+    server = uvicorn.Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
+    failed = threading.Event()
+
+    def start() -> None:
+        try:
+            starting()
+        except Exception:
+            logger.exception("start-up failed")
+            failed.set()
+            server.should_exit = True
+    if starting is not None:
+        threading.Thread(target=start, daemon=True, name="start-up").start()
+    server.run()
+    return 1 if failed.is_set() else 0
+
+
+def serve_controller(spec: ClusterSpec, log_level: str = "info") -> int:
+    """`pdserve controller`: adopts or starts the instances, watches and replaces them, runs the
+    autoscaler; answers /health, /ready (every instance up), /status and /metrics on host:port.
+    On exit the instances keep serving: the next controller adopts them."""
+    from cluster.cli.controller_app import create_controller_app
+    from cluster.control.controller import Controller, init_ray
+    _need_shared_cluster(spec, "controller")
+    cpu_plan.keep_off_ranks(spec)
+    init_ray(spec, log_level.upper())  # here, on the main thread: Ray installs its signal handlers
+    controller = Controller(spec, log_level=log_level.upper(), wait_for_room=True)
+    app, started = create_controller_app(controller)
+
+    def start() -> None:
+        controller.start()
+        if spec.autoscale:
+            from cluster.autoscale.autoscale_loop import create_autoscaler
+            controller.autoscaler = create_autoscaler(controller, spec).start()
+        started.set()
+    logger.info("pdserve controller: %s, Ray namespace %s; health at http://%s:%d/health", spec.model,
+                spec.cluster_name, spec.host, spec.port)
+    try:
+        return _run_uvicorn(app, spec, log_level, start)
+    finally:
+        controller.shutdown(stop_instances=False)
+
+
+def serve_gateway(spec: ClusterSpec, api_key: str | None = None, log_level: str = "info") -> int:
+    """`pdserve gateway`: routes over the instances of the cluster state (a controller owns them)."""
+    from cluster.control.frontend import Frontend
+    _need_shared_cluster(spec, "gateway")
+    cpu_plan.keep_off_ranks(spec)
+    api_key = api_key or spec.api_key or os.environ.get("PDSERVE_API_KEY")
+    tokenizer = gateway_tokenizer(spec)
+    frontend = Frontend(spec, log_level=log_level.upper()).start()
+    app = create_app(frontend, tokenizer, spec.model, None, api_key, spec.tool_call_parser, spec.reasoning_parser)
+    logger.info("pdserve gateway %s: OpenAI API at http://%s:%d/v1 (%d instances known; %s)", frontend.router.client_id,
+                spec.host, spec.port, len(frontend.instances), "API key required" if api_key else "no API key")
+    try:
+        return _run_uvicorn(app, spec, log_level)
+    finally:
+        frontend.shutdown()
+
+
+def serve_in_thread(app, host: str = "127.0.0.1", start_timeout_s: float = 30.0):
+    """Runs `app` on uvicorn in a daemon thread on a free port (tests and benchmarks).
+
+    Returns:
+        (base url "http://host:port", stop): `stop()` shuts the server down and joins the thread.
+    """
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True, name="uvicorn")
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError(f"uvicorn did not start on {host}:{port}")
+        time.sleep(0.05)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(timeout=10)
+    return f"http://{host}:{port}", stop
+
+
+def _paths(spec: ClusterSpec) -> str:
+    """Device, dtype and attention backend the instances run (as they resolve "auto")."""
+    cuda = spec.device.startswith("cuda") or (spec.device == "auto" and torch.cuda.is_available())
+    attention = spec.attention_backend if spec.attention_backend != "auto" else (
+        "flash_attn if importable, else torch" if cuda else "torch")
+    dtype = str(resolve_dtype(spec.dtype, torch.device("cuda" if cuda else "cpu"))).removeprefix("torch.")
+    return f"{'cuda' if cuda else 'cpu'}, {dtype}{' (auto)' if spec.dtype == 'auto' else ''}, attention {attention}"
+
+
+def serve(spec: ClusterSpec, api_key: str | None = None, log_level: str = "info") -> int:
+    import uvicorn
+    api_key = api_key or spec.api_key or os.environ.get("PDSERVE_API_KEY")
+    cluster, app = build(spec, api_key)
+    counts = ", ".join(f"{n} {role} (tp={spec.tp_size(role)})" for role, n in spec.instance_counts.items())
+    logger.info("pdserve: %s on %s [%s]; %s", spec.model, counts, _paths(spec),
+                "API key required" if api_key else "no API key")
+    logger.info("OpenAI API at http://%s:%d/v1", spec.host, spec.port)
+    try:
+        uvicorn.run(app, host=spec.host, port=spec.port, log_level=log_level, timeout_graceful_shutdown=5)
+    finally:
+        cluster.shutdown()
+    return 0

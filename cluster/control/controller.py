@@ -1,0 +1,468 @@
+"""The controller: owns a cluster's instances. It creates them (cluster/ranks/nodes.py places them),
+watches them, replaces the dead, drains and removes them; the autoscaler acts through it. Routers
+(the gateways) find the instances in the cluster state; they never ask the controller.
+
+    start: join or start Ray -> adopt the live instances of an earlier controller -> create the rest
+    every heartbeat_ttl_s / 3: one load() call to every instance, all at once, each with a deadline
+        answered  -> heartbeat + load into the cluster state
+        silent / dead -> marked dead, its ranks killed, a replacement of its role started
+
+Joined to a Ray cluster (`ray_address`), each rank is a detached Ray actor named
+`<instance id>.rank<r>` in the Ray namespace `cluster_name`, in a detached placement group named
+`<cluster_name>/<instance id>`: instances outlive this process, and a controller that starts adopts
+the complete, ready ones of its spec (cluster/control/adoption.py) instead of starting new ones.
+Otherwise (Ray started here, or in-process) instances live and die with this process.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import replace
+
+from cluster.control import gpu_share, model_fit
+from cluster.control.adoption import Adoption
+from cluster.control.clients import LocalDecodeClient, LocalPrefillClient, RayDecodeClient, RayPrefillClient
+from cluster.control.instance import Instance, init_ray, rank_actor_name, setup_ray_auth  # noqa: F401 (re-exported)
+from cluster.control.rank_setup import RankSetup
+from cluster.ranks import cpu_plan, nodes
+from cluster.spec import ClusterSpec
+from cluster.state import ClusterState, InstanceRecord, create_state
+from router.client import InstanceDeadError, InstanceInfo
+
+logger = logging.getLogger(__name__)
+DRAIN_GRACE_S = 1.5  # gateways see a draining instance within their sync interval (cluster/control/frontend.py)
+
+
+class Controller(Adoption, RankSetup):
+    def __init__(self, spec: ClusterSpec, state: ClusterState | None = None, use_ray: bool = True,
+                 log_level: str = "WARNING", wait_for_room: bool = False):
+        """`wait_for_room`: an instance no node has room for yet is owed and retried (a node may
+        join: `pdserve controller` before its worker pods), instead of failing `start()`."""
+        if not use_ray and (spec.prefill_tp > 1 or spec.decode_tp > 1):
+            raise ValueError("tensor parallelism needs one process per rank: use_ray=True")
+        self.spec, self.use_ray, self.log_level, self.wait_for_room = spec, use_ray, log_level, wait_for_room
+        self.owed: list[str] = []  # roles of instances to start once a node has room
+        self.state = state or create_state(spec.redis_url, spec.cluster_name)
+        self.instances: dict[str, Instance] = {}
+        self.adopted: list[str] = []  # instances found running at start (an earlier controller's)
+        self.autoscaler = None  # cluster/autoscale/autoscale_loop.Autoscaler when the spec asks for one
+        self._started_ray = False
+        self._next_id = {"prefill": 0, "decode": 0, "colocated": 0}
+        self._nodes = nodes.PlacementManager()
+        self._plan: gpu_share.GpuPlan | None = None  # how ranks use the GPUs (on GPU, once Ray is up)
+        self._core_slots = (cpu_plan.CoreSlots(spec.cpus_per_rank, spec.reserved_cpus)
+                            if spec.cpus_per_rank is not None else None)  # each node's pinned cores
+        self._start_lock = threading.Lock()  # one instance starts at a time on shared GPUs
+        self._dead_ids: list[str] = []  # dead instances, kept in the cluster state as such until shutdown
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        # not joined: a namespace of our own, so leftovers of another cluster on this Ray never collide
+        self._namespace = spec.cluster_name if self.detached else f"pdserve-{secrets.token_hex(4)}"
+
+    @property
+    def multihost(self) -> bool:
+        """Joined a Ray cluster that may span hosts (ranks bind their node's address, checks on)."""
+        return self.use_ray and self.spec.ray_address is not None
+
+    @property
+    def detached(self) -> bool:
+        """Instances outlive this process (named, detached actors) and are adopted on start."""
+        return self.multihost
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> Controller:
+        """Adopts or starts every instance; on failure, what this call started is stopped again."""
+        model_fit.check(self.spec)  # before anything starts
+        if self.use_ray:
+            cpu_plan.check_host_cores(self.spec)
+        try:
+            if self.use_ray:
+                ranks = sum(n * self.spec.tp_size(r) for r, n in self.spec.instance_counts.items())
+                self._started_ray = init_ray(self.spec, self.log_level, ranks)
+                if self._use_gpus():
+                    self._gpu_plan()  # refuses what the GPUs cannot hold before anything starts
+            if self.multihost:
+                self._check_unique_addresses()
+            if self.detached:
+                self._adopt()
+            self._create_missing()
+            if self.multihost:
+                nodes.check_network(list(self.instances.values()))
+            self._on_started()
+        except BaseException:
+            self.shutdown(stop_instances=True, adopted_too=False)
+            raise
+        self._spawn(self._supervise)
+        up = ", ".join(f"{i.instance_id} (tp={i.tp_size})" for i in self.instances.values())
+        logger.info("instances up: %s%s", up, f" ({len(self.adopted)} adopted)" if self.adopted else "")
+        return self
+
+    def _create_missing(self) -> None:
+        """Starts the instances of the spec that are not up (adopted), one after the other: each
+        is set up (its KV pool sized) before the next starts; decode first on shared GPUs
+        (gpu_share.GpuPlan.start_order says why)."""
+        counts = self.spec.instance_counts
+        order = self._plan.start_order if self._plan is not None else tuple(counts)
+        for role in order:
+            for _ in range(counts[role] - sum(i.role == role for i in self.instances.values())):
+                try:
+                    self._create(role)
+                except nodes.PlacementError as exc:
+                    if not self.wait_for_room:
+                        raise
+                    logger.warning("%s; waiting for a node with room", exc)
+                    self.owed.append(role)
+
+    def _check_unique_addresses(self, wait_s: float = 60.0) -> None:
+        """Among the nodes that can run ranks (drivers' nodes have no CPUs). A node restarted in
+        place shows twice until Ray declares its old self dead (~15 s): retried for `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return nodes.check_unique_addresses(
+                    n for n in nodes.alive_nodes() if n.resources.get("CPU", 0) > 0 or n.resources.get("GPU", 0) > 0)
+            except ValueError as exc:
+                if time.monotonic() > deadline:
+                    raise
+                logger.warning("%s; waiting for Ray to declare the older one dead", exc)
+                time.sleep(2)
+
+    def _spawn(self, target, *args) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True, name=f"controller-{target.__name__}")
+        t.start()
+        self._threads.append(t)
+
+    def __enter__(self) -> Controller:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def shutdown(self, stop_instances: bool = True, adopted_too: bool = True) -> None:
+        """Stops watching. `stop_instances`: also stop every instance (else, joined to Ray, they
+        keep serving and the next controller adopts them); `adopted_too=False` spares the adopted."""
+        if self.autoscaler is not None:
+            self.autoscaler.close()
+        self._stop.set()
+        self._on_shutdown()
+        for t in self._threads:
+            t.join(timeout=5)
+        if stop_instances:
+            for iid in list(self.instances):
+                if adopted_too or iid not in self.adopted:
+                    self._destroy(self.instances.pop(iid))
+            for iid in self._dead_ids:
+                self.state.remove(iid)
+        if self._started_ray:
+            import ray
+            ray.shutdown()
+        self.state.close()
+
+    # -- hooks for a router in this process (cluster/control/cluster.py) ---------------------------------
+    def _on_started(self) -> None:
+        """Every initial instance is up."""
+
+    def _on_added(self, inst: Instance) -> None:
+        """An instance joined while serving."""
+
+    def _on_draining(self, instance_id: str) -> None:
+        """No new requests may go to the instance."""
+
+    def _on_removed(self, instance_id: str) -> None:
+        """The instance is leaving: whatever still runs there must be retried elsewhere."""
+
+    def _on_lost(self, instance_id: str, exc: Exception) -> None:
+        """The instance stopped answering (its requests must be retried elsewhere)."""
+        client = self.instances[instance_id].client
+        client.info.healthy = False
+
+    def _on_shutdown(self) -> None:
+        """Before the instances stop."""
+
+    def _is_drained(self, inst: Instance) -> bool:
+        """No request runs or waits on the instance (its own counters)."""
+        load = inst.client.load()
+        return not any(load.get(k, 0.0) for k in ("running", "waiting", "reserved", "queued_prefill_tokens"))
+
+    # -- membership ------------------------------------------------------------------------------
+    def add_instance(self, role: str) -> str:
+        """Start one more instance of `role` while serving; routers use it from now on."""
+        inst = self._create(role)
+        if self.multihost:
+            try:
+                nodes.check_network(list(self.instances.values()), inst)
+            except ValueError:
+                self.instances.pop(inst.instance_id)
+                self._destroy(inst)
+                raise
+        self._on_added(inst)
+        return inst.instance_id
+
+    def remove_instance(self, instance_id: str, dead: bool = False) -> None:
+        """Take an instance out while serving: no new requests go there, its in-flight requests
+        are retried elsewhere, then its ranks stop (`dead`: see `_destroy`)."""
+        inst = self.instances.pop(instance_id)
+        self._on_removed(instance_id)
+        self._destroy(inst, dead)
+
+    def drain_instance(self, instance_id: str, timeout_s: float = 120.0) -> bool:
+        """Scale-down: no new requests go to the instance (routers elsewhere learn it from the
+        cluster state within DRAIN_GRACE_S), the running ones finish, then it is removed. Returns
+        False when `timeout_s` ran out first (what was left is retried elsewhere)."""
+        inst = self.instances[instance_id]
+        inst.client.info.draining = True
+        self._set_health(instance_id, "draining")
+        self._on_draining(instance_id)
+        deadline = time.monotonic() + timeout_s
+        if self.detached:
+            time.sleep(DRAIN_GRACE_S)
+        while True:
+            try:
+                drained = self._is_drained(inst)
+            except InstanceDeadError:
+                drained = False
+                break
+            if drained or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if not drained:
+            logger.warning("%s not drained after %.0f s; its remaining requests are retried elsewhere",
+                           instance_id, timeout_s)
+        self.remove_instance(instance_id)
+        return drained
+
+    def kill_instance(self, instance_id: str) -> None:
+        """Kill an instance's processes without telling anyone (failure testing)."""
+        import ray
+        for actor in self.instances[instance_id].ranks:
+            ray.kill(actor, no_restart=True)
+
+    def assert_no_leaks(self, timeout_s: float = 15.0) -> None:
+        """Every live instance's allocator ends with all blocks free (releases are asynchronous)."""
+        deadline = time.monotonic() + timeout_s
+        for inst in self.instances.values():
+            if not inst.client.info.healthy:
+                continue
+            while True:
+                try:
+                    self._call(inst, "assert_no_leaks")
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+
+    def router_stats(self) -> dict[str, dict[str, float]]:
+        """Every live router's (gateway's) request counters, as published in the cluster state."""
+        return self.state.router_stats()
+
+    # -- creating and adopting -------------------------------------------------------------------
+    def _create(self, role: str) -> Instance:
+        iid = f"{role}-{self._next_id[role]}"
+        self._next_id[role] += 1
+        tp = self.spec.tp_size(role)
+        # NOTE: additions may race (autoscaler, replacements); on shared GPUs they wait for each other,
+        # so that two ranks' weight loading and CUDA graph capture (outside the per-rank memory
+        # budgets: only the GPU's slack above gpu_memory_utilization holds them) never overlap.
+        shared = self._plan is not None and self._plan.shared
+        with self._start_lock if shared else contextlib.nullcontext():
+            inst = self._create_ray(role, iid, tp) if self.use_ray else self._create_local(role, iid)
+        self.instances[iid] = inst
+        self._register(inst)
+        return inst
+
+    def _register(self, inst: Instance) -> None:
+        info = inst.client.info
+        self.state.register(InstanceRecord(inst.instance_id, inst.role, inst.tp_size,
+                                           [(e.host, e.port) for e in info.kv_endpoints],
+                                           max_model_len=info.max_model_len, block_size=info.block_size,
+                                           ranks=[(p.node_ip, p.pid) for p in inst.placements], engine=info.engine,
+                                           rank_cpus=[p.cpu for p in inst.placements]))
+
+    def _create_local(self, role: str, iid: str) -> Instance:
+        from cluster.ranks.rank import RankHost
+        host = RankHost(self.spec.engine_config(role), role, iid, kv_timeout_s=self.spec.kv_transfer_timeout_s,
+                        client_ttl_s=self.spec.client_ttl_s, kv_same_device=self._kv_same_device(False))
+        ep = host.kv_endpoint()
+        info = InstanceInfo(iid, role, 1, (ep,) if ep else (), max_model_len=host.max_model_len,
+                            block_size=host.block_size, engine=host.engine)
+        client = (LocalPrefillClient if role == "prefill" else LocalDecodeClient)(info, host.worker)
+        runner = host.runner
+        cpu = cpu_plan.cpu_state(host.step_thread_id, runner.intraop_threads, runner.team is not None)
+        placement = nodes.RankPlacement(0, nodes.LOOPBACK, os.getpid(), cpu)
+        return Instance(iid, role, 1, [host], client, placements=[placement])
+
+    def _create_ray(self, role: str, iid: str, tp: int) -> Instance:
+        """Chooses a node, reserves a STRICT_PACK placement group on it, starts the ranks there."""
+        import ray
+        gpu = self._use_gpus()
+        per_rank = self._rank_resources(role, gpu)
+        pg_name = f"{self._namespace}/{iid}" if self.detached else ""
+        node, pg = self._nodes.place(iid, role, tp, per_rank, pg_name)
+        actors: list = []
+        try:
+            return self._start_ranks(role, iid, tp, gpu, node, pg, actors)
+        except BaseException:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            self._nodes.release(iid, pg)
+            self._release_cores(iid)
+            raise
+
+    def _start_ranks(self, role: str, iid: str, tp: int, gpu: bool, node: nodes.NodeInfo, pg,
+                     actors: list) -> Instance:
+        """One RankActor per bundle of `pg` (appended to `actors` as they start); returns the ready instance."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from cluster.ranks.actor import RankActor
+        config, num_gpus = self._engine_config(role, gpu, node), self._rank_resources(role, gpu).get("GPU", 0)
+        cpu_plans = self._rank_cpu_plans(iid, tp, node)
+        for r in range(tp):
+            actors.append(RankActor.options(
+                num_cpus=1, num_gpus=num_gpus, name=rank_actor_name(iid, r), namespace=self._namespace,
+                lifetime="detached" if self.detached else None, runtime_env=self._rank_runtime_env,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote(
+                config, role, iid, r, tp, self.spec.kv_transfer_timeout_s, self.log_level, not self.multihost,
+                self.spec.client_ttl_s, self._kv_same_device(gpu), cpu_plans[r]))
+        start = time.monotonic()
+        placements = ray.get([a.placement.remote() for a in actors], timeout=300)
+        address = ray.get(actors[0].rendezvous_address.remote()) if tp > 1 else None
+        logger.info("%s: %d rank actors up on %s (interface %s, pids %s) in %.1f s", iid, tp, placements[0].node_ip,
+                    ray.get(actors[0].socket_interface.remote()), [p.pid for p in placements], time.monotonic() - start)
+        endpoints = ray.get([a.setup.remote(address) for a in actors], timeout=600)
+        placements = [replace(p, cpu=c) for p, c in zip(placements, ray.get([a.cpu.remote() for a in actors]))]
+        logger.info("%s: ranks' CPUs %s", iid, [p.cpu for p in placements])
+        engine = ray.get(actors[0].engine.remote())  # logged here: rank actors' own logs may not reach the driver
+        logger.info("%s: ranks ready in %.1f s, engine %s", iid, time.monotonic() - start, engine)
+        if role == "decode" and tp > 1:
+            ray.get(actors[0].set_followers.remote(actors[1:]))
+        ray.get(actors[0].mark_complete.remote())
+        info = InstanceInfo(iid, role, tp, tuple(endpoints) if role == "decode" else (),
+                            max_model_len=ray.get(actors[0].max_model_len.remote()),
+                            block_size=ray.get(actors[0].block_size.remote()), engine=engine)
+        return Instance(iid, role, tp, actors, self._ray_client(info, actors[0]), pg, placements=placements,
+                        node_id=node.node_id)
+
+    def _ray_client(self, info: InstanceInfo, actor):
+        cls = RayPrefillClient if info.role == "prefill" else RayDecodeClient
+        return cls(info, actor, self.spec.heartbeat_ttl_s)
+
+    def _note_id(self, iid: str) -> None:
+        role, _, n = iid.rpartition("-")
+        if role in self._next_id and n.isdigit():
+            self._next_id[role] = max(self._next_id[role], int(n) + 1)
+
+    # -- watching --------------------------------------------------------------------------------
+    def _supervise(self, retry_s: float = 5.0) -> None:
+        """Every heartbeat_ttl_s / 3: probes every instance (heartbeat + load into the cluster
+        state); one found dead (by the probe, or by a router in this process) is removed, marked
+        dead in the cluster state, and a new one of its role started, so the pools keep their
+        sizes: on another node if one has room (its node is suspect), else on its own, and while
+        no node has room, tried again every `retry_s` (a node may join)."""
+        owed = self.owed  # roles whose (replacement) instance could not start yet
+        last_try = time.monotonic() if owed else 0.0
+        ttl = self.spec.heartbeat_ttl_s
+        while not self._stop.wait(ttl / 3):
+            self._probe_all(ttl)
+            for iid, inst in list(self.instances.items()):
+                if not self.spec.replace_dead_instances:
+                    break
+                if not (inst.client.info.healthy or inst.client.info.draining):
+                    logger.warning("instance %s is dead; replacing it", iid)
+                    self._nodes.suspect(inst.node_id)
+                    self.remove_instance(iid, dead=True)
+                    owed.append(inst.role)
+            if owed and time.monotonic() - last_try >= retry_s:
+                last_try = time.monotonic()
+                try:
+                    logger.info("owed %s instance started: %s", owed[0], self.add_instance(owed[0]))
+                    owed.pop(0)
+                except Exception as exc:  # no room in Ray, model load failed: keep serving, say so
+                    logger.warning("cannot start the owed %s instance yet (retry in %.0f s): %s",
+                                   owed[0], retry_s, exc)
+
+    def _probe_all(self, ttl: float) -> None:
+        """One load() call to every healthy instance at once; an instance dead, or silent for
+        `ttl` seconds, is lost. The answers are the heartbeats and loads of the cluster state."""
+        live = [i for i in list(self.instances.values()) if i.client.info.healthy]
+        answers: dict[str, dict | Exception] = {}
+        if self.use_ray:
+            import ray
+            refs = {i.instance_id: i.ranks[0].load.remote() for i in live}
+            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=ttl) if refs else ([], [])
+            for iid, ref in refs.items():
+                try:
+                    answers[iid] = ray.get(ref, timeout=0) if ref in ready else TimeoutError(f"silent for {ttl:g} s")
+                except ray.exceptions.RayError as exc:
+                    answers[iid] = exc
+        else:
+            answers = {i.instance_id: i.client.load() for i in live}
+        for iid, answer in answers.items():
+            if iid not in self.instances:
+                continue
+            if isinstance(answer, Exception):
+                logger.error("instance %s does not answer (%s)", iid, type(answer).__name__)
+                self._on_lost(iid, InstanceDeadError(iid, type(answer).__name__))
+                continue
+            inst = self.instances[iid]
+            inst.client.info.load = answer
+            try:
+                try:
+                    self.state.heartbeat(iid, ttl)
+                except KeyError:  # the state lost it (a Redis restarted without persistence)
+                    if iid not in self.instances:
+                        continue
+                    logger.warning("%s is missing from the cluster state: registering it again", iid)
+                    self._register(inst)
+                    self.state.heartbeat(iid, ttl)
+                self.state.update_load(iid, answer)
+            except KeyError:  # removed meanwhile
+                pass
+            except Exception:  # the state store is down: serving goes on, say so
+                logger.warning("cannot publish %s to the cluster state", iid, exc_info=True)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _set_health(self, instance_id: str, health: str) -> None:
+        try:
+            self.state.set_health(instance_id, health)
+        except KeyError:
+            pass
+
+    def _call(self, inst: Instance, method: str):
+        if self.use_ray:
+            import ray
+            return ray.get(getattr(inst.ranks[0], method).remote(), timeout=30)
+        host = inst.ranks[0]
+        worker = host.worker
+        kv = worker.scheduler.kv if inst.role == "prefill" else worker.engine.kv
+        return kv.assert_no_leaks()
+
+    def _destroy(self, inst: Instance, dead: bool = False) -> None:
+        """Stops the instance's ranks and frees its node. A `dead` one keeps its record in the
+        cluster state, marked dead (until shutdown), and is not asked to stop: it cannot answer."""
+        try:
+            self.state.drop_instance_hashes(inst.instance_id)
+            if dead:
+                self.state.set_health(inst.instance_id, "dead")
+                self._dead_ids.append(inst.instance_id)
+            else:
+                self.state.remove(inst.instance_id)
+        except KeyError:
+            pass
+        if not self.use_ray:
+            inst.ranks[0].shutdown()
+            return
+        import ray
+        try:
+            if not dead:
+                ray.get(inst.ranks[0].shutdown.remote(), timeout=10)
+        except Exception:  # already dead: nothing to stop
+            pass
+        for actor in inst.ranks:
+            ray.kill(actor, no_restart=True)
+        self._nodes.release(inst.instance_id, inst.placement_group)
+        self._release_cores(inst.instance_id)

@@ -1,0 +1,208 @@
+"""A gateway's cluster when a controller elsewhere owns the instances (`pdserve gateway`): a
+router over the instances it finds in the cluster state, and nothing else. Any number of these
+run side by side; each gets exactly its own requests' tokens (outputs are addressed to its
+router's id, engine/outbox.py) and publishes its request counters for the controller's autoscaler.
+
+    every SYNC_S:  cluster state records  ->  healthy and new: attach (its rank-0 actor, by name)
+                                              draining: no new requests
+                                              dead, or gone for heartbeat_ttl_s: removed (its
+                                              requests retried elsewhere)
+
+An instance this router found dead itself stays out until the controller replaces it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from cluster.control.clients import RayDecodeClient, RayPrefillClient
+from cluster.control.instance import Instance, init_ray, rank_actor_name
+from cluster.ranks.nodes import RankPlacement
+from cluster.spec import ClusterSpec
+from cluster.state import ClusterState, InstanceRecord, create_state
+from engine.block_manager import block_hashes
+from engine.request import SamplingParams
+from kvtransfer.params import KVEndpoint
+from router.client import InstanceInfo
+from router.policy import create_routing_policy
+from router.router import Router
+from router.stream import RequestStream
+
+logger = logging.getLogger(__name__)
+SYNC_S = 0.5
+STATS_S = 1.0
+
+
+def create_router(spec: ClusterSpec, state: ClusterState, prefill: list, decode: list) -> Router:
+    """The router the spec asks for (its policy reads the prefix index in `state`, in blocks of the
+    size the prefill instances' engines use: the attention backend may round the spec's)."""
+    policy_kw, router = {}, None
+    if spec.router_policy == "prefix_aware":
+        def block_size() -> int:
+            sizes = [c.info.block_size for c in router.prefill.values() if c.info.block_size] if router else []
+            return min(sizes) if sizes else spec.block_size  # a pool runs one engine config
+
+        def cached(prompt: list[int]) -> dict[str, int]:
+            return state.longest_prefix(block_hashes(prompt, block_size()), role="prefill")
+
+        def record(instance_id: str, prompt: list[int]) -> None:
+            state.add_block_hashes(instance_id, block_hashes(prompt, block_size()))
+        policy_kw = {"cached_prefix": cached, "record": record}
+    recompute = spec.kv_recompute_max_tokens if spec.kv_load_failure_policy == "recompute" else 0
+    router = Router(prefill, decode, create_routing_policy(spec.router_policy, **policy_kw), mode=spec.mode,
+                    disagg_threshold_tokens=spec.disagg_threshold_tokens, kv_recompute_max_tokens=recompute)
+    return router
+
+
+def publish_stats(router: Router, state: ClusterState, stop: threading.Event, ttl_s: float) -> None:
+    """Until `stop`: the router's counters (and queue length) into the cluster state every STATS_S."""
+    while not stop.wait(STATS_S):
+        try:
+            state.publish_router(router.client_id, router.snapshot(), ttl_s)
+        except Exception:  # the state store is down: serving goes on, say so
+            logger.warning("cannot publish %s's counters to the cluster state", router.client_id, exc_info=True)
+
+
+class Serving:
+    """What the gateway app calls on a cluster: through `self.router`, over `self.instances`."""
+    router: Router | None
+    instances: dict[str, Instance]
+    spec: ClusterSpec
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               listener=None) -> RequestStream:
+        return self.router.submit(request_id, prompt_token_ids, params, listener)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request on every instance it touches; its blocks are freed."""
+        self.router.abort(request_id)
+
+    def stop(self, request_id: str, index: int, num_tokens: int) -> None:
+        """The gateway found a stop string in choice `index`, completed by its token `num_tokens`."""
+        self.router.stop(request_id, index, num_tokens)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + output every instance holds (0 while none is known)."""
+        lens = [i.client.info.max_model_len for i in list(self.instances.values())]
+        return min(lens) if lens else 0
+
+    def ready(self) -> bool:
+        """At least one healthy decode instance and, when disaggregated, one healthy prefill."""
+        infos = [i.client.info for i in list(self.instances.values()) if i.client.info.healthy]
+        has = lambda *roles: any(i.role in roles for i in infos)  # noqa: E731
+        return self.router is not None and has("decode", "colocated") and (self.spec.mode == "colocated"
+                                                                           or has("prefill"))
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 timeout_s: float | None = 600.0) -> list[RequestStream]:
+        """All prompts at once through the router; returns their finished streams in order (a prompt
+        with n > 1 gives its n choices' in a row)."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        streams = []
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            got = self.submit(f"gen-{time.monotonic_ns()}-{i}", p, sp)
+            streams += got if isinstance(got, list) else [got]
+        return [s.result(timeout=timeout_s) for s in streams]
+
+
+class Frontend(Serving):
+    """A gateway's cluster over instances a controller owns. Needs a Ray cluster to join and a
+    shared (Redis) cluster state."""
+
+    def __init__(self, spec: ClusterSpec, state: ClusterState | None = None, log_level: str = "WARNING"):
+        if spec.ray_address is None or (state is None and spec.redis_url is None):
+            raise ValueError("a gateway without the controller needs --ray-address and --redis-url "
+                             "(it finds the controller's instances through them)")
+        self.spec, self.log_level = spec, log_level
+        self.state = state or create_state(spec.redis_url, spec.cluster_name)
+        self.instances: dict[str, Instance] = {}
+        self.autoscaler = None  # the controller runs it
+        self.router: Router | None = None
+        self._lost: set[str] = set()  # ids this router found dead: never attached again
+        self._missing: set[str] = set()  # records without actors (logged once)
+        self._absent: dict[str, float] = {}  # attached instances whose record vanished: since when
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> Frontend:
+        init_ray(self.spec, self.log_level)
+        self.router = create_router(self.spec, self.state, [], [])
+        self.router.start()
+        self.sync()
+        for target, args in ((self._sync_loop, ()),
+                             (publish_stats, (self.router, self.state, self._stop, 3 * self.spec.heartbeat_ttl_s))):
+            t = threading.Thread(target=target, args=args, daemon=True, name=f"frontend-{target.__name__}")
+            t.start()
+            self._threads.append(t)
+        logger.info("gateway router %s: %d instances found", self.router.client_id, len(self.instances))
+        return self
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        if self.router is not None:
+            self.router.close()
+        self.state.close()
+
+    # -- membership from the cluster state -------------------------------------------------------
+    def _sync_loop(self) -> None:
+        while not self._stop.wait(SYNC_S):
+            try:
+                self.sync()
+            except Exception:  # the state store is down: keep routing over what is known, say so
+                logger.warning("cannot read the cluster state", exc_info=True)
+
+    def sync(self) -> None:
+        """Brings the router's instances in line with the cluster state's records."""
+        records = {r.instance_id: r for r in self.state.list_instances()}
+        now = time.monotonic()
+        for iid, inst in list(self.instances.items()):
+            record = records.get(iid)
+            if record is not None:
+                self._absent.pop(iid, None)
+            elif now - self._absent.setdefault(iid, now) < self.spec.heartbeat_ttl_s:
+                continue  # a Redis that restarted empty: the controller registers it again within TTL / 3
+            if record is None or record.health == "dead":
+                logger.info("instance %s left the cluster", iid)
+                self.instances.pop(iid)
+                self._absent.pop(iid, None)
+                self.router.remove_instance(iid)
+            elif record.health == "draining" and not inst.client.info.draining:
+                self.router.drain(iid)
+            elif not inst.client.info.healthy:
+                self._lost.add(iid)
+        for iid, record in records.items():
+            if record.health == "healthy" and iid not in self.instances and iid not in self._lost:
+                self._attach(record)
+
+    def _attach(self, record: InstanceRecord) -> None:
+        import ray
+        iid = record.instance_id
+        try:
+            actor = ray.get_actor(rank_actor_name(iid, 0), namespace=self.spec.cluster_name)
+        except ValueError:  # registered before its actors were named (or already gone)
+            if iid not in self._missing:
+                logger.warning("instance %s is in the cluster state but has no actor in Ray namespace %s",
+                               iid, self.spec.cluster_name)
+                self._missing.add(iid)
+            return
+        endpoints = tuple(KVEndpoint(iid, rank, host, port) for rank, (host, port) in enumerate(record.kv_endpoints))
+        info = InstanceInfo(iid, record.role, record.tp_size, endpoints, max_model_len=record.max_model_len,
+                            block_size=record.block_size, engine=record.engine)
+        client = (RayPrefillClient if record.role == "prefill" else RayDecodeClient)(info, actor,
+                                                                                     self.spec.heartbeat_ttl_s)
+        cpus = record.rank_cpus if len(record.rank_cpus) == len(record.ranks) else [{}] * len(record.ranks)
+        placements = [RankPlacement(r, host, pid, cpu) for r, ((host, pid), cpu) in enumerate(zip(record.ranks, cpus))]
+        self.instances[iid] = Instance(iid, record.role, record.tp_size, [actor], client, placements=placements)
+        self.router.add_instance(client)
+        logger.info("instance %s (%s, tp=%d) joined", iid, record.role, record.tp_size)
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Tests and tools: until an instance of every needed role is known, or `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.ready()

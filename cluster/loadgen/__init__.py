@@ -1,0 +1,1 @@
+"""Floor above the gateway, beside control and autoscale: `pdserve bench`'s load generator and its report."""

@@ -1,0 +1,73 @@
+"""`pdserve generate` with cluster flags runs through Ray actors and prints the same JSON."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cluster.cli.cli import _cluster_spec, build_parser
+
+
+def test_cluster_flags_build_the_spec():
+    """No cluster flag: in-process engine. --tp sets both pools unless --prefill-tp overrides."""
+    parse = lambda *a: build_parser().parse_args(["generate", "hi", *a])  # noqa: E731
+    assert _cluster_spec(parse()) is None
+    spec = _cluster_spec(parse("--prefill", "2", "--decode", "3", "--tp", "3", "--prefill-tp", "1"))
+    assert (spec.num_prefill, spec.num_decode, spec.prefill_tp, spec.decode_tp, spec.mode) == (2, 3, 1, 3,
+                                                                                               "disaggregated")
+    assert _cluster_spec(parse("--mode", "colocated")).instance_counts == {"colocated": 1}
+
+
+def test_generate_kv_cache_dtype_flag():
+    """`pdserve generate --kv-cache-dtype` offers the engine's choices and reaches the cluster spec."""
+    from engine.config import KV_CACHE_DTYPE_CHOICES
+    parse = lambda *a: build_parser().parse_args(["generate", "hi", *a])  # noqa: E731
+    assert parse().kv_cache_dtype == "auto"
+    assert _cluster_spec(parse("--decode", "1", "--kv-cache-dtype", "fp8_e4m3")).kv_cache_dtype == "fp8_e4m3"
+    assert all(parse("--kv-cache-dtype", choice).kv_cache_dtype == choice for choice in KV_CACHE_DTYPE_CHOICES)
+    with pytest.raises(SystemExit):
+        parse("--kv-cache-dtype", "int8")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "controller", "gateway", "bench", "status"])
+def test_help_renders(command, capsys):
+    """Every subcommand's --help prints (a stray % in a help string makes argparse crash)."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([command, "--help"])
+    assert exit_info.value.code == 0 and "usage: pdserve" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["serve", "--ray-addr", "x"], ["status", "--ur", "http://x"],
+                                  ["gateway", "--redis", "redis://x"]])
+def test_abbreviated_flags_are_refused(argv, capsys):
+    """A prefix of a flag is an unknown flag, refused by name (argparse would take it otherwise)."""
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"unrecognized arguments: {argv[1]}" in err, err
+
+
+@pytest.mark.parametrize("command", ["controller", "gateway"])
+def test_separate_processes_need_ray_and_redis(command, capsys):
+    """`pdserve controller|gateway` without --ray-address or --redis-url: one line naming both,
+    before anything starts (they meet only in Ray and the cluster state)."""
+    from cluster.cli.cli import main
+    assert main([command, "--ray-address", "127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"pdserve: error: pdserve {command} needs --ray-address and --redis-url: the controller and "
+                   "the gateways are separate processes that meet in Ray and the cluster state"]
+
+
+@pytest.mark.timeout(300)
+def test_generate_through_1p1d_cluster_json():
+    """SmolLM2 through one prefill and one decode actor: greedy JSON output with every field, and
+    the same tokens as the in-process engine."""
+    args = [sys.executable, "-m", "cluster.cli.cli", "--log-level", "WARNING", "generate",
+            "What is the capital of France?", "--chat", "--dtype", "float32", "--max-tokens", "8", "--json"]
+    outs = [json.loads(subprocess.run(args + extra, capture_output=True, text=True, timeout=280, check=True)
+                       .stdout.strip().splitlines()[-1]) for extra in (["--prefill", "1", "--decode", "1"], [])]
+    for out in outs:
+        assert {"text", "token_ids", "prompt_token_ids", "ttft_s", "tokens_per_s"} <= set(out)
+    assert outs[0]["token_ids"] == outs[1]["token_ids"] and "Paris" in outs[0]["text"]

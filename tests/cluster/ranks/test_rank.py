@@ -1,0 +1,61 @@
+"""A rank builds and runs its model on one thread of its own (cluster/ranks/rank.py)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from cluster.ranks.rank import RankHost
+import cluster.ranks.rank as rank_module
+from cluster.spec import ClusterSpec
+from engine.model_runner import ModelRunner
+from engine.request import RequestMessage, SamplingParams
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class ThreadRecordingRunner(ModelRunner):
+    """The real runner, noting which threads build it and run its steps."""
+
+    threads: dict[str, set[int]] = {"built": set(), "ran": set()}
+
+    def __init__(self, *args, **kwargs):
+        self.threads["built"].add(threading.get_ident())
+        super().__init__(*args, **kwargs)
+
+    def execute_model(self, inp, after_layer=None):
+        self.threads["ran"].add(threading.get_ident())
+        return super().execute_model(inp, after_layer)
+
+
+def _config(model: str):
+    return ClusterSpec(model=model, dtype="float32", device="cpu", num_kv_blocks=32, block_size=8, max_num_seqs=4,
+                       max_num_batched_tokens=64, num_threads=1, mode="colocated").engine_config("colocated")
+
+
+def test_model_loads_and_runs_on_the_step_thread(tiny_path, monkeypatch):
+    """The model's load and every step run on the rank's loop thread, never the caller's: an
+    OpenMP team started on the caller's thread would outlive the load and slow every step."""
+    monkeypatch.setattr(rank_module, "ModelRunner", ThreadRecordingRunner)
+    ThreadRecordingRunner.threads = {"built": set(), "ran": set()}
+    host = RankHost(_config(tiny_path), "colocated", "colocated-0")
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        host.worker.add_request(RequestMessage("r0", [1, 2, 3, 4, 5], params))
+        outputs = []
+        while not any(o.finished for o in outputs):
+            outputs += host.worker.poll_outputs(timeout=10.0)
+        assert sum(len(o.new_token_ids) for o in outputs) == 4
+    finally:
+        host.shutdown()
+    assert ThreadRecordingRunner.threads == {"built": {host._thread.ident}, "ran": {host._thread.ident}}
+    assert host._thread.ident != threading.get_ident()
+
+
+def test_a_failed_build_raises_in_the_caller(tmp_path):
+    """A model that cannot load fails the RankHost constructor itself (a Ray actor's setup call),
+    with the loader's error, and leaves no loop behind."""
+    before = threading.active_count()
+    with pytest.raises((ValueError, FileNotFoundError)):
+        RankHost(_config(str(tmp_path / "no-such-model")), "colocated", "colocated-0")
+    assert threading.active_count() == before
