@@ -94,37 +94,55 @@ def fixed_split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     each over the keys up to its last query (the same numbers, in bounded memory)."""
     q_len, length = q.shape[0], k.shape[0]
     step = max(1, MAX_TILE_SPLITS // -(-length // SPLIT_KEYS)) * TILE_ROWS
+    lengths = torch.tensor([length], device=q.device)
     if q_len <= step:
-        return _attend(q, k, v, scale, window, softcap)
+        return _attend(q[None], k[None], v[None], lengths, scale, window, softcap)[0]
     first = length - q_len
-    return torch.cat([_attend(q[a:a + step], k[:first + a + step], v[:first + a + step], scale, window, softcap)
+    return torch.cat([_attend(q[None, a:a + step], k[None, :first + a + step], v[None, :first + a + step],
+                              lengths.clamp(max=first + a + step), scale, window, softcap)[0]
                       for a in range(0, q_len, step)])
 
 
-def _attend(q, k, v, scale, window, softcap) -> torch.Tensor:
-    q_len, heads, head_dim = q.shape
-    length, kv_heads = k.shape[:2]
-    first = length - q_len
-    qt = pad_rows(q.float(), TILE_ROWS).view(-1, TILE_ROWS, heads, head_dim).permute(2, 0, 1, 3)  # (H, nq, T, D)
+def fixed_split_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
+                       window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """`fixed_split_attention` of many sequences' single newest queries at once, the same numbers.
+
+    q: (B, heads, head_dim), sequence b's query at position lengths[b] - 1; k, v: (B, L, kv_heads,
+    head_dim), sequence b's keys at 0 .. lengths[b] - 1, rows past them ignored (a shorter
+    sequence's extra splits add exact zeros). Returns (B, heads, head_dim)."""
+    past = torch.arange(k.shape[1], device=k.device)[None, :] >= lengths[:, None]  # (B, L)
+    k, v = (t.masked_fill(past[:, :, None, None], 0) for t in (k, v))  # padding rows: finite, unseen
+    return _attend(q[:, None], k, v, lengths, scale, window, softcap)[:, 0]
+
+
+def _attend(q, k, v, lengths, scale, window, softcap) -> torch.Tensor:
+    """q: (B, q_len, H, D) at positions lengths[b] - q_len ..; k, v: (B, L, Hkv, D) -> (B, q_len, H, D)."""
+    batch, q_len, heads, head_dim = q.shape
+    length, kv_heads = k.shape[1:3]
+    qt = pad_rows(q.float().transpose(0, 1), TILE_ROWS).transpose(0, 1)  # (B, nq * T, H, D)
+    num_tiles = qt.shape[1] // TILE_ROWS
+    qt = qt.reshape(batch, num_tiles, TILE_ROWS, heads, head_dim).permute(0, 3, 1, 2, 4)  # (B, H, nq, T, D)
     num_splits = -(-length // SPLIT_KEYS)
-    kt, vt = (pad_rows(t.float(), SPLIT_KEYS).view(num_splits, SPLIT_KEYS, kv_heads, head_dim)
-              .permute(2, 0, 1, 3).repeat_interleave(heads // kv_heads, dim=0) for t in (k, v))  # (H, ns, S, D)
-    q_pos = first + torch.arange(qt.shape[1] * TILE_ROWS, device=q.device).view(-1, 1, TILE_ROWS, 1)
-    k_pos = torch.arange(num_splits * SPLIT_KEYS, device=q.device).view(1, num_splits, 1, SPLIT_KEYS)
-    seen = (k_pos <= q_pos) & (k_pos < length)  # (nq, ns, T, S)
+    kt, vt = (pad_rows(t.float().transpose(0, 1), SPLIT_KEYS).transpose(0, 1)
+              .reshape(batch, num_splits, SPLIT_KEYS, kv_heads, head_dim).permute(0, 3, 1, 2, 4)
+              .repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))  # (B, H, ns, S, D)
+    first = (lengths - q_len).view(batch, 1, 1, 1, 1, 1)
+    q_pos = first + torch.arange(num_tiles * TILE_ROWS, device=q.device).view(1, 1, num_tiles, 1, TILE_ROWS, 1)
+    k_pos = torch.arange(num_splits * SPLIT_KEYS, device=q.device).view(1, 1, 1, num_splits, 1, SPLIT_KEYS)
+    seen = (k_pos <= q_pos) & (k_pos < lengths.view(batch, 1, 1, 1, 1, 1))  # (B, 1, nq, ns, T, S)
     if window is not None:
         seen &= k_pos > q_pos - window
-    scores = torch.matmul(qt.unsqueeze(2), kt.unsqueeze(1).transpose(-1, -2)) * scale  # (H, nq, ns, T, S)
+    scores = torch.matmul(qt.unsqueeze(3), kt.unsqueeze(2).transpose(-1, -2)) * scale  # (B, H, nq, ns, T, S)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~seen, float("-inf"))
-    top = scores.amax(dim=(2, 4), keepdim=True)  # every query sees its own key: finite
+    top = scores.amax(dim=(3, 5), keepdim=True)  # every query sees its own key: finite
     weights = torch.exp(scores - top)
-    sums = weights.sum(-1)  # (H, nq, ns, T)
-    parts = torch.matmul(weights, vt.unsqueeze(1))  # (H, nq, ns, T, D)
-    total, out = sums[:, :, 0], parts[:, :, 0]
+    sums = weights.sum(-1)  # (B, H, nq, ns, T)
+    parts = torch.matmul(weights, vt.unsqueeze(2))  # (B, H, nq, ns, T, D)
+    total, out = sums[:, :, :, 0], parts[:, :, :, 0]
     for s in range(1, num_splits):  # in position order, one split after another
-        total = total + sums[:, :, s]
-        out = out + parts[:, :, s]
-    out = out / total.unsqueeze(-1)  # (H, nq, T, D)
-    return out.permute(1, 2, 0, 3).reshape(-1, heads, head_dim)[:q_len].to(q.dtype)
+        total = total + sums[:, :, :, s]
+        out = out + parts[:, :, :, s]
+    out = out / total.unsqueeze(-1)  # (B, H, nq, T, D)
+    return out.permute(0, 2, 3, 1, 4).reshape(batch, -1, heads, head_dim)[:, :q_len].to(q.dtype)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from decode_worker.llm import LLM
 from engine import batch_invariant
-from engine.batch_invariant import fixed_split_attention, tiled_linear
+from engine.batch_invariant import fixed_split_attention, fixed_split_decode, tiled_linear
 from engine.request import SamplingParams
 from tests.helpers import all_logits, make_hf_tiny_llama, random_prompts, tiny_engine
 
@@ -73,6 +73,19 @@ def test_a_query_does_not_depend_on_how_it_is_attended(knobs, monkeypatch):
         assert torch.equal(torch.cat(pieces), whole), chunk
     monkeypatch.setattr(batch_invariant, "MAX_TILE_SPLITS", 3)  # groups of query tiles over fewer keys each
     assert torch.equal(fixed_split_attention(q, k, v, 0.25, **knobs), whole)
+
+
+@pytest.mark.parametrize("knobs", KNOBS, ids=["causal", "window", "softcap"])
+def test_decodes_together_equal_each_alone(knobs):
+    """Five sequences' newest queries attended in one call (contexts of 1 to 150 keys, padded with
+    rows of anything) give, bit for bit, each one's own `fixed_split_attention`."""
+    torch.manual_seed(3)
+    lengths = torch.tensor([1, 33, 150, 64, 7])
+    k, v, q = torch.randn(5, 160, 2, 16), torch.randn(5, 160, 2, 16), torch.randn(5, 4, 16)
+    k[0, 1:], v[0, 1:] = float("nan"), float("inf")  # past a context: never read, whatever it holds
+    together = fixed_split_decode(q, k, v, lengths, 0.25, **knobs)
+    for b, n in enumerate(lengths.tolist()):
+        assert torch.equal(together[b:b + 1], fixed_split_attention(q[b:b + 1], k[b, :n], v[b, :n], 0.25, **knobs)), b
 
 
 @pytest.fixture(scope="module")
