@@ -258,10 +258,8 @@ class _Peer:
             self.owner.count("parts_rejected")
             return t.fail(f"receiver rejected {t.request_id}: unknown or cancelled request")
         for layer, (kv, event) in zip(layers, payloads):
-            if t.checksum is not None:  # in the order the receiver reads its slots back: K, V of each run
-                for start, length, _ in t.target[0]:
-                    for k in (0, 1):
-                        t.checksum.update(kv[k, start:start + length], event)
+            if t.checksum is not None:  # K then V of the part's tokens: what the receiver reads back
+                t.checksum.update(kv, event)
             self.shared.write(layer, t.target, kv, event, t.head_start)
         self.shared.settle(timeout)
         self.control.send(announce | {"kind": "wrote"}, timeout)

@@ -5,8 +5,9 @@ layers arrive, at most RECEIVE_DEPTH layers or spans in flight. A shared connect
 device) has no data channel: its sender writes granted layers into the cache itself.
 
 With checksums (`compat.kv_checksum`) each part hashes what arrived in the order it crossed: a
-scattered layer's buffer, or, for layers received straight into the cache or written there by a
-same-device sender, the part's slots read back once they landed; `done` compares (receiver.py)."""
+scattered layer's buffer, or, for layers received straight into the cache, the runs' slots read
+back once they landed; for layers a same-device sender wrote, the part's slots read back at
+`wrote`, K then V of every token. `done` compares (receiver.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -22,6 +23,7 @@ import torch
 from kvtransfer import wire
 from kvtransfer.channel import ChannelError, DataChannel
 from kvtransfer.checksum import PartChecksum
+from kvtransfer.scatter import as_bytes
 from kvtransfer.control import ControlError, ControlGarbage
 
 if TYPE_CHECKING:
@@ -131,7 +133,7 @@ class Session:
             raise ControlGarbage(f"wrote {msg} without a grant of those layers")
         _, _, e, _ = self.granted.popleft()
         if e is not None and part.checksum is not None:
-            self._hash_landed(msg, part)
+            self._hash_written(msg, part, e)
         num_bytes = msg["count"] * wire.payload_bytes(part.num_tokens, part.num_heads, self.rx.compat.head_dim,
                                                       self.rx.kv_cache.dtype)
         self.rx.on_received(msg["request_id"], part, e, msg["count"], num_bytes)
@@ -165,6 +167,15 @@ class Session:
                 for _, length, slot in part.runs:
                     for k in (0, 1):
                         part.checksum.update(cache[k, slot:slot + length, part.lo:part.lo + part.num_heads])
+
+    def _hash_written(self, msg: dict, part: Part, e: Expected) -> None:
+        """Shared: adds the layers a same-device sender wrote to the part's checksum, read back from
+        the request's slots as the sender held them, K then V of every token (one gather a layer:
+        a hash call per run cost more than the gather, measured)."""
+        rx = self.rx
+        for layer in range(msg["layer"], msg["layer"] + msg["count"]):
+            cache = as_bytes(rx.kv_cache[layer]).view(2, rx.num_slots, rx.num_local_heads, -1)
+            part.checksum.update(cache[:, e.slots, part.lo:part.lo + part.num_heads])  # (2, tokens, heads, hd)
 
     def _next_write(self) -> int:
         """The write slot to use next, once the write it held before is done."""

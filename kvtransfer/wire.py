@@ -38,9 +38,10 @@ logprobs: None, or the first token's [[token_id, logprob], ...] (sampled token f
 more_choices: [] or, for n > 1 choices of one prompt, the others' [first_token, logprobs or nil].
 checksum: with `kv_checksum` in both ends' CompatRecord (--kv-checksum), the part's xxh3_64
 (checksum.py) over its payload bytes in the order they cross: per announced layer, the one
-message, or K then V of each run; on a shared connection the same order over the bytes written
-(runs always tile the part there), which the receiver reads back from its slots. nil without
-kv_checksum; either way round is a malformed message. A mismatch fails the part: ack {ok: false}.
+message, or K then V of each run; on a shared connection, per layer, the bytes written as the
+sender held them, (2, tokens, heads, head_dim), which the receiver reads back from its slots.
+nil without kv_checksum; either way round is a malformed message. A mismatch fails the part:
+ack {ok: false}.
 """
 from __future__ import annotations
 

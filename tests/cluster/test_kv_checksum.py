@@ -75,6 +75,8 @@ def test_with_checksums_the_corruption_is_caught_retried_and_counted(tiny_path, 
         assert decode.ranks[0].receiver.compat.kv_checksum
         assert decode.ranks[0].receiver.stats["kv_checksum_mismatches"] == 1
         assert c.router.stats["retries"] >= 1
+        sender = next(i for i in c.instances.values() if i.role == "prefill").ranks[0].sender
+        assert sender.stats["groups_created"] == 1 and sender.stats.get("groups_failed", 0) == 0  # the pair stayed
         series = f'pdserve_kv_checksum_mismatches_total{{instance_id="{decode.instance_id}",role="decode"}} 1.0'
         deadline = time.monotonic() + 10  # the router refreshes loads every 0.1 s
         while series not in generate_latest(metrics.registry).decode() and time.monotonic() < deadline:
