@@ -10,7 +10,6 @@ back once they landed; for layers a same-device sender wrote, the part's slots r
 `wrote`, K then V of every token. `done` compares (receiver.py)."""
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import deque
@@ -159,14 +158,15 @@ class Session:
 
     def _hash_landed(self, msg: dict, part: Part) -> None:
         """Adds the announced layers' bytes to the part's checksum, read back from the slots they
-        landed in (K, then V, of each run: the order they crossed)."""
+        were received into: K, then V, of each run, the order they crossed (as `_post_direct`
+        posted them; such a part has all of the rank's heads)."""
         rx = self.rx
-        with contextlib.nullcontext() if self.channel is None else self.channel.writing():
+        with self.channel.writing():  # CUDA: the receives ran on the channel's stream
             for layer in range(msg["layer"], msg["layer"] + msg["count"]):
-                cache = rx.kv_cache[layer].view(2, rx.num_slots, rx.num_local_heads, -1)  # (2, slots, heads, hd)
+                cache = rx.kv_cache[layer].view(2, rx.num_slots, -1)  # (2, slots, heads * head_dim)
                 for _, length, slot in part.runs:
                     for k in (0, 1):
-                        part.checksum.update(cache[k, slot:slot + length, part.lo:part.lo + part.num_heads])
+                        part.checksum.update(cache[k, slot:slot + length])
 
     def _hash_written(self, msg: dict, part: Part, e: Expected) -> None:
         """Shared: adds the layers a same-device sender wrote to the part's checksum, read back from

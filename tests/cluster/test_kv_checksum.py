@@ -72,10 +72,10 @@ def test_with_checksums_the_corruption_is_caught_retried_and_counted(tiny_path, 
         assert len(fault.altered) == 1
         assert all(same_output(g, w) for g, w in zip(got, colocated)), (got, colocated)
         decode = next(i for i in c.instances.values() if i.role == "decode")
-        assert decode.ranks[0].receiver.compat.kv_checksum
         assert decode.ranks[0].receiver.stats["kv_checksum_mismatches"] == 1
         assert c.router.stats["retries"] >= 1
         sender = next(i for i in c.instances.values() if i.role == "prefill").ranks[0].sender
+        assert sender.compat.kv_checksum and decode.ranks[0].receiver.compat.kv_checksum  # the spec reached both
         assert sender.stats["groups_created"] == 1 and sender.stats.get("groups_failed", 0) == 0  # the pair stayed
         series = f'pdserve_kv_checksum_mismatches_total{{instance_id="{decode.instance_id}",role="decode"}} 1.0'
         deadline = time.monotonic() + 10  # the router refreshes loads every 0.1 s
