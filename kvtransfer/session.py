@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 # Layers (or announced spans, received straight into the cache) posted and not yet written, per
 # connection; each scattered one holds a buffer of its size. 4 measured faster than 2 (8: no better).
 RECEIVE_DEPTH = 4
+FEW_RUNS = 4  # a same-device part's slots hashed run by run up to this many runs; more are gathered first
 
 
 @dataclass
@@ -170,12 +171,17 @@ class Session:
 
     def _hash_written(self, msg: dict, part: Part, e: Expected) -> None:
         """Shared: adds the layers a same-device sender wrote to the part's checksum, read back from
-        the request's slots as the sender held them, K then V of every token (one gather a layer:
-        a hash call per run cost more than the gather, measured)."""
-        rx = self.rx
+        the request's slots as the sender held them, K then V of every token: run by run for a
+        few runs, else after one gather a layer (a hash call per run cost more, measured)."""
+        rx, heads = self.rx, slice(part.lo, part.lo + part.num_heads)
         for layer in range(msg["layer"], msg["layer"] + msg["count"]):
             cache = as_bytes(rx.kv_cache[layer]).view(2, rx.num_slots, rx.num_local_heads, -1)
-            part.checksum.update(cache[:, e.slots, part.lo:part.lo + part.num_heads])  # (2, tokens, heads, hd)
+            if len(part.runs) > FEW_RUNS:
+                part.checksum.update(cache[:, e.slots, heads])  # (2, tokens, heads, hd)
+                continue
+            for k in (0, 1):
+                for _, length, slot in part.runs:
+                    part.checksum.update(cache[k, slot:slot + length, heads])
 
     def _next_write(self) -> int:
         """The write slot to use next, once the write it held before is done."""

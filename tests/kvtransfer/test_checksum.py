@@ -22,7 +22,7 @@ from kvtransfer.receiver import MAX_DIRECT_RUNS
 from kvtransfer.shared_cache import SharedCacheWriter
 from tests.kvtransfer.faults import OFFSET, corrupt_in_flight
 from tests.kvtransfer.test_receive_direct import _slots
-from tests.kvtransfer.test_torch_dist import (COMPAT, HEADS, _wait_for, flat, make_cache, make_receiver, poll_until,
+from tests.kvtransfer.test_torch_dist import (COMPAT, HEADS, LAYERS, _wait_for, flat, make_cache, make_receiver, poll_until,
                                               send_part)
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,14 +52,20 @@ def shared_receiver(compat=CHECKED):
     return rx, cache, KVEndpoint("d", 0, *rx.endpoint_address)
 
 
+# path -> (stretches of slots, parts (two: a TP mix, half the heads each), same device)
+PATHS = {"direct": (1, 1, False), "direct_max": (MAX_DIRECT_RUNS, 1, False), "scattered": (MAX_DIRECT_RUNS + 1, 1, False),
+         "tp_mix": (2, 2, False), "shared": (1, 1, True), "shared_gathered": (MAX_DIRECT_RUNS + 1, 1, True),
+         "shared_tp_mix": (2, 2, True)}
+
+
 def ship(path: str, corrupt: bool = False, compat=CHECKED):
-    """Ships request "r" (2 parts for "tp_mix") on `path`, altering one element of layer 1 in
-    flight when `corrupt`. Returns (receiver, its cache, source cache, slots, per-part errors,
-    receiver's poll, what was altered); closes both ends."""
-    shared = path == "shared"
+    """Ships request "r" on `path` (PATHS), altering one element of layer 1 in flight when
+    `corrupt`. Returns (receiver, its cache, source cache, slots, per-part errors, receiver's
+    poll, what was altered); closes both ends."""
+    num_runs, num_parts, shared = PATHS[path]
     rx, dst, dest = shared_receiver(compat) if shared else make_receiver(compat=compat)
-    slots = _slots({"direct": 1, "direct_max": MAX_DIRECT_RUNS}.get(path, MAX_DIRECT_RUNS + 1))
-    heads = [(0, HEADS // 2), (HEADS // 2, HEADS)] if path == "tp_mix" else [(0, HEADS)]
+    slots = _slots(num_runs)
+    heads = [(p * HEADS // num_parts, (p + 1) * HEADS // num_parts) for p in range(num_parts)]
     rx.expect("r", slots, len(heads))
     src, errors, altered = make_cache(), [], []
     senders = [create_kv_transport("torch").sender(compat, f"p{i}", same_device=shared) for i in range(len(heads))]
@@ -87,11 +93,12 @@ def reference(src: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return want
 
 
-@pytest.mark.parametrize("path", ["direct", "direct_max", "scattered", "tp_mix", "shared"])
+@pytest.mark.parametrize("path", list(PATHS))
 def test_checked_parts_arrive_on_every_path(path):
     """Sender and receiver hash the same bytes in the same order on every path: the request
     completes, the cache holds the sent KV, no mismatch is counted."""
     rx, dst, src, slots, errors, (done, failed), _ = ship(path)
+    assert rx.stats["layers_scattered" if path in ("scattered", "tp_mix") else "layers_direct"] == LAYERS * PATHS[path][1]
     assert errors == [None] * len(errors) and failed == [] and [c.request_id for c in done] == ["r"]
     assert torch.equal(dst, reference(src, slots))
     assert rx.stats.get("kv_checksum_mismatches", 0) == 0
@@ -120,7 +127,8 @@ def test_without_checksums_the_altered_element_lands_unnoticed():
     assert float(flat(dst, 1)[0, slots[0], 0, 0] - flat(src, 1)[0, 0, 0, 0]) == pytest.approx(OFFSET, abs=1e-3)
 
 
-def test_a_same_device_write_that_lands_wrong_is_caught_by_reading_back():
+@pytest.mark.parametrize("path", ["shared", "shared_gathered"])
+def test_a_same_device_write_that_lands_wrong_is_caught_by_reading_back(path):
     """Same device: the receiver reads its slots back at `wrote`; an element changed after the
     sender's write (its checksum taken from the source) fails the part as a mismatch."""
     write = SharedCacheWriter.write
@@ -132,7 +140,7 @@ def test_a_same_device_write_that_lands_wrong_is_caught_by_reading_back():
             self.cache[1].view(2, self.num_slots, self.num_heads, -1)[0, slot, 0, 0] += OFFSET
 
     with mock.patch.object(SharedCacheWriter, "write", write_then_alter):
-        rx, _, _, _, errors, (done, failed), _ = ship("shared")
+        rx, _, _, _, errors, (done, failed), _ = ship(path)
     assert done == [] and len(failed) == 1 and "KV checksum mismatch" in errors[0]
     assert rx.stats["kv_checksum_mismatches"] == 1
 
