@@ -169,8 +169,10 @@ def run(args) -> dict:
     store = dist.TCPStore(args.receiver_host, parent.recv(), is_master=False, wait_for_workers=False)
     pg = GlooChannel(store, 0, SENDER, args.sender_host, 120.0)
     addresses = parent.recv()
-    senders = {name: (TorchDistSender(_compat(args, checked), f"bench-{name}", host=args.sender_host, same_device=same),
-                      KVEndpoint("bench", 0, *address)) for (name, same, checked), address in zip(_ends(args), addresses)}
+    senders = {}
+    for (name, same, checked), address in zip(_ends(args), addresses):
+        tx = TorchDistSender(_compat(args, checked), f"bench-{name}", host=args.sender_host, same_device=same)
+        senders[name] = (tx, KVEndpoint("bench", 0, *address))
     rows = []
     for layout, tokens in _cases(args):
         _, request_bytes = _shape(args, tokens)
@@ -188,7 +190,8 @@ def run(args) -> dict:
             copy.append(total / _time_copy(args, tokens) / 1e9)
         med = statistics.median
         ours, same = gbps["pdserve"], gbps["same_device"]
-        rows.append(_checksum_columns(gbps) | {"slots": layout, "tokens": tokens, "bytes_per_request": request_bytes, "rounds": args.rounds,
+        rows.append(_checksum_columns(gbps) | {
+                     "slots": layout, "tokens": tokens, "bytes_per_request": request_bytes, "rounds": args.rounds,
                      "raw_gloo_per_layer_GBps": med(per_layer), "raw_gloo_one_message_GBps": med(whole),
                      "pdserve_GBps": med(ours), "pdserve_ms_per_request": request_bytes / med(ours) / 1e6,
                      "pdserve_vs_raw_per_layer": med(o / r for o, r in zip(ours, per_layer)),
@@ -202,7 +205,8 @@ def run(args) -> dict:
     shared_connections = {name: tx.stats.get("shared_connections", 0) for name, (tx, _) in senders.items()}
     for tx, _ in senders.values():
         tx.close()
-    return {"same_device_connections": shared_connections, "kv_checksum": args.kv_checksum, "layers": args.layers, "kv_heads": args.kv_heads,
+    return {"same_device_connections": shared_connections, "kv_checksum": args.kv_checksum,
+            "layers": args.layers, "kv_heads": args.kv_heads,
             "head_dim": args.head_dim, "dtype": "bfloat16",
             "reps": args.reps, "rows": rows, "receiver_stats": rx_stats}
 

@@ -22,8 +22,8 @@ from kvtransfer.receiver import MAX_DIRECT_RUNS
 from kvtransfer.shared_cache import SharedCacheWriter
 from tests.kvtransfer.faults import OFFSET, corrupt_in_flight
 from tests.kvtransfer.test_receive_direct import _slots
-from tests.kvtransfer.test_torch_dist import (COMPAT, HEADS, LAYERS, _wait_for, flat, make_cache, make_receiver, poll_until,
-                                              send_part)
+from tests.kvtransfer.test_torch_dist import (COMPAT, HEADS, LAYERS, _wait_for, flat, make_cache, make_receiver,
+                                              poll_until, send_part)
 
 pytestmark = pytest.mark.timeout(60)
 CHECKED = replace(COMPAT, kv_checksum=True)
@@ -53,9 +53,9 @@ def shared_receiver(compat=CHECKED):
 
 
 # path -> (stretches of slots, parts (two: a TP mix, half the heads each), same device)
-PATHS = {"direct": (1, 1, False), "direct_max": (MAX_DIRECT_RUNS, 1, False), "scattered": (MAX_DIRECT_RUNS + 1, 1, False),
-         "tp_mix": (2, 2, False), "shared": (1, 1, True), "shared_gathered": (MAX_DIRECT_RUNS + 1, 1, True),
-         "shared_tp_mix": (2, 2, True)}
+PATHS = {"direct": (1, 1, False), "direct_max": (MAX_DIRECT_RUNS, 1, False),
+         "scattered": (MAX_DIRECT_RUNS + 1, 1, False), "tp_mix": (2, 2, False),
+         "shared": (1, 1, True), "shared_gathered": (MAX_DIRECT_RUNS + 1, 1, True), "shared_tp_mix": (2, 2, True)}
 
 
 def ship(path: str, corrupt: bool = False, compat=CHECKED):
@@ -98,7 +98,8 @@ def test_checked_parts_arrive_on_every_path(path):
     """Sender and receiver hash the same bytes in the same order on every path: the request
     completes, the cache holds the sent KV, no mismatch is counted."""
     rx, dst, src, slots, errors, (done, failed), _ = ship(path)
-    assert rx.stats["layers_scattered" if path in ("scattered", "tp_mix") else "layers_direct"] == LAYERS * PATHS[path][1]
+    landed = "layers_scattered" if path in ("scattered", "tp_mix") else "layers_direct"
+    assert rx.stats[landed] == LAYERS * PATHS[path][1]
     assert errors == [None] * len(errors) and failed == [] and [c.request_id for c in done] == ["r"]
     assert torch.equal(dst, reference(src, slots))
     assert rx.stats.get("kv_checksum_mismatches", 0) == 0
