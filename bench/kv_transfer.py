@@ -4,6 +4,7 @@ send/recv of the same bytes, in the same run, between the same two processes.
     python -m bench.kv_transfer                 # SmolLM2's KV shape (30 layers, 3 KV heads, 64, bf16)
     python -m bench.kv_transfer --tokens 1024 4096 --reps 5 --json
     python -m bench.kv_transfer --slots contiguous  # where the reservation's blocks lie (default: both)
+    python -m bench.kv_transfer --kv-checksum   # also with checksums, interleaved in the same rounds
     ip netns exec A python -m bench.kv_transfer --receiver-netns B --sender-host IP_A --receiver-host IP_B
                                                 # two hosts (network namespaces: bench/multihost.py)
 
@@ -15,7 +16,10 @@ The receiving request's slots are either random blocks ("random": a fragmented c
 receiver takes each layer into a buffer and scatters it) or consecutive blocks ("contiguous":
 it receives K and V straight into the cache). "same device" is the transport between two ranks
 on one device (here one CPU): the sender writes into the receiver's cache, shared with it
-(shared_cache.py), against a plain copy of the same bytes within one process.
+(shared_cache.py), against a plain copy of the same bytes within one process. `--kv-checksum`
+adds both transports with checksums (kvtransfer/checksum.py) to every round, each pair of a
+transport with and without them timed back to back, in alternating order, and reports their
+ratio per round (the median): what checksums cost on a shared machine, drift cancelled.
 """
 from __future__ import annotations
 
@@ -45,8 +49,16 @@ def _shape(args, tokens: int) -> tuple[int, int]:
     return layer, layer * args.layers
 
 
-def _compat(args) -> CompatRecord:
-    return CompatRecord("bench", "bfloat16", args.layers, args.kv_heads, args.head_dim, block_size=BLOCK)
+def _compat(args, kv_checksum: bool = False) -> CompatRecord:
+    return CompatRecord("bench", "bfloat16", args.layers, args.kv_heads, args.head_dim, block_size=BLOCK,
+                        kv_checksum=kv_checksum)
+
+
+def _ends(args) -> list[tuple[str, bool, bool]]:
+    """The transports timed: (name, same device, checksums)."""
+    plain = [("pdserve", False, False), ("same_device", True, False)]
+    return plain + ([("pdserve_checksum", False, True), ("same_device_checksum", True, True)] if args.kv_checksum
+                    else [])
 
 
 def enter_netns(name: str) -> None:
@@ -68,9 +80,9 @@ def receiver_main(conn, args) -> None:
     max_tokens = max(args.tokens)
     num_blocks = 2 * max_tokens // BLOCK + 2
     cache = torch.zeros(args.layers, 2, num_blocks, BLOCK, args.kv_heads, args.head_dim, dtype=torch.bfloat16)
-    rx = TorchDistReceiver(_compat(args), cache, 0, host=args.receiver_host)
-    shared = TorchDistReceiver(_compat(args), torch.zeros_like(cache), 0, host=args.receiver_host, share_cache=True)
-    conn.send((rx.endpoint_address, shared.endpoint_address))
+    ends = [TorchDistReceiver(_compat(args, checked), torch.zeros_like(cache), 0, host=args.receiver_host,
+                              share_cache=same) for _, same, checked in _ends(args)]
+    conn.send([end.endpoint_address for end in ends])
     for layout, tokens in _cases(args):
         layer_bytes, request_bytes = _shape(args, tokens)
         buf = torch.empty(request_bytes, dtype=torch.uint8)
@@ -84,17 +96,17 @@ def receiver_main(conn, args) -> None:
                 pg.recv(buf, 120.0)
             pg.send(DONE, 120.0)
             for r in range(args.reps + 1):
-                for end in (rx, shared):
+                for end in ends:
                     end.expect(f"{layout}-{tokens}-{rnd}-{r}", slots, 1)
             conn.send("ready")
             got = 0
-            while got < 2 * (args.reps + 1):
-                for end in (rx, shared):
+            while got < len(ends) * (args.reps + 1):
+                for end in ends:
                     done, failed = end.poll()
                     assert not failed, failed
                     got += len(done)
                 time.sleep(0.01)
-    conn.send(rx.stats)
+    conn.send({name: end.stats for (name, *_), end in zip(_ends(args), ends)})
     conn.recv()
     os._exit(0)  # NOTE: skip interpreter teardown, which aborts on gloo's still-running threads
 
@@ -156,27 +168,30 @@ def run(args) -> dict:
     torch.set_num_threads(1)
     store = dist.TCPStore(args.receiver_host, parent.recv(), is_master=False, wait_for_workers=False)
     pg = GlooChannel(store, 0, SENDER, args.sender_host, 120.0)
-    (host, port), (_, shared_port) = parent.recv()
-    tx = TorchDistSender(_compat(args), "bench", host=args.sender_host)
-    tx_shared = TorchDistSender(_compat(args), "bench-shared", host=args.sender_host, same_device=True)
-    dest, shared_dest = KVEndpoint("bench", 0, host, port), KVEndpoint("bench", 0, host, shared_port)
+    addresses = parent.recv()
+    senders = {}
+    for (name, same, checked), address in zip(_ends(args), addresses):
+        tx = TorchDistSender(_compat(args, checked), f"bench-{name}", host=args.sender_host, same_device=same)
+        senders[name] = (tx, KVEndpoint("bench", 0, *address))
     rows = []
     for layout, tokens in _cases(args):
         _, request_bytes = _shape(args, tokens)
         total = request_bytes * args.reps
-        per_layer, whole, ours, same, copy = [], [], [], [], []
+        per_layer, whole, copy = [], [], []
+        gbps = {name: [] for name in senders}
         for rnd in range(args.rounds):  # alternate the methods: drift on a shared machine hits both
             raw_layer_s, raw_whole_s = _time_raw(pg, args, tokens)
             assert parent.recv() == "ready"
-            ours_s = _time_pdserve(tx, dest, args, tokens, f"{layout}-{tokens}-{rnd}")
-            same_s = _time_pdserve(tx_shared, shared_dest, args, tokens, f"{layout}-{tokens}-{rnd}")
+            for name in senders if rnd % 2 == 0 else _pairs_swapped(list(senders)):
+                tx, dest = senders[name]
+                gbps[name].append(total / _time_pdserve(tx, dest, args, tokens, f"{layout}-{tokens}-{rnd}") / 1e9)
             per_layer.append(total / raw_layer_s / 1e9)
             whole.append(total / raw_whole_s / 1e9)
-            ours.append(total / ours_s / 1e9)
-            same.append(total / same_s / 1e9)
             copy.append(total / _time_copy(args, tokens) / 1e9)
         med = statistics.median
-        rows.append({"slots": layout, "tokens": tokens, "bytes_per_request": request_bytes, "rounds": args.rounds,
+        ours, same = gbps["pdserve"], gbps["same_device"]
+        rows.append(_checksum_columns(gbps) | {
+                     "slots": layout, "tokens": tokens, "bytes_per_request": request_bytes, "rounds": args.rounds,
                      "raw_gloo_per_layer_GBps": med(per_layer), "raw_gloo_one_message_GBps": med(whole),
                      "pdserve_GBps": med(ours), "pdserve_ms_per_request": request_bytes / med(ours) / 1e6,
                      "pdserve_vs_raw_per_layer": med(o / r for o, r in zip(ours, per_layer)),
@@ -187,11 +202,29 @@ def run(args) -> dict:
     rx_stats = parent.recv()
     parent.send("bye")
     proc.join(timeout=10)
-    shared_connections = tx_shared.stats.get("shared_connections", 0)
-    tx.close(), tx_shared.close()
-    return {"same_device_connections": shared_connections, "layers": args.layers, "kv_heads": args.kv_heads,
+    shared_connections = {name: tx.stats.get("shared_connections", 0) for name, (tx, _) in senders.items()}
+    for tx, _ in senders.values():
+        tx.close()
+    return {"same_device_connections": shared_connections, "kv_checksum": args.kv_checksum,
+            "layers": args.layers, "kv_heads": args.kv_heads,
             "head_dim": args.head_dim, "dtype": "bfloat16",
             "reps": args.reps, "rows": rows, "receiver_stats": rx_stats}
+
+
+def _pairs_swapped(names: list[str]) -> list[str]:
+    """The odd rounds' order: each transport's checked run before its plain one."""
+    return [n for name in names if not name.endswith("_checksum") for n in (f"{name}_checksum", name) if n in names]
+
+
+def _checksum_columns(gbps: dict[str, list[float]]) -> dict:
+    """With checksums: their GB/s, and per round the ratio to the same transport without (median)."""
+    out = {}
+    for name in ("pdserve", "same_device"):
+        if f"{name}_checksum" in gbps:
+            checked = gbps[f"{name}_checksum"]
+            out[f"{name}_checksum_GBps"] = statistics.median(checked)
+            out[f"{name}_checksum_vs_plain"] = statistics.median(c / p for c, p in zip(checked, gbps[name]))
+    return out
 
 
 def main(argv=None) -> int:
@@ -205,6 +238,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="alternating raw/pdserve rounds; medians are reported")
     p.add_argument("--slots", nargs="+", choices=["random", "contiguous"], default=["random", "contiguous"],
                    help="the receiving request's blocks: random (scattered into) or consecutive (received into)")
+    p.add_argument("--kv-checksum", action="store_true",
+                   help="also time both transports with KV checksums, in the same rounds (their ratio to without)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--sender-host", default="127.0.0.1", help="the sender's address (its host's, across hosts)")
     p.add_argument("--receiver-host", default="127.0.0.1", help="the receiver's address")
@@ -227,6 +262,12 @@ def main(argv=None) -> int:
               f"{r['pdserve_vs_raw_one_message']:>9.2f} {r['pdserve_ms_per_request']:>7.1f} "
               f"{r['same_device_GBps']:>8.2f}G {r['same_device_vs_copy']:>8.2f} "
               f"{r['same_device_ms_per_request']:>7.1f}")
+    if args.kv_checksum:
+        print("with --kv-checksum (GB/s; per-round ratio to the same transport without, median)")
+        for r in result["rows"]:
+            print(f"{r['slots']:>10} {r['tokens']:>7}  data channel {r['pdserve_checksum_GBps']:.2f}G "
+                  f"x{r['pdserve_checksum_vs_plain']:.3f}   same device {r['same_device_checksum_GBps']:.2f}G "
+                  f"x{r['same_device_checksum_vs_plain']:.3f}")
     return 0
 
 

@@ -98,6 +98,9 @@ _HELP = {
                              "the ack); past it the pair is aborted and the request fails back to the router",
     "kv_transport": "auto: a prefill and a decode rank on one GPU write KV straight into the decode cache (CUDA "
                     "IPC), other pairs use torch.distributed; torch: torch.distributed (gloo, NCCL) for every pair",
+    "kv_checksum": "every KV part carries a checksum (xxh3_64) of its payloads, checked on receipt; a mismatch "
+                   "fails the transfer like a lost peer (the request is retried) and is counted on /metrics. "
+                   "A prefill and a decode instance must agree",
     "kv_load_failure_policy": "when a decode instance's KV load fails: recompute the prompt there (prompts up to "
                               "kv_recompute_max_tokens) or retry on another pair",
     "kv_recompute_max_tokens": "longest prompt (with tokens already streamed) recomputed on the decode instance",
@@ -168,6 +171,7 @@ class ClusterSpec:
     disagg_threshold_tokens: int = 0
     kv_transfer_timeout_s: float = 10.0
     kv_transport: str = "auto"
+    kv_checksum: bool = False  # kvtransfer/checksum.py: a checksum per part, checked on receipt
     kv_load_failure_policy: str = "recompute"
     kv_recompute_max_tokens: int = 512
     heartbeat_ttl_s: float = 5.0

@@ -72,6 +72,7 @@ class DecodeWorker(BaseWorker):
                 "num_preemptions": float(s.num_preemptions), "kv_bytes_received": float(st.get("bytes_received", 0)),
                 "kv_transfer_failures": float(st.get("failed", 0)),
                 "kv_messages_dropped": float(st.get("garbage_messages", 0) + st.get("unknown_requests", 0)),
+                "kv_checksum_mismatches": float(st.get("kv_checksum_mismatches", 0)),
                 "decode_steps": float(self.num_steps),
                 "decode_step_s": self.step_s, "decode_step_seqs": float(self.num_step_seqs),
                 "kv_capacity_tokens": float((self.runner.num_blocks - 1) * self.runner.block_size),

@@ -19,6 +19,8 @@ INSTANCE_GAUGES = {
     "kv_transfer_seconds": ("pdserve_kv_transfer_seconds_total", "seconds spent in acknowledged KV transfers"),
     "kv_transfer_failures": ("pdserve_kv_transfer_failures_total", "failed or rejected KV transfers"),
     "kv_messages_dropped": ("pdserve_kv_messages_dropped_total", "malformed KV control messages or parts for unknown requests"),
+    "kv_checksum_mismatches": ("pdserve_kv_checksum_mismatches_total",
+                               "KV parts whose checksum did not match (--kv-checksum): failed and retried"),
 }
 # router counter -> (metric name, help): every failure path the router handles
 ROUTER_COUNTERS = {

@@ -94,7 +94,8 @@ class KVReceiver(ABC):
     @property
     @abstractmethod
     def stats(self) -> dict[str, int]:
-        """Counters: bytes_received, completed, failed, garbage_messages, unknown_requests, refused_peers, ..."""
+        """Counters: bytes_received, completed, failed, garbage_messages, unknown_requests, refused_peers,
+        kv_checksum_mismatches, ..."""
 
     @abstractmethod
     def close(self) -> None:

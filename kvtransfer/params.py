@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-PROTOCOL_VERSION = 8  # 3: control messages on TCP, payloads alone on the data channel; 4: runs; 5: shared caches;
+PROTOCOL_VERSION = 9  # 3: control messages on TCP, payloads alone on the data channel; 4: runs; 5: shared caches;
 # 6: kv_window (a sliding-window model ships only the tokens its decode can still read); 7: kv_layout (a
-# transfer per KV group, num_layers its slabs); 8: done.more_choices (n > 1: every choice's first token)
+# transfer per KV group, num_layers its slabs); 8: done.more_choices (n > 1: every choice's first token);
+# 9: kv_checksum (done.checksum, kvtransfer/checksum.py)
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,8 @@ class CompatRecord:
     `dtype` is the KV cache's element type ("float8_e4m3fn" for an fp8 cache), which may differ
     from the model's. `num_layers` is the layers one transfer carries: a KV group's (its slabs;
     every layer, with one group), and `kv_layout` the groups' windows and sizes (KVLayout.signature).
+    `kv_checksum`: every part carries a checksum of its payloads, checked on receipt (checksum.py);
+    both ends must agree, since a receiver that checks needs one in every `done`.
     NOTE: fp8 scales are not here because they are 1.0 on every instance (engine/models/llama.py); a
     change that loads them from checkpoints must add them to MUST_MATCH.
     """
@@ -30,13 +33,15 @@ class CompatRecord:
     tp_size: int = 1
     device_type: str = "cpu"
     kv_layout: str = ""  # KVLayout.signature: both ends cut a prompt's KV to the same groups and tokens
+    kv_checksum: bool = False  # done carries a checksum of the part's payloads (--kv-checksum)
     protocol_version: int = PROTOCOL_VERSION
 
     MUST_MATCH = ("protocol_version", "model", "dtype", "num_layers", "num_kv_heads", "head_dim", "device_type",
-                  "kv_layout")
+                  "kv_layout", "kv_checksum")
 
     def __post_init__(self):
         assert self.num_layers > 0 and self.num_kv_heads > 0 and self.head_dim > 0, self
+        assert isinstance(self.kv_checksum, bool), self
 
     def mismatch(self, other: CompatRecord) -> str | None:
         """A readable description of every disagreeing field, or None when compatible."""

@@ -22,6 +22,10 @@ Same device (`share_cache`, shared_cache.py): a sender that opened this cache wr
 layers into its slots itself; a `layer` is answered with a grant (counted like a receive in
 flight, so a cancel waits for the sender's `wrote`), and a grant not written back within
 timeout_s drops the connection.
+
+Checksums (`compat.kv_checksum`, checksum.py): `done` carries the sender's checksum of the part;
+the session's own over what arrived must equal it, or the part fails like one from a lost peer
+(ack {ok: false}, the request reported failed), logged and counted (`kv_checksum_mismatches`).
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ from engine.threads import run_serially
 from kvtransfer import wire
 from kvtransfer.base import CompletedTransfer, KVReceiver
 from kvtransfer.channel import RECEIVER, DataChannel, open_channel
+from kvtransfer.checksum import PartChecksum
 from kvtransfer.control import ControlGarbage, ControlServer
 from kvtransfer.params import CompatRecord
 from kvtransfer.scatter import scatter_layer, scatter_tokens, slot_runs, whole_blocks
@@ -220,7 +225,8 @@ class TorchDistReceiver(KVReceiver):
             else:
                 direct = session.shared or (self.kv_views is None and lo == 0 and n_heads == self.num_local_heads
                                             and len(e.runs) <= MAX_DIRECT_RUNS)
-                part = Part(lo, n_heads, msg["num_tokens"], e.runs if direct else [])
+                part = Part(lo, n_heads, msg["num_tokens"], e.runs if direct else [],
+                            checksum=PartChecksum() if self.compat.kv_checksum else None)
                 session.parts[(rid, msg["head_start"])] = part
                 e.sessions.add(session)
                 e.last_activity = time.monotonic()
@@ -280,6 +286,14 @@ class TorchDistReceiver(KVReceiver):
                 return reply
             if part.layers != msg["num_layers"] or part.layers != self.compat.num_layers:
                 reply["error"] = f"received {part.layers} of {self.compat.num_layers} layers"
+                self._fail(rid, reply["error"])
+                return reply
+            if part.checksum is not None and part.checksum.value != msg["checksum"]:
+                reply["error"] = (f"KV checksum mismatch: received {part.checksum.value:016x}, "
+                                  f"sent {msg['checksum']:016x}")
+                logger.warning("KV from %s: %s of %s (heads from %d)", session.sender_id, reply["error"], rid,
+                               msg["head_start"])
+                self._stats["kv_checksum_mismatches"] += 1
                 self._fail(rid, reply["error"])
                 return reply
             e.parts_done += 1

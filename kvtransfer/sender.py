@@ -13,6 +13,9 @@ A receiver on this rank's device (shared_cache.device_key) offers its cache at t
 the peer opens it and writes each granted span of layers into the request's slots itself, one
 copy and no data channel (docs/disaggregation.md, "Same-device transport"). If the cache
 cannot be opened, the peer says so in the log and joins the data channel instead.
+
+With `compat.kv_checksum` each part's `done` carries a checksum of its payloads (checksum.py),
+taken from the tensors handed to the channel (or written into the shared cache) before they go.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from engine.threads import run_serially
 from kvtransfer import wire
 from kvtransfer.base import IncompatiblePeerError, KVSender, Transfer, TransferError
 from kvtransfer.channel import SENDER, DataChannel, open_channel
+from kvtransfer.checksum import PartChecksum
 from kvtransfer.control import ControlClient
 from kvtransfer.params import CompatRecord, KVEndpoint
 from kvtransfer.shared_cache import SharedCacheWriter, device_key, open_cache
@@ -50,6 +54,7 @@ class _Transfer(Transfer):
         self.target: tuple | None = None  # shared connection: where its tokens go (SharedCacheWriter.target)
         self.posted_before_done = 0  # the peer's payload count when `done` was sent
         self.error: str | None = None
+        self.checksum = PartChecksum() if peer.owner.compat.kv_checksum else None
         self._done = threading.Event()
         # time.monotonic() stamps: begin, finish() called (first token known), acknowledged
         self.begin_s, self.finish_s, self.acked_s = time.monotonic(), None, None
@@ -192,8 +197,8 @@ class _Peer:
         # not waited on: the receiver acks once every payload is in; the next part goes on meanwhile
         self.control.send({"kind": "done", "request_id": t.request_id, "head_start": t.head_start,
                            "num_layers": t.num_layers_sent, "first_token": a, "logprobs": wire.pack_logprobs(b[0]),
-                           "more_choices": [[t, wire.pack_logprobs(lp)] for t, lp in b[1]]},
-                          timeout)
+                           "more_choices": [[tok, wire.pack_logprobs(lp)] for tok, lp in b[1]],
+                           "checksum": None if t.checksum is None else t.checksum.value}, timeout)
         t.posted_before_done = self.posted
         self.unacked.append(t)
 
@@ -230,6 +235,8 @@ class _Peer:
             # one message, or K then V of each run (each a contiguous slice of kv)
             for payload in [kv[k, start:start + length] for start, length in t.runs for k in (0, 1)] or [kv]:
                 payload = payload.view(-1).view(torch.uint8)
+                if t.checksum is not None:  # the source bytes, before they enter the channel
+                    t.checksum.update(payload, event)
                 # posted, not waited on: the next announcement goes out while this payload moves
                 self.inflight.append((self.posted, self.channel.isend(payload, event), payload))
                 self.posted += 1
@@ -251,6 +258,8 @@ class _Peer:
             self.owner.count("parts_rejected")
             return t.fail(f"receiver rejected {t.request_id}: unknown or cancelled request")
         for layer, (kv, event) in zip(layers, payloads):
+            if t.checksum is not None:  # K then V of the part's tokens: what the receiver reads back
+                t.checksum.update(kv, event)
             self.shared.write(layer, t.target, kv, event, t.head_start)
         self.shared.settle(timeout)
         self.control.send(announce | {"kind": "wrote"}, timeout)

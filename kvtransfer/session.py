@@ -2,7 +2,12 @@
 in order on the connection's thread, and its data channel. A layer's receives are posted at once;
 a writer thread waits for them (and scatters a buffer into the request's slots) while later
 layers arrive, at most RECEIVE_DEPTH layers or spans in flight. A shared connection (same
-device) has no data channel: its sender writes granted layers into the cache itself."""
+device) has no data channel: its sender writes granted layers into the cache itself.
+
+With checksums (`compat.kv_checksum`) each part hashes what arrived in the order it crossed: a
+scattered layer's buffer, or, for layers received straight into the cache, the runs' slots read
+back once they landed; for layers a same-device sender wrote, the part's slots read back at
+`wrote`, K then V of every token. `done` compares (receiver.py)."""
 from __future__ import annotations
 
 import logging
@@ -16,6 +21,8 @@ import torch
 
 from kvtransfer import wire
 from kvtransfer.channel import ChannelError, DataChannel
+from kvtransfer.checksum import PartChecksum
+from kvtransfer.scatter import as_bytes
 from kvtransfer.control import ControlError, ControlGarbage
 
 if TYPE_CHECKING:
@@ -25,6 +32,7 @@ logger = logging.getLogger(__name__)
 # Layers (or announced spans, received straight into the cache) posted and not yet written, per
 # connection; each scattered one holds a buffer of its size. 4 measured faster than 2 (8: no better).
 RECEIVE_DEPTH = 4
+FEW_RUNS = 4  # a same-device part's slots hashed run by run up to this many runs; more are gathered first
 
 
 @dataclass
@@ -34,6 +42,7 @@ class Part:
     num_tokens: int
     runs: list[tuple[int, int, int]]  # received straight into the cache; [] to scatter
     layers: int = 0
+    checksum: PartChecksum | None = None  # of what arrived so far (kv_checksum on)
 
 
 class Session:
@@ -77,6 +86,9 @@ class Session:
             return self._grant(msg, part) if self.shared else self._layer(msg, part)
         if kind == "wrote":
             return self._wrote(msg, part)
+        if (msg["checksum"] is None) != (part.checksum is None):
+            raise ControlGarbage(f"done {'with' if part.checksum is None else 'without'} a checksum, "
+                                 f"kv_checksum is {part.checksum is not None} here")
         self._written()
         del self.parts[(msg["request_id"], msg["head_start"])]
         return self.rx.on_done(self, msg, part)
@@ -120,6 +132,8 @@ class Session:
         if not self.granted or {k: self.granted[0][0][k] for k in msg} != msg | {"kind": "layer"}:
             raise ControlGarbage(f"wrote {msg} without a grant of those layers")
         _, _, e, _ = self.granted.popleft()
+        if e is not None and part.checksum is not None:
+            self._hash_written(msg, part, e)
         num_bytes = msg["count"] * wire.payload_bytes(part.num_tokens, part.num_heads, self.rx.compat.head_dim,
                                                       self.rx.kv_cache.dtype)
         self.rx.on_received(msg["request_id"], part, e, msg["count"], num_bytes)
@@ -138,7 +152,36 @@ class Session:
         except ChannelError as exc:  # the pair is aborted (the channel already is); the sender rebuilds it
             self._payload_failed(msg, exc)
         self.activity = time.monotonic()
+        if part.checksum is not None:
+            with self.channel.writing():  # CUDA: the receive ran on the channel's stream
+                part.checksum.update(payload)
         self.rx.write_part(self, msg["request_id"], layer, part, payload)
+
+    def _hash_landed(self, msg: dict, part: Part) -> None:
+        """Adds the announced layers' bytes to the part's checksum, read back from the slots they
+        were received into: K, then V, of each run, the order they crossed (as `_post_direct`
+        posted them; such a part has all of the rank's heads)."""
+        rx = self.rx
+        with self.channel.writing():  # CUDA: the receives ran on the channel's stream
+            for layer in range(msg["layer"], msg["layer"] + msg["count"]):
+                cache = rx.kv_cache[layer].view(2, rx.num_slots, -1)  # (2, slots, heads * head_dim)
+                for _, length, slot in part.runs:
+                    for k in (0, 1):
+                        part.checksum.update(cache[k, slot:slot + length])
+
+    def _hash_written(self, msg: dict, part: Part, e: Expected) -> None:
+        """Shared: adds the layers a same-device sender wrote to the part's checksum, read back from
+        the request's slots as the sender held them, K then V of every token: run by run for a
+        few runs, else after one gather a layer (a hash call per run cost more, measured)."""
+        rx, heads = self.rx, slice(part.lo, part.lo + part.num_heads)
+        for layer in range(msg["layer"], msg["layer"] + msg["count"]):
+            cache = as_bytes(rx.kv_cache[layer]).view(2, rx.num_slots, rx.num_local_heads, -1)
+            if len(part.runs) > FEW_RUNS:
+                part.checksum.update(cache[:, e.slots, heads])  # (2, tokens, heads, hd)
+                continue
+            for k in (0, 1):
+                for _, length, slot in part.runs:
+                    part.checksum.update(cache[k, slot:slot + length, heads])
 
     def _next_write(self) -> int:
         """The write slot to use next, once the write it held before is done."""
@@ -171,6 +214,8 @@ class Session:
                 self.channel.wait(handle, self.rx.timeout_s)
             except ChannelError as exc:
                 error = error or exc
+        if error is None and e is not None and part.checksum is not None:  # before cancel() may free them
+            self._hash_landed(msg, part)
         num_bytes = msg["count"] * wire.payload_bytes(part.num_tokens, part.num_heads, self.rx.compat.head_dim,
                                                       self.rx.kv_cache.dtype)
         self.rx.on_received(msg["request_id"], part, e, msg["count"] if error is None else 0, num_bytes)

@@ -14,7 +14,8 @@ the handshake. Sender -> receiver, with the receiver's answer:
                                                            message, (2, tokens, heads, head_dim);
                                                            else per run [start, length]: K[start:start+length],
                                                            then V[start:start+length], each a message
-    done   {request_id, head_start, num_layers, first_token, logprobs, more_choices} -> ack {request_id, ok, error}
+    done   {request_id, head_start, num_layers, first_token, logprobs, more_choices, checksum}
+                                                        -> ack {request_id, ok, error}
 
 On a shared connection (same device: `cache` describes the receiver's cache, shared_cache.py)
 no payload moves on a data channel; the sender writes the receiver's slots itself:
@@ -35,6 +36,12 @@ scatters it). On a shared connection `runs` always tile the part and `slots` hol
 first slot in the receiver's cache ([] on other connections).
 logprobs: None, or the first token's [[token_id, logprob], ...] (sampled token first).
 more_choices: [] or, for n > 1 choices of one prompt, the others' [first_token, logprobs or nil].
+checksum: with `kv_checksum` in both ends' CompatRecord (--kv-checksum), the part's xxh3_64
+(checksum.py) over its payload bytes in the order they cross: per announced layer, the one
+message, or K then V of each run; on a shared connection, per layer, the bytes written as the
+sender held them, (2, tokens, heads, head_dim), which the receiver reads back from its slots.
+nil without kv_checksum; either way round is a malformed message. A mismatch fails the part:
+ack {ok: false}.
 """
 from __future__ import annotations
 
@@ -52,7 +59,7 @@ SCHEMA: dict[str, dict[str, type | tuple]] = {
     "grant": {"request_id": str, "head_start": int, "ok": bool},
     "wrote": {"request_id": str, "head_start": int, "layer": int, "count": int},
     "done": {"request_id": str, "head_start": int, "num_layers": int, "first_token": int,
-             "logprobs": (list, _NONE), "more_choices": list},
+             "logprobs": (list, _NONE), "more_choices": list, "checksum": (int, _NONE)},
     "ack": {"request_id": str, "ok": bool, "error": (str, _NONE)},
 }
 
@@ -77,11 +84,17 @@ def check_message(msg, schema: dict[str, dict[str, type | tuple]]) -> dict:
         raise WireError("done.logprobs is not a list of [token_id, logprob] pairs")
     if msg["kind"] == "done" and not all(_is_choice(c) for c in msg["more_choices"]):
         raise WireError("done.more_choices is not a list of [token_id, logprobs or nil]")
+    if msg["kind"] == "done" and msg["checksum"] is not None and not _is_u64(msg["checksum"]):
+        raise WireError("done.checksum is not an unsigned 64-bit int")
     if msg["kind"] == "ready" and not all(_is_run(run) for run in msg["runs"]):
         raise WireError("ready.runs is not a list of [start, length] pairs")
     if msg["kind"] == "ready" and not all(type(slot) is int and slot >= 0 for slot in msg["slots"]):
         raise WireError("ready.slots is not a list of slots")
     return msg
+
+
+def _is_u64(value) -> bool:
+    return type(value) is int and 0 <= value < 2**64
 
 
 def _is_run(run) -> bool:

@@ -286,7 +286,8 @@ class Controller(Adoption, RankSetup):
     def _create_local(self, role: str, iid: str) -> Instance:
         from cluster.ranks.rank import RankHost
         host = RankHost(self.spec.engine_config(role), role, iid, kv_timeout_s=self.spec.kv_transfer_timeout_s,
-                        client_ttl_s=self.spec.client_ttl_s, kv_same_device=self._kv_same_device(False))
+                        client_ttl_s=self.spec.client_ttl_s, kv_same_device=self._kv_same_device(False),
+                        kv_checksum=self.spec.kv_checksum)
         ep = host.kv_endpoint()
         info = InstanceInfo(iid, role, 1, (ep,) if ep else (), max_model_len=host.max_model_len,
                             block_size=host.block_size, engine=host.engine)
@@ -327,7 +328,7 @@ class Controller(Adoption, RankSetup):
                 lifetime="detached" if self.detached else None, runtime_env=self._rank_runtime_env,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote(
                 config, role, iid, r, tp, self.spec.kv_transfer_timeout_s, self.log_level, not self.multihost,
-                self.spec.client_ttl_s, self._kv_same_device(gpu), cpu_plans[r]))
+                self.spec.client_ttl_s, self._kv_same_device(gpu), cpu_plans[r], kv_checksum=self.spec.kv_checksum))
         start = time.monotonic()
         placements = ray.get([a.placement.remote() for a in actors], timeout=300)
         address = ray.get(actors[0].rendezvous_address.remote()) if tp > 1 else None

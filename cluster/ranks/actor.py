@@ -38,15 +38,18 @@ class _Followers:
 class RankActor:
     def __init__(self, config: EngineConfig, role: str, instance_id: str, rank: int, tp_size: int,
                  kv_timeout_s: float, log_level: str = "INFO", loopback: bool = False, client_ttl_s: float = 30.0,
-                 kv_same_device: bool = True, cpu: cpu_plan.RankCpuPlan = cpu_plan.RankCpuPlan()):
+                 kv_same_device: bool = True, cpu: cpu_plan.RankCpuPlan = cpu_plan.RankCpuPlan(),
+                 kv_checksum: bool = False):
         """`loopback`: the driver started Ray on this one host; bind 127.0.0.1. `kv_same_device`:
         the spec's kv_transport is auto (KV within one device is written into the decode cache).
-        `cpu`: this process's niceness and cores, applied before the rank's threads start."""
+        `cpu`: this process's niceness and cores, applied before the rank's threads start.
+        `kv_checksum`: the spec's (every KV part carries a checksum, checked on receipt)."""
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._cpu = cpu
         cpu_plan.apply(cpu)
         self._args = (config, role, instance_id, rank, tp_size)
         self._kv_timeout_s, self._client_ttl_s, self._kv_same_device = kv_timeout_s, client_ttl_s, kv_same_device
+        self._kv_checksum = kv_checksum
         self._host_name = node_address(loopback)
         self._ifname = set_socket_ifnames(self._host_name)  # before any process group: gloo/NCCL read them once
         self.host: RankHost | None = None
@@ -91,7 +94,7 @@ class RankActor:
         config, role, instance_id, rank, tp_size = self._args
         self.host = RankHost(config, role, instance_id, rank, tp_size, tp_address, self._host_name, self._kv_timeout_s,
                              on_loop_death=lambda: os._exit(1), client_ttl_s=self._client_ttl_s,
-                             kv_same_device=self._kv_same_device)
+                             kv_same_device=self._kv_same_device, kv_checksum=self._kv_checksum)
         cpu_plan.set_niceness(self._cpu.niceness)  # threads Ray started meanwhile, too
         return self.host.kv_endpoint()
 

@@ -64,11 +64,12 @@ class RankHost:
     def __init__(self, config: EngineConfig, role: str, instance_id: str, rank: int = 0, tp_size: int = 1,
                  tp_address: str | None = None, host: str = "127.0.0.1", kv_timeout_s: float = 10.0,
                  model_config=None, weights=None, on_loop_death=None, client_ttl_s: float = 30.0,
-                 kv_same_device: bool = True):
+                 kv_same_device: bool = True, kv_checksum: bool = False):
         """`on_loop_death`: called if the step loop dies (a Ray actor exits, so the instance is
         seen dead and its requests retried elsewhere, instead of hanging alive but idle).
         `kv_same_device`: KV between ranks on one device is written straight into the decode
-        cache (the spec's kv_transport "auto"); False: always over the data channel ("torch")."""
+        cache (the spec's kv_transport "auto"); False: always over the data channel ("torch").
+        `kv_checksum`: every KV part carries a checksum, checked on receipt (the spec's kv_checksum)."""
         self.role, self.instance_id, self.rank, self.host = role, instance_id, rank, host
         self.on_loop_death = on_loop_death
         self.sender = self.receiver = None
@@ -84,7 +85,7 @@ class RankHost:
         def build_then_loop():
             try:
                 self._build(config, role, instance_id, rank, tp_size, tp_address, host, kv_timeout_s, model_config,
-                            weights, client_ttl_s, kv_same_device)
+                            weights, client_ttl_s, kv_same_device, kv_checksum)
                 built.append(None)
             except BaseException as exc:  # raised again on the caller's thread
                 built.append(exc)
@@ -99,7 +100,7 @@ class RankHost:
             raise built[0]
 
     def _build(self, config, role, instance_id, rank, tp_size, tp_address, host, kv_timeout_s, model_config,
-               weights, client_ttl_s, kv_same_device) -> None:
+               weights, client_ttl_s, kv_same_device, kv_checksum) -> None:
         """The model runner (joining the TP group), the KV transport end and the worker."""
         tp = join_tp_group(select_device(config.device), rank, tp_size, tp_address) if tp_size > 1 else TPGroup()
         self.runner = ModelRunner(config, tp, model_config=model_config, weights=weights)
@@ -108,7 +109,7 @@ class RankHost:
         compat = CompatRecord(model=mc.name, dtype=str(self.runner.kv_dtype).removeprefix("torch."),
                               num_layers=mc.kv_layout.num_slabs, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                               block_size=self.runner.block_size, tp_size=tp_size, device_type=self.runner.device.type,
-                              kv_layout=mc.kv_layout.signature)
+                              kv_layout=mc.kv_layout.signature, kv_checksum=kv_checksum)
         backend = self.runner.backend
         kv_views = None
         if backend.own_kv_layout and role in ("prefill", "decode"):  # the transfer reads and writes through them

@@ -83,6 +83,15 @@ def test_kv_cache_dtype_reaches_every_role():
         parse(["--kv-cache-dtype", "int8"])
 
 
+def test_kv_checksum_is_off_by_default_and_a_flag():
+    """kv_checksum: off by default; --kv-checksum / --no-kv-checksum set it; a non-bool is refused."""
+    assert ClusterSpec().kv_checksum is False
+    assert ClusterSpec.from_args(parse(["--kv-checksum"])).kv_checksum is True
+    assert ClusterSpec.from_args(parse(["--no-kv-checksum"])).kv_checksum is False
+    with pytest.raises(ValueError, match="kv_checksum"):
+        ClusterSpec(kv_checksum="yes")
+
+
 def test_colocated_mode_counts():
     """Colocated mode runs num_decode colocated instances; num_prefill may be 0 there."""
     spec = ClusterSpec(mode="colocated", num_prefill=0, num_decode=3)

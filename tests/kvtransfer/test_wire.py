@@ -11,7 +11,7 @@ from kvtransfer.control import MAX_MESSAGE_BYTES
 
 def done(**kw) -> dict:
     return {"kind": "done", "request_id": "r", "head_start": 0, "num_layers": 30, "first_token": 5,
-            "logprobs": None, "more_choices": [], **kw}
+            "logprobs": None, "more_choices": [], "checksum": None, **kw}
 
 
 def test_largest_done_message_round_trips():
@@ -48,5 +48,27 @@ def test_malformed_logprobs_refused(logprobs):
                                  {"kind": "layer", "request_id": "r", "head_start": 0, "layer": True, "count": 1},
                                  {"kind": "nope"}, [1, 2], "layer"])
 def test_messages_of_other_shapes_refused(msg):
+    with pytest.raises(wire.WireError):
+        wire.check_message(msg, wire.SCHEMA)
+
+
+@pytest.mark.parametrize("checksum", [0, 2**64 - 1, 0x9E3779B97F4A7C15])
+def test_done_checksum_round_trips(checksum):
+    """Any unsigned 64-bit checksum (xxh3_64's range) crosses msgpack and the schema unchanged."""
+    msg = done(checksum=checksum)
+    assert wire.check_message(msgpack.unpackb(msgpack.packb(msg)), wire.SCHEMA) == msg
+
+
+@pytest.mark.parametrize("checksum", [-1, 2**64, True, 1.0, "00ff", [1]])
+def test_malformed_checksum_refused(checksum):
+    """A checksum that is not an unsigned 64-bit int (a bool is none) is a malformed message."""
+    with pytest.raises(wire.WireError):
+        wire.check_message(done(checksum=checksum), wire.SCHEMA)
+
+
+def test_done_without_the_checksum_field_refused():
+    """`checksum` is always present (nil without kv_checksum): a done lacking it is malformed."""
+    msg = done()
+    del msg["checksum"]
     with pytest.raises(wire.WireError):
         wire.check_message(msg, wire.SCHEMA)
