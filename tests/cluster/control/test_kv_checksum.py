@@ -14,10 +14,10 @@ import time
 import pytest
 from prometheus_client import generate_latest
 
-from cluster.cluster import Cluster
+from cluster.control.cluster import Cluster
 from engine.request import SamplingParams
 from gateway.metrics import GatewayMetrics
-from tests.cluster.test_inprocess_pd import spec_for
+from tests.cluster.control.test_inprocess_pd import spec_for
 from tests.helpers import assert_logprobs_close, random_prompts
 from tests.kvtransfer.faults import corrupt_in_flight
 
