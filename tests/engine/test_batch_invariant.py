@@ -9,22 +9,27 @@ import torch.nn.functional as F
 from decode_worker.llm import LLM
 from engine import batch_invariant
 from engine.batch_invariant import fixed_split_attention, fixed_split_decode, tiled_linear
+from engine.quant.base import mkldnn_packing_available
 from engine.request import SamplingParams
 from tests.helpers import all_logits, make_hf_tiny_llama, random_prompts, tiny_engine
 
 
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not mkldnn_packing_available(torch.float32), reason="oneDNN weight packing: not in this torch build"))])
 @pytest.mark.parametrize("k,n", [(64, 96), (576, 1536), (1536, 576)])
-def test_tiled_linear_rows_do_not_depend_on_the_batch(k, n):
+def test_tiled_linear_rows_do_not_depend_on_the_batch(k, n, packed):
     """A row's output is the same alone, among 40, at any place in its tile, and a column shard (a
-    TP rank's) gives exactly its columns of the whole; it is x W^T + b up to rounding."""
+    TP rank's) gives exactly its columns of the whole; it is x W^T + b up to rounding. Both
+    kernels: the batched matmul and oneDNN's prepacked one."""
     torch.manual_seed(0)
     w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(40, k)
-    whole = tiled_linear(x, w, b)
+    pack = (lambda t: torch.ops.mkldnn._reorder_linear_weight(t)) if packed else (lambda t: None)
+    whole = tiled_linear(x, w, b, pack(w))
     torch.testing.assert_close(whole, F.linear(x, w, b), rtol=1e-4, atol=1e-3)
     for start, m in ((0, 1), (5, 1), (3, 17), (7, 33)):
-        assert torch.equal(tiled_linear(x[start:start + m], w, b), whole[start:start + m]), (start, m)
-    third = n // 3
-    assert torch.equal(tiled_linear(x, w[third:2 * third], b[third:2 * third]), whole[:, third:2 * third])
+        assert torch.equal(tiled_linear(x[start:start + m], w, b, pack(w)), whole[start:start + m]), (start, m)
+    third = slice(n // 3, 2 * n // 3)
+    assert torch.equal(tiled_linear(x, w[third], b[third], pack(w[third].contiguous())), whole[:, third])
 
 
 def reference_attention(q, k, v, scale, window=None, softcap=None):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.exactness.matrix import Case, mismatches, pairwise_cases, reference, serve
+from cluster.control.cluster import Cluster
+from tests.exactness.matrix import Case, mismatches, pairwise_cases, reference, serve, spec_of
+from tests.kvtransfer.faults import corrupt_in_flight
 
 pytestmark = pytest.mark.timeout(300)
 CASES = pairwise_cases()
@@ -36,3 +38,33 @@ def test_case_equals_colocated(case: Case, model, references, request):
     # how often the small pool preempted depends on how the requests interleave (none, one at a
     # time); tests/engine/test_batch_invariant.py forces preemptions and checks them bit for bit
     request.node.user_properties.append(("preemptions", counts["preemptions"]))
+
+
+CONTROL = Case(layout="1P1D", n3=False, structured=False)  # one request at a time: the first part is p0's
+
+
+def test_one_corrupted_element_is_reported(model, references):
+    """The negative control: one element of one layer's K altered on the wire (tests/kvtransfer/
+    faults.py), nothing else changed; the matrix reports that request as a mismatch."""
+    with corrupt_in_flight(layer=1, times=1) as fault:
+        got = serve(CONTROL, model)
+    assert len(fault.altered) == 1
+    found = mismatches(got, references["auto"])
+    assert len(found) == 1 and found[0].startswith("p0[0]: "), found
+
+
+def test_kv_checksums_catch_it_and_the_retry_is_exact(model, references):
+    """The same corruption with --kv-checksum: detected on receipt, the request retried, every
+    output equal to the reference bit for bit, the mismatch counted on the decode instance."""
+    counts = {}
+    with corrupt_in_flight(layer=1, times=1) as fault:
+        cluster = Cluster(spec_of(CONTROL, model, kv_checksum=True), use_ray=False).start()
+        try:
+            got = serve(CONTROL, model, cluster=cluster)
+            counts = cluster.instances["decode-0"].client.load()
+            retried = cluster.router.stats["retries"] + cluster.router.stats["kv_recomputes"]
+        finally:
+            cluster.shutdown()
+    assert len(fault.altered) == 1
+    assert mismatches(got, references["auto"]) == []
+    assert counts["kv_checksum_mismatches"] == 1 and retried >= 1, (counts, retried)
