@@ -29,6 +29,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--threads", type=int, default=None, help="torch threads on CPU")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="tokens and logprobs independent of batch, chunking and layout (docs/exactness.md)")
     g = p.add_argument_group("cluster", "any of these runs the prompt through a cluster of Ray actors")
     g.add_argument("--prefill", type=int, default=None, help="prefill instances")
     g.add_argument("--decode", type=int, default=None, help="decode (or colocated) instances")
@@ -49,7 +51,7 @@ def _cluster_spec(args):
     return ClusterSpec(model=args.model, dtype=args.dtype, num_prefill=1 if args.prefill is None else args.prefill,
                        num_decode=args.decode or 1, decode_tp=tp, prefill_tp=args.prefill_tp or tp,
                        mode=args.mode or "disaggregated", num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
-                       quantization=args.quantization)
+                       quantization=args.quantization, batch_invariant=args.batch_invariant)
 
 
 def _generate_on_cluster(spec, args, params) -> dict:
@@ -81,7 +83,7 @@ def cmd_generate(args) -> int:
         result = _generate_on_cluster(spec, args, params)
     else:
         llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
-                  quantization=args.quantization)
+                  quantization=args.quantization, batch_invariant=args.batch_invariant)
         out = llm.generate([args.prompt], params, chat=args.chat)[0]
         result = {"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
                   "finish_reason": out.finish_reason, "ttft_s": out.ttft_s, "tokens_per_s": out.tokens_per_s}

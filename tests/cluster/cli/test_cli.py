@@ -31,6 +31,18 @@ def test_generate_kv_cache_dtype_flag():
         parse("--kv-cache-dtype", "int8")
 
 
+def test_batch_invariant_flag_reaches_both_paths():
+    """`--batch-invariant` reaches the cluster spec and the serve flags; a quantization it cannot run
+    is refused in one line naming both."""
+    parse = lambda *a: build_parser().parse_args(["generate", "hi", *a])  # noqa: E731
+    assert not parse().batch_invariant
+    assert _cluster_spec(parse("--decode", "1", "--batch-invariant")).batch_invariant
+    serve = build_parser().parse_args(["serve", "--batch-invariant"])
+    assert serve.batch_invariant
+    with pytest.raises(ValueError, match="^batch_invariant runs unquantized weights; quantization int8 cannot run"):
+        _cluster_spec(parse("--decode", "1", "--batch-invariant", "--quantization", "int8"))
+
+
 @pytest.mark.parametrize("command", ["generate", "serve", "controller", "gateway", "bench", "status"])
 def test_help_renders(command, capsys):
     """Every subcommand's --help prints (a stray % in a help string makes argparse crash)."""
