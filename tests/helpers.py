@@ -1,6 +1,7 @@
 """Factories shared by the tests: tiny random Llama models and engines over them."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from pathlib import Path
@@ -84,6 +85,19 @@ def save_tiny(path: Path, family: str = "llama", seed: int = 0, **overrides) -> 
     """Writes a tiny random model of `family` (make_hf_tiny) as a HF safetensors folder; returns it."""
     make_hf_tiny(family, seed, **overrides).save_pretrained(path, safe_serialization=True)
     return path
+
+
+@contextlib.contextmanager
+def local_ray():
+    """A local Ray for a fixture's scope, token auth on (a fresh token, nothing written to ~/.ray)."""
+    from cluster.control.instance import setup_ray_auth
+    setup_ray_auth()
+    import ray
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def engine_config(dtype: str = "float32", num_blocks: int = 256, block_size: int = 16,

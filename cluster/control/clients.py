@@ -7,12 +7,11 @@ from __future__ import annotations
 from router.client import DecodeClient, InstanceDeadError, InstanceInfo, PrefillClient
 
 
-class LocalPrefillClient(PrefillClient):
+class _LocalClient:
+    """What both in-process clients do: hand the call to the worker."""
+
     def __init__(self, info: InstanceInfo, worker):
         self.info, self.worker = info, worker
-
-    def submit(self, msg, params):
-        self.worker.submit(msg, params)
 
     def poll_outputs(self, timeout, client_id=""):
         return self.worker.poll_outputs(timeout, client_id)
@@ -24,24 +23,17 @@ class LocalPrefillClient(PrefillClient):
         return self.worker.load()
 
 
-class LocalDecodeClient(DecodeClient):
-    def __init__(self, info: InstanceInfo, worker):
-        self.info, self.worker = info, worker
+class LocalPrefillClient(_LocalClient, PrefillClient):
+    def submit(self, msg, params):
+        self.worker.submit(msg, params)
 
+
+class LocalDecodeClient(_LocalClient, DecodeClient):
     def reserve(self, msg, prefill_tp):
         return self.worker.reserve(msg, prefill_tp)
 
     def add_request(self, msg):
         self.worker.add_request(msg)
-
-    def poll_outputs(self, timeout, client_id=""):
-        return self.worker.poll_outputs(timeout, client_id)
-
-    def abort(self, request_id):
-        self.worker.abort(request_id)
-
-    def load(self):
-        return self.worker.load()
 
 
 class _RayClient:

@@ -3,18 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.control.cluster import setup_ray_auth
-from tests.helpers import save_tiny_llama
+from tests.helpers import local_ray, save_tiny_llama
 
 
 @pytest.fixture(scope="module")
 def ray_session():
-    """One local Ray for the module, token auth on (a fresh token, nothing written to ~/.ray)."""
-    setup_ray_auth()
-    import ray
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    yield
-    ray.shutdown()
+    """One local Ray for the module (tests.helpers.local_ray)."""
+    with local_ray():
+        yield
 
 
 @pytest.fixture(scope="module")

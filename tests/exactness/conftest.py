@@ -6,19 +6,15 @@ import json
 
 import pytest
 
-from cluster.control.cluster import setup_ray_auth
 from engine.tokenizer import Tokenizer
-from tests.helpers import save_tiny_llama
+from tests.helpers import local_ray, save_tiny_llama
 
 
 @pytest.fixture(scope="package")
 def ray_session():
-    """One local Ray, token auth on (a fresh token, nothing written to ~/.ray)."""
-    setup_ray_auth()
-    import ray
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    yield
-    ray.shutdown()
+    """One local Ray for the package (tests.helpers.local_ray)."""
+    with local_ray():
+        yield
 
 
 @pytest.fixture(scope="package")
