@@ -69,7 +69,7 @@ class BatchInvariantLinearMethod(UnquantizedLinearMethod):
     `replicates_row_parallel`)."""
 
     name = "batch_invariant"
-    replicates_row_parallel = True
+    replicates_row_parallel = True  # engine/parallel.py: RowParallelLinear
 
     def apply(self, layer, x, bias) -> torch.Tensor:
         return tiled_linear(x, layer.weight, bias, getattr(layer, "packed", None))

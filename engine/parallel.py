@@ -56,7 +56,6 @@ class TPGroup:
         dist.gather(x, parts, dst=dist.get_global_rank(self.group, 0), group=self.group)
         return torch.cat(parts, dim=dim) if self.rank == 0 else None
 
-
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's `x` concatenated along `dim` in rank order, on every rank."""
         if self.size == 1:
@@ -193,7 +192,7 @@ class RowParallelLinear(LinearBase):
                  linear_method: BaseLinearMethod | None = None):
         self.tp = tp
         self.input_size_per_rank = _divide(input_size, tp.size)
-        self.replicated = getattr(linear_method, "replicates_row_parallel", False)
+        self.replicated = linear_method is not None and linear_method.replicates_row_parallel
         super().__init__(input_size if self.replicated else self.input_size_per_rank, output_size, linear_method)
         self.bias = None
         if bias:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.base import AttentionMetadata, BaseAttentionBackend, gather_kv, write_kv
-from engine.attention.torch_backend import context_slots
+from engine.attention.torch_backend import _gather_rows, context_slots
 from engine.batch_invariant import fixed_split_attention, fixed_split_decode
 
 
@@ -40,8 +40,8 @@ class BatchInvariantAttentionBackend(BaseAttentionBackend):
         if self._decode is not None:
             ids, lengths = self._decode
             nd = lengths.shape[0]
-            keys, values = (gather_kv(kv_cache[i], ids, q.dtype, scale_).view(nd, -1, num_kv_heads, head_dim)
-                            for i, scale_ in ((0, k_scale), (1, v_scale)))
+            keys, values = (t.view(nd, -1, num_kv_heads, head_dim)
+                            for t in _gather_rows(kv_cache, ids, nd, q.dtype, k_scale, v_scale))
             out[:nd] = fixed_split_decode(q[:nd], keys, values, lengths, scale, window, softcap)
         flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
         for start, q_len, slots in self._prefills:

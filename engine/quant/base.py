@@ -28,6 +28,9 @@ class BaseLinearMethod(ABC):
     keeps itself (e.g. the kernel chosen per batch size) is shared by all of them."""
 
     name: str = "base"
+    # True: a row-parallel layer keeps its whole weight on every rank and gathers its input
+    # (engine/parallel.py), instead of summing the ranks' partial products (the batch-invariant method)
+    replicates_row_parallel: bool = False
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int,
