@@ -42,9 +42,15 @@ logger = logging.getLogger(__name__)
 
 
 def select_device(name: str) -> torch.device:
+    """`auto`: CUDA where a device is visible, else the CPU. A CUDA device always carries its index
+    (`cuda` alone: this process's current device, the one Ray's CUDA_VISIBLE_DEVICES leaves it):
+    torch.cuda.set_device and init_process_group(device_id=...) refuse a device without one."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 @dataclass

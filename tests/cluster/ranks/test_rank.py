@@ -59,3 +59,25 @@ def test_a_failed_build_raises_in_the_caller(tmp_path):
     with pytest.raises((ValueError, FileNotFoundError)):
         RankHost(_config(str(tmp_path / "no-such-model")), "colocated", "colocated-0")
     assert threading.active_count() == before
+
+
+def test_a_cuda_rank_joins_its_tp_group_on_an_indexed_device(monkeypatch):
+    """On a GPU host `auto` names this process's current device with its index: torch's own
+    set_device (its index check runs; only the driver call is faked) and init_process_group's
+    `device_id` refuse a bare `cuda`. CPU runs take the gloo branch, so only fakes show it here."""
+    import torch
+    import torch.distributed as dist
+    from engine.model_runner import select_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    calls = {}
+    monkeypatch.setattr(torch._C, "_cuda_setDevice", lambda index: calls.setdefault("set_device", index), raising=False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.setdefault("init", (backend, kw)))
+    monkeypatch.setattr(dist, "new_group", lambda **kw: "control")
+
+    tp = rank_module.join_tp_group(select_device("auto"), 0, 2, "127.0.0.1:1")
+
+    backend, kw = calls["init"]
+    assert (calls["set_device"], backend, kw["device_id"]) == (3, "nccl", torch.device("cuda", 3))
+    assert tp.device == torch.device("cuda", 3)
+    assert select_device("cuda:1") == torch.device("cuda", 1) and select_device("cpu") == torch.device("cpu")
