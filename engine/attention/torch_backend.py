@@ -3,7 +3,8 @@
 Decodes (query length 1) run batched: their context blocks are gathered whole (one
 `index_select` of block rows, far cheaper than gathering slot by slot) into a padded
 `(num_decodes, max_ctx, num_kv_heads * head_dim)` tensor, viewed per KV head, and attended by one
-scaled_dot_product_attention in float32 over a -inf padding bias (GQA by `enable_gqa`). Each
+scaled_dot_product_attention in float32 over a -inf padding bias (GQA by `enable_gqa`; on a GPU
+in the model dtype with each KV head's query heads as one query's rows: `_decode_sdpa`). Each
 prefill (or prefill chunk) runs as its own scaled_dot_product_attention call in the model dtype,
 with a causal mask shifted by its cached context.
 
@@ -109,6 +110,7 @@ def context_slots(block_table: torch.Tensor, num_positions: int, block_size: int
 
 class TorchAttentionBackend(BaseAttentionBackend):
     name = "torch"
+    GROUPED_DECODE_DEVICES = ("cuda",)  # device types whose decode SDPA views query heads per KV head (_decode_sdpa)
 
     def __init__(self):
         self._decode: _DecodePlan | None = None
@@ -208,14 +210,29 @@ class TorchAttentionBackend(BaseAttentionBackend):
         out = torch.bmm(scores.softmax(-1).to(q.dtype), v) * mask  # (rows, heads, kv_heads * hd)
         return out[:nd].view(nd, num_heads, num_kv_heads, head_dim).sum(2)
 
-    @staticmethod
-    def _decode_sdpa(q, k, v, num_kv_heads, scale, bias, softcap=None):
-        """q: (nd, heads, head_dim); k, v: (nd, max_ctx, kv_heads * head_dim) -> (nd, heads, head_dim)."""
+    @classmethod
+    def _decode_sdpa(cls, q, k, v, num_kv_heads, scale, bias, softcap=None):
+        """q: (nd, heads, head_dim); k, v: (nd, max_ctx, kv_heads * head_dim) -> (nd, heads, head_dim).
+
+        On a GPU, and with soft-capping anywhere, each KV head's group of query heads attends as the
+        rows of one query, (nd, kv_heads, group, head_dim) against (nd, kv_heads, max_ctx,
+        head_dim), so that no kernel repeats K/V per query head (SDPA's GQA under a mask takes the
+        math kernel, which does: GiBs a layer at an 8B shape's decode batch), and on a GPU in the
+        model's dtype, so that SDPA's memory-efficient kernel runs. On a CPU, SDPA's own GQA in
+        float32: there the grouped view measured 1.1-1.2x slower at batches 1 to 32 over 256
+        positions (SmolLM2's 9 on 3 heads; 0.92x at batch 8 over 1024), BENCHMARKS.md, issue 31."""
         nd, num_heads, head_dim = q.shape
-        kh = k.float().view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)  # (nd, kv_heads, max_ctx, hd)
-        vh = v.float().view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-        o = _attention(q.float().unsqueeze(2), kh, vh, bias.unsqueeze(1), scale, softcap)  # (nd, heads, 1, hd)
-        return o.squeeze(2).to(q.dtype)
+        if softcap is None and q.device.type not in cls.GROUPED_DECODE_DEVICES:
+            kh = k.float().view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)  # (nd, kv_heads, max_ctx, hd)
+            vh = v.float().view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+            o = _attention(q.float().unsqueeze(2), kh, vh, bias.unsqueeze(1), scale, None)  # (nd, heads, 1, hd)
+            return o.squeeze(2).to(q.dtype)
+        dtype = q.dtype if q.device.type == "cuda" else torch.float32
+        qg = q.to(dtype).view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        kh = k.to(dtype).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        vh = v.to(dtype).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        o = _attention(qg, kh, vh, bias.to(dtype).unsqueeze(1), scale, softcap)  # (nd, kv_heads, group, hd)
+        return o.reshape(nd, num_heads, head_dim).to(q.dtype)
 
     @staticmethod
     def _attend(q, k, v, mask, scale, softcap=None):
@@ -238,8 +255,8 @@ def _attention(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tens
     q: (B, heads, Lq, hd); k, v: (B, kv_heads, Lk, hd); mask: bool (True = seen) or an additive bias."""
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if (group := q.shape[1] // k.shape[1]) > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v

@@ -62,3 +62,36 @@ def test_masked_bmm_shapes_are_bucketed():
             assert ids.numel() * 16 == rows * ctx and torch.isinf(bias[:nd]).any(-1).all() == (ctx > blocks * 16)
             shapes.add((rows, ctx))
     assert len(shapes) <= 8 * 10
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(window=40), dict(softcap=5.0)], ids=["causal", "window", "softcap"])
+def test_decode_attends_each_kv_heads_group_without_repeating_it(knobs, monkeypatch):
+    """Decode views each KV head's 3 query heads as one query's rows (on a GPU; here the CPU is
+    named a grouping device): every SDPA call and every score product sees as many query heads
+    as KV heads, so no kernel repeats K/V per query head (SDPA's GQA under a mask takes the math
+    kernel, which does; at an 8B shape that was GiBs per layer). The outputs still equal a
+    float64 reference, with a window and with soft-capping."""
+    from engine.attention import torch_backend
+    from tests.engine.test_batch_invariant import reference_attention
+    monkeypatch.setattr(TorchAttentionBackend, "GROUPED_DECODE_DEVICES", ("cpu",))
+    heads_seen = []
+    sdpa, matmul = torch_backend.F.scaled_dot_product_attention, torch.Tensor.__matmul__
+    monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: heads_seen.append((q.shape[1], k.shape[1])) or sdpa(q, k, v, **kw))
+    monkeypatch.setattr(torch.Tensor, "__matmul__",
+                        lambda a, b: heads_seen.append((a.shape[1], b.shape[1])) or matmul(a, b))
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", lambda *a, **kw: pytest.fail("K/V repeated"))
+    gen = torch.Generator().manual_seed(2)
+    meta, num_blocks = build_metadata([(90, 1), (30, 1), (140, 1)], 16, gen)
+    q = torch.randn(3, 9, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(3, 3, HEAD_DIM, generator=gen) for _ in range(2))
+    cache = torch.randn(2, num_blocks, 16, 3, HEAD_DIM, generator=gen)
+    backend = TorchAttentionBackend()
+    backend.prepare(meta)
+    out = backend.forward(q, k, v, cache, meta, HEAD_DIM ** -0.5, **knobs)
+    monkeypatch.undo()
+    assert heads_seen and all(qh == kh for qh, kh in heads_seen), heads_seen
+    for i, n in enumerate(meta.seq_lens_cpu):
+        ks, vs = _gather_paged(cache[0], meta.block_tables[i], n), _gather_paged(cache[1], meta.block_tables[i], n)
+        ref = reference_attention(q[i:i + 1], ks, vs, HEAD_DIM ** -0.5, **knobs)
+        assert (out[i] - ref[0]).abs().max() < 1e-5, i
