@@ -6,7 +6,7 @@
     python -m bench.decode_layouts                       # SmolLM2's 9 on 3 heads of 64, fp32, the CPU
     python -m bench.decode_layouts --device cuda --dtype bfloat16 --heads 32 --kv-heads 8 --head-dim 128
 
-`TorchAttentionBackend._decode_sdpa` takes `grouped` on the device types in its
+`TorchAttentionBackend.decode_sdpa` takes `grouped` on the device types in its
 GROUPED_DECODE_DEVICES (a GPU; and with soft-capping anywhere): this measures that choice. On a
 CPU both run in float32 (the backend's CPU rule); on a GPU in `--dtype`. Prints one JSON object:
 median microseconds per call of each layout at each (batch, context), and grouped / gqa.
@@ -46,7 +46,7 @@ def measure(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
         for r in range(rounds):  # alternated, so that drift falls on both
             for name in (list(layouts) if r % 2 else list(reversed(layouts))):
                 TorchAttentionBackend.GROUPED_DECODE_DEVICES = layouts[name]
-                times[name].append(_time_us(lambda: TorchAttentionBackend._decode_sdpa(
+                times[name].append(_time_us(lambda: TorchAttentionBackend.decode_sdpa(
                     q, k, v, kv_heads, head_dim ** -0.5, bias), device, calls))
         med = {name: statistics.median(t) for name, t in times.items()}
         out[f"{batch}x{ctx}"] = {"gqa_us": round(med["gqa"], 1), "grouped_us": round(med["grouped"], 1),

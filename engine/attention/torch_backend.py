@@ -4,7 +4,7 @@ Decodes (query length 1) run batched: their context blocks are gathered whole (o
 `index_select` of block rows, far cheaper than gathering slot by slot) into a padded
 `(num_decodes, max_ctx, num_kv_heads * head_dim)` tensor, viewed per KV head, and attended by one
 scaled_dot_product_attention in float32 over a -inf padding bias (GQA by `enable_gqa`; on a GPU
-in the model dtype with each KV head's query heads as one query's rows: `_decode_sdpa`). Each
+in the model dtype with each KV head's query heads as one query's rows: `decode_sdpa`). Each
 prefill (or prefill chunk) runs as its own scaled_dot_product_attention call in the model dtype,
 with a causal mask shifted by its cached context.
 
@@ -110,7 +110,7 @@ def context_slots(block_table: torch.Tensor, num_positions: int, block_size: int
 
 class TorchAttentionBackend(BaseAttentionBackend):
     name = "torch"
-    GROUPED_DECODE_DEVICES = ("cuda",)  # device types whose decode SDPA views query heads per KV head (_decode_sdpa)
+    GROUPED_DECODE_DEVICES = ("cuda",)  # device types whose decode SDPA views query heads per KV head (decode_sdpa)
 
     def __init__(self):
         self._decode: _DecodePlan | None = None
@@ -177,7 +177,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
                 and ids.numel() * kv_cache.shape[2] > BMM_MIN_KV):
             return self._masked_bmm(q, kv_cache, scale, k_scale, v_scale, window)
         k, v = _gather_rows(kv_cache, ids, q.shape[0], q.dtype, k_scale, v_scale)
-        return self._decode_sdpa(q, k, v, kv_cache.shape[-2], scale, self._decode.bias(window), softcap)
+        return self.decode_sdpa(q, k, v, kv_cache.shape[-2], scale, self._decode.bias(window), softcap)
 
     def _padded_plan(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ids and bias for the masked bmm, the batch padded to a multiple of 8 (rows of the
@@ -211,7 +211,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
         return out[:nd].view(nd, num_heads, num_kv_heads, head_dim).sum(2)
 
     @classmethod
-    def _decode_sdpa(cls, q, k, v, num_kv_heads, scale, bias, softcap=None):
+    def decode_sdpa(cls, q, k, v, num_kv_heads, scale, bias, softcap=None):
         """q: (nd, heads, head_dim); k, v: (nd, max_ctx, kv_heads * head_dim) -> (nd, heads, head_dim).
 
         On a GPU, and with soft-capping anywhere, each KV head's group of query heads attends as the
