@@ -2,7 +2,8 @@
 JSON-able dict; it needs only what the GPU machine has (torch, transformers, numpy, msgpack): no
 Ray, fastapi, pydantic, gguf or flash-attn.
 
-    probe     CUDA, bf16, torch.multiprocessing, a CUDA tensor shared with a second process
+    probe     CUDA, bf16, the device count, a CUDA tensor shared with a second process (each
+              sub-check on its own: a failed one is recorded as `<name>_error` and the probe returns)
     engine    the engine in bf16 against transformers in bf16 on a tiny random Llama: greedy tokens
               equal up to the first near-tie (transformers' top-2 logit gap under 1e-2, or under
               two bf16 steps at that logit's size, which is all a bf16 logit resolves)
@@ -19,6 +20,7 @@ A `Plan` says where and how big; `Plan.dry_run()` is the CPU stand-in CI runs.
 """
 from __future__ import annotations
 
+import queue as queue_module
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -59,23 +61,45 @@ def _sync(device: str) -> None:
 
 
 # -- probe -------------------------------------------------------------------------------------
+IPC_WAIT_S = 15.0  # the probe's CUDA IPC sub-check waits this long for the other process's tensor
+
+
 def _share(queue, done, device: str) -> None:
     """Child: a device tensor to the parent (CUDA IPC on a GPU), kept alive until it has read it."""
     x = torch.arange(1 << 20, dtype=torch.float32, device=device) * 2
     queue.put(x)
-    done.wait(60)
+    done.wait(IPC_WAIT_S)
 
 
-def _shared_sum(device: str) -> float:
+def shared_sum(device: str, wait_s: float = IPC_WAIT_S, share=_share) -> float:
+    """The sum of a tensor another process made on `device` and shared (`share` runs there);
+    TimeoutError when none came within `wait_s`. The child is ended either way."""
     ctx = mp.get_context("spawn")
     queue, done = ctx.Queue(), ctx.Event()
-    child = ctx.Process(target=_share, args=(queue, done, device))
+    child = ctx.Process(target=share, args=(queue, done, device), daemon=True)
     child.start()
     try:
-        return float(queue.get(timeout=60).double().sum())
+        try:
+            x = queue.get(timeout=wait_s)
+        except queue_module.Empty:
+            raise TimeoutError(f"no tensor from the other process within {wait_s:.0f} s "
+                               f"(its exit code: {child.exitcode})") from None
+        return float(x.double().sum())
     finally:
         done.set()
-        child.join(30)
+        child.join(5)
+        if child.is_alive():
+            child.kill()
+
+
+def _sub_check(info: dict, name: str, check) -> None:
+    """Runs one of the probe's sub-checks: its keys into `info`, or `{name}_error` if it raised,
+    so one failing sub-check (say CUDA IPC) leaves the probe's other findings standing."""
+    try:
+        info.update(check())
+    except Exception as exc:  # noqa: BLE001 -- recorded; the sections that need it are skipped
+        info[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+        info.setdefault(f"{name}_ok", False)
 
 
 def probe(plan: Plan) -> dict:
@@ -83,22 +107,27 @@ def probe(plan: Plan) -> dict:
 
     from engine.attention import flash_attn_available
     cuda = plan.device.startswith("cuda")
+    devices = torch.cuda.device_count() if cuda else 0
     info = {"cuda": torch.cuda.is_available(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
             "nccl": bool(dist.is_available() and dist.is_nccl_available()),
             "flash_attn_importable": flash_attn_available(),
-            "triton": _version("triton"), "transformers": _version("transformers")}
+            "triton": _version("triton"), "transformers": _version("transformers"),
+            "device_count": devices, "two_devices": devices >= 2 or not cuda}  # the dry run: two CPU processes
     if cuda:
         props = torch.cuda.get_device_properties(0)
         info.update(device_name=props.name, capability=list(torch.cuda.get_device_capability()),
                     total_memory_gib=props.total_memory / 2**30)
-    a, b = torch.randn(256, 256, device=plan.device), torch.randn(256, 256, device=plan.device)
-    err = ((a.bfloat16() @ b.bfloat16()).float() - a @ b).abs().max().item()
-    info["bf16_matmul_max_abs_err"] = err
-    info["bf16_ok"] = err < 1.0  # 256-term dot products of unit normals, bf16 inputs
+    _sub_check(info, "bf16", lambda: _bf16_matmul(plan.device))
     want = float(torch.arange(1 << 20, dtype=torch.float64).sum() * 2)
     info["ipc"] = "cuda_ipc" if cuda else "shared_memory"
-    info["ipc_ok"] = _shared_sum(plan.device) == want
+    _sub_check(info, "ipc", lambda: {"ipc_ok": shared_sum(plan.device) == want})
     return info
+
+
+def _bf16_matmul(device: str) -> dict:
+    a, b = torch.randn(256, 256, device=device), torch.randn(256, 256, device=device)
+    err = ((a.bfloat16() @ b.bfloat16()).float() - a @ b).abs().max().item()
+    return {"bf16_matmul_max_abs_err": err, "bf16_ok": err < 1.0}  # 256-term dot products of unit normals
 
 
 def _version(name: str) -> str | None:
@@ -267,7 +296,7 @@ def decode(plan: Plan) -> dict:
 def _serve_cache(queue, done, device: str, num_blocks: int, block_bytes: int) -> None:
     cache = torch.randint(0, 255, (num_blocks, block_bytes), dtype=torch.uint8, device=device)
     queue.put(cache)
-    done.wait(120)
+    done.wait(60)  # the parent sets it as soon as it is done (or ends this process)
 
 
 def _gather_gbps(src: torch.Tensor, ids: torch.Tensor, device: str) -> float:
@@ -286,10 +315,10 @@ def ipc_copy(plan: Plan, block_bytes: int = 256 << 10) -> dict:
     ids = torch.randperm(num_blocks)[:num_blocks // 2].to(plan.device)
     ctx = mp.get_context("spawn")
     queue, done = ctx.Queue(), ctx.Event()
-    child = ctx.Process(target=_serve_cache, args=(queue, done, plan.device, num_blocks, block_bytes))
+    child = ctx.Process(target=_serve_cache, args=(queue, done, plan.device, num_blocks, block_bytes), daemon=True)
     child.start()
     try:
-        remote = queue.get(timeout=120)
+        remote = queue.get(timeout=IPC_WAIT_S)
         local = torch.randint(0, 255, remote.shape, dtype=torch.uint8, device=plan.device)
         out = {"ipc": "cuda_ipc" if plan.device.startswith("cuda") else "shared_memory",
                "block_kib": block_bytes >> 10, "blocks_copied": ids.numel(),
@@ -300,4 +329,6 @@ def ipc_copy(plan: Plan, block_bytes: int = 256 << 10) -> dict:
         return out
     finally:
         done.set()
-        child.join(30)
+        child.join(5)
+        if child.is_alive():
+            child.kill()

@@ -170,6 +170,11 @@ class RankHost:
             if self.on_loop_death is not None:
                 self.on_loop_death()
 
+    def wait_stopped(self, timeout_s: float) -> bool:
+        """Whether the rank's loop ended within `timeout_s` (a follower's ends when rank 0 stops)."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
     def shutdown(self) -> None:
         self._stop.set()
         if self.rank == 0:

@@ -8,10 +8,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from bench import gpu_check, gpu_sections
 
 REPO = Path(__file__).resolve().parents[2]
 ABSENT_THERE = ("ray", "fastapi", "uvicorn", "pydantic", "redis", "kubernetes", "gguf", "flash_attn", "vllm",
@@ -50,10 +53,11 @@ def test_dry_run_runs_every_section_with_only_what_the_gpu_machine_has(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result == json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert result["dry_run"] is True and result["stand_ins"] and result["not_built"] == []
+    assert result["dry_run"] is True and result["stand_ins"] and result["not_built"] == gpu_check.NOT_BUILT
     s = result["sections"]
-    assert list(s) == ["probe", "engine", "decode", "ipc_copy", "pd_one_gpu"]
+    assert list(s) == list(gpu_check.SECTIONS) and not any("skipped" in v for v in s.values())
     assert s["probe"]["bf16_ok"] and s["probe"]["ipc_ok"] and s["probe"]["ipc"] == "shared_memory"
+    assert s["probe"]["two_devices"] and s["probe"]["device_count"] == 0  # the stand-in: two CPU processes
     assert s["engine"]["ok"] and {"auto", "torch"} <= set(s["engine"])
     assert all(len(s["engine"][b]["prompts"]) == 4 for b in ("auto", "torch"))
     assert set(s["decode"]["batches"]) == {"1", "4"} and s["decode"]["cuda_graphs"] is False  # a CPU has none
@@ -69,12 +73,85 @@ def test_dry_run_runs_every_section_with_only_what_the_gpu_machine_has(tmp_path)
     assert pd["bytes_received"] == pd["bytes_sent"] > 0 and "groups_created" not in pd["prefill_sender_stats"]
     assert all(pd[p][k] > 0 for p in ("sequential", "concurrent")
                for k in ("wall_s", "mean_ttft_ms", "mean_prefill_ms", "colocated_mean_ttft_ms"))
+    two = s["two_gpu"]  # gloo in NCCL's place: the same ranks, collectives, channel and TP=2 engine
+    assert two["ok"] and two["tp2_prompts_equal_tp1"] == two["num_prompts"] > 0 and two["channel"] == "GlooChannel"
+    assert all(r["all_reduce_ok"] and r["all_gather_ok"] and r["broadcast_step_ok"] and r["equal"]
+               for r in two["ranks"])
     assert all("error" not in v and v["seconds"] > 0 for v in s.values())
 
 
 def test_a_section_past_its_time_limit_is_ended_and_reported():
     """A section still running at its limit is ended and recorded as an error (main goes on with
     the next section: the loop in gpu_check.main)."""
-    from bench import gpu_check
     result = gpu_check.run_section("probe", gpu_check.Plan.dry_run(), 0.01)
     assert "no result within" in result["error"] and result["seconds"] < 60
+
+
+def _never_share(queue, done, device: str) -> None:
+    """A stand-in for the probe's child whose CUDA IPC fails: it shares nothing."""
+    done.wait(30)
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_ipc_sub_check_leaves_the_rest_of_the_probe_standing(monkeypatch):
+    """The IPC wait ends inside the probe's own limit, and its failure is recorded, not raised:
+    the probe's other findings still come back (before, one failed IPC probe ended the check)."""
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="no tensor from the other process within 2 s"):
+        gpu_sections.shared_sum("cpu", wait_s=2, share=_never_share)
+    assert time.monotonic() - start < 30  # the child was ended, not waited for
+    assert gpu_sections.IPC_WAIT_S + 15 < gpu_check.SECTIONS["probe"].limit_s  # room for the spawn and the rest
+
+    def fails(device, wait_s=0):
+        raise TimeoutError("no tensor from the other process within 15 s")
+
+    monkeypatch.setattr(gpu_sections, "shared_sum", fails)
+    info = gpu_sections.probe(gpu_sections.Plan.dry_run())
+    assert info["ipc_ok"] is False and "TimeoutError" in info["ipc_error"]
+    assert info["bf16_ok"] and info["torch"] == torch.__version__
+
+
+def _ran(results: dict[str, dict]) -> list[str]:
+    return [n for n, r in results.items() if "skipped" not in r]
+
+
+def test_a_failure_skips_only_the_sections_that_need_it():
+    calls = []
+
+    def run(probe: dict, failing: str = ""):
+        def fake(name, plan, limit_s):
+            calls.append(name)
+            return probe if name == "probe" else {"error": "boom"} if name == failing else {"ok": True}
+        return fake
+
+    plan = gpu_check.Plan.dry_run()
+    every = list(gpu_check.SECTIONS)
+    one_gpu_no_ipc = {"ipc_ok": False, "two_devices": False}
+    results = gpu_check.run_all(every, plan, 1.0, run(one_gpu_no_ipc))
+    assert _ran(results) == ["probe", "engine", "decode"] == calls
+    assert results["pd_one_gpu"] == {"skipped": "needs probe.ipc_ok, which is False"}
+    assert results["two_gpu"] == {"skipped": "needs probe.two_devices, which is False"}
+    results = gpu_check.run_all(every, plan, 1.0, run({"ipc_ok": True, "two_devices": True}, failing="engine"))
+    assert _ran(results) == every  # nothing needs the engine section: the rest go on
+    results = gpu_check.run_all(every, plan, 1.0, run({"error": "no CUDA"}))
+    assert _ran(results) == ["probe"] and results["decode"] == {"skipped": "needs probe, which failed"}
+    calls.clear()
+    results = gpu_check.run_all(["decode"], plan, 1.0, run({"ipc_ok": True, "two_devices": True}))
+    assert calls == ["probe", "decode"]  # a section asked for alone brings what it needs
+
+
+def test_the_limits_fit_the_run_and_a_spent_run_starts_nothing_more():
+    assert sum(s.limit_s for s in gpu_check.SECTIONS.values()) <= gpu_check.RUN_S <= 450  # 7.5 of 8 minutes
+    now, limits = [0.0], {}
+
+    def takes_200_s(name, plan, limit_s):
+        limits[name] = limit_s
+        now[0] += 200
+        return {"ipc_ok": True, "two_devices": True} if name == "probe" else {"ok": True}
+
+    results = gpu_check.run_all(list(gpu_check.SECTIONS), gpu_check.Plan.dry_run(), 1.0, takes_200_s,
+                                clock=lambda: now[0])
+    assert list(limits) == ["probe", "engine", "decode"]
+    assert limits["decode"] == gpu_check.RUN_S - 400 < gpu_check.SECTIONS["decode"].limit_s  # what was left
+    assert all(results[n] == {"skipped": f"the run's {gpu_check.RUN_S:.0f} s are spent"}
+               for n in list(gpu_check.SECTIONS)[3:])
