@@ -95,15 +95,20 @@ class MemoryBudget:
 
     def describe(self) -> str:
         """The breakdown, one line (logged at start, and the refusal's middle)."""
-        g = lambda n: f"{n / GiB:.2f}"  # noqa: E731
-        return (f"{self.device}: {g(self.total)} GiB total, share {self.utilization:.2f} = "
+        g = _gib
+        return (f"{self.device}: {g(self.total)} GiB total, gpu_memory_utilization {self.utilization:.2f} = "
                 f"{g(self.utilization * self.total)} GiB; used by this process {g(self.used)} GiB (weights "
                 f"{g(self.weights)}, activations {g(self.activations)} [prefill {g(self.prefill_peak - self.weights)} "
                 f"at {self.prefill_tokens} tokens, decode {g(self.decode_peak - self.weights)} at {self.decode_seqs} x "
                 f"{self.context_len}], CUDA context {g(self.context)}, other non-torch {g(self.non_torch)}, CUDA graphs "
-                f"{g(self.graphs)}); free {g(self.free)} GiB (other processes hold {g(self.others)}); KV min(share "
-                f"{g(self.share)}, free less activations, graphs and {g(self.margin)} margin {g(self.headroom)}) = "
-                f"{g(self.kv_bytes)} GiB = {self.num_blocks} blocks of {self.block_bytes / 2**20:.2f} MiB")
+                f"{g(self.graphs)}); free {g(self.free)} GiB (other processes hold {g(self.others)}); KV = min(share "
+                f"left {g(self.share)}, free less the peak to come {g(self.peak - self.reserved_after)}, graphs and "
+                f"{g(self.margin)} margin: {g(self.headroom)}) = {g(self.kv_bytes)} GiB = {self.num_blocks} blocks of "
+                f"{self.block_bytes / 2**20:.2f} MiB")
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f}"
 
 
 def measure_budget(runner, block_bytes: int) -> MemoryBudget:

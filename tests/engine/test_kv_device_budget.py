@@ -102,7 +102,7 @@ def test_a_budget_short_of_one_request_at_max_model_len_is_refused_in_one_line()
     msg = str(err.value)
     assert "\n" not in msg
     for part in ("435 blocks of 16 tokens fit", "max_model_len 8192 needs 513", "24.00 GiB total",
-                 "share 0.90 = 21.60 GiB", "weights 16.00", "activations 4.00", "CUDA context 0.50",
+                 "gpu_memory_utilization 0.90 = 21.60 GiB", "share left 0.85", "weights 16.00", "activations 4.00", "CUDA context 0.50",
                  "other non-torch 0.25", "CUDA graphs 0.00", "free 7.25 GiB", "raise gpu_memory_utilization (now 0.90)",
                  "max_model_len (8192)", "max_num_seqs (128", "max_num_batched_tokens (2048"):
         assert part in msg, part
