@@ -12,8 +12,9 @@ with that product); a longer step runs eagerly. Padded rows compute token 0 at p
 slot 0: block 0 is the null block, which no real request reads with any weight (positions past a
 row's length get -inf), so their writes there are harmless and their logits are dropped. Only
 the torch attention backend on one rank (no collective inside a graph); a step that does not fit
-runs eagerly. The graphs' own memory (the largest pair's gathered K/V) comes on top of what
-`gpu_memory_utilization` sized the KV pool for. With
+runs eagerly. The graphs' own memory (the largest pair's activations, and every graph's logits)
+is reserved by the KV budget before the pool is sized (engine/kv_budget.py: an eager step of the
+largest pair is profiled), and what capture took is logged beside it. With
 `capture=False` (any device) the same static step runs eagerly: the CPU tests check it against the
 plain path.
 """
@@ -40,14 +41,27 @@ def block_buckets(max_blocks: int, smallest: int = 4) -> list[int]:
     return out + [max_blocks]
 
 
+def batch_sizes(max_batch: int) -> list[int]:
+    """The padded batch sizes graphs are captured for: BATCH_SIZES below `max_batch`, then it."""
+    return [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
+
+
+def capture_sizes(max_batch: int, max_blocks: int, block_size: int,
+                  max_context_tokens: int = MAX_CONTEXT_TOKENS) -> set[tuple[int, int]]:
+    """The (batch, context blocks) pairs DecodeGraphs captures: those within `max_context_tokens`.
+    The KV budget (engine/kv_budget.py) reads them before the pool exists, to reserve the graphs'
+    memory."""
+    return {(b, m) for b in batch_sizes(max_batch) for m in block_buckets(max_blocks)
+            if b * m * block_size <= max_context_tokens}
+
+
 class DecodeGraphs:
     def __init__(self, runner, max_batch: int, max_blocks: int, capture: bool = True,
                  max_context_tokens: int = MAX_CONTEXT_TOKENS):
         self.runner, self.capture = runner, capture
-        self.batch_sizes = [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
+        self.batch_sizes = batch_sizes(max_batch)
         self.buckets = block_buckets(max_blocks)
-        self.sizes = {(b, m) for b in self.batch_sizes for m in self.buckets
-                      if b * m * runner.block_size <= max_context_tokens}
+        self.sizes = capture_sizes(max_batch, max_blocks, runner.block_size, max_context_tokens)
         dev, b, m = runner.device, self.batch_sizes[-1], self.buckets[-1]
         self.input_ids = torch.zeros(b, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(b, dtype=torch.int64, device=dev)

@@ -1,13 +1,9 @@
 """The paged KV cache pool of one rank."""
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from engine.config import CacheConfig, ModelConfig
-
-logger = logging.getLogger(__name__)
 
 
 def kv_block_bytes(cfg: ModelConfig, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
@@ -48,27 +44,3 @@ def allocate_kv_cache(cfg: ModelConfig, num_kv_heads: int, num_blocks: int, bloc
     """
     shape = (cfg.kv_layout.num_slabs, 2, num_blocks, block_size, num_kv_heads, cfg.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
-
-
-def blocks_from_device(runner, block_bytes: int) -> int:
-    """KV blocks one CUDA rank can hold: `gpu_memory_utilization` of its device, less this
-    process's peak (weights, plus a profiling forward at `max_num_batched_tokens`: the largest
-    step the scheduler makes), in blocks of `block_bytes`. Process-local (torch's allocator, not
-    the device's free memory), so instances sharing a GPU each take their own fraction; the CUDA
-    context itself (a few hundred MiB) is outside the count."""
-    device, cache = runner.device, runner.config.cache
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    runner.profile_forward(runner.config.scheduler.max_num_batched_tokens)
-    peak = torch.cuda.max_memory_reserved(device)
-    torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(device).total_memory
-    budget = int(total * cache.gpu_memory_utilization) - peak
-    logger.info("KV from the device: %.2f of %.1f GiB for this rank, %.2f GiB of it weights and the activation "
-                "peak of a %d-token step, %.2f GiB left for KV", cache.gpu_memory_utilization, total / 2**30,
-                peak / 2**30, runner.config.scheduler.max_num_batched_tokens, max(budget, 0) / 2**30)
-    if budget // block_bytes < 2:
-        raise ValueError(f"gpu_memory_utilization {cache.gpu_memory_utilization} leaves {budget / 2**30:.2f} GiB "
-                         f"for KV after {peak / 2**30:.2f} GiB of weights and activations: raise it, or lower "
-                         "max_num_batched_tokens")
-    return budget // block_bytes

@@ -18,8 +18,10 @@ from engine.attention import AttentionMetadata, create_attention_backend
 from engine.batch import NewRequestData, RunnerOutput, SchedulerOutput
 from engine.batch_invariant import BatchInvariantLinearMethod
 from engine.config import EngineConfig, ModelConfig, cpu_has_native_bf16, resolve_dtype, resolve_kv_cache_dtype
-from engine.cuda_graphs import DecodeGraphs
-from engine.kv_cache import allocate_kv_cache, blocks_from_device, kv_block_bytes, num_blocks_for
+from engine.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.device_memory import DeviceMemory, MemorySnapshot, TorchDeviceMemory
+from engine.kv_budget import MemoryBudget, blocks_from_device
+from engine.kv_cache import allocate_kv_cache, kv_block_bytes, num_blocks_for
 from engine.loader import load_model_config, load_weights, resolve_model_path
 from engine.logits_processing import TokenHistory
 from engine.models import model_class
@@ -79,11 +81,19 @@ class _RequestState:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPGroup = TPGroup(), model_config: ModelConfig | None = None,
-                 weights=None):
+                 weights=None, device_memory: DeviceMemory | None = None):
         """Loads the model named by `config.model` (or the given config and float weights under HF
-        names, for tests and benchmarks: int4 then quantizes them at load, as for any float checkpoint)."""
+        names, for tests and benchmarks: int4 then quantizes them at load, as for any float checkpoint).
+        `device_memory`: what the KV budget reads (engine/kv_budget.py); torch.cuda's on a GPU, a
+        stand-in given here sizes a CPU runner's pool the same way (tests, dry runs)."""
         self.config, self.tp = config, tp
         self.device = select_device(config.device)
+        if device_memory is None and self.device.type == "cuda":
+            device_memory = TorchDeviceMemory(self.device)
+        self.device_memory = device_memory
+        # before the weights: what the process adds outside torch from here on is its own
+        self.memory_at_start = MemorySnapshot.of(device_memory) if device_memory is not None else None
+        self.memory_budget: MemoryBudget | None = None  # set when the pool is sized from the device
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.dtype == "auto":
             logger.info("dtype auto -> %s on %s (native bf16 on this CPU: %s)", self.dtype, self.device.type,
@@ -121,14 +131,12 @@ class ModelRunner:
                     " and ".join(sorted(self.model.fused)) or "no", self.num_blocks, self.block_size)
 
     def _num_blocks(self) -> int:
-        """KV blocks of `self.block_size` tokens: fixed, from the GPU's memory after a profiling
-        forward (the least over the TP ranks), or from the CPU budget."""
+        """KV blocks of `self.block_size` tokens: fixed, from the device's memory after profiling
+        (engine/kv_budget.py; the least over the TP ranks), or from the CPU budget."""
         cache, mc = self.config.cache, self.model_config
         block_bytes = kv_block_bytes(mc, self.num_kv_heads, self.block_size, self.kv_dtype)
-        if self.device.type == "cuda" and cache.num_blocks is None:
-            n = blocks_from_device(self, block_bytes)
-            if self.tp is not None and self.tp.size > 1:
-                n = min(self.tp.all_gather_object(n))
+        if self.device_memory is not None and cache.num_blocks is None:
+            n, self.memory_budget = blocks_from_device(self, block_bytes)
         else:
             n = num_blocks_for(cache, mc, self.num_kv_heads, self.block_size, self.kv_dtype)
         if self.block_size != cache.block_size:
@@ -139,43 +147,69 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens = %.2f GiB", n, self.block_size, n * block_bytes / 2**30)
         return n
 
+    def _graphs_off(self) -> str | None:
+        """Why decode steps run without CUDA graphs (None: they run in them)."""
+        return ("--enforce-eager" if self.config.enforce_eager else
+                "--batch-invariant (its attention is one call per sequence)" if self.config.batch_invariant else
+                f"device {self.device.type}" if self.device.type != "cuda" else
+                f"the {self.backend.name} attention backend" if self.backend.name != "torch" else
+                "tensor-parallel ranks (a collective cannot be captured)" if self.tp is not None and self.tp.size > 1
+                else f"{len(self.backends)} KV groups" if len(self.backends) > 1 else None)
+
+    def graph_sizes(self) -> set[tuple[int, int]]:
+        """The (batch, context blocks) pairs `_decode_graphs` will capture; empty when it captures none."""
+        if self._graphs_off() is not None:
+            return set()
+        return capture_sizes(self.config.scheduler.max_num_seqs, -(-self.configured_max_model_len // self.block_size),
+                             self.block_size)
+
     def _decode_graphs(self) -> DecodeGraphs | None:
-        """CUDA graphs for decode steps where they can run; says which path runs and why."""
-        why = ("--enforce-eager" if self.config.enforce_eager else
-               "--batch-invariant (its attention is one call per sequence)" if self.config.batch_invariant else
-               f"device {self.device.type}" if self.device.type != "cuda" else
-               f"the {self.backend.name} attention backend" if self.backend.name != "torch" else
-               "tensor-parallel ranks (a collective cannot be captured)" if self.tp is not None and self.tp.size > 1
-               else f"{len(self.backends)} KV groups" if len(self.backends) > 1 else None)
-        if why is not None:
+        """CUDA graphs for decode steps where they can run; says which path runs and why, and what
+        they took against what the KV budget reserved for them."""
+        if (why := self._graphs_off()) is not None:
             logger.info("CUDA graphs: off (%s); decode steps run eagerly", why)
             return None
-        return DecodeGraphs(self, self.config.scheduler.max_num_seqs, -(-self.max_model_len // self.block_size))
+        before = self.device_memory.reserved()
+        graphs = DecodeGraphs(self, self.config.scheduler.max_num_seqs, -(-self.max_model_len // self.block_size))
+        if self.memory_budget is not None:
+            logger.info("CUDA graphs took %.2f GiB of device memory; the KV budget reserved %.2f GiB for them",
+                        (self.device_memory.reserved() - before) / 2**30, self.memory_budget.graphs / 2**30)
+        return graphs
 
     @property
     def max_model_len(self) -> int:
         """The longest sequence (prompt + output) this runner serves: the config's limit, the model's
         positions and what the KV pool holds (block 0 is the null block), whichever is least. The one
         definition: both schedulers, the workers' reports and the CUDA graphs read it."""
-        mc = self.model_config
-        return min(self.config.scheduler.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
-                   (self.num_blocks - 1) * self.block_size)
+        return min(self.configured_max_model_len, (self.num_blocks - 1) * self.block_size)
 
-    def profile_forward(self, num_tokens: int) -> None:
-        """One prefill of `num_tokens` tokens through a KV pool just big enough for it, which is
-        dropped afterwards (the runner's own pool, if it has one, is put back): the activation
-        peak of the largest step the scheduler may make."""
-        num_tokens = min(num_tokens, self.model_config.max_position_embeddings)
-        tables = self.scratch_tables(num_tokens)
+    @property
+    def configured_max_model_len(self) -> int:
+        """The config's limit or the model's positions, whichever is less: what the KV budget
+        profiles and must hold one request of (before the pool exists)."""
+        mc = self.model_config
+        return min(self.config.scheduler.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+
+    def profile_step(self, num_seqs: int, num_tokens: int, context_len: int) -> None:
+        """One step of `num_seqs` sequences, each computing the last `num_tokens` of `context_len`
+        tokens (clamped to the model's positions; 1 token: a decode), sampled: the activations of a
+        step of that shape (the KV budget's profile, engine/kv_budget.py). Through a scratch pool of
+        the null block and one block per KV group, which every table entry points at: attention
+        reads and writes each row's whole context as a real step does, over a pool of a few blocks
+        (what it reads there is garbage). The runner's own pool, if it has one, is put back."""
+        context_len = min(context_len, self.model_config.max_position_embeddings)
+        num_tokens = min(num_tokens, context_len)
+        groups, n = len(self.backends), -(-context_len // self.block_size)
         pool = getattr(self, "kv_cache", None)
-        self.kv_cache = allocate_kv_cache(self.model_config, self.num_kv_heads, tables[-1][-1] + 1, self.block_size,
+        self.kv_cache = allocate_kv_cache(self.model_config, self.num_kv_heads, 1 + groups, self.block_size,
                                           self.kv_dtype, self.device)
-        req = NewRequestData("profile", [1] * num_tokens, 0, tables, SamplingParams(max_tokens=1, temperature=0.0),
-                             True)
+        reqs = [NewRequestData(f"profile-{i}", [1] * num_tokens, context_len - num_tokens,
+                               tuple([1 + g] * n for g in range(groups)), SamplingParams(max_tokens=1, temperature=0.0),
+                               True) for i in range(num_seqs)]
         try:
-            self.execute(SchedulerOutput(new_requests=[req]))
+            self.execute(SchedulerOutput(new_requests=reqs))
         finally:
-            self.update_states(SchedulerOutput(finished_req_ids=["profile"]))
+            self.update_states(SchedulerOutput(finished_req_ids=[r.request_id for r in reqs]))
             self.kv_cache = pool
 
     def scratch_tables(self, num_tokens: int) -> tuple[list[int], ...]:

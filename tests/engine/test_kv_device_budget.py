@@ -1,0 +1,120 @@
+"""The KV budget of a GPU rank (engine/kv_budget.py) from what a pretend device reports
+(tests/engine/fake_gpu.py): the CUDA context and other non-torch memory are this process's, the
+larger of the prefill and decode profiles counts, CUDA graphs are reserved, a second process on
+the device takes what is free and never more than its share, and a budget short of one request at
+max_model_len is refused in one line. Every expected count is worked out by hand from the fake's
+numbers: 8B-shaped blocks of 16 tokens are 2 MiB, 512 of them to the GiB; max_model_len 8192
+needs 512 blocks + the null block."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import device_memory
+from engine.config import ModelConfig
+from engine.device_memory import TorchDeviceMemory
+from engine.kv_budget import FREE_MARGIN, blocks_for_one_request, blocks_from_device
+from tests.engine.fake_gpu import GiB, MiB, FakeGpu, FakeRunner
+
+BLOCK = 2 * MiB
+PREFILL, DECODE = (1, 2048, 8192), (128, 1, 8192)  # the largest steps of the default scheduler at 8192
+
+
+def _runner(gpu: FakeGpu, prefill: float = 1, decode: float = 4, **knobs) -> FakeRunner:
+    """16 GiB of weights, 0.25 GiB loaded outside torch by the first step; activations in GiB."""
+    steps = {PREFILL: int(prefill * GiB), DECODE: int(decode * GiB), **knobs.pop("steps", {})}
+    return FakeRunner(gpu, 16 * GiB, steps, first_step_non_torch=GiB // 4, **knobs)
+
+
+def test_the_cuda_context_and_non_torch_memory_count_against_the_share():
+    """Alone on 80 GiB at 0.9: 72 GiB less the context 0.5, non-torch 0.25, weights 16 and the
+    decode peak 4 leaves 51.25 GiB = 26240 blocks (torch's peak alone would give 52 GiB)."""
+    gpu = FakeGpu(80 * GiB, context=GiB // 2)
+    n, budget = blocks_from_device(_runner(gpu), BLOCK)
+    assert (budget.context, budget.non_torch, budget.weights) == (GiB // 2, GiB // 4, 16 * GiB)
+    assert n == budget.num_blocks == 26240
+    assert budget.free == 63.25 * GiB and budget.headroom == 59.25 * GiB - FREE_MARGIN
+
+
+def test_the_larger_of_the_prefill_and_decode_profiles_counts():
+    """The decode step (128 sequences at 8192 tokens) is profiled beside the prefill (2048 tokens at
+    the end of 8192); whichever peaks higher is the activations: decode 4 GiB -> 26240 blocks (the
+    prefill's 1 GiB alone would leave 27776); prefill 6 GiB -> 72 - 22.75 = 49.25 GiB = 25216."""
+    runner = _runner(FakeGpu(80 * GiB, context=GiB // 2), prefill=1, decode=4)
+    assert blocks_from_device(runner, BLOCK)[0] == 26240
+    assert runner.profiled == [PREFILL, DECODE]
+    assert blocks_from_device(_runner(FakeGpu(80 * GiB, context=GiB // 2), prefill=6, decode=4), BLOCK)[0] == 25216
+
+
+def test_a_second_process_takes_what_is_free_not_its_whole_share(monkeypatch):
+    """Another process holds 40 GiB: the share would leave 51.25 GiB as alone, but 23.25 GiB are
+    free after profiling, less the 4 GiB decode peak to come and the margin: 18.75 GiB = 9600
+    blocks. Read through torch.cuda as on a GPU (TorchDeviceMemory). The code before this budget
+    took 0.9 x 80 - its 17 GiB peak = 55 GiB (28160 blocks) here: out of memory."""
+    gpu = FakeGpu(80 * GiB, others=40 * GiB, context=GiB // 2)
+    runner = _runner(gpu)
+    for name, fake in {"mem_get_info": lambda d=None: (gpu.free(), gpu.total()), "memory_reserved": lambda d=None:
+                       gpu.reserved(), "max_memory_reserved": lambda d=None: gpu.peak(),
+                       "reset_peak_memory_stats": lambda d=None: gpu.reset_peak(), "empty_cache": gpu.empty_cache,
+                       "synchronize": lambda d=None: None}.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    monkeypatch.setattr(device_memory, "probe_context_bytes", lambda device: gpu.context())
+    runner.device_memory = TorchDeviceMemory(torch.device("cuda", 0))
+    n, budget = blocks_from_device(runner, BLOCK)
+    assert budget.share == 51.25 * GiB and budget.others == 40 * GiB
+    assert n == (int(19.25 * GiB) - FREE_MARGIN) // BLOCK == 9600
+
+
+def test_two_processes_on_one_gpu_each_within_its_share_and_the_free_memory():
+    """Prefill 0.3 then decode 0.6 of 80 GiB: the first takes 24 - 18.75 = 5.25 GiB (2688 blocks),
+    22 GiB held once its pool is there; the second counts only itself: 48 - 20.75 = 27.25 GiB (13952
+    blocks), their peaks 24 + 48 within 80. A second one at 0.9 (the shares add up past 1) gets the
+    free memory, not its share: 41.25 - 4 GiB less the margin = 18816 blocks."""
+    first = FakeGpu(80 * GiB, context=GiB // 2)
+    n1, b1 = blocks_from_device(_runner(first, decode=2, utilization=0.3, steps={DECODE: 2 * GiB}), BLOCK)
+    assert n1 == 2688
+    first.allocate(n1 * BLOCK)
+    held = first.total() - first.free()
+    assert held == 22 * GiB
+    n2, b2 = blocks_from_device(_runner(FakeGpu(80 * GiB, others=held, context=GiB // 2), utilization=0.6), BLOCK)
+    assert n2 == 13952 and b1.used + n1 * BLOCK + b2.used + n2 * BLOCK == 72 * GiB
+    n3, _ = blocks_from_device(_runner(FakeGpu(80 * GiB, others=held, context=GiB // 2), utilization=0.9), BLOCK)
+    assert n3 == (int(37.25 * GiB) - FREE_MARGIN) // BLOCK == 18816
+
+
+def test_cuda_graphs_are_reserved_before_the_pool():
+    """Graphs captured for (1, 4), (64, 256) and (128, 128) blocks: the largest context product,
+    the larger batch on a tie, (128, 128), is profiled eagerly at 128 x 2048 tokens (1 GiB), and
+    each graph keeps its logits, batch x 128256 x 2 bytes: 193 rows."""
+    runner = _runner(FakeGpu(80 * GiB, context=GiB // 2), graph_sizes={(1, 4), (64, 256), (128, 128)},
+                     steps={(128, 1, 2048): GiB})
+    n, budget = blocks_from_device(runner, BLOCK)
+    assert runner.profiled[-1] == (128, 1, 2048)
+    assert budget.graphs == GiB + 193 * 128256 * 2
+    assert n == (int(50.25 * GiB) - 193 * 128256 * 2) // BLOCK
+
+
+def test_a_budget_short_of_one_request_at_max_model_len_is_refused_in_one_line():
+    """24 GiB at 0.9: 21.6 - 20.75 GiB leaves 435 blocks, one request at 8192 needs 513; the line
+    names the numbers and the knobs. Where the free memory binds, it names the other processes."""
+    with pytest.raises(ValueError) as err:
+        blocks_from_device(_runner(FakeGpu(24 * GiB, context=GiB // 2)), BLOCK)
+    msg = str(err.value)
+    assert "\n" not in msg
+    for part in ("435 blocks of 16 tokens fit", "max_model_len 8192 needs 513", "24.00 GiB total",
+                 "gpu_memory_utilization 0.90 = 21.60 GiB", "share left 0.85", "weights 16.00", "activations 4.00", "CUDA context 0.50",
+                 "other non-torch 0.25", "CUDA graphs 0.00", "free 7.25 GiB", "raise gpu_memory_utilization (now 0.90)",
+                 "max_model_len (8192)", "max_num_seqs (128", "max_num_batched_tokens (2048"):
+        assert part in msg, part
+    with pytest.raises(ValueError, match="384 blocks .* other processes on the device hold 58.00 GiB"):
+        blocks_from_device(_runner(FakeGpu(80 * GiB, others=58 * GiB, context=GiB // 2)), BLOCK)
+
+
+def test_one_request_holds_a_sliding_group_s_window_and_one_chunk():
+    """Gemma 2's alternating layers (two KV groups): the full group holds all 8192 / 16 = 512
+    blocks, the sliding one (window 4096) those its window reads and one chunk of 2048 tokens more:
+    positions from (8192 - 2048) - 4096 + 1 on, blocks 128 to 511, 384; plus the null block."""
+    mc = ModelConfig(vocab_size=8, hidden_size=64, intermediate_size=64, num_layers=4, num_heads=2, num_kv_heads=1,
+                     head_dim=32, sliding_window=4096, layer_types=("sliding_attention", "full_attention") * 2)
+    assert blocks_for_one_request(mc, 8192, 16, 2048) == 1 + 512 + 384
+    assert blocks_for_one_request(mc, 1024, 16, 2048) == 1 + 64 + 64
