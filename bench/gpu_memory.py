@@ -1,5 +1,4 @@
-"""A section for bench/gpu_check.py (not registered there yet: its owner adds
-`"memory": (gpu_memory.memory, 180)` to SECTIONS): the KV budget of engine/kv_budget.py on a real
+"""The `memory` section of bench/gpu_check.py: the KV budget of engine/kv_budget.py on a real
 device. An 8B-shaped Llama (Llama-3-8B's shape, all 32 layers, random bf16 weights made on the
 device), the torch attention backend (whose decode gathers every row's whole context, and which
 runs CUDA graphs), gpu_memory_utilization 0.9, max_model_len 8192, 128 sequences, 4096-token steps:
@@ -13,8 +12,8 @@ runs CUDA graphs), gpu_memory_utilization 0.9, max_model_len 8192, 128 sequences
 
 `memory(plan)` takes bench/gpu_sections.py's Plan: on its CPU stand-in (`--dry-run`) the same code
 path runs on a 2-layer tiny Llama with a pretend device (StandInMemory: 1 GiB, a 64 MiB context,
-gpu_memory_utilization 0.07 so that the pool stays a few MiB) and batches of 1 and 4. Suggested
-time limit: 180 s (weights ~5 s, the context probe ~5 s, graph capture the most).
+gpu_memory_utilization 0.07 so that the pool stays a few MiB) and batches of 1 and 4. Its limit
+in gpu_check is 75 s (weights ~5 s, the context probe ~5 s, graph capture the most).
 """
 from __future__ import annotations
 

@@ -73,6 +73,15 @@ def test_dry_run_runs_every_section_with_only_what_the_gpu_machine_has(tmp_path)
     assert pd["bytes_received"] == pd["bytes_sent"] > 0 and "groups_created" not in pd["prefill_sender_stats"]
     assert all(pd[p][k] > 0 for p in ("sequential", "concurrent")
                for k in ("wall_s", "mean_ttft_ms", "mean_prefill_ms", "colocated_mean_ttft_ms"))
+    # the pool from the stand-in device's numbers: 0.07 of 1 GiB less its 64 MiB context = 8053063 bytes,
+    # in blocks of 2 layers x 2 x 16 tokens x 2 KV heads x 32 x 2 bytes = 8 KiB: 983
+    mem = s["memory"]
+    assert mem["budget"]["kv_blocks"] == 983 and mem["budget"]["limited_by"] == "share"
+    assert mem["budget"]["context_gib"] == round(64 / 1024, 3) and mem["budget"]["profiled"] == {
+        "prefill_tokens": 512, "decode_seqs": 4, "context_len": 512}
+    assert mem["backend"] == "torch" and mem["cuda_graphs"] is False and mem["max_model_len"] == 512
+    assert mem["ladder"] == {"1": {"ok": True, "peak_reserved_gib": 0.0}, "4": {"ok": True, "peak_reserved_gib": 0.0}}
+    assert mem["largest_decode_batch_at_max_model_len"] == 4 and mem["reserved"]["within_budget"]
     two = s["two_gpu"]  # gloo in NCCL's place: the same ranks, collectives, channel and TP=2 engine
     assert two["ok"] and two["tp2_prompts_equal_tp1"] == two["num_prompts"] > 0 and two["channel"] == "GlooChannel"
     assert all(r["all_reduce_ok"] and r["all_gather_ok"] and r["broadcast_step_ok"] and r["equal"]
@@ -128,7 +137,7 @@ def test_a_failure_skips_only_the_sections_that_need_it():
     every = list(gpu_check.SECTIONS)
     one_gpu_no_ipc = {"ipc_ok": False, "two_devices": False}
     results = gpu_check.run_all(every, plan, 1.0, run(one_gpu_no_ipc))
-    assert _ran(results) == ["probe", "engine", "decode"] == calls
+    assert _ran(results) == ["probe", "engine", "decode", "memory"] == calls
     assert results["pd_one_gpu"] == {"skipped": "needs probe.ipc_ok, which is False"}
     assert results["two_gpu"] == {"skipped": "needs probe.two_devices, which is False"}
     results = gpu_check.run_all(every, plan, 1.0, run({"ipc_ok": True, "two_devices": True}, failing="engine"))
