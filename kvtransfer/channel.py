@@ -2,8 +2,11 @@
 
 Every send and receive is posted after the control channel announced it (wire.py), and waits
 under a deadline: past it the channel is aborted (its requests fail, the connection is rebuilt
-on next use) and the process goes on. Gloo moves CPU caches; CUDA caches use `NcclChannel`
-(nccl.py), whose operations run on a stream of their own.
+on next use) and the process goes on. Which channel a pair uses the receiver decides at the
+handshake (`data_channel_kind`) and names in its welcome: gloo for CPU caches; for CUDA caches
+`NcclChannel` (nccl.py, operations on a stream of their own) between two GPUs, and
+`HostStagedChannel` (host_staged.py: gloo through host memory) between two ranks of one GPU
+whose cache is not shared, since NCCL refuses a communicator with two ranks on one device.
 
 Channels rendezvous in the receiver's TCPStore under the prefix "pg/<channel>/".
 """
@@ -17,6 +20,20 @@ import torch
 import torch.distributed as dist
 
 SENDER, RECEIVER = 0, 1
+DATA_CHANNELS = ("gloo", "nccl", "host")  # what a welcome's data_channel may name
+
+
+def data_channel_kind(device_type: str, same_device: bool) -> str:
+    """The data channel of a pair whose KV is on `device_type` (both ends agree: CompatRecord),
+    `same_device` when both ranks are on one device (equal, known shared_cache.device_key).
+
+    Two ranks of one GPU get "host", never NCCL: NCCL takes one rank per device in a communicator
+    and fails such a pair at its first operation ("Duplicate GPU detected"). vLLM and Dynamo
+    would not refuse a pair that can work, so it works, slower, through host memory, and both
+    ends log why; there is no option that asks for NCCL by name to refuse instead."""
+    if device_type != "cuda":
+        return "gloo"
+    return "host" if same_device else "nccl"
 
 
 class ChannelError(RuntimeError):
@@ -84,11 +101,15 @@ class GlooChannel(DataChannel):
             pass
 
 
-def open_channel(store: dist.Store, channel: int, rank: int, device: torch.device, host: str,
+def open_channel(store: dist.Store, channel: int, rank: int, kind: str, device: torch.device, host: str,
                  timeout_s: float) -> DataChannel:
-    """This end of channel `channel` for KV on `device` (blocks until both ends joined, at most
-    `timeout_s`)."""
-    if device.type == "cuda":
+    """This end of channel `channel`, of `kind` (DATA_CHANNELS), for KV on `device` (blocks until
+    both ends joined, at most `timeout_s`)."""
+    if kind == "nccl":
         from kvtransfer.nccl import NcclChannel
         return NcclChannel(store, channel, rank, timeout_s, device)
+    if kind == "host":
+        from kvtransfer.host_staged import HostStagedChannel
+        return HostStagedChannel(GlooChannel(store, channel, rank, host, timeout_s), device)
+    assert kind == "gloo", kind
     return GlooChannel(store, channel, rank, host, timeout_s)

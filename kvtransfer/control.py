@@ -15,6 +15,7 @@ call connects again.
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
@@ -87,6 +88,15 @@ class _Connection:
                 self.unpacker.feed(data)
             except msgpack.BufferFull:
                 raise ControlGarbage(f"message over {MAX_MESSAGE_BYTES} bytes") from None
+
+    def closed_by_peer(self) -> bool:
+        """Whether the peer closed (or reset) the connection; never blocks and reads nothing
+        (a message waiting to be read is not a close)."""
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+            return bool(readable) and not self.sock.recv(1, socket.MSG_PEEK)
+        except (OSError, ValueError):  # reset by the peer, or closed here
+            return True
 
     def close(self) -> None:
         """Safe from any thread: a thread blocked receiving on this socket wakes with an error."""
@@ -193,6 +203,23 @@ class ControlClient:
     def close(self) -> None:
         with self._lock:
             self._drop()
+
+    def shutdown(self) -> None:
+        """Closes the connection from another thread without waiting for a call in progress
+        (it fails at once); the next call connects again."""
+        conn = self._conn
+        if conn is not None:
+            conn.close()
+
+    def closed_by_peer(self) -> bool:
+        """Whether the server closed the current connection (its process ended): never blocks.
+        False with no connection, or while a call is in progress."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            return self._conn is not None and self._conn.closed_by_peer()
+        finally:
+            self._lock.release()
 
     def _exchange(self, msg: dict | None, timeout_s: float, reply: bool):
         deadline = time.monotonic() + timeout_s

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-PROTOCOL_VERSION = 9  # 3: control messages on TCP, payloads alone on the data channel; 4: runs; 5: shared caches;
+PROTOCOL_VERSION = 10  # 3: control messages on TCP, payloads alone on the data channel; 4: runs; 5: shared caches;
 # 6: kv_window (a sliding-window model ships only the tokens its decode can still read); 7: kv_layout (a
 # transfer per KV group, num_layers its slabs); 8: done.more_choices (n > 1: every choice's first token);
-# 9: kv_checksum (done.checksum, kvtransfer/checksum.py)
+# 9: kv_checksum (done.checksum, kvtransfer/checksum.py); 10: a shared part's `ready` grants its slots until
+# `done` (no layer/grant/wrote per span), welcome.data_channel and no_cache_reason (no NCCL on one GPU)
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,11 @@ A cancel waits for a receive in flight into the request's slots (at most its dea
 byte lands in blocks that may have moved on.
 
 Same device (`share_cache`, shared_cache.py): a sender that opened this cache writes a part's
-layers into its slots itself; a `layer` is answered with a grant (counted like a receive in
-flight, so a cancel waits for the sender's `wrote`), and a grant not written back within
-timeout_s drops the connection.
+layers into its slots itself; its `ready` is a grant of the part's slots until its `done`
+(counted like a receive in flight, so a cancel waits for that `done`), and a grant not ended
+within timeout_s drops the connection. A sender on this device that is not offered the cache
+(why is in the welcome, and logged here) gets the host data channel, never NCCL
+(channel.py: data_channel_kind).
 
 Checksums (`compat.kv_checksum`, checksum.py): `done` carries the sender's checksum of the part;
 the session's own over what arrived must equal it, or the part fails like one from a lost peer
@@ -42,7 +44,7 @@ import torch.distributed as dist
 from engine.threads import run_serially
 from kvtransfer import wire
 from kvtransfer.base import CompletedTransfer, KVReceiver
-from kvtransfer.channel import RECEIVER, DataChannel, open_channel
+from kvtransfer.channel import RECEIVER, DataChannel, data_channel_kind, open_channel
 from kvtransfer.checksum import PartChecksum
 from kvtransfer.control import ControlGarbage, ControlServer
 from kvtransfer.params import CompatRecord
@@ -78,7 +80,6 @@ class TorchDistReceiver(KVReceiver):
         attention backend's, where the blocks are not in the torch layout: every layer is then
         scattered through them (no direct receives, no shared cache)."""
         self.kv_views = kv_views
-        share_cache = share_cache and kv_views is None
         # kv_cache: (num_layers, 2, num_blocks, block_size, local_kv_heads, head_dim)
         assert kv_cache.dim() == 6 and kv_cache.shape[0] == compat.num_layers, kv_cache.shape
         self.compat, self.kv_cache, self.head_offset = compat, kv_cache, head_offset
@@ -94,12 +95,28 @@ class TorchDistReceiver(KVReceiver):
         self._failed: list[tuple[str, str]] = []
         self._stats: Counter = Counter()
         self._sessions: set[Session] = set()
-        self.device_key = device_key(kv_cache.device) if share_cache else ""
-        self.shared_cache = export_cache(kv_cache, head_offset) if self.device_key else None
-        if share_cache:
-            logger.info("KV receiver: same-device senders %s", "write into this cache" if self.shared_cache
-                        else "use the data channel (the cache cannot be shared)")
+        self.device_key = device_key(kv_cache.device)  # whether a sender is on this device, shared or not
+        self.shared_cache, self.no_cache_reason = self._share(share_cache)
         self._control = ControlServer(host, self._open_session, wire.SCHEMA)
+
+    def _share(self, share_cache: bool) -> tuple[dict | None, str | None]:
+        """The cache's description for senders on this device, or why there is none (logged)."""
+        if not share_cache:
+            return None, "cache sharing is off on this rank (kv_transport torch, or a backend's own KV layout)"
+        why = None
+        if self.kv_views is not None:
+            why = "the attention backend lays out its own KV blocks (kv_views); same-device writes use torch's layout"
+        elif not self.device_key:
+            why = "this host cannot tell devices apart (no /proc)"
+        else:
+            try:
+                desc = export_cache(self.kv_cache, self.head_offset)
+                logger.info("KV receiver: senders on this device write into this cache")
+                return desc, None
+            except ValueError as exc:
+                why = str(exc)
+        logger.warning("KV receiver: same-device transport off (%s): senders on this device use the data channel", why)
+        return None, why
 
     def _open_session(self, drop) -> Session:
         """On the connection's own thread, which scatters what arrives: its tensor ops run
@@ -153,6 +170,7 @@ class TorchDistReceiver(KVReceiver):
         with self._lock:
             out = dict(self._stats)
         out["garbage_messages"] = self._control.stats["garbage"]
+        out["control_messages"] = self._control.stats["messages"]
         return out
 
     def close(self) -> None:
@@ -177,7 +195,8 @@ class TorchDistReceiver(KVReceiver):
 
     def on_hello(self, session: Session, msg: dict) -> dict:
         reply = {"kind": "welcome", "ok": False, "error": None, "compat": self.compat.to_dict(),
-                 "store_port": self._store.port, "channel": -1, "cache": None}
+                 "store_port": self._store.port, "channel": -1, "cache": None, "data_channel": "gloo",
+                 "no_cache_reason": None}
         try:
             reply["error"] = self.compat.mismatch(CompatRecord.from_dict(msg["compat"]))
         except ValueError as exc:
@@ -191,20 +210,27 @@ class TorchDistReceiver(KVReceiver):
             self._stats["connections"] += 1
             session.index = reply["channel"] = self._stats["connections"]
             self._sessions.add(session)
-        if self.shared_cache is not None and msg["device_key"] == self.device_key:
+        same_device = bool(self.device_key) and msg["device_key"] == self.device_key
+        session.data_channel = reply["data_channel"] = data_channel_kind(self.compat.device_type, same_device)
+        if same_device and self.shared_cache is not None:
             session.offered = True  # the sender may open the cache and join shared
             reply["cache"] = self.shared_cache
+        elif same_device:
+            reply["no_cache_reason"] = self.no_cache_reason
+            logger.info("KV from %s (this device): no cache offered (%s): data channel %s", session.sender_id,
+                        self.no_cache_reason, reply["data_channel"])
         reply["ok"] = True
         return reply
 
-    def open_data_channel(self, index: int) -> DataChannel:
-        """This end of a data channel. Rendezvous goes through the master store object itself:
-        one more client per connection made torch's TCPStore refuse connections after a few."""
+    def open_data_channel(self, index: int, kind: str) -> DataChannel:
+        """This end of data channel `index` of `kind` (the welcome's). Rendezvous goes through the
+        master store object itself: one more client per connection made torch's TCPStore refuse
+        connections after a few."""
         store = self._store
         if store is None:
             raise ControlGarbage("the receiver is closed")
         try:
-            return open_channel(store, index, RECEIVER, self.kv_cache.device, self.host, self.timeout_s)
+            return open_channel(store, index, RECEIVER, kind, self.kv_cache.device, self.host, self.timeout_s)
         except (RuntimeError, OSError) as exc:  # the sender did not join in time
             raise ControlGarbage(f"data channel {index} was not built: {exc}") from None
 
@@ -228,6 +254,9 @@ class TorchDistReceiver(KVReceiver):
                 part = Part(lo, n_heads, msg["num_tokens"], e.runs if direct else [],
                             checksum=PartChecksum() if self.compat.kv_checksum else None)
                 session.parts[(rid, msg["head_start"])] = part
+                if session.shared:  # the part's slots are the sender's to write until its `done`
+                    e.receiving += 1
+                    session.granted[(rid, msg["head_start"])] = (part, e, time.monotonic())
                 e.sessions.add(session)
                 e.last_activity = time.monotonic()
                 reply["ok"] = True

@@ -7,12 +7,21 @@ computing while layers leave. Every step has a deadline of `timeout_s`: the hand
 `begin` a part waits on before any payload moves, each layer, the ack. A peer that fails
 (refused handshake, dead or silent receiver, a deadline passed) fails its queued parts, aborts
 its channel and leaves the pool; the next `begin` to that address builds a fresh one. A part the
-receiver refuses (request unknown or cancelled, wrong size) fails alone.
+receiver refuses (request unknown or cancelled, wrong size) fails alone. An idle peer checks its
+control connection every IDLE_CHECK_S: closed by the receiver (its process ended), it leaves the
+pool at once, with its channel and the receiver's cache it opened, instead of holding them until
+`max_groups` newer peers push it out.
 
 A receiver on this rank's device (shared_cache.device_key) offers its cache at the handshake:
-the peer opens it and writes each granted span of layers into the request's slots itself, one
-copy and no data channel (docs/disaggregation.md, "Same-device transport"). If the cache
-cannot be opened, the peer says so in the log and joins the data channel instead.
+the peer opens it and, from `ready` on, writes the part's layers into its slots itself, one copy
+and no data channel, no message per layer (shared_writer.py; docs/disaggregation.md, "Same
+device"). Before `done` it waits for one event after every copy queued so far, so a step's parts
+cost one event. The mapping lives as long as the peer, and longer if its copies stall (the
+writer is parked until they complete). A welcome from the same address offering the cache of
+another process (a restarted decode rank) ends any older peer still holding the old one. If the
+cache cannot be opened, the peer says so in the log and joins the data channel instead; which
+data channel (gloo, NCCL, or gloo through host memory for two ranks of one GPU) the receiver
+names in its welcome (channel.py: data_channel_kind).
 
 With `compat.kv_checksum` each part's `done` carries a checksum of its payloads (checksum.py),
 taken from the tensors handed to the channel (or written into the shared cache) before they go.
@@ -33,15 +42,18 @@ import torch.distributed as dist
 from engine.threads import run_serially
 from kvtransfer import wire
 from kvtransfer.base import IncompatiblePeerError, KVSender, Transfer, TransferError
-from kvtransfer.channel import SENDER, DataChannel, open_channel
+from kvtransfer.channel import DATA_CHANNELS, SENDER, DataChannel, open_channel
 from kvtransfer.checksum import PartChecksum
 from kvtransfer.control import ControlClient
 from kvtransfer.params import CompatRecord, KVEndpoint
-from kvtransfer.shared_cache import SharedCacheWriter, device_key, open_cache
+from kvtransfer.shared_cache import device_key, export_event, open_cache
+from kvtransfer.shared_writer import SharedCacheManager, SharedCacheWriter
 
 logger = logging.getLogger(__name__)
 MAX_INFLIGHT = 8  # payload messages posted and not yet complete, per connection
 MAX_SPAN = 8  # layers announced by one message, when that many are queued
+IDLE_CHECK_S = 0.5  # how often an idle connection checks whether the receiver closed it
+LOST = ("lost", None, None, None)  # the op an idle peer gives itself when the receiver closed the connection
 
 
 class _Transfer(Transfer):
@@ -96,6 +108,8 @@ class _Peer:
         self.control = ControlClient(dest.address, wire.SCHEMA)
         self.channel: DataChannel | None = None
         self.shared: SharedCacheWriter | None = None  # the receiver's cache, opened here (same device)
+        self.cache_pid: int | None = None  # the process whose cache `shared` is
+        self.abandoned: str | None = None  # why another thread ended this connection
         self.inflight: deque = deque()  # (number, send handle, payload) posted, not yet waited on
         self.posted = 0  # payload messages posted so far
         self.unacked: deque[_Transfer] = deque()  # parts whose `done` was sent, in order
@@ -138,24 +152,53 @@ class _Peer:
                 self.closed = True
                 self._ops.put(None)
 
+    def abandon(self, reason: str) -> None:
+        """Ends this connection from another thread (its receiver's process is gone): what is
+        pending fails with `reason`; the cache it opened goes once its copies completed."""
+        self.abandoned = reason
+        self.close()
+        self.control.shutdown()  # wakes a receive blocked on it
+
     def _run(self) -> None:
         run_serially()  # it gathers and copies KV: no OpenMP team of its own (engine/threads.py)
         broken: str | None = None
         while True:
             if self.unacked and not self._held and self._ops.empty() and broken is None:
                 broken = self._guarded(self._answer, None)  # nothing to send: hear the acks
-            if (op := self._held.pop() if self._held else self._ops.get()) is None:
+            if (op := self._held.pop() if self._held else self._next_op(broken is None)) is None:
                 break
             kind, transfer, a, b = op
-            if broken is not None or transfer.error is not None:
+            if kind == "lost":  # idle: the receiver's process ended (or restarted); no transfer failed
+                logger.info("KV connection to %s closed by the receiver: it leaves the pool with its channel and "
+                            "the cache it opened", self.name)
+                broken = self._end(f"KV connection to {self.name} closed by the receiver", False)
+            elif broken is not None or transfer.error is not None:
                 transfer.fail(transfer.error or broken)
-                continue
-            broken = self._guarded(self._carry_out, kind, transfer, a, b)
+            else:
+                broken = self._guarded(self._carry_out, kind, transfer, a, b)
         if broken is None:  # closing: what it sent is acknowledged first
             self._guarded(self._answer, None)
         if self.channel is not None:
             self.channel.close()
         self.control.close()
+        self._release_shared()
+
+    def _next_op(self, watch: bool) -> tuple | None:
+        """The next operation; while none comes, with `watch`, LOST once the receiver closed the
+        connection (checked every IDLE_CHECK_S, without reading anything)."""
+        while True:
+            try:
+                return self._ops.get(timeout=IDLE_CHECK_S)
+            except queue.Empty:
+                if watch and self.control.closed_by_peer():
+                    return LOST
+
+    def _release_shared(self) -> None:
+        """The receiver's cache goes with this connection once its copies completed; a writer
+        whose copies stalled is parked with the sender until they do (never unmapped under one)."""
+        writer, self.shared = self.shared, None
+        if writer is not None:
+            self.owner._unmapped(self, writer)
 
     def _guarded(self, step, *args) -> str | None:
         """Runs one step; any failure (refused, a deadline, the peer gone, a bug) ends this
@@ -165,13 +208,18 @@ class _Peer:
             return None
         except Exception as exc:
             broken = str(exc) if isinstance(exc, IncompatiblePeerError) else (
-                f"KV connection to {self.name} failed: {exc}")
+                f"KV connection to {self.name} failed: {self.abandoned or exc}")
             logger.warning("%s", broken)
-            self.owner._drop(self)  # out of the pool before anyone waiting hears of the failure
-            for t in ([args[1]] if step == self._carry_out else []) + list(self.unacked):
-                t.fail(broken)
-            self.unacked.clear()
-            return broken
+            return self._end(broken, True, *([args[1]] if step == self._carry_out else []))
+
+    def _end(self, broken: str, failed: bool, *transfers: _Transfer) -> str:
+        """This connection ends: it leaves the pool (counted as `failed` or not) before anyone
+        waiting hears of it; then `transfers` and every part awaiting an ack fail with `broken`."""
+        self.owner._drop(self, failed)
+        for t in [*transfers, *self.unacked]:
+            t.fail(broken)
+        self.unacked.clear()
+        return broken
 
     def _carry_out(self, kind: str, t: _Transfer, a, b) -> None:
         timeout = self.owner.timeout_s
@@ -192,8 +240,11 @@ class _Peer:
                 raise TransferError(f"{self.name} answered begin with bad runs: {exc}") from None
             t.begun, t.runs = True, ready["runs"]
         if kind == "layer":
-            send = self._write_layers if self.shared is not None else self._send_layers
-            return send(t, *self._gather(t, a, b))
+            if self.shared is not None:
+                return self._write_layer(t, a, *b)
+            return self._send_layers(t, *self._gather(t, a, b))
+        if self.shared is not None:  # `done` says the part is in the cache: so it must be
+            self.shared.settle(timeout)
         # not waited on: the receiver acks once every payload is in; the next part goes on meanwhile
         self.control.send({"kind": "done", "request_id": t.request_id, "head_start": t.head_start,
                            "num_layers": t.num_layers_sent, "first_token": a, "logprobs": wire.pack_logprobs(b[0]),
@@ -247,34 +298,24 @@ class _Peer:
         t.num_bytes += num_bytes
         self.owner.count("bytes_sent", num_bytes)
 
-    def _write_layers(self, t: _Transfer, layers: list[int], payloads: list[tuple]) -> None:
-        """Shared: once granted, the layers go straight into the receiver's slots; `wrote` once
-        they are there (on CUDA: the copies completed, polled under the deadline)."""
-        timeout = self.owner.timeout_s
-        announce = {"kind": "layer", "request_id": t.request_id, "head_start": t.head_start, "layer": layers[0],
-                    "count": len(layers)}
-        self.control.send(announce, timeout)
-        if not self._answer(t, "grant")["ok"]:
-            self.owner.count("parts_rejected")
-            return t.fail(f"receiver rejected {t.request_id}: unknown or cancelled request")
-        for layer, (kv, event) in zip(layers, payloads):
-            if t.checksum is not None:  # K then V of the part's tokens: what the receiver reads back
-                t.checksum.update(kv, event)
-            self.shared.write(layer, t.target, kv, event, t.head_start)
-        self.shared.settle(timeout)
-        self.control.send(announce | {"kind": "wrote"}, timeout)
-        num_bytes = sum(kv.numel() * kv.element_size() for kv, _ in payloads)
-        t.num_layers_sent += len(layers)
+    def _write_layer(self, t: _Transfer, layer: int, kv: torch.Tensor, ready) -> None:
+        """Shared: the layer's copy into the slots `ready` granted is queued (no message); the
+        part's `done` waits for it with the rest of the step's (SharedCacheWriter.settle)."""
+        if t.checksum is not None:  # K then V of the part's tokens: what the receiver reads back
+            t.checksum.update(kv, ready)
+        self.shared.write(layer, t.target, kv, ready, t.head_start)
+        num_bytes = kv.numel() * kv.element_size()
+        t.num_layers_sent += 1
         t.num_bytes += num_bytes
         self.owner.count("bytes_sent", num_bytes)
-        self.owner.count("layers_shared", len(layers))
+        self.owner.count("layers_shared")
 
     def _check_answer(self, msg: dict, kind: str, t: _Transfer) -> None:
         if msg["kind"] != kind or msg["request_id"] != t.request_id:
             raise TransferError(f"out-of-order answer {msg} (waiting for {kind} of {t.request_id})")
 
     def _connect(self, timeout: float) -> None:
-        """The handshake, then the shared cache or the data channel."""
+        """The handshake, then the shared cache or the data channel the receiver names."""
         o = self.owner
         welcome = self.control.call({"kind": "hello", "sender_id": o.sender_id, "compat": o.compat.to_dict(),
                                      "device_key": o.device_key}, timeout)
@@ -288,43 +329,66 @@ class _Peer:
             raise TransferError(f"{self.name} sent a bad compat record: {exc}") from None
         if (diff := o.compat.mismatch(theirs)) is not None:
             raise IncompatiblePeerError(f"refused {self.name}: {diff}")
-        if welcome["cache"] is not None and self._open_shared(welcome["cache"]):
-            self.control.send({"kind": "join", "channel": welcome["channel"], "shared": True}, timeout)
-            o.count("shared_connections")
-            return
+        if welcome["data_channel"] not in DATA_CHANNELS:
+            raise TransferError(f"{self.name} names an unknown data channel {welcome['data_channel']!r}")
+        why_not = welcome["no_cache_reason"]
+        if welcome["cache"] is not None:
+            why_not = self._open_shared(welcome["cache"]) if o.same_device else \
+                "same-device writes are off on this rank (same_device False)"
+            if why_not is None:
+                self.control.send({"kind": "join", "channel": welcome["channel"], "shared": True}, timeout)
+                o.count("shared_connections")
+                return
+        self._join_channel(welcome, why_not, timeout)
+
+    def _join_channel(self, welcome: dict, why_not: str | None, timeout: float) -> None:
+        """Builds the data channel of the receiver's kind; `why_not`: why a receiver on this very
+        device is not written into directly (logged with the kind: "host" means that pair)."""
+        o, kind = self.owner, welcome["data_channel"]
+        if why_not is not None:
+            logger.info("KV to %s (this device) not written into its cache (%s): data channel %s", self.name, why_not,
+                        "gloo through host memory (NCCL cannot pair two ranks of one GPU)" if kind == "host" else kind)
         try:
             store = dist.TCPStore(self.dest.host, welcome["store_port"], is_master=False,
                                   timeout=timedelta(seconds=timeout), wait_for_workers=False)
             self.control.send({"kind": "join", "channel": welcome["channel"], "shared": False}, timeout)
-            self.channel = open_channel(store, welcome["channel"], SENDER, o.device, o.host, timeout)
+            self.channel = open_channel(store, welcome["channel"], SENDER, kind, o.device, o.host, timeout)
         except (RuntimeError, OSError) as exc:  # TCPStore / group rendezvous failures
             raise TransferError(f"building the data channel to {self.name} failed: {exc}") from None
         o.count("groups_created")
 
-    def _open_shared(self, desc: dict) -> bool:
-        """Opens the receiver's cache (same device); False, logged, when it cannot be opened here."""
+    def _open_shared(self, desc: dict) -> str | None:
+        """Opens the receiver's cache (same device), after its export event on the writer's
+        stream; why not (logged) when it cannot be opened here."""
         try:
             if desc.get("kind") == "cuda" and desc.get("pid") == os.getpid():
                 raise ValueError("CUDA IPC cannot open a cache of this very process")
-            self.shared = SharedCacheWriter(open_cache(desc, self.owner.device), int(desc["head_offset"]))
+            device, pid = self.owner.device, int(desc["pid"])
+            self.shared = SharedCacheWriter(open_cache(desc, device), int(desc["head_offset"]),
+                                            export_event=export_event(desc, device))
         except (ValueError, KeyError, TypeError) as exc:
             logger.warning("same-device KV transport to %s unavailable (%s): using the data channel", self.name, exc)
-            return False
+            return str(exc)
+        self.cache_pid = pid
+        self.owner._mapped(self)
         logger.info("KV to %s: written straight into its cache (same device)", self.name)
-        return True
+        return None
 
 
 class TorchDistSender(KVSender):
     def __init__(self, compat: CompatRecord, sender_id: str, timeout_s: float = 10.0, host: str = "127.0.0.1",
                  max_groups: int = 64, same_device: bool = False):
-        """`same_device`: write into the caches of receivers on this rank's device (they offer them)."""
+        """`same_device`: write into the caches of receivers on this rank's device (they offer them).
+        The hello carries this rank's device_key whatever `same_device` says: a receiver on the same
+        GPU must not pick NCCL (channel.py: data_channel_kind)."""
         if max_groups < 1:
             raise ValueError(f"max_groups must be >= 1, got {max_groups}")
         self.compat, self.sender_id, self.timeout_s, self.host = compat, sender_id, timeout_s, host
         # the GPU whose KV this rank sends: current on the thread that builds the sender (the rank's)
         self.device = torch.device("cuda", torch.cuda.current_device()) if compat.device_type == "cuda" \
             else torch.device("cpu")
-        self.device_key = device_key(self.device) if same_device else ""
+        self.device_key, self.same_device = device_key(self.device), same_device
+        self.caches = SharedCacheManager()  # receivers' caches opened here, and stalled writers
         self.max_groups = max_groups
         self._peers: OrderedDict[tuple[str, int], _Peer] = OrderedDict()
         self._lock = threading.Lock()
@@ -335,6 +399,7 @@ class TorchDistSender(KVSender):
 
     def begin(self, request_id: str, dest: KVEndpoint, head_start: int, head_end: int,
               num_tokens: int) -> Transfer:
+        self.caches.reap()
         with self._lock:
             if self._closed:
                 raise TransferError("sender is closed")
@@ -348,12 +413,29 @@ class TorchDistSender(KVSender):
             self._peers.move_to_end(dest.address)
         return _Transfer(peer, request_id, head_start, head_end, num_tokens)
 
-    def _drop(self, peer: _Peer) -> None:
+    def _drop(self, peer: _Peer, failed: bool = True) -> None:
         with self._lock:
             if self._peers.get(peer.dest.address) is peer:
                 del self._peers[peer.dest.address]
-            self._stats["groups_failed"] += 1
+            self._stats["groups_failed" if failed else "groups_closed_by_peer"] += 1
         peer.close()
+
+    def _mapped(self, peer: _Peer) -> None:
+        """`peer` opened its receiver's cache: an older connection still holding a cache of that
+        address from another process holds a restarted decode rank's old one; it ends now."""
+        for old in self.caches.opened(peer, peer.dest.address, peer.cache_pid):
+            logger.warning("the decode rank at %s:%d restarted (pid %d, was %d): ending the connection that "
+                           "holds its old cache", *peer.dest.address, peer.cache_pid, old.cache_pid)
+            self.count("caches_of_restarted_peers")
+            old.abandon(f"its decode rank restarted (pid {peer.cache_pid}, was {old.cache_pid})")
+
+    def _unmapped(self, peer: _Peer, writer: SharedCacheWriter) -> None:
+        if self.caches.closed(peer, writer, self.timeout_s):
+            self.count("caches_released")
+            return
+        self.count("caches_parked")
+        logger.warning("KV copies into the cache of %s stalled: its mapping and payloads are kept until they "
+                       "complete (the connection's parts failed)", peer.name)
 
     def _log(self, t: _Transfer) -> None:
         self.transfer_seconds += t.acked_s - t.begin_s
@@ -370,8 +452,10 @@ class TorchDistSender(KVSender):
 
     @property
     def stats(self) -> dict[str, int]:
+        """Counters, and `caches_parked_now`: writers whose stalled copies still hold a mapping."""
+        parked = self.caches.reap()
         with self._lock:
-            return dict(self._stats)
+            return dict(self._stats, caches_parked_now=parked)
 
     def close(self) -> None:
         with self._lock:

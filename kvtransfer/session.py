@@ -7,12 +7,11 @@ device) has no data channel: its sender writes granted layers into the cache its
 With checksums (`compat.kv_checksum`) each part hashes what arrived in the order it crossed: a
 scattered layer's buffer, or, for layers received straight into the cache, the runs' slots read
 back once they landed; for layers a same-device sender wrote, the part's slots read back at
-`wrote`, K then V of every token. `done` compares (receiver.py)."""
+`done`, K then V of every token. `done` compares (receiver.py)."""
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -53,7 +52,9 @@ class Session:
         self.sender_id, self.index = "?", None
         self.channel: DataChannel | None = None
         self.offered = self.shared = False  # offered the cache at hello; joined to write into it
-        self.granted: deque[tuple] = deque()  # (layer msg, part, Expected or None, when) awaiting `wrote`
+        self.data_channel = "gloo"  # the kind the welcome named (channel.py: data_channel_kind)
+        # shared: (request id, head_start) -> (part, its Expected, when `ready` granted its slots) until `done`
+        self.granted: dict[tuple[str, int], tuple[Part, Expected, float]] = {}
         self.parts: dict[tuple[str, int], Part] = {}  # (request id, head_start) -> begun, not done
         self.activity = time.monotonic()
         # receive buffers: later layers arrive in some while the writer thread scatters one from another
@@ -73,9 +74,9 @@ class Session:
                 raise ControlGarbage("joined shared without the cache being offered")
             self.shared = msg["shared"]
             if not self.shared:
-                self.channel = self.rx.open_data_channel(self.index)
+                self.channel = self.rx.open_data_channel(self.index, self.data_channel)
             return None
-        if not joined or kind not in ("begin", "layer", "done", "wrote") or (kind == "wrote" and not self.shared):
+        if not joined or kind not in ("begin", "layer", "done") or (kind == "layer" and self.shared):
             raise ControlGarbage(f"{kind} message out of order")
         if kind == "begin":
             return self.rx.on_begin(self, msg)
@@ -83,13 +84,14 @@ class Session:
         if part is None:
             raise ControlGarbage(f"{kind} for a part that did not begin: {msg['request_id']}")
         if kind == "layer":
-            return self._grant(msg, part) if self.shared else self._layer(msg, part)
-        if kind == "wrote":
-            return self._wrote(msg, part)
+            return self._layer(msg, part)
         if (msg["checksum"] is None) != (part.checksum is None):
             raise ControlGarbage(f"done {'with' if part.checksum is None else 'without'} a checksum, "
                                  f"kv_checksum is {part.checksum is not None} here")
-        self._written()
+        if self.shared:
+            self._wrote(msg, part)
+        else:
+            self._written()
         del self.parts[(msg["request_id"], msg["head_start"])]
         return self.rx.on_done(self, msg, part)
 
@@ -115,35 +117,22 @@ class Session:
                 self._payload_failed(msg, ChannelError(f"KV receive could not be posted: {str(exc)[:200]}"))
             self.writes[i] = self.writer.submit(self._scatter, msg, layer, part, handle, self.buffers[i][:n])
 
-    def _grant(self, msg: dict, part: Part) -> dict:
-        """Shared: the announced layers' slots are the sender's to write until it says `wrote`."""
-        first, count = msg["layer"], msg["count"]
-        if not (0 <= first and 0 < count and first + count <= self.rx.compat.num_layers):
-            raise ControlGarbage(f"layers {first} + {count} of {self.rx.compat.num_layers}")
-        e = self.rx.start_receiving(msg["request_id"])
-        if e is None:  # cancelled: the sender fails the part and sends no more of it
-            del self.parts[(msg["request_id"], msg["head_start"])]
-            self.rx.count("dropped_layers")
-        else:
-            self.granted.append((msg, part, e, time.monotonic()))
-        return {"kind": "grant", "request_id": msg["request_id"], "head_start": msg["head_start"], "ok": e is not None}
-
     def _wrote(self, msg: dict, part: Part) -> None:
-        if not self.granted or {k: self.granted[0][0][k] for k in msg} != msg | {"kind": "layer"}:
-            raise ControlGarbage(f"wrote {msg} without a grant of those layers")
-        _, _, e, _ = self.granted.popleft()
-        if e is not None and part.checksum is not None:
-            self._hash_written(msg, part, e)
-        num_bytes = msg["count"] * wire.payload_bytes(part.num_tokens, part.num_heads, self.rx.compat.head_dim,
-                                                      self.rx.kv_cache.dtype)
-        self.rx.on_received(msg["request_id"], part, e, msg["count"], num_bytes)
+        """Shared: `done` says the part's layers are in the cache; its grant ends (the slots read
+        back first for a checksum, while a cancel still waits)."""
+        num_layers = msg["num_layers"]
+        if not 0 <= num_layers <= self.rx.compat.num_layers:
+            raise ControlGarbage(f"done of {num_layers} layers, of {self.rx.compat.num_layers}")
+        _, e, _ = self.granted.pop((msg["request_id"], msg["head_start"]))
+        if part.checksum is not None:
+            self._hash_written(num_layers, part, e)
+        num_bytes = num_layers * wire.payload_bytes(part.num_tokens, part.num_heads, self.rx.compat.head_dim,
+                                                    self.rx.kv_cache.dtype)
+        self.rx.on_received(msg["request_id"], part, e, num_layers, num_bytes)
 
     def granted_since(self) -> float:
-        """When the oldest grant still awaiting `wrote` was given (inf: none)."""
-        try:
-            return self.granted[0][3]
-        except IndexError:
-            return float("inf")
+        """When the oldest grant still awaiting its `done` was given (inf: none)."""
+        return min((when for *_, when in list(self.granted.values())), default=float("inf"))
 
     def _scatter(self, msg: dict, layer: int, part: Part, handle, payload: torch.Tensor) -> None:
         """On the writer thread: once the layer is in the buffer, into the request's slots."""
@@ -169,12 +158,13 @@ class Session:
                     for k in (0, 1):
                         part.checksum.update(cache[k, slot:slot + length])
 
-    def _hash_written(self, msg: dict, part: Part, e: Expected) -> None:
-        """Shared: adds the layers a same-device sender wrote to the part's checksum, read back from
-        the request's slots as the sender held them, K then V of every token: run by run for a
-        few runs, else after one gather a layer (a hash call per run cost more, measured)."""
+    def _hash_written(self, num_layers: int, part: Part, e: Expected) -> None:
+        """Shared: adds layers 0 .. num_layers - 1, which a same-device sender wrote, to the part's
+        checksum, read back from the request's slots as the sender held them, K then V of every
+        token: run by run for a few runs, else after one gather a layer (a hash call per run cost
+        more, measured)."""
         rx, heads = self.rx, slice(part.lo, part.lo + part.num_heads)
-        for layer in range(msg["layer"], msg["layer"] + msg["count"]):
+        for layer in range(num_layers):
             cache = as_bytes(rx.kv_cache[layer]).view(2, rx.num_slots, rx.num_local_heads, -1)
             if len(part.runs) > FEW_RUNS:
                 part.checksum.update(cache[:, e.slots, heads])  # (2, tokens, heads, hd)
@@ -239,7 +229,7 @@ class Session:
         if self.channel is not None:  # first: receives still posted end at once, so cancel() waits no longer
             self.channel.close()
         self.writer.shutdown(wait=True)
-        while self.granted:  # a dead or stuck sender's grants end: a cancel waits no longer
-            msg, part, e, _ = self.granted.popleft()
-            self.rx.on_received(msg["request_id"], part, e, 0, 0)
+        for (rid, _), (part, e, _) in list(self.granted.items()):  # a dead or stuck sender's grants end:
+            self.rx.on_received(rid, part, e, 0, 0)  # a cancel waits no longer
+        self.granted.clear()
         self.rx.on_session_closed(self)

@@ -11,20 +11,15 @@ straight into the decode's blocks, with no data channel and no second copy.
 The description is a plain map (msgpack): handles are bytes, nothing is unpickled. Whether two
 ranks share a device is `device_key()`: the boot id, the network namespace (pods and the test
 beds' hosts are network namespaces; their /dev/shm may differ) and the CUDA device's UUID.
+Writing into an opened cache, and the lifetime of the mapping: shared_writer.py.
 """
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import shutil
-import time
 
 import torch
 
-from kvtransfer.scatter import scatter_layer, whole_blocks
-
-logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux
 
 
@@ -41,11 +36,12 @@ def device_key(device: torch.device) -> str:
     return f"{boot}/{netns}/cpu"
 
 
-def export_cache(kv_cache: torch.Tensor, head_offset: int) -> dict | None:
+def export_cache(kv_cache: torch.Tensor, head_offset: int) -> dict:
     """A description of `kv_cache` (num_layers, 2, num_blocks, block_size, local heads, head_dim)
-    that `open_cache` in another process of the same device_key turns into the same memory, or
-    None (logged) when it cannot be shared. On a CPU this moves the cache into shared memory,
-    in place (views of it stay valid): call it before anything caches its data pointer."""
+    that `open_cache` in another process of the same device_key turns into the same memory.
+    ValueError naming why when it cannot be shared (the receiver logs it and offers no cache).
+    On a CPU this moves the cache into shared memory, in place (views of it stay valid): call it
+    before anything caches its data pointer."""
     desc = {"shape": list(kv_cache.shape), "stride": list(kv_cache.stride()), "offset": kv_cache.storage_offset(),
             "dtype": str(kv_cache.dtype).removeprefix("torch."), "head_offset": head_offset, "pid": os.getpid()}
     storage = kv_cache.untyped_storage()
@@ -54,8 +50,7 @@ def export_cache(kv_cache: torch.Tensor, head_offset: int) -> dict | None:
             (device, handle, size, offset_bytes, ref_handle, ref_offset, event_handle,
              event_sync) = storage._share_cuda_()
         except RuntimeError as exc:  # e.g. expandable segments, which CUDA IPC cannot export
-            logger.warning("same-device KV transport off: the KV cache cannot be exported over CUDA IPC (%s)", exc)
-            return None
+            raise ValueError(f"the KV cache cannot be exported over CUDA IPC ({str(exc)[:200]})") from None
         return desc | {"kind": "cuda", "device": device, "handle": handle, "size": size, "offset_bytes": offset_bytes,
                        "ref_handle": ref_handle, "ref_offset": ref_offset, "event_handle": event_handle,
                        "event_sync": bool(event_sync)}
@@ -63,9 +58,7 @@ def export_cache(kv_cache: torch.Tensor, head_offset: int) -> dict | None:
     if not storage.is_shared():
         free = shutil.disk_usage(SHM_DIR).free if os.path.isdir(SHM_DIR) else 0
         if free < need:
-            logger.warning("same-device KV transport off: %s has %.2f GiB free, the KV cache needs %.2f GiB",
-                           SHM_DIR, free / 2**30, need / 2**30)
-            return None
+            raise ValueError(f"{SHM_DIR} has {free / 2**30:.2f} GiB free, the KV cache needs {need / 2**30:.2f} GiB")
     manager, handle, size = storage._share_filename_cpu_()
     return desc | {"kind": "cpu", "manager": manager, "handle": handle, "size": size}
 
@@ -92,66 +85,16 @@ def open_cache(desc: dict, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
 
 
-class SharedCacheWriter:
-    """A prefill rank's writes into a decode rank's cache opened with `open_cache`.
+def export_event(desc: dict, device: torch.device) -> torch.cuda.Event | None:
+    """The event the decode rank recorded on its current stream when it shared a CUDA cache
+    (torch's `_share_cuda_`), opened in this process; None for a CPU cache, or when torch
+    synchronized that stream instead of recording one (`event_sync` False).
 
-    CUDA: each write waits (on a stream of its own) for the event recorded when its layer's KV
-    was gathered, so the engine's stream never waits on a transfer; `settle` polls an event
-    recorded after the writes, under a deadline, before the receiver is told they are in."""
-    POLL_S = 0.0002
-
-    def __init__(self, cache: torch.Tensor, head_offset: int):
-        # cache: (num_layers, 2, num_blocks, block_size, local heads, head_dim), the decode rank's
-        self.cache, self.head_offset = cache, head_offset
-        self.block_size, self.num_heads = cache.shape[3], cache.shape[4]
-        self.num_slots = cache.shape[2] * self.block_size
-        self.stream = torch.cuda.Stream(cache.device) if cache.is_cuda else None
-
-    def target(self, runs: list[list[int]], first_slots: list[int], num_tokens: int) -> tuple:
-        """Where a part's tokens go: its runs [(first token, length, first slot)] and, for many
-        runs, the slots and whole block ids for `scatter_layer`. ValueError if they do not fit."""
-        triples = [(start, length, slot) for (start, length), slot in zip(runs, first_slots)]
-        if len(triples) != len(runs) or sum(length for _, length, _ in triples) != num_tokens or any(
-                slot + length > self.num_slots for _, length, slot in triples):
-            raise ValueError(f"slots {first_slots[:4]}... do not fit a cache of {self.num_slots} slots")
-        if len(triples) <= 4:
-            return triples, None, None
-        slots = torch.cat([torch.arange(slot, slot + length) for _, length, slot in triples])
-        blocks = whole_blocks(slots, self.block_size)
-        return triples, slots.to(self.cache.device), None if blocks is None else blocks.to(self.cache.device)
-
-    def write(self, layer: int, target: tuple, kv: torch.Tensor, ready, head_start: int) -> None:
-        """kv (2, num_tokens, heads, head_dim) into heads [head_start, ...) (global) of the target slots."""
-        triples, slots, blocks = target
-        lo = head_start - self.head_offset
-        assert 0 <= lo and lo + kv.shape[2] <= self.num_heads, (head_start, self.head_offset, kv.shape)
-        dst = self.cache[layer]  # (2, num_blocks, block_size, heads, head_dim)
-        with self._on_stream():
-            if ready is not None:
-                self.stream.wait_event(ready)
-            if slots is not None:
-                return scatter_layer(dst, slots, blocks, kv, lo)
-            flat = dst.view(2, self.num_slots, self.num_heads, -1)
-            for start, length, slot in triples:
-                flat[:, slot:slot + length, lo:lo + kv.shape[2]].copy_(kv[:, start:start + length])
-
-    def _on_stream(self) -> contextlib.AbstractContextManager:
-        if self.stream is None:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()  # the sender's thread may have another current device
-        stack.enter_context(torch.cuda.device(self.cache.device))
-        stack.enter_context(torch.cuda.stream(self.stream))
-        return stack
-
-    def settle(self, timeout_s: float) -> None:
-        """Returns once every write so far is in the cache; TimeoutError past `timeout_s`."""
-        if self.stream is None:
-            return
-        with self._on_stream():
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        deadline = time.monotonic() + timeout_s
-        while not event.query():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"KV writes into the shared cache did not complete within {timeout_s:.1f} s")
-            time.sleep(self.POLL_S)
+    Why a writer opens it itself: torch's `_new_shared_cuda` (open_cache) makes only the current
+    stream of the opening thread wait on it, and a writer copies on a stream of its own."""
+    if desc.get("kind") != "cuda" or not desc.get("event_sync"):
+        return None
+    try:
+        return torch.cuda.Event.from_ipc_handle(device, desc["event_handle"])
+    except (KeyError, TypeError, RuntimeError) as exc:
+        raise ValueError(f"the shared cache's export event cannot be opened: {str(exc)[:200]}") from None

@@ -1,10 +1,11 @@
 """The KV transport of torch.distributed groups: control messages over TCP (control.py, wire.py),
 payloads over a two-rank data channel per connection (channel.py: gloo for CPU caches, nccl.py
-for CUDA ones; both ends must agree: `device_type` is in the CompatRecord).
+between two GPUs, host_staged.py between two ranks of one GPU; the receiver names it), or, on
+one device, written straight into the decode cache (shared_cache.py, shared_writer.py).
 
     decode rank                                        prefill rank
     ControlServer (port 0) + TCPStore (port 0)  <---   ControlClient
-      hello: CompatRecord checked  ------------------>  welcome {ok, store_port, channel}
+      hello: CompatRecord checked  ------------------>  welcome {ok, store_port, channel, data_channel, cache}
       join: both ends build channel <n> in the TCPStore under "pg/<n>/"
       begin / layer + payload / done  <--------------   one part per (request, decode rank)
 """

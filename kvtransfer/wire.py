@@ -4,7 +4,8 @@ the data plane, which carries only KV payloads (channel.py).
 One control connection per (prefill rank, decode rank) pair; its data channel is built after
 the handshake. Sender -> receiver, with the receiver's answer:
 
-    hello  {sender_id, compat, device_key}              -> welcome {ok, error, compat, store_port, channel, cache}
+    hello  {sender_id, compat, device_key}              -> welcome {ok, error, compat, store_port, channel, cache,
+                                                                    data_channel, no_cache_reason}
     join   {channel, shared}                               (no answer: both ends build the data channel; or,
                                                            shared, the sender opened `cache`: no data channel)
     begin  {request_id, head_start, head_end, num_tokens} -> ready {request_id, ok, error, runs, slots}
@@ -17,13 +18,16 @@ the handshake. Sender -> receiver, with the receiver's answer:
     done   {request_id, head_start, num_layers, first_token, logprobs, more_choices, checksum}
                                                         -> ack {request_id, ok, error}
 
-On a shared connection (same device: `cache` describes the receiver's cache, shared_cache.py)
-no payload moves on a data channel; the sender writes the receiver's slots itself:
+device_key: the sender's shared_cache.device_key ("" when unknown). data_channel: which channel
+`join` builds (channel.py: data_channel_kind): "gloo", "nccl", or "host" (gloo through host
+memory) for two ranks of one GPU. cache: the receiver's cache (shared_cache.py), offered to a
+sender on its device; else nil, and for a sender on its device no_cache_reason says why.
 
-    layer  {request_id, head_start, layer, count}       -> grant {request_id, head_start, ok}: the slots
-                                                           are the sender's to write until `wrote` (ok
-                                                           False: the request was cancelled; write nothing)
-    wrote  {request_id, head_start, layer, count}          (no answer) the granted layers are in the cache
+On a shared connection (the sender opened `cache`) no payload moves on a data channel and no
+message goes per layer: `ready` {ok: true} grants the part's slots to the sender, which writes
+every layer into them itself; they are its to write until its `done`, which it sends once the
+copies are complete (so a cancel waits for that `done`). `layer` is garbage there. The receiver
+reads layers 0 .. num_layers - 1 back for a checksum.
 
 The receiver answers `ready` only for a request it has reserved slots for, and posts a receive
 on the data channel only after a `layer` announced its payload: no receive waits unmatched.
@@ -39,7 +43,7 @@ more_choices: [] or, for n > 1 choices of one prompt, the others' [first_token, 
 checksum: with `kv_checksum` in both ends' CompatRecord (--kv-checksum), the part's xxh3_64
 (checksum.py) over its payload bytes in the order they cross: per announced layer, the one
 message, or K then V of each run; on a shared connection, per layer, the bytes written as the
-sender held them, (2, tokens, heads, head_dim), which the receiver reads back from its slots.
+sender held them, (2, tokens, heads, head_dim), which the receiver reads back from its slots at `done`.
 nil without kv_checksum; either way round is a malformed message. A mismatch fails the part:
 ack {ok: false}.
 """
@@ -51,13 +55,11 @@ _NONE = type(None)
 SCHEMA: dict[str, dict[str, type | tuple]] = {
     "hello": {"sender_id": str, "compat": dict, "device_key": str},
     "welcome": {"ok": bool, "error": (str, _NONE), "compat": dict, "store_port": int, "channel": int,
-                "cache": (dict, _NONE)},
+                "cache": (dict, _NONE), "data_channel": str, "no_cache_reason": (str, _NONE)},
     "join": {"channel": int, "shared": bool},
     "begin": {"request_id": str, "head_start": int, "head_end": int, "num_tokens": int},
     "ready": {"request_id": str, "ok": bool, "error": (str, _NONE), "runs": list, "slots": list},
     "layer": {"request_id": str, "head_start": int, "layer": int, "count": int},
-    "grant": {"request_id": str, "head_start": int, "ok": bool},
-    "wrote": {"request_id": str, "head_start": int, "layer": int, "count": int},
     "done": {"request_id": str, "head_start": int, "num_layers": int, "first_token": int,
              "logprobs": (list, _NONE), "more_choices": list, "checksum": (int, _NONE)},
     "ack": {"request_id": str, "ok": bool, "error": (str, _NONE)},

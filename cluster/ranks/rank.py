@@ -73,6 +73,7 @@ class RankHost:
         self.role, self.instance_id, self.rank, self.host = role, instance_id, rank, host
         self.on_loop_death = on_loop_death
         self.sender = self.receiver = None
+        self.kv_same_device_off: str | None = None  # why kv_same_device was asked for and is off here
         self._stop = threading.Event()
         # NOTE: everything that runs the model, its load included, runs on this one thread. An
         # OpenMP team belongs to the thread that started it, and libgomp keeps it while that thread
@@ -113,7 +114,13 @@ class RankHost:
         backend = self.runner.backend
         kv_views = None
         if backend.own_kv_layout and role in ("prefill", "decode"):  # the transfer reads and writes through them
-            kv_views, kv_same_device = backend.kv_views, False
+            kv_views = backend.kv_views
+            if kv_same_device:  # same-device writes copy torch's layout into the decode's blocks
+                self.kv_same_device_off = (f"the {backend.name} attention backend lays out its own KV blocks "
+                                           f"(attention_backend torch keeps torch's layout)")
+                logger.warning("KV same-device transport off: %s; KV goes over the data channel",
+                               self.kv_same_device_off)
+            kv_same_device = False
         if role == "prefill":
             self.sender = create_kv_transport("torch").sender(compat, f"{instance_id}/{rank}", timeout_s=kv_timeout_s,
                                                               host=host, same_device=kv_same_device)

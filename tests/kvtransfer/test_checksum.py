@@ -19,7 +19,7 @@ from kvtransfer.base import IncompatiblePeerError, TransferError, create_kv_tran
 from kvtransfer.checksum import PartChecksum, checksum_of
 from kvtransfer.params import KVEndpoint
 from kvtransfer.receiver import MAX_DIRECT_RUNS
-from kvtransfer.shared_cache import SharedCacheWriter
+from kvtransfer.shared_writer import SharedCacheWriter
 from tests.kvtransfer.faults import OFFSET, corrupt_in_flight
 from tests.kvtransfer.test_receive_direct import _slots
 from tests.kvtransfer.test_torch_dist import (COMPAT, HEADS, LAYERS, _wait_for, flat, make_cache, make_receiver,
@@ -130,7 +130,7 @@ def test_without_checksums_the_altered_element_lands_unnoticed():
 
 @pytest.mark.parametrize("path", ["shared", "shared_gathered"])
 def test_a_same_device_write_that_lands_wrong_is_caught_by_reading_back(path):
-    """Same device: the receiver reads its slots back at `wrote`; an element changed after the
+    """Same device: the receiver reads its slots back at `done`; an element changed after the
     sender's write (its checksum taken from the source) fails the part as a mismatch."""
     write = SharedCacheWriter.write
 

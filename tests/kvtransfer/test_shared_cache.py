@@ -1,8 +1,8 @@
 """The same-device KV transport: a prefill rank on the decode rank's device writes a part's KV
 straight into the decode cache (CUDA IPC on a GPU; here, on a CPU, POSIX shared memory). The
 cache equals the reference scatter, in this process and from another one; a cancel waits for a
-granted span's `wrote`; a grant never written back drops the connection; a sender that cannot
-open the cache, or a receiver that does not offer it, falls back to the data channel."""
+granted part's `done`; a grant never ended drops the connection; a sender that cannot open the
+cache, or a receiver that does not offer it, falls back to the data channel."""
 from __future__ import annotations
 
 import logging
@@ -135,42 +135,54 @@ class _HandSender:
         assert welcome["ok"] and welcome["cache"] is not None
         self.client.send({"kind": "join", "channel": welcome["channel"], "shared": True}, 5)
 
-    def layer(self, rid: str, layer: int = 0) -> dict:
-        if layer == 0:
-            assert self.client.call({"kind": "begin", "request_id": rid, "head_start": 0, "head_end": HEADS,
-                                     "num_tokens": BLOCK}, 5)["ok"]
-        return self.client.call({"kind": "layer", "request_id": rid, "head_start": 0, "layer": layer, "count": 1}, 5)
+    def begin(self, rid: str) -> dict:
+        return self.client.call({"kind": "begin", "request_id": rid, "head_start": 0, "head_end": HEADS,
+                                 "num_tokens": BLOCK}, 5)
 
-    def wrote(self, rid: str, layer: int = 0) -> None:
-        self.client.send({"kind": "wrote", "request_id": rid, "head_start": 0, "layer": layer, "count": 1}, 5)
+    def done(self, rid: str) -> dict:
+        return self.client.call({"kind": "done", "request_id": rid, "head_start": 0, "num_layers": LAYERS,
+                                 "first_token": 7, "logprobs": None, "more_choices": [], "checksum": None}, 5)
 
 
-def test_a_cancel_waits_for_the_granted_span_then_later_layers_are_refused():
-    """While a span is granted the slots are the sender's: cancel() returns only after `wrote`;
-    the next layer of the cancelled request is refused (grant ok False)."""
+def test_a_cancel_waits_for_the_granted_parts_done():
+    """From `ready` to `done` a part's slots are the sender's: cancel() returns only after the
+    `done`, which is then refused (the request is gone)."""
     rx, _, dest = make_shared_receiver()
     rx.expect("r", torch.arange(BLOCK), 1)
     hand = _HandSender(dest)
-    assert hand.layer("r")["ok"]
+    assert hand.begin("r")["ok"]
     cancelled = threading.Event()
     threading.Thread(target=lambda: (rx.cancel("r"), cancelled.set()), daemon=True).start()
     assert not cancelled.wait(0.5)
-    hand.wrote("r")
+    ack = hand.done("r")
     assert cancelled.wait(BOUND_S)
-    assert not hand.layer("r", layer=1)["ok"]
+    assert not ack["ok"] and rx.stats["dropped_layers"] == LAYERS
     rx.close()
 
 
-def test_a_grant_never_written_back_drops_the_connection():
-    """Past timeout_s without `wrote`, the connection is dropped: the request fails and a
-    cancel no longer waits."""
+def test_a_layer_message_on_a_shared_connection_is_garbage():
+    """A shared connection moves no payload and announces no layer: `layer` drops it, and the
+    begun part's request fails."""
+    rx, _, dest = make_shared_receiver()
+    rx.expect("r", torch.arange(BLOCK), 1)
+    hand = _HandSender(dest)
+    assert hand.begin("r")["ok"]
+    hand.client.send({"kind": "layer", "request_id": "r", "head_start": 0, "layer": 0, "count": 1}, 5)
+    _, failed = poll_until(rx, timeout=BOUND_S)
+    assert [rid for rid, _ in failed] == ["r"] and _wait_for(lambda: rx.stats["garbage_messages"] == 1, BOUND_S)
+    rx.close()
+
+
+def test_a_grant_never_ended_drops_the_connection():
+    """Past timeout_s without the part's `done`, the connection is dropped: the request fails and
+    a cancel no longer waits."""
     rx, _, dest = make_shared_receiver(timeout_s=1.0)
     rx.expect("r", torch.arange(BLOCK), 1)
     hand = _HandSender(dest)
-    assert hand.layer("r")["ok"]
+    assert hand.begin("r")["ok"]
     _, failed = poll_until(rx, timeout=BOUND_S)
     assert [rid for rid, _ in failed] == ["r"]
-    assert _wait_for(lambda: not rx._sessions, BOUND_S)
+    assert _wait_for(lambda: rx.stats.get("connections", 0) == 1 and not rx._sessions, BOUND_S)
     rx.cancel("r")
     rx.close()
 
@@ -197,3 +209,13 @@ def test_a_cache_that_cannot_be_opened_falls_back_to_the_data_channel(monkeypatc
         ship_to_slots(tx, rx, dest, dst, make_cache(), torch.arange(BLOCK, 3 * BLOCK))
     assert tx.stats["groups_created"] == 1 and "no shared memory here" in caplog.text
     tx.close(), rx.close()
+
+
+def test_a_receiver_with_a_backends_own_layout_offers_no_cache_and_says_why(caplog):
+    """share_cache with kv_views (vllm_cpu's own block layout): no cache is offered, and the log
+    and `no_cache_reason` (sent to same-device senders) say why."""
+    with caplog.at_level(logging.WARNING, logger="kvtransfer.receiver"):
+        rx = create_kv_transport("torch").receiver(COMPAT, make_cache(fill=0.0), 0, timeout_s=5.0, share_cache=True,
+                                                   kv_views=lambda layer: (layer[0], layer[1]))
+    assert rx.shared_cache is None and "own KV blocks" in rx.no_cache_reason and rx.no_cache_reason in caplog.text
+    rx.close()

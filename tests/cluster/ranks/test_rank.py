@@ -81,3 +81,22 @@ def test_a_cuda_rank_joins_its_tp_group_on_an_indexed_device(monkeypatch):
     assert (calls["set_device"], backend, kw["device_id"]) == (3, "nccl", torch.device("cuda", 3))
     assert tp.device == torch.device("cuda", 3)
     assert select_device("cuda:1") == torch.device("cuda", 1) and select_device("cpu") == torch.device("cpu")
+
+
+def test_a_backend_with_its_own_kv_layout_says_why_the_same_device_path_is_off(tiny_path, monkeypatch, caplog):
+    """A decode rank asked for the same-device transport whose attention backend lays out its own
+    KV blocks (vllm_cpu's; faked here on the torch backend) does not take it, and says why: in its
+    log, in `kv_same_device_off`, and to a sender on its device in the welcome."""
+    import logging
+    from engine.attention.torch_backend import TorchAttentionBackend
+    monkeypatch.setattr(TorchAttentionBackend, "own_kv_layout", True)
+    config = ClusterSpec(model=tiny_path, dtype="float32", device="cpu", num_kv_blocks=32, block_size=8,
+                         max_num_seqs=4, max_num_batched_tokens=64, num_threads=1).engine_config("decode")
+    with caplog.at_level(logging.WARNING, logger="cluster.ranks.rank"):
+        host = RankHost(config, "decode", "decode-0", kv_same_device=True)
+    try:
+        assert "torch attention backend lays out its own KV blocks" in host.kv_same_device_off
+        assert host.kv_same_device_off in caplog.text
+        assert host.receiver.shared_cache is None and host.receiver.no_cache_reason
+    finally:
+        host.shutdown()
