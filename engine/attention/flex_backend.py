@@ -20,8 +20,8 @@ of s at position p sees exactly one run of keys, [lo, hi] in the packed key sequ
 The mask (`mask_mod`) reads those two per-token tensors: causality, the window and the sequence
 boundaries in one comparison; padding queries see nothing (lo > hi) and padding keys are past
 every hi. The BlockMask (which blocks of 16 queries x 128 keys hold any visible pair, which hold
-only visible pairs) is built from lo/hi directly, once per step and window (`prepare`, lazily per
-window), not by evaluating the mask over every pair.
+only visible pairs) is built from lo/hi directly, once per step and window (by the step's first
+layer with that window; the others reuse it), not by evaluating the mask over every pair.
 
 Every gathered key row is a written K/V of its sequence, and the padding rows are zeros, never
 uninitialized memory: a masked score's weight is exactly 0, but 0 * NaN is NaN, so garbage in a
@@ -165,7 +165,8 @@ def block_mask(lo: torch.Tensor, hi: torch.Tensor, num_q: int, num_k: int) -> Bl
     num_partial, partial_ids = listed(partial)
     num_full, full_ids = listed(full)
     return BlockMask.from_kv_blocks(num_partial, partial_ids, num_full, full_ids, BLOCK_SIZE=(Q_BLOCK, KV_BLOCK),
-                                    mask_mod=mask_mod, seq_lengths=(num_q, num_k))
+                                    mask_mod=mask_mod, seq_lengths=(num_q, num_k),
+                                    compute_q_blocks=False)  # the transposed lists serve only a backward
 
 
 def padded_rows(cache: torch.Tensor, slots: torch.Tensor, num_rows: int, dtype: torch.dtype,
@@ -222,11 +223,11 @@ class FlexAttentionBackend(BaseAttentionBackend):
         return out[0, :, :num_tokens].transpose(0, 1).contiguous()  # (num_tokens, heads, hd)
 
     def _note_shape(self, query: torch.Tensor, keys: torch.Tensor, softcap: float | None) -> None:
-        """Logs each padded shape the first time this backend runs it: that call compiles (or loads
-        inductor's cached kernels), which takes seconds."""
+        """Logs each padded shape the first time this backend runs it: the process's first call of a
+        shape compiles it (or loads inductor's on-disk kernels), which takes seconds."""
         shape = (tuple(query.shape), tuple(keys.shape), query.dtype, softcap)
         if shape not in self._shapes:
             self._shapes.add(shape)
-            logger.info("flex: %d queries x %d keys (padded), %s heads on %s KV heads, %s%s: compiled on "
-                        "first use", query.shape[0], keys.shape[0], query.shape[1], keys.shape[1],
+            logger.info("flex: %d queries x %d keys (padded), %s heads on %s KV heads, %s%s: a new shape "
+                        "(compiled on its first call in this process)", query.shape[0], keys.shape[0], query.shape[1], keys.shape[1],
                         str(query.dtype).removeprefix("torch."), "" if softcap is None else f", softcap {softcap}")
