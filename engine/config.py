@@ -216,7 +216,7 @@ class EngineConfig:
     model: str = "smollm2"
     dtype: str = "auto"  # see resolve_dtype
     device: str = "auto"  # auto = cuda when present, else cpu
-    attention_backend: str = "auto"  # auto = flash_attn on CUDA, vllm_cpu on a CPU where it fits, else torch
+    attention_backend: str = "auto"  # auto = flash_attn on CUDA, else flex; vllm_cpu on a CPU where it fits, else torch
     num_threads: int | None = None  # the step thread's intra-op threads; None: torch's default (CPU), 1 (GPU)
     adapt_threads: bool = False  # CPU: num_threads is a most; fewer while other processes take cores (TeamSizer)
     tp_size: int = 1

@@ -157,7 +157,7 @@ def _paths(spec: ClusterSpec) -> str:
     """Device, dtype and attention backend the instances run (as they resolve "auto")."""
     cuda = spec.device.startswith("cuda") or (spec.device == "auto" and torch.cuda.is_available())
     attention = spec.attention_backend if spec.attention_backend != "auto" else (
-        "flash_attn if importable, else torch" if cuda else "torch")
+        "flash_attn if importable, else flex" if cuda else "vllm_cpu where it fits, else torch")
     dtype = str(resolve_dtype(spec.dtype, torch.device("cuda" if cuda else "cpu"))).removeprefix("torch.")
     return f"{'cuda' if cuda else 'cpu'}, {dtype}{' (auto)' if spec.dtype == 'auto' else ''}, attention {attention}"
 

