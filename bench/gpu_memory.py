@@ -13,7 +13,7 @@ runs CUDA graphs), gpu_memory_utilization 0.9, max_model_len 8192, 128 sequences
 `memory(plan)` takes bench/gpu_sections.py's Plan: on its CPU stand-in (`--dry-run`) the same code
 path runs on a 2-layer tiny Llama with a pretend device (StandInMemory: 1 GiB, a 64 MiB context,
 gpu_memory_utilization 0.07 so that the pool stays a few MiB) and batches of 1 and 4. Its limit
-in gpu_check is 75 s (weights ~5 s, the context probe ~5 s, graph capture the most).
+in gpu_check is 65 s (weights ~5 s, the context probe ~5 s, graph capture the most).
 """
 from __future__ import annotations
 

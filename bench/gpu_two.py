@@ -55,7 +55,8 @@ def _collectives(tp, device: torch.device) -> dict:
 def _channel(store_port: int, rank: int, device: torch.device, timeout_s: float) -> dict:
     from kvtransfer.channel import open_channel
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    channel = open_channel(store, 0, rank, device, "127.0.0.1", timeout_s)
+    kind = "nccl" if device.type == "cuda" else "gloo"  # two devices: what the receiver picks (kvtransfer)
+    channel = open_channel(store, 0, rank, kind, device, "127.0.0.1", timeout_s)
     try:
         n = CHANNEL_MIB << 20
         g = torch.Generator().manual_seed(5)

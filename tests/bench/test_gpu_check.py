@@ -73,6 +73,9 @@ def test_dry_run_runs_every_section_with_only_what_the_gpu_machine_has(tmp_path)
     assert pd["bytes_received"] == pd["bytes_sent"] > 0 and "groups_created" not in pd["prefill_sender_stats"]
     assert all(pd[p][k] > 0 for p in ("sequential", "concurrent")
                for k in ("wall_s", "mean_ttft_ms", "mean_prefill_ms", "colocated_mean_ttft_ms"))
+    fx = s["flex"]  # inductor's C++ kernels in triton's place
+    assert fx["ok"] and set(fx["tokens"]) == {"llama", "mistral_window", "gemma2"}
+    assert all(fx["decode"]["batches"][b][k]["ms_per_step"] > 0 for b in ("1", "4") for k in ("flex", "torch"))
     # the pool from the stand-in device's numbers: 0.07 of 1 GiB less its 64 MiB context = 8053063 bytes,
     # in blocks of 2 layers x 2 x 16 tokens x 2 KV heads x 32 x 2 bytes = 8 KiB: 983
     mem = s["memory"]
@@ -137,7 +140,7 @@ def test_a_failure_skips_only_the_sections_that_need_it():
     every = list(gpu_check.SECTIONS)
     one_gpu_no_ipc = {"ipc_ok": False, "two_devices": False}
     results = gpu_check.run_all(every, plan, 1.0, run(one_gpu_no_ipc))
-    assert _ran(results) == ["probe", "engine", "decode", "memory"] == calls
+    assert _ran(results) == ["probe", "engine", "decode", "flex", "memory"] == calls
     assert results["pd_one_gpu"] == {"skipped": "needs probe.ipc_ok, which is False"}
     assert results["two_gpu"] == {"skipped": "needs probe.two_devices, which is False"}
     results = gpu_check.run_all(every, plan, 1.0, run({"ipc_ok": True, "two_devices": True}, failing="engine"))

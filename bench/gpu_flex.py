@@ -1,0 +1,125 @@
+"""The `flex` section of bench/gpu_check.py: the FlexAttention backend (engine/attention/flex_backend.py),
+`auto`'s choice on a GPU without flash-attn, against the torch backend on the same device.
+
+    tokens   greedy tokens of flex against torch, in float32, on tiny random Llama (GQA), Mistral
+             (a sliding window) and Gemma 2 (soft-capped scores, sliding and global layers
+             alternating) checkpoints: prompts past the windows, prefilled in chunks over cached
+             context beside decodes. Any difference is a bug (float32, sharpened weights).
+    decode   ms per decode step of each backend, eager (flex has no CUDA graphs), on an 8-layer cut of
+             the ~8B shape at each batch, against the step time its bytes take at the measured copy
+             bandwidth; and the seconds the first steps took (flex compiles each padded shape once).
+
+Batches are skipped, and said so, once 80% of the section's time is gone: a compile slower than
+expected leaves the tokens part standing. Its dry run: the CPU (inductor's C++ kernels), a
+2-layer tiny Llama for the 8-layer cut.
+"""
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from bench.gpu_sections import (Plan, _greedy, _prompts, _random_weights, _sync, copy_gbps, engine_config,
+                                model_config_of)
+
+BACKENDS = ("flex", "torch")
+FAMILIES = {  # transformers' config classes, scaled down; the published switches that change attention
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=24, head_dim=32)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=32, sliding_window=24, attn_logit_softcapping=5.0,
+                                                         final_logit_softcapping=3.0, query_pre_attn_scalar=24)),
+}
+TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024)
+LIMIT_S = 70.0  # gpu_check's limit for this section (the time guard below works within it)
+
+
+def _save_tiny(folder: Path, family: str, seed: int) -> Path:
+    import transformers
+    config_cls, model_cls, switches = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**TINY, **switches})).eval()
+    with torch.no_grad():  # norms off 1 and sharper distributions: greedy choices far from ties
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * 0.1) if "norm" in name else p.mul_(2.5)
+    model.save_pretrained(folder / family, safe_serialization=True)
+    return folder / family
+
+
+def _tiny_llm(plan: Plan, folder: Path, backend: str):
+    from decode_worker.engine import ColocatedEngine
+    from decode_worker.llm import LLM
+    from engine.model_runner import ModelRunner
+    cfg = engine_config(plan.device, dict(num_blocks=256, block_size=16), backend, max_num_seqs=8,
+                        max_num_batched_tokens=64)  # prompts of 100 tokens prefill in chunks over their cache
+    cfg = replace(cfg, model=str(folder), dtype="float32")
+    return LLM(engine=ColocatedEngine(cfg, runner=ModelRunner(cfg)))
+
+
+def tokens(plan: Plan) -> dict:
+    prompts = [p[:n] for p, n in zip(_prompts(4, 100, TINY["vocab_size"], 50), (100, 40, 7, 63))]
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed, family in enumerate(FAMILIES):
+            folder = _save_tiny(Path(tmp), family, seed)
+            got = {b: [o.token_ids for o in _tiny_llm(plan, folder, b).generate(prompts, _greedy(16))]
+                   for b in BACKENDS}
+            out[family] = {"prompts_equal": sum(f == t for f, t in zip(got["flex"], got["torch"])),
+                           "num_prompts": len(prompts)}
+    return out
+
+
+def _decode_ms(llm, batch: int, plan: Plan, vocab: int) -> tuple[float, float]:
+    """Seconds of the first (compiling) run, and the median ms per decode step of the second."""
+    start = time.monotonic()
+    llm.generate(_prompts(batch, plan.prompt_len, vocab, 1000 + batch), _greedy(4))
+    first_s = time.monotonic() - start
+    outs = llm.generate(_prompts(batch, plan.prompt_len, vocab, 2000 + batch), _greedy(plan.output_len))
+    return first_s, statistics.median((o.finished_s - o.first_token_s) / (len(o.token_ids) - 1) * 1e3 for o in outs)
+
+
+def decode(plan: Plan, deadline: float) -> dict:
+    from transformers import LlamaConfig
+
+    from decode_worker.engine import ColocatedEngine
+    from decode_worker.llm import LLM
+    from engine.model_runner import ModelRunner
+    shape = dict(plan.big, num_hidden_layers=min(8, plan.big["num_hidden_layers"]))
+    cfg = LlamaConfig(**shape, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    mc = model_config_of(cfg, "random-8b-shape-cut")
+    weights = dict(_random_weights(cfg, plan.device))  # both backends load the same
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    bw = copy_gbps(plan.device, min(2 << 30, weight_bytes))
+    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
+    out = {"shape": shape, "copy_GBps": bw, "batches": {}}
+    kv = dict(memory_gib=plan.kv_gib, gpu_memory_utilization=plan.gpu_memory_utilization / 2, block_size=16)
+    for backend in BACKENDS:
+        ecfg = replace(engine_config(plan.device, kv, backend, max(plan.batch_sizes[:2]),
+                                     max(2048, max(plan.batch_sizes[:2]) * plan.prompt_len)), enforce_eager=True)
+        llm = LLM(engine=ColocatedEngine(ecfg, runner=ModelRunner(ecfg, model_config=mc, weights=weights.items())))
+        for batch in plan.batch_sizes[:2]:
+            row = out["batches"].setdefault(str(batch), {})
+            if time.monotonic() > deadline:
+                row[backend] = {"skipped": "the section's time guard"}
+                continue
+            first_s, ms = _decode_ms(llm, batch, plan, mc.vocab_size)
+            context = plan.prompt_len + plan.output_len / 2
+            bound = (weight_bytes + batch * context * kv_per_token) / (bw * 1e9) * 1e3
+            row[backend] = {"ms_per_step": ms, "first_run_s": first_s, "bytes_bound_ms": bound, "of_bound": bound / ms}
+        del llm
+        _sync(plan.device)
+        if plan.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return out
+
+
+def flex(plan: Plan) -> dict:
+    deadline = time.monotonic() + 0.8 * LIMIT_S * (1 if plan.device.startswith("cuda") else 4)
+    out = {"tokens": tokens(plan)}
+    out["decode"] = decode(plan, deadline)
+    out["ok"] = all(t["prompts_equal"] == t["num_prompts"] for t in out["tokens"].values())
+    return out
