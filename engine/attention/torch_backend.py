@@ -219,8 +219,8 @@ class TorchAttentionBackend(BaseAttentionBackend):
         head_dim), so that no kernel repeats K/V per query head (SDPA's GQA under a mask takes the
         math kernel, which does: GiBs a layer at an 8B shape's decode batch), and on a GPU in the
         model's dtype, so that SDPA's memory-efficient kernel runs. On a CPU, SDPA's own GQA in
-        float32: there the grouped view measured 1.1-1.2x slower at batches 1 to 32 over 256
-        positions (SmolLM2's 9 on 3 heads; 0.92x at batch 8 over 1024), BENCHMARKS.md, issue 31."""
+        float32: there the grouped view measured up to 1.2x slower at batch 1 and about level at
+        batches 8 to 32 (SmolLM2's 9 on 3 heads; BENCHMARKS.md, "The torch backend's decode layouts")."""
         nd, num_heads, head_dim = q.shape
         if softcap is None and q.device.type not in cls.GROUPED_DECODE_DEVICES:
             kh = k.float().view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)  # (nd, kv_heads, max_ctx, hd)
