@@ -13,6 +13,7 @@ Channels rendezvous in the receiver's TCPStore under the prefix "pg/<channel>/".
 from __future__ import annotations
 
 import contextlib
+import time
 from abc import ABC, abstractmethod
 from datetime import timedelta
 
@@ -71,6 +72,20 @@ class DataChannel(ABC):
     @abstractmethod
     def close(self) -> None:
         """Aborts the channel: pending operations fail at once. Safe from any thread, repeatable."""
+
+
+POLL_S = 0.0005  # how often a host waits on a CUDA event polls it
+
+
+def settle_event(channel: DataChannel, event, timeout_s: float) -> None:
+    """Polls `event` (recorded after a channel's last write) until it completed; past `timeout_s`
+    the channel is closed and ChannelError raised."""
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            channel.close()
+            raise ChannelError("KV writes did not complete before the deadline")
+        time.sleep(POLL_S)
 
 
 class GlooChannel(DataChannel):

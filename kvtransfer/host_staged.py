@@ -16,14 +16,11 @@ plain gloo (the tests run it so).
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import NamedTuple
 
 import torch
 
-from kvtransfer.channel import ChannelError, DataChannel, GlooChannel
-
-POLL_S = 0.0005
+from kvtransfer.channel import DataChannel, GlooChannel, settle_event
 
 
 class _Staged(NamedTuple):
@@ -65,13 +62,7 @@ class HostStagedChannel(DataChannel):
     def settle(self, timeout_s: float) -> None:
         if self.stream is None:
             return
-        event = self.stream.record_event()
-        deadline = time.monotonic() + timeout_s
-        while not event.query():
-            if time.monotonic() > deadline:
-                self.close()
-                raise ChannelError("KV writes did not complete before the deadline")
-            time.sleep(POLL_S)
+        settle_event(self, self.stream.record_event(), timeout_s)
 
     def close(self) -> None:
         self.gloo.close()

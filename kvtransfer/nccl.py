@@ -25,9 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kvtransfer.channel import ChannelError, DataChannel
+from kvtransfer.channel import POLL_S, ChannelError, DataChannel, settle_event
 
-POLL_S = 0.0005
 WATCHDOG_MARGIN_S = 60.0  # the group's own timeout sits this far past our deadlines
 
 
@@ -63,12 +62,7 @@ class NcclChannel(DataChannel):
         with torch.cuda.device(self.device):
             event = torch.cuda.Event()
             event.record(self.stream)
-        deadline = time.monotonic() + timeout_s
-        while not event.query():
-            if time.monotonic() > deadline:
-                self.close()
-                raise ChannelError("KV writes did not complete before the deadline")
-            time.sleep(POLL_S)
+        settle_event(self, event, timeout_s)
 
     def _complete(self, work, timeout_s: float) -> None:
         """Polls `work` on the host until it completed or the deadline passed; then orders this

@@ -206,3 +206,16 @@ def run_gloo_ranks(target, args: tuple, num_results: int, world: int = 2, timeou
         p.join(30)
         assert p.exitcode == 0
     return results
+
+
+def generate_steps(engine, prompts, max_tokens: int) -> list[tuple[list[int], list, int]]:
+    """Greedy runs of `prompts` through a ColocatedEngine stepped by hand: per prompt its tokens,
+    their top-2 logprobs and how many prompt tokens came from the prefix cache."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    ids = [f"r{i}-{len(engine.scheduler.requests)}-{id(p)}" for i, p in enumerate(prompts)]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params)
+    reqs = {rid: engine.scheduler.requests[rid] for rid in ids}
+    while engine.has_unfinished():
+        engine.step()
+    return [(reqs[rid].output_token_ids, reqs[rid].output_logprobs, reqs[rid].num_cached_tokens) for rid in ids]

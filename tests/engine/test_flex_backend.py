@@ -23,9 +23,8 @@ from engine.attention.base import FP8
 from engine.attention.flex_backend import MIN_KEYS, MIN_QUERIES, FlexAttentionBackend, padded
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.model_runner import ModelRunner
-from engine.request import SamplingParams
 from tests.engine.test_flash_backend import build_metadata
-from tests.helpers import FAMILIES, engine_config, make_hf_tiny, random_prompts
+from tests.helpers import FAMILIES, engine_config, generate_steps, make_hf_tiny, random_prompts
 
 WHY = flex_backend.flex_unavailable(torch.device("cpu"))
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"flex: {WHY}")
@@ -176,17 +175,6 @@ def _engine(folder, backend: str) -> ColocatedEngine:
     return ColocatedEngine(cfg, runner=ModelRunner(cfg))
 
 
-def _generate(engine: ColocatedEngine, prompts, max_tokens: int):
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
-    ids = [f"r{i}-{len(engine.scheduler.requests)}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts):
-        engine.add_request(rid, p, params)
-    reqs = {rid: engine.scheduler.requests[rid] for rid in ids}
-    while engine.has_unfinished():
-        engine.step()
-    return [(reqs[rid].output_token_ids, reqs[rid].output_logprobs, reqs[rid].num_cached_tokens) for rid in ids]
-
-
 def test_family_matches_the_torch_backend(family_folder):
     """Prompts of 5-90 tokens (windows of 20-24: several windows back), 12 greedy tokens each, all
     in flight together (chunked prefills beside decodes), then the same prompts again (prefix-cache
@@ -194,8 +182,8 @@ def test_family_matches_the_torch_backend(family_folder):
     prompts = random_prompts(4, [5, 30, 62, 90], seed=5)
     ours, ref = _engine(family_folder, "flex"), _engine(family_folder, "torch")
     assert ours.runner.backend.name == "flex"
-    got = _generate(ours, prompts, 12) + _generate(ours, prompts, 12)
-    want = _generate(ref, prompts, 12) + _generate(ref, prompts, 12)
+    got = generate_steps(ours, prompts, 12) + generate_steps(ours, prompts, 12)
+    want = generate_steps(ref, prompts, 12) + generate_steps(ref, prompts, 12)
     assert any(cached for _, _, cached in got[4:])
     for (tokens, logprobs, cached), (ref_tokens, ref_logprobs, ref_cached) in zip(got, want):
         assert tokens == ref_tokens and cached == ref_cached

@@ -15,8 +15,7 @@ from engine.attention import create_attention_backend
 from engine.attention.base import quantize_fp8
 from engine.attention.vllm_cpu_backend import vllm_cpu_unavailable
 from engine.model_runner import ModelRunner
-from engine.request import SamplingParams
-from tests.helpers import engine_config, hf_greedy, make_hf_tiny_llama, model_config_of, random_prompts
+from tests.helpers import engine_config, generate_steps, hf_greedy, make_hf_tiny_llama, model_config_of, random_prompts
 
 WHY = vllm_cpu_unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"vllm_cpu: {WHY}")
@@ -29,17 +28,6 @@ def _engine(hf_model, backend: str, dtype: str = "float32", kv_cache_dtype: str 
     return ColocatedEngine(cfg, runner=runner)
 
 
-def _generate(engine: ColocatedEngine, prompts, max_tokens: int):
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
-    ids = [f"r{i}-{len(engine.scheduler.requests)}-{id(p)}" for i, p in enumerate(prompts)]
-    for rid, p in zip(ids, prompts):
-        engine.add_request(rid, p, params)
-    reqs = {rid: engine.scheduler.requests[rid] for rid in ids}
-    while engine.has_unfinished():
-        engine.step()
-    return [(reqs[rid].output_token_ids, reqs[rid].output_logprobs, reqs[rid].num_cached_tokens) for rid in ids]
-
-
 @pytest.mark.parametrize("head_dim", [32, 80], ids=["vec", "vec16"])
 def test_matches_transformers_and_the_torch_backend(head_dim):
     """Prompts of 3-90 tokens (chunked at 32 per step, 32-token blocks), 10 greedy tokens each,
@@ -49,14 +37,14 @@ def test_matches_transformers_and_the_torch_backend(head_dim):
     prompts = random_prompts(6, [3, 17, 33, 64, 90], seed=5)
     ours = _engine(hf, "vllm_cpu")
     assert ours.runner.backend.name == "vllm_cpu" and ours.runner.block_size == 32
-    got = _generate(ours, prompts, 10)
-    want = _generate(_engine(hf, "torch"), prompts, 10)
+    got = generate_steps(ours, prompts, 10)
+    want = generate_steps(_engine(hf, "torch"), prompts, 10)
     for p, (tokens, logprobs, _), (ref_tokens, ref_logprobs, _) in zip(prompts, got, want):
         assert tokens == hf_greedy(hf, p, 10) == ref_tokens
         for step, ref_step in zip(logprobs, ref_logprobs):
             assert step.keys() == ref_step.keys()
             assert all(abs(step[t] - ref_step[t]) < 1e-4 for t in step)
-    again = _generate(ours, prompts, 10)
+    again = generate_steps(ours, prompts, 10)
     assert [a[0] for a in again] == [g[0] for g in got]
     assert all(cached >= 32 for p, (_, _, cached) in zip(prompts, again) if len(p) > 32)  # whole blocks reused
     ours.kv.assert_no_leaks()
@@ -65,8 +53,8 @@ def test_matches_transformers_and_the_torch_backend(head_dim):
 def test_bf16_logprobs_close_to_the_torch_backend():
     hf = make_hf_tiny_llama(seed=6, hidden_size=128)
     prompts = random_prompts(4, [9, 40, 70], seed=7)
-    got = _generate(_engine(hf, "vllm_cpu", "bfloat16"), prompts, 6)
-    want = _generate(_engine(hf, "torch", "bfloat16"), prompts, 6)
+    got = generate_steps(_engine(hf, "vllm_cpu", "bfloat16"), prompts, 6)
+    want = generate_steps(_engine(hf, "torch", "bfloat16"), prompts, 6)
     first = [(g[1][0], w[1][0]) for g, w in zip(got, want)]  # the first token's: before any divergence
     for g, w in first:
         shared = g.keys() & w.keys()
@@ -97,7 +85,7 @@ def test_fp8_cache_matches_the_torch_backends():
     prompts = random_prompts(4, [9, 40, 70], seed=7)
     ours, ref = (_engine(hf, backend, kv_cache_dtype="fp8_e4m3") for backend in ("vllm_cpu", "torch"))
     assert ours.runner.backend.name == "vllm_cpu" and ours.runner.kv_cache.dtype == torch.float8_e4m3fn
-    for (tokens, steps, _), (ref_tokens, ref_steps, _) in zip(_generate(ours, prompts, 8), _generate(ref, prompts, 8)):
+    for (tokens, steps, _), (ref_tokens, ref_steps, _) in zip(generate_steps(ours, prompts, 8), generate_steps(ref, prompts, 8)):
         assert tokens == ref_tokens
         for step, ref_step in zip(steps, ref_steps):
             assert all(abs(step[t] - ref_step[t]) < 1e-4 for t in step.keys() & ref_step.keys())
