@@ -116,9 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     # compile in this process: inductor's pool of compile workers, started on the first compile,
     # takes the cores for seconds afterwards and would be timed as flex's (2.0 -> 50 ms a layer seen)
-    torch._inductor.config.compile_threads = 1
     rows = []
-    with torch.inference_mode():
+    with torch.inference_mode(), torch._inductor.config.patch(compile_threads=1):
         for name in names:
             rows.append(measure(name, args))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
