@@ -15,7 +15,6 @@ expected leaves the tokens part standing. Its dry run: the CPU (inductor's C++ k
 """
 from __future__ import annotations
 
-import statistics
 import tempfile
 import time
 from dataclasses import replace
@@ -23,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_sections import (Plan, _greedy, _prompts, _random_weights, _sync, copy_gbps, engine_config,
-                                model_config_of)
+from bench import gpu_sections
+from bench.gpu_sections import (Plan, _greedy, _prompts, _random_weights, _sync, bytes_bound_ms, copy_gbps, decode_ms,
+                                engine_config, model_config_of, sharpened)
 
 BACKENDS = ("flex", "torch")
 FAMILIES = {  # transformers' config classes, scaled down; the published switches that change attention
@@ -33,8 +33,7 @@ FAMILIES = {  # transformers' config classes, scaled down; the published switche
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=32, sliding_window=24, attn_logit_softcapping=5.0,
                                                          final_logit_softcapping=3.0, query_pre_attn_scalar=24)),
 }
-TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=1024)
+TINY = dict(gpu_sections.TINY, num_hidden_layers=3, max_position_embeddings=1024)  # sliding, global, sliding
 LIMIT_S = 70.0  # gpu_check's limit for this section (the time guard below works within it)
 
 
@@ -42,10 +41,7 @@ def _save_tiny(folder: Path, family: str, seed: int) -> Path:
     import transformers
     config_cls, model_cls, switches = FAMILIES[family]
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**TINY, **switches})).eval()
-    with torch.no_grad():  # norms off 1 and sharper distributions: greedy choices far from ties
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * 0.1) if "norm" in name else p.mul_(2.5)
+    model = sharpened(getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**TINY, **switches})).eval())
     model.save_pretrained(folder / family, safe_serialization=True)
     return folder / family
 
@@ -73,15 +69,6 @@ def tokens(plan: Plan) -> dict:
     return out
 
 
-def _decode_ms(llm, batch: int, plan: Plan, vocab: int) -> tuple[float, float]:
-    """Seconds of the first (compiling) run, and the median ms per decode step of the second."""
-    start = time.monotonic()
-    llm.generate(_prompts(batch, plan.prompt_len, vocab, 1000 + batch), _greedy(4))
-    first_s = time.monotonic() - start
-    outs = llm.generate(_prompts(batch, plan.prompt_len, vocab, 2000 + batch), _greedy(plan.output_len))
-    return first_s, statistics.median((o.finished_s - o.first_token_s) / (len(o.token_ids) - 1) * 1e3 for o in outs)
-
-
 def decode(plan: Plan, deadline: float) -> dict:
     from transformers import LlamaConfig
 
@@ -106,9 +93,8 @@ def decode(plan: Plan, deadline: float) -> dict:
             if time.monotonic() > deadline:
                 row[backend] = {"skipped": "the section's time guard"}
                 continue
-            first_s, ms = _decode_ms(llm, batch, plan, mc.vocab_size)
-            context = plan.prompt_len + plan.output_len / 2
-            bound = (weight_bytes + batch * context * kv_per_token) / (bw * 1e9) * 1e3
+            ms, _, first_s = decode_ms(llm, batch, plan, mc.vocab_size)
+            bound = bytes_bound_ms(weight_bytes, batch, plan.prompt_len + plan.output_len / 2, kv_per_token, bw)
             row[backend] = {"ms_per_step": ms, "first_run_s": first_s, "bytes_bound_ms": bound, "of_bound": bound / ms}
         del llm
         _sync(plan.device)

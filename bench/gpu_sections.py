@@ -143,11 +143,16 @@ def _hf_llama(shape: dict, seed: int, device: str):
     torch.manual_seed(seed)
     cfg = LlamaConfig(**shape, max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=10000.0,
                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # sharper distributions than the default init: greedy choices far from ties
+    return sharpened(LlamaForCausalLM(cfg).eval()).to(device, torch.bfloat16)
+
+
+def sharpened(model):
+    """`model` with its norms off 1 and sharper distributions than the default init: greedy
+    choices far from ties."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             p.add_(torch.randn_like(p) * 0.1) if "norm" in name else p.mul_(2.5)
-    return model.to(device, torch.bfloat16)
+    return model
 
 
 def model_config_of(cfg, name: str):
@@ -251,12 +256,20 @@ def copy_gbps(device: str, num_bytes: int) -> float:
     return 2 * 5 * num_bytes / (time.perf_counter() - start) / 1e9
 
 
-def _decode_ms(llm, batch: int, plan: Plan, vocab: int) -> tuple[float, list[list[int]]]:
-    """Median ms per decode step of `batch` requests, and their tokens."""
-    llm.generate(_prompts(batch, plan.prompt_len, vocab, 1000 + batch), _greedy(4))  # warm-up
+def decode_ms(llm, batch: int, plan: Plan, vocab: int) -> tuple[float, list[list[int]], float]:
+    """Median ms per decode step of `batch` requests, their tokens, and the seconds the warm-up
+    run before them took (what compiles or captures on first use)."""
+    start = time.monotonic()
+    llm.generate(_prompts(batch, plan.prompt_len, vocab, 1000 + batch), _greedy(4))
+    warm_s = time.monotonic() - start
     outs = llm.generate(_prompts(batch, plan.prompt_len, vocab, 2000 + batch), _greedy(plan.output_len))
     ms = statistics.median((o.finished_s - o.first_token_s) / (len(o.token_ids) - 1) * 1e3 for o in outs)
-    return ms, [o.token_ids for o in outs]
+    return ms, [o.token_ids for o in outs], warm_s
+
+
+def bytes_bound_ms(weight_bytes: int, batch: int, context: float, kv_per_token: int, gbps: float) -> float:
+    """The step time its bytes take at `gbps`: every weight, and each row's KV, read once."""
+    return (weight_bytes + batch * context * kv_per_token) / (gbps * 1e9) * 1e3
 
 
 def decode(plan: Plan) -> dict:
@@ -280,11 +293,10 @@ def decode(plan: Plan) -> dict:
                    total_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
     for batch in plan.batch_sizes:
         runner.graphs = graphs
-        ms, tokens = _decode_ms(llm, batch, plan, mc.vocab_size)
+        ms, tokens, _ = decode_ms(llm, batch, plan, mc.vocab_size)
         runner.graphs = None
-        eager_ms, eager_tokens = _decode_ms(llm, batch, plan, mc.vocab_size)
-        context = plan.prompt_len + plan.output_len / 2
-        ideal_ms = (weight_bytes + batch * context * kv_per_token) / (bw * 1e9) * 1e3
+        eager_ms, eager_tokens, _ = decode_ms(llm, batch, plan, mc.vocab_size)
+        ideal_ms = bytes_bound_ms(weight_bytes, batch, plan.prompt_len + plan.output_len / 2, kv_per_token, bw)
         out["batches"][str(batch)] = {"ms_per_step": ms, "eager_ms_per_step": eager_ms, "bytes_bound_ms": ideal_ms,
                                       "of_bound": ideal_ms / ms, "tok_s": batch / ms * 1e3,
                                       "tokens_equal_eager": tokens == eager_tokens}

@@ -14,7 +14,6 @@ Its dry run (`Plan.dry_run()`): two CPU processes, gloo in NCCL's place, the sam
 from __future__ import annotations
 
 import logging
-import socket
 import sys
 import time
 from dataclasses import replace
@@ -34,12 +33,6 @@ RESULT_S = 30.0  # the section waits this long for both ranks (within its own li
 
 def _config(device: str):
     return replace(engine_config(device, dict(num_blocks=128, block_size=16), max_num_seqs=8), dtype="float32")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _collectives(tp, device: torch.device) -> dict:
@@ -127,7 +120,7 @@ def two_gpu(plan: Plan) -> dict:
     weights = {n: t.detach().clone() for n, t in hf.state_dict().items()}
     del hf
     prompts = _prompts(NUM_PROMPTS, plan.prompt_len, mc.vocab_size, 40)
-    store_port = _free_port()
+    store_port = int(free_address().rpartition(":")[2])
     store = dist.TCPStore("127.0.0.1", store_port, world_size=3, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     addresses = (free_address(), free_address())
