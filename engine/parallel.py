@@ -186,13 +186,17 @@ class RowParallelLinear(LinearBase):
 
     A method that `replicates_row_parallel` (the batch-invariant one) holds the whole W on every
     rank and gathers x's columns instead: each rank then sums in one rank's order, whatever the TP
-    size (an all-reduce of partial sums rounds otherwise)."""
+    size (an all-reduce of partial sums rounds otherwise).
+
+    reduce_results=False leaves the partial sum to the caller, who reduces it with others in one
+    all-reduce (an MoE layer: its shared expert's and its routed experts' partial sums)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = TPGroup(),
-                 linear_method: BaseLinearMethod | None = None):
-        self.tp = tp
+                 linear_method: BaseLinearMethod | None = None, reduce_results: bool = True):
+        self.tp, self.reduce_results = tp, reduce_results
         self.input_size_per_rank = _divide(input_size, tp.size)
         self.replicated = linear_method is not None and linear_method.replicates_row_parallel
+        assert reduce_results or not self.replicated, "a replicated row-parallel layer has no partial sum to leave"
         super().__init__(input_size if self.replicated else self.input_size_per_rank, output_size, linear_method)
         self.bias = None
         if bias:
@@ -210,7 +214,8 @@ class RowParallelLinear(LinearBase):
         if self.replicated:
             return self._linear(self.tp.all_gather(x, dim=-1), self.bias)
         bias = self.bias if self.tp.rank == 0 else None
-        return self.tp.all_reduce(self._linear(x, bias))
+        out = self._linear(x, bias)
+        return self.tp.all_reduce(out) if self.reduce_results else out
 
 
 class VocabParallelEmbedding(nn.Module):

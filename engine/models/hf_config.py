@@ -131,3 +131,29 @@ def checked_layer_types(types: list[str], num_layers: int, name: str) -> tuple[s
     if len(types) != num_layers:
         raise UnsupportedConfig(f"{name}: layer_types lists {len(types)} layers, the model has {num_layers}")
     return tuple(types)
+
+
+def moe_config(cfg: dict, name: str, intermediate_key: str, renormalize: bool, shared_key: str | None = None):
+    """The `MoEConfig` of a Mixtral- or Qwen-MoE-style config (softmax top-k routing).
+
+    Args:
+        intermediate_key: the key of each expert's width. The expert count is `num_experts` (Qwen's
+            published configs) or `num_local_experts` (Mixtral's; transformers 5 writes Qwen's so too).
+        renormalize: the family's own renormalizing (Mixtral: always); Qwen's `norm_topk_prob` overrides it.
+        shared_key: the key of the shared expert's width (Qwen2-MoE), None where the family has none.
+    """
+    from engine.config import MoEConfig
+    if cfg.get("use_sliding_window"):
+        raise refuse(name, "use_sliding_window in a mixture-of-experts model")
+    num_layers = cfg["num_hidden_layers"]
+    dense = tuple(cfg.get("mlp_only_layers") or ())
+    if bad := [i for i in dense if not 0 <= i < num_layers]:
+        raise UnsupportedConfig(f"{name}: mlp_only_layers {bad} name layers the model does not have ({num_layers})")
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not num_experts:
+        raise UnsupportedConfig(f"{name}: config.json gives no expert count (num_experts or num_local_experts)")
+    return MoEConfig(num_experts=num_experts, top_k=cfg["num_experts_per_tok"],
+                     intermediate_size=cfg[intermediate_key],
+                     renormalize=bool(cfg.get("norm_topk_prob", renormalize)),
+                     shared_expert_intermediate_size=cfg.get(shared_key, 0) if shared_key else 0,
+                     sparse_step=cfg.get("decoder_sparse_step", 1) or 1, dense_layers=dense)

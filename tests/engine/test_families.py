@@ -32,8 +32,11 @@ def test_config_reads_the_switches(family):
     cfg = hf_model_config(folder)
     kind, switches = FAMILIES[name]
     assert cfg.architecture == kind
-    assert cfg.qkv_bias == (kind == "qwen2" or "attention_bias" in switches)
-    assert cfg.qk_norm == (kind == "qwen3")
+    assert cfg.qkv_bias == (kind in ("qwen2", "qwen2_moe") or "attention_bias" in switches)
+    assert cfg.qk_norm == (kind in ("qwen3", "qwen3_moe"))
+    sparse = [cfg.moe is not None and cfg.moe.is_sparse(i) for i in range(cfg.num_layers)]
+    assert sparse == {"mixtral": [True] * 3, "qwen2_moe": [False, True, False],  # decoder_sparse_step 2
+                      "qwen3_moe": [True, False, True]}.get(kind, [False] * 3)  # mlp_only_layers [1]
     windows = [cfg.window(i) for i in range(cfg.num_layers)]
     if name == "qwen2_window":  # layers from max_window_layers on slide
         assert windows == [None, 20, 20]
@@ -141,43 +144,58 @@ def test_eos_is_every_id_of_config_and_generation_config(tmp_path):
     assert out.token_ids == free[:first + 1] and out.finish_reason == "stop"
 
 
-TP_FAMILIES = ("qwen2_window", "qwen3", "mistral_window", "gemma2")  # biases, q/k norms, windows, caps by head
+TP_FAMILIES = ("qwen2_window", "qwen3", "mistral_window", "gemma2",  # biases, q/k norms, windows, caps by head
+               "mixtral", "qwen2_moe", "qwen3_moe")  # experts split by their intermediate dimension
 
 
-def _tp_rank(rank: int, port: int, folders: list[str], prompt: list[int], out) -> None:
+def _tp_rank(rank: int, port: int, runs: list[tuple[str, str, bool]], prompt: list[int], out) -> None:
+    from dataclasses import replace
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    from engine.moe import moe_blocks
     from engine.parallel import TPGroup
     from tests.engine.quant.test_engine import _prefill_logits
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
-    for folder in folders:
+    for key, folder, expert_parallel in runs:
         tp = TPGroup(rank, 2, dist.group.WORLD)
-        runner = ModelRunner(engine_config(model=folder, num_blocks=32, block_size=16), tp)
+        runner = ModelRunner(replace(engine_config(model=folder, num_blocks=32, block_size=16),
+                                     expert_parallel=expert_parallel), tp)
         logits = _prefill_logits(runner, prompt)
+        held = [block.experts.w13_weight.shape[0] for _, block in moe_blocks(runner.model)]
         if rank == 0:
-            out.put((folder, logits.numpy()))  # by value: the process exits before the test reads it
+            out.put((key, (logits.numpy(), held)))  # by value: the process exits before the test reads it
     dist.destroy_process_group()
 
 
 def test_tensor_parallel_matches_transformers(tmp_path):
     """Two gloo ranks (tp=2: 2 of the 4 query heads and 1 of the 2 KV heads each, their shares of
-    the q/k/v biases) give transformers' logits for a prompt over 3 windows."""
-    hf, folders = {}, []
+    the q/k/v biases, half of every expert's and the shared expert's width) give transformers'
+    logits for a prompt over 3 windows; so do the mixtures with expert parallelism (each rank
+    holds half the experts whole, attention and the shared expert stay tensor-parallel)."""
+    hf, runs = {}, []
     for name in TP_FAMILIES:
         kind, switches = FAMILIES[name]
         hf[name] = make_hf_tiny(kind, seed=len(name), **switches)
         hf[name].save_pretrained(tmp_path / name, safe_serialization=True)
-        folders.append(str(tmp_path / name))
+        runs.append((name, str(tmp_path / name), False))
+        if "num_experts_per_tok" in switches:
+            runs.append((f"{name}/ep", str(tmp_path / name), True))
     prompt = random_prompts(1, [90], seed=8)[0]
-    got = dict(run_gloo_ranks(_tp_rank, (folders, prompt), len(folders)))
-    for name, folder in zip(TP_FAMILIES, folders):
+    got = dict(run_gloo_ranks(_tp_rank, (runs, prompt), len(runs)))
+    for key, folder, expert_parallel in runs:
+        name = key.removesuffix("/ep")
         with torch.no_grad():
             ref = hf[name](torch.tensor([prompt])).logits[0]
-        torch.testing.assert_close(torch.from_numpy(got[folder]), ref, atol=2e-4, rtol=1e-4)
+        logits, held = got[key]
+        torch.testing.assert_close(torch.from_numpy(logits), ref, atol=2e-4, rtol=1e-4)
+        cfg = hf_model_config(tmp_path / name)
+        sparse = [i for i in range(cfg.num_layers) if cfg.moe is not None and cfg.moe.is_sparse(i)]
+        assert held == [cfg.moe.num_experts // (2 if expert_parallel else 1) if cfg.moe else 0] * len(sparse), \
+            (key, held)
 
 
 @pytest.mark.parametrize("name", ["mistral_window", "gemma2"])

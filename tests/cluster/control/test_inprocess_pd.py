@@ -141,6 +141,16 @@ def test_a_tp_size_the_heads_do_not_split_is_refused_first(tiny_path, knob, flag
     assert "\n" not in str(exc.value) and not cluster.instances and not ray.is_initialized()
 
 
+def test_expert_parallelism_of_a_dense_model_is_refused_first(tiny_path):
+    """--enable-expert-parallel for a model without experts: refused in one line naming the flag
+    and why, before anything starts."""
+    import ray
+    cluster = Cluster(spec_for(tiny_path, decode_tp=2, enable_expert_parallel=True))
+    with pytest.raises(ValueError, match="^--enable-expert-parallel: .* has no experts to partition$") as exc:
+        cluster.start()
+    assert "\n" not in str(exc.value) and not cluster.instances and not ray.is_initialized()
+
+
 def test_2p2d_matches_colocated(tiny_path):
     prompts = random_prompts(10, [9, 33], seed=4)
     colocated = run(spec_for(tiny_path, mode="colocated"), prompts, 8)

@@ -1,0 +1,221 @@
+"""The mixture-of-experts MLP: a router picks `top_k` experts per token, the experts run grouped
+by expert, and their outputs are summed with the router's weights.
+
+    block = SparseMoeBlock(cfg, tp)                 # cfg.moe: engine/config.py MoEConfig
+    out = block(hidden)                             # (num_tokens, hidden_size), reduced over TP ranks
+
+The experts of a layer are stored stacked, `w13_weight (num_experts, 2 * inter, hidden)` ([gate |
+up] rows, as the dense MLP's gate_up_proj) and `w2_weight (num_experts, hidden, inter)`, loaded from
+per-expert checkpoint tensors (`experts.{e}.gate_proj.weight` or Mixtral's `w1/w3/w2`). Tensor
+parallelism splits every expert's intermediate dimension: each rank's product is a partial sum,
+reduced once per layer together with the shared expert's (Qwen2-MoE).
+
+Each block counts the tokens routed to each of its experts (`expert_counts`) for the load metrics.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.layers import silu_and_mul
+from engine.parallel import MergedColumnParallelLinear, RowParallelLinear, TPGroup
+from engine.quant.base import BaseLinearMethod
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing (Mixtral, Qwen2/3-MoE).
+
+    Args:
+        router_logits: (num_tokens, num_experts).
+        renormalize: rescale the chosen probabilities to sum to 1 per token.
+
+    Returns:
+        weights (num_tokens, top_k) in float32 and expert ids (num_tokens, top_k), highest first.
+        Equal probabilities go to the lower expert id: a stable sort, where torch.topk's order
+        among ties depends on the kernel (measured: a CPU's took experts 3 and 5 of 6 tied ones).
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor, local: list[int | None] | None = None) -> torch.Tensor:
+    """The experts' weighted sum, tokens grouped by expert: one GEMM pair per expert any token chose.
+
+    Args:
+        x: (num_tokens, hidden).
+        w13: (num_local, 2 * inter, hidden), [gate | up] rows; w2: (num_local, hidden, inter).
+        weights: (num_tokens, top_k) float32; ids: (num_tokens, top_k), each in 0..num_experts-1.
+        local: per expert id, its index in w13/w2, None for one held elsewhere (expert
+            parallelism: its share of the sum is another rank's); None: every expert, in id order.
+
+    Returns:
+        (num_tokens, hidden) in x's dtype.
+    """
+    num_tokens, top_k = ids.shape
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)  # the (token, slot) pairs, expert by expert
+    counts = torch.bincount(flat, minlength=len(local) if local is not None else w13.shape[0]).tolist()
+    flat_weights = weights.flatten()
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        pairs = order[start:start + count]
+        start += count
+        index = expert if local is None else local[expert]
+        if count == 0 or index is None:
+            continue
+        rows = pairs // top_k  # (count,) tokens, ascending
+        h = silu_and_mul(F.linear(x[rows], w13[index]))  # (count, inter)
+        y = F.linear(h, w2[index]) * flat_weights[pairs, None]  # (count, hidden), float32
+        out.index_add_(0, rows, y.to(x.dtype))
+    return out
+
+
+def contiguous_experts(num_experts: int, rank: int, num_ranks: int) -> tuple[int, ...]:
+    """The experts rank `rank` of `num_ranks` holds by default under expert parallelism: a contiguous
+    run of ids, the first `num_experts % num_ranks` ranks one more (vLLM's default placement)."""
+    base, extra = divmod(num_experts, num_ranks)
+    start = rank * base + min(rank, extra)
+    return tuple(range(start, start + base + (rank < extra)))
+
+
+class FusedExperts(nn.Module):
+    """A layer's experts, stacked: under tensor parallelism every expert, this rank's slice of each
+    one's intermediate dimension; under expert parallelism (`held`) whole experts, this rank's."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup,
+                 held: tuple[int, ...] | None = None):
+        """held: the expert ids this rank holds (expert parallelism); None: all, split by TP."""
+        super().__init__()
+        self.tp, self.num_experts, self.held = tp, num_experts, held
+        split = 1 if held is not None else tp.size
+        assert intermediate_size % split == 0, f"{intermediate_size} does not split over {split} ranks"
+        self.inter = intermediate_size // split
+        self.start = 0 if held is not None else tp.rank * self.inter  # this rank's first row of each expert
+        self.local: list[int | None] | None = None
+        if held is not None:
+            index = {expert: i for i, expert in enumerate(held)}
+            self.local = [index.get(e) for e in range(num_experts)]
+        num_local = num_experts if held is None else len(held)
+        self.w13_weight = nn.Parameter(torch.empty(num_local, 2 * self.inter, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_local, hidden_size, self.inter), requires_grad=False)
+        self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, expert: int, shard: int | None = None) -> None:
+        """full: one expert's checkpoint tensor, (inter, hidden) for gate (shard 0) and up (shard 1),
+        (hidden, inter) for down; this rank's rows (gate, up) or columns (down) copied in, nothing
+        for an expert another rank holds."""
+        index = expert if self.local is None else self.local[expert]
+        if index is None:
+            return
+        n = self.inter
+        if param is self.w13_weight:
+            param.data[index].narrow(0, shard * n, n).copy_(full.narrow(0, self.start, n))
+        else:
+            param.data[index].copy_(full.narrow(1, self.start, n))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of the chosen experts' outputs, (num_tokens, hidden)."""
+        return grouped_experts(x, self.w13_weight, self.w2_weight, weights, ids, self.local)
+
+
+class Router(nn.Module):
+    """The router's linear, (num_experts, hidden), unquantized and replicated on every rank."""
+
+    def __init__(self, num_experts: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)  # (num_tokens, num_experts)
+
+
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's always-on expert, a dense SwiGLU MLP whose down projection leaves its partial sum
+    to the block."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup,
+                 linear_method: BaseLinearMethod | None):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp=tp,
+                                                       linear_method=linear_method)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp, linear_method=linear_method,
+                                           reduce_results=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of a sparse layer: router, experts, and Qwen2-MoE's sigmoid-gated shared expert; one
+    all-reduce of their summed partial outputs."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, linear_method: BaseLinearMethod | None = None,
+                 held: tuple[int, ...] | None = None):
+        """held: the experts this rank holds under expert parallelism; None: tensor parallelism."""
+        super().__init__()
+        moe = cfg.moe
+        self.tp, self.top_k, self.renormalize = tp, moe.top_k, moe.renormalize
+        self.gate = Router(moe.num_experts, cfg.hidden_size)
+        self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, tp, held)
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(cfg.hidden_size, moe.shared_expert_intermediate_size, tp, linear_method)
+            self.shared_expert_gate = Router(1, cfg.hidden_size)
+        # tokens routed to each expert since the last reset (every slot of top_k counts)
+        self.register_buffer("expert_counts", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (num_tokens, hidden) -> (num_tokens, hidden), the same on every TP rank."""
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        self.expert_counts += torch.bincount(ids.flatten(), minlength=self.expert_counts.shape[0])
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.tp.all_reduce(out)
+
+
+# checkpoint name of one expert's tensor -> (parameter, shard): Qwen's and Mixtral's spellings
+EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.)experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+EXPERT_SHARDS = {"gate_proj": ("w13_weight", 0), "w1": ("w13_weight", 0), "up_proj": ("w13_weight", 1),
+                 "w3": ("w13_weight", 1), "down_proj": ("w2_weight", None), "w2": ("w2_weight", None)}
+
+
+def expert_param(name: str) -> tuple[str, tuple] | None:
+    """`layers.0.mlp.experts.5.up_proj.weight` -> ("layers.0.mlp.experts.w13_weight", (5, 1)): the
+    stacked parameter and the loader's arguments; None for a tensor that is not one expert's."""
+    m = EXPERT_TENSOR.match(name)
+    if m is None or m["proj"] not in EXPERT_SHARDS:
+        return None
+    param, shard = EXPERT_SHARDS[m["proj"]]
+    expert = int(m["expert"])
+    return f"{m['prefix']}experts.{param}", (expert,) if shard is None else (expert, shard)
+
+
+def moe_blocks(model: nn.Module) -> list[tuple[int, SparseMoeBlock]]:
+    """(layer index, block) of every sparse layer, in order."""
+    return [(i, layer.mlp) for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
+
+
+def describe_experts(model: nn.Module) -> str | None:
+    """One line for the load log: what computes the experts; None for a dense model."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        return None
+    experts = blocks[0][1].experts
+    if experts.held is None:
+        split = f"tensor-parallel: each expert's intermediate {experts.inter} of {experts.inter * experts.tp.size}"
+    else:
+        split = (f"expert-parallel: {len(experts.held)} whole experts here (layer {blocks[0][0]}: "
+                 f"{experts.held[0]}..{experts.held[-1]}), one all-reduce of the partial sums per layer")
+    return (f"grouped by expert, one GEMM pair per active expert ({len(blocks)} sparse layers of "
+            f"{experts.num_experts} experts, {experts.w13_weight.dtype} unquantized; {split})")

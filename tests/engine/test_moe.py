@@ -1,0 +1,162 @@
+"""The mixture-of-experts layer (engine/moe.py) against a plain per-token reference written from
+the routing's definition: the grouped expert compute, the routing's edge cases (ties, an expert no
+token chose, every token to one expert), the load counts, and the checkpoint names it loads."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig, MoEConfig
+from engine.moe import SparseMoeBlock, contiguous_experts, expert_param, grouped_experts, route
+from engine.parallel import TPGroup
+
+HIDDEN, INTER, EXPERTS = 16, 12, 6
+
+
+def reference_moe(x, router, w13, w2, top_k, renormalize):
+    """Token by token: softmax over the experts, the top_k best (lower id first on a tie), each
+    expert's SwiGLU output weighted by its probability (rescaled to sum to 1 if renormalize)."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        probs = torch.softmax(x[t] @ router.T, dim=-1)
+        chosen = sorted(range(len(probs)), key=lambda e: (-probs[e].item(), e))[:top_k]
+        total = sum(probs[e] for e in chosen) if renormalize else 1.0
+        for e in chosen:
+            gate, up = (w13[e] @ x[t]).chunk(2)
+            out[t] += probs[e] / total * (w2[e] @ (F.silu(gate) * up))
+    return out
+
+
+def _weights(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(EXPERTS, HIDDEN, generator=g), torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) / 4,
+            torch.randn(EXPERTS, HIDDEN, INTER, generator=g) / 4)
+
+
+@pytest.mark.parametrize("top_k,renormalize", [(1, False), (2, True), (3, False), (EXPERTS, True)])
+def test_grouped_experts_equal_the_reference(top_k, renormalize):
+    """Grouped by expert, the weighted sum equals the per-token reference for any top_k."""
+    router, w13, w2 = _weights()
+    x = torch.randn(23, HIDDEN, generator=torch.Generator().manual_seed(1))
+    weights, ids = route(x @ router.T, top_k, renormalize)
+    got = grouped_experts(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got, reference_moe(x, router, w13, w2, top_k, renormalize), atol=1e-5, rtol=1e-5)
+
+
+def test_ties_go_to_the_lower_expert_and_share_the_weight():
+    """A router of zeros ties every expert: each token takes experts 0 and 1 at 1/2 each
+    (renormalized), and the output is the reference's."""
+    _, w13, w2 = _weights()
+    router = torch.zeros(EXPERTS, HIDDEN)
+    x = torch.randn(5, HIDDEN)
+    weights, ids = route(x @ router.T, 2, True)
+    assert ids.tolist() == [[0, 1]] * 5 and torch.equal(weights, torch.full((5, 2), 0.5))
+    torch.testing.assert_close(grouped_experts(x, w13, w2, weights, ids),
+                               reference_moe(x, router, w13, w2, 2, True), atol=1e-5, rtol=1e-5)
+
+
+def test_every_token_to_one_expert_and_experts_no_token_chose():
+    """A router that sends every token to expert 4 (first) and 2 (second): the four others get no
+    token, their weights are never read (NaN there changes nothing), the output is the reference's."""
+    router, w13, w2 = _weights()
+    router = torch.zeros(EXPERTS, HIDDEN)
+    router[4, 0], router[2, 0] = 10.0, 5.0
+    x = torch.randn(9, HIDDEN).abs() + 0.5  # x[:, 0] > 0: the same order for every token
+    weights, ids = route(x @ router.T, 2, False)
+    assert ids.tolist() == [[4, 2]] * 9
+    want = reference_moe(x, router, w13, w2, 2, False)
+    for e in (0, 1, 3, 5):
+        w13[e], w2[e] = float("nan"), float("nan")
+    torch.testing.assert_close(grouped_experts(x, w13, w2, weights, ids), want, atol=1e-5, rtol=1e-5)
+
+
+def _block(shared: int = 0) -> SparseMoeBlock:
+    moe = MoEConfig(num_experts=EXPERTS, top_k=2, intermediate_size=INTER, renormalize=False,
+                    shared_expert_intermediate_size=shared)
+    cfg = ModelConfig(vocab_size=32, hidden_size=HIDDEN, intermediate_size=8, num_layers=1, num_heads=2,
+                      num_kv_heads=2, head_dim=8, moe=moe)
+    block = SparseMoeBlock(cfg, tp=TPGroup())
+    router, w13, w2 = _weights(3)
+    block.gate.weight.data.copy_(router)
+    for e in range(EXPERTS):
+        for shard, rows in enumerate(w13[e].chunk(2)):
+            block.experts.weight_loader(block.experts.w13_weight, rows, e, shard)
+        block.experts.weight_loader(block.experts.w2_weight, w2[e], e)
+    return block
+
+
+def test_block_counts_the_tokens_routed_to_each_expert():
+    """`expert_counts` adds each token's top_k choices, step after step."""
+    block = _block()
+    x = torch.randn(10, HIDDEN)
+    block(x)
+    block(x[:4])
+    _, ids = route(block.gate(x), 2, False)
+    want = torch.bincount(ids.flatten(), minlength=EXPERTS) + torch.bincount(ids[:4].flatten(), minlength=EXPERTS)
+    assert torch.equal(block.expert_counts, want) and int(block.expert_counts.sum()) == 28
+
+
+def test_shared_expert_adds_its_sigmoid_gated_output():
+    """Qwen2-MoE: the routed sum plus sigmoid(x . g) times the shared expert's SwiGLU output."""
+    block = _block(shared=10)
+    g = torch.Generator().manual_seed(4)
+    gate_up, down, gate = torch.randn(20, HIDDEN, generator=g), torch.randn(HIDDEN, 10, generator=g), \
+        torch.randn(1, HIDDEN, generator=g)
+    block.shared_expert.gate_up_proj.weight.data.copy_(gate_up)
+    block.shared_expert.down_proj.weight.data.copy_(down)
+    block.shared_expert_gate.weight.data.copy_(gate)
+    x = torch.randn(7, HIDDEN)
+    routed = reference_moe(x, block.gate.weight, block.experts.w13_weight, block.experts.w2_weight, 2, False)
+    a, b = (x @ gate_up.T).chunk(2, dim=-1)
+    want = routed + torch.sigmoid(x @ gate.T) * ((F.silu(a) * b) @ down.T)
+    torch.testing.assert_close(block(x), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name,want", [
+    ("layers.3.mlp.experts.5.gate_proj.weight", ("layers.3.mlp.experts.w13_weight", (5, 0))),
+    ("layers.3.mlp.experts.5.up_proj.weight", ("layers.3.mlp.experts.w13_weight", (5, 1))),
+    ("layers.3.mlp.experts.12.down_proj.weight", ("layers.3.mlp.experts.w2_weight", (12,))),
+    ("layers.0.mlp.experts.7.w1.weight", ("layers.0.mlp.experts.w13_weight", (7, 0))),
+    ("layers.0.mlp.experts.7.w3.weight", ("layers.0.mlp.experts.w13_weight", (7, 1))),
+    ("layers.0.mlp.experts.7.w2.weight", ("layers.0.mlp.experts.w2_weight", (7,))),
+    ("layers.0.mlp.shared_expert.gate_proj.weight", None),
+    ("layers.0.mlp.gate.weight", None),
+])
+def test_expert_tensors_map_to_the_stacked_parameters(name, want):
+    """Qwen's and Mixtral's per-expert names go to the layer's stacked experts; others are not experts'."""
+    assert expert_param(name) == want
+
+
+def test_a_mixture_refuses_the_batch_invariant_mode(tmp_path):
+    """--batch-invariant with a mixture of experts: refused at start, naming the model and why."""
+    from dataclasses import replace
+
+    from engine.model_runner import ModelRunner
+    from tests.helpers import FAMILIES, engine_config, save_tiny
+    kind, switches = FAMILIES["qwen3_moe"]
+    folder = save_tiny(tmp_path / "m", kind, **switches)
+    with pytest.raises(ValueError, match="--batch-invariant does not run mixture-of-experts models yet"):
+        ModelRunner(replace(engine_config(model=str(folder)), batch_invariant=True))
+
+
+@pytest.mark.parametrize("num_experts,num_ranks", [(8, 2), (6, 4), (5, 5)])
+def test_contiguous_placement_gives_every_expert_to_one_rank(num_experts, num_ranks):
+    """Expert parallelism's default placement: runs of ids, sizes differing by at most one, every
+    expert on exactly one rank."""
+    runs = [contiguous_experts(num_experts, r, num_ranks) for r in range(num_ranks)]
+    assert sorted(e for run in runs for e in run) == list(range(num_experts))
+    assert max(map(len, runs)) - min(map(len, runs)) <= 1 and all(list(r) == sorted(r) for r in runs)
+
+
+def test_expert_parallel_ranks_sum_to_the_whole():
+    """Two ranks holding experts {0, 1, 2} and {3, 4, 5}: their partial sums add up to the
+    grouped sum over all six (what the block's all-reduce does)."""
+    router, w13, w2 = _weights(5)
+    x = torch.randn(11, HIDDEN)
+    weights, ids = route(x @ router.T, 2, True)
+    parts = []
+    for held in (contiguous_experts(EXPERTS, 0, 2), contiguous_experts(EXPERTS, 1, 2)):
+        local = [held.index(e) if e in held else None for e in range(EXPERTS)]
+        parts.append(grouped_experts(x, w13[list(held)], w2[list(held)], weights, ids, local))
+    torch.testing.assert_close(parts[0] + parts[1], grouped_experts(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
