@@ -20,6 +20,7 @@ import yaml
 
 from engine.config import (DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES, CacheConfig, EngineConfig,
                            SchedulerConfig)
+from engine.expert_placement import ExpertPlacement
 
 MODES = ("disaggregated", "colocated")
 ROLES = ("prefill", "decode", "colocated")
@@ -81,6 +82,9 @@ _HELP = {
     "enable_expert_parallel": "a mixture of experts' ranks hold whole experts, a share each, instead of a slice "
                               "of every expert (attention stays tensor-parallel; docs/moe.md)",
     "prefill_expert_parallel": "a prefill instance's own enable_expert_parallel (None: enable_expert_parallel)",
+    "expert_placement": "a placement file (`pdserve expert-plan`) for the expert-parallel instances: which ranks "
+                        "hold which experts, replicas of hot ones included (None: a contiguous run of experts "
+                        "per rank); every expert-parallel instance must have its rank count",
     "decode_expert_parallel": "a decode (or colocated) instance's own enable_expert_parallel (None: "
                               "enable_expert_parallel)",
     "enforce_eager": "no CUDA graphs: decode steps launch every kernel from Python",
@@ -168,6 +172,7 @@ class ClusterSpec:
     enable_expert_parallel: bool = False
     prefill_expert_parallel: bool | None = None
     decode_expert_parallel: bool | None = None
+    expert_placement: str | None = None  # a JSON file of engine/expert_placement.py ExpertPlacement
     enforce_eager: bool = False
     batch_invariant: bool = False
     num_threads: int | None = None
@@ -252,6 +257,7 @@ class ClusterSpec:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", self.cluster_name):
             raise ValueError(f"cluster_name {self.cluster_name!r}: 1-63 of [A-Za-z0-9_.-], starting alphanumeric")
         for name in ("model", "host", "ray_address", "api_key", "autoscale_profile", "k8s_namespace", "chat_template",
+                     "expert_placement",
                      "k8s_prefill_deployment", "k8s_decode_deployment"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name} must not be empty")
@@ -310,6 +316,13 @@ class ClusterSpec:
         own = self.prefill_expert_parallel if role == "prefill" else self.decode_expert_parallel
         return self.enable_expert_parallel if own is None else own
 
+    def placement_for(self, role: str) -> ExpertPlacement | None:
+        """The expert_placement file's placement for an expert-parallel instance of `role`; None
+        otherwise (or without a file: the engine's default)."""
+        if self.expert_placement is None or not self.expert_parallel(role):
+            return None
+        return ExpertPlacement.from_file(self.expert_placement)
+
     def role_gpu_memory_utilization(self, role: str) -> float | None:
         """The role's own gpu_memory_utilization key (colocated instances use decode's); None when unset."""
         return self.prefill_gpu_memory_utilization if role == "prefill" else self.decode_gpu_memory_utilization
@@ -338,7 +351,8 @@ class ClusterSpec:
         cache = self.cache_config if own is None else replace(self.cache_config, gpu_memory_utilization=own)
         return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, quantization=self.quantization,
                             attention_backend=self.attention_backend, num_threads=self.num_threads,
-                            tp_size=self.tp_size(role), expert_parallel=self.expert_parallel(role), cache=cache,
+                            tp_size=self.tp_size(role), expert_parallel=self.expert_parallel(role),
+                            expert_placement=self.placement_for(role), cache=cache,
                             enforce_eager=self.enforce_eager or role == "prefill",  # a prefill never decodes
                             batch_invariant=self.batch_invariant, scheduler=self.scheduler_config)
 

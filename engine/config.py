@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.expert_placement import ExpertPlacement
+
 
 def window_start(num_tokens: int, kv_window: int | None) -> int:
     """The first prompt position a decode step can still read after a prompt of `num_tokens`: its
@@ -252,6 +254,7 @@ class EngineConfig:
     adapt_threads: bool = False  # CPU: num_threads is a most; fewer while other processes take cores (TeamSizer)
     tp_size: int = 1
     expert_parallel: bool = False  # the TP ranks partition a mixture's experts, not split each (engine/moe.py)
+    expert_placement: ExpertPlacement | None = None  # with expert_parallel; None: contiguous runs of experts
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     batch_invariant: bool = False  # each row's numbers independent of its batch (engine/batch_invariant.py)
     quantization: str = "auto"  # linear method: auto (the checkpoint's format), none, int8, w8a8, int4

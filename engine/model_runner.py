@@ -25,7 +25,8 @@ from engine.kv_cache import allocate_kv_cache, kv_block_bytes, num_blocks_for
 from engine.loader import load_model_config, load_weights, resolve_model_path
 from engine.logits_processing import TokenHistory
 from engine.models import model_class
-from engine.moe import describe_experts
+from engine.expert_placement import ExpertPlacement
+from engine.moe import describe_experts, reset_expert_counts
 from engine.parallel import TPGroup
 from engine.quant import (create_linear_method, method_reads_q4_codes, process_weights_after_loading,
                           resolve_quantization)
@@ -129,6 +130,7 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(model_config, self.num_kv_heads, self.num_blocks, self.block_size,
                                           self.kv_dtype, self.device)
         self.graphs = self._decode_graphs()
+        reset_expert_counts(self.model)  # the profiling and capture steps routed nothing real
         logger.info("model runner: %s on %s, dtype %s, KV %s, attention %s, fused %s ops, %d KV blocks of %d "
                     "tokens", model_config.name, self.device, self.dtype, self.kv_dtype, self.backend.name,
                     " and ".join(sorted(self.model.fused)) or "no", self.num_blocks, self.block_size)
@@ -231,7 +233,7 @@ class ModelRunner:
             with torch.device(self.device):
                 model = model_class(self.model_config)(self.model_config, self.tp, linear_method=method,
                                                        fused=self.backend.fused_ops(self.dtype),
-                                                       expert_parallel=self.config.expert_parallel)
+                                                       expert_placement=self._expert_placement())
         finally:
             torch.set_default_dtype(torch.float32)
         weights_from_file = weights is None
@@ -255,6 +257,19 @@ class ModelRunner:
         if (experts := describe_experts(model)) is not None:
             logger.info("experts: %s", experts)
         return model.eval()
+
+    def _expert_placement(self) -> ExpertPlacement | None:
+        """Expert parallelism's placement (the config's, else a contiguous run of experts per rank),
+        checked against the model; None: tensor parallelism."""
+        moe = self.model_config.moe
+        if not self.config.expert_parallel or moe is None:
+            return None
+        sparse = [i for i in range(self.model_config.num_layers) if moe.is_sparse(i)]
+        size = self.tp.size if self.tp is not None else 1
+        placement = self.config.expert_placement or ExpertPlacement.contiguous(moe.num_experts, size, sparse)
+        if (why := placement.misfit(moe.num_experts, sparse, size)) is not None:
+            raise ValueError(f"--expert-placement cannot run {self.model_config.name}: {why}")
+        return placement
 
     def _linear_method(self, path) -> BaseLinearMethod:
         """The quantization knob's linear method; with --batch-invariant, unquantized weights in its

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.expert_placement import HeldExperts, imbalance, rank_loads
 from engine.layers import silu_and_mul
 from engine.parallel import MergedColumnParallelLinear, RowParallelLinear, TPGroup
 from engine.quant.base import BaseLinearMethod
@@ -47,15 +48,16 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor, local: list[int | None] | None = None) -> torch.Tensor:
+                    ids: torch.Tensor, local: list[tuple[int, int, int] | None] | None = None) -> torch.Tensor:
     """The experts' weighted sum, tokens grouped by expert: one GEMM pair per expert any token chose.
 
     Args:
         x: (num_tokens, hidden).
         w13: (num_local, 2 * inter, hidden), [gate | up] rows; w2: (num_local, hidden, inter).
         weights: (num_tokens, top_k) float32; ids: (num_tokens, top_k), each in 0..num_experts-1.
-        local: per expert id, its index in w13/w2, None for one held elsewhere (expert
-            parallelism: its share of the sum is another rank's); None: every expert, in id order.
+        local: expert parallelism: per expert id, (its index in w13/w2, this rank's index among its
+            holders k, their number n): of the tokens routed to it, this rank computes those whose
+            index is k mod n; None for an expert held elsewhere. None: every expert, in id order.
 
     Returns:
         (num_tokens, hidden) in x's dtype.
@@ -70,22 +72,18 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     for expert, count in enumerate(counts):
         pairs = order[start:start + count]
         start += count
-        index = expert if local is None else local[expert]
-        if count == 0 or index is None:
+        held = (expert, 0, 1) if local is None else local[expert]
+        if count == 0 or held is None:
             continue
+        index, replica, num_replicas = held
         rows = pairs // top_k  # (count,) tokens, ascending
+        if num_replicas > 1:  # this holder's share of the expert's tokens
+            mine = rows % num_replicas == replica
+            pairs, rows = pairs[mine], rows[mine]
         h = silu_and_mul(F.linear(x[rows], w13[index]))  # (count, inter)
         y = F.linear(h, w2[index]) * flat_weights[pairs, None]  # (count, hidden), float32
         out.index_add_(0, rows, y.to(x.dtype))
     return out
-
-
-def contiguous_experts(num_experts: int, rank: int, num_ranks: int) -> tuple[int, ...]:
-    """The experts rank `rank` of `num_ranks` holds by default under expert parallelism: a contiguous
-    run of ids, the first `num_experts % num_ranks` ranks one more (vLLM's default placement)."""
-    base, extra = divmod(num_experts, num_ranks)
-    start = rank * base + min(rank, extra)
-    return tuple(range(start, start + base + (rank < extra)))
 
 
 class FusedExperts(nn.Module):
@@ -93,8 +91,8 @@ class FusedExperts(nn.Module):
     one's intermediate dimension; under expert parallelism (`held`) whole experts, this rank's."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup,
-                 held: tuple[int, ...] | None = None):
-        """held: the expert ids this rank holds (expert parallelism); None: all, split by TP."""
+                 held: HeldExperts | None = None):
+        """held: the experts this rank holds (expert parallelism); None: all, split by TP."""
         super().__init__()
         self.tp, self.num_experts, self.held = tp, num_experts, held
         split = 1 if held is not None else tp.size
@@ -103,9 +101,9 @@ class FusedExperts(nn.Module):
         self.start = 0 if held is not None else tp.rank * self.inter  # this rank's first row of each expert
         self.local: list[int | None] | None = None
         if held is not None:
-            index = {expert: i for i, expert in enumerate(held)}
+            index = {expert: (i, *replica) for i, (expert, replica) in enumerate(zip(held.ids, held.replica))}
             self.local = [index.get(e) for e in range(num_experts)]
-        num_local = num_experts if held is None else len(held)
+        num_local = num_experts if held is None else len(held.ids)
         self.w13_weight = nn.Parameter(torch.empty(num_local, 2 * self.inter, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_local, hidden_size, self.inter), requires_grad=False)
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
@@ -114,10 +112,10 @@ class FusedExperts(nn.Module):
         """full: one expert's checkpoint tensor, (inter, hidden) for gate (shard 0) and up (shard 1),
         (hidden, inter) for down; this rank's rows (gate, up) or columns (down) copied in, nothing
         for an expert another rank holds."""
-        index = expert if self.local is None else self.local[expert]
-        if index is None:
+        held = (expert,) if self.local is None else self.local[expert]
+        if held is None:
             return
-        n = self.inter
+        index, n = held[0], self.inter
         if param is self.w13_weight:
             param.data[index].narrow(0, shard * n, n).copy_(full.narrow(0, self.start, n))
         else:
@@ -160,7 +158,7 @@ class SparseMoeBlock(nn.Module):
     all-reduce of their summed partial outputs."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, linear_method: BaseLinearMethod | None = None,
-                 held: tuple[int, ...] | None = None):
+                 held: HeldExperts | None = None):
         """held: the experts this rank holds under expert parallelism; None: tensor parallelism."""
         super().__init__()
         moe = cfg.moe
@@ -215,7 +213,32 @@ def describe_experts(model: nn.Module) -> str | None:
     if experts.held is None:
         split = f"tensor-parallel: each expert's intermediate {experts.inter} of {experts.inter * experts.tp.size}"
     else:
-        split = (f"expert-parallel: {len(experts.held)} whole experts here (layer {blocks[0][0]}: "
-                 f"{experts.held[0]}..{experts.held[-1]}), one all-reduce of the partial sums per layer")
+        replicas = sum(n > 1 for _, n in experts.held.replica)
+        split = (f"expert-parallel: {len(experts.held.ids)} whole experts here in layer {blocks[0][0]} "
+                 f"({replicas} shared with other ranks), one all-reduce of the partial sums per layer")
     return (f"grouped by expert, one GEMM pair per active expert ({len(blocks)} sparse layers of "
             f"{experts.num_experts} experts, {experts.w13_weight.dtype} unquantized; {split})")
+
+
+def expert_counts(model: nn.Module) -> dict[int, list[int]]:
+    """Per sparse layer, the tokens routed to each expert since the counts were last reset."""
+    return {layer: block.expert_counts.tolist() for layer, block in moe_blocks(model)}
+
+
+def reset_expert_counts(model: nn.Module) -> None:
+    for _, block in moe_blocks(model):
+        block.expert_counts.zero_()
+
+
+def expert_load_figures(model: nn.Module) -> dict[str, float]:
+    """The load report's expert figures (flat, as every load figure): per sparse layer L,
+    `expert_imbalance/L`, max over mean of the tokens per expert (how skewed the routing is), and
+    under expert parallelism `expert_rank_imbalance/L`, max over mean of the tokens per rank (how
+    much longer the busiest rank computes than an even split: what a placement plan lowers)."""
+    out = {}
+    for layer, block in moe_blocks(model):
+        counts = block.expert_counts.tolist()
+        out[f"expert_imbalance/{layer}"] = imbalance([float(c) for c in counts])
+        if (held := block.experts.held) is not None:
+            out[f"expert_rank_imbalance/{layer}"] = imbalance(rank_loads(counts, held.layer_ranks))
+    return out

@@ -29,6 +29,7 @@ from gateway import openapi
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import APIError, ChatCompletionRequest, CompletionRequest, make_id, now
 from gateway.session import Choice, Generation
+from router.client import InstanceDeadError
 from router.router import QueueFullError
 
 logger = logging.getLogger(__name__)
@@ -197,11 +198,22 @@ def _add_service_routes(app: FastAPI, gw: _Gateway) -> None:
 
     @app.get("/status")
     async def status():
+        instances = list(gw.cluster.instances.values())
+        experts = await asyncio.to_thread(lambda: [_expert_counts(i) for i in instances])
         return {"instances": [{"instance_id": i.instance_id, "role": i.role, "tp_size": i.tp_size,
                                "healthy": i.client.info.healthy, "load": i.client.info.load,
-                               "engine": i.client.info.engine,
+                               "engine": i.client.info.engine, "expert_counts": counts,
                                "ranks": [p.status() for p in i.placements]}
-                              for i in list(gw.cluster.instances.values())]}
+                              for i, counts in zip(instances, experts)]}
+
+
+def _expert_counts(instance) -> dict[str, list[int]] | None:
+    """A mixture's tokens per expert per sparse layer ({}: dense), asked of the instance; None when
+    it does not answer (a dead one: /status still shows the rest)."""
+    try:
+        return {str(layer): counts for layer, counts in instance.client.expert_counts().items()}
+    except InstanceDeadError:
+        return None
 
 
 def create_app(cluster, tokenizer, model_name: str, max_model_len: int | None, api_key: str | None = None,

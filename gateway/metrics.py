@@ -22,6 +22,14 @@ INSTANCE_GAUGES = {
     "kv_checksum_mismatches": ("pdserve_kv_checksum_mismatches_total",
                                "KV parts whose checksum did not match (--kv-checksum): failed and retried"),
 }
+# load key prefix -> (metric name, help): a figure per sparse layer of a mixture of experts, labelled
+# with the layer (engine/moe.py expert_load_figures)
+LAYER_GAUGES = {
+    "expert_imbalance/": ("pdserve_instance_expert_imbalance_ratio",
+                          "max over mean of the tokens routed to each expert of a layer, since start"),
+    "expert_rank_imbalance/": ("pdserve_instance_expert_rank_imbalance_ratio",
+                               "expert parallelism: max over mean of the tokens each rank computes in a layer"),
+}
 # router counter -> (metric name, help): every failure path the router handles
 ROUTER_COUNTERS = {
     "retries": ("pdserve_router_retries", "request attempts placed again after a failure"),
@@ -61,16 +69,22 @@ class GatewayMetrics:
         healthy = GaugeMetricFamily("pdserve_instance_healthy", "1 if the instance is serving", labels=["instance_id", "role"])
         families = {k: GaugeMetricFamily(name, doc, labels=["instance_id", "role"])
                     for k, (name, doc) in INSTANCE_GAUGES.items()}
+        by_layer = {prefix: GaugeMetricFamily(name, doc, labels=["instance_id", "role", "layer"])
+                    for prefix, (name, doc) in LAYER_GAUGES.items()}
         for inst in list(self.cluster.instances.values()):
             info = inst.client.info
             healthy.add_metric([info.instance_id, info.role], 1.0 if info.healthy else 0.0)
             for key, fam in families.items():
                 if key in info.load:
                     fam.add_metric([info.instance_id, info.role], info.load[key])
+            for key, value in info.load.items():
+                prefix, _, layer = key.rpartition("/")
+                if prefix + "/" in by_layer:
+                    by_layer[prefix + "/"].add_metric([info.instance_id, info.role, layer], value)
         counters = []
         for key, (name, doc) in ROUTER_COUNTERS.items():
             counters.append(CounterMetricFamily(name, doc, value=router.stats[key] if router else 0))
-        yield from [queue, active, healthy, *families.values(), *counters]
+        yield from [queue, active, healthy, *families.values(), *by_layer.values(), *counters]
 
     def describe(self):
         return []

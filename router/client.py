@@ -49,6 +49,11 @@ class PrefillClient(ABC):
     @abstractmethod
     def load(self) -> dict[str, float]: ...
 
+    def expert_counts(self) -> dict[int, list[int]]:
+        """A mixture of experts: per sparse layer, the tokens routed to each expert since start, for
+        /status and `pdserve expert-plan`; {} for a dense model or a client that cannot ask."""
+        return {}
+
 
 class DecodeClient(ABC):
     info: InstanceInfo
@@ -71,3 +76,8 @@ class DecodeClient(ABC):
 
     @abstractmethod
     def load(self) -> dict[str, float]: ...
+
+    def expert_counts(self) -> dict[int, list[int]]:
+        """A mixture of experts: per sparse layer, the tokens routed to each expert since start, for
+        /status and `pdserve expert-plan`; {} for a dense model or a client that cannot ask."""
+        return {}

@@ -6,6 +6,8 @@ import json
 import logging
 import sys
 
+from cluster.cli.expert_plan import add_expert_plan
+
 
 def _add_generate(sub) -> None:
     from engine.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES  # the serve flags import it too
@@ -204,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_process(sub, "gateway")
     _add_bench(sub)
     _add_status(sub)
+    add_expert_plan(sub)
     return parser
 
 

@@ -22,6 +22,9 @@ class _LocalClient:
     def load(self):
         return self.worker.load()
 
+    def expert_counts(self):
+        return self.worker.expert_counts()
+
 
 class LocalPrefillClient(_LocalClient, PrefillClient):
     def submit(self, msg, params):
@@ -51,6 +54,9 @@ class _RayClient:
 
     def abort(self, request_id):
         self.actor.abort.remote(request_id)  # fire and forget: a dead instance has nothing to abort
+
+    def expert_counts(self):
+        return self._call("expert_counts")
 
 
 class RayPrefillClient(_RayClient, PrefillClient):

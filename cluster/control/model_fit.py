@@ -1,6 +1,6 @@
 """Refusing, before anything starts, a model a cluster spec cannot run: a config pdserve does not
-run (engine/models refuses it), a tensor-parallel size its heads, MLP or experts do not split, or
-expert parallelism for a model without experts."""
+run (engine/models refuses it), a tensor-parallel size its heads, MLP or experts do not split,
+expert parallelism for a model without experts, or an expert placement that does not fit it."""
 from __future__ import annotations
 
 from cluster.spec import ClusterSpec
@@ -8,7 +8,8 @@ from engine.loader import load_model_config
 
 
 def check(spec: ClusterSpec) -> None:
-    """Raises ValueError, in one line naming the flag, where a role's TP size cannot split the model."""
+    """Raises ValueError, in one line naming the flag, where a role's TP size cannot split the model,
+    its expert parallelism or expert placement cannot run it."""
     config = load_model_config(spec.model)
     for role in spec.instance_counts:
         tp, expert_parallel = spec.tp_size(role), spec.expert_parallel(role)
@@ -21,3 +22,11 @@ def check(spec: ClusterSpec) -> None:
             flag = "--prefill-tp" if role == "prefill" else "--decode-tp"
             ep = " with expert parallelism" if expert_parallel else ""
             raise ValueError(f"{flag} {tp}{ep} cannot run {config.name}: {why}")
+        if (placement := spec.placement_for(role)) is not None:
+            sparse = [i for i in range(config.num_layers) if config.moe.is_sparse(i)]
+            if (why := placement.misfit(config.moe.num_experts, sparse, tp)) is not None:
+                raise ValueError(f"--expert-placement {spec.expert_placement} cannot run {config.name} on a {role} "
+                                 f"instance: {why}")
+    if spec.expert_placement is not None and not any(spec.expert_parallel(r) for r in spec.instance_counts):
+        raise ValueError(f"--expert-placement {spec.expert_placement}: no instance is expert-parallel "
+                         "(add --enable-expert-parallel)")

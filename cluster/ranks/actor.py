@@ -149,6 +149,9 @@ class RankActor:
     def load(self) -> dict[str, float]:
         return self.host.worker.load()
 
+    def expert_counts(self) -> dict[int, list[int]]:
+        return self.host.worker.expert_counts()
+
     def kv_transfer_log(self) -> list[dict]:
         """Prefill ranks: the recent acknowledged transfers, with monotonic timestamps."""
         return list(self.host.sender.recent_transfers) if self.host.sender is not None else []

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.expert_placement import ExpertPlacement, HeldExperts
 from engine.models.hf_config import checked_layer_types, llama_like_fields, refuse
 from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from engine.parallel import TPGroup
@@ -44,7 +45,7 @@ class Gemma2MLP(LlamaMLP):
 class Gemma2DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, linear_method: BaseLinearMethod | None = None,
                  fused: frozenset[str] = frozenset(), window: int | None = None, layer: int = 0,
-                 held: tuple[int, ...] | None = None):
+                 held: HeldExperts | None = None):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, tp, linear_method, "rotary" in fused, window)
         self.mlp = Gemma2MLP(cfg, tp, linear_method)
@@ -69,9 +70,9 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     decoder_layer = Gemma2DecoderLayer
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup(), linear_method: BaseLinearMethod | None = None,
-                 fused: frozenset[str] = frozenset(), expert_parallel: bool = False):
+                 fused: frozenset[str] = frozenset(), expert_placement: ExpertPlacement | None = None):
         # vLLM-CPU's fused norm computes Llama's x * weight; Gemma's norms stay torch ops
-        super().__init__(cfg, tp, linear_method, fused - {"rms_norm"}, expert_parallel)
+        super().__init__(cfg, tp, linear_method, fused - {"rms_norm"}, expert_placement)
 
     def final_norm(self, cfg: ModelConfig, fused: frozenset[str]) -> nn.Module:
         return _FinalNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -21,7 +21,8 @@ from engine.attention import AttentionMetadata, BaseAttentionBackend
 from engine.config import ModelConfig
 from engine.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from engine.models.hf_config import llama_like_fields
-from engine.moe import SparseMoeBlock, contiguous_experts, expert_param
+from engine.expert_placement import ExpertPlacement, HeldExperts
+from engine.moe import SparseMoeBlock, expert_param
 from engine.quant.base import BaseLinearMethod
 from engine.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                              RowParallelLinear, TPGroup, VocabParallelEmbedding)
@@ -86,7 +87,7 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, linear_method: BaseLinearMethod | None = None,
                  fused: frozenset[str] = frozenset(), window: int | None = None, layer: int = 0,
-                 held: tuple[int, ...] | None = None):
+                 held: HeldExperts | None = None):
         """layer: this layer's index (a mixture of experts has sparse and dense layers: cfg.moe);
         held: the experts this rank holds under expert parallelism (None: tensor parallelism)."""
         super().__init__()
@@ -114,19 +115,22 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup(), linear_method: BaseLinearMethod | None = None,
-                 fused: frozenset[str] = frozenset(), expert_parallel: bool = False):
+                 fused: frozenset[str] = frozenset(), expert_placement: ExpertPlacement | None = None):
         """linear_method: of every decoder linear (engine/quant; None = unquantized); the LM head
         stays unquantized (the model runner may give it a Q8_0 method: engine/quant/q8_head.py).
         fused: which of "rms_norm" and "rotary" run in vLLM-CPU's kernels (engine/vllm_cpu_ops.py;
-        the vllm_cpu attention backend's `fused_ops`). expert_parallel: the TP ranks partition a
-        mixture's experts (engine/moe.py contiguous_experts) instead of splitting each one."""
+        the vllm_cpu attention backend's `fused_ops`). expert_placement: the TP ranks hold a
+        mixture's experts whole, as it places them (engine/expert_placement.py), instead of a
+        slice of each; None: tensor parallelism."""
         super().__init__()
         self.config, self.fused = cfg, fused
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        held = contiguous_experts(cfg.moe.num_experts, tp.rank, tp.size) if expert_parallel and cfg.moe else None
-        self.layers = nn.ModuleList([self.decoder_layer(cfg, tp, linear_method, fused, cfg.window(i), i, held)
-                                     for i in range(cfg.num_layers)])
+        place = expert_placement
+        self.layers = nn.ModuleList([
+            self.decoder_layer(cfg, tp, linear_method, fused, cfg.window(i), i,
+                               place.held(i, tp.rank) if place is not None and i in place.layers else None)
+            for i in range(cfg.num_layers)])
         self.norm = self.final_norm(cfg, fused)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:

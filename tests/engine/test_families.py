@@ -11,6 +11,7 @@ import torch
 
 from decode_worker.engine import ColocatedEngine
 from decode_worker.llm import LLM
+from engine.expert_placement import ExpertPlacement, plan
 from engine.loader import hf_model_config
 from engine.model_runner import ModelRunner
 from engine.models import UnsupportedConfig
@@ -148,7 +149,9 @@ TP_FAMILIES = ("qwen2_window", "qwen3", "mistral_window", "gemma2",  # biases, q
                "mixtral", "qwen2_moe", "qwen3_moe")  # experts split by their intermediate dimension
 
 
-def _tp_rank(rank: int, port: int, runs: list[tuple[str, str, bool]], prompt: list[int], out) -> None:
+def _tp_rank(rank: int, port: int, runs: list[tuple[str, str, object]], prompt: list[int], out) -> None:
+    """runs: (key, folder, placement): None for tensor parallelism, "contiguous" for expert
+    parallelism's default placement, else an ExpertPlacement."""
     from dataclasses import replace
     from datetime import timedelta
 
@@ -160,10 +163,11 @@ def _tp_rank(rank: int, port: int, runs: list[tuple[str, str, bool]], prompt: li
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
-    for key, folder, expert_parallel in runs:
+    for key, folder, placement in runs:
         tp = TPGroup(rank, 2, dist.group.WORLD)
         runner = ModelRunner(replace(engine_config(model=folder, num_blocks=32, block_size=16),
-                                     expert_parallel=expert_parallel), tp)
+                                     expert_parallel=placement is not None,
+                                     expert_placement=None if placement == "contiguous" else placement), tp)
         logits = _prefill_logits(runner, prompt)
         held = [block.experts.w13_weight.shape[0] for _, block in moe_blocks(runner.model)]
         if rank == 0:
@@ -175,27 +179,35 @@ def test_tensor_parallel_matches_transformers(tmp_path):
     """Two gloo ranks (tp=2: 2 of the 4 query heads and 1 of the 2 KV heads each, their shares of
     the q/k/v biases, half of every expert's and the shared expert's width) give transformers'
     logits for a prompt over 3 windows; so do the mixtures with expert parallelism (each rank
-    holds half the experts whole, attention and the shared expert stay tensor-parallel)."""
+    holds half the experts whole, attention and the shared expert stay tensor-parallel), and
+    Qwen3-MoE with a planned placement whose two hottest experts are on both ranks (each rank
+    computes half of their tokens)."""
     hf, runs = {}, []
     for name in TP_FAMILIES:
         kind, switches = FAMILIES[name]
         hf[name] = make_hf_tiny(kind, seed=len(name), **switches)
         hf[name].save_pretrained(tmp_path / name, safe_serialization=True)
-        runs.append((name, str(tmp_path / name), False))
+        runs.append((name, str(tmp_path / name), None))
         if "num_experts_per_tok" in switches:
-            runs.append((f"{name}/ep", str(tmp_path / name), True))
+            runs.append((f"{name}/ep", str(tmp_path / name), "contiguous"))
+    skewed = [90, 70, 30, 20, 10, 8, 5, 1]  # tokens per expert: the plan replicates experts 0 and 1
+    planned = plan({0: skewed, 2: skewed[::-1]}, 2, num_replicas=2)
+    runs.append(("qwen3_moe/planned", str(tmp_path / "qwen3_moe"), planned))
     prompt = random_prompts(1, [90], seed=8)[0]
     got = dict(run_gloo_ranks(_tp_rank, (runs, prompt), len(runs)))
-    for key, folder, expert_parallel in runs:
-        name = key.removesuffix("/ep")
+    for key, folder, placement in runs:
+        name, expert_parallel = key.split("/")[0], placement is not None
         with torch.no_grad():
             ref = hf[name](torch.tensor([prompt])).logits[0]
         logits, held = got[key]
         torch.testing.assert_close(torch.from_numpy(logits), ref, atol=2e-4, rtol=1e-4)
         cfg = hf_model_config(tmp_path / name)
         sparse = [i for i in range(cfg.num_layers) if cfg.moe is not None and cfg.moe.is_sparse(i)]
-        assert held == [cfg.moe.num_experts // (2 if expert_parallel else 1) if cfg.moe else 0] * len(sparse), \
-            (key, held)
+        if isinstance(placement, ExpertPlacement):  # 8 experts + 2 replicas: 5 a rank
+            assert held == [5] * len(sparse) and placement.holders(0)[0] == placement.holders(2)[7] == (0, 1), held
+        else:
+            assert held == [cfg.moe.num_experts // (2 if expert_parallel else 1) if cfg.moe else 0] * len(sparse), \
+                (key, held)
 
 
 @pytest.mark.parametrize("name", ["mistral_window", "gemma2"])

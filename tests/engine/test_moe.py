@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig, MoEConfig
-from engine.moe import SparseMoeBlock, contiguous_experts, expert_param, grouped_experts, route
+from engine.expert_placement import contiguous_experts
+from engine.moe import SparseMoeBlock, expert_param, grouped_experts, route
 from engine.parallel import TPGroup
 
 HIDDEN, INTER, EXPERTS = 16, 12, 6
@@ -157,6 +158,6 @@ def test_expert_parallel_ranks_sum_to_the_whole():
     weights, ids = route(x @ router.T, 2, True)
     parts = []
     for held in (contiguous_experts(EXPERTS, 0, 2), contiguous_experts(EXPERTS, 1, 2)):
-        local = [held.index(e) if e in held else None for e in range(EXPERTS)]
+        local = [(held.index(e), 0, 1) if e in held else None for e in range(EXPERTS)]
         parts.append(grouped_experts(x, w13[list(held)], w2[list(held)], weights, ids, local))
     torch.testing.assert_close(parts[0] + parts[1], grouped_experts(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
