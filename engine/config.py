@@ -255,6 +255,7 @@ class EngineConfig:
     tp_size: int = 1
     expert_parallel: bool = False  # the TP ranks partition a mixture's experts, not split each (engine/moe.py)
     expert_placement: ExpertPlacement | None = None  # with expert_parallel; None: contiguous runs of experts
+    expert_method: str = "auto"  # how experts are computed: auto (measured per batch size), loop, grouped_mm
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     batch_invariant: bool = False  # each row's numbers independent of its batch (engine/batch_invariant.py)
     quantization: str = "auto"  # linear method: auto (the checkpoint's format), none, int8, w8a8, int4

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.expert_compute import METHODS, LocalExperts, MethodChoice, select_method, sort_pairs
 from engine.expert_placement import HeldExperts, imbalance, rank_loads
 from engine.layers import silu_and_mul
 from engine.parallel import MergedColumnParallelLinear, RowParallelLinear, TPGroup
@@ -48,42 +49,21 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor, local: list[tuple[int, int, int] | None] | None = None) -> torch.Tensor:
-    """The experts' weighted sum, tokens grouped by expert: one GEMM pair per expert any token chose.
+                    ids: torch.Tensor, local: LocalExperts | None = None, method: str = "loop") -> torch.Tensor:
+    """The experts' weighted sum (engine/expert_compute.py), pairs grouped by expert.
 
     Args:
         x: (num_tokens, hidden).
         w13: (num_local, 2 * inter, hidden), [gate | up] rows; w2: (num_local, hidden, inter).
         weights: (num_tokens, top_k) float32; ids: (num_tokens, top_k), each in 0..num_experts-1.
-        local: expert parallelism: per expert id, (its index in w13/w2, this rank's index among its
-            holders k, their number n): of the tokens routed to it, this rank computes those whose
-            index is k mod n; None for an expert held elsewhere. None: every expert, in id order.
+        local: expert parallelism's lookups (which experts are in w13/w2, a replica's share of its
+            tokens); None: every expert, in id order.
+        method: a name of engine/expert_compute.py METHODS.
 
     Returns:
         (num_tokens, hidden) in x's dtype.
     """
-    num_tokens, top_k = ids.shape
-    flat = ids.flatten()
-    order = flat.argsort(stable=True)  # the (token, slot) pairs, expert by expert
-    counts = torch.bincount(flat, minlength=len(local) if local is not None else w13.shape[0]).tolist()
-    flat_weights = weights.flatten()
-    out = torch.zeros_like(x)
-    start = 0
-    for expert, count in enumerate(counts):
-        pairs = order[start:start + count]
-        start += count
-        held = (expert, 0, 1) if local is None else local[expert]
-        if count == 0 or held is None:
-            continue
-        index, replica, num_replicas = held
-        rows = pairs // top_k  # (count,) tokens, ascending
-        if num_replicas > 1:  # this holder's share of the expert's tokens
-            mine = rows % num_replicas == replica
-            pairs, rows = pairs[mine], rows[mine]
-        h = silu_and_mul(F.linear(x[rows], w13[index]))  # (count, inter)
-        y = F.linear(h, w2[index]) * flat_weights[pairs, None]  # (count, hidden), float32
-        out.index_add_(0, rows, y.to(x.dtype))
-    return out
+    return METHODS[method](x, w13, w2, sort_pairs(ids, weights, w13.shape[0], local))
 
 
 class FusedExperts(nn.Module):
@@ -99,10 +79,9 @@ class FusedExperts(nn.Module):
         assert intermediate_size % split == 0, f"{intermediate_size} does not split over {split} ranks"
         self.inter = intermediate_size // split
         self.start = 0 if held is not None else tp.rank * self.inter  # this rank's first row of each expert
-        self.local: list[int | None] | None = None
-        if held is not None:
-            index = {expert: (i, *replica) for i, (expert, replica) in enumerate(zip(held.ids, held.replica))}
-            self.local = [index.get(e) for e in range(num_experts)]
+        self.local = None if held is None else LocalExperts.of(held, num_experts, torch.get_default_device())
+        self.index_of = {e: i for i, e in enumerate(held.ids)} if held is not None else None
+        self.choice = MethodChoice(((None, "loop"),))  # the model runner measures and sets it (select_expert_methods)
         num_local = num_experts if held is None else len(held.ids)
         self.w13_weight = nn.Parameter(torch.empty(num_local, 2 * self.inter, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_local, hidden_size, self.inter), requires_grad=False)
@@ -112,10 +91,10 @@ class FusedExperts(nn.Module):
         """full: one expert's checkpoint tensor, (inter, hidden) for gate (shard 0) and up (shard 1),
         (hidden, inter) for down; this rank's rows (gate, up) or columns (down) copied in, nothing
         for an expert another rank holds."""
-        held = (expert,) if self.local is None else self.local[expert]
-        if held is None:
+        index = expert if self.index_of is None else self.index_of.get(expert)
+        if index is None:
             return
-        index, n = held[0], self.inter
+        n = self.inter
         if param is self.w13_weight:
             param.data[index].narrow(0, shard * n, n).copy_(full.narrow(0, self.start, n))
         else:
@@ -123,7 +102,8 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the chosen experts' outputs, (num_tokens, hidden)."""
-        return grouped_experts(x, self.w13_weight, self.w2_weight, weights, ids, self.local)
+        pairs = sort_pairs(ids, weights, self.w13_weight.shape[0], self.local)
+        return METHODS[self.choice.method(x.shape[0])](x, self.w13_weight, self.w2_weight, pairs)
 
 
 class Router(nn.Module):
@@ -204,6 +184,19 @@ def moe_blocks(model: nn.Module) -> list[tuple[int, SparseMoeBlock]]:
     return [(i, layer.mlp) for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
 
 
+def select_expert_methods(model: nn.Module, name: str) -> None:
+    """The expert method of every sparse block: `name`, or for "auto" the fastest per batch size,
+    measured once on the first block's weights (all blocks are alike)."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        return
+    first = blocks[0][1]
+    experts = first.experts
+    choice = select_method(name, first.gate.weight, experts.w13_weight, experts.w2_weight, first.top_k, experts.local)
+    for _, block in blocks:
+        block.experts.choice = choice
+
+
 def describe_experts(model: nn.Module) -> str | None:
     """One line for the load log: what computes the experts; None for a dense model."""
     blocks = moe_blocks(model)
@@ -216,8 +209,8 @@ def describe_experts(model: nn.Module) -> str | None:
         replicas = sum(n > 1 for _, n in experts.held.replica)
         split = (f"expert-parallel: {len(experts.held.ids)} whole experts here in layer {blocks[0][0]} "
                  f"({replicas} shared with other ranks), one all-reduce of the partial sums per layer")
-    return (f"grouped by expert, one GEMM pair per active expert ({len(blocks)} sparse layers of "
-            f"{experts.num_experts} experts, {experts.w13_weight.dtype} unquantized; {split})")
+    return (f"{experts.choice.describe()}; {len(blocks)} sparse layers of {experts.num_experts} experts, "
+            f"{experts.w13_weight.dtype} unquantized; {split}")
 
 
 def expert_counts(model: nn.Module) -> dict[int, list[int]]:

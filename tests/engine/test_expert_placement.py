@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from engine.expert_compute import LocalExperts
 from engine.expert_placement import ExpertPlacement, imbalance, pack, plan, rank_loads
 from engine.moe import grouped_experts, route
 
@@ -60,18 +61,16 @@ def test_replicas_split_their_tokens_and_the_ranks_sum_to_the_whole():
     """Expert 0 on both ranks: each computes the tokens whose index is its own mod 2; the two
     partial sums add up to the sum over all experts held once."""
     g = torch.Generator().manual_seed(0)
-    router, w13 = torch.randn(4, 8, generator=g), torch.randn(4, 12, 8, generator=g)
-    w2 = torch.randn(4, 8, 6, generator=g)
+    router, w13 = torch.randn(4, 8, generator=g), torch.randn(4, 16, 8, generator=g)
+    w2 = torch.randn(4, 8, 8, generator=g)
     x = torch.randn(15, 8, generator=g)
     weights, ids = route(x @ router.T, 2, True)
     placement = ExpertPlacement(2, {0: ((0, 1, 2), (0, 3))})
     parts = []
     for rank in range(2):
         held = placement.held(0, rank)
-        local = [None] * 4
-        for i, (e, (k, n)) in enumerate(zip(held.ids, held.replica)):
-            local[e] = (i, k, n)
-        parts.append(grouped_experts(x, w13[list(held.ids)], w2[list(held.ids)], weights, ids, local))
+        local = LocalExperts.of(held, 4)
+        parts.append(grouped_experts(x, w13[list(held.ids)], w2[list(held.ids)], weights, ids, local, "grouped_mm"))
     torch.testing.assert_close(parts[0] + parts[1], grouped_experts(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
 
 

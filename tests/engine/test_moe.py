@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig, MoEConfig
-from engine.expert_placement import contiguous_experts
+from engine.expert_compute import LocalExperts
+from engine.expert_placement import HeldExperts, contiguous_experts
 from engine.moe import SparseMoeBlock, expert_param, grouped_experts, route
 from engine.parallel import TPGroup
 
@@ -35,13 +36,15 @@ def _weights(seed=0):
             torch.randn(EXPERTS, HIDDEN, INTER, generator=g) / 4)
 
 
+@pytest.mark.parametrize("method", ["loop", "grouped_mm"])
 @pytest.mark.parametrize("top_k,renormalize", [(1, False), (2, True), (3, False), (EXPERTS, True)])
-def test_grouped_experts_equal_the_reference(top_k, renormalize):
-    """Grouped by expert, the weighted sum equals the per-token reference for any top_k."""
+def test_grouped_experts_equal_the_reference(top_k, renormalize, method):
+    """Grouped by expert, the weighted sum equals the per-token reference for any top_k, with each
+    expert method (torch's grouped GEMM: empty groups for the experts no token chose at top_k 1)."""
     router, w13, w2 = _weights()
     x = torch.randn(23, HIDDEN, generator=torch.Generator().manual_seed(1))
     weights, ids = route(x @ router.T, top_k, renormalize)
-    got = grouped_experts(x, w13, w2, weights, ids)
+    got = grouped_experts(x, w13, w2, weights, ids, method=method)
     torch.testing.assert_close(got, reference_moe(x, router, w13, w2, top_k, renormalize), atol=1e-5, rtol=1e-5)
 
 
@@ -57,7 +60,8 @@ def test_ties_go_to_the_lower_expert_and_share_the_weight():
                                reference_moe(x, router, w13, w2, 2, True), atol=1e-5, rtol=1e-5)
 
 
-def test_every_token_to_one_expert_and_experts_no_token_chose():
+@pytest.mark.parametrize("method", ["loop", "grouped_mm"])
+def test_every_token_to_one_expert_and_experts_no_token_chose(method):
     """A router that sends every token to expert 4 (first) and 2 (second): the four others get no
     token, their weights are never read (NaN there changes nothing), the output is the reference's."""
     router, w13, w2 = _weights()
@@ -69,7 +73,7 @@ def test_every_token_to_one_expert_and_experts_no_token_chose():
     want = reference_moe(x, router, w13, w2, 2, False)
     for e in (0, 1, 3, 5):
         w13[e], w2[e] = float("nan"), float("nan")
-    torch.testing.assert_close(grouped_experts(x, w13, w2, weights, ids), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grouped_experts(x, w13, w2, weights, ids, method=method), want, atol=1e-5, rtol=1e-5)
 
 
 def _block(shared: int = 0) -> SparseMoeBlock:
@@ -158,6 +162,6 @@ def test_expert_parallel_ranks_sum_to_the_whole():
     weights, ids = route(x @ router.T, 2, True)
     parts = []
     for held in (contiguous_experts(EXPERTS, 0, 2), contiguous_experts(EXPERTS, 1, 2)):
-        local = [(held.index(e), 0, 1) if e in held else None for e in range(EXPERTS)]
+        local = LocalExperts.of(HeldExperts(held, ((0, 1),) * len(held)), EXPERTS)
         parts.append(grouped_experts(x, w13[list(held)], w2[list(held)], weights, ids, local))
     torch.testing.assert_close(parts[0] + parts[1], grouped_experts(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)

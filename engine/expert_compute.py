@@ -1,0 +1,162 @@
+"""How a layer's experts are computed: the (token, expert) pairs grouped by expert, then one of the
+expert methods, chosen per batch size by measuring them at load (`select_method`).
+
+    pairs = sort_pairs(ids, weights, local)          # this rank's pairs, expert by expert
+    out = METHODS["grouped_mm"](x, w13, w2, pairs)   # (num_tokens, hidden): the weighted sum
+
+Methods (each checked against a per-token reference in tests/engine/test_moe.py):
+- `loop`: one GEMM pair (gate/up, then down) per expert that has pairs; the baseline.
+- `grouped_mm`: torch's grouped GEMM (`torch._grouped_mm`), both GEMMs of every expert in one call
+  each, over the stacked weights as stored (transposed views); on a CPU torch's own loop in C++.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.expert_placement import HeldExperts
+from engine.layers import silu_and_mul
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LocalExperts:
+    """Expert parallelism, as lookups by expert id: `index` in this rank's stacked weights (-1: held
+    elsewhere), and which of its `holders` this rank is (`replica`): of a replicated expert's pairs it
+    takes those whose token index is `replica` mod `holders`."""
+
+    index: torch.Tensor  # (num_experts,) int64
+    replica: torch.Tensor
+    holders: torch.Tensor
+
+    @classmethod
+    def of(cls, held: HeldExperts, num_experts: int, device: torch.device | str = "cpu") -> LocalExperts:
+        index, replica, holders = [-1] * num_experts, [0] * num_experts, [1] * num_experts
+        for i, (e, (k, n)) in enumerate(zip(held.ids, held.replica)):
+            index[e], replica[e], holders[e] = i, k, n
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+        return cls(as_tensor(index), as_tensor(replica), as_tensor(holders))
+
+
+@dataclass
+class Pairs:
+    """This rank's (token, expert) pairs, sorted by its local expert index."""
+
+    rows: torch.Tensor  # (num_pairs,) the token of each pair
+    weights: torch.Tensor  # (num_pairs,) float32, the router's weight of each pair
+    counts: torch.Tensor  # (num_local,) int64 pairs per local expert
+
+
+def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_local: int, local: LocalExperts | None) -> Pairs:
+    """ids, weights: (num_tokens, top_k) from the router; num_local: experts in this rank's weights."""
+    top_k = ids.shape[1]
+    flat = ids.flatten()
+    rows = torch.arange(flat.numel(), device=ids.device) // top_k
+    flat_weights = weights.flatten()
+    if local is not None:  # only the pairs of experts held here, a replica's share of its tokens
+        keep = (local.index[flat] >= 0) & (rows % local.holders[flat] == local.replica[flat])
+        flat, rows, flat_weights = local.index[flat[keep]], rows[keep], flat_weights[keep]
+    order = flat.argsort(stable=True)
+    return Pairs(rows[order], flat_weights[order], torch.bincount(flat, minlength=num_local))
+
+
+def loop_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pairs: Pairs) -> torch.Tensor:
+    """x: (num_tokens, hidden); w13: (num_local, 2 * inter, hidden); w2: (num_local, hidden, inter)."""
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(pairs.counts.tolist()):
+        if count == 0:
+            continue
+        rows, w = pairs.rows[start:start + count], pairs.weights[start:start + count]
+        start += count
+        h = silu_and_mul(F.linear(x[rows], w13[expert]))  # (count, inter)
+        out.index_add_(0, rows, (F.linear(h, w2[expert]) * w[:, None]).to(x.dtype))  # weighted in float32
+    return out
+
+
+def grouped_mm_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pairs: Pairs) -> torch.Tensor:
+    """As `loop_experts`, each GEMM one `torch._grouped_mm` over every expert (offsets: the pairs'
+    cumulative counts; an expert without pairs is an empty group)."""
+    offs = pairs.counts.cumsum(0).to(torch.int32)
+    h = silu_and_mul(torch._grouped_mm(x[pairs.rows], w13.transpose(1, 2), offs=offs))  # (num_pairs, inter)
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs) * pairs.weights[:, None]  # (num_pairs, hidden)
+    return torch.zeros_like(x).index_add_(0, pairs.rows, y.to(x.dtype))
+
+
+METHODS = {"loop": loop_experts, "grouped_mm": grouped_mm_experts}
+METHOD_CHOICES = ("auto", *METHODS)
+
+
+def grouped_mm_unavailable() -> str | None:
+    return None if hasattr(torch, "_grouped_mm") else f"torch {torch.__version__} has no _grouped_mm"
+
+
+# (largest token count of the range, the count measured); None: any larger batch
+BUCKETS = ((1, 1), (8, 8), (64, 32), (None, 256))
+
+
+@dataclass(frozen=True)
+class MethodChoice:
+    """Per token-count range, the expert method that runs, and the times it was chosen on."""
+
+    ranges: tuple[tuple[int | None, str], ...]  # (largest token count; None: any larger, method)
+    ms: tuple[dict[str, float], ...] = ()  # per range, each method's time for one layer
+
+    def method(self, num_tokens: int) -> str:
+        return next(m for limit, m in self.ranges if limit is None or num_tokens <= limit)
+
+    def describe(self) -> str:
+        if not self.ms:
+            return f"{self.ranges[0][1]} for every batch"
+        return "; ".join(f"{m} for {'<=' + str(limit) if limit is not None else 'more'} tokens ("
+                         + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()) + ")"
+                         for (limit, m), ms in zip(self.ranges, self.ms))
+
+
+def select_method(name: str, x_like: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+                  local: LocalExperts | None, rounds: int = 5) -> MethodChoice:
+    """`name` as asked, or for "auto" the fastest method per token-count range, timed on one layer's
+    weights with random routing (best of `rounds`). Raises ValueError for a method that cannot run."""
+    if name not in METHOD_CHOICES:
+        raise ValueError(f"unknown expert method {name!r}; choose one of {', '.join(METHOD_CHOICES)}")
+    if name == "grouped_mm" and (why := grouped_mm_unavailable()) is not None:
+        raise ValueError(f"expert method grouped_mm cannot run: {why}")
+    if name != "auto":
+        return MethodChoice(((None, name),))
+    candidates = [m for m in METHODS if m != "grouped_mm" or grouped_mm_unavailable() is None]
+    num_experts = local.index.numel() if local is not None else w13.shape[0]
+    ranges, times = [], []
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for limit, n in BUCKETS:
+        x = torch.randn(n, x_like.shape[-1], generator=g).to(x_like)
+        ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(n)]).to(x.device)
+        pairs = sort_pairs(ids, torch.full(ids.shape, 1.0 / top_k, device=x.device), w13.shape[0], local)
+        ms = {}
+        for m in list(candidates):
+            try:
+                ms[m] = _best_ms(METHODS[m], (x, w13, w2, pairs), rounds)
+            except RuntimeError as exc:  # e.g. a dtype or GPU this kernel does not take
+                logger.warning("expert method %s cannot run here (%s); not a candidate", m, str(exc).split("\n")[0])
+                candidates.remove(m)
+        ranges.append((limit, min(ms, key=ms.get)))
+        times.append(ms)
+    return MethodChoice(tuple(ranges), tuple(times))
+
+
+def _best_ms(fn, args, rounds: int) -> float:
+    fn(*args)  # warm
+    best = float("inf")
+    for _ in range(rounds):
+        if args[0].device.type == "cuda":
+            torch.cuda.synchronize(args[0].device)
+        start = time.perf_counter()
+        fn(*args)
+        if args[0].device.type == "cuda":
+            torch.cuda.synchronize(args[0].device)
+        best = min(best, (time.perf_counter() - start) * 1e3)
+    return best
