@@ -18,8 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from engine.config import (DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES, CacheConfig, EngineConfig,
-                           SchedulerConfig)
+from engine.config import (DTYPE_CHOICES, EXPERT_METHOD_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES,
+                           CacheConfig, EngineConfig, SchedulerConfig)
 from engine.expert_placement import ExpertPlacement
 
 MODES = ("disaggregated", "colocated")
@@ -82,6 +82,8 @@ _HELP = {
     "enable_expert_parallel": "a mixture of experts' ranks hold whole experts, a share each, instead of a slice "
                               "of every expert (attention stays tensor-parallel; docs/moe.md)",
     "prefill_expert_parallel": "a prefill instance's own enable_expert_parallel (None: enable_expert_parallel)",
+    "expert_method": "how a mixture's experts are computed: auto (each method timed at load, per batch size; the "
+                     "choice is logged), loop (one GEMM pair per expert) or grouped_mm (torch's grouped GEMM)",
     "expert_placement": "a placement file (`pdserve expert-plan`) for the expert-parallel instances: which ranks "
                         "hold which experts, replicas of hot ones included (None: a contiguous run of experts "
                         "per rank); every expert-parallel instance must have its rank count",
@@ -173,6 +175,7 @@ class ClusterSpec:
     prefill_expert_parallel: bool | None = None
     decode_expert_parallel: bool | None = None
     expert_placement: str | None = None  # a JSON file of engine/expert_placement.py ExpertPlacement
+    expert_method: str = "auto"  # engine/expert_compute.py METHOD_CHOICES
     enforce_eager: bool = False
     batch_invariant: bool = False
     num_threads: int | None = None
@@ -237,7 +240,8 @@ class ClusterSpec:
                               ("attention_backend", ATTENTION_BACKENDS), ("autoscale_policy", AUTOSCALE_POLICIES),
                               ("kv_load_failure_policy", KV_LOAD_FAILURE_POLICIES), ("kv_transport", KV_TRANSPORTS),
                               ("kv_cache_dtype", KV_CACHE_DTYPE_CHOICES), ("quantization", QUANTIZATION_CHOICES),
-                              ("autoscale_actuator", AUTOSCALE_ACTUATORS), ("omp_wait_policy", WAIT_POLICIES)):
+                              ("autoscale_actuator", AUTOSCALE_ACTUATORS), ("omp_wait_policy", WAIT_POLICIES),
+                              ("expert_method", EXPERT_METHOD_CHOICES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         for name, choices in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
@@ -352,7 +356,7 @@ class ClusterSpec:
         return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, quantization=self.quantization,
                             attention_backend=self.attention_backend, num_threads=self.num_threads,
                             tp_size=self.tp_size(role), expert_parallel=self.expert_parallel(role),
-                            expert_placement=self.placement_for(role), cache=cache,
+                            expert_placement=self.placement_for(role), expert_method=self.expert_method, cache=cache,
                             enforce_eager=self.enforce_eager or role == "prefill",  # a prefill never decodes
                             batch_invariant=self.batch_invariant, scheduler=self.scheduler_config)
 
@@ -403,7 +407,8 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
                "attention_backend": ATTENTION_BACKENDS, "autoscale_policy": AUTOSCALE_POLICIES,
                "kv_load_failure_policy": KV_LOAD_FAILURE_POLICIES, "kv_transport": KV_TRANSPORTS,
                "kv_cache_dtype": KV_CACHE_DTYPE_CHOICES, "quantization": QUANTIZATION_CHOICES,
-               "autoscale_actuator": AUTOSCALE_ACTUATORS, "omp_wait_policy": WAIT_POLICIES}
+               "autoscale_actuator": AUTOSCALE_ACTUATORS, "omp_wait_policy": WAIT_POLICIES,
+               "expert_method": EXPERT_METHOD_CHOICES}
     for f in fields(ClusterSpec):
         base = _base_type(_field_types()[f.name])
         flag = "--" + f.name.replace("_", "-")

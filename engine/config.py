@@ -186,6 +186,10 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 # int4 (group-wise Q4_1 weights) of float weights are opt-in lossy conversions at load (engine/quant).
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "w8a8", "int4")
 
+# How a mixture's experts are computed: engine/expert_compute.py METHOD_CHOICES (tests/engine/test_moe.py
+# checks the two agree).
+EXPERT_METHOD_CHOICES = ("auto", "loop", "grouped_mm")
+
 # The KV cache's element type, when it is not the model's (vLLM's --kv-cache-dtype names).
 KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
 KV_CACHE_DTYPE_CHOICES = ("auto", *KV_CACHE_DTYPES)

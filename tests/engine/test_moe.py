@@ -165,3 +165,10 @@ def test_expert_parallel_ranks_sum_to_the_whole():
         local = LocalExperts.of(HeldExperts(held, ((0, 1),) * len(held)), EXPERTS)
         parts.append(grouped_experts(x, w13[list(held)], w2[list(held)], weights, ids, local))
     torch.testing.assert_close(parts[0] + parts[1], grouped_experts(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_the_spec_offers_every_expert_method():
+    """The cluster spec's choices (engine/config.py) are the methods engine/expert_compute.py has."""
+    from engine.config import EXPERT_METHOD_CHOICES
+    from engine.expert_compute import METHOD_CHOICES
+    assert EXPERT_METHOD_CHOICES == METHOD_CHOICES
