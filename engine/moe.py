@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.expert_compute import METHODS, LocalExperts, MethodChoice, select_method, sort_pairs
+from engine.expert_compute import (METHODS, PACKED, LocalExperts, MethodChoice, select_method, sort_pairs,
+                                   vllm_cpu_experts, vllm_cpu_pack)
 from engine.expert_placement import HeldExperts, imbalance, rank_loads
 from engine.layers import silu_and_mul
 from engine.parallel import MergedColumnParallelLinear, RowParallelLinear, TPGroup
@@ -42,7 +43,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     """
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    weights, ids = weights[:, :top_k].contiguous(), ids[:, :top_k].contiguous()
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
@@ -102,8 +103,11 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the chosen experts' outputs, (num_tokens, hidden)."""
+        method = self.choice.method(x.shape[0])
+        if method == PACKED:  # w13/w2 hold vLLM-CPU's packed layout (select_expert_methods)
+            return vllm_cpu_experts(x, self.w13_weight, self.w2_weight, weights, ids)
         pairs = sort_pairs(ids, weights, self.w13_weight.shape[0], self.local)
-        return METHODS[self.choice.method(x.shape[0])](x, self.w13_weight, self.w2_weight, pairs)
+        return METHODS[method](x, self.w13_weight, self.w2_weight, pairs)
 
 
 class Router(nn.Module):
@@ -195,6 +199,9 @@ def select_expert_methods(model: nn.Module, name: str) -> None:
     choice = select_method(name, first.gate.weight, experts.w13_weight, experts.w2_weight, first.top_k, experts.local)
     for _, block in blocks:
         block.experts.choice = choice
+        if choice.method(1) == PACKED:  # its own layout, in place of the loaded one (no second copy)
+            block.experts.w13_weight.data = vllm_cpu_pack(block.experts.w13_weight.data)
+            block.experts.w2_weight.data = vllm_cpu_pack(block.experts.w2_weight.data)
 
 
 def describe_experts(model: nn.Module) -> str | None:

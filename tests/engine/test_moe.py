@@ -30,10 +30,10 @@ def reference_moe(x, router, w13, w2, top_k, renormalize):
     return out
 
 
-def _weights(seed=0):
+def _weights(seed=0, hidden=HIDDEN, inter=INTER):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(EXPERTS, HIDDEN, generator=g), torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) / 4,
-            torch.randn(EXPERTS, HIDDEN, INTER, generator=g) / 4)
+    return (torch.randn(EXPERTS, hidden, generator=g), torch.randn(EXPERTS, 2 * inter, hidden, generator=g) / 4,
+            torch.randn(EXPERTS, hidden, inter, generator=g) / 4)
 
 
 @pytest.mark.parametrize("method", ["loop", "grouped_mm"])
@@ -76,13 +76,13 @@ def test_every_token_to_one_expert_and_experts_no_token_chose(method):
     torch.testing.assert_close(grouped_experts(x, w13, w2, weights, ids, method=method), want, atol=1e-5, rtol=1e-5)
 
 
-def _block(shared: int = 0) -> SparseMoeBlock:
-    moe = MoEConfig(num_experts=EXPERTS, top_k=2, intermediate_size=INTER, renormalize=False,
+def _block(shared: int = 0, hidden: int = HIDDEN, inter: int = INTER) -> SparseMoeBlock:
+    moe = MoEConfig(num_experts=EXPERTS, top_k=2, intermediate_size=inter, renormalize=False,
                     shared_expert_intermediate_size=shared)
-    cfg = ModelConfig(vocab_size=32, hidden_size=HIDDEN, intermediate_size=8, num_layers=1, num_heads=2,
+    cfg = ModelConfig(vocab_size=32, hidden_size=hidden, intermediate_size=8, num_layers=1, num_heads=2,
                       num_kv_heads=2, head_dim=8, moe=moe)
     block = SparseMoeBlock(cfg, tp=TPGroup())
-    router, w13, w2 = _weights(3)
+    router, w13, w2 = _weights(3, hidden, inter)
     block.gate.weight.data.copy_(router)
     for e in range(EXPERTS):
         for shard, rows in enumerate(w13[e].chunk(2)):
@@ -172,3 +172,47 @@ def test_the_spec_offers_every_expert_method():
     from engine.config import EXPERT_METHOD_CHOICES
     from engine.expert_compute import METHOD_CHOICES
     assert EXPERT_METHOD_CHOICES == METHOD_CHOICES
+
+
+def test_vllm_cpus_fused_moe_equals_the_reference():
+    """vLLM-CPU's fused MoE (engine/expert_compute.py `vllm_cpu`), chosen for a block: its weights
+    repacked in place, the block's output equal to the per-token reference within 1e-5."""
+    from engine.expert_compute import vllm_cpu_moe_unavailable
+    from engine.moe import select_expert_methods
+    block = _block(hidden=32, inter=32)  # the op's GEMM outputs (2 * 32, 32) fill its tiles
+    if (why := vllm_cpu_moe_unavailable(block.experts.w13_weight, block.experts.w2_weight, None)) is not None:
+        pytest.skip(f"vllm_cpu: {why}")
+    x = torch.randn(9, 32)
+    want = reference_moe(x, block.gate.weight, block.experts.w13_weight.clone(), block.experts.w2_weight.clone(), 2,
+                         False)
+    holder = torch.nn.Module()
+    holder.layers = torch.nn.ModuleList([torch.nn.Module()])
+    holder.layers[0].mlp = block
+    select_expert_methods(holder, "vllm_cpu")
+    assert block.experts.choice.method(1) == "vllm_cpu"
+    torch.testing.assert_close(block(x), want, atol=1e-5, rtol=1e-5)
+    # the op reads dense rows: top-k weights and ids given as views into wider tensors still work
+    from engine.expert_compute import vllm_cpu_experts
+    weights, ids = route(block.gate(x), EXPERTS, False)
+    got = vllm_cpu_experts(x, block.experts.w13_weight, block.experts.w2_weight, weights[:, :2], ids[:, :2])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("packed_ms,want", [
+    (3.0, ["vllm_cpu"] * 4),  # faster in sum: every range, its weights repacked
+    (50.0, ["grouped_mm", "grouped_mm", "loop", "loop"]),  # slower in sum: the faster of the other two per range
+])
+def test_auto_takes_the_packed_kernel_for_every_range_or_for_none(monkeypatch, packed_ms, want):
+    """Times per range (1, 8, 32, 256 tokens): loop 4, 4, 1, 1 ms; grouped_mm 1, 1, 4, 4 ms;
+    vllm_cpu `packed_ms` each. The per-range plan sums to 4 ms; vllm_cpu runs only if its sum is less."""
+    from engine import expert_compute
+    times = {"loop": iter([4.0, 4.0, 1.0, 1.0]), "grouped_mm": iter([1.0, 1.0, 4.0, 4.0])}
+    monkeypatch.setattr(expert_compute, "vllm_cpu_moe_unavailable", lambda *a: None)
+    monkeypatch.setattr(expert_compute, "vllm_cpu_pack", lambda w: w)
+    monkeypatch.setattr(expert_compute, "_best_ms", lambda fn, args, rounds: packed_ms / 4
+                        if fn is expert_compute.vllm_cpu_experts else next(times[fn.__name__.removesuffix("_experts")]))
+    _, w13, w2 = _weights()
+    choice = expert_compute.select_method("auto", torch.zeros(1, HIDDEN), w13, w2, 2, None)
+    assert [m for _, m in choice.ranges] == want
+    assert [choice.method(n) for n in (1, 8, 9, 64, 65, 10_000)] == [want[0], want[1], want[2], want[2], want[3],
+                                                                      want[3]]
