@@ -8,7 +8,9 @@ A GGUF tensor differs from the Hugging Face parameter it came from in four ways,
 3. encoding: blocks of Q4_0/Q4_1/Q8_0/... are dequantized with `gguf.quants.dequantize`;
 4. values: in `llama` files the rows of `attn_q` / `attn_k` were permuted from HF's rotate-half
    RoPE layout to llama.cpp's interleaved one (`permute_qk`; `unpermute_qk` puts them back);
-   Qwen and Gemma keep HF's rotate-half layout; a `gemma2` file stores each norm as 1 + w.
+   Qwen and Gemma keep HF's rotate-half layout; a `gemma2` file stores each norm as 1 + w;
+5. experts: a mixture's `ffn_{gate,up,down}_exps` stack every expert of a layer in one tensor; it
+   is cut back into HF's per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, ...).
 
 Dequantizing a whole model takes seconds, so the result is cached once as an fp32 safetensors
 file under `$PDSERVE_CACHE_DIR` (default `~/.cache/pdserve`), keyed by the GGUF's path, size and
@@ -32,19 +34,26 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, MoEConfig
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2")  # general.architecture -> the family of that name
-CACHE_FORMAT_VERSION = "2"  # bump when the conversion changes, so stale caches are not read
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "qwen2moe", "qwen3moe")  # general.architecture
+# -> the family: its own name, but for these; a `llama` file with experts is Mixtral (its converter's arch)
+FAMILY_OF_ARCH = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# whether a mixture's chosen weights are rescaled to sum to 1: llama.cpp's fixed choice per architecture
+# (no GGUF key says; transformers' GGUF loader assumes the same)
+RENORMALIZE = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
+CACHE_FORMAT_VERSION = "3"  # bump when the conversion changes, so stale caches are not read
 
 # The HF modules pdserve's families load; gguf's own tensor name maps say which GGUF tensor each
 # one is in a given architecture (Gemma 2's post_attention_layernorm is not Llama's).
 _HF_LAYER_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                      "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
                      "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm")
+                     "post_feedforward_layernorm", "mlp.gate", "mlp.shared_expert_gate", "mlp.shared_expert.gate_proj",
+                     "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj", "mlp.experts.gate_proj",
+                     "mlp.experts.up_proj", "mlp.experts.down_proj")
 _HF_GLOBAL_MODULES = ("model.embed_tokens", "model.norm", "lm_head")
 # Tensors that are not parameters of the HF model (llama3 RoPE frequency factors).
 _SKIPPED = re.compile(r"^(rope_freqs|rope_factors_(long|short))\.weight$")
@@ -144,9 +153,9 @@ def _family_switches(meta: dict, arch: str, num_layers: int, hidden_size: int, n
                      head_dim: int) -> dict:
     """What each architecture's llama.cpp converter implies or writes beyond the shared keys. A
     Mistral checkpoint converts as `llama`, its sliding window dropped (llama.cpp runs it full)."""
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen2moe"):
         return dict(qkv_bias=True)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         return dict(qk_norm=True)
     if arch != "gemma2":
         return {}
@@ -160,13 +169,38 @@ def _family_switches(meta: dict, arch: str, num_layers: int, hidden_size: int, n
     return dict(sliding_window=window, layer_types=types if window else (), query_pre_attn_scalar=scalar, **caps)
 
 
+def _moe(meta: dict, arch: str, family: str, num_layers: int, tensor_names: set[str]) -> MoEConfig | None:
+    """A mixture's `MoEConfig` from `{arch}.expert_*` keys; its sparse layers are those with a
+    router tensor (`ffn_gate_inp`), the others keep a dense MLP."""
+    if not meta.get(f"{arch}.expert_count"):
+        return None
+    return MoEConfig(num_experts=meta[f"{arch}.expert_count"], top_k=meta[f"{arch}.expert_used_count"],
+                     intermediate_size=meta.get(f"{arch}.expert_feed_forward_length")
+                     or meta[f"{arch}.feed_forward_length"],
+                     renormalize=RENORMALIZE[family],
+                     shared_expert_intermediate_size=meta.get(f"{arch}.expert_shared_feed_forward_length", 0),
+                     dense_layers=tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names))
+
+
+def gguf_family(meta: dict) -> str:
+    """The family (engine/models) of a GGUF's architecture; Raises ValueError for one not supported."""
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHS})")
+    if arch == "llama" and meta.get("llama.expert_count"):
+        return "mixtral"
+    return FAMILY_OF_ARCH.get(arch, arch)
+
+
 def gguf_model_config(path: Path) -> ModelConfig:
     """A `ModelConfig` from a GGUF's metadata (architectures in SUPPORTED_ARCHS)."""
     reader = open_gguf(path)
     meta = read_gguf_metadata(reader)
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHS})")
+    try:
+        family = gguf_family(meta)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    arch = meta["general.architecture"]
     tensor_names = {t.name for t in reader.tensors}
     num_heads = meta[f"{arch}.attention.head_count"]
     hidden_size = meta[f"{arch}.embedding_length"]
@@ -193,7 +227,8 @@ def gguf_model_config(path: Path) -> ModelConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         name=meta.get("general.name") or path.stem,
-        architecture=arch,
+        architecture=family,
+        moe=_moe(meta, arch, family, num_layers, tensor_names),
         **_family_switches(meta, arch, num_layers, hidden_size, num_heads, head_dim),
     )
 
@@ -214,9 +249,11 @@ def convert_gguf(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a llama GGUF, dequantized to fp32, under HF names with HF shapes and row order."""
     reader = open_gguf(path)
     meta = read_gguf_metadata(reader)
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHS})")
+    try:
+        gguf_family(meta)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    arch = meta["general.architecture"]
     num_heads = meta[f"{arch}.attention.head_count"]
     num_kv_heads = meta.get(f"{arch}.attention.head_count_kv", num_heads)
     num_layers = meta[f"{arch}.block_count"]
@@ -228,8 +265,15 @@ def convert_gguf(path: Path) -> dict[str, torch.Tensor]:
         w = _as_hf_rows(_dequantize(tensor), name, arch, num_heads, num_kv_heads)
         if arch == "gemma2" and name.endswith("norm.weight"):  # its converter stored 1 + w
             w = w - 1
+        if (m := _STACKED_EXPERTS.match(name)) is not None:  # (experts, out, in): one tensor per expert,
+            for e in range(w.shape[0]):                      # as a HF checkpoint names them
+                weights[f"{m['layer']}.mlp.experts.{e}.{m['proj']}.weight"] = w[e].clone()
+            continue
         weights[name] = w
     return weights
+
+
+_STACKED_EXPERTS = re.compile(r"^(?P<layer>model\.layers\.\d+)\.mlp\.experts\.(?P<proj>\w+_proj)\.weight$")
 
 
 def cache_path_for(path: Path, cache_dir: str | os.PathLike | None = None) -> Path:
