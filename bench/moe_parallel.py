@@ -53,8 +53,8 @@ def _block(args, rank: int, group, held):
         for shard in (0, 1):
             full = torch.randn(args.expert_width, args.hidden, generator=g) / args.hidden ** 0.5
             block.experts.weight_loader(block.experts.w13_weight, full, e, shard)
-        block.experts.weight_loader(block.experts.w2_weight,
-                                    torch.randn(args.hidden, args.expert_width, generator=g) / args.expert_width ** 0.5, e)
+        down = torch.randn(args.hidden, args.expert_width, generator=g) / args.expert_width ** 0.5
+        block.experts.weight_loader(block.experts.w2_weight, down, e)
     from engine.moe import select_expert_methods
     holder = torch.nn.Module()
     holder.layers = torch.nn.ModuleList([torch.nn.Module()])
@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kind} routing, tokens per expert {rows['tokens_per_expert']}")
         for layout in LAYOUTS:
             r = rows[layout]
-            print(f"  {layout:<20} {r['method']:<10} {r['ms_per_call']:7.2f} ms/call  ranks {r['rank_compute_ms'][0]:6.2f} "
-                  f"{r['rank_compute_ms'][1]:6.2f} ms  imbalance counted {r['imbalance_counted']:.2f} "
+            print(f"  {layout:<20} {r['method']:<10} {r['ms_per_call']:7.2f} ms/call  "
+                  f"ranks {r['rank_compute_ms'][0]:6.2f} {r['rank_compute_ms'][1]:6.2f} ms  imbalance counted {r['imbalance_counted']:.2f} "
                   f"timed {r['imbalance_timed']:.2f}")
     return 0
 

@@ -31,8 +31,8 @@ from bench.decode_steps import step_times
 from decode_worker.engine import ColocatedEngine
 from decode_worker.llm import LLM
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.expert_compute import (METHODS, MethodChoice, PACKED, sort_pairs, vllm_cpu_experts, vllm_cpu_moe_unavailable,
-                                   vllm_cpu_pack)
+from engine.expert_compute import (METHODS, PACKED, MethodChoice, sort_pairs, vllm_cpu_experts,
+                                   vllm_cpu_moe_unavailable, vllm_cpu_pack)
 from engine.layers import silu_and_mul
 from engine.model_runner import ModelRunner
 from engine.moe import moe_blocks
@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{args.experts} experts, top {args.top_k}, width {args.expert_width}; {config['moe']}, {args.threads} threads")
+    print(f"{args.experts} experts, top {args.top_k}, width {args.expert_width}; {config['moe']}, "
+          f"{args.threads} threads")
     for n, row in result["decode_ms_per_step"].items():
         print(f"  decode batch {n:>3}: moe {row['moe']:7.2f} ms  dense {row['dense']:7.2f} ms  "
               f"moe/dense {row['moe_over_dense']:.2f}")

@@ -179,7 +179,8 @@ def _moe(meta: dict, arch: str, family: str, num_layers: int, tensor_names: set[
                      or meta[f"{arch}.feed_forward_length"],
                      renormalize=RENORMALIZE[family],
                      shared_expert_intermediate_size=meta.get(f"{arch}.expert_shared_feed_forward_length", 0),
-                     dense_layers=tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names))
+                     dense_layers=tuple(i for i in range(num_layers)
+                                        if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names))
 
 
 def gguf_family(meta: dict) -> str:
