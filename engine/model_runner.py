@@ -26,7 +26,8 @@ from engine.loader import load_model_config, load_weights, resolve_model_path
 from engine.logits_processing import TokenHistory
 from engine.models import model_class
 from engine.expert_placement import ExpertPlacement
-from engine.moe import describe_experts, reset_expert_counts, select_expert_methods
+from engine.moe import (describe_experts, expert_counts, expert_load_figures, reset_expert_counts,
+                        select_expert_methods)
 from engine.parallel import TPGroup
 from engine.quant import (create_linear_method, method_reads_q4_codes, process_weights_after_loading,
                           resolve_quantization)
@@ -258,6 +259,14 @@ class ModelRunner:
         if (experts := describe_experts(model)) is not None:
             logger.info("experts: %s", experts)
         return model.eval()
+
+    def expert_counts(self) -> dict[int, list[int]]:
+        """A mixture's tokens per expert per sparse layer since start ({}: a dense model)."""
+        return expert_counts(self.model)
+
+    def expert_load_figures(self) -> dict[str, float]:
+        """The load report's expert figures (engine/moe.py expert_load_figures; {}: a dense model)."""
+        return expert_load_figures(self.model)
 
     def _expert_placement(self) -> ExpertPlacement | None:
         """Expert parallelism's placement (the config's, else a contiguous run of experts per rank),

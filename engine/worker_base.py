@@ -17,7 +17,6 @@ import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
-from engine.moe import expert_counts, expert_load_figures
 from engine.outbox import Outbox
 
 if TYPE_CHECKING:
@@ -62,12 +61,12 @@ class BaseWorker(ABC):
         """Rank 0: figures for the router's policy, the autoscaler and /status; each role adds its own."""
         return {"orphans_aborted": float(self.num_orphans_aborted),
                 "intraop_threads": float(self.runner.intraop_threads),  # rank 0's, now (engine/threads.py)
-                **expert_load_figures(self.runner.model)}  # a mixture's, per sparse layer (engine/moe.py)
+                **self.runner.expert_load_figures()}  # a mixture's, per sparse layer (engine/moe.py)
 
     def expert_counts(self) -> dict[int, list[int]]:
         """Rank 0: per sparse layer, the tokens routed to each expert since start ({}: a dense
         model); every rank routes alike, so rank 0's counts are the instance's."""
-        return expert_counts(self.runner.model)
+        return self.runner.expert_counts()
 
     def poll_outputs(self, timeout: float = 0.0, client_id: str = "") -> list:
         """Rank 0 (thread-safe), a long poll: the outputs of `client_id`'s requests since its last call,

@@ -25,6 +25,9 @@ class FakeRunner:
     def __init__(self, tp: FakeTP):
         self.tp = tp
 
+    def expert_load_figures(self) -> dict[str, float]:
+        return {}  # a dense model's
+
 
 class ScriptedWorker(BaseWorker):
     """Steps report `work` in turn (then idle); the loop stops after the last (`stop`)."""
