@@ -190,13 +190,16 @@ def moe_blocks(model: nn.Module) -> list[tuple[int, SparseMoeBlock]]:
 
 def select_expert_methods(model: nn.Module, name: str) -> None:
     """The expert method of every sparse block: `name`, or for "auto" the fastest per batch size,
-    measured once on the first block's weights (all blocks are alike)."""
+    measured once on the first block's weights (all blocks are alike). Under TP every rank
+    measures and rank 0's choice is taken by all, so an instance runs one method whatever the
+    noise in each rank's timings."""
     blocks = moe_blocks(model)
     if not blocks:
         return
     first = blocks[0][1]
     experts = first.experts
     choice = select_method(name, first.gate.weight, experts.w13_weight, experts.w2_weight, first.top_k, experts.local)
+    choice = first.tp.broadcast_object(choice)
     for _, block in blocks:
         block.experts.choice = choice
         if choice.method(1) == PACKED:  # its own layout, in place of the loaded one (no second copy)

@@ -216,3 +216,22 @@ def test_auto_takes_the_packed_kernel_for_every_range_or_for_none(monkeypatch, p
     assert [m for _, m in choice.ranges] == want
     assert [choice.method(n) for n in (1, 8, 9, 64, 65, 10_000)] == [want[0], want[1], want[2], want[2], want[3],
                                                                       want[3]]
+
+
+def test_every_rank_runs_rank_0s_choice_of_expert_method():
+    """Under TP each rank times the methods, then takes what rank 0 chose (its broadcast), so one
+    instance runs one method; here rank 0's is loop, whatever this rank measured."""
+    from types import SimpleNamespace
+
+    from engine.expert_compute import MethodChoice
+    from engine.moe import select_expert_methods
+    block = _block()
+    rank0 = MethodChoice(((None, "loop"),), ({"loop": 1.0},))
+    sent = []
+    block.tp = SimpleNamespace(broadcast_object=lambda obj: sent.append(obj) or rank0, all_reduce=lambda x: x)
+    holder = torch.nn.Module()
+    holder.layers = torch.nn.ModuleList([torch.nn.Module()])
+    holder.layers[0].mlp = block
+    select_expert_methods(holder, "auto")
+    assert len(sent) == 1 and len(sent[0].ranges) == 4  # this rank's own measurement went out
+    assert block.experts.choice is rank0
