@@ -154,6 +154,11 @@ class ModelConfig:
                     return f"its {what} width {width} does not split over {tp} ranks"
         return None
 
+    @property
+    def sparse_layers(self) -> list[int]:
+        """The layers whose MLP is a mixture of experts ([] for a dense model)."""
+        return [] if self.moe is None else [i for i in range(self.num_layers) if self.moe.is_sparse(i)]
+
     @functools.cached_property
     def kv_layout(self) -> KVLayout:
         """Which layers share a block table (engine/config.py KVLayout), from their windows."""

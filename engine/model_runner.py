@@ -274,8 +274,7 @@ class ModelRunner:
         moe = self.model_config.moe
         if not self.config.expert_parallel or moe is None:
             return None
-        sparse = [i for i in range(self.model_config.num_layers) if moe.is_sparse(i)]
-        size = self.tp.size if self.tp is not None else 1
+        sparse, size = self.model_config.sparse_layers, self.tp.size if self.tp is not None else 1
         placement = self.config.expert_placement or ExpertPlacement.contiguous(moe.num_experts, size, sparse)
         if (why := placement.misfit(moe.num_experts, sparse, size)) is not None:
             raise ValueError(f"--expert-placement cannot run {self.model_config.name}: {why}")

@@ -81,7 +81,6 @@ class FusedExperts(nn.Module):
         self.inter = intermediate_size // split
         self.start = 0 if held is not None else tp.rank * self.inter  # this rank's first row of each expert
         self.local = None if held is None else LocalExperts.of(held, num_experts, torch.get_default_device())
-        self.index_of = {e: i for i, e in enumerate(held.ids)} if held is not None else None
         self.choice = MethodChoice(((None, "loop"),))  # the model runner measures and sets it (select_expert_methods)
         num_local = num_experts if held is None else len(held.ids)
         self.w13_weight = nn.Parameter(torch.empty(num_local, 2 * self.inter, hidden_size), requires_grad=False)
@@ -92,10 +91,9 @@ class FusedExperts(nn.Module):
         """full: one expert's checkpoint tensor, (inter, hidden) for gate (shard 0) and up (shard 1),
         (hidden, inter) for down; this rank's rows (gate, up) or columns (down) copied in, nothing
         for an expert another rank holds."""
-        index = expert if self.index_of is None else self.index_of.get(expert)
-        if index is None:
+        if self.held is not None and expert not in self.held.ids:
             return
-        n = self.inter
+        index, n = expert if self.held is None else self.held.ids.index(expert), self.inter
         if param is self.w13_weight:
             param.data[index].narrow(0, shard * n, n).copy_(full.narrow(0, self.start, n))
         else:

@@ -44,8 +44,12 @@ def read_counts(source: str) -> dict[int, list[int]]:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{source}: not JSON ({exc})") from None
-    recordings = ([i.get("expert_counts") or {} for i in data["instances"]] if isinstance(data, dict)
-                  and "instances" in data else [data.get("layers", {})] if isinstance(data, dict) else [])
+    if not isinstance(data, dict):
+        recordings = []
+    elif "instances" in data:  # a /status: every instance's counts (null for one that did not answer)
+        recordings = [i.get("expert_counts") or {} for i in data["instances"]]
+    else:
+        recordings = [data.get("layers", {})]
     counts: dict[int, list[int]] = {}
     for recording in recordings:
         for layer, per_expert in recording.items():

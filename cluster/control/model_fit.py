@@ -23,8 +23,7 @@ def check(spec: ClusterSpec) -> None:
             ep = " with expert parallelism" if expert_parallel else ""
             raise ValueError(f"{flag} {tp}{ep} cannot run {config.name}: {why}")
         if (placement := spec.placement_for(role)) is not None:
-            sparse = [i for i in range(config.num_layers) if config.moe.is_sparse(i)]
-            if (why := placement.misfit(config.moe.num_experts, sparse, tp)) is not None:
+            if (why := placement.misfit(config.moe.num_experts, config.sparse_layers, tp)) is not None:
                 raise ValueError(f"--expert-placement {spec.expert_placement} cannot run {config.name} on a {role} "
                                  f"instance: {why}")
     if spec.expert_placement is not None and not any(spec.expert_parallel(r) for r in spec.instance_counts):
