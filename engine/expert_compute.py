@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from engine.expert_placement import HeldExperts
 from engine.layers import silu_and_mul
+from engine.vllm_cpu_ops import SCRATCHPAD
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +129,9 @@ def vllm_cpu_experts(x: torch.Tensor, w13_packed: torch.Tensor, w2_packed: torch
     out = torch.empty_like(x)
     # NOTE: the op reads its inputs as dense rows, whatever their strides (a sliced top-k view gave
     # another token's weights): contiguous copies
-    torch.ops._C.cpu_fused_moe(out, x.contiguous(), w13_packed, w2_packed, None, None, weights.contiguous(),
-                               ids.to(torch.int32).contiguous(), False, "silu", VLLM_CPU_ISA)
+    x, weights, ids = x.contiguous(), weights.contiguous(), ids.to(torch.int32).contiguous()
+    with SCRATCHPAD:
+        torch.ops._C.cpu_fused_moe(out, x, w13_packed, w2_packed, None, None, weights, ids, False, "silu", VLLM_CPU_ISA)
     return out
 
 

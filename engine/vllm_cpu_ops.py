@@ -17,8 +17,15 @@ tests/engine/test_vllm_cpu_ops.py checks each against the torch ops.
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
+
+# NOTE: vLLM-CPU's attention and fused-MoE kernels share one scratch buffer per process, which each
+# call reallocates to its own size (vLLM runs one engine per process). Two step threads of one
+# process (an in-process cluster: tests, one-host bench scripts) that ran them at once got NaNs,
+# another's tokens, or a crash: their calls take turns. A rank alone in its process never waits.
+SCRATCHPAD = threading.Lock()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

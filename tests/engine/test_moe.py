@@ -235,3 +235,35 @@ def test_every_rank_runs_rank_0s_choice_of_expert_method():
     select_expert_methods(holder, "auto")
     assert len(sent) == 1 and len(sent[0].ranges) == 4  # this rank's own measurement went out
     assert block.experts.choice is rank0
+
+
+def test_vllm_cpus_fused_moe_in_two_threads_at_once():
+    """Two step threads of one process (an in-process cluster's prefill and decode) running the
+    fused MoE at once, on batches of other sizes: each gets what it gets alone. The op keeps one
+    scratch buffer per process, reallocated to the size of each call; CI's 1P1D MoE run once
+    served other tokens than colocated because of it."""
+    import threading
+
+    from engine.expert_compute import vllm_cpu_experts, vllm_cpu_moe_unavailable, vllm_cpu_pack
+    router, w13, w2 = _weights(11, hidden=64, inter=64)
+    if (why := vllm_cpu_moe_unavailable(w13, w2, None)) is not None:
+        pytest.skip(f"vllm_cpu: {why}")
+    w13_packed, w2_packed = vllm_cpu_pack(w13), vllm_cpu_pack(w2)
+    batches = []
+    for n in (3, 200):
+        x = torch.randn(n, 64)
+        weights, ids = route(x @ router.T, 2, True)
+        batches.append((x, weights, ids, vllm_cpu_experts(x, w13_packed, w2_packed, weights, ids)))
+    wrong = []
+
+    def run(x, weights, ids, want):
+        for _ in range(60):
+            if not torch.equal(vllm_cpu_experts(x, w13_packed, w2_packed, weights, ids), want):
+                wrong.append(x.shape[0])
+
+    threads = [threading.Thread(target=run, args=b) for b in batches]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
