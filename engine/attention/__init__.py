@@ -26,13 +26,23 @@ def flash_attn_available() -> bool:
 
 def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
                              kv_cache_dtype: torch.dtype | None = None, head_dim: int | None = None,
-                             batch_invariant: bool = False) -> BaseAttentionBackend:
+                             batch_invariant: bool = False, sinks: bool = False) -> BaseAttentionBackend:
     """`auto` picks, on CUDA, flash_attn in fp16/bf16 when importable, else flex (torch as the last
     resort, where triton is missing); on a CPU, vllm_cpu where its kernels load and fit the model
     (docs/engine.md), else torch; it logs which runs and why. `flex` runs on either. With
     an fp8 KV cache (`kv_cache_dtype`), see `_fp8_choice`. `batch_invariant` (auto or torch only):
     the fixed-split attention of engine/attention/batch_invariant_backend.py. Raises ValueError for
-    a backend that cannot run."""
+    a backend that cannot run. `sinks`: the model has attention sinks (gpt-oss): auto skips a backend
+    without them, and one named that has none is refused."""
+    backend = _create(name, device, dtype, kv_cache_dtype, head_dim, batch_invariant, sinks)
+    if sinks and not backend.takes_sinks:
+        raise ValueError(f"attention backend {backend.name} cannot take the model's attention sinks; use "
+                         f"--attention-backend {'flex' if device.type == 'cuda' else 'torch'}")
+    return backend
+
+
+def _create(name: str, device: torch.device, dtype: torch.dtype, kv_cache_dtype: torch.dtype | None,
+            head_dim: int | None, batch_invariant: bool, sinks: bool) -> BaseAttentionBackend:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose {', '.join(BACKENDS)}")
     if batch_invariant:
@@ -44,7 +54,7 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
     if kv_cache_dtype == FP8:
         name = _fp8_choice(name, device, dtype, head_dim)
     elif name == "auto":
-        name = _auto_choice(device, dtype, head_dim)
+        name = _auto_choice(device, dtype, head_dim, sinks)
     if name == "vllm_cpu":
         fp8_unfit = kv_cache_dtype == FP8 and _vllm_cpu_fp8_unfit(head_dim)
         if device.type != "cpu" or kv_cache_dtype not in (None, dtype, FP8) or dtype == torch.float16 or fp8_unfit:
@@ -72,13 +82,14 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
     return FlashAttentionBackend()
 
 
-def _auto_choice(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str:
+def _auto_choice(device: torch.device, dtype: torch.dtype, head_dim: int | None, sinks: bool = False) -> str:
     """`auto` without an fp8 cache; logs why whenever the first choice of the device is not taken."""
     if device.type == "cuda":
         half = dtype in (torch.float16, torch.bfloat16)
-        if half and flash_attn_available():
+        if half and flash_attn_available() and not sinks:
             return "flash_attn"
-        why = "flash_attn needs fp16/bf16" if not half else "flash_attn is not installed"
+        why = ("flash_attn takes no attention sinks" if sinks else "flash_attn needs fp16/bf16" if not half
+               else "flash_attn is not installed")
         from engine.attention.flex_backend import flex_unavailable
         if (unfit := flex_unavailable(device)) is not None:
             logger.info("attention backend: torch (%s; flex cannot run: %s)", why, unfit)

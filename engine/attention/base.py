@@ -12,6 +12,11 @@ context length *including* them, so its first new token sits at position
 `seq_lens[i] - query_lens[i]`. `slot_mapping[t] = block_id * block_size + offset` is where
 token t's K/V goes. `block_tables[i]` lists sequence i's physical blocks in logical order,
 padded with the null block 0.
+
+Attention sinks (gpt-oss): a learned logit `s_h` per query head that joins each softmax's
+denominator and nothing else (it has no value): weights exp(score_j) / (sum_j exp(score_j) +
+exp(s_h)). A backend that applies them says so in `takes_sinks`; `create_attention_backend`
+refuses a model with sinks on one that does not.
 """
 from __future__ import annotations
 
@@ -54,6 +59,7 @@ class BaseAttentionBackend(ABC):
 
     name: str = "base"
     own_kv_layout = False  # True: the blocks are laid out for this backend's kernels (kv_views reads them)
+    takes_sinks: bool = False  # True: forward applies `sinks` (attention sinks, module docstring)
 
     def block_size_for(self, requested: int) -> int:
         """The KV block size this backend works with, given the configured one."""
@@ -72,6 +78,11 @@ class BaseAttentionBackend(ABC):
     def check_head_dim(self, head_dim: int) -> None:
         """Raises ValueError, at load, if this backend cannot attend heads of `head_dim`."""
 
+    def refuse_sinks(self, sinks: torch.Tensor | None) -> None:
+        """Raises ValueError when `sinks` reach a backend that cannot apply them (no `takes_sinks`)."""
+        if sinks is not None and not self.takes_sinks:
+            raise ValueError(f"attention backend {self.name} cannot take attention sinks")
+
     def prepare(self, meta: AttentionMetadata) -> None:
         """Called once per step, before the first layer: precompute what every layer reuses."""
 
@@ -83,7 +94,8 @@ class BaseAttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
-                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store k/v at `meta.slot_mapping`, then causal attention of q over the cached context.
 
         Args:
@@ -96,6 +108,9 @@ class BaseAttentionBackend(ABC):
             window: a sliding layer's window, the keys a query sees with its own (positions
                 p - window + 1 .. p); None: every key up to its own
             softcap: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2)
+            sinks: (num_heads,) float32, this rank's query heads' sink logits (gpt-oss): each joins
+                its head's softmax denominator after the cap and the mask; None: no sinks. Only a
+                backend with `takes_sinks` accepts them
         Returns:
             (num_tokens, num_heads, head_dim)
         """

@@ -5,7 +5,10 @@ keys too, as the cache holds them: an fp8 cache is read the same way by every pa
 decodes together (`fixed_split_decode`, their block tables padded to the longest), each prefill or
 prefill chunk on its own (`fixed_split_attention`). A query's output is then the same whether it is
 decoded, prefilled in one piece or in chunks, after a prefix-cache hit or a preemption's
-recompute, beside any other sequences."""
+recompute, beside any other sequences.
+
+The fixed-split kernels have no attention sinks (gpt-oss's per-head logit in the softmax's
+denominator): `takes_sinks` is False, and a model with sinks is refused in this mode."""
 from __future__ import annotations
 
 import torch
@@ -33,7 +36,9 @@ class BatchInvariantAttentionBackend(BaseAttentionBackend):
                            context_slots(meta.block_tables[i:i + 1], meta.seq_lens_cpu[i], meta.block_size)[0])
                           for i in range(nd, meta.num_seqs)]
 
-    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None,
+                sinks=None):
+        self.refuse_sinks(sinks)  # takes_sinks is False: create_attention_backend refuses a model with sinks
         write_kv(kv_cache, k, v, meta.slot_mapping, k_scale, v_scale)
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         out = torch.empty_like(q)

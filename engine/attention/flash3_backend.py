@@ -14,6 +14,9 @@ takes any page size, so the block size is kept as configured.
 
 NOTE: not yet run: the GPU machine this project is lent has no flash-attn installed. The CPU
 tests check the call against a pure-torch stand-in written from FA3's documented contract.
+
+No attention sinks (gpt-oss's per-head logit in the softmax's denominator) here: `takes_sinks` is
+False, so a model with them never runs on this backend.
 """
 from __future__ import annotations
 
@@ -55,7 +58,9 @@ class Flash3FP8Backend(BaseAttentionBackend):
             self._descales[key] = torch.full((num_seqs, num_kv_heads), value, dtype=torch.float32, device=device)
         return self._descales[key]
 
-    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None,
+                sinks=None):
+        self.refuse_sinks(sinks)  # takes_sinks is False: create_attention_backend refuses a model with sinks
         write_kv(kv_cache, k, v, meta.slot_mapping, k_scale, v_scale)
         layout = (meta.num_seqs, kv_cache.shape[-2], q.device)
         out = self._with_kvcache(

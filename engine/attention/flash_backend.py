@@ -12,6 +12,9 @@ in place, never gathered. Both use causal masks aligned to the bottom right, whi
 
 NOTE: flash-attn 2's paged KV requires the page (block) size to be a multiple of 256, hence
 `block_size_for`.
+
+flash-attn 2 has no attention sinks (gpt-oss's per-head logit in the softmax's denominator): this
+backend does not take them (`takes_sinks` False), and `auto` picks another for a model with sinks.
 """
 from __future__ import annotations
 
@@ -92,7 +95,9 @@ class FlashAttentionBackend(BaseAttentionBackend):
         return _PrefillPlan(token_start, cu_q, cu_k, max(meta.query_lens[nd:]), max(meta.seq_lens_cpu[nd:]),
                             meta.block_tables[nd:])
 
-    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None,
+                sinks=None):
+        self.refuse_sinks(sinks)  # takes_sinks is False: create_attention_backend refuses a model with sinks
         # flash-attn's window counts the keys before a query (and after it): ours includes its own
         window_size = (-1, -1) if window is None else (window - 1, 0)
         # fp8 scales unused: an fp8 cache never reaches flash-attn 2 (create_attention_backend refuses it)

@@ -35,6 +35,19 @@ per process (inductor's on-disk cache makes a later process's compile of the sam
 about a second). The scale and a soft cap are constants of the compiled graph (Dynamo guards on
 their values: one model, one graph per shape). On a CPU the kernel's thread count is the step
 thread's when it compiled (inductor bakes it in). docs/engine.md, "FlexAttention backend".
+
+Attention sinks (gpt-oss: a logit s_h per query head in the softmax's denominator only) enter as
+one more key, the sink key, at index K (the first padding row: zero K and V), seen by every real
+query besides its run; the score_mod gives it the score s_h (after the soft cap of the others),
+so its weight is exp(s_h) / (Z + exp(s_h)) and its zero value adds nothing:
+
+    keys:    | ctx d0 | ctx d1 | ctx p0 ...... | ctx p1 | sink | zeros .. |   K + 1 real of Tk
+                                                          K
+
+NOTE: not the kernel's log-sum-exp (out * sigmoid(lse - s)): torch 2.13's CPU flex does not
+lower `return_aux=AuxRequest(lse=True)` ("return_lse is not supported yet"), and this one path
+runs on both devices. A step with sinks has its own plan (a key more, its tile in every query
+tile's list) and its own graphs (another score_mod).
 """
 from __future__ import annotations
 
@@ -90,6 +103,17 @@ def softcap_score_mod(softcap: float):
     return score_mod
 
 
+def sink_score_mod(sinks: torch.Tensor, sink_key: torch.Tensor, softcap: float | None):
+    """Scores with attention sinks: the sink key's score is the query head's sink logit, the
+    others' are soft-capped where the model caps. sinks: (heads,) float32; sink_key: (Tq,) int64,
+    each query's sink key (module docstring)."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if softcap is not None:
+            score = softcap * torch.tanh(score / softcap)
+        return torch.where(kv_idx == sink_key[q_idx], sinks[h].to(score.dtype), score)
+    return score_mod
+
+
 def padded(n: int, minimum: int) -> int:
     """The least power of two that is >= n and >= minimum."""
     return max(minimum, 1 << max(n - 1, 0).bit_length())
@@ -97,11 +121,12 @@ def padded(n: int, minimum: int) -> int:
 
 @dataclass
 class _StepPlan:
-    """One step's keys and mask for one window (None: full attention)."""
+    """One step's keys and mask for one window (None: full attention), with or without a sink key."""
     key_slots: torch.Tensor  # (num_keys,) int64, the flat cache slot of each real key, packed
     num_padded_keys: int
     num_padded_queries: int
     block_mask: BlockMask
+    sink_key: torch.Tensor | None = None  # (Tq,) int64: each query's sink key, num_keys (-1: padding); None: no sinks
 
 
 def _runs(meta: AttentionMetadata, window: int | None):
@@ -116,12 +141,13 @@ def _runs(meta: AttentionMetadata, window: int | None):
     return firsts, key_starts, total
 
 
-def plan_step(meta: AttentionMetadata, window: int | None) -> _StepPlan:
-    """The packed keys' slots and the BlockMask of one step (module docstring's diagram)."""
+def plan_step(meta: AttentionMetadata, window: int | None, sinks: bool = False) -> _StepPlan:
+    """The packed keys' slots and the BlockMask of one step (module docstring's diagrams); `sinks`:
+    with the sink key at index num_keys."""
     dev = meta.block_tables.device
     firsts, key_starts, num_keys = _runs(meta, window)
     num_tokens = sum(meta.query_lens)
-    num_q, num_k = padded(num_tokens, MIN_QUERIES), padded(num_keys, MIN_KEYS)
+    num_q, num_k = padded(num_tokens, MIN_QUERIES), padded(num_keys + sinks, MIN_KEYS)
     n = meta.num_seqs
     seq_ids = torch.arange(n, device=dev)
     first, key_start = (torch.tensor(x, dtype=torch.int64, device=dev) for x in (firsts, key_starts))
@@ -141,17 +167,26 @@ def plan_step(meta: AttentionMetadata, window: int | None) -> _StepPlan:
     key_pos = torch.arange(num_keys, device=dev) - key_start[seq_of_k] + first[seq_of_k]
     blocks = meta.block_tables.long()[seq_of_k, key_pos // meta.block_size]
     slots = blocks * meta.block_size + key_pos % meta.block_size
-    return _StepPlan(slots, num_k, num_q, block_mask(lo, hi, num_q, num_k))
+    sink_key = None
+    if sinks:
+        sink_key = torch.full((num_q,), -1, dtype=torch.int64, device=dev)
+        sink_key[:num_tokens] = num_keys
+    return _StepPlan(slots, num_k, num_q, block_mask(lo, hi, num_q, num_k, sink_key), sink_key)
 
 
-def block_mask(lo: torch.Tensor, hi: torch.Tensor, num_q: int, num_k: int) -> BlockMask:
-    """The BlockMask of "query t sees keys lo[t]..hi[t]": a (Q_BLOCK x KV_BLOCK) tile is visited
-    when any row sees any of its keys, and skips the mask when every row sees all of them."""
+def block_mask(lo: torch.Tensor, hi: torch.Tensor, num_q: int, num_k: int,
+               sink_key: torch.Tensor | None = None) -> BlockMask:
+    """The BlockMask of "query t sees keys lo[t]..hi[t]" (and its sink key, `sink_key[t]` >= 0): a
+    (Q_BLOCK x KV_BLOCK) tile is visited when any row sees any of its keys, and skips the mask
+    when every row sees all of them (never the sink key's tile: it lies past every hi)."""
     tile_lo = torch.arange(0, num_k, KV_BLOCK, device=lo.device)  # (num_k / KV_BLOCK,)
     tile_hi = tile_lo + KV_BLOCK - 1
     row_lo, row_hi = lo.view(-1, Q_BLOCK, 1), hi.view(-1, Q_BLOCK, 1)  # (num_q / Q_BLOCK, Q_BLOCK, 1)
     any_seen = ((row_lo <= tile_hi) & (row_hi >= tile_lo)).any(1)  # (num_q / Q_BLOCK, num_k / KV_BLOCK)
     full = ((row_lo <= tile_lo) & (row_hi >= tile_hi)).all(1)
+    if sink_key is not None:
+        row_sink = sink_key.view(-1, Q_BLOCK, 1)
+        any_seen |= ((row_sink >= tile_lo) & (row_sink <= tile_hi)).any(1)
     partial = any_seen & ~full
 
     def listed(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +195,8 @@ def block_mask(lo: torch.Tensor, hi: torch.Tensor, num_q: int, num_k: int) -> Bl
         return tiles.sum(-1, dtype=torch.int32)[None, None], order[None, None]
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx >= lo[q_idx]) & (kv_idx <= hi[q_idx])
+        seen = (kv_idx >= lo[q_idx]) & (kv_idx <= hi[q_idx])
+        return seen if sink_key is None else seen | (kv_idx == sink_key[q_idx])
 
     num_partial, partial_ids = listed(partial)
     num_full, full_ids = listed(full)
@@ -184,6 +220,7 @@ def padded_rows(cache: torch.Tensor, slots: torch.Tensor, num_rows: int, dtype: 
 
 class FlexAttentionBackend(BaseAttentionBackend):
     name = "flex"
+    takes_sinks = True
 
     def __init__(self, device: torch.device):
         """Raises ValueError where the compiled kernels cannot be built (no silent eager path: torch's
@@ -193,21 +230,22 @@ class FlexAttentionBackend(BaseAttentionBackend):
         self._flex = compiled_flex_attention()
         self._kernel_options = CUDA_KERNEL_OPTIONS if device.type == "cuda" else None
         self._meta: AttentionMetadata | None = None
-        self._plans: dict[int | None, _StepPlan] = {}  # per window, this step's
+        self._plans: dict[tuple, _StepPlan] = {}  # per window and sinks or not, this step's
         self._shapes: set[tuple] = set()  # padded shapes this backend has run (the first one compiles)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
         self._plans = {}
 
-    def _plan(self, window: int | None) -> _StepPlan:
-        if window not in self._plans:
-            self._plans[window] = plan_step(self._meta, window)
-        return self._plans[window]
+    def _plan(self, window: int | None, sinks: bool) -> _StepPlan:
+        if (window, sinks) not in self._plans:
+            self._plans[window, sinks] = plan_step(self._meta, window, sinks)
+        return self._plans[window, sinks]
 
-    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None,
+                sinks=None):
         write_kv(kv_cache, k, v, meta.slot_mapping, k_scale, v_scale)
-        plan = self._plan(window)
+        plan = self._plan(window, sinks is not None)
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[-2]
         flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
@@ -215,19 +253,26 @@ class FlexAttentionBackend(BaseAttentionBackend):
         values = padded_rows(flat[1], plan.key_slots, plan.num_padded_keys, q.dtype, v_scale)
         query = q.new_zeros(plan.num_padded_queries, num_heads, head_dim)  # (Tq, heads, hd)
         query[:num_tokens] = q
-        self._note_shape(query, keys, softcap)
+        self._note_shape(query, keys, softcap, sinks is not None)
+        cap = None if softcap is None else float(softcap)
+        if sinks is not None:
+            score_mod = sink_score_mod(sinks.float(), plan.sink_key, cap)
+        else:
+            score_mod = None if cap is None else softcap_score_mod(cap)
         out = self._flex(query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                         score_mod=None if softcap is None else softcap_score_mod(float(softcap)),
-                         block_mask=plan.block_mask, scale=scale, enable_gqa=num_heads != num_kv_heads,
+                         score_mod=score_mod, block_mask=plan.block_mask, scale=scale,
+                         enable_gqa=num_heads != num_kv_heads,
                          kernel_options=self._kernel_options)  # (1, heads, Tq, hd)
         return out[0, :, :num_tokens].transpose(0, 1).contiguous()  # (num_tokens, heads, hd)
 
-    def _note_shape(self, query: torch.Tensor, keys: torch.Tensor, softcap: float | None) -> None:
+    def _note_shape(self, query: torch.Tensor, keys: torch.Tensor, softcap: float | None, sinks: bool) -> None:
         """Logs each padded shape the first time this backend runs it: the process's first call of a
-        shape compiles it (or loads inductor's on-disk kernels), which takes seconds."""
-        shape = (tuple(query.shape), tuple(keys.shape), query.dtype, softcap)
+        shape compiles it (or loads inductor's on-disk kernels), which takes seconds; with sinks, the
+        sink score_mod's graph is another."""
+        shape = (tuple(query.shape), tuple(keys.shape), query.dtype, softcap, sinks)
         if shape not in self._shapes:
             self._shapes.add(shape)
-            logger.info("flex: %d queries x %d keys (padded), %s heads on %s KV heads, %s%s: a new shape "
-                        "(compiled on its first call in this process)", query.shape[0], keys.shape[0], query.shape[1], keys.shape[1],
-                        str(query.dtype).removeprefix("torch."), "" if softcap is None else f", softcap {softcap}")
+            logger.info("flex: %d queries x %d keys (padded), %s heads on %s KV heads, %s%s%s: a new shape "
+                        "(compiled on its first call in this process)", query.shape[0], keys.shape[0],
+                        query.shape[1], keys.shape[1], str(query.dtype).removeprefix("torch."),
+                        "" if softcap is None else f", softcap {softcap}", ", sinks" if sinks else "")

@@ -29,6 +29,11 @@ for each window the model has.
 
 An fp8 cache (`--kv-cache-dtype fp8_e4m3`) is dequantized to the compute dtype as it is read:
 only the gathered rows, never the whole pool (`gather_kv`).
+
+Attention sinks (gpt-oss: a logit per head in the softmax's denominator only, engine/attention/base.py)
+take the written-out path that soft-capping takes (`_attention`), prefill and decode alike (decode in
+its grouped view), never SDPA or the masked bmm: the masked scores get the head's sink logit as one
+more column, a float32 softmax runs over them, and the column is dropped, as transformers' eager gpt-oss.
 """
 from __future__ import annotations
 
@@ -110,6 +115,7 @@ def context_slots(block_table: torch.Tensor, num_positions: int, block_size: int
 
 class TorchAttentionBackend(BaseAttentionBackend):
     name = "torch"
+    takes_sinks = True
     GROUPED_DECODE_DEVICES = ("cuda",)  # device types whose decode SDPA views query heads per KV head (decode_sdpa)
 
     def __init__(self):
@@ -150,34 +156,36 @@ class TorchAttentionBackend(BaseAttentionBackend):
         self._decode = _DecodePlan(block_ids, meta.block_tables[:nd, :max_blocks], meta.seq_lens[:nd],
                                    meta.block_size)
 
-    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None,
+                sinks=None):
         write_kv(kv_cache, k, v, meta.slot_mapping, k_scale, v_scale)
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
         out = torch.empty_like(q)
         if self._decode is not None:
             out[:meta.num_decodes] = self._decode_attention(q[:meta.num_decodes], kv_cache, scale, k_scale, v_scale,
-                                                            window, softcap)
+                                                            window, softcap, sinks)
         for plan in self._prefills:
             s, e = plan.token_start, plan.token_start + plan.query_len
             mask = plan.mask(window)
             # the new K/V are the whole context; but an fp8 cache is read back even then, so that
             # every query sees K/V as the cache holds them (chunked or not)
             if plan.slots.shape[0] == plan.query_len and kv_cache.dtype != FP8:
-                out[s:e] = self._attend(q[s:e], k[s:e], v[s:e], mask, scale, softcap)
+                out[s:e] = self._attend(q[s:e], k[s:e], v[s:e], mask, scale, softcap, sinks)
             else:
                 ks = gather_kv(flat[0], plan.slots, q.dtype, k_scale)  # (seq_len, kv_heads, head_dim)
                 vs = gather_kv(flat[1], plan.slots, q.dtype, v_scale)
-                out[s:e] = self._attend(q[s:e], ks, vs, mask, scale, softcap)
+                out[s:e] = self._attend(q[s:e], ks, vs, mask, scale, softcap, sinks)
         return out
 
-    def _decode_attention(self, q, kv_cache, scale, k_scale, v_scale, window, softcap):
+    def _decode_attention(self, q, kv_cache, scale, k_scale, v_scale, window, softcap, sinks):
         ids = self._decode.block_ids
-        if (softcap is None and q.device.type == "cpu" and q.dtype != torch.float32 and q.shape[0] >= BMM_MIN_BATCH
+        written_out = softcap is not None or sinks is not None  # the masked bmm has neither
+        if (not written_out and q.device.type == "cpu" and q.dtype != torch.float32 and q.shape[0] >= BMM_MIN_BATCH
                 and ids.numel() * kv_cache.shape[2] > BMM_MIN_KV):
             return self._masked_bmm(q, kv_cache, scale, k_scale, v_scale, window)
         k, v = _gather_rows(kv_cache, ids, q.shape[0], q.dtype, k_scale, v_scale)
-        return self.decode_sdpa(q, k, v, kv_cache.shape[-2], scale, self._decode.bias(window), softcap)
+        return self.decode_sdpa(q, k, v, kv_cache.shape[-2], scale, self._decode.bias(window), softcap, sinks)
 
     def _padded_plan(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ids and bias for the masked bmm, the batch padded to a multiple of 8 (rows of the
@@ -211,18 +219,19 @@ class TorchAttentionBackend(BaseAttentionBackend):
         return out[:nd].view(nd, num_heads, num_kv_heads, head_dim).sum(2)
 
     @classmethod
-    def decode_sdpa(cls, q, k, v, num_kv_heads, scale, bias, softcap=None):
-        """q: (nd, heads, head_dim); k, v: (nd, max_ctx, kv_heads * head_dim) -> (nd, heads, head_dim).
+    def decode_sdpa(cls, q, k, v, num_kv_heads, scale, bias, softcap=None, sinks=None):
+        """q: (nd, heads, head_dim); k, v: (nd, max_ctx, kv_heads * head_dim) -> (nd, heads, head_dim);
+        sinks: (heads,) float32 or None.
 
-        On a GPU, and with soft-capping anywhere, each KV head's group of query heads attends as the
-        rows of one query, (nd, kv_heads, group, head_dim) against (nd, kv_heads, max_ctx,
-        head_dim), so that no kernel repeats K/V per query head (SDPA's GQA under a mask takes the
+        On a GPU, and with soft-capping or sinks anywhere, each KV head's group of query heads
+        attends as the rows of one query, (nd, kv_heads, group, head_dim) against (nd, kv_heads,
+        max_ctx, head_dim), so that no kernel repeats K/V per query head (SDPA's GQA under a mask takes the
         math kernel, which does: GiBs a layer at an 8B shape's decode batch), and on a GPU in the
         model's dtype, so that SDPA's memory-efficient kernel runs. On a CPU, SDPA's own GQA in
         float32: there the grouped view measured up to 1.2x slower at batch 1 and about level at
         batches 8 to 32 (SmolLM2's 9 on 3 heads; BENCHMARKS.md, "The torch backend's decode layouts")."""
         nd, num_heads, head_dim = q.shape
-        if softcap is None and q.device.type not in cls.GROUPED_DECODE_DEVICES:
+        if softcap is None and sinks is None and q.device.type not in cls.GROUPED_DECODE_DEVICES:
             kh = k.float().view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)  # (nd, kv_heads, max_ctx, hd)
             vh = v.float().view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
             o = _attention(q.float().unsqueeze(2), kh, vh, bias.unsqueeze(1), scale, None)  # (nd, heads, 1, hd)
@@ -231,35 +240,44 @@ class TorchAttentionBackend(BaseAttentionBackend):
         qg = q.to(dtype).view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
         kh = k.to(dtype).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
         vh = v.to(dtype).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-        o = _attention(qg, kh, vh, bias.to(dtype).unsqueeze(1), scale, softcap)  # (nd, kv_heads, group, hd)
+        sinks = None if sinks is None else sinks.view(num_kv_heads, -1, 1)  # (kv_heads, group, 1), as qg's heads
+        o = _attention(qg, kh, vh, bias.to(dtype).unsqueeze(1), scale, softcap, sinks)  # (nd, kv_heads, group, hd)
         return o.reshape(nd, num_heads, head_dim).to(q.dtype)
 
     @staticmethod
-    def _attend(q, k, v, mask, scale, softcap=None):
-        """One sequence. q: (q_len, num_heads, head_dim); k, v: (seq_len, kv_heads, head_dim)."""
+    def _attend(q, k, v, mask, scale, softcap=None, sinks=None):
+        """One sequence. q: (q_len, num_heads, head_dim); k, v: (seq_len, kv_heads, head_dim); sinks: (num_heads,)."""
         qh = q.transpose(0, 1).unsqueeze(0)  # (1, num_heads, q_len, head_dim)
         kh = k.transpose(0, 1).unsqueeze(0)  # (1, kv_heads, seq_len, head_dim)
         vh = v.transpose(0, 1).unsqueeze(0)
-        if mask is None and softcap is None:
+        if mask is None and softcap is None and sinks is None:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         else:
             if mask is None:
                 mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).tril()
-            o = _attention(qh, kh, vh, mask, scale, softcap)
+            o = _attention(qh, kh, vh, mask, scale, softcap, None if sinks is None else sinks.view(-1, 1, 1))
         return o[0].transpose(0, 1)  # (q_len, num_heads, head_dim)
 
 
-def _attention(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
-    """SDPA with GQA, or with soft-capped scores written out (SDPA has no soft-capping): scores
-    cap * tanh(q k / cap), masked, a float32 softmax, as transformers' eager Gemma 2 attention.
-    q: (B, heads, Lq, hd); k, v: (B, kv_heads, Lk, hd); mask: bool (True = seen) or an additive bias."""
-    if softcap is None:
+def _attention(q, k, v, mask, scale: float, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA with GQA, or with the scores written out (SDPA has neither soft-capping nor sinks):
+    scores q k * scale, capped to cap * tanh(score / cap), masked, the sink logits appended as one
+    more column, a float32 softmax, the column dropped; as transformers' eager Gemma 2 and gpt-oss.
+    q: (B, heads, Lq, hd); k, v: (B, kv_heads, Lk, hd); mask: bool (True = seen) or an additive bias;
+    sinks: float32 that expands to (B, heads, Lq, 1), one logit per query head: (heads, 1, 1) per query row."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     if (group := q.shape[1] // k.shape[1]) > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+    scores = (q @ k.transpose(-1, -2)) * scale  # (B, heads, Lq, Lk)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
+    if sinks is None:
+        return scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
+    scores = scores.float()
+    with_sink = torch.cat([scores, sinks.float().expand(*scores.shape[:-1], 1)], dim=-1)  # (B, heads, Lq, Lk + 1)
+    return with_sink.softmax(-1)[..., :-1].to(q.dtype) @ v
 
 
 def _gather_rows(kv_cache, ids, rows: int, dtype, k_scale, v_scale) -> tuple[torch.Tensor, torch.Tensor]:

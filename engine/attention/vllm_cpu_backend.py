@@ -12,6 +12,10 @@ Its blocks are not the torch backend's: each layer's slab of the pool (the same 
 as `(num_blocks, kv_heads, 2 x block_size, head_dim)`, keys in the first half of each head's
 rows and values in the second, the interior laid out by its own writer, and blocks hold a
 multiple of 32 tokens. Whatever reads or writes them by token (the KV transfer) goes through `kv_views`.
+
+Attention sinks (gpt-oss: a logit per query head in the softmax's denominator only) are the
+kernel's own: `cpu_attention_with_kv_cache` takes them as its `s_aux` argument, (num_heads,)
+float32, as vLLM's CPU backend passes a model's sinks.
 """
 from __future__ import annotations
 
@@ -71,6 +75,7 @@ def library_name() -> str | None:
 class VllmCpuAttentionBackend(BaseAttentionBackend):
     name = "vllm_cpu"
     own_kv_layout = True
+    takes_sinks = True
 
     def __init__(self):
         why = vllm_cpu_unavailable()
@@ -121,7 +126,8 @@ class VllmCpuAttentionBackend(BaseAttentionBackend):
                 window, self.isa, False, None, cache_dtype)
         return self._schedules[window]
 
-    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None,
+                sinks=None):
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         fp8 = kv_cache.dtype == FP8
         blocks = kv_cache.view(torch.uint8) if fp8 else kv_cache  # its fp8 path takes the bytes
@@ -132,6 +138,7 @@ class VllmCpuAttentionBackend(BaseAttentionBackend):
         # its window is ours, the query's own key included (vLLM passes it a model's sliding_window as
         # is; flash-attn takes window - 1): tests/engine/test_sliding_window.py
         left = -1 if window is None else window
+        s_aux = None if sinks is None else sinks.float().contiguous()  # (num_heads,): its sinks, in float32
         if fp8:
             self._write_fp8(kv_cache, k, v, meta.slot_mapping, k_scale, v_scale)
         with SCRATCHPAD:
@@ -140,7 +147,7 @@ class VllmCpuAttentionBackend(BaseAttentionBackend):
                                                "auto")
             ops.cpu_attention_with_kv_cache(q, key_cache, value_cache, out, meta.query_start_loc, meta.seq_lens, scale,
                                             True, None, left, meta.block_tables, softcap or 0.0,
-                                            self._step_schedule(q, num_kv_heads, head_dim, cache_dtype, left), None,
+                                            self._step_schedule(q, num_kv_heads, head_dim, cache_dtype, left), s_aux,
                                             None, k_scale if fp8 else 1.0, v_scale if fp8 else 1.0, cache_dtype)
         return out
 

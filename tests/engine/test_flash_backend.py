@@ -213,6 +213,29 @@ def test_block_size_rounds_up_to_multiple_of_256(caplog):
     assert caplog.text.count("rounded up") == 1
 
 
+def test_backends_without_sinks_refuse_them():
+    """flash-attn 2, FlashAttention-3 and the batch-invariant attention have no attention sinks
+    (`takes_sinks` False): given sinks, forward raises ValueError naming the backend, before the
+    cache is written; given none, it runs."""
+    from engine.attention.batch_invariant_backend import BatchInvariantAttentionBackend
+    from engine.attention.flash3_backend import Flash3FP8Backend
+    flash = RecordingFlash()
+    gen = torch.Generator().manual_seed(0)
+    meta, num_blocks = build_metadata([(5, 1), (0, 7)], 256, gen)
+    q, k, v = torch.randn(8, 4, HEAD_DIM), torch.randn(8, 2, HEAD_DIM), torch.randn(8, 2, HEAD_DIM)
+    backends = [FlashAttentionBackend(varlen_fn=flash.varlen, kvcache_fn=flash.with_kvcache),
+                Flash3FP8Backend(kvcache_fn=lambda *a, **kw: pytest.fail("FA3 called")),
+                BatchInvariantAttentionBackend()]
+    for backend in backends:
+        assert not backend.takes_sinks
+        cache = torch.zeros(2, num_blocks, 256, 2, HEAD_DIM)
+        backend.prepare(meta)
+        with pytest.raises(ValueError, match=f"attention backend {backend.name} cannot take attention sinks"):
+            backend.forward(q, k, v, cache, meta, 0.25, sinks=torch.zeros(4))
+        assert not cache.any()
+    backends[0].forward(q, k, v, cache, meta, 0.25, sinks=None)
+
+
 def test_missing_flash_attn_raises_clear_import_error():
     """Without flash-attn the module imports, but the backend cannot be built: ImportError names flash-attn."""
     try:

@@ -1,13 +1,14 @@
 """The flex attention backend (torch's FlexAttention, compiled by inductor's C++ path on this CPU)
 against the torch backend on random paged caches, in fp32: decode-only, prefill-only and mixed
-steps, prefill chunks over cached context, sliding windows, soft-capping, GQA ratios, block tables
-of scattered blocks, an fp8 cache, steps past the smallest padded shape; garbage (NaN) in the
-cache's unused memory never reaches an output. End to end, every model family's engine on flex
-gives the torch backend's greedy tokens and logprobs. And where `auto` picks it.
+steps, prefill chunks over cached context, sliding windows, soft-capping, attention sinks, GQA
+ratios, block tables of scattered blocks, an fp8 cache, steps past the smallest padded shape;
+garbage (NaN) in the cache's unused memory never reaches an output. End to end, every model
+family's engine on flex gives the torch backend's greedy tokens and logprobs. And where `auto`
+picks it.
 
 Compile time counts: every case here shares the padded shapes of the families' tiny models (4
 query heads on 2 KV heads, head_dim 32, Gemma 2's scale and cap for the soft-capped ones), so the
-whole file compiles 6 graphs."""
+whole file compiles 8 graphs (2 of them attention sinks')."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -95,6 +96,41 @@ def test_softcap(flex, window):
     got = _assert_matches_torch(flex, step, scale=GEMMA_SCALE, softcap=GEMMA_CAP, window=window)
     uncapped = _forward(TorchAttentionBackend(), *step, scale=GEMMA_SCALE, window=window)
     assert (got - uncapped).abs().max() > 0.1  # the cap is applied, not ignored
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(window=20), dict(scale=GEMMA_SCALE, softcap=GEMMA_CAP)],
+                         ids=["causal", "window", "softcap"])
+def test_attention_sinks(flex, knobs):
+    """gpt-oss's sinks (a logit per query head in the softmax's denominator only, each head its
+    own), through the sink key: every token gets the torch backend's output, with a window and
+    under a soft cap (the sink itself uncapped); the padding query rows leave the real ones finite;
+    the sinks change the output, and sinks of -inf give the output without them."""
+    step = _step(STEPS["mixed"] + [(61, 24)], q_gain=4.0 if "softcap" in knobs else 1.0)
+    sinks = torch.rand(HEADS, generator=torch.Generator().manual_seed(1)) * 8 - 1  # -1..7
+    assert flex.takes_sinks
+    got = _assert_matches_torch(flex, step, sinks=sinks, **knobs)
+    assert torch.isfinite(got).all()
+    plain = _forward(flex, *step, **knobs)
+    assert (got - plain).abs().max() > 0.1
+    none = _forward(flex, *step, sinks=torch.full((HEADS,), float("-inf")), **knobs)
+    assert (none - plain).abs().max() <= TOL * max(1.0, plain.abs().max())
+
+
+def test_the_sink_key_lies_past_the_real_keys():
+    """The plan with sinks: one key more (2048 real keys pad to 4096), the sink key at index
+    num_keys for every real query and none for the padding rows, and its tile visited (never
+    skipped as full) by every query tile holding a real row, and by no other."""
+    meta, *_ = _step([(2000, 1), (0, 47)])
+    plain, sunk = flex_backend.plan_step(meta, None), flex_backend.plan_step(meta, None, sinks=True)
+    assert plain.sink_key is None and (plain.num_padded_keys, sunk.num_padded_keys) == (2048, 4096)
+    assert sunk.sink_key[:48].eq(2048).all() and sunk.sink_key[48:].eq(-1).all()
+    tile = 2048 // flex_backend.KV_BLOCK
+    mask = sunk.block_mask
+    listed = [tile in mask.kv_indices[0, 0, i, :mask.kv_num_blocks[0, 0, i]].tolist()
+              for i in range(mask.kv_num_blocks.shape[-1])]
+    full = [tile in mask.full_kv_indices[0, 0, i, :mask.full_kv_num_blocks[0, 0, i]].tolist()
+            for i in range(mask.full_kv_num_blocks.shape[-1])]
+    assert listed == [i * flex_backend.Q_BLOCK < 48 for i in range(len(listed))] and not any(full)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 1)], ids=["mha", "mqa"])
@@ -214,6 +250,20 @@ def test_auto_on_cuda_without_flash_attn_picks_flex_and_says_why(monkeypatch, ca
     assert "torch (flash_attn is not installed; flex cannot run: triton is not installed)" in caplog.text
     with pytest.raises(ValueError, match="flex cannot run: triton is not installed"):
         create_attention_backend("flex", cuda, torch.bfloat16)
+
+
+def test_a_model_with_attention_sinks_gets_a_backend_that_takes_them(monkeypatch, caplog):
+    """gpt-oss's sinks: `auto` on a (faked) CUDA device with flash-attn installed picks flex, saying
+    why; a backend without sinks is refused by name (the batch-invariant one here)."""
+    import engine.attention as attention
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
+    monkeypatch.setattr(flex_backend, "flex_unavailable", lambda device: None)
+    with caplog.at_level("INFO", logger="engine.attention"):
+        assert create_attention_backend("auto", torch.device("cuda"), torch.bfloat16, None, 64, sinks=True).name == "flex"
+    assert "attention backend: flex (flash_attn takes no attention sinks)" in caplog.text
+    assert create_attention_backend("auto", torch.device("cpu"), torch.float32, None, 64, sinks=True).takes_sinks
+    with pytest.raises(ValueError, match="attention backend batch_invariant cannot take the model's attention sinks"):
+        create_attention_backend("auto", torch.device("cpu"), torch.float32, batch_invariant=True, sinks=True)
 
 
 def test_explicit_flex_on_a_cpu_and_what_refuses_it():

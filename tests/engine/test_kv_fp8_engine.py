@@ -25,11 +25,12 @@ class RoundTripBackend(TorchAttentionBackend):
     """The reference: a full-precision cache, but new K/V rounded through e4m3 (x / scale, to fp8,
     back, times scale) before they are stored or attended: what an fp8 cache holds."""
 
-    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, k_scale=1.0, v_scale=1.0, window=None, softcap=None,
+                sinks=None):
         def rt(x, s):
             return dequantize_fp8(quantize_fp8(x, s), x.dtype, s)
         return super().forward(q, rt(k, k_scale), rt(v, v_scale), kv_cache, meta, scale, window=window,
-                               softcap=softcap)
+                               softcap=softcap, sinks=sinks)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """The torch attention backend's two decode paths (fp32 SDPA over the gathered K/V; for larger bf16
 batches the masked bmm over a padded batch) against a plain per-sequence reference, at batch
-sizes 1 to 32 with ragged contexts, in fp32 and bf16; and the padding that bounds the shapes."""
+sizes 1 to 32 with ragged contexts, in fp32 and bf16; and the padding that bounds the shapes.
+Attention sinks (gpt-oss) against a reference written from their definition, over a mixed step."""
 from __future__ import annotations
 
 import pytest
@@ -95,3 +96,107 @@ def test_decode_attends_each_kv_heads_group_without_repeating_it(knobs, monkeypa
         ks, vs = _gather_paged(cache[0], meta.block_tables[i], n), _gather_paged(cache[1], meta.block_tables[i], n)
         ref = reference_attention(q[i:i + 1], ks, vs, HEAD_DIM ** -0.5, **knobs)
         assert (out[i] - ref[0]).abs().max() < 1e-5, i
+
+
+# -- attention sinks (gpt-oss) ------------------------------------------------------------------
+
+SINK_HEADS, SINK_KV_HEADS = 8, 2  # GQA: 4 query heads on each KV head, each with its own sink
+# (cached tokens, new tokens): decodes, a prefill, prefill chunks over cached context
+SINK_STEP = [(100, 1), (37, 1), (0, 1), (0, 70), (61, 24), (130, 7)]
+SINK_KNOBS = [dict(), dict(window=40), dict(softcap=5.0), dict(softcap=5.0, window=40)]
+SINK_IDS = ["causal", "window", "softcap", "softcap_window"]
+
+
+def sink_step(seqs=SINK_STEP, heads=SINK_HEADS, kv_heads=SINK_KV_HEADS, head_dim=HEAD_DIM, block_size=16,
+              dtype=torch.float32, seed=0):
+    """A step's metadata, q/k/v, a random cache (the cached context) and (heads,) float32 sinks of
+    -1..7, so that some heads' sinks take most of the weight and others' almost none."""
+    gen = torch.Generator().manual_seed(seed)
+    meta, num_blocks = build_metadata(seqs, block_size, gen)
+    n = sum(meta.query_lens)
+    q = torch.randn(n, heads, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    sinks = torch.rand(heads, generator=gen) * 8 - 1
+    return meta, q, k, v, cache, sinks
+
+
+def sink_reference(q, k, v, scale, sinks, window=None, softcap=None):
+    """One sequence's attention with sinks from the definition, in float64: scores q k * scale,
+    soft-capped, masked (causal from position seq_len - q_len, the window), each head's sink
+    logit appended as one more column, softmax, the column dropped (a sink has no value).
+    q: (q_len, heads, hd); k, v: (seq_len, kv_heads, hd); sinks: (heads,) -> (q_len, heads, hd)."""
+    q_len, heads, _ = q.shape
+    length = k.shape[0]
+    group = heads // k.shape[1]  # query head h reads KV head h // group
+    kk, vv = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale  # (heads, q_len, seq_len)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    q_pos, k_pos = torch.arange(length - q_len, length)[:, None], torch.arange(length)[None, :]
+    seen = k_pos <= q_pos
+    if window is not None:
+        seen &= k_pos > q_pos - window
+    scores = scores.masked_fill(~seen, float("-inf"))
+    sink = sinks.double()[:, None, None].expand(heads, q_len, 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.einsum("hqk,khd->qhd", probs, vv)
+
+
+def _assert_sinks_match_reference(out, q, cache, meta, sinks, tol, **knobs):
+    """Each sequence's rows of `out` against `sink_reference` over its context as `cache` holds it."""
+    starts = meta.query_start_loc.tolist()
+    for i, n in enumerate(meta.seq_lens_cpu):
+        s, e = starts[i], starts[i + 1]
+        ks, vs = _gather_paged(cache[0], meta.block_tables[i], n), _gather_paged(cache[1], meta.block_tables[i], n)
+        ref = sink_reference(q[s:e], ks, vs, HEAD_DIM ** -0.5, sinks, **knobs)
+        assert (out[s:e].double() - ref).abs().max() <= tol * max(1.0, ref.abs().max()), (i, knobs)
+
+
+@pytest.mark.parametrize("knobs", SINK_KNOBS, ids=SINK_IDS)
+def test_sinks_match_the_definition(knobs):
+    """Attention sinks (a logit per query head in the softmax's denominator only, each head its
+    own, 4 query heads on each KV head): decodes, a prefill and prefill chunks over cached context
+    in one step each equal the definition (scores, cap, mask, sink column, softmax, column
+    dropped), causal, with a window that cuts contexts and the prefill, soft-capped, both; and
+    the sinks change the output (the test would see them ignored)."""
+    meta, q, k, v, cache, sinks = sink_step()
+    backend = TorchAttentionBackend()
+    assert backend.takes_sinks
+    backend.prepare(meta)
+    written = cache.clone()
+    out = backend.forward(q, k, v, written, meta, HEAD_DIM ** -0.5, sinks=sinks, **knobs)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    _assert_sinks_match_reference(out, q, written, meta, sinks, 1e-5, **knobs)
+    backend.prepare(meta)
+    plain = backend.forward(q, k, v, cache.clone(), meta, HEAD_DIM ** -0.5, **knobs)
+    assert (out - plain).abs().max() > 0.1
+
+
+def test_sinks_never_take_the_masked_bmm(monkeypatch):
+    """A bf16 batch of 8 decodes over 255 positions, which takes the masked bmm without sinks (it
+    has no sink column), takes the written-out grouped decode with them: the definition's output
+    within bf16's rounding."""
+    monkeypatch.setattr(TorchAttentionBackend, "_masked_bmm", lambda *a: pytest.fail("masked bmm with sinks"))
+    meta, q, k, v, cache, sinks = sink_step(DECODES["batch_8"], heads=9, kv_heads=3, dtype=torch.bfloat16)
+    backend = TorchAttentionBackend()
+    backend.prepare(meta)
+    out = backend.forward(q, k, v, cache, meta, HEAD_DIM ** -0.5, sinks=sinks)
+    assert out.dtype == torch.bfloat16
+    _assert_sinks_match_reference(out, q, cache, meta, sinks, 2e-2)
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(window=40, softcap=5.0)], ids=["causal", "softcap_window"])
+def test_a_sink_of_minus_infinity_is_no_sink(knobs):
+    """exp(-inf) = 0 joins no denominator: sinks of -inf give the output without sinks (the
+    written-out path against SDPA's and the cap's), and sinks of -1e4 too; sinks of 0 do not."""
+    meta, q, k, v, cache, _ = sink_step()
+    backend = TorchAttentionBackend()
+
+    def forward(sinks):
+        backend.prepare(meta)
+        return backend.forward(q, k, v, cache.clone(), meta, HEAD_DIM ** -0.5, sinks=sinks, **knobs)
+    plain = forward(None)
+    for logit in (float("-inf"), -1e4):
+        assert (forward(torch.full((SINK_HEADS,), logit)) - plain).abs().max() < 1e-5, logit
+    assert (forward(torch.zeros(SINK_HEADS)) - plain).abs().max() > 1e-3

