@@ -75,6 +75,11 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, gated by a sigmoid; 0: none
     sparse_step: int = 1  # every sparse_step-th layer is sparse (Qwen's decoder_sparse_step)
     dense_layers: tuple[int, ...] = ()  # layers with the dense MLP all the same (Qwen's mlp_only_layers)
+    # gpt-oss: the router's linear and every expert's projections carry biases, and the experts'
+    # activation is its clamped SwiGLU over interleaved gate/up rows (engine/expert_compute.py ACTIVATIONS)
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"
 
     def __post_init__(self):
         assert 0 < self.top_k <= self.num_experts, "top_k must be in 1..num_experts"
@@ -123,6 +128,7 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
     moe: MoEConfig | None = None  # the sparse MLP of a mixture-of-experts family; None: dense
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, "GQA needs num_heads divisible by num_kv_heads"

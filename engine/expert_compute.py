@@ -68,8 +68,22 @@ def sort_pairs(ids: torch.Tensor, weights: torch.Tensor, num_local: int, local: 
     return Pairs(rows[order], flat_weights[order], torch.bincount(flat, minlength=num_local))
 
 
-def loop_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pairs: Pairs) -> torch.Tensor:
-    """x: (num_tokens, hidden); w13: (num_local, 2 * inter, hidden); w2: (num_local, hidden, inter)."""
+def swiglu_oai(h: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU over interleaved rows: h (n, 2 * d) = [g0, u0, g1, u1, ...] ->
+    (u + 1) * g * sigmoid(alpha * g), g clamped above at `limit` and u to +-limit, (n, d)."""
+    gate, up = h[..., ::2].clamp(max=limit), h[..., 1::2].clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+# an expert's gated activation, by vLLM-CPU's fused-MoE names: "silu" reads [gate | up] halves
+# (Mixtral, Qwen), "swigluoai" interleaved gate and up rows (gpt-oss, whose checkpoints store them so)
+ACTIVATIONS = {"silu": silu_and_mul, "swigluoai": swiglu_oai}
+
+
+def loop_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pairs: Pairs, b13: torch.Tensor | None = None,
+                 b2: torch.Tensor | None = None, act: str = "silu") -> torch.Tensor:
+    """x: (num_tokens, hidden); w13: (num_local, 2 * inter, hidden); w2: (num_local, hidden, inter);
+    b13, b2: their biases, (num_local, 2 * inter) and (num_local, hidden), or None; act: an ACTIVATIONS name."""
     out = torch.zeros_like(x)
     start = 0
     for expert, count in enumerate(pairs.counts.tolist()):
@@ -77,18 +91,29 @@ def loop_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pairs: Pa
             continue
         rows, w = pairs.rows[start:start + count], pairs.weights[start:start + count]
         start += count
-        h = silu_and_mul(F.linear(x[rows], w13[expert]))  # (count, inter)
-        out.index_add_(0, rows, (F.linear(h, w2[expert]) * w[:, None]).to(x.dtype))  # weighted in float32
+        h = ACTIVATIONS[act](F.linear(x[rows], w13[expert], None if b13 is None else b13[expert]))  # (count, inter)
+        y = F.linear(h, w2[expert], None if b2 is None else b2[expert])
+        out.index_add_(0, rows, (y * w[:, None]).to(x.dtype))  # weighted in float32
     return out
 
 
-def grouped_mm_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pairs: Pairs) -> torch.Tensor:
+def grouped_mm_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pairs: Pairs,
+                       b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                       act: str = "silu") -> torch.Tensor:
     """As `loop_experts`, each GEMM one `torch._grouped_mm` over every expert (offsets: the pairs'
     cumulative counts; an expert without pairs is an empty group)."""
     offs = pairs.counts.cumsum(0).to(torch.int32)
-    h = silu_and_mul(torch._grouped_mm(x[pairs.rows], w13.transpose(1, 2), offs=offs))  # (num_pairs, inter)
-    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs) * pairs.weights[:, None]  # (num_pairs, hidden)
-    return torch.zeros_like(x).index_add_(0, pairs.rows, y.to(x.dtype))
+    h = torch._grouped_mm(x[pairs.rows], w13.transpose(1, 2), offs=offs)  # (num_pairs, 2 * inter)
+    expert_of = None
+    if b13 is not None or b2 is not None:  # each pair's expert, for its biases
+        expert_of = torch.repeat_interleave(torch.arange(pairs.counts.numel(), device=x.device), pairs.counts,
+                                            output_size=pairs.rows.numel())
+    if b13 is not None:
+        h = h + b13[expert_of]
+    y = torch._grouped_mm(ACTIVATIONS[act](h), w2.transpose(1, 2), offs=offs)  # (num_pairs, hidden)
+    if b2 is not None:
+        y = y + b2[expert_of]
+    return torch.zeros_like(x).index_add_(0, pairs.rows, (y * pairs.weights[:, None]).to(x.dtype))
 
 
 METHODS = {"loop": loop_experts, "grouped_mm": grouped_mm_experts}  # over Pairs, the weights as loaded
@@ -124,14 +149,16 @@ def vllm_cpu_pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def vllm_cpu_experts(x: torch.Tensor, w13_packed: torch.Tensor, w2_packed: torch.Tensor, weights: torch.Tensor,
-                     ids: torch.Tensor) -> torch.Tensor:
-    """The weighted sum over every token's top-k experts (tensor parallelism: this rank's slices)."""
+                     ids: torch.Tensor, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                     act: str = "silu") -> torch.Tensor:
+    """The weighted sum over every token's top-k experts (tensor parallelism: this rank's slices);
+    biases as loaded (the op adds them unpacked), act an ACTIVATIONS name (the op's own)."""
     out = torch.empty_like(x)
     # NOTE: the op reads its inputs as dense rows, whatever their strides (a sliced top-k view gave
     # another token's weights): contiguous copies
     x, weights, ids = x.contiguous(), weights.contiguous(), ids.to(torch.int32).contiguous()
     with SCRATCHPAD:
-        torch.ops._C.cpu_fused_moe(out, x, w13_packed, w2_packed, None, None, weights, ids, False, "silu", VLLM_CPU_ISA)
+        torch.ops._C.cpu_fused_moe(out, x, w13_packed, w2_packed, b13, b2, weights, ids, False, act, VLLM_CPU_ISA)
     return out
 
 
@@ -158,7 +185,8 @@ class MethodChoice:
 
 
 def select_method(name: str, x_like: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-                  local: LocalExperts | None, rounds: int = 5) -> MethodChoice:
+                  local: LocalExperts | None, rounds: int = 5, b13: torch.Tensor | None = None,
+                  b2: torch.Tensor | None = None, act: str = "silu") -> MethodChoice:
     """`name` as asked, or for "auto" what runs fastest, timed on one layer's weights with random
     routing (best of `rounds`) at each token-count range: either the faster of loop and grouped_mm
     per range, or vLLM-CPU's fused MoE for every range (its weights are repacked, so it is all or
@@ -187,7 +215,7 @@ def select_method(name: str, x_like: torch.Tensor, w13: torch.Tensor, w2: torch.
         for m in list(candidates):
             args = (x, *packed, weights, ids) if m == PACKED else (x, w13, w2, pairs)
             try:
-                ms[m] = _best_ms(vllm_cpu_experts if m == PACKED else METHODS[m], args, rounds)
+                ms[m] = _best_ms(vllm_cpu_experts if m == PACKED else METHODS[m], (*args, b13, b2, act), rounds)
             except RuntimeError as exc:  # e.g. a dtype or GPU this kernel does not take
                 logger.warning("expert method %s cannot run here (%s); not a candidate", m, str(exc).split("\n")[0])
                 candidates.remove(m)

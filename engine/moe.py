@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.expert_compute import (METHODS, PACKED, LocalExperts, MethodChoice, select_method, sort_pairs,
-                                   vllm_cpu_experts, vllm_cpu_pack)
+from engine.expert_compute import (ACTIVATIONS, METHODS, PACKED, LocalExperts, MethodChoice, select_method,
+                                   sort_pairs, vllm_cpu_experts, vllm_cpu_pack)
 from engine.expert_placement import HeldExperts, imbalance, rank_loads
 from engine.layers import silu_and_mul
 from engine.parallel import MergedColumnParallelLinear, RowParallelLinear, TPGroup
@@ -69,13 +69,16 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
 
 class FusedExperts(nn.Module):
     """A layer's experts, stacked: under tensor parallelism every expert, this rank's slice of each
-    one's intermediate dimension; under expert parallelism (`held`) whole experts, this rank's."""
+    one's intermediate dimension; under expert parallelism (`held`) whole experts, this rank's.
+    With `bias`, w13_bias (num_local, 2 * inter) and w2_bias (num_local, hidden) beside them."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup,
-                 held: HeldExperts | None = None):
-        """held: the experts this rank holds (expert parallelism); None: all, split by TP."""
+                 held: HeldExperts | None = None, bias: bool = False, activation: str = "silu"):
+        """held: the experts this rank holds (expert parallelism); None: all, split by TP.
+        activation: an engine/expert_compute.py ACTIVATIONS name ("swigluoai": interleaved rows)."""
         super().__init__()
-        self.tp, self.num_experts, self.held = tp, num_experts, held
+        assert activation in ACTIVATIONS, activation
+        self.tp, self.num_experts, self.held, self.activation = tp, num_experts, held, activation
         split = 1 if held is not None else tp.size
         assert intermediate_size % split == 0, f"{intermediate_size} does not split over {split} ranks"
         self.inter = intermediate_size // split
@@ -86,6 +89,10 @@ class FusedExperts(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(num_local, 2 * self.inter, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_local, hidden_size, self.inter), requires_grad=False)
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(num_local, 2 * self.inter), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(num_local, hidden_size), requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, expert: int, shard: int | None = None) -> None:
         """full: one expert's checkpoint tensor, (inter, hidden) for gate (shard 0) and up (shard 1),
@@ -99,24 +106,46 @@ class FusedExperts(nn.Module):
         else:
             param.data[index].copy_(full.narrow(1, self.start, n))
 
+    def load_stacked(self, param: nn.Parameter, full: torch.Tensor) -> None:
+        """full: every expert's tensor at once, as this module stores it whole: (E, 2 * inter,
+        hidden) interleaved gate/up rows for w13, (E, hidden, inter) for w2, (E, 2 * inter) and
+        (E, hidden) for their biases (gpt-oss). This rank's experts and slice copied in; the down
+        projection's bias is added once per pair: by the rank holding the expert (EP), by rank 0
+        alone under TP (the others' partial sums get zeros)."""
+        assert self.activation == "swigluoai", "stacked gate/up rows are gpt-oss's interleaved ones"
+        if self.held is not None:
+            full = full[list(self.held.ids)]
+        n = self.inter
+        if param is self.w13_weight or param is self.w13_bias:
+            param.data.copy_(full.narrow(1, 2 * self.start, 2 * n))
+        elif param is self.w2_weight:
+            param.data.copy_(full.narrow(2, self.start, n))
+        elif self.held is not None or self.tp.rank == 0:
+            param.data.copy_(full)
+        else:
+            param.data.zero_()
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the chosen experts' outputs, (num_tokens, hidden)."""
         method = self.choice.method(x.shape[0])
+        extra = (self.w13_bias, self.w2_bias, self.activation)
         if method == PACKED:  # w13/w2 hold vLLM-CPU's packed layout (select_expert_methods)
-            return vllm_cpu_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+            return vllm_cpu_experts(x, self.w13_weight, self.w2_weight, weights, ids, *extra)
         pairs = sort_pairs(ids, weights, self.w13_weight.shape[0], self.local)
-        return METHODS[method](x, self.w13_weight, self.w2_weight, pairs)
+        return METHODS[method](x, self.w13_weight, self.w2_weight, pairs, *extra)
 
 
 class Router(nn.Module):
-    """The router's linear, (num_experts, hidden), unquantized and replicated on every rank."""
+    """The router's linear, (num_experts, hidden), unquantized and replicated on every rank; with
+    `bias` (gpt-oss) a bias too."""
 
-    def __init__(self, num_experts: int, hidden_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)  # (num_tokens, num_experts)
+        return F.linear(x, self.weight, self.bias)  # (num_tokens, num_experts)
 
 
 class SharedExpert(nn.Module):
@@ -145,8 +174,9 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         moe = cfg.moe
         self.tp, self.top_k, self.renormalize = tp, moe.top_k, moe.renormalize
-        self.gate = Router(moe.num_experts, cfg.hidden_size)
-        self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, tp, held)
+        self.gate = Router(moe.num_experts, cfg.hidden_size, moe.router_bias)
+        self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, tp, held,
+                                    moe.expert_bias, moe.activation)
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = SharedExpert(cfg.hidden_size, moe.shared_expert_intermediate_size, tp, linear_method)
@@ -196,7 +226,8 @@ def select_expert_methods(model: nn.Module, name: str) -> None:
         return
     first = blocks[0][1]
     experts = first.experts
-    choice = select_method(name, first.gate.weight, experts.w13_weight, experts.w2_weight, first.top_k, experts.local)
+    choice = select_method(name, first.gate.weight, experts.w13_weight, experts.w2_weight, first.top_k, experts.local,
+                           b13=experts.w13_bias, b2=experts.w2_bias, act=experts.activation)
     choice = first.tp.broadcast_object(choice)
     for _, block in blocks:
         block.experts.choice = choice

@@ -267,3 +267,44 @@ def test_vllm_cpus_fused_moe_in_two_threads_at_once():
     for t in threads:
         t.join()
     assert wrong == []
+
+
+@pytest.mark.parametrize("method", ["loop", "grouped_mm", "vllm_cpu"])
+def test_gpt_oss_experts_equal_transformers(method):
+    """gpt-oss's MLP (a router with a bias: top-k of its logits, a softmax over those; experts
+    with biases and the clamped SwiGLU over interleaved gate/up rows) equals transformers'
+    GptOssMLP with each expert method, on weights large enough that the clamp at 7 bites."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    from engine.expert_compute import vllm_cpu_moe_unavailable
+    from engine.moe import select_expert_methods
+    hidden, inter, experts = 64, 32, 6
+    torch.manual_seed(0)
+    ref = GptOssMLP(GptOssConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts,
+                                 num_experts_per_tok=2))
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(40, hidden)
+    with torch.no_grad():
+        want = ref(x[None])[0][0]
+        gate_up = x @ ref.experts.gate_up_proj[0] + ref.experts.gate_up_proj_bias[0]
+    assert (gate_up[:, ::2] > 7).any() and (gate_up[:, 1::2].abs() > 7).any()  # both clamps bite
+    moe = MoEConfig(num_experts=experts, top_k=2, intermediate_size=inter, renormalize=True, router_bias=True,
+                    expert_bias=True, activation="swigluoai")
+    block = SparseMoeBlock(ModelConfig(vocab_size=32, hidden_size=hidden, intermediate_size=inter, num_layers=1,
+                                       num_heads=2, num_kv_heads=2, head_dim=8, moe=moe), tp=TPGroup())
+    block.gate.weight.data.copy_(ref.router.weight.detach())
+    block.gate.bias.data.copy_(ref.router.bias.detach())
+    e = block.experts
+    for param, full in ((e.w13_weight, ref.experts.gate_up_proj.transpose(1, 2)), (e.w13_bias, ref.experts.gate_up_proj_bias),
+                        (e.w2_weight, ref.experts.down_proj.transpose(1, 2)), (e.w2_bias, ref.experts.down_proj_bias)):
+        e.load_stacked(param, full.detach())
+    if method == "vllm_cpu" and (why := vllm_cpu_moe_unavailable(e.w13_weight, e.w2_weight, None)) is not None:
+        pytest.skip(f"vllm_cpu: {why}")
+    holder = torch.nn.Module()
+    holder.layers = torch.nn.ModuleList([torch.nn.Module()])
+    holder.layers[0].mlp = block
+    select_expert_methods(holder, method)
+    torch.testing.assert_close(block(x), want, atol=1e-4, rtol=1e-4)
