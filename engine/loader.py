@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig, parse_dtype
-from engine.models import config_from_hf
+from engine.models import FAMILIES, config_from_hf, family_of
 from engine.models.hf_config import generation_eos, tokenizer_eos_ids
 
 logger = logging.getLogger(__name__)
@@ -87,8 +87,10 @@ def hf_model_config(folder: Path) -> ModelConfig:
     """A `ModelConfig` from a Hugging Face `config.json` by its family (engine/models), with the
     EOS ids of generation_config.json and the tokenizer's added; what the family does not run is refused."""
     cfg = json.loads((folder / "config.json").read_text())
-    if quant := cfg.get("quantization_config"):
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+    quant = cfg.get("quantization_config")
+    method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+    # a family may load its own shipped format (gpt-oss's MXFP4 experts: engine/models/gpt_oss.py)
+    if quant and method not in getattr(FAMILIES[family_of(cfg, folder.resolve().name)], "CHECKPOINT_QUANT", ()):
         raise ValueError(f"{folder}: checkpoint quantized with {method!r} (config.json quantization_config); "
                          "pdserve loads float safetensors and GGUF files, not AWQ/GPTQ/other pre-quantized "
                          "safetensors (use the float checkpoint with --quantization int4 or int8)")
@@ -116,7 +118,8 @@ def _iter_safetensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, t
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved
                     continue
-                yield name, f.get_tensor(name).to(dtype)
+                tensor = f.get_tensor(name)  # packed codes (gpt-oss's MXFP4 blocks and scales) stay bytes
+                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
 def load_weights(path: str | os.PathLike, dtype: torch.dtype | str, cache_dir: str | os.PathLike | None = None,

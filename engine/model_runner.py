@@ -116,7 +116,8 @@ class ModelRunner:
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)  # the pool's element type
         # one per KV group: a backend keeps the step's plan (block tables) that its layers reuse
         self.backends = [create_attention_backend(config.attention_backend, self.device, self.dtype, self.kv_dtype,
-                                                  model_config.head_dim, config.batch_invariant)
+                                                  model_config.head_dim, config.batch_invariant,
+                                                  model_config.attention_sinks)
                          for _ in range(model_config.kv_layout.num_groups)]
         self.backend = self.backends[0]
         self.backend.check_head_dim(model_config.head_dim)

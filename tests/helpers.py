@@ -23,7 +23,7 @@ HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Conf
               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
               "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
               "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
-              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "gpt_oss": ("GptOssConfig", "GptOssForCausalLM")}
 
 
 # name -> (family, the config switches its published checkpoints use); windows of at most 2
@@ -48,6 +48,10 @@ FAMILIES = {
                                     shared_expert_intermediate_size=96, norm_topk_prob=False, decoder_sparse_step=2)),
     "qwen3_moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32,
                                     norm_topk_prob=True, mlp_only_layers=[1])),
+    # attention sinks, biases everywhere, sliding and full layers alternating, YaRN rope (its config's
+    # default), router bias, top-2 of 4 experts with the clamped SwiGLU over interleaved rows
+    "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=32,
+                                sliding_window=24)),
 }
 
 
@@ -63,7 +67,7 @@ def make_hf_tiny(family: str = "llama", seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias", ".sinks")):  # gpt-oss's experts' biases, its attention sinks
                 p.add_(torch.randn_like(p) * 0.5)
             else:
                 p.mul_(2.5)  # sharper distributions: greedy choices far from ties

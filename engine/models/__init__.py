@@ -11,14 +11,14 @@ that pdserve does not run is refused there, in one line naming it (engine/models
 from __future__ import annotations
 
 from engine.config import ModelConfig
-from engine.models import gemma2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from engine.models import gemma2, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from engine.models.hf_config import UnsupportedConfig
 
-FAMILIES = {"gemma2": gemma2, "llama": llama, "mistral": mistral, "mixtral": mixtral, "qwen2": qwen2,
+FAMILIES = {"gemma2": gemma2, "gpt_oss": gpt_oss, "llama": llama, "mistral": mistral, "mixtral": mixtral, "qwen2": qwen2,
             "qwen2_moe": qwen2_moe, "qwen3": qwen3, "qwen3_moe": qwen3_moe}
 HF_ARCHITECTURES = {module.HF_ARCHITECTURE: family for family, module in FAMILIES.items()}
 
-__all__ = ["FAMILIES", "HF_ARCHITECTURES", "UnsupportedConfig", "config_from_hf", "model_class"]
+__all__ = ["FAMILIES", "HF_ARCHITECTURES", "UnsupportedConfig", "config_from_hf", "family_of", "model_class"]
 
 
 def family_of(cfg: dict, name: str) -> str:

@@ -50,6 +50,11 @@ class LlamaAttention(nn.Module):
         # none, and none of ours does. NOTE: KV written by a prefill is read by a decode instance, so
         # a change that loads scales must also put them in the KV transfer's CompatRecord.
         self.k_scale = self.v_scale = 1.0
+        self.sinks = None
+        if cfg.attention_sinks:  # gpt-oss: one logit per head in its softmax's denominator, this rank's heads
+            self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
+            start = tp.rank * self.num_heads
+            self.sinks.weight_loader = lambda p, full: p.data.copy_(full[start:start + self.num_heads])
 
     def forward(self, rope, hidden, kv_cache, meta: AttentionMetadata, backend: BaseAttentionBackend):
         n = hidden.shape[0]
@@ -68,7 +73,7 @@ class LlamaAttention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, q_size + kv_size:].view(n, self.num_kv_heads, self.head_dim)
         o = backend.forward(q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale,
-                            self.window, self.softcap)  # (n, heads, head_dim)
+                            self.window, self.softcap, sinks=self.sinks)  # (n, heads, head_dim)
         return self.o_proj(o.reshape(n, q_size))
 
 

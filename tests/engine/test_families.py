@@ -33,16 +33,19 @@ def test_config_reads_the_switches(family):
     cfg = hf_model_config(folder)
     kind, switches = FAMILIES[name]
     assert cfg.architecture == kind
-    assert cfg.qkv_bias == (kind in ("qwen2", "qwen2_moe") or "attention_bias" in switches)
+    assert cfg.qkv_bias == (kind in ("qwen2", "qwen2_moe", "gpt_oss") or "attention_bias" in switches)
+    assert cfg.attention_sinks == (kind == "gpt_oss")
     assert cfg.qk_norm == (kind in ("qwen3", "qwen3_moe"))
     sparse = [cfg.moe is not None and cfg.moe.is_sparse(i) for i in range(cfg.num_layers)]
-    assert sparse == {"mixtral": [True] * 3, "qwen2_moe": [False, True, False],  # decoder_sparse_step 2
+    assert sparse == {"mixtral": [True] * 3, "gpt_oss": [True] * 3, "qwen2_moe": [False, True, False],  # decoder_sparse_step 2
                       "qwen3_moe": [True, False, True]}.get(kind, [False] * 3)  # mlp_only_layers [1]
     windows = [cfg.window(i) for i in range(cfg.num_layers)]
     if name == "qwen2_window":  # layers from max_window_layers on slide
         assert windows == [None, 20, 20]
     elif kind == "gemma2":  # sliding and global alternate, from layer_types
         assert windows == [24, None, 24] and cfg.attn_logit_softcapping == 5.0 and cfg.query_pre_attn_scalar == 24
+    elif kind == "gpt_oss":  # so do gpt-oss's, by its config class's default layer_types
+        assert windows == [24, None, 24]
     else:
         assert windows == [switches.get("sliding_window")] * cfg.num_layers
 
@@ -146,7 +149,8 @@ def test_eos_is_every_id_of_config_and_generation_config(tmp_path):
 
 
 TP_FAMILIES = ("qwen2_window", "qwen3", "mistral_window", "gemma2",  # biases, q/k norms, windows, caps by head
-               "mixtral", "qwen2_moe", "qwen3_moe")  # experts split by their intermediate dimension
+               "mixtral", "qwen2_moe", "qwen3_moe",  # experts split by their intermediate dimension
+               "gpt_oss")  # sinks split by head, interleaved gate/up rows, the experts' down bias added once
 
 
 def _tp_rank(rank: int, port: int, runs: list[tuple[str, str, object]], prompt: list[int], out) -> None:
