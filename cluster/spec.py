@@ -34,7 +34,7 @@ AUTOSCALE_ACTUATORS = ("ray", "kubernetes", "dry_run")
 WAIT_POLICIES = ("passive", "active", "inherit")  # cluster/ranks/cpu_plan.py: OMP_WAIT_POLICY of rank processes
 # The names of gateway/tool_parsers.py's and gateway/reasoning.py's registries; keep them in step.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "openai_gptoss", "qwen3")
 STATE_URL_SCHEMES = ("memory://", "redis://", "rediss://", "unix://")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -124,7 +124,8 @@ _HELP = {
     "chat_template": "a Jinja chat template file used instead of the model's (e.g. one that renders tools)",
     "tool_call_parser": "how the model writes tool calls, for tool_choice auto: hermes, llama3_json or mistral "
                         "(None: auto is refused; required and named choices need no parser)",
-    "reasoning_parser": "return <think>...</think> as reasoning_content: deepseek_r1 or qwen3 (None: all content)",
+    "reasoning_parser": "reasoning_content from <think> (deepseek_r1, qwen3) or gpt-oss's analysis channel "
+                        "(openai_gptoss); None: all content",
     "ray_resources": "rank actors need a `prefill` or `decode` Ray resource (worker pods that carry it)",
     "autoscale": "size the prefill and decode pools from load (cluster/autoscale/autoscaler.py)",
     "autoscale_policy": "slo (SLOPlanner: TTFT/TBT targets) or queue (QueueThreshold)",

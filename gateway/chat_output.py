@@ -34,8 +34,10 @@ class ChatOutput:
 
     @property
     def keeps_special_tokens(self) -> bool:
-        """An auto tool parser reads markers that may be special tokens (<tool_call>, [TOOL_CALLS])."""
-        return self.mode == "auto" and not self.tool_parser.skip_special_tokens
+        """An auto tool parser reads markers that may be special tokens (<tool_call>, [TOOL_CALLS]), and
+        a reasoning parser may (gpt-oss's harmony channels)."""
+        return (self.mode == "auto" and not self.tool_parser.skip_special_tokens
+                or self.reasoning is not None and self.reasoning.keeps_special_tokens)
 
     # -- streamed -------------------------------------------------------------------------------------
     def feed(self, text: str) -> list[dict]:

@@ -288,6 +288,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     parallel_tool_calls: bool | None = None  # with tool_choice "required": false allows one call only
     chat_template_kwargs: dict | None = None  # vLLM's: variables for the chat template (enable_thinking, ...)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # OpenAI's; the template's variable (gpt-oss)
 
     def tool_setup(self) -> tuple[list[dict] | None, str | dict]:
         """The checked tools and tool choice ("none", "auto", "required" or the named tool's definition);

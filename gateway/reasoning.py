@@ -1,6 +1,13 @@
 """Reasoning parsers: split `<think>...</think>` from the answer (vLLM's --reasoning-parser).
 
     [content] <think> reasoning </think> content
+    [content] <content start> content                   (a parser with one: gpt-oss's final channel)
+
+`openai_gptoss` reads gpt-oss's harmony channels, special tokens kept in the text: the analysis
+channel is the reasoning, the final channel the content (its template ends the prompt with
+`<|start|>assistant`; the model writes `<|channel|>analysis<|message|>...<|end|>` and then
+`<|start|>assistant<|channel|>final<|message|>...`, or the final channel alone). Tool calls on its
+commentary channel are not parsed (they stay in the text).
 
 - The output may start inside the reasoning: the chat template already wrote `<think>` into the
   prompt (DeepSeek-R1, Qwen3 thinking-2507 and later) and only `</think>` comes. `deepseek_r1` always
@@ -27,6 +34,8 @@ class ReasoningParser:
     always_in_reasoning: bool  # the output starts inside the reasoning, whatever the prompt
     start: str = "<think>"
     end: str = "</think>"
+    content_start: str | None = None  # a tag that opens the content directly (no reasoning before it)
+    keeps_special_tokens: bool = False  # its tags are special tokens: the text is decoded with them
 
     def starts_in_reasoning(self, prompt: str | None = None) -> bool:
         """Whether the output starts inside the reasoning: always for deepseek_r1; for qwen3 when the
@@ -40,13 +49,20 @@ class ReasoningParser:
             body = text.lstrip()
             body = body[len(self.start):] if body.startswith(self.start) else body
         else:
-            before, tag, body = text.partition(self.start)
-            if not tag:
+            at, tag = first_tag(text, self.tags)
+            if tag is None:
                 return None, text or None
-            before = before.rstrip()
+            before, body = text[:at].rstrip(), text[at + len(tag):]
+            if tag != self.start:  # the content opened directly
+                return None, before + body.lstrip() or None
         reasoning, tag, after = body.partition(self.end)
         content = before + after.lstrip() if tag else before
         return reasoning.strip() or None, content or None
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """The tags that may end the content before the reasoning: the start, and any content start."""
+        return (self.start,) if self.content_start is None else (self.start, self.content_start)
 
     def stream(self, *, in_reasoning: bool | None = None) -> ReasoningStream:
         """A fresh streaming parser for one output."""
@@ -56,7 +72,16 @@ class ReasoningParser:
 REASONING_PARSERS = MappingProxyType({p.name: p for p in (
     ReasoningParser("deepseek_r1", always_in_reasoning=True),
     ReasoningParser("qwen3", always_in_reasoning=False),
+    ReasoningParser("openai_gptoss", always_in_reasoning=False, start="<|channel|>analysis<|message|>",
+                    end="<|end|><|start|>assistant<|channel|>final<|message|>",
+                    content_start="<|channel|>final<|message|>", keeps_special_tokens=True),
 )})
+
+
+def first_tag(text: str, tags: tuple[str, ...]) -> tuple[int, str | None]:
+    """Where the earliest of `tags` starts in `text`, and which (-1, None: none does)."""
+    found = [(i, tag) for tag in tags if (i := text.find(tag)) >= 0]
+    return min(found) if found else (-1, None)
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
@@ -113,7 +138,7 @@ class ReasoningStream:
     None when there is nothing new; `finish()` the same for what was held back."""
 
     def __init__(self, parser: ReasoningParser, in_reasoning: bool):
-        self._start, self._end = parser.start, parser.end
+        self._start, self._end, self._tags = parser.start, parser.end, parser.tags
         self._state = _State.OPENING if in_reasoning else _State.BEFORE
         self._buf = ""
         self._reasoning, self._content = _Text(drop_leading=True), _Text(drop_leading=False)
@@ -147,17 +172,18 @@ class ReasoningStream:
                 self._buf = buf[len(self._start):]
             self._state = _State.REASONING
             return True
-        tag, out = (self._start, self._content) if state is _State.BEFORE else (self._end, self._reasoning)
-        if (i := buf.find(tag)) < 0:
-            keep = 0 if final else _held(buf, tag)
+        tags, out = (self._tags, self._content) if state is _State.BEFORE else ((self._end,), self._reasoning)
+        i, tag = first_tag(buf, tags)
+        if tag is None:
+            keep = 0 if final else max(_held(buf, t) for t in tags)
             out.add(buf[:len(buf) - keep])
             self._buf = buf[len(buf) - keep:]
             return False
         out.add(buf[:i])
         out.drop_ws()
         self._buf = buf[i + len(tag):]
-        if state is _State.BEFORE:
+        if tag == self._start and state is _State.BEFORE:
             self._state = _State.REASONING
-        else:
+        else:  # the end of the reasoning, or a content start
             self._state, self._content.drop_leading = _State.AFTER, True
         return True

@@ -200,7 +200,7 @@ def test_cli_rejects_bad_values():
     ({"decode_gpu_memory_utilization": 1.5}, "decode_gpu_memory_utilization must be in"),
     ({"decode_gpu_memory_utilization": "half"}, "decode_gpu_memory_utilization must be float or null"),
     ({"tool_call_parser": "pythonic"}, "tool_call_parser must be one of hermes, llama3_json, mistral"),
-    ({"reasoning_parser": "think"}, "reasoning_parser must be one of deepseek_r1, qwen3"),
+    ({"reasoning_parser": "think"}, "reasoning_parser must be one of deepseek_r1, openai_gptoss, qwen3"),
     ({"chat_template": ""}, "chat_template must not be empty"),
 ])
 def test_validation_errors(kw, message):

@@ -220,6 +220,12 @@ TOOL_RENDERINGS = {
     "mistral": ['[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcDEF123"}]</s>',
                 '[TOOL_RESULTS] {"content": 22 C, "call_id": "abcDEF123"}[/TOOL_RESULTS]',
                 '[AVAILABLE_TOOLS] [{"type": "function", "function": {"name": "get_weather", '],
+    # gpt-oss's harmony format: the tools as a TypeScript namespace, the call on the commentary channel
+    "harmony": ["<|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Tools\n\n## functions\n\n"
+                "namespace functions {\n\n", "type get_weather = (_: { city: string }) => any;",
+                '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}'
+                "<|call|>", '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"22 C"<|end|>',
+                "<|start|>assistant<|channel|>final<|message|>It is 22 C.<|end|>", "Reasoning: medium\n\n"],
 }
 
 
@@ -236,6 +242,7 @@ def test_tool_chat_templates_render_like_transformers(tok, ref, family):
     for piece in TOOL_RENDERINGS[family]:
         assert piece in ours, piece
     assert ours.endswith({"hermes": "<|im_start|>assistant\n", "mistral": "And in Rome?[/INST]",
+                          "harmony": "<|start|>user<|message|>And in Rome?<|end|><|start|>assistant",
                           "llama3_json": "<|start_header_id|>assistant<|end_header_id|>\n\n"}[family])
 
 
@@ -256,6 +263,18 @@ def test_template_kwargs_reach_the_template(tok):
     assert "enable_thinking" in t.template_variables
     assert t.apply_chat_template(CHATS[0], x={"b": 1, "a": [2]}) == '<|im_start|>assistant\n{"a":[2],"b":1}'
     assert t.apply_chat_template(CHATS[0], enable_thinking=False, x=None).endswith("<think>\n\n</think>\n\nnull")
+
+
+def test_harmony_reasoning_effort_reaches_the_template_as_transformers_passes_it(tok, ref):
+    """gpt-oss's reasoning effort is a template variable (the gateway passes a request's
+    `reasoning_effort` so): rendered as transformers renders it with the same keyword."""
+    source = (TOOL_TEMPLATES / "harmony.jinja").read_text()
+    chat = [{"role": "user", "content": "2+2?"}]
+    ours = _with_template(tok, source, "harmony").apply_chat_template(chat, reasoning_effort="high")
+    theirs = ref.apply_chat_template(chat, chat_template=source, tokenize=False, add_generation_prompt=True,
+                                     reasoning_effort="high")
+    assert ours == theirs and "Reasoning: high\n\n" in ours and "reasoning_effort" in _with_template(
+        tok, source).template_variables
 
 
 def test_tool_messages_are_normalized_for_templates(tok):

@@ -246,3 +246,42 @@ def test_chat_template_kwargs_reach_the_template(cluster):
     for kwargs, want in (({"enable_thinking": True}, "thinking:Capital of France?"), ({}, "plain:Capital of France?")):
         assert c.post("/v1/chat/completions", json=chat(max_tokens=2, chat_template_kwargs=kwargs)).status_code == 200
         assert tok.decode(cluster.submitted[-1][1]) == want
+
+
+def test_reasoning_effort_reaches_the_template(cluster):
+    """OpenAI's `reasoning_effort` is the template's variable (gpt-oss's writes it into its system
+    message); one that disagrees with chat_template_kwargs, or is not low/medium/high, is a 400."""
+    tok = Tokenizer.from_path(resolve_model_path("smollm2"))
+    tok.set_chat_template("{{ 'effort:' + (reasoning_effort if reasoning_effort is defined else 'unset') }}")
+    c = TestClient(create_app(cluster, tok, "smollm2", FakeCluster.max_model_len))
+    for body, want in (({"reasoning_effort": "high"}, "effort:high"), ({}, "effort:unset"),
+                       ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "low"}}, "effort:low")):
+        assert c.post("/v1/chat/completions", json=chat(max_tokens=2, **body)).status_code == 200
+        assert tok.decode(cluster.submitted[-1][1]) == want
+    r = c.post("/v1/chat/completions", json=chat(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+    assert c.post("/v1/chat/completions", json=chat(reasoning_effort="extreme")).status_code in (400, 422)
+
+
+def test_gpt_oss_channels_become_reasoning_and_content(cluster, monkeypatch):
+    """With --reasoning-parser openai_gptoss the output is decoded with its special tokens (the
+    harmony markers) and split: the analysis channel is reasoning_content, the final channel
+    content, whole and streamed."""
+    from tests.gateway import fakes
+    tok = Tokenizer.from_path(resolve_model_path("smollm2"))
+    tok.backend.add_special_tokens(["<|channel|>", "<|message|>", "<|end|>", "<|start|>"])
+    text = "<|channel|>analysis<|message|>Paris is the capital.<|end|><|start|>assistant<|channel|>final<|message|>Paris."
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) != text and tok.decode(ids, skip_special_tokens=False) == text  # the markers are special
+    monkeypatch.setattr(fakes, "TOKENS", ids)
+    c = TestClient(create_app(cluster, tok, "smollm2", FakeCluster.max_model_len, reasoning_parser="openai_gptoss"))
+    message = c.post("/v1/chat/completions", json=chat(max_tokens=len(ids))).json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Paris is the capital.", "Paris.")
+    reasoning, content = "", ""
+    with c.stream("POST", "/v1/chat/completions", json=chat(max_tokens=len(ids), stream=True)) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    reasoning += choice["delta"].get("reasoning_content") or ""
+                    content += choice["delta"].get("content") or ""
+    assert (reasoning, content) == ("Paris is the capital.", "Paris.")

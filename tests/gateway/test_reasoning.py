@@ -1,4 +1,5 @@
-"""Reasoning parsers (deepseek_r1, qwen3): <think>...</think> split from the answer, whole and streamed."""
+"""Reasoning parsers (deepseek_r1, qwen3): <think>...</think> split from the answer, whole and streamed;
+openai_gptoss: gpt-oss's harmony analysis channel from its final channel."""
 from __future__ import annotations
 
 import random
@@ -30,14 +31,22 @@ CASES = [
     ("deepseek_r1", None, "<thin>k</think>y", ("<thin>k", "y")),
     ("deepseek_r1", None, "a</think>b</think>c", ("a", "b</think>c")),
     ("deepseek_r1", None, "日本語 😀</think>答え 😀", ("日本語 😀", "答え 😀")),
+    # gpt-oss: the analysis channel, then the final one; the final one alone; cut in the analysis
+    ("openai_gptoss", None, "<|channel|>analysis<|message|>User asks 2+2. Answer 4.<|end|><|start|>assistant"
+                            "<|channel|>final<|message|>4", ("User asks 2+2. Answer 4.", "4")),
+    ("openai_gptoss", None, "<|channel|>final<|message|>Hello there.", (None, "Hello there.")),
+    ("openai_gptoss", None, "<|channel|>analysis<|message|>cut off", ("cut off", None)),
+    ("openai_gptoss", None, "<|channel|>analysis<|message|><|end|><|start|>assistant<|channel|>final<|message|>x",
+     (None, "x")),
+    ("openai_gptoss", None, "no channel at all", (None, "no channel at all")),
 ]
 
 
 def test_registry_and_starts_in_reasoning():
     """vLLM's names are registered; deepseek_r1 always starts inside the reasoning, qwen3 when the
     rendered prompt ends with <think> (the template opened it), not when it closed it (thinking disabled)."""
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
-    with pytest.raises(ValueError, match="unknown reasoning parser 'x'; known: deepseek_r1, qwen3"):
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "openai_gptoss"}
+    with pytest.raises(ValueError, match="unknown reasoning parser 'x'; known: deepseek_r1, openai_gptoss, qwen3"):
         get_reasoning_parser("x")
     r1, qwen3 = get_reasoning_parser("deepseek_r1"), get_reasoning_parser("qwen3")
     assert r1.starts_in_reasoning() and r1.starts_in_reasoning("<|im_start|>assistant\n")
@@ -89,15 +98,19 @@ def test_stream_holds_back_only_a_possible_tag():
 
 
 _FRAGMENTS = ["<think>", "</think>", "<", "</", "<th", "</think", "think>", " ", "\n\n", "word", "😀", "a<b", "x"]
+_HARMONY = ["<|channel|>analysis<|message|>", "<|end|><|start|>assistant<|channel|>final<|message|>",
+            "<|channel|>final<|message|>", "<|channel|>", "<|end|>", "<|start|>assistant", "<|", " ", "\n", "word"]
 
 
-@pytest.mark.parametrize("name,in_reasoning", [("qwen3", None), ("qwen3", True), ("deepseek_r1", None)])
+@pytest.mark.parametrize("name,in_reasoning", [("qwen3", None), ("qwen3", True), ("deepseek_r1", None),
+                                               ("openai_gptoss", None)])
 def test_random_outputs_stream_like_parse(name, in_reasoning):
     """On random mixes of tags, tag-like fragments and text, the stream and parse agree."""
     rng = random.Random(f"{name}{in_reasoning}")
     parser = get_reasoning_parser(name)
+    fragments = _HARMONY if name == "openai_gptoss" else _FRAGMENTS
     for _ in range(300):
-        text = "".join(rng.choice(_FRAGMENTS) for _ in range(rng.randint(0, 12)))
+        text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 12)))
         expected = parser.parse(text, in_reasoning=in_reasoning)
         for seed in range(3):
             assert stream_in_pieces(name, in_reasoning, text, seed) == expected, (text, seed)
