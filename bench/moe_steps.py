@@ -9,7 +9,8 @@
    checkpoints built from transformers' config classes, in the engine's dtype.
 2. The expert paths on one sparse layer's weights: each method (engine/expert_compute.py) at
    1, 8, 32 and 256 tokens of random routing, against one dense SwiGLU of the same FLOPs (the
-   dense model's MLP), and which method `--expert-method auto` runs at each batch. The decode
+   dense model's MLP), and which method `--expert-method auto` runs at each batch; and the int8
+   experts of `--quantization int8` (their kernel timed at load, as the runner does). The decode
    steps of 1. run with auto.
 
 Wall-clock medians; compare within one run (machines drift between runs).
@@ -31,8 +32,8 @@ from bench.decode_steps import step_times
 from decode_worker.engine import ColocatedEngine
 from decode_worker.llm import LLM
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.expert_compute import (METHODS, PACKED, MethodChoice, sort_pairs, vllm_cpu_experts,
-                                   vllm_cpu_moe_unavailable, vllm_cpu_pack)
+from engine.expert_compute import (INT8, METHODS, PACKED, MethodChoice, int8_experts, quantize_experts_int8,
+                                   sort_pairs, vllm_cpu_experts, vllm_cpu_moe_unavailable, vllm_cpu_pack)
 from engine.layers import silu_and_mul
 from engine.model_runner import ModelRunner
 from engine.moe import moe_blocks
@@ -58,8 +59,10 @@ def build(folder: Path, shape: dict, experts: int, top_k: int, width: int) -> di
     return out
 
 
-def engine_for(folder: Path, threads: int, max_seqs: int, expert_method: str = "auto") -> LLM:
+def engine_for(folder: Path, threads: int, max_seqs: int, expert_method: str = "auto",
+               attention_backend: str = "auto") -> LLM:
     config = EngineConfig(model=str(folder), num_threads=threads, device="cpu", expert_method=expert_method,
+                          attention_backend=attention_backend,
                           cache=CacheConfig(num_blocks=max_seqs * 16 + 8, block_size=16),
                           scheduler=SchedulerConfig(max_num_seqs=max_seqs))
     return LLM(engine=ColocatedEngine(config, runner=ModelRunner(config)))  # no tokenizer: token ids in
@@ -86,6 +89,7 @@ def expert_paths(llm: LLM, auto: MethodChoice, token_counts: list[int], reps: in
     dense13 = (torch.randn(2 * top_k * width, hidden, generator=g) / hidden ** 0.5).to(w13.dtype)
     dense2 = (torch.randn(hidden, top_k * width, generator=g) / width ** 0.5).to(w13.dtype)
     packed = None if vllm_cpu_moe_unavailable(w13, w2, None) else (vllm_cpu_pack(w13), vllm_cpu_pack(w2))
+    *_, int8 = quantize_experts_int8(w13, w2)  # --quantization int8's experts, its kernel timed here
     out = {}
     for n in token_counts:
         x = torch.randn(n, hidden, generator=g).to(w13.dtype)
@@ -95,6 +99,8 @@ def expert_paths(llm: LLM, auto: MethodChoice, token_counts: list[int], reps: in
                for m in METHODS}
         if packed is not None:
             row[PACKED] = median_ms(lambda: vllm_cpu_experts(x, *packed, weights, ids), reps)
+        row[INT8] = median_ms(lambda: int8_experts(x, int8, sort_pairs(ids, weights, experts, None)), reps)
+        row["int8_kernel"] = int8.kernel.name
         row["dense_same_flops"] = median_ms(lambda: F.linear(silu_and_mul(F.linear(x, dense13)), dense2), reps)
         row["auto_runs"] = auto.method(n)
         row["experts_touched"] = int(ids.unique().numel())
@@ -147,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  decode batch {n:>3}: moe {row['moe']:7.2f} ms  dense {row['dense']:7.2f} ms  "
               f"moe/dense {row['moe_over_dense']:.2f}")
     for n, row in paths.items():
-        times = "  ".join(f"{m} {row[m]:.3f}" for m in (*METHODS, PACKED, "dense_same_flops") if m in row)
+        times = "  ".join(f"{m} {row[m]:.3f}" for m in (*METHODS, PACKED, INT8, "dense_same_flops") if m in row)
         print(f"  layer, {n:>3} tokens ({row['experts_touched']} experts): {times} ms; auto runs {row['auto_runs']}")
     return 0
 

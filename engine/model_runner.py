@@ -26,7 +26,7 @@ from engine.loader import load_model_config, load_weights, resolve_model_path
 from engine.logits_processing import TokenHistory
 from engine.models import model_class
 from engine.expert_placement import ExpertPlacement
-from engine.moe import (describe_experts, expert_counts, expert_load_figures, reset_expert_counts,
+from engine.moe import (describe_experts, expert_counts, expert_load_figures, quantize_experts, reset_expert_counts,
                         select_expert_methods)
 from engine.parallel import TPGroup
 from engine.quant import (create_linear_method, method_reads_q4_codes, process_weights_after_loading,
@@ -256,6 +256,7 @@ class ModelRunner:
         # after every shard is in, so a quantizing method sees exactly this rank's slice
         described = self.linear_layers = process_weights_after_loading(model)
         logger.info("linear layers: %s; prepared in %.2f s", described, time.perf_counter() - start)
+        quantize_experts(model, method.name)
         select_expert_methods(model, self.config.expert_method)
         if (experts := describe_experts(model)) is not None:
             logger.info("experts: %s", experts)

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.expert_compute import (ACTIVATIONS, METHODS, PACKED, LocalExperts, MethodChoice, select_method,
-                                   sort_pairs, vllm_cpu_experts, vllm_cpu_pack)
+from engine.expert_compute import (ACTIVATIONS, INT8, METHODS, PACKED, Int8Experts, LocalExperts, MethodChoice,
+                                   int8_experts, quantize_experts_int8, select_method, sort_pairs, vllm_cpu_experts,
+                                   vllm_cpu_pack)
 from engine.expert_placement import HeldExperts, imbalance, rank_loads
 from engine.layers import silu_and_mul
 from engine.parallel import MergedColumnParallelLinear, RowParallelLinear, TPGroup
@@ -85,6 +86,7 @@ class FusedExperts(nn.Module):
         self.start = 0 if held is not None else tp.rank * self.inter  # this rank's first row of each expert
         self.local = None if held is None else LocalExperts.of(held, num_experts, torch.get_default_device())
         self.choice = MethodChoice(((None, "loop"),))  # the model runner measures and sets it (select_expert_methods)
+        self.int8: Int8Experts | None = None  # set by quantize_int8
         num_local = num_experts if held is None else len(held.ids)
         self.w13_weight = nn.Parameter(torch.empty(num_local, 2 * self.inter, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_local, hidden_size, self.inter), requires_grad=False)
@@ -125,10 +127,20 @@ class FusedExperts(nn.Module):
         else:
             param.data.zero_()
 
+    def quantize_int8(self) -> None:
+        """Weight-only int8 experts (--quantization int8 or w8a8), symmetric per output channel: the
+        codes replace the float weights in place (a quarter of fp32's bytes), and every batch runs
+        the int8 method through the kernel timed fastest here (engine/expert_compute.py)."""
+        q13, q2, self.int8 = quantize_experts_int8(self.w13_weight.data, self.w2_weight.data)
+        self.w13_weight.data, self.w2_weight.data = q13, q2
+        self.choice = MethodChoice(((None, INT8),))
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the chosen experts' outputs, (num_tokens, hidden)."""
         method = self.choice.method(x.shape[0])
         extra = (self.w13_bias, self.w2_bias, self.activation)
+        if method == INT8:
+            return int8_experts(x, self.int8, sort_pairs(ids, weights, self.w13_weight.shape[0], self.local), *extra)
         if method == PACKED:  # w13/w2 hold vLLM-CPU's packed layout (select_expert_methods)
             return vllm_cpu_experts(x, self.w13_weight, self.w2_weight, weights, ids, *extra)
         pairs = sort_pairs(ids, weights, self.w13_weight.shape[0], self.local)
@@ -224,6 +236,11 @@ def select_expert_methods(model: nn.Module, name: str) -> None:
     blocks = moe_blocks(model)
     if not blocks:
         return
+    if blocks[0][1].experts.int8 is not None:  # quantized: the int8 method, its kernel timed when quantizing
+        if name != "auto":
+            raise ValueError(f"--expert-method {name} runs float experts; int8 experts (--quantization int8 or "
+                             "w8a8) run the int8 method: use --expert-method auto")
+        return
     first = blocks[0][1]
     experts = first.experts
     choice = select_method(name, first.gate.weight, experts.w13_weight, experts.w2_weight, first.top_k, experts.local,
@@ -248,8 +265,22 @@ def describe_experts(model: nn.Module) -> str | None:
         replicas = sum(n > 1 for _, n in experts.held.replica)
         split = (f"expert-parallel: {len(experts.held.ids)} whole experts here in layer {blocks[0][0]} "
                  f"({replicas} shared with other ranks), one all-reduce of the partial sums per layer")
+    if experts.int8 is not None:
+        times = ", ".join(f"{k} {v:.2f} ms" for k, v in experts.int8.ms.items())
+        weights = f"int8 per output channel, kernel {experts.int8.kernel.name} (an expert pair at 8 tokens: {times})"
+    else:
+        weights = f"{experts.w13_weight.dtype} unquantized"
     return (f"{experts.choice.describe()}; {len(blocks)} sparse layers of {experts.num_experts} experts, "
-            f"{experts.w13_weight.dtype} unquantized; {split}")
+            f"{weights}; {split}")
+
+
+def quantize_experts(model: nn.Module, method: str) -> None:
+    """The experts of every sparse block in int8 where the linear method is int8 or w8a8 (their
+    activations stay in the model's dtype); other methods leave them unquantized (said in the
+    load log by `describe_experts`)."""
+    if method in ("int8", "w8a8"):
+        for _, block in moe_blocks(model):
+            block.experts.quantize_int8()
 
 
 def expert_counts(model: nn.Module) -> dict[int, list[int]]:

@@ -14,8 +14,8 @@ from engine.config import ModelConfig
 from engine.models import gemma2, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from engine.models.hf_config import UnsupportedConfig
 
-FAMILIES = {"gemma2": gemma2, "gpt_oss": gpt_oss, "llama": llama, "mistral": mistral, "mixtral": mixtral, "qwen2": qwen2,
-            "qwen2_moe": qwen2_moe, "qwen3": qwen3, "qwen3_moe": qwen3_moe}
+FAMILIES = {"gemma2": gemma2, "gpt_oss": gpt_oss, "llama": llama, "mistral": mistral, "mixtral": mixtral,
+            "qwen2": qwen2, "qwen2_moe": qwen2_moe, "qwen3": qwen3, "qwen3_moe": qwen3_moe}
 HF_ARCHITECTURES = {module.HF_ARCHITECTURE: family for family, module in FAMILIES.items()}
 
 __all__ = ["FAMILIES", "HF_ARCHITECTURES", "UnsupportedConfig", "config_from_hf", "family_of", "model_class"]

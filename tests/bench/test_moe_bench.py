@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench import moe_parallel, moe_steps
+from bench import gpt_oss_steps, moe_parallel, moe_steps
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -17,7 +17,7 @@ def test_moe_steps_reports_both_models_and_every_expert_path(capsys):
     assert set(result["decode_ms_per_step"]) == {"1", "4"}
     assert all(r["moe"] > 0 and r["dense"] > 0 for r in result["decode_ms_per_step"].values())
     for row in result["expert_paths_ms"].values():
-        assert row["loop"] > 0 and row["grouped_mm"] > 0 and row["dense_same_flops"] > 0
+        assert row["loop"] > 0 and row["grouped_mm"] > 0 and row["int8"] > 0 and row["dense_same_flops"] > 0
         assert row["auto_runs"] in ("loop", "grouped_mm", "vllm_cpu") and 1 <= row["experts_touched"] <= 4
     assert result["auto_choice"].count("tokens") == 4
 
@@ -33,3 +33,15 @@ def test_moe_parallel_compares_every_layout_on_both_routings(capsys):
     skewed = routings["skewed"]
     assert skewed["ep"]["imbalance_counted"] > 1.2 > skewed["ep_planned"]["imbalance_counted"]
     assert skewed["ep_planned_replicas"]["imbalance_counted"] < skewed["ep"]["imbalance_counted"]
+
+
+def test_gpt_oss_steps_reports_both_models_on_each_backend(capsys):
+    """gpt-oss against Qwen3-MoE of its shape, per backend (torch and flex: the tiny heads have no
+    vllm_cpu kernel)."""
+    assert gpt_oss_steps.main(["--tiny", "--experts", "4", "--top-k", "2", "--expert-width", "32", "--window", "16",
+                               "--batches", "1,4", "--steps", "2", "--prompt-len", "8", "--backends", "torch,flex",
+                               "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["decode_ms_per_step"]) == {"torch", "flex"}
+    for rows in result["decode_ms_per_step"].values():
+        assert set(rows) == {"1", "4"} and all(r["gpt_oss"] > 0 and r["qwen3_moe"] > 0 for r in rows.values())

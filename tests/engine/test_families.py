@@ -37,7 +37,8 @@ def test_config_reads_the_switches(family):
     assert cfg.attention_sinks == (kind == "gpt_oss")
     assert cfg.qk_norm == (kind in ("qwen3", "qwen3_moe"))
     sparse = [cfg.moe is not None and cfg.moe.is_sparse(i) for i in range(cfg.num_layers)]
-    assert sparse == {"mixtral": [True] * 3, "gpt_oss": [True] * 3, "qwen2_moe": [False, True, False],  # decoder_sparse_step 2
+    assert sparse == {"mixtral": [True] * 3, "gpt_oss": [True] * 3,
+                      "qwen2_moe": [False, True, False],  # decoder_sparse_step 2
                       "qwen3_moe": [True, False, True]}.get(kind, [False] * 3)  # mlp_only_layers [1]
     windows = [cfg.window(i) for i in range(cfg.num_layers)]
     if name == "qwen2_window":  # layers from max_window_layers on slide
@@ -155,7 +156,8 @@ TP_FAMILIES = ("qwen2_window", "qwen3", "mistral_window", "gemma2",  # biases, q
 
 def _tp_rank(rank: int, port: int, runs: list[tuple[str, str, object]], prompt: list[int], out) -> None:
     """runs: (key, folder, placement): None for tensor parallelism, "contiguous" for expert
-    parallelism's default placement, else an ExpertPlacement."""
+    parallelism's default placement, else an ExpertPlacement; a key ending in "+int8" runs
+    --quantization int8."""
     from dataclasses import replace
     from datetime import timedelta
 
@@ -169,11 +171,13 @@ def _tp_rank(rank: int, port: int, runs: list[tuple[str, str, object]], prompt: 
                             timeout=timedelta(seconds=60))
     for key, folder, placement in runs:
         tp = TPGroup(rank, 2, dist.group.WORLD)
-        runner = ModelRunner(replace(engine_config(model=folder, num_blocks=32, block_size=16),
-                                     expert_parallel=placement is not None,
+        quantization = "int8" if key.endswith("+int8") else "auto"
+        config = engine_config(model=folder, num_blocks=32, block_size=16, quantization=quantization)
+        runner = ModelRunner(replace(config, expert_parallel=placement is not None,
                                      expert_placement=None if placement == "contiguous" else placement), tp)
         logits = _prefill_logits(runner, prompt)
         held = [block.experts.w13_weight.shape[0] for _, block in moe_blocks(runner.model)]
+        assert all((block.experts.int8 is not None) == key.endswith("+int8") for _, block in moe_blocks(runner.model))
         if rank == 0:
             out.put((key, (logits.numpy(), held)))  # by value: the process exits before the test reads it
     dist.destroy_process_group()
@@ -198,7 +202,16 @@ def test_tensor_parallel_matches_transformers(tmp_path):
     planned = plan({0: skewed, 2: skewed[::-1]}, 2, num_replicas=2)
     runs.append(("qwen3_moe/planned", str(tmp_path / "qwen3_moe"), planned))
     prompt = random_prompts(1, [90], seed=8)[0]
-    got = dict(run_gloo_ranks(_tp_rank, (runs, prompt), len(runs)))
+    int8_run = ("gpt_oss/ep+int8", str(tmp_path / "gpt_oss"), "contiguous")  # int8 experts held whole
+    got = dict(run_gloo_ranks(_tp_rank, (runs + [int8_run], prompt), len(runs) + 1))
+    # EP's int8 experts are tp=1's (whole experts, the same scales); attention's row-parallel o_proj
+    # halves get their own: within 2x the distance of tp=1's int8 from unquantized
+    tp1 = {q: all_logits(ModelRunner(engine_config(model=int8_run[1], quantization=q)), prompt, 1000)
+           for q in ("auto", "int8")}
+    ep_int8 = torch.from_numpy(got[int8_run[0]][0])
+    print(f"\n[ep int8] ep=2 vs tp=1 int8 {(ep_int8 - tp1['int8']).abs().max():.3g}, "
+          f"tp=1 int8 vs unquantized {(tp1['int8'] - tp1['auto']).abs().max():.3g}")
+    assert 0 < (ep_int8 - tp1["int8"]).abs().max() <= 2 * (tp1["int8"] - tp1["auto"]).abs().max()
     for key, folder, placement in runs:
         name, expert_parallel = key.split("/")[0], placement is not None
         with torch.no_grad():

@@ -259,7 +259,8 @@ def test_a_model_with_attention_sinks_gets_a_backend_that_takes_them(monkeypatch
     monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
     monkeypatch.setattr(flex_backend, "flex_unavailable", lambda device: None)
     with caplog.at_level("INFO", logger="engine.attention"):
-        assert create_attention_backend("auto", torch.device("cuda"), torch.bfloat16, None, 64, sinks=True).name == "flex"
+        backend = create_attention_backend("auto", torch.device("cuda"), torch.bfloat16, None, 64, sinks=True)
+        assert backend.name == "flex"
     assert "attention backend: flex (flash_attn takes no attention sinks)" in caplog.text
     assert create_attention_backend("auto", torch.device("cpu"), torch.float32, None, 64, sinks=True).takes_sinks
     with pytest.raises(ValueError, match="attention backend batch_invariant cannot take the model's attention sinks"):

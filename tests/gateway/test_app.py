@@ -255,10 +255,12 @@ def test_reasoning_effort_reaches_the_template(cluster):
     tok.set_chat_template("{{ 'effort:' + (reasoning_effort if reasoning_effort is defined else 'unset') }}")
     c = TestClient(create_app(cluster, tok, "smollm2", FakeCluster.max_model_len))
     for body, want in (({"reasoning_effort": "high"}, "effort:high"), ({}, "effort:unset"),
-                       ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "low"}}, "effort:low")):
+                       ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "low"}},
+                        "effort:low")):
         assert c.post("/v1/chat/completions", json=chat(max_tokens=2, **body)).status_code == 200
         assert tok.decode(cluster.submitted[-1][1]) == want
-    r = c.post("/v1/chat/completions", json=chat(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}))
+    r = c.post("/v1/chat/completions",
+               json=chat(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}))
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
     assert c.post("/v1/chat/completions", json=chat(reasoning_effort="extreme")).status_code in (400, 422)
 
@@ -270,7 +272,8 @@ def test_gpt_oss_channels_become_reasoning_and_content(cluster, monkeypatch):
     from tests.gateway import fakes
     tok = Tokenizer.from_path(resolve_model_path("smollm2"))
     tok.backend.add_special_tokens(["<|channel|>", "<|message|>", "<|end|>", "<|start|>"])
-    text = "<|channel|>analysis<|message|>Paris is the capital.<|end|><|start|>assistant<|channel|>final<|message|>Paris."
+    text = ("<|channel|>analysis<|message|>Paris is the capital.<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>Paris.")
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids) != text and tok.decode(ids, skip_special_tokens=False) == text  # the markers are special
     monkeypatch.setattr(fakes, "TOKENS", ids)

@@ -115,3 +115,27 @@ def test_tensor_parallel_int8_matches_tp1(tmp_path):
             assert (logits - tp1).abs().max().item() <= 1e-4 < quant_error / 100
         else:
             assert 0 < (logits - tp1).abs().max().item() <= 2 * quant_error, quantization
+
+
+def test_int8_quantizes_a_mixtures_experts(tmp_path, caplog):
+    """--quantization int8 on a mixture (Mixtral): the experts hold int8 codes and the load log
+    says which kernel runs them; logits near the unquantized engine's (a flipped expert choice
+    moves a few positions more than a dense model's: measured over 3 seeds, top-1 0.95-0.98, 99th
+    percentile logit change 0.024-0.038, largest 0.12-0.19, logits within 1.7); --expert-method
+    other than auto is refused (it names float experts)."""
+    from engine.moe import moe_blocks
+    from tests.helpers import FAMILIES, save_tiny
+    kind, switches = FAMILIES["mixtral"]
+    folder = str(save_tiny(tmp_path / "mixtral", kind, seed=2, **switches))
+    prompt = random_prompts(1, [60], seed=6)[0]
+    with caplog.at_level("INFO", logger="engine.model_runner"):
+        quant = ModelRunner(engine_config(model=folder, quantization="int8"))
+    assert all(b.experts.w13_weight.dtype == torch.int8 for _, b in moe_blocks(quant.model))
+    assert "int8 per output channel, kernel" in caplog.text
+    ref, got = (all_logits(r, prompt, 1000) for r in (ModelRunner(engine_config(model=folder)), quant))
+    change = (ref - got).abs()
+    assert (ref.argmax(-1) == got.argmax(-1)).float().mean() >= 0.9
+    assert 0 < change.flatten().quantile(0.99) <= 0.08 and change.max() <= 0.4
+    from dataclasses import replace
+    with pytest.raises(ValueError, match="--expert-method loop runs float experts"):
+        ModelRunner(replace(engine_config(model=folder, quantization="int8"), expert_method="loop"))
