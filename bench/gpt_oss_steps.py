@@ -8,7 +8,9 @@ Both are tiny random checkpoints from transformers' config classes, with the sam
 heads, experts, top-k and expert width. gpt-oss adds attention sinks, q/k/v/o biases, alternating
 sliding (--window) and full layers, a router bias, expert biases and the clamped SwiGLU over
 interleaved rows (engine/models/gpt_oss.py); Qwen3-MoE adds q/k norms. The expert method is auto
-for both. Wall-clock medians; compare within one run.
+for both. With the default window (128, gpt-oss's) and prompts (64 tokens) no window binds, so
+the ratio is the price of the extras at equal attention work. Wall-clock means over the timed
+steps (bench/decode_steps.py); compare within one run.
 """
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
-    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=64,
+                   help="as bench.moe_steps: the batch's prompts prefill in one step, and fit the KV pool")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model of hidden size 64 (a smoke run)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
