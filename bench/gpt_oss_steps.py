@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from bench.decode_steps import step_times
-from bench.moe_steps import SHAPE, TINY, engine_for
+from bench.moe_steps import add_step_args, engine_for, step_setup
 
 BACKENDS = ("torch", "vllm_cpu", "flex")
 
@@ -48,22 +48,11 @@ def build(folder: Path, shape: dict, experts: int, top_k: int, width: int, windo
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpt_oss_steps", description=__doc__.split("\n\n")[0],
                                 allow_abbrev=False)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--top-k", type=int, default=4)
-    p.add_argument("--expert-width", type=int, default=384)
+    add_step_args(p)
     p.add_argument("--window", type=int, default=128, help="gpt-oss's sliding window (its published one)")
     p.add_argument("--backends", default=",".join(BACKENDS))
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--batches", default="1,8,32")
-    p.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
-    p.add_argument("--prompt-len", type=int, default=64,
-                   help="as bench.moe_steps: the batch's prompts prefill in one step, and fit the KV pool")
-    p.add_argument("--tiny", action="store_true", help="a 2-layer model of hidden size 64 (a smoke run)")
-    p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    shape = TINY if args.tiny else SHAPE
-    batches = [int(b) for b in args.batches.split(",")]
-    torch.set_num_threads(args.threads)
+    shape, batches = step_setup(args)
     result: dict = {"shape": {**shape, "experts": args.experts, "top_k": args.top_k, "expert_width": args.expert_width,
                               "window": args.window}, "threads": args.threads, "decode_ms_per_step": {}}
     with tempfile.TemporaryDirectory() as tmp:

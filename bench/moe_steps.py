@@ -108,23 +108,34 @@ def expert_paths(llm: LLM, auto: MethodChoice, token_counts: list[int], reps: in
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.moe_steps", description=__doc__.split("\n\n")[0],
-                                allow_abbrev=False)
+def add_step_args(p: argparse.ArgumentParser) -> None:
+    """The mixture's shape and the decode steps' knobs (bench.gpt_oss_steps takes them too)."""
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--top-k", type=int, default=4)
     p.add_argument("--expert-width", type=int, default=384)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--reps", type=int, default=20, help="timed calls per expert path and token count")
+    p.add_argument("--prompt-len", type=int, default=64,
+                   help="keep batch x prompt within one step's token budget (so prefill is done before the "
+                        "timed steps) and prompt + steps within the KV pool's 256 tokens a sequence")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model of hidden size 64 (a smoke run)")
     p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    shape = TINY if args.tiny else SHAPE
-    batches = [int(b) for b in args.batches.split(",")]
+
+
+def step_setup(args: argparse.Namespace) -> tuple[dict, list[int]]:
+    """The model shape and batch sizes `add_step_args` parsed; sets torch's threads."""
     torch.set_num_threads(args.threads)
+    return TINY if args.tiny else SHAPE, [int(b) for b in args.batches.split(",")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.moe_steps", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False)
+    add_step_args(p)
+    p.add_argument("--reps", type=int, default=20, help="timed calls per expert path and token count")
+    args = p.parse_args(argv)
+    shape, batches = step_setup(args)
     with tempfile.TemporaryDirectory() as tmp:
         folders = build(Path(tmp), shape, args.experts, args.top_k, args.expert_width)
         steps, config = {}, {}

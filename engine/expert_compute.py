@@ -80,10 +80,9 @@ def swiglu_oai(h: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> tor
 ACTIVATIONS = {"silu": silu_and_mul, "swigluoai": swiglu_oai}
 
 
-def loop_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pairs: Pairs, b13: torch.Tensor | None = None,
-                 b2: torch.Tensor | None = None, act: str = "silu") -> torch.Tensor:
-    """x: (num_tokens, hidden); w13: (num_local, 2 * inter, hidden); w2: (num_local, hidden, inter);
-    b13, b2: their biases, (num_local, 2 * inter) and (num_local, hidden), or None; act: an ACTIVATIONS name."""
+def by_expert(x: torch.Tensor, pairs: Pairs, expert_out) -> torch.Tensor:
+    """The weighted sum, one expert's pairs at a time: `expert_out(expert, rows_of_x)` gives that
+    expert's outputs (count, hidden), weighted in float32 and added back at their tokens."""
     out = torch.zeros_like(x)
     start = 0
     for expert, count in enumerate(pairs.counts.tolist()):
@@ -91,10 +90,18 @@ def loop_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pairs: Pa
             continue
         rows, w = pairs.rows[start:start + count], pairs.weights[start:start + count]
         start += count
-        h = ACTIVATIONS[act](F.linear(x[rows], w13[expert], None if b13 is None else b13[expert]))  # (count, inter)
-        y = F.linear(h, w2[expert], None if b2 is None else b2[expert])
-        out.index_add_(0, rows, (y * w[:, None]).to(x.dtype))  # weighted in float32
+        out.index_add_(0, rows, (expert_out(expert, x[rows]) * w[:, None]).to(x.dtype))
     return out
+
+
+def loop_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pairs: Pairs, b13: torch.Tensor | None = None,
+                 b2: torch.Tensor | None = None, act: str = "silu") -> torch.Tensor:
+    """x: (num_tokens, hidden); w13: (num_local, 2 * inter, hidden); w2: (num_local, hidden, inter);
+    b13, b2: their biases, (num_local, 2 * inter) and (num_local, hidden), or None; act: an ACTIVATIONS name."""
+    def expert_out(e: int, rows: torch.Tensor) -> torch.Tensor:
+        h = ACTIVATIONS[act](F.linear(rows, w13[e], None if b13 is None else b13[e]))  # (count, inter)
+        return F.linear(h, w2[e], None if b2 is None else b2[e])
+    return by_expert(x, pairs, expert_out)
 
 
 def grouped_mm_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pairs: Pairs,
@@ -288,17 +295,9 @@ def quantize_experts_int8(w13: torch.Tensor, w2: torch.Tensor, kernels=None) -> 
 def int8_experts(x: torch.Tensor, int8: Int8Experts, pairs: Pairs, b13: torch.Tensor | None = None,
                  b2: torch.Tensor | None = None, act: str = "silu") -> torch.Tensor:
     """As `loop_experts`, each expert's GEMMs through the int8 kernel."""
-    out = torch.zeros_like(x)
-    start = 0
-    for expert, count in enumerate(pairs.counts.tolist()):
-        if count == 0:
-            continue
-        rows, w = pairs.rows[start:start + count], pairs.weights[start:start + count]
-        start += count
-        gate_up, down = int8.states[expert]
-        h = int8.kernel.run(gate_up, x[rows])
-        h = ACTIVATIONS[act](h if b13 is None else h + b13[expert])
-        y = int8.kernel.run(down, h)
-        y = y if b2 is None else y + b2[expert]
-        out.index_add_(0, rows, (y * w[:, None]).to(x.dtype))
-    return out
+    def expert_out(e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate_up, down = int8.states[e]
+        h = int8.kernel.run(gate_up, rows)
+        y = int8.kernel.run(down, ACTIVATIONS[act](h if b13 is None else h + b13[e]))
+        return y if b2 is None else y + b2[e]
+    return by_expert(x, pairs, expert_out)
