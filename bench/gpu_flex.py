@@ -8,6 +8,9 @@
     decode   ms per decode step of each backend, eager (flex has no CUDA graphs), on an 8-layer cut of
              the ~8B shape at each batch, against the step time its bytes take at the measured copy
              bandwidth; and the seconds the first steps took (flex compiles each padded shape once).
+    sinks    as tokens, on a tiny gpt-oss (attention sinks: flex's sink key in a graph of its own), last
+             and only with the section's time left; skipped, and said so, where transformers has no
+             gpt-oss.
 
 Batches are skipped, and said so, once 80% of the section's time is gone: a compile slower than
 expected leaves the tokens part standing. Its dry run: the CPU (inductor's C++ kernels), a
@@ -37,9 +40,13 @@ TINY = dict(gpu_sections.TINY, num_hidden_layers=3, max_position_embeddings=1024
 LIMIT_S = 70.0  # gpu_check's limit for this section (the time guard below works within it)
 
 
+SINKS_FAMILIES = {"gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+    head_dim=32, sliding_window=24, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64))}
+
+
 def _save_tiny(folder: Path, family: str, seed: int) -> Path:
     import transformers
-    config_cls, model_cls, switches = FAMILIES[family]
+    config_cls, model_cls, switches = {**FAMILIES, **SINKS_FAMILIES}[family]
     torch.manual_seed(seed)
     model = sharpened(getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**TINY, **switches})).eval())
     model.save_pretrained(folder / family, safe_serialization=True)
@@ -56,11 +63,11 @@ def _tiny_llm(plan: Plan, folder: Path, backend: str):
     return LLM(engine=ColocatedEngine(cfg, runner=ModelRunner(cfg)))
 
 
-def tokens(plan: Plan) -> dict:
+def tokens(plan: Plan, families=FAMILIES) -> dict:
     prompts = [p[:n] for p, n in zip(_prompts(4, 100, TINY["vocab_size"], 50), (100, 40, 7, 63))]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for seed, family in enumerate(FAMILIES):
+        for seed, family in enumerate(families):
             folder = _save_tiny(Path(tmp), family, seed)
             got = {b: [o.token_ids for o in _tiny_llm(plan, folder, b).generate(prompts, _greedy(16))]
                    for b in BACKENDS}
@@ -103,9 +110,21 @@ def decode(plan: Plan, deadline: float) -> dict:
     return out
 
 
+def sinks(plan: Plan, deadline: float) -> dict:
+    import transformers
+    missing = [cls for cls, _, _ in SINKS_FAMILIES.values() if not hasattr(transformers, cls)]
+    if missing:
+        return {"skipped": f"transformers {transformers.__version__} has no {', '.join(missing)}"}
+    if time.monotonic() > deadline:
+        return {"skipped": "the section's time guard"}
+    return tokens(plan, SINKS_FAMILIES)
+
+
 def flex(plan: Plan) -> dict:
     deadline = time.monotonic() + 0.8 * LIMIT_S * (1 if plan.device.startswith("cuda") else 4)
     out = {"tokens": tokens(plan)}
     out["decode"] = decode(plan, deadline)
-    out["ok"] = all(t["prompts_equal"] == t["num_prompts"] for t in out["tokens"].values())
+    out["sinks"] = sinks(plan, deadline)
+    checked = [*out["tokens"].values(), *([] if "skipped" in out["sinks"] else out["sinks"].values())]
+    out["ok"] = all(t["prompts_equal"] == t["num_prompts"] for t in checked)
     return out

@@ -75,6 +75,7 @@ def test_dry_run_runs_every_section_with_only_what_the_gpu_machine_has(tmp_path)
                for k in ("wall_s", "mean_ttft_ms", "mean_prefill_ms", "colocated_mean_ttft_ms"))
     fx = s["flex"]  # inductor's C++ kernels in triton's place
     assert fx["ok"] and set(fx["tokens"]) == {"llama", "mistral_window", "gemma2"}
+    assert fx["sinks"]["gpt_oss"]["prompts_equal"] == fx["sinks"]["gpt_oss"]["num_prompts"]  # within the dry run's time
     assert all(fx["decode"]["batches"][b][k]["ms_per_step"] > 0 for b in ("1", "4") for k in ("flex", "torch"))
     # the pool from the stand-in device's numbers: 0.07 of 1 GiB less its 64 MiB context = 8053063 bytes,
     # in blocks of 2 layers x 2 x 16 tokens x 2 KV heads x 32 x 2 bytes = 8 KiB: 983
