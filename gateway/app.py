@@ -118,10 +118,9 @@ class _Gateway:
         if clash := sorted(set(kwargs) & _TEMPLATE_OWN):
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
         if body.reasoning_effort is not None:  # a template variable, as vLLM passes it (gpt-oss's template reads it)
-            if kwargs.get("reasoning_effort", body.reasoning_effort) != body.reasoning_effort:
+            if kwargs.setdefault("reasoning_effort", body.reasoning_effort) != body.reasoning_effort:
                 raise APIError(400, "reasoning_effort differs from chat_template_kwargs.reasoning_effort",
                                param="reasoning_effort")
-            kwargs["reasoning_effort"] = body.reasoning_effort
         try:
             text = self.tokenizer.apply_chat_template(messages, **kwargs, **({"tools": tools} if tools else {}))
         except (ValueError, TypeError, jinja2.TemplateError) as exc:

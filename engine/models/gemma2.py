@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.expert_placement import ExpertPlacement, HeldExperts
-from engine.models.hf_config import checked_layer_types, llama_like_fields, refuse
+from engine.models.hf_config import alternating_layer_types, checked_layer_types, llama_like_fields, refuse
 from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from engine.parallel import TPGroup
 from engine.quant.base import BaseLinearMethod
@@ -98,8 +98,7 @@ def config_from_hf(cfg: dict, name: str) -> ModelConfig:
         raise refuse(name, "attention_bias in Gemma 2")
     fields = llama_like_fields(cfg, name, ACTIVATION, "hidden_activation", softcapping=True)
     num_layers = fields["num_layers"]
-    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
-                                       for i in range(num_layers)]
+    types = cfg.get("layer_types") or alternating_layer_types(num_layers)
     types = checked_layer_types(types, num_layers, name)
     window = cfg.get("sliding_window")
     return ModelConfig(**{**fields, "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),

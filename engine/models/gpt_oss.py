@@ -21,7 +21,8 @@ from typing import Iterable, Iterator
 import torch
 
 from engine.config import ModelConfig, MoEConfig
-from engine.models.hf_config import UnsupportedConfig, checked_layer_types, llama_like_fields, refuse
+from engine.models.hf_config import (UnsupportedConfig, alternating_layer_types, checked_layer_types,
+                                     llama_like_fields, refuse)
 from engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -104,8 +105,7 @@ def config_from_hf(cfg: dict, name: str) -> ModelConfig:
         cfg = {**cfg, "rope_scaling": ROPE_SCALING, "rope_theta": cfg.get("rope_theta", ROPE_THETA)}
     fields = llama_like_fields(cfg, name)
     num_layers = fields["num_layers"]
-    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
-                                       for i in range(num_layers)]
+    types = cfg.get("layer_types") or alternating_layer_types(num_layers)
     types = checked_layer_types(types, num_layers, name)
     window = cfg.get("sliding_window")
     bias = bool(cfg.get("attention_bias", True))

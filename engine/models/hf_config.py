@@ -124,6 +124,12 @@ def qwen_windows(cfg: dict, num_layers: int, name: str) -> dict:
     return dict(sliding_window=cfg["sliding_window"], layer_types=checked_layer_types(types, num_layers, name))
 
 
+def alternating_layer_types(num_layers: int) -> list[str]:
+    """Sliding and full layers alternating from a sliding first layer (Gemma 2's and gpt-oss's
+    default `layer_types` in transformers)."""
+    return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+
+
 def checked_layer_types(types: list[str], num_layers: int, name: str) -> tuple[str, ...]:
     """A config's `layer_types`, refused if it names a kind pdserve does not run or miscounts."""
     if unknown := sorted(set(types) - set(LAYER_TYPES)):
