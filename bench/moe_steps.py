@@ -10,8 +10,9 @@
 2. The expert paths on one sparse layer's weights: each method (engine/expert_compute.py) at
    1, 8, 32 and 256 tokens of random routing, against one dense SwiGLU of the same FLOPs (the
    dense model's MLP), and which method `--expert-method auto` runs at each batch; and the int8
-   experts of `--quantization int8` (their kernel timed at load, as the runner does). The decode
-   steps of 1. run with auto.
+   and int4 experts of `--quantization int8` / `int4` (their kernel timed at load, as the runner
+   does). The decode steps of 1. run with auto, and the mixture's again with each `--quantized`
+   method (every linear and expert quantized, as a user gets it).
 
 Wall-clock medians; compare within one run (machines drift between runs).
 """
@@ -32,11 +33,12 @@ from bench.decode_steps import step_times
 from decode_worker.engine import ColocatedEngine
 from decode_worker.llm import LLM
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.expert_compute import (INT8, METHODS, PACKED, MethodChoice, int8_experts, quantize_experts_int8,
-                                   sort_pairs, vllm_cpu_experts, vllm_cpu_moe_unavailable, vllm_cpu_pack)
+from engine.expert_compute import (METHODS, PACKED, MethodChoice, sort_pairs, vllm_cpu_experts,
+                                   vllm_cpu_moe_unavailable, vllm_cpu_pack)
 from engine.layers import silu_and_mul
 from engine.model_runner import ModelRunner
 from engine.moe import moe_blocks
+from engine.quant.experts import FORMATS, quantize_experts, quantized_experts
 
 SHAPE = dict(vocab_size=40960, hidden_size=768, num_hidden_layers=6, num_attention_heads=12, num_key_value_heads=4,
              head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True)
@@ -60,9 +62,9 @@ def build(folder: Path, shape: dict, experts: int, top_k: int, width: int) -> di
 
 
 def engine_for(folder: Path, threads: int, max_seqs: int, expert_method: str = "auto",
-               attention_backend: str = "auto") -> LLM:
+               attention_backend: str = "auto", quantization: str = "auto") -> LLM:
     config = EngineConfig(model=str(folder), num_threads=threads, device="cpu", expert_method=expert_method,
-                          attention_backend=attention_backend,
+                          attention_backend=attention_backend, quantization=quantization,
                           cache=CacheConfig(num_blocks=max_seqs * 16 + 8, block_size=16),
                           scheduler=SchedulerConfig(max_num_seqs=max_seqs))
     return LLM(engine=ColocatedEngine(config, runner=ModelRunner(config)))  # no tokenizer: token ids in
@@ -89,7 +91,7 @@ def expert_paths(llm: LLM, auto: MethodChoice, token_counts: list[int], reps: in
     dense13 = (torch.randn(2 * top_k * width, hidden, generator=g) / hidden ** 0.5).to(w13.dtype)
     dense2 = (torch.randn(hidden, top_k * width, generator=g) / width ** 0.5).to(w13.dtype)
     packed = None if vllm_cpu_moe_unavailable(w13, w2, None) else (vllm_cpu_pack(w13), vllm_cpu_pack(w2))
-    *_, int8 = quantize_experts_int8(w13, w2)  # --quantization int8's experts, its kernel timed here
+    quantized = {q: quantize_experts(q, w13, w2) for q in FORMATS}  # --quantization int8's / int4's experts
     out = {}
     for n in token_counts:
         x = torch.randn(n, hidden, generator=g).to(w13.dtype)
@@ -99,8 +101,10 @@ def expert_paths(llm: LLM, auto: MethodChoice, token_counts: list[int], reps: in
                for m in METHODS}
         if packed is not None:
             row[PACKED] = median_ms(lambda: vllm_cpu_experts(x, *packed, weights, ids), reps)
-        row[INT8] = median_ms(lambda: int8_experts(x, int8, sort_pairs(ids, weights, experts, None)), reps)
-        row["int8_kernel"] = int8.kernel.name
+        for q, quant in quantized.items():  # each through the kernel timed fastest at load
+            row[q] = median_ms(lambda quant=quant: quantized_experts(x, quant, sort_pairs(ids, weights, experts, None)),
+                               reps)
+            row[f"{q}_kernel"] = quant.kernel.name
         row["dense_same_flops"] = median_ms(lambda: F.linear(silu_and_mul(F.linear(x, dense13)), dense2), reps)
         row["auto_runs"] = auto.method(n)
         row["experts_touched"] = int(ids.unique().numel())
@@ -134,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                                 allow_abbrev=False)
     add_step_args(p)
     p.add_argument("--reps", type=int, default=20, help="timed calls per expert path and token count")
+    p.add_argument("--quantized", default="int8,int4", help="the mixture's decode steps again with each of these "
+                   "--quantization methods (empty: none)")
     args = p.parse_args(argv)
     shape, batches = step_setup(args)
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,12 +153,16 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "moe" and _round == 1:
                     auto = llm.engine.runner.model.layers[0].mlp.experts.choice
                     del llm
+                    for q in filter(None, args.quantized.split(",")):
+                        llm = engine_for(folder, args.threads, max(batches), quantization=q)
+                        steps[f"moe_{q}"] = step_times(llm, batches, args.steps, args.prompt_len)
+                        del llm
                     llm = engine_for(folder, args.threads, max(batches), expert_method="loop")
                     paths = expert_paths(llm, auto, [1, 8, 32, 256], args.reps)
                 del llm
     result = {"shape": {**shape, "experts": args.experts, "top_k": args.top_k, "expert_width": args.expert_width,
                         "dense_width": args.top_k * args.expert_width}, "dtype": config, "threads": args.threads,
-              "decode_ms_per_step": {n: {"moe": steps["moe"][n], "dense": steps["dense"][n],
+              "decode_ms_per_step": {n: {**{k: v[n] for k, v in steps.items()},
                                          "moe_over_dense": steps["moe"][n] / steps["dense"][n]} for n in batches},
               "expert_paths_ms": paths, "auto_choice": auto.describe()}
     if args.json:
@@ -161,10 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.experts} experts, top {args.top_k}, width {args.expert_width}; {config['moe']}, "
           f"{args.threads} threads")
     for n, row in result["decode_ms_per_step"].items():
+        quantized = "".join(f"  {k} {v:7.2f} ms" for k, v in row.items()
+                            if k.startswith("moe_") and k != "moe_over_dense")
         print(f"  decode batch {n:>3}: moe {row['moe']:7.2f} ms  dense {row['dense']:7.2f} ms  "
-              f"moe/dense {row['moe_over_dense']:.2f}")
+              f"moe/dense {row['moe_over_dense']:.2f}{quantized}")
     for n, row in paths.items():
-        times = "  ".join(f"{m} {row[m]:.3f}" for m in (*METHODS, PACKED, INT8, "dense_same_flops") if m in row)
+        times = "  ".join(f"{m} {row[m]:.3f}" + (f" ({row[m + '_kernel']})" if m in FORMATS else "")
+                          for m in (*METHODS, PACKED, *FORMATS, "dense_same_flops") if m in row)
         print(f"  layer, {n:>3} tokens ({row['experts_touched']} experts): {times} ms; auto runs {row['auto_runs']}")
     return 0
 

@@ -25,7 +25,6 @@ What it costs is measured in BENCHMARKS.md; docs/engine.md says what it guarante
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.quant.base import UnquantizedLinearMethod
 

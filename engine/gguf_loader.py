@@ -14,13 +14,15 @@ A GGUF tensor differs from the Hugging Face parameter it came from in four ways,
 
 Dequantizing a whole model takes seconds, so the result is cached once as an fp32 safetensors
 file under `$PDSERVE_CACHE_DIR` (default `~/.cache/pdserve`), keyed by the GGUF's path, size and
-mtime; later loads read that file.
+mtime; later loads read that file. A run on a Q4 file's own codes (int4) caches only the tensors
+it reads as floats (norms, embeddings, head, routers).
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import logging
+import math
 import os
 import re
 import tempfile
@@ -246,8 +248,9 @@ def _dequantize(tensor) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
 
 
-def convert_gguf(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a llama GGUF, dequantized to fp32, under HF names with HF shapes and row order."""
+def convert_gguf(path: Path, skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Every tensor of a llama GGUF, dequantized to fp32, under HF names with HF shapes and row order;
+    but those whose HF name (a stack of experts: its stacked name) is in `skip`."""
     reader = open_gguf(path)
     meta = read_gguf_metadata(reader)
     try:
@@ -261,7 +264,7 @@ def convert_gguf(path: Path) -> dict[str, torch.Tensor]:
     weights = {}
     for tensor in tqdm(reader.tensors, desc=f"Converting {path.name}", unit="tensor", leave=False):
         name = hf_param_name(tensor.name, arch, num_layers)
-        if name is None:
+        if name is None or name in skip:
             continue
         w = _as_hf_rows(_dequantize(tensor), name, arch, num_heads, num_kv_heads)
         if arch == "gemma2" and name.endswith("norm.weight"):  # its converter stored 1 + w
@@ -277,13 +280,14 @@ def convert_gguf(path: Path) -> dict[str, torch.Tensor]:
 _STACKED_EXPERTS = re.compile(r"^(?P<layer>model\.layers\.\d+)\.mlp\.experts\.(?P<proj>\w+_proj)\.weight$")
 
 
-def cache_path_for(path: Path, cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where the converted fp32 copy of a GGUF lives: keyed by its resolved path, size and mtime."""
+def cache_path_for(path: Path, cache_dir: str | os.PathLike | None = None, variant: str = "") -> Path:
+    """Where the converted fp32 copy of a GGUF lives: keyed by its resolved path, size and mtime;
+    `variant` names a partial copy ("no-q4-linears": all but the linears read as Q4 codes)."""
     cache_dir = Path(cache_dir or os.environ.get("PDSERVE_CACHE_DIR", "~/.cache/pdserve")).expanduser()
     stat = path.stat()
     key = f"{CACHE_FORMAT_VERSION}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_dir / f"{path.stem}-{digest}.safetensors"
+    return cache_dir / f"{path.stem}-{digest}{'-' + variant if variant else ''}.safetensors"
 
 
 def _write_atomically(weights: dict[str, torch.Tensor], target: Path, source: Path) -> None:
@@ -300,7 +304,9 @@ def _write_atomically(weights: dict[str, torch.Tensor], target: Path, source: Pa
         raise
 
 
-_LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+_LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+            "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",  # a mixture's experts, every one of a layer stacked
+            "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"}  # Qwen2-MoE's shared expert
 
 
 def _decoder_linears(reader: gguf.GGUFReader) -> list:
@@ -309,7 +315,8 @@ def _decoder_linears(reader: gguf.GGUFReader) -> list:
 
 
 def gguf_q4_linears(path: str | os.PathLike) -> bool:
-    """Whether every decoder linear weight of a GGUF is Q4_0 or Q4_1 (then it can run as int4 exactly)."""
+    """Whether every decoder linear weight of a GGUF, a mixture's experts too, is Q4_0 or Q4_1 (then
+    it can run as int4 exactly)."""
     from engine.quant.q4 import Q4_TYPE_NAMES
     linears = _decoder_linears(open_gguf(path))
     return bool(linears) and all(t.tensor_type.name in Q4_TYPE_NAMES for t in linears)
@@ -318,7 +325,8 @@ def gguf_q4_linears(path: str | os.PathLike) -> bool:
 def iter_q4_linears(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Each Q4_0 / Q4_1 decoder linear as its codes, scales and mins (engine/quant/q4.py):
     `...q_proj.qweight` (out, in) uint8, `...q_proj.scales` and `...q_proj.mins` (out, in / 32)
-    fp32, rows in HF order (q and k unpermuted like the float weights)."""
+    fp32, rows in HF order (q and k unpermuted like the float weights); a mixture's stacked
+    experts cut into HF's per-expert names (`...mlp.experts.5.gate_proj.qweight`)."""
     from engine.quant.q4 import Q4_TYPE_NAMES, decode_q4_blocks
     reader = open_gguf(path)
     field = reader.fields.get  # two keys, not the whole metadata (its vocabulary takes seconds to read)
@@ -330,9 +338,15 @@ def iter_q4_linears(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for tensor in _decoder_linears(reader):
         if tensor.tensor_type.name not in Q4_TYPE_NAMES:
             raise ValueError(f"GGUF tensor {tensor.name!r} is {tensor.tensor_type.name}, not Q4_0/Q4_1")
-        name = hf_param_name(tensor.name, arch, num_layers).removesuffix(".weight")
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        parts = decode_q4_blocks(tensor.data, tensor.tensor_type, shape)
+        name = hf_param_name(tensor.name, arch, num_layers)
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # (experts, out, in) for stacked experts
+        parts = decode_q4_blocks(tensor.data, tensor.tensor_type, (math.prod(shape[:-1]), shape[-1]))
+        if (m := _STACKED_EXPERTS.match(name)) is not None:
+            for suffix, part in zip(("qweight", "scales", "mins"), parts):
+                for e, rows in enumerate(part.view(shape[0], shape[1], -1)):
+                    yield f"{m['layer']}.mlp.experts.{e}.{m['proj']}.{suffix}", rows.clone()
+            continue
+        name = name.removesuffix(".weight")
         for suffix, part in zip(("qweight", "scales", "mins"), parts):
             yield f"{name}.{suffix}", _as_hf_rows(part, name, arch, num_heads, num_kv_heads).contiguous()
 
@@ -353,26 +367,27 @@ def iter_gguf_weights(path: Path, dtype: torch.dtype, cache_dir: str | os.PathLi
                       q4_codes: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, tensor)` in `dtype`, converting once and reading the fp32 cache after.
 
-    q4_codes: the decoder linears as Q4 codes instead (`iter_q4_linears`), the rest as floats."""
-    skip = set()
+    q4_codes: the decoder linears as Q4 codes instead (`iter_q4_linears`), the rest as floats (a
+        cache of its own holds only those: a Q4 mixture's experts are most of the file, and in fp32
+        eight times its size)."""
+    skip = frozenset()
     if q4_codes:
         yield from iter_q4_linears(path)
         reader = open_gguf(path)
         arch = reader.fields["general.architecture"].contents()
         layers = reader.fields[f"{arch}.block_count"].contents()
-        skip = {hf_param_name(t.name, arch, layers) for t in _decoder_linears(reader)}  # not read from the cache
-    cached = cache_path_for(path, cache_dir)
+        skip = frozenset(hf_param_name(t.name, arch, layers) for t in _decoder_linears(reader))
+    cached = cache_path_for(path, cache_dir, "no-q4-linears" if q4_codes else "")
     if not cached.exists():
         logger.info("converting %s to %s (one time)", path, cached)
-        weights = convert_gguf(path)
+        weights = convert_gguf(path, skip) if skip else convert_gguf(path)
         try:
             _write_atomically(weights, cached, path)
         except OSError as e:
             logger.warning("cannot write GGUF cache %s (%s); serving the conversion uncached", cached, e)
-            yield from ((name, w.to(dtype)) for name, w in weights.items() if name not in skip)
+            yield from ((name, w.to(dtype)) for name, w in weights.items())
             return
         del weights
     with safe_open(cached, framework="pt") as f:
         for name in f.keys():
-            if name not in skip:
-                yield name, f.get_tensor(name).to(dtype)
+            yield name, f.get_tensor(name).to(dtype)

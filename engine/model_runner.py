@@ -26,8 +26,8 @@ from engine.loader import load_model_config, load_weights, resolve_model_path
 from engine.logits_processing import TokenHistory
 from engine.models import model_class
 from engine.expert_placement import ExpertPlacement
-from engine.moe import (describe_experts, expert_counts, expert_load_figures, quantize_experts, reset_expert_counts,
-                        select_expert_methods)
+from engine.moe import (describe_experts, expert_counts, expert_load_figures, quantize_model_experts,
+                        reset_expert_counts, select_expert_methods)
 from engine.parallel import TPGroup
 from engine.quant import (create_linear_method, method_reads_q4_codes, process_weights_after_loading,
                           resolve_quantization)
@@ -256,7 +256,7 @@ class ModelRunner:
         # after every shard is in, so a quantizing method sees exactly this rank's slice
         described = self.linear_layers = process_weights_after_loading(model)
         logger.info("linear layers: %s; prepared in %.2f s", described, time.perf_counter() - start)
-        quantize_experts(model, method.name)
+        quantize_model_experts(model, method.name, self.dtype)
         select_expert_methods(model, self.config.expert_method)
         if (experts := describe_experts(model)) is not None:
             logger.info("experts: %s", experts)
@@ -287,7 +287,8 @@ class ModelRunner:
         tiled matmul (a quantized checkpoint dequantized at load), and an explicit int8/w8a8/int4
         refused."""
         if not self.config.batch_invariant:
-            name = resolve_quantization(self.config.quantization, path, self.model_config, self.tp.size)
+            name = resolve_quantization(self.config.quantization, path, self.model_config, self.tp.size,
+                                        self.config.expert_parallel)
             return create_linear_method(name, path)
         if self.model_config.moe is not None:
             raise ValueError(f"--batch-invariant does not run mixture-of-experts models yet ({self.model_config.name}: "

@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.expert_compute import (ACTIVATIONS, INT8, INT8_TIMED_TOKENS, METHODS, PACKED, Int8Experts,
-                                   LocalExperts, MethodChoice, int8_experts, quantize_experts_int8, select_method,
-                                   sort_pairs, vllm_cpu_experts, vllm_cpu_pack)
+from engine.expert_compute import METHODS, PACKED, LocalExperts, select_method, sort_pairs, vllm_cpu_pack
 from engine.expert_placement import HeldExperts, imbalance, rank_loads
+from engine.fused_experts import FusedExperts
 from engine.layers import silu_and_mul
 from engine.parallel import MergedColumnParallelLinear, RowParallelLinear, TPGroup
+from engine.quant import method_reads_q4_codes
 from engine.quant.base import BaseLinearMethod
 
 
@@ -66,85 +66,6 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         (num_tokens, hidden) in x's dtype.
     """
     return METHODS[method](x, w13, w2, sort_pairs(ids, weights, w13.shape[0], local))
-
-
-class FusedExperts(nn.Module):
-    """A layer's experts, stacked: under tensor parallelism every expert, this rank's slice of each
-    one's intermediate dimension; under expert parallelism (`held`) whole experts, this rank's.
-    With `bias`, w13_bias (num_local, 2 * inter) and w2_bias (num_local, hidden) beside them."""
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: TPGroup,
-                 held: HeldExperts | None = None, bias: bool = False, activation: str = "silu"):
-        """held: the experts this rank holds (expert parallelism); None: all, split by TP.
-        activation: an engine/expert_compute.py ACTIVATIONS name ("swigluoai": interleaved rows)."""
-        super().__init__()
-        assert activation in ACTIVATIONS, activation
-        self.tp, self.num_experts, self.held, self.activation = tp, num_experts, held, activation
-        split = 1 if held is not None else tp.size
-        assert intermediate_size % split == 0, f"{intermediate_size} does not split over {split} ranks"
-        self.inter = intermediate_size // split
-        self.start = 0 if held is not None else tp.rank * self.inter  # this rank's first row of each expert
-        self.local = None if held is None else LocalExperts.of(held, num_experts, torch.get_default_device())
-        self.choice = MethodChoice(((None, "loop"),))  # the model runner measures and sets it (select_expert_methods)
-        self.int8: Int8Experts | None = None  # set by quantize_int8
-        num_local = num_experts if held is None else len(held.ids)
-        self.w13_weight = nn.Parameter(torch.empty(num_local, 2 * self.inter, hidden_size), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_local, hidden_size, self.inter), requires_grad=False)
-        self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
-        self.w13_bias = self.w2_bias = None
-        if bias:
-            self.w13_bias = nn.Parameter(torch.empty(num_local, 2 * self.inter), requires_grad=False)
-            self.w2_bias = nn.Parameter(torch.empty(num_local, hidden_size), requires_grad=False)
-
-    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, expert: int, shard: int | None = None) -> None:
-        """full: one expert's checkpoint tensor, (inter, hidden) for gate (shard 0) and up (shard 1),
-        (hidden, inter) for down; this rank's rows (gate, up) or columns (down) copied in, nothing
-        for an expert another rank holds."""
-        if self.held is not None and expert not in self.held.ids:
-            return
-        index, n = expert if self.held is None else self.held.ids.index(expert), self.inter
-        if param is self.w13_weight:
-            param.data[index].narrow(0, shard * n, n).copy_(full.narrow(0, self.start, n))
-        else:
-            param.data[index].copy_(full.narrow(1, self.start, n))
-
-    def load_stacked(self, param: nn.Parameter, full: torch.Tensor) -> None:
-        """full: every expert's tensor at once, as this module stores it whole: (E, 2 * inter,
-        hidden) interleaved gate/up rows for w13, (E, hidden, inter) for w2, (E, 2 * inter) and
-        (E, hidden) for their biases (gpt-oss). This rank's experts and slice copied in; the down
-        projection's bias is added once per pair: by the rank holding the expert (EP), by rank 0
-        alone under TP (the others' partial sums get zeros)."""
-        assert self.activation == "swigluoai", "stacked gate/up rows are gpt-oss's interleaved ones"
-        if self.held is not None:
-            full = full[list(self.held.ids)]
-        n = self.inter
-        if param is self.w13_weight or param is self.w13_bias:
-            param.data.copy_(full.narrow(1, 2 * self.start, 2 * n))
-        elif param is self.w2_weight:
-            param.data.copy_(full.narrow(2, self.start, n))
-        elif self.held is not None or self.tp.rank == 0:
-            param.data.copy_(full)
-        else:
-            param.data.zero_()
-
-    def quantize_int8(self) -> None:
-        """Weight-only int8 experts (--quantization int8 or w8a8), symmetric per output channel: the
-        codes replace the float weights in place (a quarter of fp32's bytes), and every batch runs
-        the int8 method through the kernel timed fastest here (engine/expert_compute.py)."""
-        q13, q2, self.int8 = quantize_experts_int8(self.w13_weight.data, self.w2_weight.data)
-        self.w13_weight.data, self.w2_weight.data = q13, q2
-        self.choice = MethodChoice(((None, INT8),))
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum of the chosen experts' outputs, (num_tokens, hidden)."""
-        method = self.choice.method(x.shape[0])
-        extra = (self.w13_bias, self.w2_bias, self.activation)
-        if method == PACKED:  # w13/w2 hold vLLM-CPU's packed layout (select_expert_methods)
-            return vllm_cpu_experts(x, self.w13_weight, self.w2_weight, weights, ids, *extra)
-        pairs = sort_pairs(ids, weights, self.w13_weight.shape[0], self.local)
-        if method == INT8:
-            return int8_experts(x, self.int8, pairs, *extra)
-        return METHODS[method](x, self.w13_weight, self.w2_weight, pairs, *extra)
 
 
 class Router(nn.Module):
@@ -188,7 +109,7 @@ class SparseMoeBlock(nn.Module):
         self.tp, self.top_k, self.renormalize = tp, moe.top_k, moe.renormalize
         self.gate = Router(moe.num_experts, cfg.hidden_size, moe.router_bias)
         self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, tp, held,
-                                    moe.expert_bias, moe.activation)
+                                    moe.expert_bias, moe.activation, q4_codes=method_reads_q4_codes(linear_method))
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = SharedExpert(cfg.hidden_size, moe.shared_expert_intermediate_size, tp, linear_method)
@@ -206,10 +127,12 @@ class SparseMoeBlock(nn.Module):
         return self.tp.all_reduce(out)
 
 
-# checkpoint name of one expert's tensor -> (parameter, shard): Qwen's and Mixtral's spellings
-EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.)experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
-EXPERT_SHARDS = {"gate_proj": ("w13_weight", 0), "w1": ("w13_weight", 0), "up_proj": ("w13_weight", 1),
-                 "w3": ("w13_weight", 1), "down_proj": ("w2_weight", None), "w2": ("w2_weight", None)}
+# checkpoint name of one expert's tensor -> (stack, shard): Qwen's and Mixtral's spellings; a float
+# weight, or (a GGUF's Q4 experts, engine/gguf_loader.py) its codes, scales or minimums
+EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.)experts\.(?P<expert>\d+)\.(?P<proj>\w+)\."
+                           r"(?P<kind>weight|qweight|scales|mins)$")
+EXPERT_SHARDS = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
+                 "down_proj": ("w2", None), "w2": ("w2", None)}
 
 
 def expert_param(name: str) -> tuple[str, tuple] | None:
@@ -218,9 +141,9 @@ def expert_param(name: str) -> tuple[str, tuple] | None:
     m = EXPERT_TENSOR.match(name)
     if m is None or m["proj"] not in EXPERT_SHARDS:
         return None
-    param, shard = EXPERT_SHARDS[m["proj"]]
+    stack, shard = EXPERT_SHARDS[m["proj"]]
     expert = int(m["expert"])
-    return f"{m['prefix']}experts.{param}", (expert,) if shard is None else (expert, shard)
+    return f"{m['prefix']}experts.{stack}_{m['kind']}", (expert,) if shard is None else (expert, shard)
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[int, SparseMoeBlock]]:
@@ -236,10 +159,11 @@ def select_expert_methods(model: nn.Module, name: str) -> None:
     blocks = moe_blocks(model)
     if not blocks:
         return
-    if blocks[0][1].experts.int8 is not None:  # quantized: the int8 method, its kernel timed when quantizing
+    if (quant := blocks[0][1].experts.quant) is not None:  # its kernel was timed when quantizing
         if name != "auto":
-            raise ValueError(f"--expert-method {name} runs float experts; int8 experts (--quantization int8 or "
-                             "w8a8) run the int8 method: use --expert-method auto")
+            raise ValueError(f"--expert-method {name} runs float experts; {quant.scheme} experts (--quantization "
+                             f"{quant.scheme}{' or w8a8' if quant.scheme == 'int8' else ''}) run their own kernel: "
+                             "use --expert-method auto")
         return
     first = blocks[0][1]
     experts = first.experts
@@ -265,23 +189,29 @@ def describe_experts(model: nn.Module) -> str | None:
         replicas = sum(n > 1 for _, n in experts.held.replica)
         split = (f"expert-parallel: {len(experts.held.ids)} whole experts here in layer {blocks[0][0]} "
                  f"({replicas} shared with other ranks), one all-reduce of the partial sums per layer")
-    if experts.int8 is not None:
-        times = ", ".join(f"{k} {v:.2f} ms" for k, v in experts.int8.ms.items())
-        weights = (f"int8 per output channel, kernel {experts.int8.kernel.name} (an expert pair at "
-                   f"{INT8_TIMED_TOKENS} tokens: {times})")
+    if experts.quant is not None:
+        weights = experts.quant.describe()
     else:
         weights = f"{experts.w13_weight.dtype} unquantized"
     return (f"{experts.choice.describe()}; {len(blocks)} sparse layers of {experts.num_experts} experts, "
             f"{weights}; {split}")
 
 
-def quantize_experts(model: nn.Module, method: str) -> None:
-    """The experts of every sparse block in int8 where the linear method is int8 or w8a8 (their
-    activations stay in the model's dtype); other methods leave them unquantized (said in the
-    load log by `describe_experts`)."""
-    if method in ("int8", "w8a8"):
-        for _, block in moe_blocks(model):
-            block.experts.quantize_int8()
+EXPERT_SCHEME = {"int8": "int8", "w8a8": "int8", "int4": "int4"}  # linear method -> its experts' (weights only)
+
+
+def quantize_model_experts(model: nn.Module, method: str, dtype: torch.dtype) -> None:
+    """The experts of every sparse block quantized as the linear method's weights are (int8 for
+    int8 and w8a8, int4 for int4; their activations stay in the model's `dtype`); other methods
+    leave them unquantized (said in the load log by `describe_experts`). The kernel is timed once,
+    on the first block, and under TP rank 0's times are taken by all (one kernel per instance)."""
+    blocks = moe_blocks(model)
+    if method not in EXPERT_SCHEME or not blocks:
+        return
+    scheme, first = EXPERT_SCHEME[method], blocks[0][1]
+    ms = first.tp.broadcast_object(first.experts.kernel_times(scheme, dtype))
+    for _, block in blocks:
+        block.experts.quantize(scheme, dtype, ms)
 
 
 def expert_counts(model: nn.Module) -> dict[int, list[int]]:

@@ -58,24 +58,31 @@ def method_reads_q4_codes(method: BaseLinearMethod) -> bool:
     return bool(getattr(method, "prequantized", False))
 
 
-def int4_misfit(config: ModelConfig, tp_size: int = 1) -> str | None:
-    """Why int4's groups of 32 input features do not fit this model's linears at this TP size, or None."""
+def int4_misfit(config: ModelConfig, tp_size: int = 1, expert_parallel: bool = False) -> str | None:
+    """Why int4's groups of 32 input features do not fit this model's linears at this TP size, or
+    None. A mixture's experts are quantized too: each one's intermediate size is split by TP (whole
+    under `expert_parallel`), as is the shared expert's."""
     inputs = {"hidden_size": config.hidden_size, "attention output": config.num_heads * config.head_dim // tp_size,
               "intermediate_size": config.intermediate_size // tp_size}
+    if (moe := config.moe) is not None:
+        inputs["expert intermediate_size"] = moe.intermediate_size // (1 if expert_parallel else tp_size)
+        if moe.shared_expert_intermediate_size:
+            inputs["shared expert intermediate_size"] = moe.shared_expert_intermediate_size // tp_size
     for what, n in inputs.items():
         if n % GROUP_SIZE:
-            per_rank = f" / tensor_parallel_size {tp_size}" if what != "hidden_size" and tp_size > 1 else ""
+            split = what != "hidden_size" and tp_size > 1 and not (expert_parallel and what.startswith("expert"))
+            per_rank = f" / tensor_parallel_size {tp_size}" if split else ""
             return f"{what}{per_rank} = {n} input features is not a multiple of int4's group size {GROUP_SIZE}"
     return None
 
 
 def resolve_quantization(quantization: str, path: str | os.PathLike | None = None,
-                         config: ModelConfig | None = None, tp_size: int = 1) -> str:
+                         config: ModelConfig | None = None, tp_size: int = 1, expert_parallel: bool = False) -> str:
     """The linear method a `quantization` knob asks for.
 
-    `auto` keeps the checkpoint's format: a GGUF whose decoder linears are all Q4_0 / Q4_1 runs
-    `int4` on exactly those weights (unless its groups do not fit the TP shards: then
-    dequantized, logged); any other checkpoint runs `unquantized` (GGUF K-quants, Q8_0 and F16
+    `auto` keeps the checkpoint's format: a GGUF whose decoder linears (a mixture's experts too)
+    are all Q4_0 / Q4_1 runs `int4` on exactly those weights (unless its groups do not fit the
+    TP shards: then dequantized, logged); any other checkpoint runs `unquantized` (GGUF K-quants, Q8_0 and F16
     dequantized at load; safetensors as stored). `none` forces unquantized; `int8`, `w8a8` and
     `int4` of a float checkpoint are opt-in, lossy conversions at load.
     Raises:
@@ -86,11 +93,11 @@ def resolve_quantization(quantization: str, path: str | os.PathLike | None = Non
         if quantization not in LINEAR_METHODS:
             raise ValueError(f"unknown quantization {quantization!r}; choose auto, none or one of "
                              f"{', '.join(m for m in LINEAR_METHODS if m != 'unquantized')}")
-        if quantization == "int4" and config is not None and (why := int4_misfit(config, tp_size)):
+        if quantization == "int4" and config is not None and (why := int4_misfit(config, tp_size, expert_parallel)):
             raise ValueError(f"quantization int4: {why}")
         return quantization
     if _is_q4_gguf(path):
-        why = int4_misfit(config, tp_size) if config is not None else None
+        why = int4_misfit(config, tp_size, expert_parallel) if config is not None else None
         if why is None:
             logger.info("quantization auto -> int4: the GGUF's Q4 weights as they are")
             return "int4"

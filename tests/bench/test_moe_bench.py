@@ -15,9 +15,11 @@ def test_moe_steps_reports_both_models_and_every_expert_path(capsys):
                            "--steps", "2", "--reps", "2", "--prompt-len", "8", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert set(result["decode_ms_per_step"]) == {"1", "4"}
-    assert all(r["moe"] > 0 and r["dense"] > 0 for r in result["decode_ms_per_step"].values())
+    assert all(r["moe"] > 0 and r["dense"] > 0 and r["moe_int8"] > 0 and r["moe_int4"] > 0
+               for r in result["decode_ms_per_step"].values())
     for row in result["expert_paths_ms"].values():
-        assert row["loop"] > 0 and row["grouped_mm"] > 0 and row["int8"] > 0 and row["dense_same_flops"] > 0
+        assert row["loop"] > 0 and row["grouped_mm"] > 0 and row["int8"] > 0 and row["int4"] > 0
+        assert row["dense_same_flops"] > 0 and row["int4_kernel"] in ("int4pack", "int4pack_bf16", "reference")
         assert row["auto_runs"] in ("loop", "grouped_mm", "vllm_cpu") and 1 <= row["experts_touched"] <= 4
     assert result["auto_choice"].count("tokens") == 4
 

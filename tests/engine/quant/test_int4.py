@@ -124,6 +124,21 @@ def test_auto_runs_a_q4_gguf_as_int4_unless_its_groups_do_not_fit():
     assert "hidden_size = 40" in int4_misfit(tiny)
 
 
+def test_int4_misfit_checks_a_mixtures_experts():
+    """The experts are quantized too: each rank's expert width (whole under expert parallelism) and
+    the shared expert's must be multiples of 32."""
+    from engine.config import MoEConfig
+    def config(shared: int) -> ModelConfig:
+        moe = MoEConfig(num_experts=8, top_k=2, intermediate_size=64, renormalize=True,
+                        shared_expert_intermediate_size=shared)
+        return ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=8,
+                           num_kv_heads=4, head_dim=16, moe=moe)
+    assert int4_misfit(config(128), 1) is None and int4_misfit(config(128), 2) is None
+    assert "expert intermediate_size / tensor_parallel_size 4 = 16" in int4_misfit(config(128), 4)
+    assert int4_misfit(config(128), 4, expert_parallel=True) is None  # whole experts
+    assert "shared expert intermediate_size / tensor_parallel_size 2 = 48" in int4_misfit(config(96), 2, True)
+
+
 def test_default_gguf_in_fp32_runs_int4_with_the_unquantized_numbers():
     """The default model under `auto` (int4 from its Q4_1 codes) in fp32 gives the logits of
     `none` (the GGUF dequantized at load) over a 40-token prompt, to fp32 accumulation rounding:
