@@ -80,10 +80,11 @@ def median_ms(fn, reps: int) -> float:
     return statistics.median(samples)
 
 
-def expert_paths(llm: LLM, auto: MethodChoice, token_counts: list[int], reps: int) -> dict:
+def expert_paths(llm: LLM, auto: MethodChoice, token_counts: list[int], reps: int) -> tuple[dict, dict]:
     """Each expert method on the first sparse layer (the model loaded with the loop method, so its
     weights are in the loaded layout), against the dense SwiGLU of the same FLOPs; `auto`: what
-    --expert-method auto chose for the same layer at load."""
+    --expert-method auto chose for the same layer at load. Also the layer's expert weight bytes,
+    float and as each quantized kernel holds them."""
     (_, block), *_ = moe_blocks(llm.engine.runner.model)
     w13, w2, top_k = block.experts.w13_weight, block.experts.w2_weight, block.top_k
     experts, hidden, width = w13.shape[0], w13.shape[2], w2.shape[2]
@@ -92,6 +93,7 @@ def expert_paths(llm: LLM, auto: MethodChoice, token_counts: list[int], reps: in
     dense2 = (torch.randn(hidden, top_k * width, generator=g) / width ** 0.5).to(w13.dtype)
     packed = None if vllm_cpu_moe_unavailable(w13, w2, None) else (vllm_cpu_pack(w13), vllm_cpu_pack(w2))
     quantized = {q: quantize_experts(q, w13, w2) for q in FORMATS}  # --quantization int8's / int4's experts
+    weight_bytes = {"float": nbytes((w13, w2)), **{q: nbytes(quant.states) for q, quant in quantized.items()}}
     out = {}
     for n in token_counts:
         x = torch.randn(n, hidden, generator=g).to(w13.dtype)
@@ -109,7 +111,16 @@ def expert_paths(llm: LLM, auto: MethodChoice, token_counts: list[int], reps: in
         row["auto_runs"] = auto.method(n)
         row["experts_touched"] = int(ids.unique().numel())
         out[n] = row
-    return out
+    return out, weight_bytes
+
+
+def nbytes(obj) -> int:
+    """The bytes of every tensor in a kernel's prepared state (tensors, tuples, namespaces)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(map(nbytes, obj))
+    return sum(map(nbytes, vars(obj).values())) if hasattr(obj, "__dict__") else 0
 
 
 def add_step_args(p: argparse.ArgumentParser) -> None:
@@ -158,13 +169,13 @@ def main(argv: list[str] | None = None) -> int:
                         steps[f"moe_{q}"] = step_times(llm, batches, args.steps, args.prompt_len)
                         del llm
                     llm = engine_for(folder, args.threads, max(batches), expert_method="loop")
-                    paths = expert_paths(llm, auto, [1, 8, 32, 256], args.reps)
+                    paths, weight_bytes = expert_paths(llm, auto, [1, 8, 32, 256], args.reps)
                 del llm
     result = {"shape": {**shape, "experts": args.experts, "top_k": args.top_k, "expert_width": args.expert_width,
                         "dense_width": args.top_k * args.expert_width}, "dtype": config, "threads": args.threads,
               "decode_ms_per_step": {n: {**{k: v[n] for k, v in steps.items()},
                                          "moe_over_dense": steps["moe"][n] / steps["dense"][n]} for n in batches},
-              "expert_paths_ms": paths, "auto_choice": auto.describe()}
+              "expert_paths_ms": paths, "auto_choice": auto.describe(), "expert_weight_bytes_per_layer": weight_bytes}
     if args.json:
         print(json.dumps(result))
         return 0
@@ -175,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                             if k.startswith("moe_") and k != "moe_over_dense")
         print(f"  decode batch {n:>3}: moe {row['moe']:7.2f} ms  dense {row['dense']:7.2f} ms  "
               f"moe/dense {row['moe_over_dense']:.2f}{quantized}")
+    print("  expert weights per layer: " + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in weight_bytes.items()))
     for n, row in paths.items():
         times = "  ".join(f"{m} {row[m]:.3f}" + (f" ({row[m + '_kernel']})" if m in FORMATS else "")
                           for m in (*METHODS, PACKED, *FORMATS, "dense_same_flops") if m in row)

@@ -22,6 +22,8 @@ def test_moe_steps_reports_both_models_and_every_expert_path(capsys):
         assert row["dense_same_flops"] > 0 and row["int4_kernel"] in ("int4pack", "int4pack_bf16", "reference")
         assert row["auto_runs"] in ("loop", "grouped_mm", "vllm_cpu") and 1 <= row["experts_touched"] <= 4
     assert result["auto_choice"].count("tokens") == 4
+    sizes = result["expert_weight_bytes_per_layer"]
+    assert sizes["float"] > max(sizes["int8"], sizes["int4"]) > 0  # int4 as the reference holds it: 1.25 bytes a weight
 
 
 def test_moe_parallel_compares_every_layout_on_both_routings(capsys):
