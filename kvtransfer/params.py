@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-PROTOCOL_VERSION = 10  # 3: control messages on TCP, payloads alone on the data channel; 4: runs; 5: shared caches;
+PROTOCOL_VERSION = 11  # 3: control messages on TCP, payloads alone on the data channel; 4: runs; 5: shared caches;
 # 6: kv_window (a sliding-window model ships only the tokens its decode can still read); 7: kv_layout (a
 # transfer per KV group, num_layers its slabs); 8: done.more_choices (n > 1: every choice's first token);
 # 9: kv_checksum (done.checksum, kvtransfer/checksum.py); 10: a shared part's `ready` grants its slots until
-# `done` (no layer/grant/wrote per span), welcome.data_channel and no_cache_reason (no NCCL on one GPU)
+# `done` (no layer/grant/wrote per span), welcome.data_channel and no_cache_reason (no NCCL on one GPU);
+# 11: kv_format (what a KV head holds: per-head K/V, or DeepSeek's latent entry)
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,10 @@ class CompatRecord:
     from the model's. `num_layers` is the layers one transfer carries: a KV group's (its slabs;
     every layer, with one group), and `kv_layout` the groups' windows and sizes (KVLayout.signature).
     `kv_checksum`: every part carries a checksum of its payloads, checked on receipt (checksum.py);
-    both ends must agree, since a receiver that checks needs one in every `done`.
+    both ends must agree, since a receiver that checks needs one in every `done`. `kv_format` names
+    what a KV head's two planes hold: "kv" (a head's keys and values), or for DeepSeek's latent
+    attention "mla:<kv_lora_rank>+<qk_rope_head_dim>" (one head, a token's entry in two halves:
+    engine/mla.py), which every decode rank receives whole.
     NOTE: fp8 scales are not here because they are 1.0 on every instance (engine/models/llama.py); a
     change that loads them from checkpoints must add them to MUST_MATCH.
     """
@@ -35,10 +39,11 @@ class CompatRecord:
     device_type: str = "cpu"
     kv_layout: str = ""  # KVLayout.signature: both ends cut a prompt's KV to the same groups and tokens
     kv_checksum: bool = False  # done carries a checksum of the part's payloads (--kv-checksum)
+    kv_format: str = "kv"  # what a KV head holds (docstring)
     protocol_version: int = PROTOCOL_VERSION
 
     MUST_MATCH = ("protocol_version", "model", "dtype", "num_layers", "num_kv_heads", "head_dim", "device_type",
-                  "kv_layout", "kv_checksum")
+                  "kv_layout", "kv_checksum", "kv_format")
 
     def __post_init__(self):
         assert self.num_layers > 0 and self.num_kv_heads > 0 and self.head_dim > 0, self

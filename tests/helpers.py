@@ -23,8 +23,13 @@ HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Conf
               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
               "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
               "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
-              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "gpt_oss": ("GptOssConfig", "GptOssForCausalLM")}
+              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+              "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+              "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
 
+
+MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32,
+           num_key_value_heads=4)  # as many as the query heads: transformers repeats K/V by their ratio
 
 # name -> (family, the config switches its published checkpoints use); windows of at most 2
 # blocks of 16, prompts of at least 3 windows (tests/engine/test_families.py)
@@ -52,6 +57,20 @@ FAMILIES = {
     # default), router bias, top-2 of 4 experts with the clamped SwiGLU over interleaved rows
     "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=32,
                                 sliding_window=24)),
+    # latent attention (engine/mla.py), scaled down: V2-Lite's (no query low-rank projection, greedy
+    # softmax routing, 2 shared experts), V2's (the query's, groups), V3's (sigmoid routing with the
+    # correction bias over groups, renormalized and scaled, YaRN with mscale)
+    "deepseek_v2_lite": ("deepseek_v2", dict(MLA, q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=2,
+                                             n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy")),
+    "deepseek_v2": ("deepseek_v2", dict(MLA, q_lora_rank=48, n_routed_experts=8, num_experts_per_tok=3,
+                                        n_shared_experts=1, first_k_dense_replace=1, topk_method="group_limited_greedy",
+                                        n_group=4, topk_group=2, routed_scaling_factor=16.0)),
+    "deepseek_v3": ("deepseek_v3", dict(MLA, q_lora_rank=48, n_routed_experts=8, num_experts_per_tok=2,
+                                        n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+                                        routed_scaling_factor=2.5, norm_topk_prob=True,
+                                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                         "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                                                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})),
 }
 
 
@@ -71,6 +90,9 @@ def make_hf_tiny(family: str = "llama", seed: int = 0, **overrides):
                 p.add_(torch.randn_like(p) * 0.5)
             else:
                 p.mul_(2.5)  # sharper distributions: greedy choices far from ties
+        for name, b in model.named_buffers():  # DeepSeek-V3's routing correction, a buffer in transformers
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.5)
     return model
 
 
@@ -178,6 +200,15 @@ def all_logits(runner, prompt: list[int], chunk: int) -> torch.Tensor:
     finally:
         runner.update_states(SchedulerOutput(finished_req_ids=[rid]))
     return torch.cat(out)
+
+
+def assert_logits_match_transformers(runner, hf_model, prompt: list[int], chunks=(1000, 7, 1)) -> None:
+    """The runner's logits at every position of `prompt` equal the HF model's (fp32: 2e-4 absolute,
+    1e-4 relative), fed at once and in each of `chunks` over cached context (1: token by token)."""
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+    for chunk in chunks:
+        torch.testing.assert_close(all_logits(runner, prompt, chunk), ref, atol=2e-4, rtol=1e-4)
 
 
 def assert_logprobs_close(got: list[dict[int, float]], want: list[dict[int, float]], tol: float = 1e-4) -> None:

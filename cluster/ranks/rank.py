@@ -110,7 +110,7 @@ class RankHost:
         compat = CompatRecord(model=mc.name, dtype=str(self.runner.kv_dtype).removeprefix("torch."),
                               num_layers=mc.kv_layout.num_slabs, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                               block_size=self.runner.block_size, tp_size=tp_size, device_type=self.runner.device.type,
-                              kv_layout=mc.kv_layout.signature, kv_checksum=kv_checksum)
+                              kv_layout=mc.kv_layout.signature, kv_checksum=kv_checksum, kv_format=mc.kv_format)
         backend = self.runner.backend
         kv_views = None
         if backend.own_kv_layout and role in ("prefill", "decode"):  # the transfer reads and writes through them

@@ -26,14 +26,25 @@ def flash_attn_available() -> bool:
 
 def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
                              kv_cache_dtype: torch.dtype | None = None, head_dim: int | None = None,
-                             batch_invariant: bool = False, sinks: bool = False) -> BaseAttentionBackend:
+                             batch_invariant: bool = False, sinks: bool = False,
+                             mla: bool = False) -> BaseAttentionBackend:
     """`auto` picks, on CUDA, flash_attn in fp16/bf16 when importable, else flex (torch as the last
     resort, where triton is missing); on a CPU, vllm_cpu where its kernels load and fit the model
     (docs/engine.md), else torch; it logs which runs and why. `flex` runs on either. With
     an fp8 KV cache (`kv_cache_dtype`), see `_fp8_choice`. `batch_invariant` (auto or torch only):
     the fixed-split attention of engine/attention/batch_invariant_backend.py. Raises ValueError for
     a backend that cannot run. `sinks`: the model has attention sinks (gpt-oss): auto skips a backend
-    without them, and one named that has none is refused."""
+    without them, and one named that has none is refused. `mla`: DeepSeek's latent attention, which
+    runs its own torch attention over the cache (engine/mla.py): auto and torch give the torch
+    backend (its plain cache layout, its per-step plan); any other is refused by name."""
+    if mla:
+        if name not in ("auto", "torch") or batch_invariant:
+            what = "--batch-invariant" if batch_invariant else f"attention backend {name}"
+            raise ValueError(f"{what} has no latent-attention (MLA) path; DeepSeek models run on --attention-backend "
+                             "auto or torch")
+        from engine.attention.torch_backend import TorchAttentionBackend
+        logger.info("attention backend: torch (latent attention, MLA: engine/mla.py over the plain cache layout)")
+        return TorchAttentionBackend()
     backend = _create(name, device, dtype, kv_cache_dtype, head_dim, batch_invariant, sinks)
     if sinks and not backend.takes_sinks:
         raise ValueError(f"attention backend {backend.name} cannot take the model's attention sinks; use "

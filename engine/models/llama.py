@@ -90,13 +90,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention = LlamaAttention  # a family with another attention (DeepSeek's latent one) sets its own
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup, linear_method: BaseLinearMethod | None = None,
                  fused: frozenset[str] = frozenset(), window: int | None = None, layer: int = 0,
                  held: HeldExperts | None = None):
         """layer: this layer's index (a mixture of experts has sparse and dense layers: cfg.moe);
         held: the experts this rank holds under expert parallelism (None: tensor parallelism)."""
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, tp, linear_method, "rotary" in fused, window)
+        self.self_attn = self.attention(cfg, tp, linear_method, "rotary" in fused, window)
         sparse = cfg.moe is not None and cfg.moe.is_sparse(layer)
         self.mlp = SparseMoeBlock(cfg, tp, linear_method, held) if sparse else LlamaMLP(cfg, tp, linear_method)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "rms_norm" in fused)

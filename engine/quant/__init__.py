@@ -62,17 +62,23 @@ def int4_misfit(config: ModelConfig, tp_size: int = 1, expert_parallel: bool = F
     """Why int4's groups of 32 input features do not fit this model's linears at this TP size, or
     None. A mixture's experts are quantized too: each one's intermediate size is split by TP (whole
     under `expert_parallel`), as is the shared expert's."""
-    inputs = {"hidden_size": config.hidden_size, "attention output": config.num_heads * config.head_dim // tp_size,
-              "intermediate_size": config.intermediate_size // tp_size}
+    value_width = config.head_dim if config.mla is None else config.mla.v_head_dim  # o_proj's input per head
+    # name -> (input features of its linears, whether TP splits them)
+    inputs = {"hidden_size": (config.hidden_size, False),
+              "attention output": (config.num_heads * value_width, True),
+              "intermediate_size": (config.intermediate_size, True)}
+    if config.mla is not None and config.mla.q_lora_rank:  # q_b_proj's input, whole on every rank
+        inputs["q_lora_rank"] = (config.mla.q_lora_rank, False)
     if (moe := config.moe) is not None:
-        inputs["expert intermediate_size"] = moe.intermediate_size // (1 if expert_parallel else tp_size)
+        inputs["expert intermediate_size"] = (moe.intermediate_size, not expert_parallel)
         if moe.shared_expert_intermediate_size:
-            inputs["shared expert intermediate_size"] = moe.shared_expert_intermediate_size // tp_size
-    for what, n in inputs.items():
-        if n % GROUP_SIZE:
-            split = what != "hidden_size" and tp_size > 1 and not (expert_parallel and what.startswith("expert"))
+            inputs["shared expert intermediate_size"] = (moe.shared_expert_intermediate_size, True)
+    for what, (n, split) in inputs.items():
+        split = split and tp_size > 1
+        if (n // tp_size if split else n) % GROUP_SIZE:
             per_rank = f" / tensor_parallel_size {tp_size}" if split else ""
-            return f"{what}{per_rank} = {n} input features is not a multiple of int4's group size {GROUP_SIZE}"
+            return (f"{what}{per_rank} = {n // tp_size if split else n} input features is not a multiple of "
+                    f"int4's group size {GROUP_SIZE}")
     return None
 
 

@@ -16,7 +16,8 @@ from engine.loader import hf_model_config
 from engine.model_runner import ModelRunner
 from engine.models import UnsupportedConfig
 from engine.request import SamplingParams
-from tests.helpers import FAMILIES, all_logits, engine_config, hf_greedy, make_hf_tiny, random_prompts, run_gloo_ranks
+from tests.helpers import (FAMILIES, all_logits, assert_logits_match_transformers, engine_config, hf_greedy,
+                           make_hf_tiny, random_prompts, run_gloo_ranks)
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
@@ -38,6 +39,7 @@ def test_config_reads_the_switches(family):
     assert cfg.qk_norm == (kind in ("qwen3", "qwen3_moe"))
     sparse = [cfg.moe is not None and cfg.moe.is_sparse(i) for i in range(cfg.num_layers)]
     assert sparse == {"mixtral": [True] * 3, "gpt_oss": [True] * 3,
+                      "deepseek_v2": [False, True, True], "deepseek_v3": [False, True, True],  # first_k_dense_replace
                       "qwen2_moe": [False, True, False],  # decoder_sparse_step 2
                       "qwen3_moe": [True, False, True]}.get(kind, [False] * 3)  # mlp_only_layers [1]
     windows = [cfg.window(i) for i in range(cfg.num_layers)]
@@ -58,6 +60,8 @@ def test_logits_match_transformers(family, backend):
     backend that runs here (flex: compiled by inductor's C++ path, tests/engine/test_flex_backend.py)."""
     name, hf, folder = family
     cfg = engine_config(model=str(folder))
+    if backend != "torch" and hf_model_config(folder).mla is not None:
+        pytest.skip(f"{name}: latent attention runs on the torch backend alone (tests/engine/test_mla.py)")
     if backend == "vllm_cpu":
         from engine.attention.vllm_cpu_backend import HEAD_DIMS, vllm_cpu_unavailable
         if vllm_cpu_unavailable() or hf_model_config(folder).head_dim not in HEAD_DIMS:
@@ -68,11 +72,7 @@ def test_logits_match_transformers(family, backend):
             pytest.skip(f"flex: {why}")
     from dataclasses import replace
     runner = ModelRunner(replace(cfg, attention_backend=backend))
-    prompt = random_prompts(1, [100], seed=3)[0]
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    for chunk in (1000, 7, 1):
-        torch.testing.assert_close(all_logits(runner, prompt, chunk), ref, atol=2e-4, rtol=1e-4)
+    assert_logits_match_transformers(runner, hf, random_prompts(1, [100], seed=3)[0])
 
 
 def _llm(folder) -> LLM:
@@ -151,7 +151,8 @@ def test_eos_is_every_id_of_config_and_generation_config(tmp_path):
 
 TP_FAMILIES = ("qwen2_window", "qwen3", "mistral_window", "gemma2",  # biases, q/k norms, windows, caps by head
                "mixtral", "qwen2_moe", "qwen3_moe",  # experts split by their intermediate dimension
-               "gpt_oss")  # sinks split by head, interleaved gate/up rows, the experts' down bias added once
+               "gpt_oss",  # sinks split by head, interleaved gate/up rows, the experts' down bias added once
+               "deepseek_v2", "deepseek_v3")  # heads split, the latent whole on every rank
 
 
 def _tp_rank(rank: int, port: int, runs: list[tuple[str, str, object]], prompt: list[int], out) -> None:

@@ -13,7 +13,7 @@ import torch
 from engine.gguf_loader import gguf_model_config
 from engine.model_runner import ModelRunner
 from tests.engine.gguf.make_fixtures import FAMILIES, VOCAB
-from tests.helpers import all_logits, engine_config, make_hf_tiny, random_prompts
+from tests.helpers import assert_logits_match_transformers, engine_config, make_hf_tiny, random_prompts
 
 HERE = Path(__file__).parent / "gguf"
 
@@ -30,8 +30,4 @@ def test_gguf_matches_transformers(name, tmp_path, monkeypatch):
     embed = dict(runner.model.named_parameters())["embed_tokens.weight"]
     assert torch.equal(embed, hf.model.embed_tokens.weight), (
         "the fixture's weights are not this seed's any more (torch's RNG changed?): rerun make_fixtures.py")
-    prompt = random_prompts(1, [60], vocab=VOCAB, seed=2)[0]
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    for chunk in (1000, 1):
-        torch.testing.assert_close(all_logits(runner, prompt, chunk), ref, atol=2e-4, rtol=1e-4)
+    assert_logits_match_transformers(runner, hf, random_prompts(1, [60], vocab=VOCAB, seed=2)[0], chunks=(1000, 1))

@@ -14,7 +14,8 @@ from engine.loader import hf_model_config
 from engine.model_runner import ModelRunner
 from engine.models import UnsupportedConfig
 from engine.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from tests.helpers import FAMILIES, all_logits, engine_config, make_hf_tiny, random_prompts
+from tests.helpers import (FAMILIES, assert_logits_match_transformers, engine_config, make_hf_tiny,
+                           random_prompts)
 
 
 def _mxfp4_checkpoint(tmp_path):
@@ -48,11 +49,7 @@ def test_mxfp4_experts_load_as_transformers_runs_them_decoded(tmp_path, caplog):
     with caplog.at_level("INFO", logger="engine.models.gpt_oss"):
         runner = ModelRunner(engine_config(model=str(folder)))
     assert "6 MXFP4 tensors dequantized to float32 on load" in caplog.text  # 3 layers x gate_up, down
-    prompt = random_prompts(1, [60], seed=4)[0]
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    for chunk in (1000, 1):
-        torch.testing.assert_close(all_logits(runner, prompt, chunk), ref, atol=2e-4, rtol=1e-4)
+    assert_logits_match_transformers(runner, hf, random_prompts(1, [60], seed=4)[0], chunks=(1000, 1))
 
 
 def test_an_mxfp4_half_without_its_pair_is_refused(tmp_path):

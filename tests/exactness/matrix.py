@@ -120,7 +120,7 @@ Outputs = dict[str, list[tuple[list[int], list[dict[int, float]]]]]  # name -> p
 def serve(case: Case, model: str, cluster: Cluster | None = None, counts: dict | None = None,
           **overrides) -> Outputs:
     """The case's requests through a cluster of its spec (started here, unless given); `counts`
-    gets the decode instances' preemptions."""
+    gets the decode instances' preemptions and the KV bytes their TP rank 0 received."""
     own = cluster is None
     if own:
         cluster = Cluster(spec_of(case, model, **overrides), use_ray=case.needs_ray).start()
@@ -140,8 +140,9 @@ def serve(case: Case, model: str, cluster: Cluster | None = None, counts: dict |
         out = {name: [(s.token_ids, s.logprobs) for s in _check(got)] for name, got in zip(reqs, streams)}
         cluster.assert_no_leaks()
         if counts is not None:
-            counts["preemptions"] = sum(i.client.load().get("num_preemptions", 0) for i in cluster.instances.values()
-                                        if i.role != "prefill")
+            loads = [i.client.load() for i in cluster.instances.values() if i.role != "prefill"]
+            counts["preemptions"] = sum(load.get("num_preemptions", 0) for load in loads)
+            counts["kv_bytes_received"] = sum(load.get("kv_bytes_received", 0) for load in loads)  # by TP rank 0
         return out
     finally:
         if own:
