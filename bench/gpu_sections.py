@@ -6,7 +6,9 @@ Ray, fastapi, pydantic, gguf or flash-attn.
               sub-check on its own: a failed one is recorded as `<name>_error` and the probe returns)
     engine    the engine in bf16 against transformers in bf16 on a tiny random Llama: greedy tokens
               equal up to the first near-tie (transformers' top-2 logit gap under 1e-2, or under
-              two bf16 steps at that logit's size, which is all a bf16 logit resolves)
+              two bf16 steps at that logit's size, which is all a bf16 logit resolves); and a tiny
+              DeepSeek-V3 the same way in float32 (its latent attention's torch path; skipped, and
+              said so, where the device's transformers has no DeepSeek-V3)
     decode    decode ms/step, CUDA graphs and eager, at several batch sizes on a random-weight ~8B-shaped Llama built
               on the device, against the step time its bytes take at the measured copy bandwidth;
               its KV pool sized from the device (gpu_memory_utilization 0.4), and what that took
@@ -226,8 +228,45 @@ def engine_vs_transformers(plan: Plan, num_tokens: int = 32) -> dict:
         out[backend] = {"backend": runner.backend.name, "block_size": runner.block_size, "prompts": rows,
                         "ok": all(r["ok"] for r in rows)}
         del llm, runner
-    out["ok"] = out["auto"]["ok"] and out["torch"]["ok"]
+    out["mla"] = mla_vs_transformers(plan, num_tokens)
+    out["ok"] = out["auto"]["ok"] and out["torch"]["ok"] and out["mla"]["ok"]
     return out
+
+
+# a tiny DeepSeek-V3: latent attention (engine/mla.py), grouped sigmoid routing, a shared expert
+MLA_TINY = dict(TINY, num_key_value_heads=TINY["num_attention_heads"], kv_lora_rank=64, q_lora_rank=96,
+                qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=64, n_group=4, topk_group=2, first_k_dense_replace=1,
+                max_position_embeddings=1024)
+
+
+def mla_vs_transformers(plan: Plan, num_tokens: int = 32) -> dict:
+    """The engine's greedy tokens of a tiny DeepSeek-V3 in float32 against transformers' on the same
+    device (the latent attention's torch path: SDPA for expanded prefills, einsums for absorbed
+    decodes), loaded from the folder transformers saves. float32, not bf16: the absorbed form
+    rounds other products than transformers' expanded one, and in bf16 that moves logits by more
+    than the near-tie rule allows (seen on the CPU stand-in) and can flip a routing choice."""
+    import tempfile
+    from dataclasses import replace
+
+    import transformers
+    if not hasattr(transformers, "DeepseekV3Config"):
+        return {"skipped": f"transformers {transformers.__version__} has no DeepseekV3Config", "ok": True}
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from decode_worker.engine import ColocatedEngine
+    from decode_worker.llm import LLM
+    from engine.model_runner import ModelRunner
+    torch.manual_seed(1)
+    hf = sharpened(DeepseekV3ForCausalLM(DeepseekV3Config(**MLA_TINY)).eval()).to(plan.device)
+    prompts = [p for n in (7, 100, 300) for p in _prompts(1, n, TINY["vocab_size"], seed=n)]
+    with tempfile.TemporaryDirectory() as folder:
+        hf.save_pretrained(folder, safe_serialization=True)
+        cfg = replace(engine_config(plan.device, dict(num_blocks=256, block_size=16)), model=folder, dtype="float32")
+        runner = ModelRunner(cfg)
+        outs = LLM(engine=ColocatedEngine(cfg, runner=runner)).generate(prompts, _greedy(num_tokens))
+    rows = [_agreement(hf, p, o.token_ids, plan.device) for p, o in zip(prompts, outs)]
+    return {"backend": runner.backend.name, "prompts": rows, "ok": all(r["ok"] for r in rows)}
 
 
 # -- decode against the bytes it moves ---------------------------------------------------------

@@ -228,6 +228,8 @@ def select_method(name: str, x_like: torch.Tensor, w13: torch.Tensor, w2: torch.
                 logger.warning("expert method %s cannot run here (%s); not a candidate", m, str(exc).split("\n")[0])
                 candidates.remove(m)
         times.append(ms)
+    if not any(m != PACKED for m in candidates):
+        raise ValueError(f"no expert method runs on these {w13.dtype} experts here (each failed: see the log)")
     per_range = [min((m for m in ms if m != PACKED), key=ms.get) for ms in times]
     if PACKED in candidates and sum(ms[PACKED] for ms in times) < sum(ms[m] for ms, m in zip(times, per_range)):
         per_range = [PACKED] * len(BUCKETS)

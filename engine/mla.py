@@ -27,11 +27,12 @@ are the same sums, in the order transformers' V3 computes them.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from dataclasses import dataclass
 
 from engine.attention import AttentionMetadata, BaseAttentionBackend
 from engine.attention.base import gather_kv, write_kv
@@ -70,7 +71,7 @@ class PrefillForms:
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * torch.log(torch.tensor(factor)).item() + 1.0
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def softmax_scale(cfg: ModelConfig) -> float:

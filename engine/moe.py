@@ -164,7 +164,7 @@ def select_expert_methods(model: nn.Module, name: str) -> None:
         return
     first = blocks[0][1]
     experts = first.experts
-    choice = select_method(name, first.gate.weight, experts.w13_weight, experts.w2_weight, first.top_k, experts.local,
+    choice = select_method(name, experts.w13_weight, experts.w13_weight, experts.w2_weight, first.top_k, experts.local,
                            b13=experts.w13_bias, b2=experts.w2_bias, act=experts.activation)
     choice = first.tp.broadcast_object(choice)
     for _, block in blocks:

@@ -60,6 +60,7 @@ def test_dry_run_runs_every_section_with_only_what_the_gpu_machine_has(tmp_path)
     assert s["probe"]["two_devices"] and s["probe"]["device_count"] == 0  # the stand-in: two CPU processes
     assert s["engine"]["ok"] and {"auto", "torch"} <= set(s["engine"])
     assert all(len(s["engine"][b]["prompts"]) == 4 for b in ("auto", "torch"))
+    assert s["engine"]["mla"]["ok"] and len(s["engine"]["mla"]["prompts"]) == 3  # a tiny DeepSeek-V3
     assert set(s["decode"]["batches"]) == {"1", "4"} and s["decode"]["cuda_graphs"] is False  # a CPU has none
     assert s["decode"]["kv_blocks"] >= 2 and s["decode"]["kv_gib"] > 0
     assert all(b["ms_per_step"] > 0 and b["eager_ms_per_step"] > 0 and b["bytes_bound_ms"] > 0

@@ -120,6 +120,18 @@ def test_an_fp8_cache_stays_within_its_rounding(deepseek):
     assert 0 < change < 0.2 and (full.argmax(-1) == fp8.argmax(-1)).float().mean() >= 0.9
 
 
+def test_a_bf16_model_loads_and_stays_near_float32(deepseek):
+    """In bf16 (the router in float32 beside bf16 experts: the expert methods are timed on the
+    experts' dtype), the logits stay near float32's (measured max change 0.013-0.020, top-1 1.0)."""
+    _, _, folder = deepseek
+    prompt = random_prompts(1, [40], seed=12)[0]
+    full, half = (all_logits(ModelRunner(engine_config(model=str(folder), dtype=dtype)), prompt, 1000).float()
+                  for dtype in ("float32", "bfloat16"))
+    change, top1 = (full - half).abs().max().item(), (full.argmax(-1) == half.argmax(-1)).float().mean().item()
+    print(f"\n[mla bf16] max logit change {change:.3f}, top-1 {top1:.3f}")
+    assert change < 0.1 and top1 >= 0.95
+
+
 def test_backends_without_a_latent_path_are_refused(deepseek):
     """auto and torch run it; flex, vllm_cpu, flash_attn and --batch-invariant are refused naming
     MLA, before the model loads."""
