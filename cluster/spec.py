@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from engine.config import (DTYPE_CHOICES, EXPERT_METHOD_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES,
-                           CacheConfig, EngineConfig, SchedulerConfig)
+                           SPECULATIVE_METHODS, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig)
 from engine.expert_placement import ExpertPlacement
 
 MODES = ("disaggregated", "colocated")
@@ -90,6 +90,14 @@ _HELP = {
                         "per rank); every expert-parallel instance must have its rank count",
     "decode_expert_parallel": "a decode (or colocated) instance's own enable_expert_parallel (None: "
                               "enable_expert_parallel)",
+    "speculative_method": "speculative decoding on decode (and colocated) instances: ngram (prompt lookup, no "
+                          "model) or draft_model (a small model of the target's vocabulary, --speculative-model); "
+                          "off above the batch size where it stops paying, measured at load (docs/speculative.md)",
+    "speculative_model": "the draft model's checkpoint (a .gguf file or a HF safetensors folder); alone, it means "
+                         "speculative_method draft_model",
+    "num_speculative_tokens": "drafts per sequence and step, 1-16 (None: 3)",
+    "speculative_max_batch_size": "speculation off above this many decoding sequences (None: where it stops "
+                                  "paying, from step times measured at load and the acceptance measured since)",
     "enforce_eager": "no CUDA graphs: decode steps launch every kernel from Python",
     "batch_invariant": "a request's tokens and logprobs do not depend on what runs beside it, the batch size, "
                        "chunking or the layout: fixed-shape matmuls over unquantized weights, fixed-split "
@@ -178,6 +186,10 @@ class ClusterSpec:
     decode_expert_parallel: bool | None = None
     expert_placement: str | None = None  # a JSON file of engine/expert_placement.py ExpertPlacement
     expert_method: str = "auto"  # engine/expert_compute.py METHOD_CHOICES
+    speculative_method: str | None = None  # engine/speculative/config.py METHODS
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = None
+    speculative_max_batch_size: int | None = None
     enforce_eager: bool = False
     batch_invariant: bool = False
     num_threads: int | None = None
@@ -246,7 +258,8 @@ class ClusterSpec:
                               ("expert_method", EXPERT_METHOD_CHOICES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
-        for name, choices in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
+        for name, choices in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS),
+                              ("speculative_method", SPECULATIVE_METHODS)):
             if getattr(self, name) is not None and getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if self.batch_invariant and self.quantization not in ("auto", "none"):
@@ -262,8 +275,9 @@ class ClusterSpec:
                              f"got {self.redis_url!r}")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", self.cluster_name):
             raise ValueError(f"cluster_name {self.cluster_name!r}: 1-63 of [A-Za-z0-9_.-], starting alphanumeric")
+        self.speculative  # raises on speculative keys that cannot work together
         for name in ("model", "host", "ray_address", "api_key", "autoscale_profile", "k8s_namespace", "chat_template",
-                     "expert_placement",
+                     "expert_placement", "speculative_model",
                      "k8s_prefill_deployment", "k8s_decode_deployment"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name} must not be empty")
@@ -334,6 +348,12 @@ class ClusterSpec:
         return self.prefill_gpu_memory_utilization if role == "prefill" else self.decode_gpu_memory_utilization
 
     @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """Speculative decoding of the decode (and colocated) instances; None: off."""
+        return SpeculativeConfig.from_flags(self.speculative_method, self.speculative_model,
+                                            self.num_speculative_tokens, self.speculative_max_batch_size)
+
+    @property
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=self.num_kv_blocks, memory_gib=self.kv_memory_gib,
                            gpu_memory_utilization=self.gpu_memory_utilization,
@@ -360,7 +380,8 @@ class ClusterSpec:
                             tp_size=self.tp_size(role), expert_parallel=self.expert_parallel(role),
                             expert_placement=self.placement_for(role), expert_method=self.expert_method, cache=cache,
                             enforce_eager=self.enforce_eager or role == "prefill",  # a prefill never decodes
-                            batch_invariant=self.batch_invariant, scheduler=self.scheduler_config)
+                            batch_invariant=self.batch_invariant, scheduler=self.scheduler_config,
+                            speculative=None if role == "prefill" else self.speculative)
 
     def to_dict(self) -> dict:
         """Plain dict with one key per field: what `from_yaml` reads back."""
@@ -410,7 +431,7 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
                "kv_load_failure_policy": KV_LOAD_FAILURE_POLICIES, "kv_transport": KV_TRANSPORTS,
                "kv_cache_dtype": KV_CACHE_DTYPE_CHOICES, "quantization": QUANTIZATION_CHOICES,
                "autoscale_actuator": AUTOSCALE_ACTUATORS, "omp_wait_policy": WAIT_POLICIES,
-               "expert_method": EXPERT_METHOD_CHOICES}
+               "expert_method": EXPERT_METHOD_CHOICES, "speculative_method": SPECULATIVE_METHODS}
     for f in fields(ClusterSpec):
         base = _base_type(_field_types()[f.name])
         flag = "--" + f.name.replace("_", "-")

@@ -9,6 +9,7 @@ from engine.block_manager import KVCacheManager
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus, SamplingParams
+from engine.speculative.speculator import Speculator
 from engine.tokenizer import Tokenizer
 from decode_worker.output import OutputProcessor, RequestOutput
 from decode_worker.scheduler import Scheduler
@@ -30,7 +31,10 @@ class ColocatedEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, block_size, config.cache.enable_prefix_caching,
                                  mc.kv_layout.windows)
         self.max_model_len = self.runner.max_model_len
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        # rank 0's: the draft runs there alone (the other ranks' runners took part in the profile)
+        self.speculator = None if config.speculative is None or self.runner.tp.rank > 0 else \
+            Speculator.build(config.speculative, self.runner)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.speculator)
         self.output = OutputProcessor()  # token ids only: text is the front end's (engine/text.py)
         self.eos_token_ids = frozenset(mc.eos_token_ids)  # the model's one EOS set (ModelConfig)
 

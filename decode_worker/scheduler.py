@@ -16,19 +16,27 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import TYPE_CHECKING
 
 from engine.batch import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from engine.block_manager import KVCacheManager
 from engine.config import SchedulerConfig, window_start
 from engine.logits_processing import history_of
 from engine.request import Request, RequestStatus, check_admission, choice_id
+from engine.speculative.base import SpecSequence
+
+if TYPE_CHECKING:
+    from engine.speculative.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
-        self.config = config
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 speculator: Speculator | None = None):
+        """`speculator`: speculative decoding (engine/speculative): decoding sequences compute their
+        last token and its drafts in one step, and keep the drafts the target agrees with."""
+        self.config, self.speculator = config, speculator
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -40,6 +48,7 @@ class Scheduler:
         self.block_copies: list[tuple[int, int]] = []  # (src, dst) blocks of forked choices, made next step
         self.forks: list[tuple[str, list[Request]]] = []  # (parent id, its choices) since take_forks
         self.num_preemptions = 0
+        self._speculating: list[tuple[Request, CachedRequestData, int]] = []  # this step's: slots for k drafts
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -151,6 +160,8 @@ class Scheduler:
         req.status = status
         self.kv.free(req)
         self._finished_ids.append(request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -159,18 +170,26 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_ids, block_copies=self.block_copies)
         self._finished_ids, self.block_copies = [], []
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        ks = {} if self.speculator is None else \
+            self.speculator.plan(self.running, self._unknown_to_runner, self.max_model_len)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, ks)
+        if self._speculating:
+            budget += self._propose()
         self._schedule_waiting(out, budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, ks: dict[str, int]) -> int:
+        """`ks`: speculating requests, id -> at most how many drafts (slots for them are taken here)."""
         scheduled: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            k = max(0, min(ks.get(req.request_id, 0), budget - num_new))
             num_null = self.kv.drop_out_of_window(req)  # first: its blocks may make room
-            new_blocks = self.kv.allocate_slots(req, num_new)
+            new_blocks = self.kv.allocate_slots(req, num_new + k)
+            if new_blocks is None and k:  # no room for drafts: a plain decode step
+                k, new_blocks = 0, self.kv.allocate_slots(req, num_new)
             if new_blocks is None:
                 victim = self.running.pop()  # lowest priority: the last admitted
                 self._preempt(victim)
@@ -188,14 +207,34 @@ class Scheduler:
                 out.cached_requests.append(CachedRequestData(req.request_id, token_ids, req.num_computed_tokens,
                                                              tuple([b.block_id for b in g] for g in new_blocks), sample,
                                                              num_null))
+                if k:
+                    self._speculating.append((req, out.cached_requests[-1], k))
             scheduled.append(req)
-            budget -= num_new
+            budget -= num_new + k
             i += 1
         return budget
+
+    def _propose(self) -> int:
+        """This step's drafts, appended to the speculating requests' tokens; the slots of drafts not
+        proposed are freed. Returns the token budget they leave."""
+        spec, self._speculating = self._speculating, []
+        drafts = self.speculator.propose([SpecSequence(req.request_id, req.all_token_ids, k,
+                                                       self.kv.get_block_ids(req.request_id)) for req, _, k in spec])
+        unused = 0
+        for (req, data, k), proposed in zip(spec, drafts):
+            proposed = proposed[:k]
+            data.token_ids, data.num_draft_tokens = data.token_ids + proposed, len(proposed)
+            if len(proposed) < k:
+                freed = self.kv.trim(req, req.num_computed_tokens + 1 + len(proposed))
+                data.new_block_ids = tuple(new[:len(new) - len(f)] for new, f in zip(data.new_block_ids, freed))
+                unused += k - len(proposed)
+        return unused
 
     def _preempt(self, req: Request) -> None:
         self._unknown_to_runner.discard(req.request_id)
         self.kv.free(req)
+        if self.speculator is not None:
+            self.speculator.forget(req.request_id)  # its blocks, and the draft's KV in them, are gone
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -232,6 +271,10 @@ class Scheduler:
             req = self.requests.get(r.request_id)
             if req is None:  # aborted while its step ran
                 continue
+            if r.request_id in result.spec_token_ids:
+                self._take_verified(req, r, result)
+                touched.append(req)
+                continue
             req.num_computed_tokens += len(r.token_ids)
             token = result.sampled_token_ids.get(r.request_id)
             if token is None:
@@ -248,6 +291,22 @@ class Scheduler:
                 self.finish_request(req.request_id, status)
             touched.append(req)
         return touched
+
+    def _take_verified(self, req: Request, r: CachedRequestData, result: RunnerOutput) -> None:
+        """A speculating request's step: its kept drafts and the token after them join its output,
+        up to a stop; the blocks past its computed tokens are freed (the rejected drafts' slots)."""
+        tokens, logprobs = result.spec_token_ids[r.request_id], result.spec_logprobs.get(r.request_id)
+        req.num_computed_tokens += len(r.token_ids) - r.num_draft_tokens + len(tokens) - 1
+        self.speculator.record(r.num_draft_tokens, len(tokens) - 1)
+        for i, token in enumerate(tokens):
+            req.output_token_ids.append(token)
+            if logprobs is not None:
+                req.output_logprobs.append(logprobs[i])
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.finish_request(req.request_id, status)
+                return
+        self.kv.trim(req, req.num_computed_tokens)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params

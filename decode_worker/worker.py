@@ -76,6 +76,7 @@ class DecodeWorker(BaseWorker):
                 "decode_steps": float(self.num_steps),
                 "decode_step_s": self.step_s, "decode_step_seqs": float(self.num_step_seqs),
                 "kv_capacity_tokens": float((self.runner.num_blocks - 1) * self.runner.block_size),
+                **(self.engine.speculator.figures() if self.engine.speculator is not None else {}),
                 **super().load()}
 
     def has_work(self) -> bool:

@@ -22,6 +22,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     sample: bool  # True when this step reaches the end of the known tokens: sample the next one
     history: TokenHistory | None = None  # its tokens, where its sampling controls read them (history_of)
+    num_draft_tokens: int = 0  # as CachedRequestData's (a load-time profile's verify steps)
 
 
 @dataclass
@@ -33,6 +34,8 @@ class CachedRequestData:
     sample: bool
     num_null_blocks: tuple[int, ...] = ()  # per KV group, leading entries now the null block (freed
     # outside a sliding window); () for none
+    num_draft_tokens: int = 0  # speculative decoding: token_ids ends with this many drafts, each
+    # position sampled and verified (engine/speculative/verify.py)
 
 
 @dataclass
@@ -59,3 +62,6 @@ class RunnerOutput:
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)  # only requests that asked
     # n > 1 (a prompt's first tokens): every choice's (token, logprobs or None); choice 0 is the above
     choices: dict[str, list[tuple[int, dict[int, float] | None]]] = field(default_factory=dict)
+    # speculative decoding: a verifying request's kept drafts and one more token (in place of the above)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # only requests that asked

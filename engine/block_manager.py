@@ -379,6 +379,18 @@ class KVCacheManager:
         self.req_to_block_hashes.pop(req_id, None)
         self.num_cached_block.pop(req_id, None)
 
+    def trim(self, request: Request, num_tokens: int) -> tuple[list[int], ...]:
+        """Speculative decoding's rollback: frees the blocks past the first `num_tokens` tokens (slots
+        taken for drafts that were rejected, or never proposed). Such blocks hold no token of the
+        request's own, so none of them is in the prefix cache. Returns per group the freed block ids."""
+        keep, null, freed = -(-num_tokens // self.block_size), self.block_pool.null_block, []
+        for table in self.req_to_blocks.get(request.request_id, []):
+            tail = table[keep:]
+            del table[keep:]
+            self.block_pool.free_blocks(reversed([b for b in tail if b is not null]))
+            freed.append([b.block_id for b in tail])
+        return tuple(freed)
+
     def fork(self, parent_id: str, child: Request, num_tokens: int) -> list[tuple[int, int]] | None:
         """`child` shares the KV of `parent_id`'s first `num_tokens` tokens (n > 1 choices of one prompt):
         their full blocks are referenced once more; a partial last block is copied into a new block of the

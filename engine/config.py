@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.expert_placement import ExpertPlacement
+from engine.speculative.config import METHODS as SPECULATIVE_METHODS  # noqa: F401 (the spec's choices)
+from engine.speculative.config import SpeculativeConfig
 
 
 def window_start(num_tokens: int, kv_window: int | None) -> int:
@@ -327,3 +329,4 @@ class EngineConfig:
     quantization: str = "auto"  # linear method: auto (the checkpoint's format), none, int8, w8a8, int4
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None  # speculative decoding on a decode (or colocated) instance

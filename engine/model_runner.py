@@ -36,6 +36,8 @@ from engine.quant.base import BaseLinearMethod
 from engine.quant.q8_head import q8_head_method
 from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
+from engine.speculative.profile import measure_verify
+from engine.speculative.verify import split_rows, verify
 from engine.threads import TeamSizer, use_intraop_threads
 from engine.tokenizer import Tokenizer
 
@@ -64,9 +66,12 @@ class ModelInput:
     input_ids: torch.Tensor  # (num_tokens,)
     positions: torch.Tensor  # (num_tokens,)
     metas: tuple[AttentionMetadata, ...]  # per KV group (ModelConfig.kv_layout): their tables and slots differ
-    sample_indices: torch.Tensor  # (num_sampled,) flat index of the last token of each sampled sequence
+    sample_indices: torch.Tensor  # (num_rows,) flat index of the last token of each sampled sequence (of each
+    # of its positions, for a sequence with drafts)
     sample_req_ids: list[str]
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, before the forward
+    # speculative decoding: request id -> (position of its first token, its drafts); every position sampled
+    drafts: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
 
     @property
     def meta(self) -> AttentionMetadata:
@@ -133,6 +138,9 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(model_config, self.num_kv_heads, self.num_blocks, self.block_size,
                                           self.kv_dtype, self.device)
         self.graphs = self._decode_graphs()
+        spec = config.speculative  # where speculation pays: every rank profiles, in step (engine/speculative)
+        self.spec_profile = measure_verify(self, spec.num_speculative_tokens) if spec and not spec.max_batch_size \
+            else None
         reset_expert_counts(self.model)  # the profiling and capture steps routed nothing real
         logger.info("model runner: %s on %s, dtype %s, KV %s, attention %s, fused %s ops, %d KV blocks of %d "
                     "tokens", model_config.name, self.device, self.dtype, self.kv_dtype, self.backend.name,
@@ -202,13 +210,14 @@ class ModelRunner:
         mc = self.model_config
         return min(self.config.scheduler.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
 
-    def profile_step(self, num_seqs: int, num_tokens: int, context_len: int) -> None:
+    def profile_step(self, num_seqs: int, num_tokens: int, context_len: int, num_draft_tokens: int = 0) -> None:
         """One step of `num_seqs` sequences, each computing the last `num_tokens` of `context_len`
         tokens (clamped to the model's positions; 1 token: a decode), sampled: the activations of a
         step of that shape (the KV budget's profile, engine/kv_budget.py). Through a scratch pool of
         the null block and one block per KV group, which every table entry points at: attention
         reads and writes each row's whole context as a real step does, over a pool of a few blocks
-        (what it reads there is garbage). The runner's own pool, if it has one, is put back."""
+        (what it reads there is garbage). The runner's own pool, if it has one, is put back.
+        `num_draft_tokens`: the last of each sequence's tokens are drafts, verified (speculation's profile)."""
         context_len = min(context_len, self.model_config.max_position_embeddings)
         num_tokens = min(num_tokens, context_len)
         groups, n = len(self.backends), -(-context_len // self.block_size)
@@ -217,7 +226,7 @@ class ModelRunner:
                                           self.kv_dtype, self.device)
         reqs = [NewRequestData(f"profile-{i}", [1] * num_tokens, context_len - num_tokens,
                                tuple([1 + g] * n for g in range(groups)), SamplingParams(max_tokens=1, temperature=0.0),
-                               True) for i in range(num_seqs)]
+                               True, num_draft_tokens=num_draft_tokens) for i in range(num_seqs)]
         try:
             self.execute(SchedulerOutput(new_requests=reqs))
         finally:
@@ -366,7 +375,7 @@ class ModelRunner:
         input_ids, positions, query_lens, seq_lens = [], [], [], []
         groups = range(len(self.backends))
         slots, tables = [[] for _ in groups], [[] for _ in groups]  # per KV group
-        sample_indices, sample_req_ids = [], []
+        sample_indices, sample_req_ids, drafts = [], [], {}
         bs = self.block_size
         for r in reqs:
             start, n = r.num_computed_tokens, len(r.token_ids)
@@ -378,11 +387,14 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             if r.sample:
-                sample_indices.append(len(input_ids) - 1)
+                num_drafts = getattr(r, "num_draft_tokens", 0)
+                sample_indices += range(len(input_ids) - 1 - num_drafts, len(input_ids))
                 sample_req_ids.append(r.request_id)
+                if num_drafts:
+                    drafts[r.request_id] = (start, r.token_ids[n - num_drafts:])
         inp = self._to_model_input(input_ids, positions, slots, query_lens, seq_lens, tables,
                                    sample_indices, sample_req_ids)
-        inp.block_copies = list(sched.block_copies)
+        inp.block_copies, inp.drafts = list(sched.block_copies), drafts
         return inp
 
     def _to_model_input(self, input_ids, positions, slots, query_lens, seq_lens, tables,
@@ -447,7 +459,14 @@ class ModelRunner:
         out = RunnerOutput()
         if logits is None:
             return out
-        states = [self.requests[rid] for rid in inp.sample_req_ids]
+        req_ids = inp.sample_req_ids
+        if inp.drafts:  # speculative decoding: verifying requests have a row per position
+            rows, req_ids, verifying = split_rows(inp)
+            verify(self, logits, verifying, out)
+            if not req_ids:
+                return out
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        states = [self.requests[rid] for rid in req_ids]
         rows = [i for i, s in enumerate(states) for _ in range(s.sampling_params.n)]
         params, generators = [], []
         for i, s in enumerate(states):
@@ -462,7 +481,7 @@ class ModelRunner:
         sampled = self.sampler(logits, params, generators, [states[i].history for i in rows],
                                grammars if any(g is not None for g in grammars) else None)
         first = 0
-        for i, rid in enumerate(inp.sample_req_ids):
+        for i, rid in enumerate(req_ids):
             token, state = sampled.token_ids[first], states[i]
             out.sampled_token_ids[rid] = token
             if state.history is not None:

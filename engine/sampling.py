@@ -49,7 +49,7 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def _is_greedy(params: SamplingParams) -> bool:
+def is_greedy(params: SamplingParams) -> bool:
     return params.greedy or params.temperature < _SAMPLING_EPS
 
 
@@ -84,14 +84,14 @@ class Sampler:
             apply_grammar_masks(logits, grammars)
         if any(needs_processing(p) for p in params):
             processed = process_logits(logits.clone(), params, histories or [None] * len(params))
-            logits = _keep_grammar_tokens(processed, logits, grammars) if masked else processed
-        greedy = [_is_greedy(p) for p in params]
+            logits = keep_grammar_tokens(processed, logits, grammars) if masked else processed
+        greedy = [is_greedy(p) for p in params]
         if all(greedy):
             token_ids = logits.argmax(dim=-1)  # (num_seqs,)
         else:
             token_ids = self._sample_mixed(logits, params, generators, greedy)
         return SamplerOutput(token_ids=token_ids.tolist(),
-                             logprobs=_gather_logprobs(raw, token_ids, params))
+                             logprobs=gather_logprobs(raw, token_ids, params))
 
     def _sample_mixed(self, logits: torch.Tensor, params: list[SamplingParams],
                       generators: list[torch.Generator | None], greedy: list[bool]) -> torch.Tensor:
@@ -100,27 +100,36 @@ class Sampler:
         Shape:
             logits: (num_seqs, vocab_size) float32 -> token ids (num_seqs,) int64.
         """
-        device = logits.device
         token_ids = logits.argmax(dim=-1)  # (num_seqs,); sampled rows overwritten below
         rows = [i for i, g in enumerate(greedy) if not g]
-        row_idx = torch.tensor(rows, device=device)
-        temps = torch.tensor([params[i].temperature for i in rows], device=device)
-        sub = logits[row_idx] / temps.unsqueeze(1)  # (num_sampled, vocab_size)
-        min_p = [params[i].min_p for i in rows]
-        if any(min_p):
-            sub = apply_min_p(sub, torch.tensor(min_p, device=device))
-        top_k = [params[i].top_k for i in rows]
-        top_p = [params[i].top_p for i in rows]
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            sub = _apply_top_k_top_p(sub, torch.tensor(top_k, device=device),
-                                     torch.tensor(top_p, device=device))
-        probs = sub.softmax(dim=-1)  # (num_sampled, vocab_size)
+        row_idx = torch.tensor(rows, device=logits.device)
+        probs = probabilities(logits[row_idx], [params[i] for i in rows])  # (num_sampled, vocab_size)
         token_ids[row_idx] = _exponential_race(probs, [generators[i] for i in rows])
         return token_ids
 
 
-def _keep_grammar_tokens(processed: torch.Tensor, masked: torch.Tensor, grammars: list[GrammarState | None]
-                         ) -> torch.Tensor:
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: its processed logits after temperature, min-p,
+    top-k and top-p (the rows are not greedy).
+
+    Shape:
+        logits: (n, vocab_size) float32 -> (n, vocab_size), rows summing to 1.
+    """
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=device)
+    sub = logits / temps.unsqueeze(1)  # (n, vocab_size)
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        sub = apply_min_p(sub, torch.tensor(min_p, device=device))
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        sub = _apply_top_k_top_p(sub, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
+    return sub.softmax(dim=-1)
+
+
+def keep_grammar_tokens(processed: torch.Tensor, masked: torch.Tensor, grammars: list[object | None]
+                        ) -> torch.Tensor:
     """Where a grammar row's processing forbade every token its grammar allows (min_tokens holding
     back the EOS a finished grammar needs), the grammar wins: that row goes back to its masked logits.
 
@@ -192,7 +201,7 @@ def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | No
     return (probs / noise).argmax(dim=-1)
 
 
-def _gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
                      params: list[SamplingParams]) -> list[dict[int, float] | None]:
     """Logprobs of the sampled token and the top-n tokens, for rows that asked for them.
 

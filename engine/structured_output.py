@@ -196,6 +196,22 @@ class GrammarState:
             bitmask[row, t // 32] |= _bit(t % 32)
 
 
+    def fill_bitmasks_along(self, drafts: Sequence[int], bitmask: torch.Tensor, first_row: int) -> int:
+        """Speculative decoding: into rows first_row.. of `bitmask`, the allowed tokens at each draft's
+        position and after the last, the drafts consumed while the grammar takes them, then rolled
+        back (the state is as before). Returns how many drafts the grammar takes; the rows past them
+        repeat the last mask (the verifier rejects a draft its mask forbids, so they are never read)."""
+        n = 0 if self.failed or self.matcher.is_stopped() else self.matcher.validate_tokens(list(drafts))
+        for i in range(n + 1):
+            self.fill_bitmask(bitmask, first_row + i)
+            if i < n:
+                self.matcher.consume_token(drafts[i])
+        if n:
+            self.matcher.rollback(n)
+        bitmask[first_row + n + 1:first_row + len(drafts) + 1] = bitmask[first_row + n]
+        return n
+
+
 def _bit(k: int) -> int:
     """Bit k of an int32 word, as a Python int that fits int32 (bit 31 is the sign)."""
     return -(1 << 31) if k == 31 else 1 << k

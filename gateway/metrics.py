@@ -21,6 +21,8 @@ INSTANCE_GAUGES = {
     "kv_messages_dropped": ("pdserve_kv_messages_dropped_total", "malformed KV control messages or parts for unknown requests"),
     "kv_checksum_mismatches": ("pdserve_kv_checksum_mismatches_total",
                                "KV parts whose checksum did not match (--kv-checksum): failed and retried"),
+    "spec_max_batch": ("pdserve_spec_decode_max_batch_size",
+                       "speculative decoding: most decoding sequences a step speculates with (measured)"),
 }
 # load key prefix -> (metric name, help): a figure per sparse layer of a mixture of experts, labelled
 # with the layer (engine/moe.py expert_load_figures)
@@ -29,6 +31,16 @@ LAYER_GAUGES = {
                           "max over mean of the tokens routed to each expert of a layer, since start"),
     "expert_rank_imbalance/": ("pdserve_instance_expert_rank_imbalance_ratio",
                                "expert parallelism: max over mean of the tokens each rank computes in a layer"),
+}
+# load key prefix -> (metric name, help, kind): speculative decoding, per method and draft position
+# (engine/speculative/speculator.py figures: "spec_proposed/<method>/<position>")
+SPEC_FIGURES = {
+    "spec_proposed": ("pdserve_spec_decode_proposed_tokens", "drafts proposed at this position, since start",
+                      CounterMetricFamily),
+    "spec_accepted": ("pdserve_spec_decode_accepted_tokens", "drafts accepted at this position, since start",
+                      CounterMetricFamily),
+    "spec_acceptance": ("pdserve_spec_decode_acceptance_ratio", "drafts accepted over proposed at this position",
+                        GaugeMetricFamily),
 }
 # router counter -> (metric name, help): every failure path the router handles
 ROUTER_COUNTERS = {
@@ -71,6 +83,8 @@ class GatewayMetrics:
                     for k, (name, doc) in INSTANCE_GAUGES.items()}
         by_layer = {prefix: GaugeMetricFamily(name, doc, labels=["instance_id", "role", "layer"])
                     for prefix, (name, doc) in LAYER_GAUGES.items()}
+        spec = {key: kind(name, doc, labels=["instance_id", "role", "method", "position"])
+                for key, (name, doc, kind) in SPEC_FIGURES.items()}
         for inst in list(self.cluster.instances.values()):
             info = inst.client.info
             healthy.add_metric([info.instance_id, info.role], 1.0 if info.healthy else 0.0)
@@ -81,10 +95,13 @@ class GatewayMetrics:
                 prefix, _, layer = key.rpartition("/")
                 if prefix + "/" in by_layer:
                     by_layer[prefix + "/"].add_metric([info.instance_id, info.role, layer], value)
+                figure, _, method_position = key.partition("/")
+                if figure in spec:  # "spec_proposed/<method>/<position>"
+                    spec[figure].add_metric([info.instance_id, info.role, *method_position.split("/")], value)
         counters = []
         for key, (name, doc) in ROUTER_COUNTERS.items():
             counters.append(CounterMetricFamily(name, doc, value=router.stats[key] if router else 0))
-        yield from [queue, active, healthy, *families.values(), *by_layer.values(), *counters]
+        yield from [queue, active, healthy, *families.values(), *by_layer.values(), *spec.values(), *counters]
 
     def describe(self):
         return []

@@ -11,6 +11,7 @@ from cluster.cli.expert_plan import add_expert_plan
 
 def _add_generate(sub) -> None:
     from engine.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES  # the serve flags import it too
+    from engine.speculative.config import METHODS as SPECULATIVE_METHODS
     p = sub.add_parser("generate", allow_abbrev=False, help="generate a completion for one prompt")
     p.add_argument("prompt")
     p.add_argument("--model", default="smollm2", help="smollm2, a .gguf file or a HF safetensors folder")
@@ -33,6 +34,11 @@ def _add_generate(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads on CPU")
     p.add_argument("--batch-invariant", action="store_true",
                    help="tokens and logprobs independent of batch, chunking and layout (docs/exactness.md)")
+    p.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
+                   help="speculative decoding: ngram (prompt lookup) or draft_model (docs/speculative.md)")
+    p.add_argument("--speculative-model", default=None,
+                   help="the draft model (alone: --speculative-method draft_model)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step, 1-16 (default 3)")
     g = p.add_argument_group("cluster", "any of these runs the prompt through a cluster of Ray actors")
     g.add_argument("--prefill", type=int, default=None, help="prefill instances")
     g.add_argument("--decode", type=int, default=None, help="decode (or colocated) instances")
@@ -53,7 +59,9 @@ def _cluster_spec(args):
     return ClusterSpec(model=args.model, dtype=args.dtype, num_prefill=1 if args.prefill is None else args.prefill,
                        num_decode=args.decode or 1, decode_tp=tp, prefill_tp=args.prefill_tp or tp,
                        mode=args.mode or "disaggregated", num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
-                       quantization=args.quantization, batch_invariant=args.batch_invariant)
+                       quantization=args.quantization, batch_invariant=args.batch_invariant,
+                       speculative_method=args.speculative_method, speculative_model=args.speculative_model,
+                       num_speculative_tokens=args.num_speculative_tokens)
 
 
 def _generate_on_cluster(spec, args, params) -> dict:
@@ -80,12 +88,15 @@ def cmd_generate(args) -> int:
     from engine.request import SamplingParams
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    from engine.speculative.config import SpeculativeConfig
+    speculative = SpeculativeConfig.from_flags(args.speculative_method, args.speculative_model,
+                                               args.num_speculative_tokens)  # refused before anything loads
     spec = _cluster_spec(args)
     if spec is not None:
         result = _generate_on_cluster(spec, args, params)
     else:
         llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
-                  quantization=args.quantization, batch_invariant=args.batch_invariant)
+                  quantization=args.quantization, batch_invariant=args.batch_invariant, speculative=speculative)
         out = llm.generate([args.prompt], params, chat=args.chat)[0]
         result = {"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
                   "finish_reason": out.finish_reason, "ttft_s": out.ttft_s, "tokens_per_s": out.tokens_per_s}

@@ -110,7 +110,8 @@ class RankHost:
         compat = CompatRecord(model=mc.name, dtype=str(self.runner.kv_dtype).removeprefix("torch."),
                               num_layers=mc.kv_layout.num_slabs, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                               block_size=self.runner.block_size, tp_size=tp_size, device_type=self.runner.device.type,
-                              kv_layout=mc.kv_layout.signature, kv_checksum=kv_checksum, kv_format=mc.kv_format)
+                              kv_layout=mc.kv_layout.signature, kv_checksum=kv_checksum, kv_format=mc.kv_format,
+                              speculative=config.speculative.describe() if config.speculative else "")
         backend = self.runner.backend
         kv_views = None
         if backend.own_kv_layout and role in ("prefill", "decode"):  # the transfer reads and writes through them
@@ -158,10 +159,13 @@ class RankHost:
     @property
     def engine(self) -> dict[str, str]:
         """What this rank's engine chose at load, for /status: dtype, linear layers (method and
-        kernels, with layer counts), attention backend and KV cache dtype."""
+        kernels, with layer counts), attention backend and KV cache dtype; a decode rank's speculative decoding."""
         r = self.runner
-        return {"dtype": str(r.dtype).removeprefix("torch."), "linear_layers": r.linear_layers,
-                "attention": r.backend.name, "kv_cache_dtype": str(r.kv_dtype).removeprefix("torch.")}
+        out = {"dtype": str(r.dtype).removeprefix("torch."), "linear_layers": r.linear_layers,
+               "attention": r.backend.name, "kv_cache_dtype": str(r.kv_dtype).removeprefix("torch.")}
+        if self.role != "prefill" and (spec := self.worker.engine.speculator) is not None:
+            out["speculative"] = spec.describe()
+        return out
 
     def kv_endpoint(self) -> KVEndpoint | None:
         if self.receiver is None:

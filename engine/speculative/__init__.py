@@ -2,15 +2,16 @@
 model checks them all in one forward, and `rejection.py` keeps the longest run the target agrees
 with, so the output is the target's (greedy: identical; sampled: the same distribution).
 
-    proposer = create_proposer("ngram", max_n=4)
-    drafts = proposer.propose([history_a, history_b], k=3)     # per sequence, up to k token ids
+    proposer = create_proposer(SpeculativeConfig("ngram", 3), target_runner)
+    drafts = proposer.propose([SpecSequence(rid, token_ids, k), ...])   # per sequence, up to k ids
 
-Built so far: the proposer interface and registry, the n-gram (prompt lookup) proposer, and the
-rejection sampler. Not wired into the engine yet: see docs/speculative.md.
+The scheduler asks a `Speculator` (speculator.py) which decoding sequences speculate this step and
+for their drafts; the runner verifies them (verify.py). docs/speculative.md.
 """
 from __future__ import annotations
 
-from engine.speculative.base import PROPOSERS, Proposer, create_proposer
+from engine.speculative.base import PROPOSERS, Proposer, SpecSequence, create_proposer
+from engine.speculative.draft_model import DraftModelProposer
 from engine.speculative.ngram import NgramProposer
 
-__all__ = ["PROPOSERS", "NgramProposer", "Proposer", "create_proposer"]
+__all__ = ["PROPOSERS", "DraftModelProposer", "NgramProposer", "Proposer", "SpecSequence", "create_proposer"]

@@ -3,13 +3,33 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.model_runner import ModelRunner
+    from engine.speculative.config import SpeculativeConfig
 
 PROPOSERS: dict[str, type[Proposer]] = {}  # --speculative-method name -> class (each module registers its own)
 
 
+@dataclass(frozen=True)
+class SpecSequence:
+    """A sequence to propose for: its tokens (prompt and output), at most `k` drafts, and its block
+    tables, which hold slots up to position len(token_ids) + k - 1 (the verify step's)."""
+
+    request_id: str
+    token_ids: Sequence[int]
+    k: int
+    block_ids: tuple[list[int], ...] = ()
+
+
 class Proposer(ABC):
     """Guesses how each sequence continues. `propose` sees every speculating sequence of a step at
-    once (a model-based proposer runs them as one batch)."""
+    once (a model-based proposer runs them as one batch). Drafts are token ids, proposed
+    deterministically: the verifier treats each as a point mass (engine/speculative/rejection.py)."""
 
     name: str
 
@@ -17,13 +37,26 @@ class Proposer(ABC):
         super().__init_subclass__(**kwargs)
         PROPOSERS[cls.name] = cls
 
+    @classmethod
+    def from_config(cls, config: SpeculativeConfig, target: ModelRunner | None) -> Proposer:
+        """The proposer for `config`, beside the target model's runner."""
+        return cls()
+
     @abstractmethod
-    def propose(self, histories: Sequence[Sequence[int]], k: int) -> list[list[int]]:
-        """Per sequence (its prompt and output so far), up to k draft token ids; [] for none."""
+    def propose(self, seqs: Sequence[SpecSequence]) -> list[list[int]]:
+        """Per sequence, up to its k draft token ids; [] for none."""
+
+    def profile_seconds(self, batch_sizes: Sequence[int], k: int, device: torch.device) -> tuple[float, ...]:
+        """Seconds of a `propose` of k drafts per batch size (speculation's profile, profile.py)."""
+        from engine.speculative.profile import synthetic_seconds
+        return synthetic_seconds(self, batch_sizes, k, device)
+
+    def forget(self, request_id: str) -> None:
+        """The request finished, or lost its blocks (preempted): drop what is kept of it."""
 
 
-def create_proposer(method: str, **kwargs) -> Proposer:
+def create_proposer(config: SpeculativeConfig, target: ModelRunner | None = None) -> Proposer:
     """A proposer by its --speculative-method name. Raises ValueError for an unknown one."""
-    if method not in PROPOSERS:
-        raise ValueError(f"unknown speculative method {method!r}; choose one of {', '.join(sorted(PROPOSERS))}")
-    return PROPOSERS[method](**kwargs)
+    if config.method not in PROPOSERS:
+        raise ValueError(f"unknown speculative method {config.method!r}; choose one of {', '.join(sorted(PROPOSERS))}")
+    return PROPOSERS[config.method].from_config(config, target)

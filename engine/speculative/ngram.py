@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.speculative.base import Proposer
+from engine.speculative.base import Proposer, SpecSequence
 
 
 class NgramProposer(Proposer):
@@ -19,8 +19,8 @@ class NgramProposer(Proposer):
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, not {min_n} and {max_n}")
         self.max_n, self.min_n = max_n, min_n
 
-    def propose(self, histories: Sequence[Sequence[int]], k: int) -> list[list[int]]:
-        return [self.lookup(np.asarray(h, dtype=np.int64), k) for h in histories]
+    def propose(self, seqs: Sequence[SpecSequence]) -> list[list[int]]:
+        return [self.lookup(np.asarray(s.token_ids, dtype=np.int64), s.k) for s in seqs]
 
     def lookup(self, history: np.ndarray, k: int) -> list[int]:
         """The continuation of the longest, most recent earlier match of history's last n tokens."""

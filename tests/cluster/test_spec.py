@@ -202,6 +202,10 @@ def test_cli_rejects_bad_values():
     ({"tool_call_parser": "pythonic"}, "tool_call_parser must be one of hermes, llama3_json, mistral"),
     ({"reasoning_parser": "think"}, "reasoning_parser must be one of deepseek_r1, openai_gptoss, qwen3"),
     ({"chat_template": ""}, "chat_template must not be empty"),
+    ({"speculative_method": "medusa"}, "speculative_method must be one of ngram, draft_model"),
+    ({"speculative_method": "draft_model"}, "draft_model needs --speculative-model"),
+    ({"num_speculative_tokens": 2}, "--num-speculative-tokens needs --speculative-method"),
+    ({"speculative_method": "ngram", "num_speculative_tokens": 20}, "num_speculative_tokens must be in"),
 ])
 def test_validation_errors(kw, message):
     """Bad values raise a ValueError that names the field."""

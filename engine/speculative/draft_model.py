@@ -1,0 +1,122 @@
+"""The draft-model proposer (`--speculative-model`): a small model of the target's vocabulary
+guesses k tokens, one forward each, greedily.
+
+The draft has its own KV pool of as many blocks as the target's, of the target's block size, and
+reads the target's block tables: a sequence's draft KV sits in the same block ids and slots as its
+target KV, so the scheduler allocates and frees once for both (rejected drafts' slots are written
+again by the next step). What the draft has computed of a sequence is remembered as the tokens it
+was fed: each `propose` first feeds the tokens it lacks (after a rejection, the kept drafts and the
+target's token; on a request's first step here, its whole prompt: a disaggregated request's draft
+KV is computed on the decode instance, not shipped; docs/speculative.md), then proposes.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.batch import NewRequestData, SchedulerOutput
+from engine.request import SamplingParams
+from engine.speculative.base import Proposer, SpecSequence
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+    from engine.speculative.config import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
+
+_GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+class DraftModelProposer(Proposer):
+    name = "draft_model"
+
+    def __init__(self, draft: ModelRunner, target_vocab_size: int):
+        self.draft, self.vocab_size = draft, target_vocab_size
+        self.fed: dict[str, tuple[list[int], int]] = {}  # request id -> (tokens fed, how many were its own)
+
+    @classmethod
+    def from_config(cls, config: SpeculativeConfig, target: ModelRunner | None) -> DraftModelProposer:
+        from engine.model_runner import ModelRunner
+        tc = target.config
+        if target.model_config.kv_layout.windows[0] is not None:
+            raise ValueError(f"--speculative-model: {target.model_config.name}'s first KV group has a sliding window; "
+                             "the draft reads that group's block tables, which drop blocks outside it")
+        cache = replace(tc.cache, num_blocks=target.num_blocks, block_size=target.block_size)
+        draft = ModelRunner(replace(tc, model=config.model, tp_size=1, expert_parallel=False, expert_placement=None,
+                                    quantization="auto", speculative=None, cache=cache))
+        why = _misfit(draft, target)
+        if why is not None:
+            raise ValueError(f"--speculative-model {config.model}: {why}")
+        logger.info("speculative decoding: draft model %s on rank 0, %d KV blocks of %d tokens beside the target's",
+                    draft.model_config.name, draft.num_blocks, draft.block_size)
+        return cls(draft, target.model_config.vocab_size)
+
+    def propose(self, seqs: Sequence[SpecSequence]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in seqs]
+        step = [self._catch_up(s) for s in seqs]
+        active = list(range(len(seqs)))
+        while active:
+            tokens = self._forward(step)
+            step, still = [], []
+            for i, t in zip(active, tokens):
+                s = seqs[i]
+                drafts[i].append(t)
+                if len(drafts[i]) < s.k:
+                    fed, _ = self.fed[s.request_id]
+                    step.append(NewRequestData(s.request_id, [t], len(fed), (s.block_ids[0],), _GREEDY, True))
+                    fed.append(t)
+                    still.append(i)
+            active = still
+        return drafts
+
+    def _catch_up(self, s: SpecSequence) -> NewRequestData:
+        """The sequence's tokens the draft has no KV of (the last one at least: its logits propose)."""
+        fed, own = self.fed.get(s.request_id, ([], 0))
+        valid = own
+        while valid < min(len(fed), len(s.token_ids)) and fed[valid] == s.token_ids[valid]:
+            valid += 1
+        valid = min(valid, len(s.token_ids) - 1)
+        self.fed[s.request_id] = (list(s.token_ids), len(s.token_ids))
+        return NewRequestData(s.request_id, list(s.token_ids[valid:]), valid, (s.block_ids[0],), _GREEDY, True)
+
+    def _forward(self, reqs: list[NewRequestData]) -> list[int]:
+        """One draft forward over `reqs`; each one's argmax, in order."""
+        runner = self.draft
+        sched = SchedulerOutput(new_requests=reqs)
+        runner.update_states(sched)
+        try:
+            inp = runner.prepare_inputs(sched)
+            logits = runner.execute_model(inp)
+        finally:
+            runner.update_states(SchedulerOutput(finished_req_ids=[r.request_id for r in reqs]))
+        best = logits[:, :self.vocab_size].argmax(dim=-1).tolist()
+        by_id = dict(zip(inp.sample_req_ids, best))
+        return [by_id[r.request_id] for r in reqs]
+
+    def forget(self, request_id: str) -> None:
+        self.fed.pop(request_id, None)
+
+    def profile_seconds(self, batch_sizes: Sequence[int], k: int, device: torch.device) -> tuple[float, ...]:
+        """k draft decode steps per batch size (the catch-up of a kept run is taken as one of them)."""
+        from engine.speculative.profile import PROFILE_CONTEXT, best_seconds
+        context = min(PROFILE_CONTEXT, self.draft.configured_max_model_len - k)
+        return tuple(k * best_seconds(lambda: self.draft.profile_step(b, 1, context), device) for b in batch_sizes)
+
+
+def _misfit(draft: ModelRunner, target: ModelRunner) -> str | None:
+    """Why the draft cannot propose for the target (None: it can)."""
+    dc, tc = draft.model_config, target.model_config
+    if dc.vocab_size > tc.vocab_size:
+        return f"its vocabulary ({dc.vocab_size} tokens) is larger than the target's ({tc.vocab_size})"
+    if dc.kv_layout.num_groups != 1 or dc.kv_layout.windows[0] is not None:
+        return "it has sliding-window layers (the draft reads the target's full-attention block tables)"
+    if draft.block_size != target.block_size:
+        return f"its attention backend takes {draft.block_size}-token blocks, the target's {target.block_size}"
+    if dc.max_position_embeddings < target.max_model_len:
+        return (f"it has {dc.max_position_embeddings} positions, fewer than the target's context "
+                f"({target.max_model_len}); lower --max-model-len")
+    return None

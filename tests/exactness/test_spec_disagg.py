@@ -1,0 +1,51 @@
+"""Speculative decoding on the decode instance: disaggregated output equals plain colocated decoding
+bit for bit (the batch-invariant mode), the n = 3 and the structured-output requests included, for
+each proposer, and with a decode instance of 3 TP ranks. The draft model's KV is computed on the
+decode instance from the prompt (docs/speculative.md): nothing of it crosses the KV transfer."""
+from __future__ import annotations
+
+import pytest
+
+from cluster.control.cluster import Cluster
+from engine.tokenizer import Tokenizer
+from tests.exactness.matrix import Case, mismatches, reference, serve, spec_of
+from tests.helpers import save_tiny_llama
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory) -> str:
+    """A one-layer random draft over the target's vocabulary."""
+    vocab = Tokenizer.from_path("smollm2").backend.get_vocab_size()
+    return str(save_tiny_llama(tmp_path_factory.mktemp("spec") / "draft", seed=6, vocab_size=vocab, hidden_size=64,
+                               intermediate_size=128, num_hidden_layers=1))
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    return serve(reference("auto"), model)
+
+
+@pytest.mark.parametrize("method,layout", [("ngram", "1P1D"), ("draft_model", "1P1D"), ("self", "1P1D"),
+                                           ("ngram", "P1-D3")])
+def test_speculative_disaggregated_equals_plain_colocated(model, draft, plain, method, layout, request):
+    """Every request's tokens and logprobs, bit for bit; drafts were proposed, and kept where they can
+    be (the random draft over 49152 tokens keeps next to none; the target as its own draft, all of
+    them, where no grammar forbids what it proposes)."""
+    case = Case(layout=layout, concurrency=8, structured=method != "self")
+    if case.needs_ray:
+        request.getfixturevalue("ray_session")
+    knobs = {"speculative_method": "draft_model" if method == "self" else method,
+             "speculative_model": {"draft_model": draft, "self": model}.get(method),
+             "num_speculative_tokens": 3, "speculative_max_batch_size": 16}
+    with Cluster(spec_of(case, model, **knobs), use_ray=case.needs_ray) as cluster:
+        assert mismatches(serve(case, model, cluster=cluster), plain) == []
+        loads = [i.client.load() for i in cluster.instances.values() if i.role == "decode"]
+    proposed = sum(v for load in loads for k, v in load.items() if k.startswith("spec_proposed/"))
+    accepted = sum(v for load in loads for k, v in load.items() if k.startswith("spec_accepted/"))
+    assert proposed > 0, loads
+    if method != "draft_model":
+        assert accepted > 0, loads
+    if method == "self":
+        assert accepted == proposed
