@@ -37,7 +37,7 @@ FAMILIES = {  # transformers' config classes, scaled down; the published switche
                                                          final_logit_softcapping=3.0, query_pre_attn_scalar=24)),
 }
 TINY = dict(gpu_sections.TINY, num_hidden_layers=3, max_position_embeddings=1024)  # sliding, global, sliding
-LIMIT_S = 70.0  # gpu_check's limit for this section (the time guard below works within it)
+LIMIT_S = 65.0  # gpu_check's limit for this section (the time guard below works within it)
 
 
 SINKS_FAMILIES = {"gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(

@@ -338,8 +338,12 @@ def decode(plan: Plan) -> dict:
         ideal_ms = bytes_bound_ms(weight_bytes, batch, plan.prompt_len + plan.output_len / 2, kv_per_token, bw)
         out["batches"][str(batch)] = {"ms_per_step": ms, "eager_ms_per_step": eager_ms, "bytes_bound_ms": ideal_ms,
                                       "of_bound": ideal_ms / ms, "tok_s": batch / ms * 1e3,
-                                      "tokens_equal_eager": tokens == eager_tokens}
+                                      # graphs off: two eager runs, a repeat's tokens
+                                      "tokens_equal_eager" if graphs is not None else "tokens_equal_repeat":
+                                          tokens == eager_tokens}
     runner.graphs = graphs
+    from bench.gpu_spec import verify_profile
+    out["speculative_profile"] = verify_profile(runner)  # where speculation pays at this shape
     return out
 
 

@@ -64,7 +64,14 @@ def test_dry_run_runs_every_section_with_only_what_the_gpu_machine_has(tmp_path)
     assert set(s["decode"]["batches"]) == {"1", "4"} and s["decode"]["cuda_graphs"] is False  # a CPU has none
     assert s["decode"]["kv_blocks"] >= 2 and s["decode"]["kv_gib"] > 0
     assert all(b["ms_per_step"] > 0 and b["eager_ms_per_step"] > 0 and b["bytes_bound_ms"] > 0
-               and b["tokens_equal_eager"] for b in s["decode"]["batches"].values())
+               and b["tokens_equal_repeat"] for b in s["decode"]["batches"].values())  # no graphs: eager twice
+    profile = s["decode"]["speculative_profile"]  # where speculative decoding pays at the shape
+    assert profile["batch_sizes"] == [1, 2, 4] and all(t > 0 for t in profile["decode_ms"] + profile["verify_ms"])
+    spec = s["speculative"]
+    assert spec["ok"] and set(spec["methods"]) == {"ngram", "draft_self"}
+    assert all(m["prompts_equal"] == m["num_prompts"] == 4 for m in spec["methods"].values())
+    assert spec["methods"]["draft_self"]["accepted"] == spec["methods"]["draft_self"]["proposed"]
+    assert spec["methods"]["ngram"]["proposed"][0] > 0
     assert s["ipc_copy"]["from_other_process_GBps"] > 0 and s["ipc_copy"]["within_process_GBps"] > 0
     pd = s["pd_one_gpu"]
     assert pd["ok"] and pd["equal"] and pd["transport"] == "shared_memory"
@@ -85,7 +92,7 @@ def test_dry_run_runs_every_section_with_only_what_the_gpu_machine_has(tmp_path)
     assert mem["budget"]["context_gib"] == round(64 / 1024, 3) and mem["budget"]["profiled"] == {
         "prefill_tokens": 512, "decode_seqs": 4, "context_len": 512}
     assert mem["backend"] == "torch" and mem["cuda_graphs"] is False and mem["max_model_len"] == 512
-    assert mem["ladder"] == {"1": {"ok": True, "peak_reserved_gib": 0.0}, "4": {"ok": True, "peak_reserved_gib": 0.0}}
+    assert mem["ladder"] == {b: {"ok": True, "peak_reserved_gib": 0.0, "reserved_before_gib": 0.0} for b in "14"}
     assert mem["largest_decode_batch_at_max_model_len"] == 4 and mem["reserved"]["within_budget"]
     two = s["two_gpu"]  # gloo in NCCL's place: the same ranks, collectives, channel and TP=2 engine
     assert two["ok"] and two["tp2_prompts_equal_tp1"] == two["num_prompts"] > 0 and two["channel"] == "GlooChannel"

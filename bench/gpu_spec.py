@@ -1,0 +1,96 @@
+"""The `speculative` section of bench/gpu_check.py: speculative decoding (engine/speculative) on the
+device.
+
+    tokens     a small random Llama in float32 on the torch attention backend (written to a temporary
+               folder: the draft model is loaded from one), 8 prompts that repeat themselves, 32
+               greedy tokens each (the CPU stand-in: 2 layers, 4 prompts, 12 tokens): plain
+               decoding against the n-gram proposer and against the target as its own draft; per
+               method the prompts whose tokens are equal (else the first difference and the plain
+               run's top-2 logprob gap there), the drafts proposed and accepted (the target as
+               its own draft must accept every one), and the seconds each run took
+    profile    on the ~8B shape (bench/gpu_sections.py decode), the step times speculation's
+               on/off decision reads (engine/speculative/profile.py), in the decode section's
+               process: see gpu_sections.decode
+
+Its limit in gpu_check is LIMIT_S.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from bench.gpu_sections import TINY, Plan, engine_config, sharpened
+
+LIMIT_S = 45
+SHAPE = dict(TINY, hidden_size=256, intermediate_size=512, num_hidden_layers=4)
+DRY_SHAPE = dict(TINY, num_hidden_layers=2)  # the CPU stand-in's, with 4 prompts of 12 tokens
+
+
+def _save_target(folder: Path, shape: dict) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(3)
+    cfg = LlamaConfig(**shape, max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=2)
+    sharpened(LlamaForCausalLM(cfg).eval()).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def _run(path: Path, device: str, spec, prompts: list[list[int]], max_tokens: int):
+    """The prompts' greedy outputs through a colocated engine with `spec` (None: plain), its seconds."""
+    from decode_worker.engine import ColocatedEngine
+    from decode_worker.llm import LLM
+    from engine.model_runner import ModelRunner
+    from engine.request import SamplingParams
+    cfg = replace(engine_config(device, dict(num_blocks=512, block_size=16), "torch", max_num_seqs=8),
+                  model=str(path), dtype="float32", speculative=spec)
+    engine = ColocatedEngine(cfg, runner=ModelRunner(cfg))
+    start = time.monotonic()
+    outs = LLM(engine=engine).generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                                               logprobs=2))
+    return outs, time.monotonic() - start, engine.speculator
+
+
+def _compare(plain, got) -> dict:
+    rows = []
+    for p, g in zip(plain, got):
+        if p.token_ids == g.token_ids:
+            continue
+        j = next(i for i, (a, b) in enumerate(zip(p.token_ids, g.token_ids)) if a != b)
+        top = sorted(p.logprobs[j].values(), reverse=True)
+        rows.append({"first_difference": j, "plain_top2_gap": top[0] - top[1]})
+    return {"prompts_equal": len(plain) - len(rows), "num_prompts": len(plain), "differences": rows}
+
+
+def speculative(plan: Plan) -> dict:
+    from engine.speculative.config import SpeculativeConfig
+    cuda = plan.device.startswith("cuda")
+    shape, lengths, max_tokens = (SHAPE, (5, 9, 13, 17) * 2, 32) if cuda else (DRY_SHAPE, (5, 9, 13, 17), 12)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, shape["vocab_size"], (n,), generator=g).tolist() * 4 for n in lengths]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _save_target(Path(tmp) / "target", shape)
+        plain, plain_s, _ = _run(path, plan.device, None, prompts, max_tokens)
+        out = {"shape": shape, "dtype": "float32", "backend": "torch", "plain_s": plain_s, "methods": {}}
+        for name, spec in (("ngram", SpeculativeConfig("ngram", 3, max_batch_size=8)),
+                           ("draft_self", SpeculativeConfig("draft_model", 3, model=str(path), max_batch_size=8))):
+            got, seconds, s = _run(path, plan.device, spec, prompts, max_tokens)
+            out["methods"][name] = {**_compare(plain, got), "seconds": seconds, "proposed": s.proposed,
+                                    "accepted": s.accepted}
+    self_draft = out["methods"]["draft_self"]
+    out["ok"] = all(m["prompts_equal"] == m["num_prompts"] or all(d["plain_top2_gap"] < 1e-3 for d in m["differences"])
+                    for m in out["methods"].values()) and self_draft["accepted"] == self_draft["proposed"]
+    return out
+
+
+def verify_profile(runner) -> dict:
+    """The decode and verify step times (3 drafts) per batch size, and where 1 or 2 accepted drafts
+    per step stop paying (engine/speculative/profile.py)."""
+    from engine.speculative.profile import measure_verify
+    p = measure_verify(runner, 3)
+    return {"batch_sizes": list(p.batch_sizes), "decode_ms": [round(s * 1e3, 3) for s in p.decode_s],
+            "verify_ms": [round(s * 1e3, 3) for s in p.verify_s],
+            "max_batch_at_1_accepted": p.max_batch_size(1.0), "max_batch_at_2_accepted": p.max_batch_size(2.0)}
