@@ -171,3 +171,16 @@ def pack(items: list[int], share: list[float], num_ranks: int, slots: int) -> li
         held[r].append(e)
         loads[r] += share[e]
     return held
+
+
+def placement_for(config, model_config, tp) -> ExpertPlacement | None:
+    """Expert parallelism's placement for a runner (`config.expert_placement`, else a contiguous run
+    of experts per rank), checked against the model; None: tensor parallelism."""
+    moe = model_config.moe
+    if not config.expert_parallel or moe is None:
+        return None
+    sparse, size = model_config.sparse_layers, tp.size if tp is not None else 1
+    placement = config.expert_placement or ExpertPlacement.contiguous(moe.num_experts, size, sparse)
+    if (why := placement.misfit(moe.num_experts, sparse, size)) is not None:
+        raise ValueError(f"--expert-placement cannot run {model_config.name}: {why}")
+    return placement

@@ -13,12 +13,14 @@ def kv_block_bytes(cfg: ModelConfig, num_kv_heads: int, block_size: int, dtype: 
 
 
 def num_blocks_for(cache: CacheConfig, cfg: ModelConfig, num_kv_heads: int, block_size: int,
-                   dtype: torch.dtype) -> int:
+                   dtype: torch.dtype, extra_block_bytes: int = 0) -> int:
     """Blocks of `block_size` tokens (the backend's, which may differ from `cache.block_size`):
-    a fixed count (`blocks_of_size`), else what `cache.memory_gib` holds."""
+    a fixed count (`blocks_of_size`), else what `cache.memory_gib` holds (each block also costing
+    `extra_block_bytes` elsewhere: a draft model's pool)."""
     if cache.num_blocks is not None:
         return blocks_of_size(cache.num_blocks, cache.block_size, block_size)
-    return max(2, int(cache.memory_gib * 2**30) // kv_block_bytes(cfg, num_kv_heads, block_size, dtype))
+    block_bytes = kv_block_bytes(cfg, num_kv_heads, block_size, dtype) + extra_block_bytes
+    return max(2, int(cache.memory_gib * 2**30) // block_bytes)
 
 
 def blocks_of_size(num_blocks: int, requested: int, block_size: int) -> int:

@@ -25,7 +25,7 @@ from engine.kv_cache import allocate_kv_cache, kv_block_bytes, num_blocks_for
 from engine.loader import load_model_config, load_weights, resolve_model_path
 from engine.logits_processing import TokenHistory
 from engine.models import model_class
-from engine.expert_placement import ExpertPlacement
+from engine.expert_placement import placement_for
 from engine.moe import (describe_experts, expert_counts, expert_load_figures, quantize_model_experts,
                         reset_expert_counts, select_expert_methods)
 from engine.mla import select_prefill_forms
@@ -36,6 +36,7 @@ from engine.quant.base import BaseLinearMethod
 from engine.quant.q8_head import q8_head_method
 from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
+from engine.speculative.draft_model import draft_block_bytes, give_pool, load_draft
 from engine.speculative.profile import measure_verify
 from engine.speculative.verify import split_rows, verify
 from engine.threads import TeamSizer, use_intraop_threads
@@ -134,11 +135,15 @@ class ModelRunner:
         self._ll_tokenizer: llguidance.LLTokenizer | None = None  # built for the first structured request
         self.requests: dict[str, _RequestState] = {}
         self.graphs: DecodeGraphs | None = None  # set once the KV pool is there (graphs capture its address)
+        spec = config.speculative  # a draft model: loaded here, so that the KV budget counts it
+        self.draft = load_draft(self) if spec and spec.method == "draft_model" and tp.rank == 0 else None
         self.num_blocks = self._num_blocks()
         self.kv_cache = allocate_kv_cache(model_config, self.num_kv_heads, self.num_blocks, self.block_size,
                                           self.kv_dtype, self.device)
+        if self.draft is not None:
+            give_pool(self.draft, self.num_blocks)
         self.graphs = self._decode_graphs()
-        spec = config.speculative  # where speculation pays: every rank profiles, in step (engine/speculative)
+        # where speculation pays: every rank profiles, in step (engine/speculative)
         self.spec_profile = measure_verify(self, spec.num_speculative_tokens) if spec and not spec.max_batch_size \
             else None
         reset_expert_counts(self.model)  # the profiling and capture steps routed nothing real
@@ -150,11 +155,12 @@ class ModelRunner:
         """KV blocks of `self.block_size` tokens: fixed, from the device's memory after profiling
         (engine/kv_budget.py; the least over the TP ranks), or from the CPU budget."""
         cache, mc = self.config.cache, self.model_config
-        block_bytes = kv_block_bytes(mc, self.num_kv_heads, self.block_size, self.kv_dtype)
+        draft_bytes = draft_block_bytes(self.draft) if self.draft is not None else 0  # the draft's pool: its share
+        block_bytes = kv_block_bytes(mc, self.num_kv_heads, self.block_size, self.kv_dtype) + draft_bytes
         if self.device_memory is not None and cache.num_blocks is None:
             n, self.memory_budget = blocks_from_device(self, block_bytes)
         else:
-            n = num_blocks_for(cache, mc, self.num_kv_heads, self.block_size, self.kv_dtype)
+            n = num_blocks_for(cache, mc, self.num_kv_heads, self.block_size, self.kv_dtype, draft_bytes)
         if self.block_size != cache.block_size:
             logger.info("KV blocks are %d tokens (block size %d rounded up by the %s backend)%s: %d blocks hold "
                         "%d tokens", self.block_size, cache.block_size, self.backend.name,
@@ -247,7 +253,8 @@ class ModelRunner:
             with torch.device(self.device):
                 model = model_class(self.model_config)(self.model_config, self.tp, linear_method=method,
                                                        fused=self.backend.fused_ops(self.dtype),
-                                                       expert_placement=self._expert_placement())
+                                                       expert_placement=placement_for(
+                                                           self.config, self.model_config, self.tp))
         finally:
             torch.set_default_dtype(torch.float32)
         weights_from_file = weights is None
@@ -283,18 +290,6 @@ class ModelRunner:
     def expert_load_figures(self) -> dict[str, float]:
         """The load report's expert figures (engine/moe.py expert_load_figures; {}: a dense model)."""
         return expert_load_figures(self.model)
-
-    def _expert_placement(self) -> ExpertPlacement | None:
-        """Expert parallelism's placement (the config's, else a contiguous run of experts per rank),
-        checked against the model; None: tensor parallelism."""
-        moe = self.model_config.moe
-        if not self.config.expert_parallel or moe is None:
-            return None
-        sparse, size = self.model_config.sparse_layers, self.tp.size if self.tp is not None else 1
-        placement = self.config.expert_placement or ExpertPlacement.contiguous(moe.num_experts, size, sparse)
-        if (why := placement.misfit(moe.num_experts, sparse, size)) is not None:
-            raise ValueError(f"--expert-placement cannot run {self.model_config.name}: {why}")
-        return placement
 
     def _linear_method(self, path) -> BaseLinearMethod:
         """The quantization knob's linear method; with --batch-invariant, unquantized weights in its
@@ -387,7 +382,7 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             if r.sample:
-                num_drafts = getattr(r, "num_draft_tokens", 0)
+                num_drafts = r.num_draft_tokens
                 sample_indices += range(len(input_ids) - 1 - num_drafts, len(input_ids))
                 sample_req_ids.append(r.request_id)
                 if num_drafts:

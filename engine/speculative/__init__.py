@@ -10,8 +10,8 @@ for their drafts; the runner verifies them (verify.py). docs/speculative.md.
 """
 from __future__ import annotations
 
+# only what imports nothing of the engine: engine.config imports this package (SpeculativeConfig);
+# create_proposer imports the proposers' modules, which register themselves
 from engine.speculative.base import PROPOSERS, Proposer, SpecSequence, create_proposer
-from engine.speculative.draft_model import DraftModelProposer
-from engine.speculative.ngram import NgramProposer
 
-__all__ = ["PROPOSERS", "DraftModelProposer", "NgramProposer", "Proposer", "SpecSequence", "create_proposer"]
+__all__ = ["PROPOSERS", "Proposer", "SpecSequence", "create_proposer"]

@@ -57,6 +57,8 @@ class Proposer(ABC):
 
 def create_proposer(config: SpeculativeConfig, target: ModelRunner | None = None) -> Proposer:
     """A proposer by its --speculative-method name. Raises ValueError for an unknown one."""
+    import engine.speculative.draft_model  # noqa: F401 -- each proposer's module registers its class
+    import engine.speculative.ngram  # noqa: F401
     if config.method not in PROPOSERS:
         raise ValueError(f"unknown speculative method {config.method!r}; choose one of {', '.join(sorted(PROPOSERS))}")
     return PROPOSERS[config.method].from_config(config, target)

@@ -1,13 +1,15 @@
 """The draft-model proposer (`--speculative-model`): a small model of the target's vocabulary
 guesses k tokens, one forward each, greedily.
 
-The draft has its own KV pool of as many blocks as the target's, of the target's block size, and
-reads the target's block tables: a sequence's draft KV sits in the same block ids and slots as its
-target KV, so the scheduler allocates and frees once for both (rejected drafts' slots are written
-again by the next step). What the draft has computed of a sequence is remembered as the tokens it
-was fed: each `propose` first feeds the tokens it lacks (after a rejection, the kept drafts and the
-target's token; on a request's first step here, its whole prompt: a disaggregated request's draft
-KV is computed on the decode instance, not shipped; docs/speculative.md), then proposes.
+The draft is loaded by the target's rank-0 runner before the target sizes its KV pool, so the
+budget counts its weights and its share of each block (`load_draft`). It has its own KV pool of as
+many blocks as the target's, of the target's block size, and reads the target's block tables: a
+sequence's draft KV sits in the same block ids and slots as its target KV, so the scheduler
+allocates and frees once for both (rejected drafts' slots are written again by the next step).
+What the draft has computed of a sequence is remembered as the tokens it was fed: each `propose`
+first feeds the tokens it lacks (after a rejection, the kept drafts and the target's token; on a
+request's first step here, its whole prompt: a disaggregated request's draft KV is computed on the
+decode instance, not shipped; docs/speculative.md), then proposes.
 """
 from __future__ import annotations
 
@@ -40,20 +42,8 @@ class DraftModelProposer(Proposer):
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, target: ModelRunner | None) -> DraftModelProposer:
-        from engine.model_runner import ModelRunner
-        tc = target.config
-        if target.model_config.kv_layout.windows[0] is not None:
-            raise ValueError(f"--speculative-model: {target.model_config.name}'s first KV group has a sliding window; "
-                             "the draft reads that group's block tables, which drop blocks outside it")
-        cache = replace(tc.cache, num_blocks=target.num_blocks, block_size=target.block_size)
-        draft = ModelRunner(replace(tc, model=config.model, tp_size=1, expert_parallel=False, expert_placement=None,
-                                    quantization="auto", speculative=None, cache=cache))
-        why = _misfit(draft, target)
-        if why is not None:
-            raise ValueError(f"--speculative-model {config.model}: {why}")
-        logger.info("speculative decoding: draft model %s on rank 0, %d KV blocks of %d tokens beside the target's",
-                    draft.model_config.name, draft.num_blocks, draft.block_size)
-        return cls(draft, target.model_config.vocab_size)
+        assert target.draft is not None, "the target's rank-0 runner loads the draft (load_draft)"
+        return cls(target.draft, target.model_config.vocab_size)
 
     def propose(self, seqs: Sequence[SpecSequence]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -107,6 +97,42 @@ class DraftModelProposer(Proposer):
         return tuple(k * best_seconds(lambda: self.draft.profile_step(b, 1, context), device) for b in batch_sizes)
 
 
+def load_draft(target: ModelRunner) -> ModelRunner:
+    """The draft model's runner, loaded by the target's rank-0 runner before it sizes its KV pool:
+    the device budget then counts the draft's weights, and `draft_block_bytes` its share of each
+    block. Its own pool comes once the target's is sized (`give_pool`). It runs eagerly: its CUDA
+    graphs would capture a pool that is replaced."""
+    from engine.model_runner import ModelRunner
+    tc, spec = target.config, target.config.speculative
+    if target.model_config.kv_layout.windows[0] is not None:
+        raise ValueError(f"--speculative-model: {target.model_config.name}'s first KV group has a sliding window; "
+                         "the draft reads that group's block tables, which drop blocks outside it")
+    cache = replace(tc.cache, num_blocks=2, block_size=target.block_size)  # a placeholder pool
+    draft = ModelRunner(replace(tc, model=spec.model, tp_size=1, expert_parallel=False, expert_placement=None,
+                                quantization="auto", speculative=None, enforce_eager=True, cache=cache))
+    why = _misfit(draft, target)
+    if why is not None:
+        raise ValueError(f"--speculative-model {spec.model}: {why}")
+    return draft
+
+
+def draft_block_bytes(draft: ModelRunner) -> int:
+    from engine.kv_cache import kv_block_bytes  # not at import: engine.config imports this package
+    return kv_block_bytes(draft.model_config, draft.num_kv_heads, draft.block_size, draft.kv_dtype)
+
+
+def give_pool(draft: ModelRunner, num_blocks: int) -> None:
+    """The draft's pool: as many blocks as the target's (it reads the target's block tables)."""
+    from engine.kv_cache import allocate_kv_cache
+    draft.kv_cache = None
+    draft.num_blocks = num_blocks
+    draft.kv_cache = allocate_kv_cache(draft.model_config, draft.num_kv_heads, num_blocks, draft.block_size,
+                                       draft.kv_dtype, draft.device)
+    logger.info("speculative decoding: draft model %s on rank 0, %d KV blocks of %d tokens beside the target's "
+                "(%.2f GiB)", draft.model_config.name, num_blocks, draft.block_size,
+                num_blocks * draft_block_bytes(draft) / 2**30)
+
+
 def _misfit(draft: ModelRunner, target: ModelRunner) -> str | None:
     """Why the draft cannot propose for the target (None: it can)."""
     dc, tc = draft.model_config, target.model_config
@@ -116,7 +142,7 @@ def _misfit(draft: ModelRunner, target: ModelRunner) -> str | None:
         return "it has sliding-window layers (the draft reads the target's full-attention block tables)"
     if draft.block_size != target.block_size:
         return f"its attention backend takes {draft.block_size}-token blocks, the target's {target.block_size}"
-    if dc.max_position_embeddings < target.max_model_len:
+    if dc.max_position_embeddings < target.configured_max_model_len:
         return (f"it has {dc.max_position_embeddings} positions, fewer than the target's context "
-                f"({target.max_model_len}); lower --max-model-len")
+                f"({target.configured_max_model_len}); lower --max-model-len")
     return None

@@ -28,7 +28,7 @@ def plain(model):
 
 
 @pytest.mark.parametrize("method,layout", [("ngram", "1P1D"), ("draft_model", "1P1D"), ("self", "1P1D"),
-                                           ("ngram", "P1-D3")])
+                                           ("ngram", "P1-D3"), ("draft_model", "P1-D3")])
 def test_speculative_disaggregated_equals_plain_colocated(model, draft, plain, method, layout, request):
     """Every request's tokens and logprobs, bit for bit; drafts were proposed, and kept where they can
     be (the random draft over 49152 tokens keeps next to none; the target as its own draft, all of

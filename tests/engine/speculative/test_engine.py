@@ -133,3 +133,19 @@ def test_a_draft_that_cannot_propose_is_refused(models, tmp_path):
     big = save_tiny(tmp_path / "big", vocab_size=300)
     with pytest.raises(ValueError, match="vocabulary \\(300 tokens\\) is larger than the target's \\(256\\)"):
         make_engine(models[0], SpeculativeConfig("draft_model", 3, model=str(big), max_batch_size=8))
+
+
+def test_the_kv_budget_counts_the_draft_pool(models):
+    """The draft is loaded before the target sizes its pool: kv_memory_gib holds both pools, block
+    for block (on a GPU the device budget counts its weights too: bench/gpu_check.py)."""
+    from engine.kv_cache import kv_block_bytes
+    plain = ModelRunner(replace(engine_config(model=str(models[0]), num_blocks=None), speculative=None))
+    spec = SpeculativeConfig("draft_model", 3, model=str(models[1]), max_batch_size=8)
+    runner = ModelRunner(replace(engine_config(model=str(models[0]), num_blocks=None), speculative=spec))
+    target_bytes = kv_block_bytes(runner.model_config, runner.num_kv_heads, runner.block_size, runner.kv_dtype)
+    draft_bytes = kv_block_bytes(runner.draft.model_config, runner.draft.num_kv_heads, runner.block_size,
+                                 runner.draft.kv_dtype)
+    budget = int(runner.config.cache.memory_gib * 2**30)
+    assert plain.num_blocks == budget // target_bytes
+    assert runner.num_blocks == budget // (target_bytes + draft_bytes) == runner.draft.num_blocks
+    assert runner.draft.kv_cache.shape[2] == runner.num_blocks

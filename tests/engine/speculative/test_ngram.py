@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.speculative import NgramProposer, SpecSequence, create_proposer
+from engine.speculative import SpecSequence, create_proposer
+from engine.speculative.ngram import NgramProposer
 from engine.speculative.config import SpeculativeConfig
 
 
