@@ -7,7 +7,9 @@ device.
                decoding against the n-gram proposer and against the target as its own draft; per
                method the prompts whose tokens are equal (else the first difference and the plain
                run's top-2 logprob gap there), the drafts proposed and accepted (the target as
-               its own draft must accept every one), and the seconds each run took
+               its own draft must accept every one), and the seconds each run took; on the
+               device the draft's run sizes both KV pools from the device's memory
+               (gpu_memory_utilization 0.3, the draft's weights and pool counted in: draft_pools)
     profile    on the ~8B shape (bench/gpu_sections.py decode), the step times speculation's
                on/off decision reads (engine/speculative/profile.py), in the decode section's
                process: see gpu_sections.decode
@@ -26,6 +28,7 @@ import torch
 from bench.gpu_sections import TINY, Plan, engine_config, sharpened
 
 LIMIT_S = 45
+_pools: dict = {}  # device -> the draft run's pool sizes
 SHAPE = dict(TINY, hidden_size=256, intermediate_size=512, num_hidden_layers=4)
 DRY_SHAPE = dict(TINY, num_hidden_layers=2)  # the CPU stand-in's, with 4 prompts of 12 tokens
 
@@ -39,15 +42,19 @@ def _save_target(folder: Path, shape: dict) -> Path:
     return folder
 
 
-def _run(path: Path, device: str, spec, prompts: list[list[int]], max_tokens: int):
-    """The prompts' greedy outputs through a colocated engine with `spec` (None: plain), its seconds."""
+def _run(path: Path, device: str, spec, prompts: list[list[int]], max_tokens: int, kv: dict | None = None):
+    """The prompts' greedy outputs through a colocated engine with `spec` (None: plain), its seconds,
+    and its speculator."""
     from decode_worker.engine import ColocatedEngine
     from decode_worker.llm import LLM
     from engine.model_runner import ModelRunner
     from engine.request import SamplingParams
-    cfg = replace(engine_config(device, dict(num_blocks=512, block_size=16), "torch", max_num_seqs=8),
+    cfg = replace(engine_config(device, kv or dict(num_blocks=512, block_size=16), "torch", max_num_seqs=8),
                   model=str(path), dtype="float32", speculative=spec)
     engine = ColocatedEngine(cfg, runner=ModelRunner(cfg))
+    if engine.runner.draft is not None:  # its pool: as many blocks as the target's, within the budget
+        _pools[device] = {"kv_blocks": engine.runner.num_blocks, "draft_kv_blocks": engine.runner.draft.num_blocks,
+                          "budget": engine.runner.memory_budget.describe() if engine.runner.memory_budget else None}
     start = time.monotonic()
     outs = LLM(engine=engine).generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                                                                logprobs=2))
@@ -75,11 +82,17 @@ def speculative(plan: Plan) -> dict:
         path = _save_target(Path(tmp) / "target", shape)
         plain, plain_s, _ = _run(path, plan.device, None, prompts, max_tokens)
         out = {"shape": shape, "dtype": "float32", "backend": "torch", "plain_s": plain_s, "methods": {}}
-        for name, spec in (("ngram", SpeculativeConfig("ngram", 3, max_batch_size=8)),
-                           ("draft_self", SpeculativeConfig("draft_model", 3, model=str(path), max_batch_size=8))):
-            got, seconds, s = _run(path, plan.device, spec, prompts, max_tokens)
+        # on the device, the draft's run sizes the pools from the device's memory (the draft counted in)
+        sized = dict(gpu_memory_utilization=0.3, block_size=16) if cuda else None
+        for name, spec, kv in (("ngram", SpeculativeConfig("ngram", 3, max_batch_size=8), None),
+                               ("draft_self", SpeculativeConfig("draft_model", 3, model=str(path), max_batch_size=8),
+                                sized)):
+            got, seconds, s = _run(path, plan.device, spec, prompts, max_tokens, kv)
             out["methods"][name] = {**_compare(plain, got), "seconds": seconds, "proposed": s.proposed,
                                     "accepted": s.accepted}
+        out["draft_pools"] = _pools.get(plan.device)
+        if cuda:
+            out["reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     self_draft = out["methods"]["draft_self"]
     out["ok"] = all(m["prompts_equal"] == m["num_prompts"] or all(d["plain_top2_gap"] < 1e-3 for d in m["differences"])
                     for m in out["methods"].values()) and self_draft["accepted"] == self_draft["proposed"]

@@ -12,7 +12,8 @@ load and the speculative profile not timed). The draft model (`--draft`) is a fi
 folder (a draft of the target's vocabulary that costs about N/L of a target step; no smaller model
 of SmolLM2's vocabulary is on this machine). Batch 1 runs the workload's prompts one at a time;
 batch 8 runs 8 at once. Decode tok/s: the tokens after each request's first over the time from the
-first first-token to the last finish. The speculation limit is left to the engine (measured).
+first first-token to the last finish. The speculation limit is left to the engine (measured, over
+batch sizes up to the largest --batches) unless --max-batch-size fixes it.
 """
 from __future__ import annotations
 
@@ -93,8 +94,9 @@ def run_method(args, method: str, draft: str | None) -> dict:
     from decode_worker.llm import LLM
     from engine.speculative.config import SpeculativeConfig
     spec = None if method == "none" else SpeculativeConfig(method, args.k, model=draft if method == "draft_model"
-                                                           else None)
-    llm = LLM(model=args.model, max_num_seqs=max(args.batches), speculative=spec, num_threads=args.threads)
+                                                           else None, max_batch_size=args.max_batch_size)
+    llm = LLM(model=args.model, max_num_seqs=max(args.batches), speculative=spec, num_threads=args.threads,
+              adapt_threads=True)  # as a served rank (cluster/control/rank_setup.py): fewer threads beside busy ones
     llm.generate(["Hello"], None)  # warm-up, not counted
     out = {}
     for workload in args.workloads:
@@ -121,7 +123,10 @@ def parse_args(argv):
     p.add_argument("--model", default="smollm2")
     p.add_argument("--methods", nargs="+", default=["none", "ngram", "draft_model"],
                    choices=["none", "ngram", "draft_model"])
-    p.add_argument("--draft", default="layers:8", help="the draft model, or layers:N (the target's first N layers)")
+    p.add_argument("--draft", default="layers:8", help="the draft model, layers:N (the target's first N layers) "
+                                                       "or self (the target)")
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="--speculative-max-batch-size (default: measured; the profile spans up to the largest batch)")
     p.add_argument("--workloads", nargs="+", default=["copying", "chat"], choices=list(WORKLOADS))
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=128)
@@ -138,7 +143,9 @@ def main(argv=None) -> int:
     from bench.busy_host import busy_neighbours
     with tempfile.TemporaryDirectory() as tmp:
         draft = args.draft
-        if "draft_model" in args.methods and draft.startswith("layers:"):
+        if draft == "self":
+            draft = args.model
+        elif "draft_model" in args.methods and draft.startswith("layers:"):
             draft = str(write_layer_draft(args.model, int(draft.split(":")[1]), Path(tmp) / "draft"))
         result = {"machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
                               "threads": torch.get_num_threads()},

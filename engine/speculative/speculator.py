@@ -4,13 +4,14 @@ acceptance that the per-batch decision reads).
 
 Per step, the batch's decoding sequences all speculate or none does: none when there are more of
 them than `max_batch`, the size where speculation stops paying (profile.py: the step times
-measured at load, the drafts accepted per step measured since). `max_batch` is logged whenever it
-changes. Until a few steps are verified, every draft is taken to be accepted. A batch over the
+measured at load, the drafts accepted per step measured since). `max_batch` is logged when it
+changes (at most once per LOG_EVERY_S). Until a few steps are verified, every draft is taken to be accepted. A batch over the
 limit still speculates once in `EXPLORE_EVERY` steps, so the acceptance keeps being measured.
 """
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -25,8 +26,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EXPLORE_EVERY = 50  # steps over the limit between two that speculate anyway
-MIN_MEASURED = 16  # verified sequence-steps before the measured acceptance is used
-DECAY = 0.98  # per verified sequence-step: the acceptance follows the workload
+MIN_MEASURED = 16  # verified sequence-steps before the measured acceptance is used, and between updates
+DECAY = 0.995  # per verified sequence-step: the acceptance follows the workload (over ~200 of them)
+LOG_EVERY_S = 30.0  # a limit that moves sooner than this again is logged at debug level
 
 
 class Speculator:
@@ -40,6 +42,8 @@ class Speculator:
         self._steps, self._accepted = 0.0, 0.0  # decayed sums: sequence-steps, drafts accepted
         self.num_skipped = 0  # steps over the limit since one speculated
         self.max_batch = 0
+        self._logged_at: float | None = None
+        self._first_measured_logged = False
         self._update_limit()
 
     @classmethod
@@ -60,12 +64,20 @@ class Speculator:
 
     def _update_limit(self) -> None:
         limit = self.config.max_batch_size or self.profile.max_batch_size(self.accepted_per_step)
-        if limit != self.max_batch:
-            logger.info("speculative decoding (%s): %s (%.2f drafts accepted per step%s)", self.method,
-                        "on at every batch size" if limit >= EVERY_BATCH else
-                        f"on up to {limit} decoding sequences, off above" if limit else "off at every batch size",
-                        self.accepted_per_step, "" if self.num_verified >= MIN_MEASURED else ", before measuring")
-            self.max_batch = limit
+        if limit == self.max_batch:
+            return
+        measured = self.num_verified >= MIN_MEASURED
+        # the first limit and the first measured one always; then at most one line per LOG_EVERY_S
+        # (an acceptance near a profile step's threshold moves the limit back and forth)
+        quiet = self._logged_at is not None and self._first_measured_logged and \
+            time.monotonic() - self._logged_at < LOG_EVERY_S
+        logger.log(logging.DEBUG if quiet else logging.INFO, "speculative decoding (%s): %s (%.2f drafts accepted "
+                   "per step%s)", self.method, "on at every batch size" if limit >= EVERY_BATCH else
+                   f"on up to {limit} decoding sequences, off above" if limit else "off at every batch size",
+                   self.accepted_per_step, "" if measured else ", before measuring")
+        if not quiet:
+            self._logged_at, self._first_measured_logged = time.monotonic(), measured
+        self.max_batch = limit
 
     def plan(self, running: Sequence[Request], skip: set[str], max_model_len: int) -> dict[str, int]:
         """This step's speculating sequences, request id -> at most how many drafts: every decoding
