@@ -96,7 +96,7 @@ def run_method(args, method: str, draft: str | None) -> dict:
     spec = None if method == "none" else SpeculativeConfig(method, args.k, model=draft if method == "draft_model"
                                                            else None, max_batch_size=args.max_batch_size)
     llm = LLM(model=args.model, max_num_seqs=max(args.batches), speculative=spec, num_threads=args.threads,
-              adapt_threads=True)  # as a served rank (cluster/control/rank_setup.py): fewer threads beside busy ones
+              adapt_threads=True)  # as a served rank (cluster/control/rank_setup.py)
     llm.generate(["Hello"], None)  # warm-up, not counted
     out = {}
     for workload in args.workloads:

@@ -5,8 +5,9 @@ acceptance that the per-batch decision reads).
 Per step, the batch's decoding sequences all speculate or none does: none when there are more of
 them than `max_batch`, the size where speculation stops paying (profile.py: the step times
 measured at load, the drafts accepted per step measured since). `max_batch` is logged when it
-changes (at most once per LOG_EVERY_S). Until a few steps are verified, every draft is taken to be accepted. A batch over the
-limit still speculates once in `EXPLORE_EVERY` steps, so the acceptance keeps being measured.
+changes (at most once per LOG_EVERY_S). Until a few steps are verified, every draft is taken to be
+accepted. A batch over the limit still speculates once in `EXPLORE_EVERY` steps, so the acceptance
+keeps being measured.
 """
 from __future__ import annotations
 

@@ -149,3 +149,27 @@ def test_the_kv_budget_counts_the_draft_pool(models):
     assert plain.num_blocks == budget // target_bytes
     assert runner.num_blocks == budget // (target_bytes + draft_bytes) == runner.draft.num_blocks
     assert runner.draft.kv_cache.shape[2] == runner.num_blocks
+
+
+def test_the_draft_catches_up_with_a_long_prompt_in_chunks(models, plain, monkeypatch):
+    """16 prompt tokens per step for the draft's prefill: the 48- and 150-token prompts speculate only
+    once their draft KV is complete; the output is unchanged and every draft still kept."""
+    from engine.speculative import draft_model
+    monkeypatch.setattr(draft_model, "CATCH_UP_TOKENS", 16)
+    fed: dict[str, list[int]] = {}  # request id -> tokens of each draft forward it was in
+    forward = draft_model.DraftModelProposer._forward
+
+    def spy(self, reqs):
+        for r in reqs:
+            fed.setdefault(r.request_id, []).append(len(r.token_ids))
+        return forward(self, reqs)
+
+    monkeypatch.setattr(draft_model.DraftModelProposer, "_forward", spy)
+    engine = make_engine(models[0], SpeculativeConfig("draft_model", 3, model=str(models[0]), max_batch_size=64))
+    got = run(engine, GREEDY)
+    assert_same_greedy(plain, got)
+    s = engine.speculator
+    assert s.accepted == s.proposed and s.proposed[0] > 20
+    # r4's 150 prompt tokens, and those it decodes meanwhile (one a step, without drafts), 16 per step
+    full = next(i for i, n in enumerate(fed["r4"]) if n < 16)
+    assert max(max(n) for n in fed.values()) == 16 and full >= 150 // 16
