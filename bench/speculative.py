@@ -65,7 +65,8 @@ def write_layer_draft(model: str, num_layers: int, folder: Path) -> Path:
         if layer is None or int(layer) < num_layers:
             keep[name] = w.contiguous()
     cfg = LlamaConfig(vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
-                      num_hidden_layers=num_layers, num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
+                      num_hidden_layers=num_layers, num_attention_heads=mc.num_heads,
+                      num_key_value_heads=mc.num_kv_heads,
                       head_dim=mc.head_dim, rms_norm_eps=mc.rms_norm_eps, rope_theta=mc.rope_theta,
                       max_position_embeddings=mc.max_position_embeddings, tie_word_embeddings=mc.tie_word_embeddings,
                       bos_token_id=mc.bos_token_id, eos_token_id=sorted(mc.eos_token_ids)[0])

@@ -43,6 +43,20 @@ def test_batch_invariant_flag_reaches_both_paths():
         _cluster_spec(parse("--decode", "1", "--batch-invariant", "--quantization", "int8"))
 
 
+def test_speculative_flags_reach_both_paths_and_bad_ones_are_refused_first(capsys):
+    """`--speculative-*` reach the cluster spec (decode instances only) and the serve flags; a
+    combination that cannot work ends `pdserve generate` with one line before any model loads."""
+    from cluster.cli.cli import main
+    parse = lambda *a: build_parser().parse_args(["generate", "hi", *a])  # noqa: E731
+    spec = _cluster_spec(parse("--decode", "1", "--speculative-method", "ngram", "--num-speculative-tokens", "5"))
+    assert spec.engine_config("decode").speculative.num_speculative_tokens == 5
+    assert spec.engine_config("prefill").speculative is None
+    serve = build_parser().parse_args(["serve", "--speculative-model", "d.gguf", "--speculative-max-batch-size", "4"])
+    assert (serve.speculative_model, serve.speculative_max_batch_size) == ("d.gguf", 4)
+    assert main(["generate", "hi", "--num-speculative-tokens", "3"]) == 2
+    assert capsys.readouterr().err.strip() == "pdserve: error: --num-speculative-tokens needs --speculative-method"
+
+
 @pytest.mark.parametrize("command", ["generate", "serve", "controller", "gateway", "bench", "status"])
 def test_help_renders(command, capsys):
     """Every subcommand's --help prints (a stray % in a help string makes argparse crash)."""
