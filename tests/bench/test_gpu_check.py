@@ -149,7 +149,7 @@ def test_a_failure_skips_only_the_sections_that_need_it():
     every = list(gpu_check.SECTIONS)
     one_gpu_no_ipc = {"ipc_ok": False, "two_devices": False}
     results = gpu_check.run_all(every, plan, 1.0, run(one_gpu_no_ipc))
-    assert _ran(results) == ["probe", "engine", "decode", "flex", "memory"] == calls
+    assert _ran(results) == ["probe", "engine", "decode", "flex", "speculative", "memory"] == calls
     assert results["pd_one_gpu"] == {"skipped": "needs probe.ipc_ok, which is False"}
     assert results["two_gpu"] == {"skipped": "needs probe.two_devices, which is False"}
     results = gpu_check.run_all(every, plan, 1.0, run({"ipc_ok": True, "two_devices": True}, failing="engine"))
