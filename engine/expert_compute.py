@@ -15,7 +15,6 @@ Quantized experts (int8, int4) run their own kernels: engine/quant/experts.py.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 
 from engine.expert_placement import HeldExperts
 from engine.layers import silu_and_mul
+from engine.timing import best_seconds
 from engine.vllm_cpu_ops import SCRATCHPAD
 
 logger = logging.getLogger(__name__)
@@ -237,14 +237,5 @@ def select_method(name: str, x_like: torch.Tensor, w13: torch.Tensor, w2: torch.
 
 
 def best_ms(fn, args, rounds: int) -> float:
-    fn(*args)  # warm
-    best = float("inf")
-    for _ in range(rounds):
-        if args[0].device.type == "cuda":
-            torch.cuda.synchronize(args[0].device)
-        start = time.perf_counter()
-        fn(*args)
-        if args[0].device.type == "cuda":
-            torch.cuda.synchronize(args[0].device)
-        best = min(best, (time.perf_counter() - start) * 1e3)
-    return best
+    """engine/timing.py best_seconds of fn(*args), in milliseconds, on the first argument's device."""
+    return 1e3 * best_seconds(lambda: fn(*args), args[0].device, rounds)

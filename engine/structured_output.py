@@ -257,7 +257,6 @@ def apply_grammar_masks(logits: torch.Tensor, grammars: Sequence[GrammarState | 
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return
-    vocab = logits.shape[-1]
     width = grammars[rows[0]].vocab_size
     assert all(grammars[i].vocab_size == width for i in rows), "one tokenizer per batch"
     bitmask = torch.from_numpy(llg_numpy.allocate_token_bitmask(len(rows), width))  # (num_rows, words) int32
@@ -265,6 +264,17 @@ def apply_grammar_masks(logits: torch.Tensor, grammars: Sequence[GrammarState | 
         bitmask = bitmask.pin_memory()  # uploaded without waiting for the forward still running
     for j, i in enumerate(rows):
         grammars[i].fill_bitmask(bitmask, j)
+    apply_bitmask(logits, rows, bitmask, width)
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, width: int) -> None:
+    """In place: in logits row rows[j], every token bitmask row j does not allow becomes -inf, and
+    every token past the grammar tokenizer's `width` (a wider LM head).
+
+    Shape:
+        logits: (num_seqs, vocab) float; bitmask: (len(rows), ceil(width / 32)) int32, on the CPU.
+    """
+    vocab = logits.shape[-1]
     forbidden = ~unpack_bitmask(bitmask, min(width, vocab), logits.device)  # (num_rows, min(width, vocab))
     if len(rows) == logits.shape[0] and width >= vocab:
         logits.masked_fill_(forbidden, float("-inf"))

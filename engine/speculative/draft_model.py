@@ -101,7 +101,8 @@ class DraftModelProposer(Proposer):
 
     def profile_seconds(self, batch_sizes: Sequence[int], k: int, device: torch.device) -> tuple[float, ...]:
         """k draft decode steps per batch size (the catch-up of a kept run is taken as one of them)."""
-        from engine.speculative.profile import PROFILE_CONTEXT, best_seconds
+        from engine.speculative.profile import PROFILE_CONTEXT
+        from engine.timing import best_seconds
         context = min(PROFILE_CONTEXT, self.draft.configured_max_model_len - k)
         return tuple(k * best_seconds(lambda: self.draft.profile_step(b, 1, context), device) for b in batch_sizes)
 

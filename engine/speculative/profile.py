@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.speculative.base import Proposer, SpecSequence
+from engine.timing import best_seconds
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
@@ -43,21 +44,23 @@ class SpecProfile:
         """The largest measured batch size where speculation pays, at `accepted_per_step` drafts
         accepted per sequence and step; 0 where it pays at none (a batch past the largest measured
         is taken as that one)."""
-        propose = self.propose_s or (0.0,) * len(self.batch_sizes)
         best = 0
-        for b, d, v, p in zip(self.batch_sizes, self.decode_s, self.verify_s, propose):
+        for b, d, v, p in zip(self.batch_sizes, self.decode_s, self.verify_s, self._propose):
             if (1 + accepted_per_step) * d <= v + p:
                 break
             best = b
         return EVERY_BATCH if best == self.batch_sizes[-1] else best
+
+    @property
+    def _propose(self) -> tuple[float, ...]:
+        return self.propose_s or (0.0,) * len(self.batch_sizes)
 
     def with_propose(self, propose_s: tuple[float, ...]) -> SpecProfile:
         return SpecProfile(self.batch_sizes, self.decode_s, self.verify_s, propose_s)
 
     def describe(self) -> str:
         rows = [f"{b}: {d * 1e3:.1f}/{v * 1e3:.1f}" + (f"+{p * 1e3:.1f}" if self.propose_s else "")
-                for b, d, v, p in zip(self.batch_sizes, self.decode_s, self.verify_s,
-                                      self.propose_s or (0.0,) * len(self.batch_sizes))]
+                for b, d, v, p in zip(self.batch_sizes, self.decode_s, self.verify_s, self._propose)]
         return "batch: decode/verify" + ("+propose" if self.propose_s else "") + " ms " + ", ".join(rows)
 
 
@@ -67,21 +70,6 @@ def profile_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
         sizes.append(b)
         b *= 2
     return tuple(sizes)
-
-
-def best_seconds(fn: Callable[[], object], device: torch.device, reps: int = 2) -> float:
-    """The least of `reps` timings of `fn`, after one untimed call."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def measure_verify(runner: ModelRunner, k: int) -> SpecProfile:

@@ -101,7 +101,7 @@ def _apply_masks_along(logits: torch.Tensor, verifying: list[Verifying], states:
     """In place: each grammar row's forbidden tokens to -inf, the masks taken along its drafts."""
     import llguidance.numpy as llg_numpy
 
-    from engine.structured_output import unpack_bitmask
+    from engine.structured_output import apply_bitmask
 
     width = next(s.grammar.vocab_size for s in states if s.grammar is not None)
     bitmask = torch.from_numpy(llg_numpy.allocate_token_bitmask(logits.shape[0], width))
@@ -112,13 +112,7 @@ def _apply_masks_along(logits: torch.Tensor, verifying: list[Verifying], states:
             s.grammar.fill_bitmasks_along(v.drafts, bitmask, first)
             rows += range(first, first + n)
         first += n
-    idx = torch.tensor(rows, device=logits.device)
-    vocab = logits.shape[-1]
-    forbidden = ~unpack_bitmask(bitmask[rows], min(width, vocab), logits.device)
-    sub = logits[idx]
-    sub[:, :forbidden.shape[1]].masked_fill_(forbidden, float("-inf"))
-    sub[:, forbidden.shape[1]:] = float("-inf")
-    logits[idx] = sub
+    apply_bitmask(logits, rows, bitmask[rows], width)
 
 
 def _advance(runner: ModelRunner, v: Verifying, state, tokens: list[int]) -> None:
