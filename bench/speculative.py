@@ -5,12 +5,15 @@ accepted per position, and where the per-batch decision turns speculation off.
     python -m bench.speculative                                  # none, ngram, draft_model; both workloads
     python -m bench.speculative --methods none ngram --batches 1 --max-tokens 64 --json
     python -m bench.speculative --neighbours 1                   # beside one busy process (a loaded host)
+    python -m bench.speculative --methods none eagle3 --head random   # a head's cost (random: next to no draft kept)
 
 The target is --model (SmolLM2-135M by default), greedy, in one colocated engine per method (model
 load and the speculative profile not timed). The draft model (`--draft`) is a file or folder, or
 `layers:N`: the target's first N decoder layers with its own norm and head, written to a temporary
 folder (a draft of the target's vocabulary that costs about N/L of a target step; no smaller model
-of SmolLM2's vocabulary is on this machine). Batch 1 runs the workload's prompts one at a time;
+of SmolLM2's vocabulary is on this machine). The EAGLE-3 head (`--head`) is a folder, or `random`: a
+random head over the target (bench/eagle3_head.py), which times what a head costs, not what a
+trained one gains (none trained for SmolLM2 is on this machine). Batch 1 runs the workload's prompts one at a time;
 batch 8 runs 8 at once. Decode tok/s: the tokens after each request's first over the time from the
 first first-token to the last finish. The speculation limit is left to the engine (measured, over
 batch sizes up to the largest --batches) unless --max-batch-size fixes it.
@@ -91,11 +94,12 @@ def measure(llm, prompts: list[str], batch: int, max_tokens: int) -> dict:
             "tokens": sum(len(o.token_ids) for r in runs for o in r)}
 
 
-def run_method(args, method: str, draft: str | None) -> dict:
+def run_method(args, method: str, models: dict[str, str]) -> dict:
+    """`models`: method -> its checkpoint (the draft, the head)."""
     from decode_worker.llm import LLM
     from engine.speculative.config import SpeculativeConfig
-    spec = None if method == "none" else SpeculativeConfig(method, args.k, model=draft if method == "draft_model"
-                                                           else None, max_batch_size=args.max_batch_size)
+    spec = None if method == "none" else SpeculativeConfig(method, args.k, model=models.get(method),
+                                                           max_batch_size=args.max_batch_size)
     llm = LLM(model=args.model, max_num_seqs=max(args.batches), speculative=spec, num_threads=args.threads,
               adapt_threads=True)  # as a served rank (cluster/control/rank_setup.py)
     llm.generate(["Hello"], None)  # warm-up, not counted
@@ -123,7 +127,8 @@ def parse_args(argv):
                                 allow_abbrev=False)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--methods", nargs="+", default=["none", "ngram", "draft_model"],
-                   choices=["none", "ngram", "draft_model"])
+                   choices=["none", "ngram", "draft_model", "eagle3"])
+    p.add_argument("--head", default="random", help="the EAGLE-3 head: a folder, or random (bench/eagle3_head.py)")
     p.add_argument("--draft", default="layers:8", help="the draft model, layers:N (the target's first N layers) "
                                                        "or self (the target)")
     p.add_argument("--max-batch-size", type=int, default=None,
@@ -148,13 +153,17 @@ def main(argv=None) -> int:
             draft = args.model
         elif "draft_model" in args.methods and draft.startswith("layers:"):
             draft = str(write_layer_draft(args.model, int(draft.split(":")[1]), Path(tmp) / "draft"))
+        head = args.head
+        if "eagle3" in args.methods and head == "random":
+            from bench.eagle3_head import save_eagle3_head, target_hf_config
+            head = str(save_eagle3_head(Path(tmp) / "head", target_hf_config(args.model), seed=0, draft_vocab=4096))
         result = {"machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
                               "threads": torch.get_num_threads()},
                   "args": {k: v for k, v in vars(args).items() if k != "json"}, "methods": {}}
         with busy_neighbours(args.neighbours):
             start = time.monotonic()
             for method in args.methods:
-                result["methods"][method] = run_method(args, method, draft)
+                result["methods"][method] = run_method(args, method, {"draft_model": draft, "eagle3": head})
             result["seconds"] = round(time.monotonic() - start, 1)
     base = result["methods"].get("none")
     if base is not None:

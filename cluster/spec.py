@@ -91,10 +91,12 @@ _HELP = {
     "decode_expert_parallel": "a decode (or colocated) instance's own enable_expert_parallel (None: "
                               "enable_expert_parallel)",
     "speculative_method": "speculative decoding on decode (and colocated) instances: ngram (prompt lookup, no "
-                          "model) or draft_model (a small model of the target's vocabulary, --speculative-model); "
-                          "off above the batch size where it stops paying, measured at load (docs/speculative.md)",
-    "speculative_model": "the draft model's checkpoint (a .gguf file or a HF safetensors folder); alone, it means "
-                         "speculative_method draft_model",
+                          "model), draft_model (a small model of the target's vocabulary, speculative_model), "
+                          "eagle3 (an EAGLE-3 head, speculative_model) or mtp (a DeepSeek-V3 checkpoint's own "
+                          "module); off above the batch size where it stops paying, measured at load "
+                          "(docs/speculative.md)",
+    "speculative_model": "the draft model's checkpoint (a .gguf file or a HF safetensors folder) or the EAGLE-3 "
+                         "head's (a HF folder); alone, it means speculative_method draft_model",
     "num_speculative_tokens": "drafts per sequence and step, 1-16 (None: 3)",
     "speculative_max_batch_size": "speculation off above this many decoding sequences (None: where it stops "
                                   "paying, from step times measured at load and the acceptance measured since)",

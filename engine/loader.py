@@ -15,7 +15,7 @@ import importlib.util
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -113,19 +113,20 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
     return hf_model_config(path)
 
 
-def _iter_safetensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(folder: Path, dtype: torch.dtype, names=None) -> Iterator[tuple[str, torch.Tensor]]:
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved
-                    continue
+                if name.endswith("rotary_emb.inv_freq") or (names is not None and names(name) is None):
+                    continue  # a buffer some old checkpoints saved; a tensor not asked for
                 tensor = f.get_tensor(name)  # packed codes (gpt-oss's MXFP4 blocks and scales) stay bytes,
                 keep = not tensor.is_floating_point() or tensor.dtype == FP8  # fp8 weights e4m3 (their scales apart)
                 yield name, tensor if keep else tensor.to(dtype)
 
 
 def load_weights(path: str | os.PathLike, dtype: torch.dtype | str, cache_dir: str | os.PathLike | None = None,
-                 q4_codes: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                 q4_codes: bool = False, names: Callable[[str], object] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the model's parameters one at a time, under Hugging Face names and shapes.
 
     Args:
@@ -134,6 +135,8 @@ def load_weights(path: str | os.PathLike, dtype: torch.dtype | str, cache_dir: s
         cache_dir: where converted GGUFs are cached; default `$PDSERVE_CACHE_DIR` or `~/.cache/pdserve`.
         q4_codes: a GGUF's Q4_0 / Q4_1 decoder linears as their codes (`qweight`, `scales`, `mins`,
             not in `dtype`: engine/quant/q4.py) instead of dequantized weights (the int4 method).
+        names: only the safetensors tensors whose names it maps to something other than None are
+            read (a speculative head's: engine/speculative/mtp.py); GGUF files take none.
 
     Yields:
         `(name, tensor)`: `model.embed_tokens.weight` (vocab, hidden), per layer
@@ -144,9 +147,11 @@ def load_weights(path: str | os.PathLike, dtype: torch.dtype | str, cache_dir: s
     path = resolve_model_path(path)
     dtype = parse_dtype(dtype)
     if _is_gguf(path):
+        if names is not None:
+            raise ValueError(f"{path}: a GGUF file is read whole (a subset of tensors comes from safetensors only)")
         from engine.gguf_loader import iter_gguf_weights
         yield from iter_gguf_weights(path, dtype, cache_dir, q4_codes)
     elif q4_codes:
         raise ValueError(f"{path}: Q4 codes come from GGUF files only")
     else:
-        yield from _iter_safetensors(path, dtype)
+        yield from _iter_safetensors(path, dtype, names)

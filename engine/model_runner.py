@@ -36,7 +36,7 @@ from engine.quant.base import BaseLinearMethod
 from engine.quant.q8_head import q8_head_method
 from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
-from engine.speculative.draft_model import draft_block_bytes, give_pool, load_draft
+from engine.speculative.base import proposer_class
 from engine.speculative.profile import measure_verify
 from engine.speculative.verify import split_rows, verify
 from engine.threads import TeamSizer, use_intraop_threads
@@ -73,6 +73,7 @@ class ModelInput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, before the forward
     # speculative decoding: request id -> (position of its first token, its drafts); every position sampled
     drafts: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    spans: list[tuple[str, int, int]] = field(default_factory=list)  # per request: (id, first position, tokens)
 
     @property
     def meta(self) -> AttentionMetadata:
@@ -135,13 +136,13 @@ class ModelRunner:
         self._ll_tokenizer: llguidance.LLTokenizer | None = None  # built for the first structured request
         self.requests: dict[str, _RequestState] = {}
         self.graphs: DecodeGraphs | None = None  # set once the KV pool is there (graphs capture its address)
-        spec = config.speculative  # a draft model: loaded here, so that the KV budget counts it
-        self.draft = load_draft(self) if spec and spec.method == "draft_model" and tp.rank == 0 else None
+        spec = config.speculative  # a draft model or head: loaded here, so that the KV budget counts it
+        self.draft = proposer_class(spec.method).load_model(self) if spec and tp.rank == 0 else None
         self.num_blocks = self._num_blocks()
         self.kv_cache = allocate_kv_cache(model_config, self.num_kv_heads, self.num_blocks, self.block_size,
                                           self.kv_dtype, self.device)
         if self.draft is not None:
-            give_pool(self.draft, self.num_blocks)
+            self.draft.give_pool(self.num_blocks)
         self.graphs = self._decode_graphs()
         # where speculation pays: every rank profiles, in step (engine/speculative)
         self.spec_profile = measure_verify(self, spec.num_speculative_tokens) if spec and not spec.max_batch_size \
@@ -155,7 +156,7 @@ class ModelRunner:
         """KV blocks of `self.block_size` tokens: fixed, from the device's memory after profiling
         (engine/kv_budget.py; the least over the TP ranks), or from the CPU budget."""
         cache, mc = self.config.cache, self.model_config
-        draft_bytes = draft_block_bytes(self.draft) if self.draft is not None else 0  # the draft's pool: its share
+        draft_bytes = self.draft.block_bytes() if self.draft is not None else 0  # the draft's pool: its share
         block_bytes = kv_block_bytes(mc, self.num_kv_heads, self.block_size, self.kv_dtype) + draft_bytes
         if self.device_memory is not None and cache.num_blocks is None:
             n, self.memory_budget = blocks_from_device(self, block_bytes)
@@ -171,6 +172,7 @@ class ModelRunner:
 
     def _graphs_off(self) -> str | None:
         """Why decode steps run without CUDA graphs (None: they run in them)."""
+        head = getattr(self, "draft", None) is not None and self.draft.reads_target_hidden
         return ("--enforce-eager" if self.config.enforce_eager else
                 "--batch-invariant (its attention is one call per sequence)" if self.config.batch_invariant else
                 f"device {self.device.type}" if self.device.type != "cuda" else
@@ -180,7 +182,8 @@ class ModelRunner:
                 if self.model_config.mla is not None
                 else "mixture of experts (its grouped expert path reads the routing on the host)"
                 if self.model_config.moe is not None
-                else f"{len(self.backends)} KV groups" if len(self.backends) > 1 else None)
+                else f"{len(self.backends)} KV groups" if len(self.backends) > 1
+                else "a speculative head reads each step's hidden states" if head else None)
 
     def graph_sizes(self) -> set[tuple[int, int]]:
         """The (batch, context blocks) pairs `_decode_graphs` will capture; empty when it captures none."""
@@ -370,7 +373,7 @@ class ModelRunner:
         input_ids, positions, query_lens, seq_lens = [], [], [], []
         groups = range(len(self.backends))
         slots, tables = [[] for _ in groups], [[] for _ in groups]  # per KV group
-        sample_indices, sample_req_ids, drafts = [], [], {}
+        sample_indices, sample_req_ids, drafts, spans = [], [], {}, []
         bs = self.block_size
         for r in reqs:
             start, n = r.num_computed_tokens, len(r.token_ids)
@@ -381,20 +384,22 @@ class ModelRunner:
                 tables[g].append(blocks)
             query_lens.append(n)
             seq_lens.append(start + n)
+            spans.append((r.request_id, start, n))
             if r.sample:
                 num_drafts = r.num_draft_tokens
                 sample_indices += range(len(input_ids) - 1 - num_drafts, len(input_ids))
                 sample_req_ids.append(r.request_id)
                 if num_drafts:
                     drafts[r.request_id] = (start, r.token_ids[n - num_drafts:])
-        inp = self._to_model_input(input_ids, positions, slots, query_lens, seq_lens, tables,
+        inp = self.model_input(input_ids, positions, slots, query_lens, seq_lens, tables,
                                    sample_indices, sample_req_ids)
-        inp.block_copies, inp.drafts = list(sched.block_copies), drafts
+        inp.block_copies, inp.drafts, inp.spans = list(sched.block_copies), drafts, spans
         return inp
 
-    def _to_model_input(self, input_ids, positions, slots, query_lens, seq_lens, tables,
-                        sample_indices, sample_req_ids) -> ModelInput:
-        """`slots` and `tables`: per KV group."""
+    def model_input(self, input_ids, positions, slots, query_lens, seq_lens, tables,
+                    sample_indices, sample_req_ids) -> ModelInput:
+        """A step's inputs on this runner's device (a speculative head builds its own steps with it);
+        `slots` and `tables`: per KV group, decodes first."""
         cu = [0]
         for q in query_lens:
             cu.append(cu[-1] + q)
@@ -428,6 +433,8 @@ class ModelRunner:
         if self.graphs is not None and after_layer is None and (size := self.graphs.size_for(inp)) is not None:
             return self.graphs.run(inp, size)
         hidden = self.hidden_states(inp, after_layer)
+        if self.draft is not None:
+            self.draft.observe(inp, hidden)
         if not inp.sample_req_ids:
             return None
         return self.model.compute_logits(hidden[inp.sample_indices])

@@ -35,9 +35,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="tokens and logprobs independent of batch, chunking and layout (docs/exactness.md)")
     p.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
-                   help="speculative decoding: ngram (prompt lookup) or draft_model (docs/speculative.md)")
+                   help="speculative decoding: ngram (prompt lookup), draft_model, eagle3 (a head) or mtp "
+                        "(DeepSeek-V3's own module) (docs/speculative.md)")
     p.add_argument("--speculative-model", default=None,
-                   help="the draft model (alone: --speculative-method draft_model)")
+                   help="the draft model or EAGLE-3 head (alone: --speculative-method draft_model)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step, 1-16 (default 3)")
     g = p.add_argument_group("cluster", "any of these runs the prompt through a cluster of Ray actors")
     g.add_argument("--prefill", type=int, default=None, help="prefill instances")

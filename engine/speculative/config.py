@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft_model")  # engine/speculative: one proposer class per name
+METHODS = ("ngram", "draft_model", "eagle3", "mtp")  # engine/speculative: one proposer class per name
+WITH_MODEL = ("draft_model", "eagle3")  # the methods whose drafter is its own checkpoint (--speculative-model)
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -12,7 +13,8 @@ MAX_SPECULATIVE_TOKENS = 16
 class SpeculativeConfig:
     method: str  # METHODS
     num_speculative_tokens: int = 3  # drafts per sequence per step, at most
-    model: str | None = None  # draft_model: the draft's checkpoint (same vocabulary as the target)
+    # draft_model: the draft's checkpoint (same vocabulary as the target); eagle3: the head's (EAGLE-3 layout)
+    model: str | None = None
     # a batch of more decoding sequences than this never speculates; None: from the profile measured
     # at load and the acceptance measured since (engine/speculative/speculator.py)
     max_batch_size: int | None = None
@@ -23,11 +25,11 @@ class SpeculativeConfig:
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
                              f"got {self.num_speculative_tokens}")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative method draft_model needs --speculative-model (the draft's checkpoint)")
-        if self.method != "draft_model" and self.model:
-            raise ValueError(f"--speculative-model is the draft_model method's; speculative method {self.method} "
-                             "reads no model")
+        if self.method in WITH_MODEL and not self.model:
+            raise ValueError(f"speculative method {self.method} needs --speculative-model (its drafter's checkpoint)")
+        if self.method not in WITH_MODEL and self.model:
+            raise ValueError(f"--speculative-model is for the {' and '.join(WITH_MODEL)} methods; speculative method "
+                             f"{self.method} reads no model of its own")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError(f"speculative max_batch_size must be >= 1, got {self.max_batch_size}")
 

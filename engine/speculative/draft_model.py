@@ -2,7 +2,7 @@
 guesses k tokens, one forward each, greedily.
 
 The draft is loaded by the target's rank-0 runner before the target sizes its KV pool, so the
-budget counts its weights and its share of each block (`load_draft`). It has its own KV pool of as
+budget counts its weights and its share of each block (`DraftModelProposer.load_model`). It has its own KV pool of as
 many blocks as the target's, of the target's block size, and reads the target's block tables: a
 sequence's draft KV sits in the same block ids and slots as its target KV, so the scheduler
 allocates and frees once for both (rejected drafts' slots are written again by the next step).
@@ -46,8 +46,12 @@ class DraftModelProposer(Proposer):
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, target: ModelRunner | None) -> DraftModelProposer:
-        assert target.draft is not None, "the target's rank-0 runner loads the draft (load_draft)"
-        return cls(target.draft, target.model_config.vocab_size)
+        assert isinstance(target.draft, DraftModel), "the target's rank-0 runner loads the draft (load_model)"
+        return cls(target.draft.runner, target.model_config.vocab_size)
+
+    @classmethod
+    def load_model(cls, target: ModelRunner) -> DraftModel:
+        return DraftModel(load_draft(target))
 
     def propose(self, seqs: Sequence[SpecSequence]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -109,8 +113,8 @@ class DraftModelProposer(Proposer):
 
 def load_draft(target: ModelRunner) -> ModelRunner:
     """The draft model's runner, loaded by the target's rank-0 runner before it sizes its KV pool:
-    the device budget then counts the draft's weights, and `draft_block_bytes` its share of each
-    block. Its own pool comes once the target's is sized (`give_pool`). It runs eagerly: its CUDA
+    the device budget then counts the draft's weights, and `DraftModel.block_bytes` its share of each
+    block. Its own pool comes once the target's is sized (`DraftModel.give_pool`). It runs eagerly: its CUDA
     graphs would capture a pool that is replaced."""
     from engine.model_runner import ModelRunner
     tc, spec = target.config, target.config.speculative
@@ -126,21 +130,36 @@ def load_draft(target: ModelRunner) -> ModelRunner:
     return draft
 
 
-def draft_block_bytes(draft: ModelRunner) -> int:
-    from engine.kv_cache import kv_block_bytes  # not at import: engine.config imports this package
-    return kv_block_bytes(draft.model_config, draft.num_kv_heads, draft.block_size, draft.kv_dtype)
+class DraftModel:
+    """The draft's runner as the target's rank-0 runner holds it (base.ProposerModel)."""
 
+    reads_target_hidden = False
 
-def give_pool(draft: ModelRunner, num_blocks: int) -> None:
-    """The draft's pool: as many blocks as the target's (it reads the target's block tables)."""
-    from engine.kv_cache import allocate_kv_cache
-    draft.kv_cache = None
-    draft.num_blocks = num_blocks
-    draft.kv_cache = allocate_kv_cache(draft.model_config, draft.num_kv_heads, num_blocks, draft.block_size,
-                                       draft.kv_dtype, draft.device)
-    logger.info("speculative decoding: draft model %s on rank 0, %d KV blocks of %d tokens beside the target's "
-                "(%.2f GiB)", draft.model_config.name, num_blocks, draft.block_size,
-                num_blocks * draft_block_bytes(draft) / 2**30)
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    def block_bytes(self) -> int:
+        from engine.kv_cache import kv_block_bytes  # not at import: engine.config imports this package
+        d = self.runner
+        return kv_block_bytes(d.model_config, d.num_kv_heads, d.block_size, d.kv_dtype)
+
+    def give_pool(self, num_blocks: int) -> None:
+        """As many blocks as the target's (it reads the target's block tables)."""
+        from engine.kv_cache import allocate_kv_cache
+        d = self.runner
+        d.kv_cache = None
+        d.num_blocks = num_blocks
+        d.kv_cache = allocate_kv_cache(d.model_config, d.num_kv_heads, num_blocks, d.block_size, d.kv_dtype, d.device)
+        logger.info("speculative decoding: draft model %s on rank 0, %d KV blocks of %d tokens beside the target's "
+                    "(%.2f GiB)", d.model_config.name, num_blocks, d.block_size,
+                    num_blocks * self.block_bytes() / 2**30)
+
+    def observe(self, inp, hidden) -> None:
+        """The draft reads tokens only."""
 
 
 def _misfit(draft: ModelRunner, target: ModelRunner) -> str | None:

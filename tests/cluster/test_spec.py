@@ -204,6 +204,8 @@ def test_cli_rejects_bad_values():
     ({"chat_template": ""}, "chat_template must not be empty"),
     ({"speculative_method": "medusa"}, "speculative_method must be one of ngram, draft_model"),
     ({"speculative_method": "draft_model"}, "draft_model needs --speculative-model"),
+    ({"speculative_method": "eagle3"}, "eagle3 needs --speculative-model"),
+    ({"speculative_method": "mtp", "speculative_model": "head"}, "speculative method mtp reads no model of its own"),
     ({"num_speculative_tokens": 2}, "--num-speculative-tokens needs --speculative-method"),
     ({"speculative_method": "ngram", "num_speculative_tokens": 20}, "num_speculative_tokens must be in"),
 ])

@@ -143,12 +143,12 @@ def test_the_kv_budget_counts_the_draft_pool(models):
     spec = SpeculativeConfig("draft_model", 3, model=str(models[1]), max_batch_size=8)
     runner = ModelRunner(replace(engine_config(model=str(models[0]), num_blocks=None), speculative=spec))
     target_bytes = kv_block_bytes(runner.model_config, runner.num_kv_heads, runner.block_size, runner.kv_dtype)
-    draft_bytes = kv_block_bytes(runner.draft.model_config, runner.draft.num_kv_heads, runner.block_size,
-                                 runner.draft.kv_dtype)
+    draft_bytes = kv_block_bytes(runner.draft.runner.model_config, runner.draft.runner.num_kv_heads, runner.block_size,
+                                 runner.draft.runner.kv_dtype)
     budget = int(runner.config.cache.memory_gib * 2**30)
     assert plain.num_blocks == budget // target_bytes
     assert runner.num_blocks == budget // (target_bytes + draft_bytes) == runner.draft.num_blocks
-    assert runner.draft.kv_cache.shape[2] == runner.num_blocks
+    assert runner.draft.runner.kv_cache.shape[2] == runner.num_blocks
 
 
 def test_the_draft_catches_up_with_a_long_prompt_in_chunks(models, plain, monkeypatch):

@@ -1,0 +1,161 @@
+"""EAGLE-3 heads through the colocated engine: every draft is the reference head's on transformers'
+own hidden states of the target; greedy output equals plain decoding over mixed batches, with a
+random head (which keeps few drafts) and with one built to keep many; the head's pool is whole again
+when every request is done."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bench.eagle3_head import save_eagle3_head
+from engine.request import SamplingParams
+from engine.speculative.config import SpeculativeConfig
+from tests.engine.speculative.eagle3_heads import ReferenceHead
+from tests.engine.speculative.test_engine import (
+    GREEDY,
+    assert_same_greedy,
+    make_engine,
+    run,
+)
+from tests.helpers import make_hf_tiny, random_prompts, save_tiny
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("eagle3") / "target", seed=0)
+
+
+@pytest.fixture(scope="module")
+def head(target, tmp_path_factory):
+    """A random head over 200 of the target's 256 tokens, reading layers (2, 1, 0): vLLM's default for 3 layers."""
+    config = json.loads((target / "config.json").read_text())
+    return save_eagle3_head(tmp_path_factory.mktemp("eagle3") / "head", config, seed=5, draft_vocab=200)
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return run(make_engine(target), GREEDY)
+
+
+def spec(head) -> SpeculativeConfig:
+    return SpeculativeConfig("eagle3", K, model=str(head), max_batch_size=64)
+
+
+def assert_pool_whole(engine) -> None:
+    head = engine.runner.draft
+    assert head.seqs == {} and sorted(head.free) == list(range(1, head.num_blocks))
+
+
+def test_drafts_are_the_reference_heads(target, head, plain):
+    """Each step's drafts, against the reference head fed transformers' hidden states of the target
+    over the same tokens (layers 2, 1, 0) from position 0: the catch-up after each verify step, the
+    chunked prompt, the draft steps. A differing draft is allowed only at a near-tie of the reference."""
+    engine = make_engine(target, spec(head))
+    seen = record_drafts(engine)
+    assert_same_greedy(plain, run(engine, GREEDY))
+    assert_pool_whole(engine)
+    assert compare_with_reference(target, head, seen[::3]) > 20
+
+
+def compare_with_reference(target, head, seen, base: int = 0) -> int:
+    """Asserts each (tokens, drafts) is the reference head's, fed from position `base`; how many were compared."""
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64).eval()
+    ref = ReferenceHead(load_file(head / "model.safetensors"), json.loads((head / "config.json").read_text()),
+                        hf.model.embed_tokens.weight.detach())
+    for tokens, drafts in seen:
+        with torch.no_grad():
+            states = hf(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+        rows = torch.cat([states[i][0] for i in (2, 1, 0)], -1)[base:]
+        want, gaps = ref.drafts(rows, tokens[base + 1:], len(drafts), base)
+        for w, g, gap in zip(want, drafts, gaps):
+            assert w == g or gap < 1e-3, (len(tokens), want, drafts, gaps)
+            if w != g:
+                break
+    return len(seen)
+
+
+def test_a_prefix_hit_is_outside_the_heads_context(target, head):
+    """A prompt whose first blocks are cached: the head's context starts at the first token computed
+    here, at its own position (the reference fed from there)."""
+    engine = make_engine(target, spec(head))
+    prompt = random_prompts(1, [40], seed=11)[0]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request("first", prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    seen = record_drafts(engine)
+    again = engine.add_request("again", prompt + [7, 8, 9], params)
+    while engine.has_unfinished():
+        engine.step()
+    assert again.num_cached_tokens == 40 and len(seen) > 2
+    compare_with_reference(target, head, seen, base=again.num_cached_tokens)
+    assert_pool_whole(engine)
+
+
+def record_drafts(engine) -> list[tuple[list[int], list[int]]]:
+    """(the sequence's tokens, its drafts) of every proposal from here on."""
+    seen, propose = [], engine.speculator.proposer.propose
+
+    def recording(seqs):
+        drafts = propose(seqs)
+        seen.extend((list(s.token_ids), d) for s, d in zip(seqs, drafts) if d)
+        return drafts
+    engine.speculator.proposer.propose = recording
+    return seen
+
+
+def test_a_random_head_keeps_the_output_exact(target, head, plain):
+    engine = make_engine(target, spec(head))
+    got = run(engine, GREEDY)
+    assert_same_greedy(plain, got)
+    s = engine.speculator
+    assert s.proposed[0] > 20 and sum(s.accepted) < sum(s.proposed) / 2, (s.proposed, s.accepted)
+    assert_pool_whole(engine)
+
+
+@pytest.fixture(scope="module")
+def repeating(tmp_path_factory):
+    """A target whose last layer adds nothing, and a head that reads that layer's input and has the
+    target's final norm and LM head: it proposes the target's last token again, k times, which the
+    target keeps while it repeats itself. (target folder, head folder)"""
+    root = tmp_path_factory.mktemp("eagle3")
+    hf = make_hf_tiny("llama", seed=3)
+    last = hf.model.layers[-1]
+    with torch.no_grad():
+        last.self_attn.o_proj.weight.zero_()
+        last.mlp.down_proj.weight.zero_()
+    hf.save_pretrained(root / "target", safe_serialization=True)
+    config, h = hf.config.to_dict(), hf.config.hidden_size
+    zero = torch.zeros
+    tensors = {"fc.weight": torch.cat([torch.eye(h), zero(h, 2 * h)], 1),
+               "midlayer.self_attn.o_proj.weight": zero(h, h), "midlayer.mlp.down_proj.weight": zero(h, 128),
+               "norm.weight": hf.model.norm.weight.detach().clone(),
+               "lm_head.weight": hf.lm_head.weight.detach().clone(),
+               "d2t": zero(256, dtype=torch.int64), "t2d": torch.ones(256, dtype=torch.bool)}
+    return root / "target", save_eagle3_head(root / "head", config, seed=1, aux_ids=[2, 2, 2], tensors=tensors)
+
+
+def test_a_head_that_keeps_drafts_stays_exact(repeating):
+    """Whole runs of drafts kept: after such a verify step the head feeds the rows of every kept
+    position, and the output is still plain decoding's."""
+    target, head = repeating
+    want = run(make_engine(target), GREEDY)
+    engine = make_engine(target, spec(head))
+    seen = record_drafts(engine)
+    assert_same_greedy(want, run(engine, GREEDY))
+    bad = [(t[-4:], d) for t, d in seen if d != [t[-1]] * len(d)]  # fewer than K near max_tokens
+    assert not bad, (len(bad), len(seen), bad[:8])
+    s = engine.speculator
+    assert s.accepted[K - 1] > 2 and sum(s.accepted) < sum(s.proposed), (s.proposed, s.accepted)
+    assert_pool_whole(engine)
+
+
+def test_a_checkpoint_that_is_no_head_is_refused(target):
+    with pytest.raises(ValueError, match="architecture 'LlamaForCausalLM' is not an EAGLE-3 head"):
+        make_engine(target, spec(target))
