@@ -165,7 +165,13 @@ def measure_level(url: str, level: int, num_neighbours: int, args: argparse.Name
         if wl.num_warmup:
             asyncio.run(run_load(wl.load_config(url, warmup=True)))
         for client in args.clients:
+            before = pdserve_speculation(url) if target != "vllm" else None
             rows[client] = measure_client(client, url, wl, args, f"{target}-n{num_neighbours}")
+            after = pdserve_speculation(url) if before is not None else None
+            if after is not None and after["max_batch"] is not None:  # a speculating server
+                rows[client]["speculation"] = {"proposed": after["proposed"] - before["proposed"],
+                                               "accepted": after["accepted"] - before["accepted"],
+                                               "max_batch_after": after["max_batch"]}
             logger.info("%s, %d neighbours, %s: %s output tok/s, %s ok, %s failed", target, num_neighbours,
                         client, fmt(rows[client]["output_tok_s"]), rows[client]["num_ok"],
                         rows[client]["num_failed"])
@@ -185,6 +191,21 @@ def pdserve_teams(url: str) -> dict[str, float] | None:
         logger.warning("no /status from %s: %s", url, exc)
         return None
     return {i["instance_id"]: i["load"].get("intraop_threads") for i in instances}
+
+
+def pdserve_speculation(url: str) -> dict | None:
+    """Drafts proposed and accepted so far, summed over the instances, and the smallest speculation
+    limit now (max_batch None: no instance speculates); None if /status fails."""
+    try:
+        instances = httpx.get(f"{url}/status", timeout=10).raise_for_status().json()["instances"]
+    except (httpx.HTTPError, KeyError, ValueError) as exc:
+        logger.warning("no /status from %s: %s", url, exc)
+        return None
+    loads = [i["load"] for i in instances]
+    limits = [load["spec_max_batch"] for load in loads if "spec_max_batch" in load]
+    return {"proposed": sum(v for load in loads for k, v in load.items() if k.startswith("spec_proposed/")),
+            "accepted": sum(v for load in loads for k, v in load.items() if k.startswith("spec_accepted/")),
+            "max_batch": min(limits) if limits else None}
 
 
 def measure_target(target: str, args: argparse.Namespace) -> dict:

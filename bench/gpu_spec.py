@@ -4,7 +4,8 @@ device.
     tokens     a small random Llama in float32 on the torch attention backend (written to a temporary
                folder: the draft model is loaded from one), 8 prompts that repeat themselves, 32
                greedy tokens each (the CPU stand-in: 2 layers, 4 prompts, 12 tokens): plain
-               decoding against the n-gram proposer and against the target as its own draft; per
+               decoding against the n-gram proposer, the target as its own draft and a random
+               EAGLE-3 head (bench/eagle3_head.py: its drafts next to never kept); per
                method the prompts whose tokens are equal (else the first difference and the plain
                run's top-2 logprob gap there), the drafts proposed and accepted (the target as
                its own draft must accept every one), and the seconds each run took; on the
@@ -18,6 +19,7 @@ Its limit in gpu_check is LIMIT_S.
 """
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 from dataclasses import replace
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from bench.eagle3_head import save_eagle3_head
 from bench.gpu_sections import TINY, Plan, engine_config, sharpened
 
 LIMIT_S = 45
@@ -80,13 +83,17 @@ def speculative(plan: Plan) -> dict:
     prompts = [torch.randint(3, shape["vocab_size"], (n,), generator=g).tolist() * 4 for n in lengths]
     with tempfile.TemporaryDirectory() as tmp:
         path = _save_target(Path(tmp) / "target", shape)
+        head = save_eagle3_head(Path(tmp) / "head", json.loads((path / "config.json").read_text()), seed=0,
+                                draft_vocab=64, aux_ids=[1, shape["num_hidden_layers"] // 2, 0])
         plain, plain_s, _ = _run(path, plan.device, None, prompts, max_tokens)
         out = {"shape": shape, "dtype": "float32", "backend": "torch", "plain_s": plain_s, "methods": {}}
         # on the device, the draft's run sizes the pools from the device's memory (the draft counted in)
         sized = dict(gpu_memory_utilization=0.3, block_size=16) if cuda else None
         for name, spec, kv in (("ngram", SpeculativeConfig("ngram", 3, max_batch_size=8), None),
                                ("draft_self", SpeculativeConfig("draft_model", 3, model=str(path), max_batch_size=8),
-                                sized)):
+                                sized),
+                               ("eagle3_random", SpeculativeConfig("eagle3", 3, model=str(head), max_batch_size=8),
+                                None)):
             got, seconds, s = _run(path, plan.device, spec, prompts, max_tokens, kv)
             out["methods"][name] = {**_compare(plain, got), "seconds": seconds, "proposed": s.proposed,
                                     "accepted": s.accepted}

@@ -119,6 +119,8 @@ class Scheduler:
         ids = [choice_id(pid, i) for i in range(sp.n)]
         self.requests.pop(pid)
         self._finished_ids.append(pid)  # the runner forgets the parent (colocated: it prefilled it)
+        if self.speculator is not None:
+            self.speculator.forget(pid)  # what a proposer kept of it (a head: its prompt's rows)
         children, no_room = [], set()
         for i in range(len(choices)):
             child = Request(ids[i], parent.prompt_token_ids,

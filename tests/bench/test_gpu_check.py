@@ -68,10 +68,10 @@ def test_dry_run_runs_every_section_with_only_what_the_gpu_machine_has(tmp_path)
     profile = s["decode"]["speculative_profile"]  # where speculative decoding pays at the shape
     assert profile["batch_sizes"] == [1, 2, 4] and all(t > 0 for t in profile["decode_ms"] + profile["verify_ms"])
     spec = s["speculative"]
-    assert spec["ok"] and set(spec["methods"]) == {"ngram", "draft_self"}
+    assert spec["ok"] and set(spec["methods"]) == {"ngram", "draft_self", "eagle3_random"}
     assert all(m["prompts_equal"] == m["num_prompts"] == 4 for m in spec["methods"].values())
     assert spec["methods"]["draft_self"]["accepted"] == spec["methods"]["draft_self"]["proposed"]
-    assert spec["methods"]["ngram"]["proposed"][0] > 0
+    assert spec["methods"]["ngram"]["proposed"][0] > 0 and spec["methods"]["eagle3_random"]["proposed"][0] > 0
     assert s["ipc_copy"]["from_other_process_GBps"] > 0 and s["ipc_copy"]["within_process_GBps"] > 0
     pd = s["pd_one_gpu"]
     assert pd["ok"] and pd["equal"] and pd["transport"] == "shared_memory"

@@ -119,6 +119,17 @@ def test_a_random_head_keeps_the_output_exact(target, head, plain):
     assert_pool_whole(engine)
 
 
+def test_forked_choices_leave_the_pool_whole(target, head):
+    """n = 2: the parent's rows and blocks are dropped at the fork, each choice starts its own."""
+    params = [*GREEDY[:4], SamplingParams(max_tokens=14, temperature=0.0, n=2, logprobs=2)]
+    want = run(make_engine(target), params)
+    engine = make_engine(target, spec(head))
+    got = run(engine, params)
+    assert_same_greedy(want, got)
+    assert engine.speculator.proposed[0] > 20
+    assert_pool_whole(engine)
+
+
 @pytest.fixture(scope="module")
 def repeating(tmp_path_factory):
     """A target whose last layer adds nothing, and a head that reads that layer's input and has the
