@@ -34,13 +34,13 @@ from engine.quant import (create_linear_method, method_reads_q4_codes, process_w
                           resolve_quantization)
 from engine.quant.base import BaseLinearMethod
 from engine.quant.q8_head import q8_head_method
+from engine.runner_grammars import RunnerGrammars
 from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
 from engine.speculative.base import proposer_class
 from engine.speculative.profile import measure_verify
 from engine.speculative.verify import split_rows, verify
 from engine.threads import TeamSizer, use_intraop_threads
-from engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # llguidance is imported with the first structured request (not on every machine)
     import llguidance
@@ -133,7 +133,7 @@ class ModelRunner:
         self.block_size = self.backend.block_size_for(config.cache.block_size)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.sampler = Sampler()
-        self._ll_tokenizer: llguidance.LLTokenizer | None = None  # built for the first structured request
+        self.grammars = RunnerGrammars(config.model, model_config, self.device)  # structured output
         self.requests: dict[str, _RequestState] = {}
         self.graphs: DecodeGraphs | None = None  # set once the KV pool is there (graphs capture its address)
         spec = config.speculative  # a draft model or head: loaded here, so that the KV budget counts it
@@ -332,7 +332,8 @@ class ModelRunner:
             gen = old.generator if old else make_generator(r.sampling_params.seed, self.device)
             # r.history is this NewRequestData's own (history_of builds it afresh): the runner grows it
             self.requests[r.request_id] = _RequestState([list(t) for t in r.block_ids], r.sampling_params, gen,
-                                                        r.history, self._grammar_for(r, old))
+                                                        r.history,
+                                                        self.grammars.grammar_for(r, old.grammar if old else None))
         for r in sched.cached_requests:
             tables = self.requests[r.request_id].block_ids
             for g, table in enumerate(tables):
@@ -341,31 +342,9 @@ class ModelRunner:
                 if r.new_block_ids:
                     table.extend(r.new_block_ids[g])
 
-    # -- structured output ---------------------------------------------------------------------------
-    def _grammar_for(self, r: NewRequestData, old: _RequestState | None) -> GrammarState | None:
-        """A new request's grammar state, fed the tokens it has output so far (a remote prefill's first
-        token, a retry's); a resumed one (preempted) keeps its own, like its RNG stream."""
-        if r.sampling_params.structured_output is None:
-            return None
-        output = r.history.output if r.history is not None else []
-        if old is not None and old.grammar is not None and old.grammar.num_tokens == len(output):
-            return old.grammar
-        from engine.structured_output import GrammarState
-        kind, spec = r.sampling_params.structured_output
-        return GrammarState(kind, spec, self.grammar_tokenizer(), output, r.request_id)
-
     def grammar_tokenizer(self) -> llguidance.LLTokenizer:
-        """llguidance's tokenizer for this model (`engine.structured_output.ll_tokenizer`), from the
-        model's own tokenizer, over the logits' width, with the model's EOS ids; built once."""
-        if self._ll_tokenizer is None:
-            from engine.structured_output import ll_tokenizer
-            tokenizer = Tokenizer.from_path(self.config.model)
-            mc = self.model_config
-            eos = tuple(sorted(mc.eos_token_ids))
-            logger.info("structured output: first request; grammar tokenizer from %s, masks unpacked on %s",
-                        self.config.model, "the CPU with numpy" if self.device.type == "cpu" else self.device)
-            self._ll_tokenizer = ll_tokenizer(tokenizer, mc.vocab_size, eos)
-        return self._ll_tokenizer
+        """llguidance's tokenizer for this model (engine/runner_grammars.py)."""
+        return self.grammars.tokenizer()
 
     def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:
         """Packs the scheduled requests flat, decodes (one new token) first."""

@@ -14,12 +14,7 @@ from bench.eagle3_head import save_eagle3_head
 from engine.request import SamplingParams
 from engine.speculative.config import SpeculativeConfig
 from tests.engine.speculative.eagle3_heads import ReferenceHead
-from tests.engine.speculative.test_engine import (
-    GREEDY,
-    assert_same_greedy,
-    make_engine,
-    run,
-)
+from tests.engine.speculative.test_engine import GREEDY, assert_same_greedy, make_engine, run
 from tests.helpers import make_hf_tiny, random_prompts, save_tiny
 
 K = 3
