@@ -4,15 +4,18 @@ latent entry once, whatever the TP sizes (the entry is not split by heads: every
 
 Not in the batch-invariant mode (MLA does not run in it): as for the mixtures
 (tests/exactness/test_moe_disagg.py), outputs equal up to a first differing token that must be a
-near-tie of the reference's, logprobs within LOGPROB_TOL up to there."""
+near-tie of the reference's, logprobs within LOGPROB_TOL up to there. DeepSeek-V3's MTP module
+drafting on a decode of two TP ranks keeps that."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
+from cluster.control.cluster import Cluster
 from engine.loader import hf_model_config
-from tests.exactness.matrix import LAYOUTS, Case, requests, serve
+from tests.engine.speculative.test_mtp import write_mtp_checkpoint
+from tests.exactness.matrix import LAYOUTS, Case, requests, serve, spec_of
 from tests.exactness.test_moe_disagg import differences
 from tests.helpers import FAMILIES, save_tiny
 
@@ -42,3 +45,24 @@ def test_mla_disaggregated_equals_colocated(mla_model, mla_reference, layout, tp
     tokens = sum(len(prompt) for prompt, _ in requests(case).values())
     # every prompt token's entry, each layer, fp32: once, from one prefill rank, to decode rank 0
     assert counts["kv_bytes_received"] == tokens * cfg.num_layers * cfg.mla.entry_size * 4
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("mla") / "deepseek_v3_mtp"
+    write_mtp_checkpoint(folder, seed=9)
+    return str(folder)
+
+
+def test_mtp_on_a_decode_of_two_ranks_equals_colocated(mtp_model, request, monkeypatch):
+    """The checkpoint's MTP module drafts on decode rank 0 (every rank profiles the verify step at
+    load); the output is colocated plain decoding's, and drafts were proposed."""
+    want = serve(Case(n3=False, structured=False), mtp_model, batch_invariant=False)
+    monkeypatch.setitem(LAYOUTS, "P1-D2", ("disaggregated", 1, 1, 1, 2))
+    case = Case(layout="P1-D2", n3=False, structured=False, concurrency=8)
+    request.getfixturevalue("ray_session")
+    knobs = dict(speculative_method="mtp", num_speculative_tokens=2)
+    with Cluster(spec_of(case, mtp_model, batch_invariant=False, **knobs), use_ray=True) as cluster:
+        assert differences(serve(case, mtp_model, cluster=cluster), want) == []
+        loads = [i.client.load() for i in cluster.instances.values() if i.role == "decode"]
+    assert sum(v for load in loads for k, v in load.items() if k.startswith("spec_proposed/mtp/")) > 0, loads

@@ -18,27 +18,33 @@ from tests.helpers import FAMILIES, make_hf_tiny
 K = 2
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def write_mtp_checkpoint(folder, seed: int, **overrides):
     """A tiny DeepSeek-V3 of 3 layers whose checkpoint carries one MTP module: layer 3 of a random
     4-layer model, with random enorm, hnorm and eh_proj, and its own embedding and shared head.
-    (folder, the 4-layer transformers model, the module's extra tensors)"""
-    family, overrides = FAMILIES["deepseek_v3"]
-    hf = make_hf_tiny(family, seed=4, **{**overrides, "num_hidden_layers": 4})
-    folder = tmp_path_factory.mktemp("mtp") / "v3"
+    `overrides` on tests.helpers' DeepSeek-V3 switches. (the 4-layer transformers model, the
+    module's extra tensors)"""
+    family, switches = FAMILIES["deepseek_v3"]
+    hf = make_hf_tiny(family, seed=seed, **{**switches, **overrides, "num_hidden_layers": 4})
     hf.save_pretrained(folder, safe_serialization=True)
-    g, h = torch.Generator().manual_seed(9), hf.config.hidden_size
+    g, h, vocab = torch.Generator().manual_seed(seed + 1), hf.config.hidden_size, hf.config.vocab_size
     extra = {"enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
              "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
              "eh_proj.weight": torch.randn(h, 2 * h, generator=g) * 2.5 / (2 * h) ** 0.5,
              "shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-             "embed_tokens.weight": torch.randn(hf.config.vocab_size, h, generator=g),
-             "shared_head.head.weight": torch.randn(hf.config.vocab_size, h, generator=g) * 2.5 / h ** 0.5}
+             "embed_tokens.weight": torch.randn(vocab, h, generator=g),
+             "shared_head.head.weight": torch.randn(vocab, h, generator=g) * 2.5 / h ** 0.5}
     (file,) = folder.glob("*.safetensors")
     save_file({**load_file(file), **{f"model.layers.3.{n}": t for n, t in extra.items()}}, file)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3, "num_nextn_predict_layers": 1}))
-    return folder, hf.eval(), extra  # float32: transformers' grouped expert matmul takes no float64
+    return hf.eval(), extra  # float32: transformers' grouped expert matmul takes no float64
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(folder, the 4-layer transformers model, the module's extra tensors)"""
+    folder = tmp_path_factory.mktemp("mtp") / "v3"
+    return (folder, *write_mtp_checkpoint(folder, seed=4))
 
 
 def reference_drafts(hf, extra: dict, tokens: list[int], k: int) -> tuple[list[int], list[float]]:
