@@ -40,9 +40,31 @@ CATCH_UP_TOKENS = 256  # positions fed per sequence per step (a long prompt's ro
 class _HeadSeq:
     base: int  # the first position with a target row: the head's local position 0
     fed: int  # positions base .. fed - 1 are in the head's KV, fed from the target's rows
-    rows_start: int  # the position of rows[0]
-    rows: torch.Tensor  # the target's rows from rows_start on (not fed yet)
+    # the target's rows from position `fed` on, not fed yet, a chunk per target step (joined when
+    # fed: a sequence that does not speculate for a while gains a row a step, never a copy of them all)
+    chunks: list[torch.Tensor]
     blocks: list[int] = field(default_factory=list)  # its table in the head's pool
+
+    @property
+    def rows_end(self) -> int:
+        """The position after its last row."""
+        return self.fed + sum(len(c) for c in self.chunks)
+
+    def rows(self, end: int) -> torch.Tensor:
+        """Its rows of positions fed .. end - 1, which it then no longer holds."""
+        rows = torch.cat(self.chunks) if len(self.chunks) > 1 else self.chunks[0]
+        self.chunks = [rows[end - self.fed:]]
+        return rows[:end - self.fed]
+
+    def truncate(self, end: int) -> None:
+        """Drops its rows of positions end and after (a verify step's past its kept drafts)."""
+        kept, n = [], end - self.fed
+        for c in self.chunks:
+            if n <= 0:
+                break
+            kept.append(c[:n])
+            n -= len(c)
+        self.chunks = kept
 
 
 @dataclass
@@ -100,11 +122,12 @@ class HeadModel:
 
     def _keep(self, rid: str, start: int, rows: torch.Tensor) -> None:
         s = self.seqs.get(rid)
-        if s is None or not s.fed <= start <= s.rows_start + len(s.rows):  # new here (or computed afresh)
+        if s is None or not s.fed <= start <= s.rows_end:  # new here (or computed afresh)
             self.forget(rid)
-            self.seqs[rid] = _HeadSeq(start, start, start, rows.clone())
+            self.seqs[rid] = _HeadSeq(start, start, [rows.clone()])
             return
-        s.rows = torch.cat([s.rows[:start - s.rows_start], rows])
+        s.truncate(start)
+        s.chunks.append(rows.clone())  # its own copy: a slice would keep the whole step's rows alive
 
     def forget(self, rid: str) -> None:
         s = self.seqs.pop(rid, None)
@@ -191,16 +214,15 @@ class HeadProposer(Proposer):
         token (at most CATCH_UP_TOKENS of them); None when there are none, or no room for its drafts."""
         s = self.head.seqs.get(sq.request_id)
         n = len(sq.token_ids)
-        if s is None or s.fed >= n - 1 or s.rows_start + len(s.rows) < n - 1:
+        if s is None or s.fed >= n - 1 or s.rows_end < n - 1:
             return None
         end = min(n - 1, s.fed + CATCH_UP_TOKENS)
         if not self.head.reserve(s, end - 1 - s.base + sq.k):
             logger.debug("speculative decoding: the head's KV pool is full; %s proposes nothing", sq.request_id)
             return None
         start = s.fed
-        feed = _Feed(i, list(sq.token_ids[start + 1:end + 1]), s.rows[start - s.rows_start:end - s.rows_start],
-                     start, s.base)
-        s.rows, s.rows_start, s.fed = s.rows[end - s.rows_start:], end, end
+        feed = _Feed(i, list(sq.token_ids[start + 1:end + 1]), s.rows(end), start, s.base)
+        s.fed = end
         return feed
 
     def forget(self, request_id: str) -> None:
@@ -218,7 +240,7 @@ class HeadProposer(Proposer):
         head.kv_cache = torch.zeros_like(pool[:, :, :2])  # the null block and one block every entry points at
         hidden = torch.zeros(1, head.config.hidden_size, device=head.target.device, dtype=head.target.dtype)
         try:
-            states = [_HeadSeq(0, 0, 0, hidden, [1] * n) for _ in range(num_seqs)]
+            states = [_HeadSeq(0, 0, [hidden], [1] * n) for _ in range(num_seqs)]
             head.forward([_Feed(i, [0], hidden, context - 1, 0) for i in range(num_seqs)], states)
         finally:
             head.kv_cache = pool

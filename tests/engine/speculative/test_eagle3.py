@@ -14,7 +14,7 @@ from bench.eagle3_head import save_eagle3_head
 from engine.request import SamplingParams
 from engine.speculative.config import SpeculativeConfig
 from tests.engine.speculative.eagle3_heads import ReferenceHead
-from tests.engine.speculative.test_engine import GREEDY, assert_same_greedy, make_engine, run
+from tests.engine.speculative.test_engine import GREEDY, assert_same_greedy, make_engine, prompts, run
 from tests.helpers import make_hf_tiny, random_prompts, save_tiny
 
 K = 3
@@ -55,6 +55,21 @@ def test_drafts_are_the_reference_heads(target, head, plain):
     assert_same_greedy(plain, run(engine, GREEDY))
     assert_pool_whole(engine)
     assert compare_with_reference(target, head, seen[::3]) > 20
+
+
+def test_a_sequence_that_waited_catches_up(target, head):
+    """Speculation on for one decoding sequence only: the first request decodes beside the others
+    with no drafts, gaining a row a step, then alone; its first drafts are still the reference's,
+    fed every row since."""
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=2) for m in (36, 10, 10, 10, 10)]
+    want = run(make_engine(target), params)
+    engine = make_engine(target, SpeculativeConfig("eagle3", K, model=str(head), max_batch_size=1))
+    seen = record_drafts(engine)
+    assert_same_greedy(want, run(engine, params))
+    assert_pool_whole(engine)
+    first = min(len(tokens) for tokens, _ in seen)
+    assert first > len(prompts()[0]) + 8, first  # it waited
+    assert compare_with_reference(target, head, seen) > 5
 
 
 def compare_with_reference(target, head, seen, base: int = 0) -> int:
