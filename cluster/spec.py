@@ -19,7 +19,8 @@ from pathlib import Path
 import yaml
 
 from engine.config import (DTYPE_CHOICES, EXPERT_METHOD_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES,
-                           SPECULATIVE_METHODS, CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig)
+                           SPECULATIVE_HEAD_METHODS, SPECULATIVE_METHODS, CacheConfig, EngineConfig, SchedulerConfig,
+                           SpeculativeConfig)
 from engine.expert_placement import ExpertPlacement
 
 MODES = ("disaggregated", "colocated")
@@ -383,7 +384,9 @@ class ClusterSpec:
                             expert_placement=self.placement_for(role), expert_method=self.expert_method, cache=cache,
                             enforce_eager=self.enforce_eager or role == "prefill",  # a prefill never decodes
                             batch_invariant=self.batch_invariant, scheduler=self.scheduler_config,
-                            speculative=None if role == "prefill" else self.speculative)
+                            speculative=None if role == "prefill" else self.speculative,
+                            ship_proposer_rows=self.speculative if role == "prefill" and self.speculative
+                            and self.speculative.method in SPECULATIVE_HEAD_METHODS else None)
 
     def to_dict(self) -> dict:
         """Plain dict with one key per field: what `from_yaml` reads back."""

@@ -125,6 +125,7 @@ class DecodeWorker(BaseWorker):
         touched = []
         ready, failed = self.connector.admit(polls)
         for done in ready:
+            rows = self.connector.take_rows(done.request_id)  # a speculative head's, of the prompt
             req = self.engine.scheduler.remote.get(done.request_id)
             if req is not None and req.sampling_params.logprobs is not None and done.logprobs is None:
                 failed[done.request_id] = "the prefill sent the first token without the logprobs asked for"
@@ -132,6 +133,9 @@ class DecodeWorker(BaseWorker):
             # rank 0's heads always overlap the sampling prefill rank's, so rank 0 has the first token
             touched += self.engine.scheduler.remote_kv_ready(done.request_id, done.first_token, done.logprobs,
                                                              done.more_choices)
+            head = self.engine.runner.draft
+            if rows is not None and done.request_id in self.engine.scheduler.requests and hasattr(head, "receive_rows"):
+                head.receive_rows(done.request_id, *rows)  # not a forked n > 1: each choice's head starts afresh
         self._take_forks()
         outputs = self._process(touched)
         for request_id, reason in failed.items():

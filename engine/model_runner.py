@@ -38,6 +38,7 @@ from engine.runner_grammars import RunnerGrammars
 from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
 from engine.speculative.base import proposer_class
+from engine.speculative.rows import row_recorder
 from engine.speculative.profile import measure_verify
 from engine.speculative.verify import split_rows, verify
 from engine.threads import TeamSizer, use_intraop_threads
@@ -137,7 +138,8 @@ class ModelRunner:
         self.requests: dict[str, _RequestState] = {}
         self.graphs: DecodeGraphs | None = None  # set once the KV pool is there (graphs capture its address)
         spec = config.speculative  # a draft model or head: loaded here, so that the KV budget counts it
-        self.draft = proposer_class(spec.method).load_model(self) if spec and tp.rank == 0 else None
+        self.draft = proposer_class(spec.method).load_model(self) if spec and tp.rank == 0 else \
+            row_recorder(config.ship_proposer_rows, self) if config.ship_proposer_rows and tp.rank == 0 else None
         self.num_blocks = self._num_blocks()
         self.kv_cache = allocate_kv_cache(model_config, self.num_kv_heads, self.num_blocks, self.block_size,
                                           self.kv_dtype, self.device)

@@ -46,10 +46,12 @@ class Transfer(ABC):
         """
 
     @abstractmethod
-    def finish(self, first_token: int, logprobs: dict[int, float] | None = None, more_choices: tuple = ()) -> None:
+    def finish(self, first_token: int, logprobs: dict[int, float] | None = None, more_choices: tuple = (),
+               rows: tuple[int, torch.Tensor] | None = None) -> None:
         """Queue the trailer: all layers sent; `first_token` (-1 from ranks that do not sample) and,
         when the request asked for them, its logprobs ({token_id: logprob}, sampled token first);
-        with n > 1, `more_choices`: the other choices' (first token, logprobs or None)."""
+        with n > 1, `more_choices`: the other choices' (first token, logprobs or None); `rows`: a
+        speculative head's rows of the prompt, (first position, (tokens, width)), sent before it."""
 
     @abstractmethod
     def wait(self, timeout: float | None = None) -> None:
@@ -86,6 +88,11 @@ class KVReceiver(ABC):
     @abstractmethod
     def poll(self) -> tuple[list[CompletedTransfer], list[tuple[str, str]]]:
         """Returns (completed, failed [(request_id, reason)]) since the last call."""
+
+    def take_rows(self, request_id: str) -> tuple[int, torch.Tensor] | None:
+        """A completed request's speculative-head rows of the prompt, (first position, (tokens,
+        width)), forgotten here; None when none came (CompatRecord.proposer_rows)."""
+        return None
 
     @abstractmethod
     def cancel(self, request_id: str) -> None:

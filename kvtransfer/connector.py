@@ -76,6 +76,7 @@ class PrefillConnector:
         self._params: dict[str, KVTransferParams] = {}
         self._step: list[tuple[Shipment, list[tuple[int, int, Transfer]]]] = []
         self._open: dict[str, list[Transfer]] = {}  # request id -> its transfers, until finish()
+        self._to_rank0: dict[str, Transfer] = {}  # request id -> its KV group 0's part to decode rank 0 (here)
         self._watch: queue.Queue = queue.Queue()
         self._delivered: queue.Queue[tuple[str, str | None]] = queue.Queue()
         threading.Thread(target=self._watch_transfers, daemon=True, name="kv-ack").start()
@@ -115,6 +116,8 @@ class PrefillConnector:
                     dest = s.params.endpoints[hs.decode_rank]
                     parts.append((hs.head_start, hs.head_end,
                                   self.sender.begin(s.transfer_id, dest, hs.head_start, hs.head_end, s.num_tokens)))
+                    if hs.decode_rank == 0 and s.group == 0:
+                        self._to_rank0[s.request_id] = parts[-1][2]
             self._step.append((s, parts))
             self._open.setdefault(s.request_id, []).extend(t for *_, t in parts)
 
@@ -138,13 +141,15 @@ class PrefillConnector:
                 transfer.send_layer(slab, gathered[:, :, lo:lo + head_end - head_start].contiguous())
 
     def finish(self, request_id: str, first_token: int, logprobs: dict[int, float] | None = None,
-               more_choices: tuple = ()) -> None:
+               more_choices: tuple = (), rows: tuple[int, torch.Tensor] | None = None) -> None:
         """All layers are queued; `first_token` is -1 on ranks that do not sample; with n > 1
-        `more_choices` holds the other choices' (first token, logprobs). The request's blocks stay
-        leased until every part is acknowledged, or the lease ends."""
+        `more_choices` holds the other choices' (first token, logprobs); `rows` (rank 0): a
+        speculative head's rows of the prompt, for decode rank 0. The request's blocks stay leased
+        until every part is acknowledged, or the lease ends."""
         transfers = self._open.pop(request_id, [])
+        to_rank0 = self._to_rank0.pop(request_id, None)
         for t in transfers:
-            t.finish(first_token, logprobs, more_choices)
+            t.finish(first_token, logprobs, more_choices, rows if t is to_rank0 else None)
         self._params.pop(request_id, None)
         self._watch.put((request_id, transfers, time.monotonic() + self.lease_s))
 
@@ -202,6 +207,10 @@ class DecodeConnector:
 
     def poll(self) -> tuple[list[CompletedTransfer], list[tuple[str, str]]]:
         return ([], []) if self.receiver is None else self.receiver.poll()
+
+    def take_rows(self, request_id: str) -> tuple[int, torch.Tensor] | None:
+        """Rank 0: an admitted request's speculative-head rows of the prompt (None: none came)."""
+        return None if self.receiver is None else self.receiver.take_rows(transfer_id(request_id, 0, self.num_groups))
 
     # -- scheduler side (rank 0) ---------------------------------------------------------------------
     def set_followers(self, followers) -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-PROTOCOL_VERSION = 12  # 3: control messages on TCP, payloads alone on the data channel; 4: runs; 5: shared caches;
+PROTOCOL_VERSION = 13  # 3: control messages on TCP, payloads alone on the data channel; 4: runs; 5: shared caches;
 # 6: kv_window (a sliding-window model ships only the tokens its decode can still read); 7: kv_layout (a
 # transfer per KV group, num_layers its slabs); 8: done.more_choices (n > 1: every choice's first token);
 # 9: kv_checksum (done.checksum, kvtransfer/checksum.py); 10: a shared part's `ready` grants its slots until
 # `done` (no layer/grant/wrote per span), welcome.data_channel and no_cache_reason (no NCCL on one GPU);
-# 11: kv_format (what a KV head holds: per-head K/V, or DeepSeek's latent entry); 12: speculative (informational)
+# 11: kv_format (what a KV head holds: per-head K/V, or DeepSeek's latent entry); 12: speculative (informational);
+# 13: proposer_rows (a speculative head's rows of the prompt, `rows` messages before `done`)
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,10 @@ class CompatRecord:
     what a KV head's two planes hold: "kv" (a head's keys and values), or for DeepSeek's latent
     attention "mla:<kv_lora_rank>+<qk_rope_head_dim>" (one head, a token's entry in two halves:
     engine/mla.py), which every decode rank receives whole.
-    `speculative` is informational: a proposer's state (the draft model's KV) is computed on the decode
-    instance from the prompt (docs/speculative.md), so the prefill end needs none and the ends need not agree.
+    `speculative` is informational: the draft model's KV is computed on the decode instance from the
+    prompt (docs/speculative.md). `proposer_rows` is what the part to decode rank 0 carries of the
+    prompt for a speculative head (engine/speculative/rows.py rows_signature; "" nothing): the
+    decode's head reads them, so both ends must agree.
     NOTE: fp8 scales are not here because they are 1.0 on every instance (engine/models/llama.py); a
     change that loads them from checkpoints must add them to MUST_MATCH.
     """
@@ -43,10 +46,11 @@ class CompatRecord:
     kv_checksum: bool = False  # done carries a checksum of the part's payloads (--kv-checksum)
     kv_format: str = "kv"  # what a KV head holds (docstring)
     speculative: str = ""  # the decode end's speculative decoding (SpeculativeConfig.describe; "" off), informational
+    proposer_rows: str = ""  # the rows of the prompt shipped for a speculative head (docstring)
     protocol_version: int = PROTOCOL_VERSION
 
     MUST_MATCH = ("protocol_version", "model", "dtype", "num_layers", "num_kv_heads", "head_dim", "device_type",
-                  "kv_layout", "kv_checksum", "kv_format")
+                  "kv_layout", "kv_checksum", "kv_format", "proposer_rows")
 
     def __post_init__(self):
         assert self.num_layers > 0 and self.num_kv_heads > 0 and self.head_dim > 0, self

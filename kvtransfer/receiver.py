@@ -70,6 +70,7 @@ class Expected:
     more_choices: tuple = ()
     last_activity: float | None = None  # set when its first part begins
     receiving: int = 0  # receives in flight straight into its slots
+    rows: list[dict] = field(default_factory=list)  # a speculative head's rows of the prompt: `rows` messages
 
 
 class TorchDistReceiver(KVReceiver):
@@ -92,6 +93,7 @@ class TorchDistReceiver(KVReceiver):
         self._receives_done = threading.Condition(self._lock)
         self._expected: dict[str, Expected] = {}
         self._completed: list[CompletedTransfer] = []
+        self._rows: dict[str, tuple[int, torch.Tensor]] = {}  # completed requests' rows, until taken
         self._failed: list[tuple[str, str]] = []
         self._stats: Counter = Counter()
         self._sessions: set[Session] = set()
@@ -143,6 +145,7 @@ class TorchDistReceiver(KVReceiver):
         under the lock; a receive straight into them is waited for (its deadline bounds it)."""
         with self._lock:
             e = self._expected.pop(request_id, None)
+            self._rows.pop(request_id, None)
             while e is not None and e.receiving:
                 self._receives_done.wait()
 
@@ -333,10 +336,32 @@ class TorchDistReceiver(KVReceiver):
                 e.more_choices = tuple((t, wire.unpack_logprobs(lp)) for t, lp in msg["more_choices"])
             if e.parts_done == e.num_parts:
                 del self._expected[rid]
+                if e.rows:
+                    self._rows[rid] = wire.rows_tensor(e.rows)
                 self._completed.append(CompletedTransfer(rid, e.first_token, e.logprobs, e.more_choices))
                 self._stats["completed"] += 1
         reply["ok"] = True
         return reply
+
+    def on_rows(self, msg: dict, part: Part) -> None:
+        """A chunk of a speculative head's rows of the prompt (wire.py), in order; only where the
+        ends agreed on them (compat.proposer_rows)."""
+        if not self.compat.proposer_rows:
+            raise ControlGarbage("rows message without proposer_rows in the compat record")
+        with self._lock:
+            e = self._expected.get(msg["request_id"])
+            if e is None:
+                self._stats["dropped_rows"] += 1
+                return None
+            if e.rows and msg["start"] != e.rows[-1]["start"] + e.rows[-1]["num_rows"]:
+                raise ControlGarbage(f"rows of {msg['request_id']} out of order")
+            e.rows.append(msg)
+            self._stats["rows_bytes_received"] += len(msg["data"])
+        return None
+
+    def take_rows(self, request_id: str) -> tuple[int, torch.Tensor] | None:
+        with self._lock:
+            return self._rows.pop(request_id, None)
 
     def on_session_closed(self, session: Session) -> None:
         with self._lock:

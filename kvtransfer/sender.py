@@ -79,9 +79,10 @@ class _Transfer(Transfer):
             ready.record()
         self.peer.submit(("layer", self, layer, (kv, ready)))
 
-    def finish(self, first_token: int, logprobs: dict[int, float] | None = None, more_choices: tuple = ()) -> None:
+    def finish(self, first_token: int, logprobs: dict[int, float] | None = None, more_choices: tuple = (),
+               rows: tuple[int, torch.Tensor] | None = None) -> None:
         self.finish_s = time.monotonic()
-        self.peer.submit(("done", self, first_token, (logprobs, more_choices)))
+        self.peer.submit(("done", self, first_token, (logprobs, more_choices, rows)))
 
     def fail(self, reason: str) -> None:
         if not self._done.is_set():
@@ -245,6 +246,10 @@ class _Peer:
             return self._send_layers(t, *self._gather(t, a, b))
         if self.shared is not None:  # `done` says the part is in the cache: so it must be
             self.shared.settle(timeout)
+        if b[2] is not None:  # a speculative head's rows of the prompt (wire.py `rows`)
+            for msg in wire.rows_messages(t.request_id, t.head_start, *b[2]):
+                self.control.send(msg, timeout)
+                self.owner.count("rows_bytes_sent", len(msg["data"]))
         # not waited on: the receiver acks once every payload is in; the next part goes on meanwhile
         self.control.send({"kind": "done", "request_id": t.request_id, "head_start": t.head_start,
                            "num_layers": t.num_layers_sent, "first_token": a, "logprobs": wire.pack_logprobs(b[0]),

@@ -76,7 +76,7 @@ class Session:
             if not self.shared:
                 self.channel = self.rx.open_data_channel(self.index, self.data_channel)
             return None
-        if not joined or kind not in ("begin", "layer", "done") or (kind == "layer" and self.shared):
+        if not joined or kind not in ("begin", "layer", "rows", "done") or (kind == "layer" and self.shared):
             raise ControlGarbage(f"{kind} message out of order")
         if kind == "begin":
             return self.rx.on_begin(self, msg)
@@ -85,6 +85,8 @@ class Session:
             raise ControlGarbage(f"{kind} for a part that did not begin: {msg['request_id']}")
         if kind == "layer":
             return self._layer(msg, part)
+        if kind == "rows":
+            return self.rx.on_rows(msg, part)
         if (msg["checksum"] is None) != (part.checksum is None):
             raise ControlGarbage(f"done {'with' if part.checksum is None else 'without'} a checksum, "
                                  f"kv_checksum is {part.checksum is not None} here")

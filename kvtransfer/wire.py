@@ -15,6 +15,12 @@ the handshake. Sender -> receiver, with the receiver's answer:
                                                            message, (2, tokens, heads, head_dim);
                                                            else per run [start, length]: K[start:start+length],
                                                            then V[start:start+length], each a message
+    rows   {request_id, head_start, start, num_rows, width, dtype, data}
+                                                           (no answer; only with compat.proposer_rows, only
+                                                           on the part from prefill rank 0 to decode rank 0,
+                                                           just before its `done`: a speculative head's rows of
+                                                           the prompt's positions start .., in order, in
+                                                           chunks of at most ROWS_CHUNK_BYTES of `data`)
     done   {request_id, head_start, num_layers, first_token, logprobs, more_choices, checksum}
                                                         -> ack {request_id, ok, error}
 
@@ -52,6 +58,8 @@ from __future__ import annotations
 import torch
 
 _NONE = type(None)
+ROWS_CHUNK_BYTES = 512 << 10  # of a `rows` message's data (control.py takes messages up to 1 MiB)
+ROW_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SCHEMA: dict[str, dict[str, type | tuple]] = {
     "hello": {"sender_id": str, "compat": dict, "device_key": str},
     "welcome": {"ok": bool, "error": (str, _NONE), "compat": dict, "store_port": int, "channel": int,
@@ -63,6 +71,8 @@ SCHEMA: dict[str, dict[str, type | tuple]] = {
     "done": {"request_id": str, "head_start": int, "num_layers": int, "first_token": int,
              "logprobs": (list, _NONE), "more_choices": list, "checksum": (int, _NONE)},
     "ack": {"request_id": str, "ok": bool, "error": (str, _NONE)},
+    "rows": {"request_id": str, "head_start": int, "start": int, "num_rows": int, "width": int, "dtype": str,
+             "data": bytes},
 }
 
 
@@ -92,7 +102,36 @@ def check_message(msg, schema: dict[str, dict[str, type | tuple]]) -> dict:
         raise WireError("ready.runs is not a list of [start, length] pairs")
     if msg["kind"] == "ready" and not all(type(slot) is int and slot >= 0 for slot in msg["slots"]):
         raise WireError("ready.slots is not a list of slots")
+    if msg["kind"] == "rows":
+        _check_rows(msg)
     return msg
+
+
+def _check_rows(msg: dict) -> None:
+    if msg["dtype"] not in ROW_DTYPES or msg["start"] < 0 or msg["num_rows"] < 1 or msg["width"] < 1:
+        raise WireError(f"rows message of {msg['num_rows']} rows, {msg['width']} wide, {msg['dtype']!r}, from "
+                        f"{msg['start']}")
+    if len(msg["data"]) != msg["num_rows"] * msg["width"] * ROW_DTYPES[msg["dtype"]].itemsize:
+        raise WireError(f"rows message of {len(msg['data'])} bytes for {msg['num_rows']} rows of {msg['width']} "
+                        f"{msg['dtype']}")
+
+
+def rows_messages(request_id: str, head_start: int, start: int, rows: torch.Tensor) -> list[dict]:
+    """`rows` (tokens, width) of positions start .. as `rows` messages, in order."""
+    rows = rows.detach().to("cpu").contiguous()
+    dtype = str(rows.dtype).removeprefix("torch.")
+    per = max(1, ROWS_CHUNK_BYTES // (rows.shape[1] * rows.element_size()))
+    return [{"kind": "rows", "request_id": request_id, "head_start": head_start, "start": start + i,
+             "num_rows": len(chunk), "width": rows.shape[1], "dtype": dtype,
+             "data": chunk.view(torch.uint8).numpy().tobytes()} for i in range(0, len(rows), per)
+            for chunk in (rows[i:i + per],)]
+
+
+def rows_tensor(chunks: list[dict]) -> tuple[int, torch.Tensor]:
+    """The first position and the (tokens, width) rows of a part's `rows` messages, in order."""
+    dtype, width = ROW_DTYPES[chunks[0]["dtype"]], chunks[0]["width"]
+    data = bytearray(b"".join(c["data"] for c in chunks))
+    return chunks[0]["start"], torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(-1, width)
 
 
 def _is_u64(value) -> bool:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestMessage
+from engine.speculative.rows import RowRecorder
 from engine.worker_base import BaseWorker
 from kvtransfer.connector import PrefillConnector, Shipment
 from kvtransfer.params import KVTransferParams
@@ -47,6 +48,10 @@ class PrefillWorker(BaseWorker):
         A request that failed to ship is reported failed, so the router retries it."""
         super().__init__(runner, instance_id, client_ttl_s)
         self.connector = connector
+        # a speculative head on the decode instances: rank 0 ships each prompt's rows with its KV
+        self.rows = runner.draft if isinstance(runner.draft, RowRecorder) else None
+        if self.rows is not None:
+            self.rows.observing = True
         mc = runner.model_config
         self.scheduler: PrefillScheduler | None = None
         if self.tp.rank == 0:
@@ -109,7 +114,8 @@ class PrefillWorker(BaseWorker):
         for req, token in self.scheduler.update(sched, result):
             logprobs = result.logprobs.get(req.request_id)
             more = tuple(result.choices.get(req.request_id, ())[1:])  # n > 1: sampled from the same logits
-            self.connector.finish(req.request_id, token, logprobs, more)
+            rows = self.rows.take(req.request_id) if self.rows is not None else None
+            self.connector.finish(req.request_id, token, logprobs, more, rows)
             self._report(PrefillResult(req.request_id, token, num_cached_tokens=req.num_cached_tokens,
                                        logprobs=logprobs, more_choices=more))
         return True
@@ -148,6 +154,8 @@ class PrefillWorker(BaseWorker):
             elif self.scheduler.abort(a):
                 self.connector.drop(a)
                 self.outbox.forget(a)
+                if self.rows is not None:
+                    self.rows.forget(a)
 
     def _release_delivered(self) -> None:
         for request_id, error in self.connector.take_delivered():

@@ -19,6 +19,7 @@ from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.loader import resolve_model_path
 from engine.model_runner import ModelRunner, select_device
+from engine.speculative.rows import rows_signature
 from engine.parallel import TPGroup
 from engine.tokenizer import Tokenizer
 from kvtransfer.base import create_kv_transport
@@ -111,7 +112,9 @@ class RankHost:
                               num_layers=mc.kv_layout.num_slabs, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                               block_size=self.runner.block_size, tp_size=tp_size, device_type=self.runner.device.type,
                               kv_layout=mc.kv_layout.signature, kv_checksum=kv_checksum, kv_format=mc.kv_format,
-                              speculative=config.speculative.describe() if config.speculative else "")
+                              speculative=config.speculative.describe() if config.speculative else "",
+                              proposer_rows=rows_signature(config.speculative or config.ship_proposer_rows, mc,
+                                                           self.runner.dtype))
         backend = self.runner.backend
         kv_views = None
         if backend.own_kv_layout and role in ("prefill", "decode"):  # the transfer reads and writes through them

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model", "eagle3", "mtp")  # engine/speculative: one proposer class per name
+HEAD_METHODS = ("eagle3", "mtp")  # heads over the target's hidden states (engine/speculative/heads.py)
 WITH_MODEL = ("draft_model", "eagle3")  # the methods whose drafter is its own checkpoint (--speculative-model)
 MAX_SPECULATIVE_TOKENS = 16
 

@@ -132,6 +132,22 @@ def aux_layers(cfg: dict, num_target_layers: int) -> tuple[int, ...]:
     return ids
 
 
+def eagle3_rows(head_model: str, num_target_layers: int) -> tuple[int, ...]:
+    """The target layers whose inputs the head `head_model` reads."""
+    from engine.loader import resolve_model_path
+    return aux_layers(eagle3_config(resolve_model_path(head_model))[1], num_target_layers)
+
+
+def eagle3_taps(target: ModelRunner, head_model: str) -> _ResidualTaps:
+    """The taps on the target's layers that give the head its rows (on a decode instance beside
+    the head; on a prefill instance, to ship them)."""
+    layers = target.model.layers
+    if not all(isinstance(layer, LlamaDecoderLayer) for layer in layers):
+        raise ValueError(f"--speculative-method eagle3: {target.model_config.name}'s layers are not Llama-like "
+                         "(the head reads their residual stream)")
+    return _ResidualTaps(layers, eagle3_rows(head_model, len(layers)))
+
+
 def load_eagle3(target: ModelRunner):
     """The head beside the target's rank-0 runner (heads.HeadModel), its taps on the target's layers."""
     from engine.loader import load_weights, resolve_model_path
@@ -139,11 +155,7 @@ def load_eagle3(target: ModelRunner):
     folder = resolve_model_path(target.config.speculative.model)
     cfg, raw = eagle3_config(folder)
     cfg = replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, target.configured_max_model_len))
-    layers = target.model.layers
-    if not all(isinstance(layer, LlamaDecoderLayer) for layer in layers):
-        raise ValueError(f"--speculative-method eagle3: {target.model_config.name}'s layers are not Llama-like "
-                         "(the head reads their residual stream)")
-    ids = aux_layers(raw, len(layers))
+    taps = eagle3_taps(target, str(folder))
     torch.set_default_dtype(target.dtype)
     try:
         with torch.device(target.device):
@@ -159,8 +171,8 @@ def load_eagle3(target: ModelRunner):
     if missing:
         raise ValueError(f"--speculative-model {folder}: the head lacks {sorted(missing)[:3]}")
     logger.info("speculative decoding: EAGLE-3 head %s on rank 0, reading the inputs of target layers %s",
-                folder.name, list(ids))
-    return HeadModel(head.eval(), cfg, target, _ResidualTaps(layers, ids))
+                folder.name, list(taps.ids))
+    return HeadModel(head.eval(), cfg, target, taps)
 
 
 def _target_embedding(target: ModelRunner) -> torch.Tensor:

@@ -10,9 +10,9 @@ drafts: the output at the last fed position gives the first draft, and each draf
 head's own pre-norm output in place of a target row, the next.
 
 The head's KV sits in blocks of its own pool, a table per sequence, from the first position it
-has a row for (slot 0 of its table; rotary positions stay the sequence's). Tokens this instance
-did not compute, a prefix-cache hit or a remote prefill's prompt, are outside its context: their
-rows are not here (docs/speculative.md says why they are not shipped).
+has a row for (slot 0 of its table; rotary positions stay the sequence's). A remote prefill's
+prompt rows come with its KV (rows.py on the prefill instance, `receive_rows` here); tokens
+that neither instance computed (a prefix-cache hit) are outside its context.
 """
 from __future__ import annotations
 
@@ -97,6 +97,7 @@ class HeadModel:
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks, self.free = 0, []
         self.seqs: dict[str, _HeadSeq] = {}
+        self.rows_received = 0  # prompt rows shipped by prefill instances, since start
         self.observing = False  # from the proposer's start: the target's load-time profile steps are not kept
 
     def block_bytes(self) -> int:
@@ -133,6 +134,13 @@ class HeadModel:
         s = self.seqs.pop(rid, None)
         if s is not None:
             self.free += s.blocks
+
+    def receive_rows(self, rid: str, start: int, rows: torch.Tensor) -> None:
+        """A remote prefill's rows of the prompt's positions start .. (rows.RowRecorder, shipped with the
+        KV): the head's context then begins there, as if it had computed them."""
+        self.forget(rid)
+        self.seqs[rid] = _HeadSeq(start, start, [rows.to(self.target.device, self.target.dtype)])
+        self.rows_received += len(rows)
 
     def reserve(self, s: _HeadSeq, last: int) -> bool:
         """Blocks for the sequence's local positions up to `last`; False when the pool has too few."""

@@ -100,9 +100,9 @@ def load_mtp(target: ModelRunner):
     process_weights_after_loading(head)
     select_expert_methods(head, target.config.expert_method)
     logger.info("speculative decoding: DeepSeek MTP module (layer %d of the checkpoint) on rank 0", mc.num_layers)
-    return HeadModel(head.eval(), cfg, target, _final_hidden)
+    return HeadModel(head.eval(), cfg, target, final_hidden)
 
 
-def _final_hidden(hidden: torch.Tensor) -> torch.Tensor:
+def final_hidden(hidden: torch.Tensor) -> torch.Tensor:
     """The module reads the target's final (normed) hidden states."""
     return hidden

@@ -66,3 +66,4 @@ def test_mtp_on_a_decode_of_two_ranks_equals_colocated(mtp_model, request, monke
         assert differences(serve(case, mtp_model, cluster=cluster), want) == []
         loads = [i.client.load() for i in cluster.instances.values() if i.role == "decode"]
     assert sum(v for load in loads for k, v in load.items() if k.startswith("spec_proposed/mtp/")) > 0, loads
+    assert sum(load["spec_rows_received"] for load in loads) > 0, loads  # the prompts' hidden states, shipped

@@ -27,8 +27,8 @@ class ScriptedTransfer(Transfer):
     def send_layer(self, layer: int, kv: torch.Tensor) -> None:
         self.layers.append((layer, tuple(kv.shape)))
 
-    def finish(self, first_token: int, logprobs=None, more_choices=()) -> None:
-        self.finished = first_token
+    def finish(self, first_token: int, logprobs=None, more_choices=(), rows=None) -> None:
+        self.finished, self.rows = first_token, rows
 
     def wait(self, timeout: float | None = None) -> None:
         if self.outcome == "hang":  # like a receiver that never acks: the wait runs out

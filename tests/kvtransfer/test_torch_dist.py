@@ -162,10 +162,10 @@ def test_incompatible_peer_refused_with_clear_error():
     tx.close(), rx.close()
 
 
-def _raw_connection(dest: KVEndpoint) -> ControlClient:
+def _raw_connection(dest: KVEndpoint, compat: CompatRecord = COMPAT) -> ControlClient:
     """A hand-made sender connection past the handshake, to send what the real sender never would."""
     client = ControlClient(dest.address, wire.SCHEMA)
-    welcome = client.call({"kind": "hello", "sender_id": "evil", "compat": COMPAT.to_dict(), "device_key": ""}, 5)
+    welcome = client.call({"kind": "hello", "sender_id": "evil", "compat": compat.to_dict(), "device_key": ""}, 5)
     assert welcome["ok"]
     store = dist.TCPStore(dest.host, welcome["store_port"], is_master=False, wait_for_workers=False)
     client.send({"kind": "join", "channel": welcome["channel"], "shared": False}, 5)

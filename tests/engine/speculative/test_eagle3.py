@@ -72,6 +72,39 @@ def test_a_sequence_that_waited_catches_up(target, head):
     assert compare_with_reference(target, head, seen) > 5
 
 
+def test_a_prefills_rows_give_the_decode_head_the_colocated_drafts(target, head):
+    """A prefill runner records a prompt's rows (RowRecorder: the decode's spec as ship_proposer_rows,
+    no head loaded); a decode engine's head given them with the prompt's first token proposes what
+    a colocated engine's head proposes after computing the prompt itself."""
+    from dataclasses import replace
+
+    from engine.batch import NewRequestData, SchedulerOutput
+    from engine.model_runner import ModelRunner
+    from engine.speculative.base import SpecSequence
+    from engine.speculative.rows import RowRecorder
+    from tests.helpers import engine_config
+    prompt, params = random_prompts(1, [37], seed=12)[0], SamplingParams(max_tokens=8, temperature=0.0)
+    colocated = make_engine(target, spec(head))
+    seen = record_drafts(colocated)
+    colocated.add_request("r", prompt, params)
+    while not seen:
+        colocated.step()
+    tokens, drafts = seen[0]
+    assert tokens[:-1] == prompt
+    prefill = ModelRunner(replace(engine_config(model=str(target), block_size=4), ship_proposer_rows=spec(head)))
+    assert isinstance(prefill.draft, RowRecorder) and prefill.draft.block_bytes() == 0
+    prefill.draft.observing = True
+    tables = ([1 + i for i in range(-(-len(prompt) // 4))],)
+    out = prefill.execute(SchedulerOutput(new_requests=[NewRequestData("r", prompt, 0, tables, params, True)]))
+    assert out.sampled_token_ids["r"] == tokens[-1]
+    start, rows = prefill.draft.take("r")
+    assert start == 0 and rows.shape == (len(prompt), 3 * 64) and prefill.draft.take("r") is None
+    decode = make_engine(target, spec(head))
+    decode.runner.draft.receive_rows("r", start, rows)
+    assert decode.speculator.proposer.propose([SpecSequence("r", tokens, K)]) == [drafts]
+    assert decode.speculator.figures()["spec_rows_received"] == len(prompt)
+
+
 def compare_with_reference(target, head, seen, base: int = 0) -> int:
     """Asserts each (tokens, drafts) is the reference head's, fed from position `base`; how many were compared."""
     import transformers
