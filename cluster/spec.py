@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from engine.config import (DTYPE_CHOICES, EXPERT_METHOD_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES,
-                           SPECULATIVE_HEAD_METHODS, SPECULATIVE_METHODS, CacheConfig, EngineConfig, SchedulerConfig,
+                           SPECULATIVE_SHIPPED, SPECULATIVE_METHODS, CacheConfig, EngineConfig, SchedulerConfig,
                            SpeculativeConfig)
 from engine.expert_placement import ExpertPlacement
 
@@ -386,7 +386,7 @@ class ClusterSpec:
                             batch_invariant=self.batch_invariant, scheduler=self.scheduler_config,
                             speculative=None if role == "prefill" else self.speculative,
                             ship_proposer_rows=self.speculative if role == "prefill" and self.speculative
-                            and self.speculative.method in SPECULATIVE_HEAD_METHODS else None)
+                            and self.speculative.method in SPECULATIVE_SHIPPED else None)
 
     def to_dict(self) -> dict:
         """Plain dict with one key per field: what `from_yaml` reads back."""

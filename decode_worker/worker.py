@@ -133,9 +133,10 @@ class DecodeWorker(BaseWorker):
             # rank 0's heads always overlap the sampling prefill rank's, so rank 0 has the first token
             touched += self.engine.scheduler.remote_kv_ready(done.request_id, done.first_token, done.logprobs,
                                                              done.more_choices)
-            head = self.engine.runner.draft
-            if rows is not None and done.request_id in self.engine.scheduler.requests and hasattr(head, "receive_rows"):
-                head.receive_rows(done.request_id, *rows)  # not a forked n > 1: each choice's head starts afresh
+            rid, proposer = done.request_id, self.engine.runner.draft
+            if rows is not None and rid in self.engine.scheduler.requests and hasattr(proposer, "receive_rows"):
+                # its state of the prompt (engine/speculative/rows.py); not a forked n > 1's choices
+                proposer.receive_rows(rid, *rows, self.engine.kv.get_block_ids(rid)[0], req.all_token_ids)
         self._take_forks()
         outputs = self._process(touched)
         for request_id, reason in failed.items():

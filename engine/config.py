@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.expert_placement import ExpertPlacement
-from engine.speculative.config import HEAD_METHODS as SPECULATIVE_HEAD_METHODS  # noqa: F401 (the spec's)
+from engine.speculative.config import SHIPPED as SPECULATIVE_SHIPPED  # noqa: F401 (the spec's)
 from engine.speculative.config import METHODS as SPECULATIVE_METHODS  # noqa: F401 (the spec's choices)
 from engine.speculative.config import SpeculativeConfig
 
@@ -331,6 +331,6 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # speculative decoding on a decode (or colocated) instance
-    # a prefill instance: its decode instances' speculative decoding, when their head reads the
-    # target's hidden states (eagle3, mtp): rank 0 records each prompt's and ships them with its KV
+    # a prefill instance: its decode instances' speculative decoding, when their proposer needs
+    # state of the prompt (a draft model's KV, a head's rows): rank 0 computes it and ships it with the KV
     ship_proposer_rows: SpeculativeConfig | None = None

@@ -24,7 +24,7 @@ INSTANCE_GAUGES = {
     "spec_max_batch": ("pdserve_spec_decode_max_batch_size",
                        "speculative decoding: most decoding sequences a step speculates with (measured)"),
     "spec_rows_received": ("pdserve_spec_decode_prompt_rows_received_total",
-                           "speculative head: prompt positions whose hidden states came with a remote prefill's KV"),
+                           "speculative decoding: prompt positions whose proposer state came with a remote prefill's KV"),
 }
 # load key prefix -> (metric name, help): a figure per sparse layer of a mixture of experts, labelled
 # with the layer (engine/moe.py expert_load_figures)

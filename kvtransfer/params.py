@@ -10,7 +10,7 @@ PROTOCOL_VERSION = 13  # 3: control messages on TCP, payloads alone on the data 
 # 9: kv_checksum (done.checksum, kvtransfer/checksum.py); 10: a shared part's `ready` grants its slots until
 # `done` (no layer/grant/wrote per span), welcome.data_channel and no_cache_reason (no NCCL on one GPU);
 # 11: kv_format (what a KV head holds: per-head K/V, or DeepSeek's latent entry); 12: speculative (informational);
-# 13: proposer_rows (a speculative head's rows of the prompt, `rows` messages before `done`)
+# 13: proposer_rows (a speculative proposer's state of the prompt, `rows` messages before `done`)
 
 
 @dataclass(frozen=True)
@@ -27,10 +27,10 @@ class CompatRecord:
     what a KV head's two planes hold: "kv" (a head's keys and values), or for DeepSeek's latent
     attention "mla:<kv_lora_rank>+<qk_rope_head_dim>" (one head, a token's entry in two halves:
     engine/mla.py), which every decode rank receives whole.
-    `speculative` is informational: the draft model's KV is computed on the decode instance from the
-    prompt (docs/speculative.md). `proposer_rows` is what the part to decode rank 0 carries of the
-    prompt for a speculative head (engine/speculative/rows.py rows_signature; "" nothing): the
-    decode's head reads them, so both ends must agree.
+    `speculative` is informational. `proposer_rows` is what the part to decode rank 0 carries of the
+    prompt for the decode's speculative proposer, a draft model's KV or a head's rows
+    (engine/speculative/rows.py rows_signature; "" nothing): the proposer reads them, so both ends
+    must agree.
     NOTE: fp8 scales are not here because they are 1.0 on every instance (engine/models/llama.py); a
     change that loads them from checkpoints must add them to MUST_MATCH.
     """
@@ -46,7 +46,7 @@ class CompatRecord:
     kv_checksum: bool = False  # done carries a checksum of the part's payloads (--kv-checksum)
     kv_format: str = "kv"  # what a KV head holds (docstring)
     speculative: str = ""  # the decode end's speculative decoding (SpeculativeConfig.describe; "" off), informational
-    proposer_rows: str = ""  # the rows of the prompt shipped for a speculative head (docstring)
+    proposer_rows: str = ""  # what is shipped of the prompt for a speculative proposer (docstring)
     protocol_version: int = PROTOCOL_VERSION
 
     MUST_MATCH = ("protocol_version", "model", "dtype", "num_layers", "num_kv_heads", "head_dim", "device_type",

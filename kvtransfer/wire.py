@@ -59,7 +59,7 @@ import torch
 
 _NONE = type(None)
 ROWS_CHUNK_BYTES = 512 << 10  # of a `rows` message's data (control.py takes messages up to 1 MiB)
-ROW_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ROW_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
 SCHEMA: dict[str, dict[str, type | tuple]] = {
     "hello": {"sender_id": str, "compat": dict, "device_key": str},
     "welcome": {"ok": bool, "error": (str, _NONE), "compat": dict, "store_port": int, "channel": int,

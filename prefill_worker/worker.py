@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestMessage
-from engine.speculative.rows import RowRecorder
+from engine.speculative.rows import DraftKVRecorder, RowRecorder
 from engine.worker_base import BaseWorker
 from kvtransfer.connector import PrefillConnector, Shipment
 from kvtransfer.params import KVTransferParams
@@ -48,8 +48,9 @@ class PrefillWorker(BaseWorker):
         A request that failed to ship is reported failed, so the router retries it."""
         super().__init__(runner, instance_id, client_ttl_s)
         self.connector = connector
-        # a speculative head on the decode instances: rank 0 ships each prompt's rows with its KV
-        self.rows = runner.draft if isinstance(runner.draft, RowRecorder) else None
+        # a proposer on the decode instances that needs state of the prompt (a head's rows, a draft's
+        # KV): rank 0 computes it and ships it with the prompt's KV (engine/speculative/rows.py)
+        self.rows = runner.draft if isinstance(runner.draft, (RowRecorder, DraftKVRecorder)) else None
         if self.rows is not None:
             self.rows.observing = True
         mc = runner.model_config
@@ -114,7 +115,9 @@ class PrefillWorker(BaseWorker):
         for req, token in self.scheduler.update(sched, result):
             logprobs = result.logprobs.get(req.request_id)
             more = tuple(result.choices.get(req.request_id, ())[1:])  # n > 1: sampled from the same logits
-            rows = self.rows.take(req.request_id) if self.rows is not None else None
+            rid = req.request_id
+            rows = None if self.rows is None else \
+                self.rows.take(rid, self.scheduler.kv.get_block_ids(rid)[0], req.num_prompt_tokens)
             self.connector.finish(req.request_id, token, logprobs, more, rows)
             self._report(PrefillResult(req.request_id, token, num_cached_tokens=req.num_cached_tokens,
                                        logprobs=logprobs, more_choices=more))

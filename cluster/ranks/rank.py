@@ -114,7 +114,7 @@ class RankHost:
                               kv_layout=mc.kv_layout.signature, kv_checksum=kv_checksum, kv_format=mc.kv_format,
                               speculative=config.speculative.describe() if config.speculative else "",
                               proposer_rows=rows_signature(config.speculative or config.ship_proposer_rows, mc,
-                                                           self.runner.dtype))
+                                                           self.runner.dtype, self.runner.kv_dtype))
         backend = self.runner.backend
         kv_views = None
         if backend.own_kv_layout and role in ("prefill", "decode"):  # the transfer reads and writes through them

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model", "eagle3", "mtp")  # engine/speculative: one proposer class per name
 HEAD_METHODS = ("eagle3", "mtp")  # heads over the target's hidden states (engine/speculative/heads.py)
+SHIPPED = ("draft_model", *HEAD_METHODS)  # a prefill instance ships their proposer's state of each prompt (rows.py)
 WITH_MODEL = ("draft_model", "eagle3")  # the methods whose drafter is its own checkpoint (--speculative-model)
 MAX_SPECULATIVE_TOKENS = 16
 

@@ -8,8 +8,8 @@ sequence's draft KV sits in the same block ids and slots as its target KV, so th
 allocates and frees once for both (rejected drafts' slots are written again by the next step).
 What the draft has computed of a sequence is remembered as the tokens it was fed: each `propose`
 first feeds the tokens it lacks (after a rejection, the kept drafts and the target's token; on a
-request's first step here, its whole prompt: a disaggregated request's draft KV is computed on the
-decode instance, not shipped; docs/speculative.md), then proposes.
+request's first step here, its whole prompt, unless a prefill instance shipped the prompt's draft
+KV with the target's: `DraftModel.receive_rows`, engine/speculative/rows.py), then proposes.
 """
 from __future__ import annotations
 
@@ -40,14 +40,18 @@ CATCH_UP_TOKENS = 256
 class DraftModelProposer(Proposer):
     name = "draft_model"
 
-    def __init__(self, draft: ModelRunner, target_vocab_size: int):
-        self.draft, self.vocab_size = draft, target_vocab_size
-        self.fed: dict[str, tuple[list[int], int]] = {}  # request id -> (tokens fed, how many were its own)
+    def __init__(self, model: DraftModel, target_vocab_size: int):
+        self.model, self.draft, self.vocab_size = model, model.runner, target_vocab_size
+        self.fed = model.fed  # request id -> (tokens fed, how many were its own)
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, target: ModelRunner | None) -> DraftModelProposer:
         assert isinstance(target.draft, DraftModel), "the target's rank-0 runner loads the draft (load_model)"
-        return cls(target.draft.runner, target.model_config.vocab_size)
+        return cls(target.draft, target.model_config.vocab_size)
+
+    @property
+    def rows_received(self) -> int:
+        return self.model.rows_received
 
     @classmethod
     def load_model(cls, target: ModelRunner) -> DraftModel:
@@ -101,7 +105,7 @@ class DraftModelProposer(Proposer):
         return [by_id[r.request_id] for r in reqs]
 
     def forget(self, request_id: str) -> None:
-        self.fed.pop(request_id, None)
+        self.fed.pop(request_id, None)  # (model.fed)
 
     def profile_seconds(self, batch_sizes: Sequence[int], k: int, device: torch.device) -> tuple[float, ...]:
         """k draft decode steps per batch size (the catch-up of a kept run is taken as one of them)."""
@@ -117,13 +121,15 @@ def load_draft(target: ModelRunner) -> ModelRunner:
     block. Its own pool comes once the target's is sized (`DraftModel.give_pool`). It runs eagerly: its CUDA
     graphs would capture a pool that is replaced."""
     from engine.model_runner import ModelRunner
-    tc, spec = target.config, target.config.speculative
+    tc = target.config
+    spec = tc.speculative or tc.ship_proposer_rows  # a decode (colocated) instance's, or a prefill's
     if target.model_config.kv_layout.windows[0] is not None:
         raise ValueError(f"--speculative-model: {target.model_config.name}'s first KV group has a sliding window; "
                          "the draft reads that group's block tables, which drop blocks outside it")
     cache = replace(tc.cache, num_blocks=2, block_size=target.block_size)  # a placeholder pool
     draft = ModelRunner(replace(tc, model=spec.model, tp_size=1, expert_parallel=False, expert_placement=None,
-                                quantization="auto", speculative=None, enforce_eager=True, cache=cache))
+                                quantization="auto", speculative=None, ship_proposer_rows=None, enforce_eager=True,
+                                cache=cache))
     why = _misfit(draft, target)
     if why is not None:
         raise ValueError(f"--speculative-model {spec.model}: {why}")
@@ -131,12 +137,15 @@ def load_draft(target: ModelRunner) -> ModelRunner:
 
 
 class DraftModel:
-    """The draft's runner as the target's rank-0 runner holds it (base.ProposerModel)."""
+    """The draft's runner as the target's rank-0 runner holds it (base.ProposerModel), and what it
+    has computed of each sequence (`fed`: the proposer's)."""
 
     reads_target_hidden = False
 
     def __init__(self, runner: ModelRunner):
         self.runner = runner
+        self.fed: dict[str, tuple[list[int], int]] = {}  # request id -> (tokens fed, how many were its own)
+        self.rows_received = 0  # prompt positions whose draft KV came from prefill instances, since start
 
     @property
     def num_blocks(self) -> int:
@@ -160,6 +169,32 @@ class DraftModel:
 
     def observe(self, inp, hidden) -> None:
         """The draft reads tokens only."""
+
+    def prompt_kv(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """Its KV of a sequence's first `num_tokens` positions (in the target's blocks `block_ids`),
+        a token's every layer's K and V side by side: (num_tokens, layers * 2 * kv heads * head_dim)."""
+        pool, slots = self._pool(), self._slots(block_ids, 0, num_tokens)
+        return pool[:, :, slots].permute(2, 0, 1, 3, 4).reshape(num_tokens, -1)
+
+    def receive_rows(self, rid: str, start: int, rows: torch.Tensor, block_ids: list[int],
+                     token_ids: list[int]) -> None:
+        """A remote prefill's draft KV of the prompt's positions start .. (`prompt_kv` there, shipped
+        with the target's KV into the same blocks): the sequence's prompt counts as fed."""
+        pool, n = self._pool(), len(rows)
+        pool[:, :, self._slots(block_ids, start, start + n)] = \
+            rows.view(n, pool.shape[0], 2, *pool.shape[-2:]).permute(1, 2, 0, 3, 4).to(pool)
+        self.fed[rid] = (list(token_ids[:start + n]), start + n)
+        self.rows_received += n
+
+    def _pool(self) -> torch.Tensor:
+        """The pool as (layers, 2, slots, kv heads, head_dim); an fp8 pool's bytes (no fp8 index_put)."""
+        kv = self.runner.kv_cache
+        kv = kv.view(torch.uint8) if kv.dtype == torch.float8_e4m3fn else kv
+        return kv.view(kv.shape[0], 2, -1, *kv.shape[-2:])
+
+    def _slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        bs = self.runner.block_size
+        return torch.tensor([block_ids[p // bs] * bs + p % bs for p in range(start, end)], device=self.runner.device)
 
 
 def _misfit(draft: ModelRunner, target: ModelRunner) -> str | None:

@@ -135,7 +135,7 @@ class HeadModel:
         if s is not None:
             self.free += s.blocks
 
-    def receive_rows(self, rid: str, start: int, rows: torch.Tensor) -> None:
+    def receive_rows(self, rid: str, start: int, rows: torch.Tensor, block_ids=None, token_ids=None) -> None:
         """A remote prefill's rows of the prompt's positions start .. (rows.RowRecorder, shipped with the
         KV): the head's context then begins there, as if it had computed them."""
         self.forget(rid)
@@ -235,6 +235,10 @@ class HeadProposer(Proposer):
 
     def forget(self, request_id: str) -> None:
         self.head.forget(request_id)
+
+    @property
+    def rows_received(self) -> int:
+        return self.head.rows_received
 
     def profile_seconds(self, batch_sizes: Sequence[int], k: int, device: torch.device) -> tuple[float, ...]:
         """k head decode steps per batch size, over PROFILE_CONTEXT positions of a scratch sequence each."""

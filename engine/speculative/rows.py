@@ -1,9 +1,13 @@
-"""A prefill instance's side of a speculative head (heads.py): the rows of each prompt that the
-decode instances' head reads, recorded on rank 0 and shipped with the prompt's KV
+"""A prefill instance's side of speculative decoding: what the decode instances' proposer needs
+of each prompt, computed on rank 0 and shipped with the prompt's KV as rows, a row per position
 (PrefillConnector.finish; kvtransfer/wire.py `rows`), and what both ends agree is shipped.
 
-    runner.draft = row_recorder(spec, runner)      # ModelRunner, for config.ship_proposer_rows
-    start, rows = runner.draft.take(request_id)    # after the prompt's last chunk
+- a head (heads.py): the target's rows the head reads (`RowRecorder`: the head's taps, no head);
+- a draft model (draft_model.py): the draft's KV of the prompt (`DraftKVRecorder`: the draft runs
+  its prompt pass beside the target, into its pool read through the target's block tables).
+
+    runner.draft = row_recorder(spec, runner)               # ModelRunner, for config.ship_proposer_rows
+    start, rows = runner.draft.take(request_id, block_ids, num_tokens)   # after the prompt's last chunk
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.speculative.config import HEAD_METHODS
+from engine.speculative.config import SHIPPED
 
 if TYPE_CHECKING:
     from engine.config import ModelConfig
@@ -51,8 +55,9 @@ class RowRecorder:
             got[1].append(rows[offset:offset + n].clone())
             offset += n
 
-    def take(self, rid: str) -> tuple[int, torch.Tensor] | None:
-        """The request's rows (its first position, and (tokens, width)), forgotten here."""
+    def take(self, rid: str, block_ids: list[int], num_tokens: int) -> tuple[int, torch.Tensor] | None:
+        """The request's rows (its first position, and (tokens, width)), forgotten here: those of
+        the tokens computed here (after a prefix-cache hit, from there)."""
         got = self.rows.pop(rid, None)
         return None if got is None else (got[0], torch.cat(got[1]))
 
@@ -60,11 +65,50 @@ class RowRecorder:
         self.rows.pop(rid, None)
 
 
-def rows_signature(spec: SpeculativeConfig | None, model_config: ModelConfig, dtype: torch.dtype) -> str:
-    """What a prefill instance ships of each prompt for a decode instance's head ("": nothing):
+class DraftKVRecorder:
+    """draft_model on a prefill instance's rank 0: the draft computes every prompt token beside the
+    target, from the same step inputs, and each prompt's draft KV is shipped (DraftModel.prompt_kv)."""
+
+    reads_target_hidden = False
+
+    def __init__(self, draft):
+        self.draft = draft  # draft_model.DraftModel
+        self.observing = False  # from the worker's start
+
+    @property
+    def num_blocks(self) -> int:
+        return self.draft.num_blocks
+
+    def block_bytes(self) -> int:
+        return self.draft.block_bytes()
+
+    def give_pool(self, num_blocks: int) -> None:
+        self.draft.give_pool(num_blocks)
+
+    def observe(self, inp: ModelInput, hidden: torch.Tensor) -> None:
+        if self.observing:  # its KV of the step's tokens, at their slots (one KV group: the target's first)
+            self.draft.runner.hidden_states(inp)
+
+    def take(self, rid: str, block_ids: list[int], num_tokens: int) -> tuple[int, torch.Tensor]:
+        """Its KV of the prompt's every position (a prefix-cache hit's too: the request that computed
+        those blocks computed its draft KV there)."""
+        return 0, self.draft.prompt_kv(block_ids, num_tokens)
+
+    def forget(self, rid: str) -> None:
+        """It keeps nothing per request."""
+
+
+def rows_signature(spec: SpeculativeConfig | None, model_config: ModelConfig, dtype: torch.dtype,
+                   kv_dtype: torch.dtype) -> str:
+    """What a prefill instance ships of each prompt for a decode instance's proposer ("": nothing):
     both ends of a KV transfer compute it from their configs, and must agree (CompatRecord.proposer_rows)."""
-    if spec is None or spec.method not in HEAD_METHODS:
+    if spec is None or spec.method not in SHIPPED:
         return ""
+    if spec.method == "draft_model":
+        from engine.loader import load_model_config
+        dc = load_model_config(spec.model)
+        width = dc.kv_layout.num_slabs * 2 * dc.num_kv_heads * dc.head_dim
+        return f"draft_model: KV of {dc.name}, {width} wide, {str(kv_dtype).removeprefix('torch.')}"
     dtype = str(dtype).removeprefix("torch.")
     if spec.method == "eagle3":
         from engine.speculative.eagle3 import eagle3_rows
@@ -73,8 +117,11 @@ def rows_signature(spec: SpeculativeConfig | None, model_config: ModelConfig, dt
     return f"mtp: final hidden states, {model_config.hidden_size} wide, {dtype}"
 
 
-def row_recorder(spec: SpeculativeConfig, target: ModelRunner) -> RowRecorder:
-    """A prefill instance's recorder of the rows the decode instances' head reads."""
+def row_recorder(spec: SpeculativeConfig, target: ModelRunner) -> RowRecorder | DraftKVRecorder:
+    """A prefill instance's recorder of what the decode instances' proposer needs of each prompt."""
+    if spec.method == "draft_model":
+        from engine.speculative.draft_model import DraftModel, load_draft
+        return DraftKVRecorder(DraftModel(load_draft(target)))
     if spec.method == "eagle3":
         from engine.speculative.eagle3 import eagle3_taps
         return RowRecorder(eagle3_taps(target, spec.model))

@@ -124,8 +124,8 @@ class Speculator:
         """For /metrics: drafts proposed and accepted per position (labelled method and position),
         the acceptance rate per position, and the batch limit."""
         out = {"spec_max_batch": float(min(self.max_batch, EVERY_BATCH))}
-        if (head := getattr(self.proposer, "head", None)) is not None:  # engine/speculative/heads.py
-            out["spec_rows_received"] = float(head.rows_received)
+        if (received := getattr(self.proposer, "rows_received", None)) is not None:  # shipped: rows.py
+            out["spec_rows_received"] = float(received)
         for i, (p, a) in enumerate(zip(self.proposed, self.accepted)):
             out[f"spec_proposed/{self.method}/{i}"] = float(p)
             out[f"spec_accepted/{self.method}/{i}"] = float(a)

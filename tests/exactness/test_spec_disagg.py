@@ -1,7 +1,7 @@
 """Speculative decoding on the decode instance: disaggregated output equals plain colocated decoding
 bit for bit (the batch-invariant mode), the n = 3 and the structured-output requests included, for
 each proposer, and with a decode instance of 3 TP ranks. The draft model's KV is computed on the
-decode instance from the prompt; an EAGLE-3 head's rows of the prompt come with its KV
+prefill instance and comes with the prompt's KV, as an EAGLE-3 head's rows of the prompt do
 (docs/speculative.md)."""
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_speculative_disaggregated_equals_plain_colocated(model, draft, head, pl
     proposed = sum(v for load in loads for k, v in load.items() if k.startswith("spec_proposed/"))
     accepted = sum(v for load in loads for k, v in load.items() if k.startswith("spec_accepted/"))
     assert proposed > 0, loads
-    if method == "eagle3":  # the prompts' rows came with their KV, for the head's context
+    if method != "ngram":  # the draft's KV or the head's rows of the prompts came with their KV
         assert sum(load["spec_rows_received"] for load in loads) > 0, loads
     if method in ("ngram", "self"):
         assert accepted > 0, loads

@@ -14,7 +14,7 @@ from bench.eagle3_head import save_eagle3_head
 from engine.request import SamplingParams
 from engine.speculative.config import SpeculativeConfig
 from tests.engine.speculative.eagle3_heads import ReferenceHead
-from tests.engine.speculative.test_engine import GREEDY, assert_same_greedy, make_engine, prompts, run
+from tests.engine.speculative.test_engine import GREEDY, assert_same_greedy, make_engine, prompts, record_drafts, run
 from tests.helpers import make_hf_tiny, random_prompts, save_tiny
 
 K = 3
@@ -97,8 +97,8 @@ def test_a_prefills_rows_give_the_decode_head_the_colocated_drafts(target, head)
     tables = ([1 + i for i in range(-(-len(prompt) // 4))],)
     out = prefill.execute(SchedulerOutput(new_requests=[NewRequestData("r", prompt, 0, tables, params, True)]))
     assert out.sampled_token_ids["r"] == tokens[-1]
-    start, rows = prefill.draft.take("r")
-    assert start == 0 and rows.shape == (len(prompt), 3 * 64) and prefill.draft.take("r") is None
+    start, rows = prefill.draft.take("r", tables[0], len(prompt))
+    assert start == 0 and rows.shape == (len(prompt), 3 * 64) and prefill.draft.take("r", tables[0], 1) is None
     decode = make_engine(target, spec(head))
     decode.runner.draft.receive_rows("r", start, rows)
     assert decode.speculator.proposer.propose([SpecSequence("r", tokens, K)]) == [drafts]
@@ -139,18 +139,6 @@ def test_a_prefix_hit_is_outside_the_heads_context(target, head):
     assert again.num_cached_tokens == 40 and len(seen) > 2
     compare_with_reference(target, head, seen, base=again.num_cached_tokens)
     assert_pool_whole(engine)
-
-
-def record_drafts(engine) -> list[tuple[list[int], list[int]]]:
-    """(the sequence's tokens, its drafts) of every proposal from here on."""
-    seen, propose = [], engine.speculator.proposer.propose
-
-    def recording(seqs):
-        drafts = propose(seqs)
-        seen.extend((list(s.token_ids), d) for s, d in zip(seqs, drafts) if d)
-        return drafts
-    engine.speculator.proposer.propose = recording
-    return seen
 
 
 def test_a_random_head_keeps_the_output_exact(target, head, plain):

@@ -61,6 +61,18 @@ def assert_same_greedy(want, got) -> None:
         assert top[0] - top[1] < 1e-4, (w.request_id, j, top[:2])
 
 
+def record_drafts(engine) -> list[tuple[list[int], list[int]]]:
+    """(the sequence's tokens, its drafts) of every proposal from here on."""
+    seen, propose = [], engine.speculator.proposer.propose
+
+    def recording(seqs):
+        drafts = propose(seqs)
+        seen.extend((list(s.token_ids), d) for s, d in zip(seqs, drafts) if d)
+        return drafts
+    engine.speculator.proposer.propose = recording
+    return seen
+
+
 GREEDY = [SamplingParams(max_tokens=MAX_TOKENS - i, temperature=0.0, ignore_eos=True, logprobs=2) for i in range(5)]
 
 
@@ -173,3 +185,33 @@ def test_the_draft_catches_up_with_a_long_prompt_in_chunks(models, plain, monkey
     # r4's 150 prompt tokens, and those it decodes meanwhile (one a step, without drafts), 16 per step
     full = next(i for i, n in enumerate(fed["r4"]) if n < 16)
     assert max(max(n) for n in fed.values()) == 16 and full >= 150 // 16
+
+
+def test_a_prefills_draft_kv_gives_the_decode_draft_the_colocated_drafts(models):
+    """A prefill runner with the draft beside it (the decode's spec as ship_proposer_rows) computes
+    the prompt's draft KV; a decode engine's draft given it in other blocks, with the prompt's first
+    token, proposes what a colocated engine's draft proposes after computing the prompt itself."""
+    from engine.batch import NewRequestData, SchedulerOutput
+    from engine.speculative.base import SpecSequence
+    from engine.speculative.rows import DraftKVRecorder
+    target, draft = models
+    spec = SpeculativeConfig("draft_model", 3, model=str(draft), max_batch_size=64)
+    prompt, params = random_prompts(1, [37], seed=12)[0], SamplingParams(max_tokens=8, temperature=0.0)
+    colocated = make_engine(target, spec)
+    seen = record_drafts(colocated)
+    colocated.add_request("r", prompt, params)
+    while not seen:
+        colocated.step()
+    tokens, drafts = seen[0]
+    prefill = ModelRunner(replace(engine_config(model=str(target), block_size=4), ship_proposer_rows=spec))
+    assert isinstance(prefill.draft, DraftKVRecorder) and prefill.draft.block_bytes() > 0
+    prefill.draft.observing = True
+    blocks = [3 + i for i in range(10)]
+    prefill.execute(SchedulerOutput(new_requests=[NewRequestData("r", prompt, 0, (blocks,), params, True)]))
+    start, rows = prefill.draft.take("r", blocks, len(prompt))
+    assert start == 0 and rows.shape == (len(prompt), 3 * 2 * 2 * 16)  # 3 layers, K and V, 2 KV heads of 16
+    decode = make_engine(target, spec)
+    other = [20 + i for i in range(12)]
+    decode.runner.draft.receive_rows("r", start, rows, other, tokens)
+    assert decode.speculator.proposer.propose([SpecSequence("r", tokens, 3, (other,))]) == [drafts]
+    assert decode.speculator.figures()["spec_rows_received"] == len(prompt)
