@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from engine.speculative.base import Proposer, SpecSequence
+from engine.speculative.rows import rows_by_request
 
 if TYPE_CHECKING:
     from engine.config import ModelConfig
@@ -116,10 +117,8 @@ class HeadModel:
         rows = self.taps(hidden)
         if not self.observing:
             return
-        offset = 0
-        for rid, start, n in inp.spans:
-            self._keep(rid, start, rows[offset:offset + n])
-            offset += n
+        for rid, start, own in rows_by_request(inp, rows):
+            self._keep(rid, start, own)
 
     def _keep(self, rid: str, start: int, rows: torch.Tensor) -> None:
         s = self.seqs.get(rid)

@@ -11,7 +11,7 @@ of each prompt, computed on rank 0 and shipped with the prompt's KV as rows, a r
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +22,14 @@ if TYPE_CHECKING:
     from engine.config import ModelConfig
     from engine.model_runner import ModelInput, ModelRunner
     from engine.speculative.config import SpeculativeConfig
+
+
+def rows_by_request(inp: ModelInput, rows: torch.Tensor) -> Iterator[tuple[str, int, torch.Tensor]]:
+    """A step's rows (a row per token) per request: (its id, its first position, its rows)."""
+    offset = 0
+    for rid, start, n in inp.spans:
+        yield rid, start, rows[offset:offset + n]
+        offset += n
 
 
 class RowRecorder:
@@ -47,13 +55,11 @@ class RowRecorder:
         rows = self.taps(hidden)
         if not self.observing:
             return
-        offset = 0
-        for rid, start, n in inp.spans:
+        for rid, start, own in rows_by_request(inp, rows):
             got = self.rows.get(rid)
             if got is None or start != got[0] + sum(len(c) for c in got[1]):  # new here (or computed afresh)
                 self.rows[rid] = got = (start, [])
-            got[1].append(rows[offset:offset + n].clone())
-            offset += n
+            got[1].append(own.clone())
 
     def take(self, rid: str, block_ids: list[int], num_tokens: int) -> tuple[int, torch.Tensor] | None:
         """The request's rows (its first position, and (tokens, width)), forgotten here: those of
