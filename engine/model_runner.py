@@ -137,9 +137,7 @@ class ModelRunner:
         self.grammars = RunnerGrammars(config.model, model_config, self.device)  # structured output
         self.requests: dict[str, _RequestState] = {}
         self.graphs: DecodeGraphs | None = None  # set once the KV pool is there (graphs capture its address)
-        spec = config.speculative  # a draft model or head: loaded here, so that the KV budget counts it
-        self.draft = proposer_class(spec.method).load_model(self) if spec and tp.rank == 0 else \
-            row_recorder(config.ship_proposer_rows, self) if config.ship_proposer_rows and tp.rank == 0 else None
+        self.draft = self._proposer_model()
         self.num_blocks = self._num_blocks()
         self.kv_cache = allocate_kv_cache(model_config, self.num_kv_heads, self.num_blocks, self.block_size,
                                           self.kv_dtype, self.device)
@@ -147,12 +145,22 @@ class ModelRunner:
             self.draft.give_pool(self.num_blocks)
         self.graphs = self._decode_graphs()
         # where speculation pays: every rank profiles, in step (engine/speculative)
+        spec = config.speculative
         self.spec_profile = measure_verify(self, spec.num_speculative_tokens) if spec and not spec.max_batch_size \
             else None
         reset_expert_counts(self.model)  # the profiling and capture steps routed nothing real
         logger.info("model runner: %s on %s, dtype %s, KV %s, attention %s, fused %s ops, %d KV blocks of %d "
                     "tokens", model_config.name, self.device, self.dtype, self.kv_dtype, self.backend.name,
                     " and ".join(sorted(self.model.fused)) or "no", self.num_blocks, self.block_size)
+
+    def _proposer_model(self):
+        """What speculative decoding runs beside the target on rank 0, loaded before the KV pool is
+        sized so that the budget counts it: a decode instance's draft model or head, or a prefill
+        instance's recorder of what it ships of each prompt (engine/speculative/rows.py); else None."""
+        spec, ship = self.config.speculative, self.config.ship_proposer_rows
+        if self.tp.rank > 0 or not (spec or ship):
+            return None
+        return proposer_class(spec.method).load_model(self) if spec else row_recorder(ship, self)
 
     def _num_blocks(self) -> int:
         """KV blocks of `self.block_size` tokens: fixed, from the device's memory after profiling
