@@ -125,7 +125,7 @@ class DecodeWorker(BaseWorker):
         touched = []
         ready, failed = self.connector.admit(polls)
         for done in ready:
-            rows = self.connector.take_rows(done.request_id)  # a speculative head's, of the prompt
+            rows = self.connector.take_rows(done.request_id)  # the speculative proposer's, of the prompt
             req = self.engine.scheduler.remote.get(done.request_id)
             if req is not None and req.sampling_params.logprobs is not None and done.logprobs is None:
                 failed[done.request_id] = "the prefill sent the first token without the logprobs asked for"

@@ -90,7 +90,7 @@ class KVReceiver(ABC):
         """Returns (completed, failed [(request_id, reason)]) since the last call."""
 
     def take_rows(self, request_id: str) -> tuple[int, torch.Tensor] | None:
-        """A completed request's speculative-head rows of the prompt, (first position, (tokens,
+        """A completed request's speculative proposer's rows of the prompt, (first position, (tokens,
         width)), forgotten here; None when none came (CompatRecord.proposer_rows)."""
         return None
 

@@ -209,7 +209,7 @@ class DecodeConnector:
         return ([], []) if self.receiver is None else self.receiver.poll()
 
     def take_rows(self, request_id: str) -> tuple[int, torch.Tensor] | None:
-        """Rank 0: an admitted request's speculative-head rows of the prompt (None: none came)."""
+        """Rank 0: an admitted request's speculative proposer's rows of the prompt (None: none came)."""
         return None if self.receiver is None else self.receiver.take_rows(transfer_id(request_id, 0, self.num_groups))
 
     # -- scheduler side (rank 0) ---------------------------------------------------------------------

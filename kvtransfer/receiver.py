@@ -70,7 +70,7 @@ class Expected:
     more_choices: tuple = ()
     last_activity: float | None = None  # set when its first part begins
     receiving: int = 0  # receives in flight straight into its slots
-    rows: list[dict] = field(default_factory=list)  # a speculative head's rows of the prompt: `rows` messages
+    rows: list[dict] = field(default_factory=list)  # a speculative proposer's rows of the prompt: `rows` messages
 
 
 class TorchDistReceiver(KVReceiver):
@@ -344,8 +344,8 @@ class TorchDistReceiver(KVReceiver):
         return reply
 
     def on_rows(self, msg: dict, part: Part) -> None:
-        """A chunk of a speculative head's rows of the prompt (wire.py), in order; only where the
-        ends agreed on them (compat.proposer_rows)."""
+        """A chunk of a speculative proposer's rows of the prompt (a head's hidden states, a draft's
+        KV; wire.py), in order; only where the ends agreed on them (compat.proposer_rows)."""
         if not self.compat.proposer_rows:
             raise ControlGarbage("rows message without proposer_rows in the compat record")
         with self._lock:

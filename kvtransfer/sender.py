@@ -246,7 +246,7 @@ class _Peer:
             return self._send_layers(t, *self._gather(t, a, b))
         if self.shared is not None:  # `done` says the part is in the cache: so it must be
             self.shared.settle(timeout)
-        if b[2] is not None:  # a speculative head's rows of the prompt (wire.py `rows`)
+        if b[2] is not None:  # a speculative proposer's rows of the prompt (wire.py `rows`)
             for msg in wire.rows_messages(t.request_id, t.head_start, *b[2]):
                 self.control.send(msg, timeout)
                 self.owner.count("rows_bytes_sent", len(msg["data"]))

@@ -18,7 +18,7 @@ the handshake. Sender -> receiver, with the receiver's answer:
     rows   {request_id, head_start, start, num_rows, width, dtype, data}
                                                            (no answer; only with compat.proposer_rows, only
                                                            on the part from prefill rank 0 to decode rank 0,
-                                                           just before its `done`: a speculative head's rows of
+                                                           just before its `done`: a speculative proposer's rows of
                                                            the prompt's positions start .., in order, in
                                                            chunks of at most ROWS_CHUNK_BYTES of `data`)
     done   {request_id, head_start, num_layers, first_token, logprobs, more_choices, checksum}

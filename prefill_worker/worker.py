@@ -118,7 +118,7 @@ class PrefillWorker(BaseWorker):
             rid = req.request_id
             rows = None if self.rows is None else \
                 self.rows.take(rid, self.scheduler.kv.get_block_ids(rid)[0], req.num_prompt_tokens)
-            self.connector.finish(req.request_id, token, logprobs, more, rows)
+            self.connector.finish(rid, token, logprobs, more, rows)
             self._report(PrefillResult(req.request_id, token, num_cached_tokens=req.num_cached_tokens,
                                        logprobs=logprobs, more_choices=more))
         return True
