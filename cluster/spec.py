@@ -43,7 +43,7 @@ _HELP = {
     "model": "smollm2, a .gguf file or a HF safetensors folder",
     "dtype": "weights and activations dtype (auto: bfloat16 on CUDA or a CPU with native bf16, else float32)",
     "device": "auto (cuda when present, else cpu), cpu, cuda or cuda:N",
-    "quantization": "linear layers: auto keeps the checkpoint's format (a GGUF whose linears are Q4_0/Q4_1 runs "
+    "quantization": "linear layers: auto keeps the checkpoint's format (a GGUF's Q4_0/Q4_1/Q4_K linears run "
                     "int4 on exactly those weights, anything else unquantized), none forces unquantized; lossy, at "
                     "load: int8 (per-channel int8 weights), w8a8 (int8 activations too, down_proj kept "
                     "unquantized), int4 (Q4_1 groups of 32); the fastest kernel is measured per batch size "

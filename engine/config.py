@@ -168,6 +168,10 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
+    # Gemma 3's sliding layers rotate with their own base and scaling (rope_local_base_freq; transformers
+    # 5's rope_parameters["sliding_attention"]); None: every layer rotates with rope_theta / rope_scaling
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: dict | None = None
     moe: MoEConfig | None = None  # the sparse MLP of a mixture-of-experts family; None: dense
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
     # DeepSeek's latent attention; then the KV cache is one "KV head" whose two planes hold a token's
@@ -227,6 +231,12 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def rope(self, layer_type: str) -> tuple[float, dict | None]:
+        """The rotary base and scaling of the layers of `layer_type` (a `layer_types` entry)."""
+        if layer_type == "sliding_attention" and self.sliding_rope_theta is not None:
+            return self.sliding_rope_theta, self.sliding_rope_scaling
+        return self.rope_theta, self.rope_scaling
+
     @property
     def kv_format(self) -> str:
         """What a KV head's two planes hold, for the KV transfer's handshake (kvtransfer/params.py)."""
@@ -246,7 +256,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 
 DTYPE_CHOICES = ("auto", *DTYPES)
 
-# auto keeps the checkpoint's format (a GGUF's Q4_0/Q4_1 linears run int4 as they are, anything
+# auto keeps the checkpoint's format (a GGUF's Q4_0/Q4_1/Q4_K linears run int4 as they are, anything
 # else unquantized), none forces unquantized; int8 (weights), w8a8 (weights and activations) and
 # int4 (group-wise Q4_1 weights) of float weights are opt-in lossy conversions at load (engine/quant).
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "w8a8", "int4")

@@ -5,24 +5,25 @@ A GGUF tensor differs from the Hugging Face parameter it came from in four ways,
 1. name: `blk.3.attn_q.weight` is `model.layers.3.self_attn.q_proj.weight` (`hf_param_name`, from
    gguf's tensor name map of the file's architecture);
 2. shape: ggml lists dimensions fastest-first, so `[in_features, out_features]` is reversed;
-3. encoding: blocks of Q4_0/Q4_1/Q8_0/... are dequantized with `gguf.quants.dequantize`;
+3. encoding: blocks of every type (Q4_K, Q6_K, Q8_0, BF16, ...) are dequantized with
+   `gguf.quants.dequantize`, but those engine/gguf_codes.py reads as int4 codes;
 4. values: in `llama` files the rows of `attn_q` / `attn_k` were permuted from HF's rotate-half
    RoPE layout to llama.cpp's interleaved one (`permute_qk`; `unpermute_qk` puts them back);
-   Qwen and Gemma keep HF's rotate-half layout; a `gemma2` file stores each norm as 1 + w;
+   Qwen and Gemma keep HF's rotate-half layout; a `gemma2` or `gemma3` file stores each norm
+   (Gemma 3's q/k norms too) as 1 + w;
 5. experts: a mixture's `ffn_{gate,up,down}_exps` stack every expert of a layer in one tensor; it
    is cut back into HF's per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, ...).
 
 Dequantizing a whole model takes seconds, so the result is cached once as an fp32 safetensors
 file under `$PDSERVE_CACHE_DIR` (default `~/.cache/pdserve`), keyed by the GGUF's path, size and
-mtime; later loads read that file. A run on a Q4 file's own codes (int4) caches only the tensors
-it reads as floats (norms, embeddings, head, routers).
+mtime; later loads read that file. A run on a file's own 4-bit codes (int4) caches only the
+tensors it reads as floats (norms, embeddings, head, routers, linears of other types).
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import logging
-import math
 import os
 import re
 import tempfile
@@ -40,13 +41,13 @@ from engine.config import ModelConfig, MoEConfig
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "qwen2moe", "qwen3moe")  # general.architecture
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2moe", "qwen3moe")  # general.architecture
 # -> the family: its own name, but for these; a `llama` file with experts is Mixtral (its converter's arch)
 FAMILY_OF_ARCH = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # whether a mixture's chosen weights are rescaled to sum to 1: llama.cpp's fixed choice per architecture
 # (no GGUF key says; transformers' GGUF loader assumes the same)
 RENORMALIZE = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
-CACHE_FORMAT_VERSION = "3"  # bump when the conversion changes, so stale caches are not read
+CACHE_FORMAT_VERSION = "4"  # bump when the conversion changes, so stale caches are not read
 
 # The HF modules pdserve's families load; gguf's own tensor name maps say which GGUF tensor each
 # one is in a given architecture (Gemma 2's post_attention_layernorm is not Llama's).
@@ -159,6 +160,21 @@ def _family_switches(meta: dict, arch: str, num_layers: int, hidden_size: int, n
         return dict(qkv_bias=True)
     if arch in ("qwen3", "qwen3moe"):
         return dict(qk_norm=True)
+    if arch == "gemma3":
+        # llama.cpp (src/models/gemma3.cpp): with a window, every 6th layer global (an
+        # attention.sliding_window_pattern key, a period or a per-layer list, overrides); the
+        # sliding layers rotate at rope.freq_base_swa (10000 when absent) unscaled, so without a
+        # window every layer is global; queries scaled by head_dim, by hidden / heads for the
+        # 62-layer 27B; no attention soft-capping
+        window = meta.get("gemma3.attention.sliding_window") or None
+        n = meta.get("gemma3.attention.sliding_window_pattern", 6)
+        swa = list(n) if isinstance(n, list) else [n == 0 or i % n < n - 1 for i in range(num_layers)]
+        types = tuple("sliding_attention" if s and window else "full_attention" for s in swa)
+        cap = meta.get("gemma3.final_logit_softcapping")
+        return dict(qk_norm=True, sliding_window=window, layer_types=types,
+                    sliding_rope_theta=_f32(meta.get("gemma3.rope.freq_base_swa", 10000.0)),
+                    query_pre_attn_scalar=hidden_size // num_heads if num_layers == 62 else head_dim,
+                    final_logit_softcapping=None if cap is None else _f32(cap))
     if arch != "gemma2":
         return {}
     window = meta.get("gemma2.attention.sliding_window")
@@ -267,7 +283,7 @@ def convert_gguf(path: Path, skip: frozenset[str] = frozenset()) -> dict[str, to
         if name is None or name in skip:
             continue
         w = _as_hf_rows(_dequantize(tensor), name, arch, num_heads, num_kv_heads)
-        if arch == "gemma2" and name.endswith("norm.weight"):  # its converter stored 1 + w
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # its converter stored 1 + w
             w = w - 1
         if (m := _STACKED_EXPERTS.match(name)) is not None:  # (experts, out, in): one tensor per expert,
             for e in range(w.shape[0]):                      # as a HF checkpoint names them
@@ -282,7 +298,7 @@ _STACKED_EXPERTS = re.compile(r"^(?P<layer>model\.layers\.\d+)\.mlp\.experts\.(?
 
 def cache_path_for(path: Path, cache_dir: str | os.PathLike | None = None, variant: str = "") -> Path:
     """Where the converted fp32 copy of a GGUF lives: keyed by its resolved path, size and mtime;
-    `variant` names a partial copy ("no-q4-linears": all but the linears read as Q4 codes)."""
+    `variant` names a partial copy ("no-q4-codes": all but the linears read as int4 codes)."""
     cache_dir = Path(cache_dir or os.environ.get("PDSERVE_CACHE_DIR", "~/.cache/pdserve")).expanduser()
     stat = path.stat()
     key = f"{CACHE_FORMAT_VERSION}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
@@ -304,83 +320,24 @@ def _write_atomically(weights: dict[str, torch.Tensor], target: Path, source: Pa
         raise
 
 
-_LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
-            "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",  # a mixture's experts, every one of a layer stacked
-            "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"}  # Qwen2-MoE's shared expert
-
-
-def _decoder_linears(reader: gguf.GGUFReader) -> list:
-    return [t for t in reader.tensors if (m := _LAYER_RE.match(t.name)) and m.group(2) in _LINEARS
-            and m.group(3) == "weight"]
-
-
-def gguf_q4_linears(path: str | os.PathLike) -> bool:
-    """Whether every decoder linear weight of a GGUF, a mixture's experts too, is Q4_0 or Q4_1 (then
-    it can run as int4 exactly)."""
-    from engine.quant.q4 import Q4_TYPE_NAMES
-    linears = _decoder_linears(open_gguf(path))
-    return bool(linears) and all(t.tensor_type.name in Q4_TYPE_NAMES for t in linears)
-
-
-def iter_q4_linears(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each Q4_0 / Q4_1 decoder linear as its codes, scales and mins (engine/quant/q4.py):
-    `...q_proj.qweight` (out, in) uint8, `...q_proj.scales` and `...q_proj.mins` (out, in / 32)
-    fp32, rows in HF order (q and k unpermuted like the float weights); a mixture's stacked
-    experts cut into HF's per-expert names (`...mlp.experts.5.gate_proj.qweight`)."""
-    from engine.quant.q4 import Q4_TYPE_NAMES, decode_q4_blocks
-    reader = open_gguf(path)
-    field = reader.fields.get  # two keys, not the whole metadata (its vocabulary takes seconds to read)
-    arch = field("general.architecture").contents()
-    num_heads = field(f"{arch}.attention.head_count").contents()
-    num_layers = field(f"{arch}.block_count").contents()
-    kv = field(f"{arch}.attention.head_count_kv")
-    num_kv_heads = num_heads if kv is None else kv.contents()
-    for tensor in _decoder_linears(reader):
-        if tensor.tensor_type.name not in Q4_TYPE_NAMES:
-            raise ValueError(f"GGUF tensor {tensor.name!r} is {tensor.tensor_type.name}, not Q4_0/Q4_1")
-        name = hf_param_name(tensor.name, arch, num_layers)
-        shape = tuple(int(d) for d in reversed(tensor.shape))  # (experts, out, in) for stacked experts
-        parts = decode_q4_blocks(tensor.data, tensor.tensor_type, (math.prod(shape[:-1]), shape[-1]))
-        if (m := _STACKED_EXPERTS.match(name)) is not None:
-            for suffix, part in zip(("qweight", "scales", "mins"), parts):
-                for e, rows in enumerate(part.view(shape[0], shape[1], -1)):
-                    yield f"{m['layer']}.mlp.experts.{e}.{m['proj']}.{suffix}", rows.clone()
-            continue
-        name = name.removesuffix(".weight")
-        for suffix, part in zip(("qweight", "scales", "mins"), parts):
-            yield f"{name}.{suffix}", _as_hf_rows(part, name, arch, num_heads, num_kv_heads).contiguous()
-
-
-def gguf_q8_0_head(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The LM head's Q8_0 blocks as codes (vocab, hidden) int8 and scales (vocab, hidden / 32)
-    fp32 (engine/quant/q8_head.py): `output.weight`, or the embedding it is tied to; None when
-    that tensor is not Q8_0."""
-    from engine.quant.q8_head import decode_q8_0_blocks
-    tensors = {t.name: t for t in open_gguf(path).tensors}
-    head = tensors.get("output.weight", tensors.get("token_embd.weight"))
-    if head is None or head.tensor_type.name != "Q8_0":
-        return None
-    return decode_q8_0_blocks(head.data, tuple(int(d) for d in reversed(head.shape)))
-
-
 def iter_gguf_weights(path: Path, dtype: torch.dtype, cache_dir: str | os.PathLike | None = None,
                       q4_codes: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, tensor)` in `dtype`, converting once and reading the fp32 cache after.
 
-    q4_codes: the decoder linears as Q4 codes instead (`iter_q4_linears`), the rest as floats (a
-        cache of its own holds only those: a Q4 mixture's experts are most of the file, and in fp32
-        eight times its size)."""
+    q4_codes: the decoder linears engine/gguf_codes.py's plan reads as codes, as codes
+        (`iter_q4_linears`), the rest as floats (a cache of its own holds only those: a Q4
+        mixture's experts are most of the file, and in fp32 eight times its size)."""
+    from engine.gguf_codes import coded_hf_names, gguf_code_plan, iter_q4_linears, log_tensor_types
+    plan = gguf_code_plan(path) if q4_codes else None
+    log_tensor_types(path, plan, dtype)
     skip = frozenset()
-    if q4_codes:
-        yield from iter_q4_linears(path)
-        reader = open_gguf(path)
-        arch = reader.fields["general.architecture"].contents()
-        layers = reader.fields[f"{arch}.block_count"].contents()
-        skip = frozenset(hf_param_name(t.name, arch, layers) for t in _decoder_linears(reader))
-    cached = cache_path_for(path, cache_dir, "no-q4-linears" if q4_codes else "")
+    if plan is not None:
+        yield from iter_q4_linears(path, plan)
+        skip = coded_hf_names(path, plan)
+    cached = cache_path_for(path, cache_dir, "no-q4-codes" if skip else "")
     if not cached.exists():
         logger.info("converting %s to %s (one time)", path, cached)
-        weights = convert_gguf(path, skip) if skip else convert_gguf(path)
+        weights = convert_gguf(path, skip)
         try:
             _write_atomically(weights, cached, path)
         except OSError as e:

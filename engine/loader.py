@@ -133,7 +133,7 @@ def load_weights(path: str | os.PathLike, dtype: torch.dtype | str, cache_dir: s
         path: anything `resolve_model_path` accepts.
         dtype: the dtype every yielded tensor has.
         cache_dir: where converted GGUFs are cached; default `$PDSERVE_CACHE_DIR` or `~/.cache/pdserve`.
-        q4_codes: a GGUF's Q4_0 / Q4_1 decoder linears as their codes (`qweight`, `scales`, `mins`,
+        q4_codes: a GGUF's Q4_0 / Q4_1 / Q4_K decoder linears as their codes (`qweight`, `scales`, `mins`,
             not in `dtype`: engine/quant/q4.py) instead of dequantized weights (the int4 method).
         names: only the safetensors tensors whose names it maps to something other than None are
             read (a speculative head's: engine/speculative/mtp.py); GGUF files take none.

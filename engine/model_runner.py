@@ -30,7 +30,7 @@ from engine.moe import (describe_experts, expert_counts, expert_load_figures, qu
                         reset_expert_counts, select_expert_methods)
 from engine.mla import select_prefill_forms
 from engine.parallel import TPGroup
-from engine.quant import (create_linear_method, method_reads_q4_codes, process_weights_after_loading,
+from engine.quant import (create_linear_method, expert_scheme, method_reads_q4_codes, process_weights_after_loading,
                           resolve_quantization)
 from engine.quant.base import BaseLinearMethod
 from engine.quant.q8_head import q8_head_method
@@ -288,7 +288,7 @@ class ModelRunner:
         # after every shard is in, so a quantizing method sees exactly this rank's slice
         described = self.linear_layers = process_weights_after_loading(model)
         logger.info("linear layers: %s; prepared in %.2f s", described, time.perf_counter() - start)
-        quantize_model_experts(model, method.name, self.dtype)
+        quantize_model_experts(model, expert_scheme(method), self.dtype)
         select_expert_methods(model, self.config.expert_method)
         if (experts := describe_experts(model)) is not None:
             logger.info("experts: %s", experts)

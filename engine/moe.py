@@ -26,7 +26,7 @@ from engine.expert_placement import HeldExperts, imbalance, rank_loads
 from engine.fused_experts import FusedExperts
 from engine.layers import silu_and_mul
 from engine.parallel import MergedColumnParallelLinear, RowParallelLinear, TPGroup
-from engine.quant import method_reads_q4_codes
+from engine.quant import experts_read_q4_codes
 from engine.quant.base import BaseLinearMethod
 from engine.routing import route, route_tokens
 
@@ -102,7 +102,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(moe.num_experts, cfg.hidden_size, moe.router_bias, fp32=deepseek,
                            correction=moe.routing == "noaux_tc")
         self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, tp, held,
-                                    moe.expert_bias, moe.activation, q4_codes=method_reads_q4_codes(linear_method))
+                                    moe.expert_bias, moe.activation, q4_codes=experts_read_q4_codes(linear_method))
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = SharedExpert(cfg.hidden_size, moe.shared_expert_intermediate_size, tp, linear_method)

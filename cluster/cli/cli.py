@@ -18,8 +18,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="auto: bfloat16 on CUDA or a CPU with native bf16, else float32")
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
-                   help="linear layers: auto (the checkpoint's format: a Q4_0/Q4_1 GGUF runs int4), none; lossy: "
-                        "int8 (per-channel int8 weights), w8a8 (int8 activations too), int4 (Q4_1 groups of 32)")
+                   help="linear layers: auto (the checkpoint's format: a GGUF's Q4_0/Q4_1/Q4_K linears run int4), "
+                        "none; lossy: int8 (per-channel int8 weights), w8a8 (int8 activations too), int4 (Q4_1 groups of 32)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                    help="KV cache element type: auto (the model's dtype) or fp8_e4m3 (docs/engine.md)")
     p.add_argument("--max-tokens", type=int, default=64)

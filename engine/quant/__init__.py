@@ -8,8 +8,8 @@
 
 Built: `unquantized` (the checkpoint's weights in the model dtype), `int8` (per-channel int8
 weights quantized at load, activations unquantized), `w8a8` (int8 activations too) and `int4`
-(group-wise 4-bit: a GGUF's Q4_0 / Q4_1 blocks as they are, or a float checkpoint quantized to
-Q4_1 at load); for the quantized ones the kernel is measured per batch size. Not built yet: fp8
+(group-wise 4-bit: a GGUF's Q4_0 / Q4_1 / Q4_K blocks as they are, or a float checkpoint quantized
+to Q4_1 at load); for the quantized ones the kernel is measured per batch size. Not built yet: fp8
 (GPUs), calibrated activation scales, AWQ / GPTQ checkpoints.
 """
 from __future__ import annotations
@@ -32,30 +32,46 @@ LINEAR_METHODS = {"unquantized": UnquantizedLinearMethod, "int8": Int8LinearMeth
                   "int4": Int4LinearMethod}
 
 __all__ = ["BaseLinearMethod", "LINEAR_METHODS", "UnquantizedLinearMethod", "Int4LinearMethod", "Int8LinearMethod",
-           "W8A8LinearMethod", "create_linear_method", "int4_misfit", "linear_layers", "method_reads_q4_codes",
+           "W8A8LinearMethod", "create_linear_method", "expert_scheme", "experts_read_q4_codes", "gguf_code_plan_of",
+           "int4_misfit", "linear_layers", "method_reads_q4_codes",
            "mkldnn_packing_available", "process_weights_after_loading", "resolve_quantization"]
 
 
-def _is_q4_gguf(path) -> bool:
+def gguf_code_plan_of(path):
+    """engine/gguf_codes.py's plan for a GGUF at `path` (which linears are int4 codes), else None."""
     if path is None or Path(path).suffix != ".gguf" or not Path(path).is_file():
-        return False
-    from engine.gguf_loader import gguf_q4_linears
-    return gguf_q4_linears(path)
+        return None
+    from engine.gguf_codes import gguf_code_plan
+    return gguf_code_plan(path)
 
 
 def create_linear_method(name: str, path: str | os.PathLike | None = None, **kwargs) -> BaseLinearMethod:
-    """A linear method by registry name; kwargs go to its constructor. `int4` reads a GGUF's Q4
-    blocks as they are when every decoder linear of `path` is Q4_0 / Q4_1 (else quantizes at load)."""
+    """A linear method by registry name; kwargs go to its constructor. `int4` reads a GGUF's 4-bit
+    blocks as they are where the file has them (engine/gguf_codes.py), its other linears as
+    floats; a checkpoint without any is quantized at load."""
     if name not in LINEAR_METHODS:
         raise ValueError(f"unknown linear method {name!r}; choose one of {', '.join(LINEAR_METHODS)}")
     if name == "int4":
-        kwargs.setdefault("prequantized", _is_q4_gguf(path))
+        plan = gguf_code_plan_of(path)
+        kwargs.setdefault("prequantized", bool(plan and plan.codes))
+        kwargs.setdefault("expert_codes", bool(plan and plan.experts))
     return LINEAR_METHODS[name](**kwargs)
 
 
 def method_reads_q4_codes(method: BaseLinearMethod) -> bool:
-    """Whether the checkpoint's loader should yield Q4 codes for this method (`load_weights(q4_codes=)`)."""
+    """Whether the checkpoint's loader should yield int4 codes for this method (`load_weights(q4_codes=)`)."""
     return bool(getattr(method, "prequantized", False))
+
+
+def experts_read_q4_codes(method: BaseLinearMethod | None) -> bool:
+    """Whether a mixture's experts hold the file's int4 codes (engine/fused_experts.py `q4_codes`)."""
+    return method_reads_q4_codes(method) and bool(getattr(method, "expert_codes", False))
+
+
+def expert_scheme(method: BaseLinearMethod) -> str:
+    """The method name the experts are quantized as (engine/moe.py `quantize_model_experts`): a
+    GGUF's experts of other types than Q4 stay as dequantized, not quantized again to int4."""
+    return "unquantized" if method_reads_q4_codes(method) and not experts_read_q4_codes(method) else method.name
 
 
 def int4_misfit(config: ModelConfig, tp_size: int = 1, expert_parallel: bool = False) -> str | None:
@@ -86,11 +102,12 @@ def resolve_quantization(quantization: str, path: str | os.PathLike | None = Non
                          config: ModelConfig | None = None, tp_size: int = 1, expert_parallel: bool = False) -> str:
     """The linear method a `quantization` knob asks for.
 
-    `auto` keeps the checkpoint's format: a GGUF whose decoder linears (a mixture's experts too)
-    are all Q4_0 / Q4_1 runs `int4` on exactly those weights (unless its groups do not fit the
-    TP shards: then dequantized, logged); any other checkpoint runs `unquantized` (GGUF K-quants, Q8_0 and F16
-    dequantized at load; safetensors as stored). `none` forces unquantized; `int8`, `w8a8` and
-    `int4` of a float checkpoint are opt-in, lossy conversions at load.
+    `auto` keeps the checkpoint's format: a GGUF with Q4_0 / Q4_1 / Q4_K decoder linears runs
+    `int4` on exactly those weights (engine/gguf_codes.py says which; its other types dequantized;
+    unless int4's groups do not fit the TP shards: then all dequantized, logged); any other
+    checkpoint runs `unquantized` (GGUF Q5_*, Q6_K, Q8_0, F16, ... dequantized at load;
+    safetensors as stored). `none` forces unquantized; `int8`, `w8a8` and `int4` of a float
+    checkpoint are opt-in, lossy conversions at load.
     Raises:
         ValueError: an unknown name, or `int4` whose groups do not fit (`int4_misfit`)."""
     if quantization == "none":
@@ -102,10 +119,11 @@ def resolve_quantization(quantization: str, path: str | os.PathLike | None = Non
         if quantization == "int4" and config is not None and (why := int4_misfit(config, tp_size, expert_parallel)):
             raise ValueError(f"quantization int4: {why}")
         return quantization
-    if _is_q4_gguf(path):
+    if (plan := gguf_code_plan_of(path)) is not None and plan.codes:
         why = int4_misfit(config, tp_size, expert_parallel) if config is not None else None
         if why is None:
-            logger.info("quantization auto -> int4: the GGUF's Q4 weights as they are")
+            logger.info("quantization auto -> int4: the GGUF's Q4_0/Q4_1/Q4_K weights as they are (%d tensors), "
+                        "its other types dequantized", len(plan.codes))
             return "int4"
         logger.info("quantization auto -> unquantized: the GGUF's Q4 weights dequantized at load (%s)", why)
         return "unquantized"

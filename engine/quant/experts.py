@@ -4,7 +4,7 @@ timed at load on the first expert pair.
 
     quant = quantize_experts("int8", w13, w2)          # --quantization int8 / w8a8: per output channel
     quant = quantize_experts("int4", w13, w2)          # --quantization int4: gguf's Q4_1 of the weights
-    quant = q4_experts(codes13, codes2, dtype)         # a GGUF's Q4_0 / Q4_1 `ffn_*_exps` as they are
+    quant = q4_experts(codes13, codes2, dtype)         # a GGUF's Q4 `ffn_*_exps` as they are
     out = quantized_experts(x, quant, pairs, b13, b2, act)   # as engine/expert_compute.py loop_experts
 
 The activations stay in the model's dtype, but for one candidate: where that is fp32, each packed

@@ -1,8 +1,10 @@
 """The int4 linear method: group-wise 4-bit weights (engine/quant/q4.py), activations unquantized.
 
-Weights come either straight from a GGUF's Q4_0 / Q4_1 blocks (`prequantized`: the file's own
-numbers, exactly; what `--quantization auto` runs for such a file) or from a float checkpoint,
-quantized at load onto llama.cpp's Q4_1 (`--quantization int4`; the error is logged).
+Weights come either straight from a GGUF's Q4_0 / Q4_1 / Q4_K blocks (`prequantized`: the file's
+own numbers, exactly; what `--quantization auto` runs for such a file) or from a float checkpoint,
+quantized at load onto llama.cpp's Q4_1 (`--quantization int4`; the error is logged). In a file
+that mixes types (Q4_K_M: Q6_K for some layers), a layer whose tensors are of another type loads
+their dequantized floats and runs as the unquantized method does (engine/gguf_codes.py's plan).
 
 Kernels, measured per batch-size range at load like int8's (engine/quant/selection.py):
 - `int4pack`: torch's `_weight_int4pack_mm_for_cpu` (vectorized for bf16/fp16; scalar in fp32),
@@ -16,11 +18,14 @@ kept only where `int4pack` wins.
 """
 from __future__ import annotations
 
+import functools
 import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.quant.base import UnquantizedLinearMethod
 from engine.quant.int8 import Int8LinearMethod
 from engine.quant.kernels import LinearKernel, UnquantizedBaseline
 from engine.quant.q4 import GROUP_SIZE, dequantize_q4, quantize_q4_1, random_q4
@@ -79,7 +84,9 @@ INT4_KERNELS = {k.name: k for k in (Int4PackKernel, DequantizedKernel, Reference
 class Int4LinearMethod(Int8LinearMethod):
     """Args (besides int8's: kernel, candidates, cache_path, time_fn):
         prequantized: the checkpoint holds Q4 codes (`qweight`, `scales`, `mins` per linear, as the
-            GGUF loader yields them with `q4_codes=True`); False: float weights, quantized at load.
+            GGUF loader yields them with `q4_codes=True`), or float weights for a layer of another
+            type; False: float weights, quantized at load.
+        expert_codes: a mixture's experts are codes too (else floats, left unquantized).
     """
 
     name = "int4"
@@ -89,9 +96,10 @@ class Int4LinearMethod(Int8LinearMethod):
     baseline = None  # `dequantized` is what unquantized would run, and a candidate itself
     random_weights = staticmethod(random_q4)
 
-    def __init__(self, prequantized: bool = False, **kwargs):
+    def __init__(self, prequantized: bool = False, expert_codes: bool = False, **kwargs):
         super().__init__(**kwargs)
-        self.prequantized = prequantized
+        self.prequantized, self.expert_codes = prequantized, expert_codes
+        self.num_float = 0  # layers of a prequantized file loaded as floats (another GGUF type)
         self.errors: list[float] = []  # relative error of each float weight quantized at load
 
     def create_weights(self, layer, input_size, output_size, weight_loader) -> None:
@@ -101,12 +109,16 @@ class Int4LinearMethod(Int8LinearMethod):
         layer.params_dtype = torch.get_default_dtype()
         if not self.prequantized:
             return super().create_weights(layer, input_size, output_size, weight_loader)
+        # either form, as the file holds it: both on the meta device until the first tensor loaded
+        # makes its own form real (`_load_either`)
+        layer.params_device = torch.empty(0).device
         groups = input_size // GROUP_SIZE
-        for name, shape, dtype in (("qweight", (output_size, input_size), torch.uint8),
+        for name, shape, dtype in (("weight", (output_size, input_size), layer.params_dtype),
+                                   ("qweight", (output_size, input_size), torch.uint8),
                                    ("scales", (output_size, groups), torch.float32),
                                    ("mins", (output_size, groups), torch.float32)):
-            param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-            param.weight_loader = weight_loader
+            param = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+            param.weight_loader = functools.partial(_load_either, layer, name, weight_loader)
             setattr(layer, name, param)
 
     def layer_shape(self, layer):
@@ -132,12 +144,49 @@ class Int4LinearMethod(Int8LinearMethod):
             layer.qweight = layer.scales = layer.mins = None
 
     def process_layers(self, layers) -> None:
-        super().process_layers(layers)
+        floats = [layer for layer in layers if self.prequantized and layer.weight is not None]
+        for layer in floats:
+            layer.int4_float = True
+            UnquantizedLinearMethod.process_weights_after_loading(self, layer)
+        self.num_float = len(floats)
+        super().process_layers([layer for layer in layers if not getattr(layer, "int4_float", False)])
         if self.errors:
             logger.info("int4: float weights quantized to Q4_1 at load: relative error per layer mean %.4f, max %.4f",
                         sum(self.errors) / len(self.errors), max(self.errors))
+
+    def apply(self, layer, x, bias) -> torch.Tensor:
+        if getattr(layer, "int4_float", False):
+            return UnquantizedLinearMethod.apply(self, layer, x, bias)
+        return super().apply(layer, x, bias)
+
+    def describe(self, layers) -> str:
+        coded = [layer for layer in layers if not getattr(layer, "int4_float", False)]
+        floats = [layer for layer in layers if getattr(layer, "int4_float", False)]
+        parts = [super().describe(coded)] if coded else []
+        if floats:
+            parts.append(f"{len(floats)} layers of other GGUF types dequantized: "
+                         f"{UnquantizedLinearMethod.describe(self, floats)}")
+        return "; ".join(parts)
 
     @property
     def weights(self) -> str:
         source = "from the checkpoint's Q4 blocks" if self.prequantized else "Q4_1 quantized at load"
         return f"int4 group-wise ({GROUP_SIZE} per group, {source})"
+
+
+def _load_either(layer: nn.Module, name: str, weight_loader, param: nn.Parameter, full: torch.Tensor, *shard) -> None:
+    """Loads a checkpoint tensor into `layer.<name>`: the first one of a form makes that form's
+    parameter real on the layer's device and drops the other form's placeholders."""
+    current = getattr(layer, name)
+    if current is None:
+        raise ValueError(f"{getattr(layer, 'layer_name', type(layer).__name__)}: the checkpoint holds both float "
+                         "weights and int4 codes for one layer")
+    if current.is_meta:
+        real = nn.Parameter(torch.empty(current.shape, dtype=current.dtype, device=layer.params_device),
+                            requires_grad=False)
+        real.weight_loader = current.weight_loader
+        setattr(layer, name, real)
+        for other in ("qweight", "scales", "mins") if name == "weight" else ("weight",):
+            setattr(layer, other, None)
+        current = real
+    weight_loader(current, full, *shard)

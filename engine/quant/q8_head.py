@@ -134,7 +134,7 @@ def q8_head_method(path, decoder: BaseLinearMethod, dtype: torch.dtype, device: 
     the file's head is Q8_0; None (logged why, when it would have applied) elsewhere."""
     if not getattr(decoder, "prequantized", False):
         return None
-    from engine.gguf_loader import gguf_q8_0_head
+    from engine.gguf_codes import gguf_q8_0_head
     why = ("a CPU kernel" if device.type != "cpu" else
            "tensor-parallel ranks keep their vocabulary slice dense" if tp_size > 1 else
            f"its int4 planes run bf16 activations, not {str(dtype).removeprefix('torch.')}"

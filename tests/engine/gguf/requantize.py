@@ -14,7 +14,9 @@ import numpy as np
 QUANTIZED = re.compile(r"^blk\.\d+\.(attn_(q|k|v|output)|ffn_(gate|up|down)(_exps|_shexp)?)\.weight$")
 
 
-def requantize(src: Path, dst: Path, kind: gguf.GGMLQuantizationType) -> Path:
+def requantize(src: Path, dst: Path, kind: gguf.GGMLQuantizationType,
+               others: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
+    """others: a type in place of `kind` for the quantized tensors whose names contain a key."""
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
     for field in reader.fields.values():
@@ -26,7 +28,8 @@ def requantize(src: Path, dst: Path, kind: gguf.GGMLQuantizationType) -> Path:
     for tensor in reader.tensors:
         data = np.asarray(tensor.data)
         if QUANTIZED.match(tensor.name):
-            writer.add_tensor(tensor.name, gguf.quants.quantize(data.astype(np.float32), kind), raw_dtype=kind)
+            this = next((k for part, k in (others or {}).items() if part in tensor.name), kind)
+            writer.add_tensor(tensor.name, gguf.quants.quantize(data.astype(np.float32), this), raw_dtype=this)
         else:
             writer.add_tensor(tensor.name, data)
     writer.write_header_to_file()
