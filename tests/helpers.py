@@ -21,7 +21,8 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 # transformers' config and model classes of each family the tests build tiny models of
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-              "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+              "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+              "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
               "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
               "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"), "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
               "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
@@ -45,6 +46,16 @@ FAMILIES = {
     # apart from head_dim, sliding and global layers alternating (layer_types)
     "gemma2": ("gemma2", dict(head_dim=32, sliding_window=24, attn_logit_softcapping=5.0,
                               final_logit_softcapping=3.0, query_pre_attn_scalar=24, tie_word_embeddings=True)),
+    # scaled down likewise: q/k norms, sliding layers around a global one (the published five to one
+    # cut to four layers: each layer type is a KV group, a step's cost), a rotary embedding per layer
+    # type (the global one's base and linear x8 as 4B's, the sliding one's local base),
+    # query_pre_attn_scalar apart from head_dim
+    "gemma3": ("gemma3", dict(head_dim=32, num_hidden_layers=4, sliding_window=24, query_pre_attn_scalar=24,
+                              layer_types=["sliding_attention"] * 2 + ["full_attention", "sliding_attention"],
+                              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                  "rope_theta": 1000000.0},
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                              tie_word_embeddings=True)),
     # mixtures of experts (engine/moe.py): renormalized top-2 of 4 (Mixtral, with its window); a shared
     # expert, top-3 of 6 unrenormalized, every other layer sparse (Qwen2-MoE); q/k norms, a dense layer
     # listed in mlp_only_layers, renormalized top-2 of 8 (Qwen3-MoE)

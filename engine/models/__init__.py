@@ -11,11 +11,12 @@ that pdserve does not run is refused there, in one line naming it (engine/models
 from __future__ import annotations
 
 from engine.config import ModelConfig
-from engine.models import (deepseek_v2, deepseek_v3, gemma2, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
-                           qwen3_moe)
+from engine.models import (deepseek_v2, deepseek_v3, gemma2, gemma3, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_moe,
+                           qwen3, qwen3_moe)
 from engine.models.hf_config import UnsupportedConfig
 
-FAMILIES = {"deepseek_v2": deepseek_v2, "deepseek_v3": deepseek_v3, "gemma2": gemma2, "gpt_oss": gpt_oss, "llama": llama, "mistral": mistral, "mixtral": mixtral,
+FAMILIES = {"deepseek_v2": deepseek_v2, "deepseek_v3": deepseek_v3, "gemma2": gemma2, "gemma3": gemma3,
+            "gpt_oss": gpt_oss, "llama": llama, "mistral": mistral, "mixtral": mixtral,
             "qwen2": qwen2, "qwen2_moe": qwen2_moe, "qwen3": qwen3, "qwen3_moe": qwen3_moe}
 HF_ARCHITECTURES = {module.HF_ARCHITECTURE: family for family, module in FAMILIES.items()}
 

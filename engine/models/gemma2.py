@@ -43,11 +43,13 @@ class Gemma2MLP(LlamaMLP):
 
 
 class Gemma2DecoderLayer(nn.Module):
+    attention = LlamaAttention  # Gemma 3 sets its own (q/k norms)
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup, linear_method: BaseLinearMethod | None = None,
                  fused: frozenset[str] = frozenset(), window: int | None = None, layer: int = 0,
                  held: HeldExperts | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, tp, linear_method, "rotary" in fused, window)
+        self.self_attn = self.attention(cfg, tp, linear_method, "rotary" in fused, window)
         self.mlp = Gemma2MLP(cfg, tp, linear_method)
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):

@@ -34,6 +34,17 @@ def normalize_rope_scaling(scaling: dict | None) -> dict | None:
     return scaling
 
 
+def checked_rope_scaling(scaling: dict | None, name: str) -> dict | None:
+    """`normalize_rope_scaling`, refusing a rope type RotaryEmbedding does not have."""
+    scaling = normalize_rope_scaling(scaling)
+    if scaling is not None:
+        if scaling.get("rope_type") not in ROPE_TYPES:
+            raise refuse(name, f"rope type {scaling.get('rope_type')!r} (pdserve has {', '.join(ROPE_TYPES)})")
+        if "mrope_section" in scaling:
+            raise refuse(name, "multimodal rope (mrope_section)")
+    return scaling
+
+
 def token_ids(value) -> tuple[int, ...]:
     """An `eos_token_id` as written (an int, a list, or null) -> a tuple."""
     if value is None:
@@ -83,12 +94,7 @@ def llama_like_fields(cfg: dict, name: str, activation: str = "silu", activation
     rope_params = cfg.get("rope_parameters") or {}  # transformers >= 5 nests rope_theta here
     if (partial := cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))) != 1.0:
         raise refuse(name, f"partial_rotary_factor {partial!r}")
-    scaling = normalize_rope_scaling(cfg.get("rope_scaling") or rope_params)
-    if scaling is not None:
-        if scaling.get("rope_type") not in ROPE_TYPES:
-            raise refuse(name, f"rope type {scaling.get('rope_type')!r} (pdserve has {', '.join(ROPE_TYPES)})")
-        if "mrope_section" in scaling:
-            raise refuse(name, "multimodal rope (mrope_section)")
+    scaling = checked_rope_scaling(cfg.get("rope_scaling") or rope_params, name)
     num_heads = cfg["num_attention_heads"]
     eos, bos = token_ids(cfg.get("eos_token_id")), token_ids(cfg.get("bos_token_id"))
     return dict(
@@ -124,10 +130,10 @@ def qwen_windows(cfg: dict, num_layers: int, name: str) -> dict:
     return dict(sliding_window=cfg["sliding_window"], layer_types=checked_layer_types(types, num_layers, name))
 
 
-def alternating_layer_types(num_layers: int) -> list[str]:
-    """Sliding and full layers alternating from a sliding first layer (Gemma 2's and gpt-oss's
-    default `layer_types` in transformers)."""
-    return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+def alternating_layer_types(num_layers: int, period: int = 2) -> list[str]:
+    """Every `period`-th layer full, the others sliding, from a sliding first layer: transformers'
+    default `layer_types` of Gemma 2 and gpt-oss (period 2) and of Gemma 3 (its `sliding_window_pattern`, 6)."""
+    return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(num_layers)]
 
 
 def checked_layer_types(types: list[str], num_layers: int, name: str) -> tuple[str, ...]:

@@ -36,12 +36,12 @@ def test_config_reads_the_switches(family):
     assert cfg.architecture == kind
     assert cfg.qkv_bias == (kind in ("qwen2", "qwen2_moe", "gpt_oss") or "attention_bias" in switches)
     assert cfg.attention_sinks == (kind == "gpt_oss")
-    assert cfg.qk_norm == (kind in ("qwen3", "qwen3_moe"))
+    assert cfg.qk_norm == (kind in ("qwen3", "qwen3_moe", "gemma3"))
     sparse = [cfg.moe is not None and cfg.moe.is_sparse(i) for i in range(cfg.num_layers)]
     assert sparse == {"mixtral": [True] * 3, "gpt_oss": [True] * 3,
                       "deepseek_v2": [False, True, True], "deepseek_v3": [False, True, True],  # first_k_dense_replace
                       "qwen2_moe": [False, True, False],  # decoder_sparse_step 2
-                      "qwen3_moe": [True, False, True]}.get(kind, [False] * 3)  # mlp_only_layers [1]
+                      "qwen3_moe": [True, False, True]}.get(kind, [False] * cfg.num_layers)  # mlp_only_layers [1]
     windows = [cfg.window(i) for i in range(cfg.num_layers)]
     if name == "qwen2_window":  # layers from max_window_layers on slide
         assert windows == [None, 20, 20]
@@ -49,8 +49,17 @@ def test_config_reads_the_switches(family):
         assert windows == [24, None, 24] and cfg.attn_logit_softcapping == 5.0 and cfg.query_pre_attn_scalar == 24
     elif kind == "gpt_oss":  # so do gpt-oss's, by its config class's default layer_types
         assert windows == [24, None, 24]
+    elif kind == "gemma3":  # from layer_types; each layer type its own rotary base and scaling
+        assert windows == [24, 24, None, 24] and cfg.query_pre_attn_scalar == 24
+        assert cfg.rope("full_attention") == (1e6, {"rope_type": "linear", "factor": 8.0})
+        assert cfg.rope("sliding_attention") == (1e4, None) and cfg.attn_logit_softcapping is None
     else:
         assert windows == [switches.get("sliding_window")] * cfg.num_layers
+
+
+# Families whose flex run is tests/engine/test_flex_backend.py's alone (flex against torch there, torch
+# against transformers here), to save its compile time: Gemma 3's attention is Gemma 2's without the cap
+FLEX_ELSEWHERE = ("gemma3",)
 
 
 @pytest.mark.parametrize("backend", ["torch", "vllm_cpu", "flex"])
@@ -66,6 +75,8 @@ def test_logits_match_transformers(family, backend):
         from engine.attention.vllm_cpu_backend import HEAD_DIMS, vllm_cpu_unavailable
         if vllm_cpu_unavailable() or hf_model_config(folder).head_dim not in HEAD_DIMS:
             pytest.skip(f"vllm_cpu cannot run {name} here")
+    if backend == "flex" and name in FLEX_ELSEWHERE:
+        pytest.skip(f"{name}: flex runs it in tests/engine/test_flex_backend.py")
     if backend == "flex":
         from engine.attention.flex_backend import flex_unavailable
         if (why := flex_unavailable(torch.device("cpu"))) is not None:
@@ -104,7 +115,7 @@ def _config_folder(tmp_path, family: str = "llama", **keys):
 
 
 @pytest.mark.parametrize("keys,named", [
-    (dict(architectures=["Gemma3ForCausalLM"]), "architecture 'Gemma3ForCausalLM'"),
+    (dict(architectures=["Gemma3ForConditionalGeneration"]), "architecture 'Gemma3ForConditionalGeneration'"),
     (dict(architectures=["FalconForCausalLM"]), "architecture 'FalconForCausalLM'"),
     (dict(architectures=None, model_type="phi"), "model_type 'phi'"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),

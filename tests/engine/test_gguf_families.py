@@ -1,4 +1,4 @@
-"""GGUF files of Qwen2, Qwen3, Gemma 2 and the mixtures (Mixtral as llama.cpp writes it, a `llama`
+"""GGUF files of Qwen2, Qwen3, Gemma 2, Gemma 3 and the mixtures (Mixtral as llama.cpp writes it, a `llama`
 file with experts; Qwen2-MoE with its shared expert; Qwen3-MoE) written by llama.cpp's own
 converter (tests/engine/gguf/make_fixtures.py) load as their families and give the logits
 transformers gives on the model they were converted from (rebuilt here from the same seed and

@@ -92,13 +92,13 @@ def test_vllm_cpu_backend_1p1d_matches_colocated(tmp_path):
     assert run(spec_for(path, attention_backend="vllm_cpu", kv_cache_dtype="fp8_e4m3"), prompts, 10) == want_fp8
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral_window", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral_window", "gemma2", "gemma3"])
 def test_families_1p1d_match_colocated(tmp_path, family):
-    """Qwen3 (per-head q/k norms), Mistral with a 24-token window (its KV cut to the window) and
+    """Qwen3 (per-head q/k norms), Mistral with a 24-token window (its KV cut to the window),
     Gemma 2 (sliding and global layers, a transfer per KV group, the sliding ones cut to the
-    window): 1P1D gives the colocated engine's
-    greedy tokens, for prompts inside the window and past 3 windows, chunked (the step budget is
-    128 tokens) and not."""
+    window) and Gemma 3 (the same with q/k norms and a rotary embedding per layer type): 1P1D
+    gives the colocated engine's greedy tokens, for prompts inside the window and past 3 windows,
+    chunked (the step budget is 128 tokens) and not."""
     kind, switches = FAMILIES[family]
     path = str(save_tiny(tmp_path / family, kind, seed=3, **switches))
     prompts = random_prompts(6, [5, 40, 150], seed=6)

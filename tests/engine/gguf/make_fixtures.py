@@ -31,6 +31,14 @@ FAMILIES = {  # name -> (family, switches): what each GGUF architecture carries
     # Gemma 2 is (its converter drops lm_head.weight)
     "gemma2": ("gemma2", dict(head_dim=32, sliding_window=24, attn_logit_softcapping=5.0,
                               final_logit_softcapping=3.0, query_pre_attn_scalar=32, tie_word_embeddings=True)),
+    # six layers of the pattern llama.cpp assumes (every 6th global: the converter writes no layer
+    # types), query_pre_attn_scalar = head_dim as for Gemma 2; the global layers' linear rope scaling
+    # and the sliding ones' base travel as rope.scaling.* and rope.freq_base_swa, the logit cap too
+    "gemma3": ("gemma3", dict(head_dim=32, num_hidden_layers=6, sliding_window=24, query_pre_attn_scalar=32,
+                              final_logit_softcapping=3.0, tie_word_embeddings=True,
+                              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                  "rope_theta": 1000000.0},
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     # mixtures (issue 32), as tests/helpers.py FAMILIES has them, less what llama.cpp does not carry:
     # Mixtral converts as `llama` with experts (its window dropped, as Mistral's); its converter
     # maps no dense layer of a Qwen-MoE (every layer sparse here); llama.cpp renormalizes
