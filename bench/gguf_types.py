@@ -111,7 +111,7 @@ def _measure(path: Path, quantization: str, cache: Path, batches: list[int], ste
     os.environ["PDSERVE_CACHE_DIR"] = str(cache)
     row = {}
     for load in ("first_load_s", "cached_load_s"):
-        gguf_loader._open_gguf.cache_clear()  # each load parses the file, as a new process would
+        gguf_loader.forget_open_readers()  # each load parses the file, as a new process would
         start = time.perf_counter()
         llm = LLM(model=str(path), dtype=dtype, quantization=quantization)
         row[load] = round(time.perf_counter() - start, 2)

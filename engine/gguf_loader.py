@@ -81,6 +81,11 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     return _open_gguf(str(path), stat.st_size, stat.st_mtime_ns)
 
 
+def forget_open_readers() -> None:
+    """Drops the shared readers: the next `open_gguf` parses its file again (a benchmark's cold load)."""
+    _open_gguf.cache_clear()
+
+
 @functools.lru_cache(maxsize=4)
 def _open_gguf(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
     return gguf.GGUFReader(path)

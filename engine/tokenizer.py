@@ -1,8 +1,9 @@
 """Text <-> token ids, the chat template, and incremental detokenization for streaming.
 
-`Tokenizer.from_path` reads either a GGUF (vocabulary, merges and chat template are metadata
-there; we rebuild a `tokenizers.Tokenizer` from them) or a Hugging Face folder (`tokenizer.json`,
-`tokenizer_config.json`, optional `chat_template.jinja`).
+`Tokenizer.from_path` reads either a GGUF (vocabulary, merges or scores and chat template are
+metadata there; engine/gguf_tokenizer.py rebuilds a `tokenizers.Tokenizer` from them, byte-level BPE
+or SentencePiece) or a Hugging Face folder (`tokenizer.json`, `tokenizer_config.json`, optional
+`chat_template.jinja`).
 """
 from __future__ import annotations
 
@@ -10,44 +11,20 @@ import datetime
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import jinja2
 import jinja2.ext
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import decoders
 from tokenizers import Tokenizer as BackendTokenizer
 
+from engine.gguf_tokenizer import SPACE, gguf_backend, gguf_special_tokens
 from engine.loader import resolve_model_path
 
 logger = logging.getLogger(__name__)
-
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
-
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# llama.cpp `tokenizer.ggml.pre` values whose pre-tokenizer isolates every digit before the GPT-2
-# regex (llama.cpp: regexes "\p{N}" then GPT-2's; HF tokenizer.json: Digits + ByteLevel).
-_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-_SPLIT_THEN_BYTES = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-                     "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
-
-
-def _gguf_pre_tokenizer(pre: str | None):
-    """The HF pre-tokenizer equivalent to llama.cpp's `tokenizer.ggml.pre` for byte-level BPE."""
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _DIGITS_THEN_GPT2:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in _SPLIT_THEN_BYTES:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLIT_THEN_BYTES[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    if pre not in (None, "default", "gpt2", "gpt-2"):
-        logger.warning("unknown GGUF pre-tokenizer %r; using GPT-2's byte-level regex", pre)
-    return byte_level
 
 
 def _byte_level_decoder() -> dict[str, int]:
@@ -63,27 +40,14 @@ def _byte_level_decoder() -> dict[str, int]:
 
 
 _BYTE_LEVEL = _byte_level_decoder()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-F]{2})>")  # a SentencePiece byte-fallback token
 
 
-def _gguf_backend(meta: dict) -> BackendTokenizer:
-    """A byte-level BPE `tokenizers.Tokenizer` from GGUF tokenizer metadata."""
-    if (kind := meta.get("tokenizer.ggml.model")) != "gpt2":
-        what = {"llama": "SentencePiece (Gemma, older Llama and Mistral)", "t5": "T5 Unigram"}.get(kind, "")
-        raise ValueError(f"GGUF tokenizer model {kind!r}{f' ({what})' if what else ''} is not supported (only "
-                         "byte-level BPE, 'gpt2'); use a Hugging Face folder with tokenizer.json")
-    tokens = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", ())]
-    backend = BackendTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                                          fuse_unk=False, byte_fallback=False))
-    backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
-    backend.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>, ...) must match whole in text and be skippable on decode.
-    token_types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, kind in zip(tokens, token_types) if kind == _CONTROL])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED])
-    return backend
+def _is_sentencepiece(backend: BackendTokenizer) -> bool:
+    """Whether the decoder writes '▁' as a space and <0xXX> tokens as bytes (GGUF `llama`, Llama 2
+    and Gemma tokenizer.json): its tokens' bytes can then be read off their spelling."""
+    state = backend.decoder.__getstate__().decode() if backend.decoder is not None else ""
+    return '"ByteFallback"' in state and (SPACE in state or '"Metaspace"' in state)
 
 
 def _raise_exception(message: str):
@@ -152,13 +116,14 @@ class Tokenizer:
     """Encode, decode and chat-template rendering for one model."""
 
     def __init__(self, backend: BackendTokenizer, *, bos_token: str | None, eos_token: str | None,
-                 add_bos_token: bool, chat_template: str | None, name: str):
+                 add_bos_token: bool, chat_template: str | None, name: str, add_eos_token: bool = False):
         self.backend = backend
         self.bos_token, self.eos_token = bos_token, eos_token
-        self.add_bos_token = add_bos_token
+        self.add_bos_token, self.add_eos_token = add_bos_token, add_eos_token
         self.set_chat_template(chat_template)
         self._name = name
         self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+        self._sentencepiece = _is_sentencepiece(backend)
         self._added_ids = set(backend.get_added_tokens_decoder())
 
     @classmethod
@@ -176,12 +141,9 @@ class Tokenizer:
     def _from_gguf(cls, path: Path) -> Tokenizer:
         from engine.gguf_loader import open_gguf, read_gguf_metadata  # gguf is needed for GGUF files only
         meta = read_gguf_metadata(open_gguf(path))
-        tokens = meta["tokenizer.ggml.tokens"]
-        bos_id, eos_id = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-        return cls(_gguf_backend(meta),
-                   bos_token=tokens[bos_id] if bos_id is not None else None,
-                   eos_token=tokens[eos_id] if eos_id is not None else None,
-                   add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        special = gguf_special_tokens(meta)
+        return cls(gguf_backend(meta), bos_token=special.bos_token, eos_token=special.eos_token,
+                   add_bos_token=special.add_bos_token, add_eos_token=special.add_eos_token,
                    chat_template=meta.get("tokenizer.chat_template"),
                    name=meta.get("general.name") or path.stem)
 
@@ -221,13 +183,17 @@ class Tokenizer:
         """Token ids of `text`. Special tokens in the text (`<|im_start|>`) map to their single id.
 
         Args:
-            add_special_tokens: run the tokenizer's post-processor and prepend BOS when the model
-                asks for it (GGUF `tokenizer.ggml.add_bos_token`, HF `add_bos_token`).
+            add_special_tokens: run the tokenizer's post-processor and prepend BOS (append EOS) when
+                the model asks for it (GGUF `tokenizer.ggml.add_bos_token`, HF `add_bos_token`).
         """
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        bos = self.bos_token_id
-        if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
+        if not add_special_tokens:
+            return ids
+        bos, eos = self.bos_token_id, self.eos_token_id
+        if self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids = [bos] + ids
+        if self.add_eos_token and eos is not None and ids[-1:] != [eos]:
+            ids = ids + [eos]
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -235,13 +201,17 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The bytes one token stands for; with byte-level BPE that may be part of a UTF-8
-        character (which `decode([token_id])` would show as U+FFFD). Special tokens give their text."""
+        """The bytes one token stands for; with byte-level BPE or a SentencePiece byte token that may
+        be part of a UTF-8 character (which `decode([token_id])` would show as U+FFFD), and a
+        SentencePiece '▁word' keeps its space (which `decode` strips). Special tokens give their text."""
         piece = self.backend.id_to_token(token_id)
         if piece is None:
             raise ValueError(f"token id {token_id} is not in the vocabulary")
         if self._byte_level and token_id not in self._added_ids and all(c in _BYTE_LEVEL for c in piece):
             return bytes(_BYTE_LEVEL[c] for c in piece)
+        if self._sentencepiece and token_id not in self._added_ids:
+            byte = _BYTE_PIECE.fullmatch(piece)
+            return bytes([int(byte[1], 16)]) if byte else piece.replace(SPACE, " ").encode()
         return self.backend.decode([token_id], skip_special_tokens=False).encode()
 
     def set_chat_template(self, source: str | None) -> None:

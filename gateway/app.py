@@ -106,6 +106,10 @@ class _Gateway:
     def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], Callable[[], ChatOutput]]:
         """The chat's prompt ids (the chat template, with the tools) and a maker of each choice's output
         shaping (reasoning, tool calls); APIError(400) naming what cannot work, before any work starts."""
+        if self.tokenizer.chat_template is None:  # a GGUF or folder without one: completions still work
+            raise APIError(400, f"the model {self.model_name!r} has no chat template, so it cannot serve chat "
+                                "completions: restart the server with --chat-template FILE (a Jinja chat template), "
+                                "or use /v1/completions", code="chat_template_missing")
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
         tools, choice = body.tool_setup()
         if tools and not self.tokenizer.supports_tools:
@@ -153,7 +157,8 @@ class _Gateway:
             text = TextState(self.tokenizer, prompt_ids, params.stop, params.min_tokens, not keep, frozenset(hidden))
             choices.append(Choice(i, text, None if params.logprobs is None else
                                   LogprobsFormatter(self.tokenizer, kind, params.logprobs), output))
-        gen = Generation(self.cluster, rid, kind, body.model, prompt_ids, choices, self.metrics, asyncio.get_running_loop())
+        gen = Generation(self.cluster, rid, kind, body.model, prompt_ids, choices, self.metrics,
+                         asyncio.get_running_loop())
         try:
             await asyncio.to_thread(self.cluster.submit, rid, prompt_ids, params, gen.listener)
         except QueueFullError as exc:

@@ -47,8 +47,9 @@ def test_chat_completion_body_and_usage(client, cluster):
 
 
 def test_completion_stream_chunks_usage_and_done(client):
-    with client.stream("POST", "/v1/completions", json={"model": "smollm2", "prompt": "The", "max_tokens": 10,
-                                                        "stream": True, "stream_options": {"include_usage": True}}) as r:
+    body = {"model": "smollm2", "prompt": "The", "max_tokens": 10, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=body) as r:
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
@@ -216,6 +217,27 @@ def test_tools_on_a_template_without_them_are_refused(client):
     """SmolLM2's own chat template never reads `tools`: they would be dropped silently, so 400."""
     r = client.post("/v1/chat/completions", json=chat(tools=TOOLS))
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools" and "--chat-template" in r.text
+
+
+def test_a_model_without_a_chat_template_serves_completions_and_refuses_chat(cluster, monkeypatch):
+    """A GGUF without a chat template (the SentencePiece test files) serves /v1/completions;
+    /v1/chat/completions is a 400 naming the missing template and --chat-template (tools or not,
+    streamed or not), never a 500; with a template given in its place, chat works."""
+    from tests.gateway import fakes
+    tok = Tokenizer.from_path(Path(__file__).parents[1] / "engine" / "gguf" / "qwen2.gguf")
+    assert tok.chat_template is None
+    monkeypatch.setattr(fakes, "TOKENS", tok.encode("The capital of France is Paris.", add_special_tokens=False))
+    c = TestClient(create_app(cluster, tok, "qwen2", FakeCluster.max_model_len))
+    r = c.post("/v1/completions", json={"model": "qwen2", "prompt": "Say:", "max_tokens": 20})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == " The capital of France is Paris."
+    for extra in ({}, {"stream": True}, {"tools": TOOLS}):
+        r = c.post("/v1/chat/completions", json=chat(model="qwen2", **extra))
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["type"] == "invalid_request_error", r.text
+        assert "no chat template" in error["message"] and "--chat-template" in error["message"]
+    tok.set_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert c.post("/v1/chat/completions", json=chat(model="qwen2", max_tokens=3)).status_code == 200
+    assert tok.decode(cluster.submitted[-1][1]) == "Capital of France?"
 
 
 def test_auto_tool_choice_needs_a_parser(cluster):

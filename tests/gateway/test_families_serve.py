@@ -83,3 +83,34 @@ def test_chat_template_and_eos_set_through_serve(family_folder):
         reply = _chat(folder, 8)
         assert reply.choices[0].finish_reason == "length"
         assert reply.choices[0].message.content == ref_tok.decode(greedy, skip_special_tokens=True)
+
+
+SENTENCEPIECE_GGUF = Path(__file__).parents[1] / "engine" / "gguf" / "qwen2.gguf"
+
+
+@pytest.mark.parametrize("with_template", [False, True])
+def test_a_sentencepiece_gguf_without_a_chat_template_serves(with_template, tmp_path):
+    """`pdserve serve` starts on a GGUF whose tokenizer is its own SentencePiece vocabulary and which
+    carries no chat template: completions are served (the prompt tokenized as llama.cpp does, BOS
+    first); chat is a 400 naming --chat-template, and works once one is given."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    model, tok = str(SENTENCEPIECE_GGUF), Tokenizer.from_path(SENTENCEPIECE_GGUF)
+    spec = ClusterSpec(model=model, dtype="float32", device="cpu", num_kv_blocks=64, block_size=16, max_num_seqs=4,
+                       max_num_batched_tokens=256, num_threads=1, kv_transfer_timeout_s=30.0,
+                       chat_template=str(template) if with_template else None)
+    cluster, app = build(spec, use_ray=False)
+    url, stop = serve_in_thread(app)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        done = client.completions.create(model=model, prompt="Hello", max_tokens=3, temperature=0)
+        assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(tok.encode("Hello")), 3)
+        if not with_template:
+            with pytest.raises(openai.BadRequestError, match="no chat template.*--chat-template"):
+                client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3)
+            return
+        reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3, temperature=0)
+        assert reply.usage.prompt_tokens == len(tok.encode(MESSAGES[0]["content"], add_special_tokens=False))
+    finally:
+        stop()
+        cluster.shutdown()
