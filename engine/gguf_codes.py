@@ -44,8 +44,11 @@ _FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_u
 
 @dataclass(frozen=True)
 class CodePlan:
-    """codes: the GGUF tensor names read as int4 codes; experts: whether a mixture's are among them."""
+    """codes: the GGUF tensor names read as int4 codes; hf_names: their HF names (a stack of
+    experts: its stacked name), which the float conversion skips; experts: whether a mixture's
+    are among them."""
     codes: frozenset[str]
+    hf_names: frozenset[str]
     experts: bool
 
 
@@ -58,13 +61,17 @@ def decoder_linears(reader) -> list:
 def gguf_code_plan(path: str | os.PathLike) -> CodePlan:
     """Which decoder linears of the GGUF at `path` run on their codes (the module docstring's rules)."""
     from engine.quant.q4 import Q4_TYPE_NAMES
+    reader = open_gguf(path)
+    arch = reader.fields["general.architecture"].contents()
+    layers = reader.fields[f"{arch}.block_count"].contents()
     groups: dict[tuple, list] = {}
-    for t in decoder_linears(open_gguf(path)):
+    for t in decoder_linears(reader):
         m = _LAYER_RE.match(t.name)
         key = ("experts",) if m.group(2).endswith("_exps") else (m.group(1), _FUSED.get(m.group(2), m.group(2)))
         groups.setdefault(key, []).append(t)
     coded = {key for key, ts in groups.items() if all(t.tensor_type.name in Q4_TYPE_NAMES for t in ts)}
-    return CodePlan(frozenset(t.name for key in coded for t in groups[key]), ("experts",) in coded)
+    codes = frozenset(t.name for key in coded for t in groups[key])
+    return CodePlan(codes, frozenset(hf_param_name(name, arch, layers) for name in codes), ("experts",) in coded)
 
 
 def describe_tensor_types(path: str | os.PathLike, plan: CodePlan | None) -> str:
@@ -113,14 +120,6 @@ def iter_q4_linears(path: Path, plan: CodePlan) -> Iterator[tuple[str, torch.Ten
         name = name.removesuffix(".weight")
         for suffix, part in zip(("qweight", "scales", "mins"), parts):
             yield f"{name}.{suffix}", _as_hf_rows(part, name, arch, num_heads, num_kv_heads).contiguous()
-
-
-def coded_hf_names(path: str | os.PathLike, plan: CodePlan) -> frozenset[str]:
-    """The HF names (a stack of experts: its stacked name) of the tensors `plan` reads as codes."""
-    reader = open_gguf(path)
-    arch = reader.fields["general.architecture"].contents()
-    layers = reader.fields[f"{arch}.block_count"].contents()
-    return frozenset(hf_param_name(name, arch, layers) for name in plan.codes)
 
 
 def gguf_q8_0_head(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor] | None:

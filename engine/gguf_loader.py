@@ -332,13 +332,13 @@ def iter_gguf_weights(path: Path, dtype: torch.dtype, cache_dir: str | os.PathLi
     q4_codes: the decoder linears engine/gguf_codes.py's plan reads as codes, as codes
         (`iter_q4_linears`), the rest as floats (a cache of its own holds only those: a Q4
         mixture's experts are most of the file, and in fp32 eight times its size)."""
-    from engine.gguf_codes import coded_hf_names, gguf_code_plan, iter_q4_linears, log_tensor_types
+    from engine.gguf_codes import gguf_code_plan, iter_q4_linears, log_tensor_types
     plan = gguf_code_plan(path) if q4_codes else None
     log_tensor_types(path, plan, dtype)
     skip = frozenset()
     if plan is not None:
         yield from iter_q4_linears(path, plan)
-        skip = coded_hf_names(path, plan)
+        skip = plan.hf_names
     cached = cache_path_for(path, cache_dir, "no-q4-codes" if skip else "")
     if not cached.exists():
         logger.info("converting %s to %s (one time)", path, cached)
