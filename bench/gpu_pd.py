@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 
 from bench.gpu_sections import TINY, Plan, _greedy, _hf_llama, _llm, _prompts, engine_config, model_config_of
 from engine.request import RequestMessage
+from kvtransfer.auth import cluster_secret
 from kvtransfer.params import KVTransferParams
 
 logger = logging.getLogger("bench.gpu_pd")
@@ -278,6 +279,7 @@ def pd_one_gpu(plan: Plan, num_prompts: int = 8) -> dict:
     params = _greedy(plan.output_len)
     warm = _prompts(1, plan.prompt_len, mc.vocab_size, 30)
     sequential, concurrent = (_prompts(num_prompts, plan.prompt_len, mc.vocab_size, s) for s in (31, 32))
+    cluster_secret()  # no Ray here: a secret of this process, in the env its spawned ranks inherit
     ctx = mp.get_context("spawn")
     start = time.monotonic()
     ranks = []

@@ -5,6 +5,7 @@ send/recv of the same bytes, in the same run, between the same two processes.
     python -m bench.kv_transfer --tokens 1024 4096 --reps 5 --json
     python -m bench.kv_transfer --slots contiguous  # where the reservation's blocks lie (default: both)
     python -m bench.kv_transfer --kv-checksum   # also with checksums, interleaved in the same rounds
+    python -m bench.kv_transfer --control-auth-off  # also with the control channel unauthenticated
     ip netns exec A python -m bench.kv_transfer --receiver-netns B --sender-host IP_A --receiver-host IP_B
                                                 # two hosts (network namespaces: bench/multihost.py)
 
@@ -20,6 +21,9 @@ on one device (here one CPU): the sender writes into the receiver's cache, share
 adds both transports with checksums (kvtransfer/checksum.py) to every round, each pair of a
 transport with and without them timed back to back, in alternating order, and reports their
 ratio per round (the median): what checksums cost on a shared machine, drift cancelled.
+`--control-auth-off` does the same with both transports' control channel unauthenticated
+(kvtransfer/control.py `authenticate=False`, which exists for this comparison only): the ratio
+authenticated / unauthenticated is what the handshake-free steady state pays for per-message MACs.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from kvtransfer.auth import cluster_secret
 from kvtransfer.params import CompatRecord, KVEndpoint
 from kvtransfer.receiver import TorchDistReceiver
 from kvtransfer.sender import TorchDistSender
@@ -41,6 +46,7 @@ from kvtransfer.channel import RECEIVER, SENDER, GlooChannel
 
 BLOCK = 16
 DONE = torch.zeros(1, dtype=torch.uint8)
+VARIANTS = ("_checksum", "_noauth")  # suffixes of the transports timed beside the plain two
 
 
 def _shape(args, tokens: int) -> tuple[int, int]:
@@ -54,11 +60,14 @@ def _compat(args, kv_checksum: bool = False) -> CompatRecord:
                         kv_checksum=kv_checksum)
 
 
-def _ends(args) -> list[tuple[str, bool, bool]]:
-    """The transports timed: (name, same device, checksums)."""
-    plain = [("pdserve", False, False), ("same_device", True, False)]
-    return plain + ([("pdserve_checksum", False, True), ("same_device_checksum", True, True)] if args.kv_checksum
-                    else [])
+def _ends(args) -> list[tuple[str, bool, bool, bool]]:
+    """The transports timed: (name, same device, checksums, control channel authenticated)."""
+    ends = [("pdserve", False, False, True), ("same_device", True, False, True)]
+    if args.kv_checksum:
+        ends += [("pdserve_checksum", False, True, True), ("same_device_checksum", True, True, True)]
+    if args.control_auth_off:
+        ends += [("pdserve_noauth", False, False, False), ("same_device_noauth", True, False, False)]
+    return ends
 
 
 def enter_netns(name: str) -> None:
@@ -81,7 +90,7 @@ def receiver_main(conn, args) -> None:
     num_blocks = 2 * max_tokens // BLOCK + 2
     cache = torch.zeros(args.layers, 2, num_blocks, BLOCK, args.kv_heads, args.head_dim, dtype=torch.bfloat16)
     ends = [TorchDistReceiver(_compat(args, checked), torch.zeros_like(cache), 0, host=args.receiver_host,
-                              share_cache=same) for _, same, checked in _ends(args)]
+                              share_cache=same, control_auth=authed) for _, same, checked, authed in _ends(args)]
     conn.send([end.endpoint_address for end in ends])
     for layout, tokens in _cases(args):
         layer_bytes, request_bytes = _shape(args, tokens)
@@ -161,6 +170,7 @@ def _time_copy(args, tokens: int) -> float:
 
 
 def run(args) -> dict:
+    cluster_secret()  # made here if the environment has none: the receiver's process inherits it
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=receiver_main, args=(child, args), daemon=True)
@@ -170,8 +180,9 @@ def run(args) -> dict:
     pg = GlooChannel(store, 0, SENDER, args.sender_host, 120.0)
     addresses = parent.recv()
     senders = {}
-    for (name, same, checked), address in zip(_ends(args), addresses):
-        tx = TorchDistSender(_compat(args, checked), f"bench-{name}", host=args.sender_host, same_device=same)
+    for (name, same, checked, authed), address in zip(_ends(args), addresses):
+        tx = TorchDistSender(_compat(args, checked), f"bench-{name}", host=args.sender_host, same_device=same,
+                             control_auth=authed)
         senders[name] = (tx, KVEndpoint("bench", 0, *address))
     rows = []
     for layout, tokens in _cases(args):
@@ -182,7 +193,7 @@ def run(args) -> dict:
         for rnd in range(args.rounds):  # alternate the methods: drift on a shared machine hits both
             raw_layer_s, raw_whole_s = _time_raw(pg, args, tokens)
             assert parent.recv() == "ready"
-            for name in senders if rnd % 2 == 0 else _pairs_swapped(list(senders)):
+            for name in senders if rnd % 2 == 0 else _variants_first(list(senders)):
                 tx, dest = senders[name]
                 gbps[name].append(total / _time_pdserve(tx, dest, args, tokens, f"{layout}-{tokens}-{rnd}") / 1e9)
             per_layer.append(total / raw_layer_s / 1e9)
@@ -190,7 +201,7 @@ def run(args) -> dict:
             copy.append(total / _time_copy(args, tokens) / 1e9)
         med = statistics.median
         ours, same = gbps["pdserve"], gbps["same_device"]
-        rows.append(_checksum_columns(gbps) | {
+        rows.append(_variant_columns(gbps) | {
                      "slots": layout, "tokens": tokens, "bytes_per_request": request_bytes, "rounds": args.rounds,
                      "raw_gloo_per_layer_GBps": med(per_layer), "raw_gloo_one_message_GBps": med(whole),
                      "pdserve_GBps": med(ours), "pdserve_ms_per_request": request_bytes / med(ours) / 1e6,
@@ -206,24 +217,31 @@ def run(args) -> dict:
     for tx, _ in senders.values():
         tx.close()
     return {"same_device_connections": shared_connections, "kv_checksum": args.kv_checksum,
+            "control_auth_off": args.control_auth_off,
             "layers": args.layers, "kv_heads": args.kv_heads,
             "head_dim": args.head_dim, "dtype": "bfloat16",
             "reps": args.reps, "rows": rows, "receiver_stats": rx_stats}
 
 
-def _pairs_swapped(names: list[str]) -> list[str]:
-    """The odd rounds' order: each transport's checked run before its plain one."""
-    return [n for name in names if not name.endswith("_checksum") for n in (f"{name}_checksum", name) if n in names]
+def _variants_first(names: list[str]) -> list[str]:
+    """The odd rounds' order: each transport's variants (VARIANTS) run before it, in reverse."""
+    bases = [name for name in names if not name.endswith(VARIANTS)]
+    return [n for base in bases for n in reversed([base, *(base + v for v in VARIANTS if base + v in names)])]
 
 
-def _checksum_columns(gbps: dict[str, list[float]]) -> dict:
-    """With checksums: their GB/s, and per round the ratio to the same transport without (median)."""
-    out = {}
+def _variant_columns(gbps: dict[str, list[float]]) -> dict:
+    """With checksums: their GB/s, and per round the ratio to the same transport without (median).
+    With the control channel unauthenticated: its GB/s, and per round authenticated / it (median)."""
+    out, med = {}, statistics.median
     for name in ("pdserve", "same_device"):
         if f"{name}_checksum" in gbps:
             checked = gbps[f"{name}_checksum"]
-            out[f"{name}_checksum_GBps"] = statistics.median(checked)
-            out[f"{name}_checksum_vs_plain"] = statistics.median(c / p for c, p in zip(checked, gbps[name]))
+            out[f"{name}_checksum_GBps"] = med(checked)
+            out[f"{name}_checksum_vs_plain"] = med(c / p for c, p in zip(checked, gbps[name]))
+        if f"{name}_noauth" in gbps:
+            plain = gbps[f"{name}_noauth"]
+            out[f"{name}_noauth_GBps"] = med(plain)
+            out[f"{name}_auth_vs_noauth"] = med(a / p for a, p in zip(gbps[name], plain))
     return out
 
 
@@ -240,6 +258,9 @@ def main(argv=None) -> int:
                    help="the receiving request's blocks: random (scattered into) or consecutive (received into)")
     p.add_argument("--kv-checksum", action="store_true",
                    help="also time both transports with KV checksums, in the same rounds (their ratio to without)")
+    p.add_argument("--control-auth-off", action="store_true",
+                   help="also time both transports with the control channel unauthenticated, in the same rounds "
+                        "(the ratio authenticated / unauthenticated): the cost of the per-message MACs")
     p.add_argument("--json", action="store_true")
     p.add_argument("--sender-host", default="127.0.0.1", help="the sender's address (its host's, across hosts)")
     p.add_argument("--receiver-host", default="127.0.0.1", help="the receiver's address")
@@ -250,7 +271,13 @@ def main(argv=None) -> int:
     result = run(args)
     if args.json:
         print(json.dumps(result))
-        return 0
+    else:
+        _report(result, args)
+    return 0
+
+
+def _report(result: dict, args) -> None:
+    """The result as text: a table of the transports, then the variants timed beside them."""
     print(f"KV of {args.layers} layers x {args.kv_heads} heads x {args.head_dim}, bf16; {args.reps} requests each")
     print(f"medians of {args.rounds} alternating rounds")
     print(f"{'slots':>10} {'tokens':>7} {'MB/req':>8} {'raw/layer':>10} {'raw/whole':>10} {'pdserve':>9} "
@@ -268,7 +295,12 @@ def main(argv=None) -> int:
             print(f"{r['slots']:>10} {r['tokens']:>7}  data channel {r['pdserve_checksum_GBps']:.2f}G "
                   f"x{r['pdserve_checksum_vs_plain']:.3f}   same device {r['same_device_checksum_GBps']:.2f}G "
                   f"x{r['same_device_checksum_vs_plain']:.3f}")
-    return 0
+    if args.control_auth_off:
+        print("with --control-auth-off (GB/s unauthenticated; per-round ratio authenticated / unauthenticated, median)")
+        for r in result["rows"]:
+            print(f"{r['slots']:>10} {r['tokens']:>7}  data channel {r['pdserve_noauth_GBps']:.2f}G "
+                  f"x{r['pdserve_auth_vs_noauth']:.3f}   same device {r['same_device_noauth_GBps']:.2f}G "
+                  f"x{r['same_device_auth_vs_noauth']:.3f}")
 
 
 if __name__ == "__main__":

@@ -101,8 +101,8 @@ class KVReceiver(ABC):
     @property
     @abstractmethod
     def stats(self) -> dict[str, int]:
-        """Counters: bytes_received, completed, failed, garbage_messages, unknown_requests, refused_peers,
-        kv_checksum_mismatches, ..."""
+        """Counters: bytes_received, completed, failed, garbage_messages, unknown_requests, refused_peers
+        (incompatible), auth_refused (failed to authenticate: kvtransfer/control.py), kv_checksum_mismatches, ..."""
 
     @abstractmethod
     def close(self) -> None:

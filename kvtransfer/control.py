@@ -11,6 +11,28 @@ those types. Anything else is garbage: the connection it came on is closed (a by
 be resynchronized) and counted; the server goes on serving every other connection. A call past
 its deadline closes its connection too (a late reply must not answer the next call); the next
 call connects again.
+
+Authentication (auth.py: the cluster secret and the key K derived from it). Before any message
+of the schema, both ends prove K (msgpack arrays; sn, cn: 32-byte random nonces):
+
+    server -> client   [auth.HANDSHAKE, sn]                  on accept
+    client -> server   [cn, HMAC(K, "client" | sn | cn)]      the server checks it (compare_digest)
+    server -> client   [true, HMAC(K, "server" | sn | cn)]    the client checks it: a fake receiver
+                       or [false, b""]: refused                gets no message either
+    session key S = HMAC(K, "session" | sn | cn), fresh per connection
+
+From then on each message travels as a frame, the msgpack array [seq, body, mac]: body is the
+packed message, mac = HMAC-SHA256(S, direction | seq as 8 bytes big-endian | body), direction
+b"c" from the client, b"s" from the server, seq counting each direction's frames from 0. A frame
+whose MAC is wrong or whose seq is not the next (a replay, a reordering) ends the connection. A
+peer that fails the handshake (a wrong proof, something else than an answer, no answer within
+HANDSHAKE_TIMEOUT_S) or sends such a frame is refused: its connection is closed, counted in
+stats["auth_refused"], and logged (one WARNING per host per REFUSAL_LOG_EVERY_S, naming its
+address). Nothing it sent reaches a handler: a session is opened only after the handshake, and
+a frame that fails is not handed to it. A peer that closes during the
+handshake without sending anything (a port probe) is not counted. Bytes that are not msgpack at
+all are garbage after the handshake, a refusal during it. `authenticate=False` (plain messages,
+no handshake) exists only for bench/kv_transfer.py's comparison; nothing configures it.
 """
 from __future__ import annotations
 
@@ -23,10 +45,14 @@ from collections import Counter
 
 import msgpack
 
+from kvtransfer import auth
 from kvtransfer.wire import WireError, check_message
 
 logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 1 << 20  # a done with logprobs is under 1 KiB; a ready of a fragmented long prompt, 100s of KiB
+FRAME_OVERHEAD = 64  # msgpack array header, seq and MAC around a message's body
+HANDSHAKE_TIMEOUT_S = 10.0  # a connection that has not proved the secret by then is refused
+REFUSAL_LOG_EVERY_S = 60.0  # one WARNING per refused host in this long (the rest at DEBUG; all counted)
 
 
 class ControlError(RuntimeError):
@@ -41,6 +67,10 @@ class ControlGarbage(ControlError):
     """What arrived is not a message of the schema (or not msgpack at all, or too big)."""
 
 
+class ControlAuthError(ControlError):
+    """The peer did not prove the cluster secret, or a frame's MAC or sequence number is wrong."""
+
+
 def check(msg, schema: dict[str, dict[str, type | tuple]]) -> dict:
     """`msg` if it is a message of `schema` (kvtransfer/wire.py: check_message); ControlGarbage
     naming what is wrong otherwise."""
@@ -51,23 +81,45 @@ def check(msg, schema: dict[str, dict[str, type | tuple]]) -> dict:
 
 
 class _Connection:
-    """One socket: whole messages out, whole messages in (each within a deadline)."""
+    """One socket: whole messages out, whole messages in (each within a deadline); framed and
+    MAC'd once `macs` is set (after the handshake), plain msgpack before (and without auth)."""
 
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_MESSAGE_BYTES)
+    def __init__(self, sock: socket.socket, peer: tuple = ("?", 0)):
+        self.sock, self.peer = sock, tuple(peer[:2])
+        self.unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_MESSAGE_BYTES + FRAME_OVERHEAD)
+        self.macs: auth.MessageMacs | None = None
 
-    def send(self, msg: dict, deadline: float | None = None) -> None:
+    def send(self, msg, deadline: float | None = None) -> None:
+        data = msgpack.packb(msg)
+        if self.macs is not None:
+            data = msgpack.packb(self.macs.seal(data))
         try:
             self.sock.settimeout(None if deadline is None else max(1e-3, deadline - time.monotonic()))
-            self.sock.sendall(msgpack.packb(msg))
+            self.sock.sendall(data)
         except TimeoutError:
             raise ControlTimeout("send timed out") from None
         except OSError as exc:
             raise ControlError(f"send failed: {exc}") from None
 
     def recv(self, deadline: float | None = None):
-        """The next message (unchecked); ControlTimeout past `deadline`, ControlError when closed."""
+        """The next message (unchecked), its frame verified when `macs` is set: ControlAuthError
+        when that fails, ControlTimeout past `deadline`, ControlError when closed."""
+        obj = self._next(deadline)
+        if self.macs is None:
+            return obj
+        try:
+            body = self.macs.open(obj)
+        except auth.AuthError as exc:
+            raise ControlAuthError(str(exc)) from None
+        if len(body) > MAX_MESSAGE_BYTES:
+            raise ControlGarbage(f"message over {MAX_MESSAGE_BYTES} bytes")
+        try:
+            return msgpack.unpackb(body, raw=False)
+        except Exception as exc:  # msgpack raises several types on garbage
+            raise ControlGarbage(f"undecodable message: {type(exc).__name__}") from None
+
+    def _next(self, deadline: float | None):
+        """The next msgpack object off the socket."""
         while True:
             try:
                 return next(self.unpacker)
@@ -110,16 +162,26 @@ class _Connection:
             pass
 
 
-class ControlServer:
-    """Accepts connections on `host` (any free port). Each connection gets a session,
-    `open_session(drop)`: a callable that answers each message (None: no reply), whose optional
-    `close()` runs when the connection ends; `drop()` closes that connection from any thread.
-    One thread per connection. Counts connections, messages and garbage; a session that raises
-    ControlGarbage counts as garbage too."""
+def _key(authenticate: bool, what: str) -> bytes | None:
+    if authenticate:
+        return auth.kv_control_key()
+    logger.warning("KV control %s without authentication: for a benchmark's comparison only", what)
+    return None
 
-    def __init__(self, host: str, open_session, schema: dict, backlog: int = 64):
+
+class ControlServer:
+    """Accepts connections on `host` (any free port). Each connection, once it proved the cluster
+    secret (module docstring), gets a session, `open_session(drop)`: a callable that answers each
+    message (None: no reply), whose optional `close()` runs when the connection ends; `drop()`
+    closes that connection from any thread. One thread per connection. Counts connections,
+    messages, garbage and refused peers (auth_refused); a session that raises ControlGarbage
+    counts as garbage too. `authenticate=False`: bench/kv_transfer.py's comparison only."""
+
+    def __init__(self, host: str, open_session, schema: dict, backlog: int = 64, *, authenticate: bool = True):
         self.open_session, self.schema = open_session, schema
+        self._key = _key(authenticate, "server")
         self.stats: Counter = Counter()
+        self._refusals_logged: dict[str, float] = {}  # host -> when its last refusal was logged at WARNING
         self._listener = socket.create_server((host, 0), backlog=backlog)
         self._closed = threading.Event()
         self._conns: set[_Connection] = set()
@@ -144,11 +206,11 @@ class ControlServer:
     def _accept(self) -> None:
         while not self._closed.is_set():
             try:
-                sock, _ = self._listener.accept()
+                sock, peer = self._listener.accept()
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Connection(sock)
+            conn = _Connection(sock, peer)
             with self._lock:
                 self._conns.add(conn)
             self.stats["connections"] += 1
@@ -157,6 +219,8 @@ class ControlServer:
     def _serve(self, conn: _Connection) -> None:
         session = None
         try:
+            if self._key is not None:  # no session (nothing reaches a handler) before the peer proved the secret
+                self._challenge(conn)
             session = self.open_session(conn.close)
             while not self._closed.is_set():
                 msg = check(conn.recv(), self.schema)
@@ -164,6 +228,8 @@ class ControlServer:
                 reply = session(msg)
                 if reply is not None:
                     conn.send(reply)
+        except ControlAuthError as exc:
+            self._refused(conn, exc)
         except ControlGarbage as exc:
             self.stats["garbage"] += 1
             logger.warning("KV control: dropping a connection: %s", exc)
@@ -179,12 +245,46 @@ class ControlServer:
             if hasattr(session, "close"):
                 session.close()
 
+    def _challenge(self, conn: _Connection) -> None:
+        """The server's side of the handshake: ControlAuthError when the peer fails it (or sends
+        nothing within HANDSHAKE_TIMEOUT_S); ControlError, not a refusal, when it closed."""
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        try:
+            conn.macs = auth.challenge(conn, self._key, deadline)
+        except auth.AuthError as exc:
+            if exc.reply is not None:  # so a sender holding another secret can say why it was refused
+                try:
+                    conn.send(exc.reply, deadline)
+                except ControlError:
+                    pass
+            raise ControlAuthError(str(exc)) from None
+        except (ControlTimeout, ControlGarbage) as exc:
+            raise ControlAuthError(f"no answer to the challenge: {exc}") from None
+
+    def _refused(self, conn: _Connection, exc: ControlAuthError) -> None:
+        """Counts a refused peer; logs it at WARNING unless its host was, REFUSAL_LOG_EVERY_S ago or less."""
+        now, host = time.monotonic(), conn.peer[0]
+        with self._lock:
+            self.stats["auth_refused"] += 1
+            last = self._refusals_logged.get(host)
+            loud = last is None or now - last > REFUSAL_LOG_EVERY_S
+            if loud:
+                if len(self._refusals_logged) > 1024:  # many hosts: forget them rather than grow
+                    self._refusals_logged.clear()
+                self._refusals_logged[host] = now
+        (logger.warning if loud else logger.debug)(
+            "KV control: refused the peer at %s:%s and closed its connection: %s (counted in auth_refused; "
+            "further refusals of that host within %.0f s at DEBUG)", host, conn.peer[1], exc, REFUSAL_LOG_EVERY_S)
+
 
 class ControlClient:
-    """Calls on one server, one at a time; (re)connects on use, within the call's deadline."""
+    """Calls on one server, one at a time; (re)connects on use, within the call's deadline, and
+    proves the cluster secret (the server proves it too) before the first message.
+    `authenticate=False`: bench/kv_transfer.py's comparison only."""
 
-    def __init__(self, address: tuple[str, int], schema: dict):
+    def __init__(self, address: tuple[str, int], schema: dict, *, authenticate: bool = True):
         self.address, self.schema = tuple(address), schema
+        self._key = _key(authenticate, "client")
         self._conn: _Connection | None = None
         self._lock = threading.Lock()
 
@@ -228,13 +328,22 @@ class ControlClient:
                 if self._conn is None:
                     if msg is None:
                         raise ControlError("no connection to receive a reply on")
-                    self._conn = _Connection(self._connect(deadline))
+                    self._conn = _Connection(self._connect(deadline), self.address)
+                    if self._key is not None:
+                        self._prove(deadline)
                 if msg is not None:
                     self._conn.send(msg, deadline)
                 return check(self._conn.recv(deadline), self.schema) if reply else None
             except ControlError:
                 self._drop()  # a late or garbled reply must not answer the next call
                 raise
+
+    def _prove(self, deadline: float) -> None:
+        """The client's side of the handshake, before anything of the schema is sent."""
+        try:
+            self._conn.macs = auth.prove(self._conn, self._key, deadline)
+        except (auth.AuthError, ControlGarbage) as exc:
+            raise ControlAuthError(f"KV control handshake with {self.address[0]}:{self.address[1]}: {exc}") from None
 
     def _connect(self, deadline: float) -> socket.socket:
         try:

@@ -25,6 +25,10 @@ within timeout_s drops the connection. A sender on this device that is not offer
 (why is in the welcome, and logged here) gets the host data channel, never NCCL
 (channel.py: data_channel_kind).
 
+Authentication (control.py, auth.py): a connection gets a `Session` only once its peer proved
+the cluster secret; one that does not, or whose message's MAC is wrong, is closed and counted
+(`auth_refused` in stats), and nothing it sent reaches a session or the cache.
+
 Checksums (`compat.kv_checksum`, checksum.py): `done` carries the sender's checksum of the part;
 the session's own over what arrived must equal it, or the part fails like one from a lost peer
 (ack {ok: false}, the request reported failed), logged and counted (`kv_checksum_mismatches`).
@@ -75,11 +79,13 @@ class Expected:
 
 class TorchDistReceiver(KVReceiver):
     def __init__(self, compat: CompatRecord, kv_cache: torch.Tensor, head_offset: int, host: str = "127.0.0.1",
-                 timeout_s: float = 10.0, share_cache: bool = False, kv_views=None):
+                 timeout_s: float = 10.0, share_cache: bool = False, kv_views=None, *, control_auth: bool = True):
         """`share_cache`: offer senders on the same device (shared_cache.device_key) the cache
         itself, so they write into it (on a CPU it moves into shared memory). `kv_views`: the
         attention backend's, where the blocks are not in the torch layout: every layer is then
-        scattered through them (no direct receives, no shared cache)."""
+        scattered through them (no direct receives, no shared cache). `control_auth=False`: an
+        unauthenticated control channel (control.py), for bench/kv_transfer.py's comparison only
+        (TorchDistTransport never passes it)."""
         self.kv_views = kv_views
         # kv_cache: (num_layers, 2, num_blocks, block_size, local_kv_heads, head_dim)
         assert kv_cache.dim() == 6 and kv_cache.shape[0] == compat.num_layers, kv_cache.shape
@@ -99,7 +105,7 @@ class TorchDistReceiver(KVReceiver):
         self._sessions: set[Session] = set()
         self.device_key = device_key(kv_cache.device)  # whether a sender is on this device, shared or not
         self.shared_cache, self.no_cache_reason = self._share(share_cache)
-        self._control = ControlServer(host, self._open_session, wire.SCHEMA)
+        self._control = ControlServer(host, self._open_session, wire.SCHEMA, authenticate=control_auth)
 
     def _share(self, share_cache: bool) -> tuple[dict | None, str | None]:
         """The cache's description for senders on this device, or why there is none (logged)."""
@@ -174,6 +180,7 @@ class TorchDistReceiver(KVReceiver):
             out = dict(self._stats)
         out["garbage_messages"] = self._control.stats["garbage"]
         out["control_messages"] = self._control.stats["messages"]
+        out["auth_refused"] = self._control.stats["auth_refused"]
         return out
 
     def close(self) -> None:

@@ -25,6 +25,11 @@ names in its welcome (channel.py: data_channel_kind).
 
 With `compat.kv_checksum` each part's `done` carries a checksum of its payloads (checksum.py),
 taken from the tensors handed to the channel (or written into the shared cache) before they go.
+
+The control connection proves the cluster secret both ways before the hello, and every message
+carries a MAC (control.py, auth.py): a receiver that refuses this rank's secret, or cannot prove
+its own, fails the peer like any broken connection (logged, `groups_failed`), before anything of
+the transfer is sent to it.
 """
 from __future__ import annotations
 
@@ -106,7 +111,7 @@ class _Peer:
 
     def __init__(self, owner: TorchDistSender, dest: KVEndpoint):
         self.owner, self.dest = owner, dest
-        self.control = ControlClient(dest.address, wire.SCHEMA)
+        self.control = ControlClient(dest.address, wire.SCHEMA, authenticate=owner.control_auth)
         self.channel: DataChannel | None = None
         self.shared: SharedCacheWriter | None = None  # the receiver's cache, opened here (same device)
         self.cache_pid: int | None = None  # the process whose cache `shared` is
@@ -382,10 +387,12 @@ class _Peer:
 
 class TorchDistSender(KVSender):
     def __init__(self, compat: CompatRecord, sender_id: str, timeout_s: float = 10.0, host: str = "127.0.0.1",
-                 max_groups: int = 64, same_device: bool = False):
+                 max_groups: int = 64, same_device: bool = False, *, control_auth: bool = True):
         """`same_device`: write into the caches of receivers on this rank's device (they offer them).
         The hello carries this rank's device_key whatever `same_device` says: a receiver on the same
-        GPU must not pick NCCL (channel.py: data_channel_kind)."""
+        GPU must not pick NCCL (channel.py: data_channel_kind). `control_auth=False`: an
+        unauthenticated control channel (control.py), for bench/kv_transfer.py's comparison only
+        (TorchDistTransport never passes it)."""
         if max_groups < 1:
             raise ValueError(f"max_groups must be >= 1, got {max_groups}")
         self.compat, self.sender_id, self.timeout_s, self.host = compat, sender_id, timeout_s, host
@@ -393,6 +400,7 @@ class TorchDistSender(KVSender):
         self.device = torch.device("cuda", torch.cuda.current_device()) if compat.device_type == "cuda" \
             else torch.device("cpu")
         self.device_key, self.same_device = device_key(self.device), same_device
+        self.control_auth = control_auth
         self.caches = SharedCacheManager()  # receivers' caches opened here, and stalled writers
         self.max_groups = max_groups
         self._peers: OrderedDict[tuple[str, int], _Peer] = OrderedDict()

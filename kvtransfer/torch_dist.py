@@ -5,6 +5,7 @@ one device, written straight into the decode cache (shared_cache.py, shared_writ
 
     decode rank                                        prefill rank
     ControlServer (port 0) + TCPStore (port 0)  <---   ControlClient
+      both prove the cluster secret (HMAC challenge; control.py), then every message is MAC'd
       hello: CompatRecord checked  ------------------>  welcome {ok, store_port, channel, data_channel, cache}
       join: both ends build channel <n> in the TCPStore under "pg/<n>/"
       begin / layer + payload / done  <--------------   one part per (request, decode rank)

@@ -2,7 +2,9 @@
 the data plane, which carries only KV payloads (channel.py).
 
 One control connection per (prefill rank, decode rank) pair; its data channel is built after
-the handshake. Sender -> receiver, with the receiver's answer:
+the handshake. Each message below travels in a MAC'd frame, after both ends proved the cluster
+secret (control.py's docstring: the authentication handshake and the frames).
+Sender -> receiver, with the receiver's answer:
 
     hello  {sender_id, compat, device_key}              -> welcome {ok, error, compat, store_port, channel, cache,
                                                                     data_channel, no_cache_reason}

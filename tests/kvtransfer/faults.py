@@ -4,7 +4,9 @@ corrupts payloads in flight.
 `FaultProxy`: in front of a KV receiver's control port (the data channel goes direct: its
 rendezvous address comes in the receiver's welcome).
 
-It parses the sender's msgpack stream, so a fault can start at a given message kind:
+It parses the sender's msgpack stream (the authentication handshake, then frames whose body
+is a message: kvtransfer/control.py) and forwards it unchanged, so a fault can start at a given
+message kind:
 
     proxy = FaultProxy(rx.endpoint_address)
     proxy.blackhole_from = "begin"   # from the first begin on, nothing passes either way (a peer
@@ -97,7 +99,7 @@ class FaultProxy:
                     continue
                 unpacker.feed(data)
                 for msg in unpacker:
-                    kind = msg.get("kind") if isinstance(msg, dict) else "?"
+                    kind = _kind(msg)
                     self.seen.append(kind)
                     if kind == self.blackhole_from:
                         state["holed"] = True
@@ -117,6 +119,13 @@ class FaultProxy:
         if self.delay_s:
             time.sleep(self.delay_s)
         dst.sendall(data)
+
+
+def _kind(obj) -> str:
+    """The kind of the message a frame [seq, body, mac] carries; "?" for the handshake's arrays."""
+    if isinstance(obj, list) and len(obj) == 3 and isinstance(obj[1], bytes):
+        obj = msgpack.unpackb(obj[1], raw=False)
+    return obj.get("kind", "?") if isinstance(obj, dict) else "?"
 
 
 class Altered(NamedTuple):

@@ -1,13 +1,12 @@
 """The KV control channel (kvtransfer/control.py): calls answered in order under concurrency,
 every deadline firing with the connection rebuilt, garbage of every kind dropped and counted
-while the server goes on serving."""
+while the server goes on serving. Authentication itself: test_auth.py."""
 from __future__ import annotations
 
 import socket
 import threading
 import time
 
-import msgpack
 import pytest
 
 from kvtransfer.control import MAX_MESSAGE_BYTES, ControlClient, ControlError, ControlServer, ControlTimeout, check
@@ -76,22 +75,39 @@ def test_one_way_messages_arrive(server):
     assert server.notes == ["hello"]
 
 
+def closed_by_server(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:  # closed while what it was sent was still unread
+        return True
+
+
 @pytest.mark.parametrize("raw", [
     b"\xc1",  # never valid msgpack
-    msgpack.packb({"kind": "reserve", "request_id": "x"}),  # fields missing
-    msgpack.packb({"kind": "reserve", "request_id": "x", "num_tokens": True, "delay_s": 0.0}),  # bool is no int
-    msgpack.packb({"kind": "launch", "x": 1}),  # unknown kind
-    msgpack.packb([1, 2, 3]),  # not a map
-    msgpack.packb({"kind": "note", "text": "x" * (MAX_MESSAGE_BYTES + 1)}),  # too big
+    {"kind": "reserve", "request_id": "x"},  # fields missing
+    {"kind": "reserve", "request_id": "x", "num_tokens": True, "delay_s": 0.0},  # bool is no int
+    {"kind": "launch", "x": 1},  # unknown kind
+    [1, 2, 3],  # not a map
+    {"kind": "note", "text": "x" * (MAX_MESSAGE_BYTES + 1)},  # too big
 ])
 def test_garbage_closes_its_connection_is_counted_and_serving_goes_on(server, raw):
-    with socket.create_connection(server.address, timeout=5) as sock:
-        sock.sendall(raw)
-        assert sock.recv(1) == b""  # closed by the server
+    """An authenticated peer's bytes that are not msgpack, or a frame whose MAC is right around
+    something that is no message of the schema: garbage (not a refusal), the connection closed."""
+    client = ControlClient(server.address, SCHEMA)
+    client.send({"kind": "note", "text": "authenticated"}, timeout_s=5)
+    conn = client._conn
+    try:
+        if isinstance(raw, bytes):
+            conn.sock.sendall(raw)
+        else:  # framed and MAC'd, never checked against the schema
+            conn.send(raw, time.monotonic() + 5)
+    except ControlError:  # the server closed before the whole of a too big message went
+        pass
+    assert closed_by_server(conn.sock)
     deadline = time.monotonic() + 5
     while server.stats["garbage"] != 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert server.stats["garbage"] == 1
+    assert server.stats["garbage"] == 1 and server.stats["auth_refused"] == 0
     assert ControlClient(server.address, SCHEMA).call(reserve("ok"), timeout_s=5)["ok"]
 
 

@@ -78,7 +78,8 @@ class _HandSender:
 
     def __init__(self, dest):
         self.client = ControlClient(dest.address, wire.SCHEMA)
-        welcome = self.client.call({"kind": "hello", "sender_id": "hand", "compat": COMPAT.to_dict(), "device_key": ""}, 5)
+        welcome = self.client.call({"kind": "hello", "sender_id": "hand", "compat": COMPAT.to_dict(),
+                                    "device_key": ""}, 5)
         store = dist.TCPStore(dest.host, welcome["store_port"], is_master=False, wait_for_workers=False)
         self.client.send({"kind": "join", "channel": welcome["channel"], "shared": False}, 5)
         self.channel = GlooChannel(store, welcome["channel"], SENDER, "127.0.0.1", 5.0)

@@ -3,9 +3,9 @@ arrival over the data channel and through the shared cache, in several chunks; r
 ends' compat records disagree; malformed ones dropped and counted; a cancelled request's dropped."""
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
-import msgpack
 import pytest
 import torch
 
@@ -75,7 +75,7 @@ def test_malformed_rows_are_garbage_and_a_cancelled_requests_are_dropped():
     with pytest.raises(wire.WireError, match="bytes for 2 rows"):
         wire.check_message({**msg, "data": msg["data"][:-4]}, wire.SCHEMA)
     client = _raw_connection(dest, ROWS_COMPAT)
-    client._conn.sock.sendall(msgpack.packb({**msg, "data": msg["data"][:-4]}))
+    client._conn.send({**msg, "data": msg["data"][:-4]}, time.monotonic() + 5)  # framed, never checked
     assert _wait_for(lambda: rx.stats["garbage_messages"] == 1)
     client.close()
     rx.expect("gone", torch.arange(4), 1)

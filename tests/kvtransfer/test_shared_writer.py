@@ -13,7 +13,7 @@ import torch
 
 from kvtransfer.shared_writer import SharedCacheManager, SharedCacheWriter, StalledWrites
 from tests.kvtransfer.fake_cuda import CacheWrites, FakeEvent, FakeStream
-from tests.kvtransfer.test_torch_dist import BLOCK, HEADS, LAYERS, flat, make_cache
+from tests.kvtransfer.test_torch_dist import BLOCK, LAYERS, flat, make_cache
 
 RUNS = {"few runs": [(0, 2 * BLOCK, 3 * BLOCK), (2 * BLOCK, BLOCK, 9 * BLOCK)],  # slice copies
         "many runs": [(i * BLOCK, BLOCK, b * BLOCK) for i, b in enumerate((9, 1, 7, 3, 12, 5))]}  # one scatter
