@@ -1,5 +1,6 @@
 """The cluster state in Redis (`RedisState`), shared by every process of the cluster: the
-controller, every gateway, `pdserve status`. Interface and semantics: cluster/state.py."""
+controller, every gateway, `pdserve status`. Interface and semantics: cluster/state.py. The client
+(credentials, TLS, masked URL): cluster/redis_client.py."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,7 @@ import time
 
 import msgpack
 
+from cluster.redis_client import connect
 from cluster.state import ClusterState, InstanceRecord, _check_hashes, _check_health, _found, _leading_run
 
 
@@ -53,18 +55,18 @@ class RedisState(ClusterState):
         {ns}:router:{id}        a router's counters (msgpack map) with PX expiry
 
     Args:
-        url: e.g. "redis://127.0.0.1:6379/0".
+        url: e.g. "redis://127.0.0.1:6379/0"; user, password and TLS CA may come from the
+            PDSERVE_REDIS_* variables (cluster/redis_client.py). Checked here with one PING:
+            ValueError (RedisAuthError) as one line if refused or unreachable.
         namespace: key prefix, so several clusters can share one Redis.
         metric_retention_s: samples older than this are trimmed when new ones arrive.
     """
 
     def __init__(self, url: str, namespace: str = "pdserve", metric_retention_s: float = 3600.0):
-        import redis  # only the Redis backend needs the client
-
         self.url = url
         self.namespace = namespace
         self.metric_retention_s = metric_retention_s
-        self._redis = redis.Redis.from_url(url, decode_responses=False)
+        self._redis = connect(url, decode_responses=False)
         self._hset_if_exists = self._redis.register_script(_HSET_IF_EXISTS)
         self._heartbeat = self._redis.register_script(_HEARTBEAT)
         self._sadd_if_exists = self._redis.register_script(_SADD_IF_EXISTS)

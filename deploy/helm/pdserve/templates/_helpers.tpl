@@ -28,6 +28,14 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
+{{/* A NetworkPolicy peer: every pod of this release (any component), in its namespace. */}}
+{{- define "pdserve.releasePeer" -}}
+- podSelector:
+    matchLabels:
+      app.kubernetes.io/name: {{ include "pdserve.name" . }}
+      app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
 {{/* Every object's labels; call with (dict "root" $ "component" "head"). */}}
 {{- define "pdserve.labels" -}}
 {{ include "pdserve.selectorLabels" . }}
@@ -88,22 +96,76 @@ Env of every Ray pod: token authentication with the release's token, and the pod
 --node-ip-address=$(PDSERVE_NODE_IP)
 {{- end }}
 
+{{- define "pdserve.redisAuthSecret" -}}
+{{ .Values.redis.auth.existingSecret | default (printf "%s-redis-auth" (include "pdserve.fullname" .)) }}
+{{- end }}
+
+{{/* The ACL user the release's Redis admits: the only one (its `default` user is off). */}}
+{{- define "pdserve.redisUser" -}}
+pdserve
+{{- end }}
+
 {{/*
-PDSERVE_REDIS_URL for the controller and the gateways: the release's Redis or the external one's
-Secret. They meet only there, so one of the two is required.
+The release's Redis ACL file for a password (the argument): `default` off, and the one user with
+the password's SHA-256 (so the plaintext is in no Redis config), all keys and commands but
+@dangerous (CONFIG, MODULE, DEBUG, SHUTDOWN, ...: what a stolen password could take a host with).
+*/}}
+{{- define "pdserve.redisAcl" -}}
+user default off
+user {{ include "pdserve.redisUser" nil }} on #{{ sha256sum . }} ~* &* +@all -@dangerous
+{{ end }}
+
+{{/* Where the controller and the gateways find an external Redis' CA bundle. */}}
+{{- define "pdserve.redisCaDir" -}}
+/etc/pdserve-redis-ca
+{{- end }}
+
+{{/*
+Redis env of the controller and the gateways: PDSERVE_REDIS_URL, and the credentials and TLS CA
+cluster/redis_client.py reads. The release's Redis (its Secret's password, user pdserve) or the
+external one's Secrets. They meet only in Redis, so one of the two is required.
 */}}
 {{- define "pdserve.redisEnv" -}}
-{{- if and .Values.redis.enabled .Values.redis.external.existingSecret }}
+{{- $external := .Values.redis.external }}
+{{- if and .Values.redis.enabled $external.existingSecret }}
 {{- fail "set either redis.enabled or redis.external.existingSecret, not both (redis.enabled=false to use an external Redis)" }}
+{{- else if and .Values.redis.enabled (or $external.auth.existingSecret $external.auth.username $external.tls.caSecret) }}
+{{- fail "redis.external.auth and redis.external.tls apply to an external Redis: set redis.enabled=false and redis.external.existingSecret" }}
+{{- else if and (not .Values.redis.enabled) .Values.redis.auth.existingSecret }}
+{{- fail "redis.auth.existingSecret is the release's Redis' own: for an external Redis use redis.external.auth" }}
 {{- else if .Values.redis.enabled }}
 - name: PDSERVE_REDIS_URL
   value: redis://{{ include "pdserve.fullname" . }}-redis:6379/0
-{{- else if .Values.redis.external.existingSecret }}
+- name: PDSERVE_REDIS_USERNAME
+  value: {{ include "pdserve.redisUser" . }}
+- name: PDSERVE_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.redisAuthSecret" . }}
+      key: password
+{{- else if $external.existingSecret }}
 - name: PDSERVE_REDIS_URL
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.redis.external.existingSecret }}
-      key: {{ .Values.redis.external.key }}
+      name: {{ $external.existingSecret }}
+      key: {{ $external.key }}
+{{- if $external.auth.existingSecret }}
+- name: PDSERVE_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $external.auth.existingSecret }}
+      key: {{ $external.auth.key }}
+{{- else if $external.auth.username }}
+{{- fail "redis.external.auth.username needs its password: set redis.external.auth.existingSecret" }}
+{{- end }}
+{{- with $external.auth.username }}
+- name: PDSERVE_REDIS_USERNAME
+  value: {{ . | quote }}
+{{- end }}
+{{- with $external.tls.caSecret }}
+- name: PDSERVE_REDIS_CA_FILE
+  value: {{ include "pdserve.redisCaDir" $ }}/{{ $external.tls.caKey }}
+{{- end }}
 {{- else }}
 {{- fail "the controller and the gateways meet in Redis: set redis.enabled=true or redis.external.existingSecret" }}
 {{- end }}
@@ -128,6 +190,16 @@ The command of a Ray driver pod (controller, gateway): join Ray as a node withou
   configMap:
     name: {{ include "pdserve.fullname" .root }}-spec
 {{ include "pdserve.shmVolume" .shmSize }}
+{{- with .root.Values.redis.external.tls }}
+{{- if .caSecret }}
+- name: redis-ca
+  secret:
+    secretName: {{ .caSecret }}
+    items:
+      - key: {{ .caKey }}
+        path: {{ .caKey }}
+{{- end }}
+{{- end }}
 {{- with .root.Values.extraVolumes }}
 {{ toYaml . }}
 {{- end }}
@@ -138,6 +210,11 @@ The command of a Ray driver pod (controller, gateway): join Ray as a node withou
   mountPath: /etc/pdserve
   readOnly: true
 {{ include "pdserve.shmMount" . }}
+{{- if .Values.redis.external.tls.caSecret }}
+- name: redis-ca
+  mountPath: {{ include "pdserve.redisCaDir" . }}
+  readOnly: true
+{{- end }}
 {{- with .Values.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end }}
