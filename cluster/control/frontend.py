@@ -8,7 +8,9 @@ router's id, engine/outbox.py) and publishes its request counters for the contro
                                               dead, or gone for heartbeat_ttl_s: removed (its
                                               requests retried elsewhere)
 
-An instance this router found dead itself stays out until the controller replaces it.
+An instance this router found dead itself (a call that timed out, a partition between this gateway
+and it) stays out until the controller replaces it, or until the controller has heartbeated it for
+heartbeat_ttl_s past that moment: then it answers the controller, so it is attached again anew.
 """
 from __future__ import annotations
 
@@ -120,7 +122,7 @@ class Frontend(Serving):
         self.instances: dict[str, Instance] = {}
         self.autoscaler = None  # the controller runs it
         self.router: Router | None = None
-        self._lost: set[str] = set()  # ids this router found dead: never attached again
+        self._lost: dict[str, float] = {}  # ids this router found dead -> their record's updated_at then
         self._missing: set[str] = set()  # records without actors (logged once)
         self._absent: dict[str, float] = {}  # attached instances whose record vanished: since when
         self._stop = threading.Event()
@@ -173,10 +175,23 @@ class Frontend(Serving):
             elif record.health == "draining" and not inst.client.info.draining:
                 self.router.drain(iid)
             elif not inst.client.info.healthy:
-                self._lost.add(iid)
+                self._lost.setdefault(iid, record.updated_at)
         for iid, record in records.items():
-            if record.health == "healthy" and iid not in self.instances and iid not in self._lost:
+            if iid in self._lost and record.health == "healthy" and iid in self.instances \
+                    and record.updated_at - self._lost[iid] >= self.spec.heartbeat_ttl_s:
+                self._readmit(record)
+            elif record.health == "healthy" and iid not in self.instances and iid not in self._lost:
                 self._attach(record)
+
+    def _readmit(self, record: InstanceRecord) -> None:
+        """An instance this router found dead that its controller has heartbeated for a TTL since
+        (both times the controller's clock): a new client for it, as for one that joins."""
+        iid = record.instance_id
+        logger.warning("instance %s, found dead by this gateway, has answered the controller for %.1f s since: "
+                       "attaching it again", iid, record.updated_at - self._lost.pop(iid))
+        self.instances.pop(iid)
+        self.router.remove_instance(iid)
+        self._attach(record)
 
     def _attach(self, record: InstanceRecord) -> None:
         import ray

@@ -64,7 +64,8 @@ def test_restarted_controller_adopts_and_gateways_follow(ray_session, tiny_path,
     gone they still do; a new controller adopts both instances (same processes, nothing started);
     an instance killed is replaced under a new id and the gateways move to it; a drained one
     leaves both gateways; every allocator ends empty; the cluster state emptied (Redis restarted)
-    is filled again by the controller while the gateways keep their instances."""
+    is filled again by the controller while the gateways keep their instances; an instance one
+    gateway alone found dead is attached again there."""
     spec = spec_for(tiny_path, ray_address="auto", redis_url=redis_url, heartbeat_ttl_s=1.0,
                     cluster_name=f"test-{secrets.token_hex(3)}")
     prompts = random_prompts(6, [7, 30], seed=31)
@@ -107,6 +108,14 @@ def test_restarted_controller_adopts_and_gateways_follow(ray_session, tiny_path,
                  == sorted(controller.instances), 10, "the controller registers its instances again")
         assert all(sorted(g.instances) == sorted(controller.instances) for g in gateways)
         state.close()
+
+        # gateway 0 alone finds prefill-1 dead (a partition between the two): it attaches it again
+        # once the controller has heartbeated it for a TTL since
+        gateways[0].router.mark_dead("prefill-1", RuntimeError("a call timed out"))
+        assert not gateways[0].instances["prefill-1"].client.info.healthy
+        wait_for(lambda: gateways[0].instances["prefill-1"].client.info.healthy, 20,
+                 "gateway 0 attaches prefill-1 again")
+        assert checked(generate(gateways[0], prompts)) == want
     finally:
         for g in gateways:
             g.shutdown()
