@@ -63,6 +63,7 @@ def create_controller_app(controller) -> tuple[FastAPI, threading.Event]:
                                "healthy": i.client.info.healthy, "draining": i.client.info.draining,
                                "load": i.client.info.load, "adopted": i.instance_id in controller.adopted,
                                "engine": i.client.info.engine,
+                               "kv_endpoints": [[e.host, e.port] for e in i.client.info.kv_endpoints],
                                "ranks": [p.status() for p in i.placements]}
                               for i in list(controller.instances.values())]}
 
