@@ -254,6 +254,13 @@ class Bed:
     def restore_link(self, name: str) -> None:
         net.Switch.restore(self.hosts[name].link)
 
+    def slow_link(self, name: str, rate: str = "1mbit") -> None:
+        """The host's link shaped to `rate` both ways until `unslow_link` (see `Switch.slow`)."""
+        net.Switch.slow(self.hosts[name].link, rate)
+
+    def unslow_link(self, name: str) -> None:
+        net.Switch.unslow(self.hosts[name].link)
+
     def down(self) -> None:
         """Kills every process of every host, deletes namespaces, veths, the bridge and the bed's
         directory. Idempotent; errors are logged, never raised."""

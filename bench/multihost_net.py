@@ -151,6 +151,22 @@ class Switch:
         run(["bridge", "link", "set", "dev", link.veth, "state", "3"])  # 3 = forwarding
 
     @staticmethod
+    def slow(link: Link, rate: str = "1mbit") -> None:
+        """Both directions of the host's link shaped to `rate` (a token bucket, `tc tbf`, on the
+        bridge-side veth and on the host's eth0). NOTE: not `netem` delay or loss: this machine's
+        kernel has no sch_netem; a bucket's queue (up to 500 ms) is the delay a slow link adds."""
+        for prefix in ([], ["-n", link.netns]):
+            dev = "eth0" if prefix else link.veth
+            run(["tc", *prefix, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", "32kb",
+                 "latency", "500ms"])
+
+    @staticmethod
+    def unslow(link: Link) -> None:
+        """Undoes `slow` (the default queue again)."""
+        for prefix in ([], ["-n", link.netns]):
+            run(["tc", *prefix, "qdisc", "del", "dev", "eth0" if prefix else link.veth, "root"], check=False)
+
+    @staticmethod
     def unplug(link: Link) -> None:
         """Deletes the veth pair and the netns name (kill the host's processes first)."""
         run(["ip", "link", "del", link.veth], check=False)

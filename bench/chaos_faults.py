@@ -1,0 +1,149 @@
+"""The chaos run's faults (bench/chaos.py) on the Helm chart's pods (bench/chart_pods.py), and the
+kubelet that restarts a pod whose container exited, as Kubernetes would (ChartPods restarts none).
+
+Kinds (FAULT_KINDS) and how each heals:
+- kill_gateway, kill_controller, kill_prefill_host, kill_decode_host: every process of the pod
+  SIGKILLed (a host lost); held down a few seconds, then the kubelet starts its container again.
+- kill_prefill_rank, kill_decode_rank: the instance's rank process SIGKILLed, its pod left up;
+  the controller must replace the instance.
+- restart_redis: Redis killed; the kubelet starts it again, empty (no persistence, as the chart runs it).
+- cut_link: a worker's, Redis' or the controller's link drops every packet for a few seconds.
+- slow_link: the same links shaped to 1 Mbit/s both ways for a while (`Bed.slow_link`).
+Not injected: the Ray head (no GCS fault tolerance: the whole Ray cluster would restart) and cut
+gateway links (a client cut off from its gateway cannot be told anything: nothing to check).
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import httpx
+
+from bench.chart_pods import ChartPods
+
+logger = logging.getLogger(__name__)
+
+FAULT_KINDS = ("kill_gateway", "kill_controller", "kill_prefill_host", "kill_decode_host", "kill_prefill_rank",
+               "kill_decode_rank", "restart_redis", "cut_link", "slow_link")
+KILLED_POD = {"kill_gateway": "gateway", "kill_controller": "controller", "kill_prefill_host": "prefill",
+              "kill_decode_host": "decode"}
+LINK_TARGETS = ("prefill", "decode", "redis", "controller")
+
+
+@dataclass
+class Fault:
+    kind: str
+    target: str
+    started_at: float
+    healed_at: float | None = None
+    recovered_at: float | None = None
+    error: str = ""
+
+    def summary(self, t0: float) -> dict:
+        d = asdict(self)
+        for k in ("started_at", "healed_at", "recovered_at"):
+            d[k] = None if d[k] is None else round(d[k] - t0, 3)
+        d["recovery_s"] = None if self.recovered_at is None else round(self.recovered_at - self.started_at, 3)
+        return d
+
+
+class Kubelet:
+    """Restarts, `delay_s` after it is seen exited, every pod's container that is not running and
+    not held down by a fault, on each `tick()`. Every pod operation of the run takes `lock`.
+    NOTE: ticks run on the main thread, and no fault starts a process that outlives it: a bed host
+    dies with the thread that started it (PR_SET_PDEATHSIG, bench/multihost_net.py)."""
+
+    def __init__(self, pods: ChartPods, delay_s: float = 2.0):
+        self.pods, self.delay_s = pods, delay_s
+        self.lock, self.held, self.restarts = threading.RLock(), set(), []
+        self._seen_dead: dict[str, float] = {}
+
+    def running(self, name: str) -> bool:
+        return self.pods._pods[name].running
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            for name in list(self.pods.pods):
+                if name in self.held or self.running(name):
+                    self._seen_dead.pop(name, None)
+                elif now - self._seen_dead.setdefault(name, now) >= self.delay_s:
+                    logger.info("kubelet: %s exited, restarting it", name)
+                    self._restart(name, now)
+
+    def _restart(self, name: str, now: float) -> None:
+        try:
+            self.pods.restart_pod(name)
+            self.restarts.append((name, now))
+        except Exception as exc:  # the run sees a pod that never came back
+            logger.warning("kubelet: restarting %s failed: %s", name, exc)
+        self._seen_dead.pop(name, None)
+
+
+class Injector:
+    """Injects one fault of a kind on the pods and heals it (`inject`); `controller_url()` finds
+    ranks to kill."""
+
+    def __init__(self, pods: ChartPods, kubelet: Kubelet, controller_url, hold_s: tuple[float, float] = (2.0, 8.0)):
+        self.pods, self.kubelet, self.controller_url, self.hold_s = pods, kubelet, controller_url, hold_s
+
+    def of(self, component: str) -> list[str]:
+        return sorted(n for n, c in self.pods.pods.items() if c == component)
+
+    def inject(self, kind: str, rng: random.Random) -> Fault:
+        """Injects, holds, heals; the Fault says what and when (its `error` if it could not)."""
+        fault = Fault(kind, "", time.monotonic())
+        try:
+            getattr(self, "_" + kind.split("_", 1)[0])(kind, fault, rng)
+        except Exception as exc:
+            fault.error = f"{type(exc).__name__}: {exc}"[:300]
+            logger.warning("chaos: %s on %s failed: %s", kind, fault.target or "?", fault.error)
+        fault.healed_at = fault.healed_at or time.monotonic()
+        return fault
+
+    def _kill(self, kind: str, fault: Fault, rng: random.Random) -> None:
+        if kind.endswith("_rank"):
+            return self._kill_rank(kind.split("_")[1], fault, rng)
+        fault.target = rng.choice(self.of(KILLED_POD[kind]))
+        self._down_then_up(fault.target, rng.uniform(*self.hold_s))
+
+    def _restart(self, kind: str, fault: Fault, rng: random.Random) -> None:
+        fault.target = self.of("redis")[0]
+        self._down_then_up(fault.target, 0.0)
+
+    def _down_then_up(self, name: str, hold_s: float) -> None:
+        """Killed, held down `hold_s`, then left to the kubelet to restart."""
+        with self.kubelet.lock:
+            self.kubelet.held.add(name)
+            self.pods.kill_pod(name)
+        time.sleep(hold_s)
+        self.kubelet.held.discard(name)
+
+    def _kill_rank(self, role: str, fault: Fault, rng: random.Random) -> None:
+        instances = httpx.get(self.controller_url() + "/status", timeout=10).json()["instances"]
+        ranks = [r for i in instances if i["role"] == role for r in i["ranks"]]
+        rank = rng.choice(ranks)
+        (pod,) = [n for n in self.pods.pods if self.pods.address(n) == rank["node_ip"]]
+        fault.target = f"{pod}:pid {rank['pid']}"
+        out = self.pods.bed.run(pod, ["kill", "-9", str(rank["pid"])], timeout=10)
+        if out.returncode != 0:
+            raise RuntimeError(f"kill -9 {rank['pid']} in {pod}: {out.stderr.strip()}")
+
+    def _cut(self, kind: str, fault: Fault, rng: random.Random) -> None:
+        fault.target = rng.choice([n for c in LINK_TARGETS for n in self.of(c)])
+        self.pods.bed.cut_link(fault.target)
+        try:
+            time.sleep(rng.uniform(*self.hold_s))
+        finally:
+            self.pods.bed.restore_link(fault.target)
+
+    def _slow(self, kind: str, fault: Fault, rng: random.Random) -> None:
+        fault.target = rng.choice([n for c in LINK_TARGETS for n in self.of(c)])
+        self.pods.bed.slow_link(fault.target, "1mbit")
+        try:
+            time.sleep(rng.uniform(self.hold_s[0] * 2, self.hold_s[1] * 2))
+        finally:
+            self.pods.bed.unslow_link(fault.target)
