@@ -356,4 +356,5 @@ def create_state(url: str | None = None, namespace: str = "pdserve") -> ClusterS
     if url.startswith(("redis://", "rediss://", "unix://")):
         from cluster.redis_state import RedisState
         return RedisState(url, namespace)
-    raise ValueError(f"unsupported cluster state url {url!r}: use memory:// or redis://host:port/db")
+    from cluster.redis_client import mask_url
+    raise ValueError(f"unsupported cluster state url {mask_url(url)!r}: use memory:// or redis://host:port/db")
