@@ -84,8 +84,8 @@ class Kubelet:
 
 
 class Injector:
-    """Injects one fault of a kind on the pods and heals it (`inject`); `controller_url()` finds
-    ranks to kill."""
+    """Injects one fault of a kind on the pods and heals it (`inject`); the controller's /status
+    (`controller_url()`), or a gateway's, names the ranks to kill."""
 
     def __init__(self, pods: ChartPods, kubelet: Kubelet, controller_url, hold_s: tuple[float, float] = (2.0, 8.0)):
         self.pods, self.kubelet, self.controller_url, self.hold_s = pods, kubelet, controller_url, hold_s
@@ -122,8 +122,19 @@ class Injector:
         time.sleep(hold_s)
         self.kubelet.held.discard(name)
 
+    def _status(self) -> list[dict]:
+        """The instances as the controller lists them, else as a gateway does (the controller may
+        be the other fault of this round)."""
+        urls = [self.controller_url()] + [self.pods.url(g) for g in self.of("gateway")]
+        for url in urls:
+            try:
+                return httpx.get(url + "/status", timeout=10).json()["instances"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                continue
+        raise RuntimeError(f"no /status answered: {urls}")
+
     def _kill_rank(self, role: str, fault: Fault, rng: random.Random) -> None:
-        instances = httpx.get(self.controller_url() + "/status", timeout=10).json()["instances"]
+        instances = self._status()
         ranks = [r for i in instances if i["role"] == role for r in i["ranks"]]
         rank = rng.choice(ranks)
         (pod,) = [n for n in self.pods.pods if self.pods.address(n) == rank["node_ip"]]
