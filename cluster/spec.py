@@ -131,7 +131,12 @@ _HELP = {
     "kv_recompute_max_tokens": "longest prompt (with tokens already streamed) recomputed on the decode instance",
     "heartbeat_ttl_s": "an instance missing heartbeats this long is considered dead",
     "replace_dead_instances": "start a new instance for each one that dies, keeping the pools' sizes",
-    "api_key": "require this bearer token on the HTTP API",
+    "api_key": "require this bearer token on the HTTP API (one unlimited key named default, beside api_keys_file's)",
+    "api_keys_file": "a JSON file of named API keys, each stored as its SHA-256 (`pdserve hash-api-key`), with "
+                     "optional per-key requests_per_second, burst and max_concurrent, held per gateway process "
+                     "(docs/gateway.md, \"API keys and limits\")",
+    "max_request_bytes": "largest HTTP request body, bytes; a larger one is answered 413 before it is parsed",
+    "max_prompt_tokens": "longest prompt, tokens, answered 400 past it (None: only the model's context bounds it)",
     "chat_template": "a Jinja chat template file used instead of the model's (e.g. one that renders tools)",
     "tool_call_parser": "how the model writes tool calls, for tool_choice auto: hermes, llama3_json or mistral "
                         "(None: auto is refused; required and named choices need no parser)",
@@ -212,6 +217,9 @@ class ClusterSpec:
     heartbeat_ttl_s: float = 5.0
     replace_dead_instances: bool = True
     api_key: str | None = field(default=None, repr=False)  # a secret: kept out of logs and reprs
+    api_keys_file: str | None = None  # gateway/api_keys.py: named keys as SHA-256 hashes, with per-key limits
+    max_request_bytes: int = 8 * 1024 * 1024  # gateway/guard.py: 413 past it, before parsing
+    max_prompt_tokens: int | None = None  # 400 past it; None: the context is the only bound
     chat_template: str | None = None  # a Jinja file in place of the model's chat template
     tool_call_parser: str | None = None  # gateway/tool_parsers.py: tool_choice auto reads calls with it
     reasoning_parser: str | None = None  # gateway/reasoning.py: <think> ... </think> -> reasoning_content
@@ -280,7 +288,7 @@ class ClusterSpec:
             raise ValueError(f"cluster_name {self.cluster_name!r}: 1-63 of [A-Za-z0-9_.-], starting alphanumeric")
         self.speculative  # raises on speculative keys that cannot work together
         for name in ("model", "host", "ray_address", "api_key", "autoscale_profile", "k8s_namespace", "chat_template",
-                     "expert_placement", "speculative_model",
+                     "expert_placement", "speculative_model", "api_keys_file",
                      "k8s_prefill_deployment", "k8s_decode_deployment"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name} must not be empty")
@@ -290,6 +298,7 @@ class ClusterSpec:
                    "num_kv_blocks": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "num_threads": 1,
                    "cpus_per_rank": 1, "reserved_cpus": 0, "rank_niceness": -20,
                    "disagg_threshold_tokens": 0, "kv_recompute_max_tokens": 0,
+                   "max_request_bytes": 1, "max_prompt_tokens": 1,
                    "num_prefill": 1 if self.mode == "disaggregated" else 0,
                    "min_prefill": 0, "min_decode": 1, "max_prefill": self.min_prefill, "max_decode": self.min_decode}
         for name, low in minimum.items():

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
-from typing import Callable
+from typing import Callable, Sequence
 
 import jinja2
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -26,6 +25,8 @@ from gateway.logprobs import LogprobsFormatter
 from gateway.reasoning import get_reasoning_parser
 from gateway.tool_parsers import get_tool_parser
 from gateway import openapi
+from gateway.api_keys import DEFAULT_KEY_NAME, NO_KEY, APIKey, APIKeyManager, hash_api_key
+from gateway.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import APIError, ChatCompletionRequest, CompletionRequest, make_id, now
 from gateway.session import Choice, Generation
@@ -59,18 +60,19 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(APIError(exc.status_code, str(exc.detail), type_, headers=exc.headers))
 
     @app.exception_handler(Exception)
-    async def internal_error(_, exc: Exception):
-        logger.exception("unhandled error")
+    async def internal_error(request: Request, exc: Exception):
+        logger.exception("unhandled error (API key %s)", getattr(request.state, "api_key_name", NO_KEY))
         return _error_response(APIError(500, f"internal error: {type(exc).__name__}", "internal_error"))
 
 
 class _Gateway:
     """What the routes share: the cluster, tokenizer, limits and metrics."""
 
-    def __init__(self, cluster, tokenizer, model_name: str, max_model_len: int | None, api_key: str | None,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+    def __init__(self, cluster, tokenizer, model_name: str, max_model_len: int | None,
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 max_prompt_tokens: int | None = None):
         self.cluster, self.tokenizer, self.model_name = cluster, tokenizer, model_name
-        self._max_model_len, self.api_key = max_model_len, api_key
+        self._max_model_len, self.max_prompt_tokens = max_model_len, max_prompt_tokens
         self.tool_parser = None if tool_call_parser is None else get_tool_parser(tool_call_parser)
         self.reasoning = None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
         self.metrics = GatewayMetrics(cluster)
@@ -79,14 +81,6 @@ class _Gateway:
     def max_model_len(self) -> int:
         """Fixed at creation, or (None) the cluster's now: instances a controller owns come and go."""
         return self._max_model_len if self._max_model_len is not None else self.cluster.max_model_len
-
-    def check_key(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        auth = request.headers.get("authorization", "")
-        if not (auth.startswith("Bearer ") and secrets.compare_digest(auth[7:], self.api_key)):
-            raise APIError(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error",
-                           code="invalid_api_key")
 
     def check_ready(self) -> None:
         if not self.cluster.ready():
@@ -145,7 +139,8 @@ class _Gateway:
         if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt_ids):
             raise APIError(400, f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", param="prompt")
         self.check_ready()
-        params = body.sampling_params(len(prompt_ids), self.max_model_len, self.tokenizer.vocab_size)
+        params = body.sampling_params(len(prompt_ids), self.max_model_len, self.tokenizer.vocab_size,
+                                      self.max_prompt_tokens)
         if params.structured_output is not None:  # compiling a grammar may take a while: not on the loop
             await asyncio.to_thread(self.check_structured_output, *params.structured_output)
         rid = make_id("chatcmpl" if kind == "chat" else "cmpl")
@@ -175,19 +170,19 @@ class _Gateway:
 
 
 def _add_generation_routes(app: FastAPI, gw: _Gateway) -> None:
-    @app.post("/v1/chat/completions", dependencies=[Depends(gw.check_key)], responses=openapi.GENERATION)
+    @app.post("/v1/chat/completions", responses=openapi.GENERATION)  # key and limits: gateway/guard.py
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         ids, shaping = gw.chat_prompt(body)
         return await gw.respond(await gw.start(body, ids, "chat", shaping), body, request)
 
-    @app.post("/v1/completions", dependencies=[Depends(gw.check_key)], responses=openapi.GENERATION)
+    @app.post("/v1/completions", responses=openapi.GENERATION)
     async def completions(body: CompletionRequest, request: Request):
         ids = gw.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         return await gw.respond(await gw.start(body, ids, "completion"), body, request)
 
 
 def _add_service_routes(app: FastAPI, gw: _Gateway) -> None:
-    @app.get("/v1/models", dependencies=[Depends(gw.check_key)], responses=openapi.UNAUTHORIZED)
+    @app.get("/v1/models", responses=openapi.KEYED)
     async def models():
         return {"object": "list", "data": [{"id": gw.model_name, "object": "model", "created": now(),
                                             "owned_by": "pdserve", "max_model_len": gw.max_model_len}]}
@@ -226,12 +221,21 @@ def _expert_counts(instance) -> dict[str, list[int]] | None:
 
 
 def create_app(cluster, tokenizer, model_name: str, max_model_len: int | None, api_key: str | None = None,
-               tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None, *,
+               api_keys: Sequence[APIKey] = (), max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               max_prompt_tokens: int | None = None) -> FastAPI:
     """The gateway over a started `Cluster` or `Frontend` (anything with submit/abort/ready/
     instances/router/max_model_len); `max_model_len` None: the cluster's, asked per request.
-    `tool_call_parser` / `reasoning_parser`: names in gateway/tool_parsers.py and gateway/reasoning.py."""
+    `tool_call_parser` / `reasoning_parser`: names in gateway/tool_parsers.py and gateway/reasoning.py.
+    `api_keys` (gateway/api_keys.py) and `api_key` (one more, unlimited, named "default"): the
+    keys `/v1/...` takes (none: open); `max_request_bytes` bounds every body (413 past it);
+    `max_prompt_tokens` bounds prompts below the context (400 past it)."""
+    keys = [*api_keys, *([] if api_key is None else [APIKey(DEFAULT_KEY_NAME, hash_api_key(api_key))])]
     app = FastAPI(title="pdserve", version="0.1.0")
-    gw = _Gateway(cluster, tokenizer, model_name, max_model_len, api_key, tool_call_parser, reasoning_parser)
+    gw = _Gateway(cluster, tokenizer, model_name, max_model_len, tool_call_parser, reasoning_parser,
+                  max_prompt_tokens)
+    gw.metrics.add_api_keys([k.name for k in keys] or [NO_KEY])
+    app.add_middleware(RequestGuard, keys=APIKeyManager(keys), metrics=gw.metrics, max_request_bytes=max_request_bytes)
     _install_error_handlers(app)
     _add_generation_routes(app, gw)
     _add_service_routes(app, gw)

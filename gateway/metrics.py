@@ -2,9 +2,10 @@
 router's queue and every instance's load figures, read at scrape time."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+API_KEY_OUTCOMES = ("served", "unauthorized", "rate_limited", "concurrency_limited", "too_large", "bad_request")
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # load key -> (metric name, help); every instance reports these through `load()`
 INSTANCE_GAUGES = {
@@ -19,6 +20,8 @@ INSTANCE_GAUGES = {
     "kv_transfer_seconds": ("pdserve_kv_transfer_seconds_total", "seconds spent in acknowledged KV transfers"),
     "kv_transfer_failures": ("pdserve_kv_transfer_failures_total", "failed or rejected KV transfers"),
     "kv_messages_dropped": ("pdserve_kv_messages_dropped_total", "malformed KV control messages or parts for unknown requests"),
+    "kv_peers_refused": ("pdserve_kv_peers_refused_total",
+                         "KV control connections refused: no proof of the cluster secret, or a message failing its MAC"),
     "kv_checksum_mismatches": ("pdserve_kv_checksum_mismatches_total",
                                "KV parts whose checksum did not match (--kv-checksum): failed and retried"),
     "spec_max_batch": ("pdserve_spec_decode_max_batch_size",
@@ -68,10 +71,24 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens of admitted requests",
                                      registry=self.registry)
         self.generation_tokens = Counter("pdserve_generation_tokens", "generated tokens", registry=self.registry)
+        # per API key name (gateway/guard.py): names come from the operator's keys file, plus NO_KEY
+        self.api_key_requests = Counter("pdserve_api_key_requests", "API requests by key name and outcome "
+                                        "(API_KEY_OUTCOMES)", ["key", "outcome"], registry=self.registry)
+        self.api_key_in_flight = Gauge("pdserve_api_key_in_flight_requests", "API requests in flight by key name "
+                                       "(admitted, response not yet ended)", ["key"], registry=self.registry)
         self.cluster = cluster
         self.registry.register(self)
         if getattr(cluster, "autoscaler", None) is not None:  # its decisions, desired and current sizes
             self.registry.register(cluster.autoscaler)
+
+    def add_api_keys(self, names: list[str]) -> None:
+        """Creates each key's series at 0, so a dashboard shows a key before its first request
+        ("unauthorized" only ever counts under NO_KEY: a wrong key has no name)."""
+        for name in names:
+            self.api_key_in_flight.labels(name)
+            for outcome in API_KEY_OUTCOMES:
+                if outcome != "unauthorized":
+                    self.api_key_requests.labels(name, outcome)
 
     def collect(self):
         """Scrape-time gauges from the router's view (refreshed every 0.1 s)."""

@@ -28,16 +28,21 @@ def _error(description: str, retry: bool = False) -> dict:
 
 
 UNAUTHORIZED = {401: _error("missing or wrong API key, when the server has one")}
+# gateway/guard.py: every /v1 route
+KEY_LIMITED = {429: _error("the API key's rate or concurrency limit (type `requests`, code `rate_limit_exceeded`)",
+                           retry=True)}
+KEYED = {**UNAUTHORIZED, **KEY_LIMITED}
 NOT_READY = {503: _error("no ready instance (or every retry failed)", retry=True)}
 GENERATION = {
     200: {"description": "the completion (JSON), or with `stream` its chunks (server-sent events)",
           "content": {"text/event-stream": {}}},
-    400: _error("a value the server cannot serve: a prompt over the context, max_tokens out of range, "
-                "an unsupported parameter, ..."),
+    400: _error("a value the server cannot serve: a prompt over the context or --max-prompt-tokens, "
+                "max_tokens out of range, an unsupported parameter, ..."),
     **UNAUTHORIZED,
     404: _error("another model than the one served"),
+    413: _error("the body is over the server's bound (--max-request-bytes)"),
     422: _error("the body does not parse or validate"),
-    429: _error("the router's queue is full", retry=True),
+    429: _error("the router's queue is full, or the API key's rate or concurrency limit", retry=True),
     **NOT_READY,
 }
 METRICS = {200: {"description": "Prometheus text exposition",

@@ -213,8 +213,10 @@ class _Sampling(BaseModel):
             raise APIError(400, f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", param=name)
         return value
 
-    def sampling_params(self, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
-        """Checks every field against what we support; raises APIError(400) naming the first that isn't."""
+    def sampling_params(self, prompt_len: int, max_model_len: int, vocab_size: int,
+                        max_prompt_tokens: int | None = None) -> SamplingParams:
+        """Checks every field against what we support; raises APIError(400) naming the first that isn't.
+        `max_prompt_tokens`: the server's bound on prompts (--max-prompt-tokens), below the context."""
         for name in sorted(set(self.model_extra or {}) | set(NEUTRAL)):
             value = getattr(self, name, None) if name not in (self.model_extra or {}) else self.model_extra[name]
             if name in IGNORED or value is None or (name in NEUTRAL and value in (NEUTRAL[name], {}, [])):
@@ -223,6 +225,10 @@ class _Sampling(BaseModel):
         if why := prompt_misfit(prompt_len, max_model_len):
             raise APIError(400, why, param="messages" if hasattr(self, "messages") else "prompt",
                            code="context_length_exceeded" if prompt_len else None)
+        if max_prompt_tokens is not None and prompt_len > max_prompt_tokens:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; this server takes at most {max_prompt_tokens} "
+                                "prompt tokens (--max-prompt-tokens)",
+                           param="messages" if hasattr(self, "messages") else "prompt", code="context_length_exceeded")
         room = max_model_len - prompt_len
         max_tokens = self._max_tokens()
         if max_tokens is not None and not 1 <= max_tokens <= room:

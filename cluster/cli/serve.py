@@ -18,6 +18,7 @@ from cluster.spec import ClusterSpec
 from engine.config import resolve_dtype
 from engine.loader import resolve_model_path
 from engine.tokenizer import Tokenizer
+from gateway.api_keys import APIKey, configured_keys
 from gateway.app import create_app
 
 logger = logging.getLogger(__name__)
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 def build(spec: ClusterSpec, api_key: str | None = None, use_ray: bool = True):
     """Starts the cluster; returns (cluster, app). The caller shuts the cluster down."""
+    access = gateway_access(spec, api_key)  # a keys file that does not parse is refused before anything starts
     model_fit.check(spec)  # a config or TP size pdserve cannot run is refused before anything starts
     tokenizer = gateway_tokenizer(spec)
     cluster = Cluster(spec, use_ray=use_ray).start()
@@ -33,9 +35,27 @@ def build(spec: ClusterSpec, api_key: str | None = None, use_ray: bool = True):
     if spec.autoscale:
         from cluster.autoscale.autoscale_loop import create_autoscaler
         cluster.autoscaler = create_autoscaler(cluster, spec).start()
-    app = create_app(cluster, tokenizer, spec.model, cluster.max_model_len, api_key, spec.tool_call_parser,
-                     spec.reasoning_parser)
+    app = create_app(cluster, tokenizer, spec.model, cluster.max_model_len, None, spec.tool_call_parser,
+                     spec.reasoning_parser, **access)
+    logger.info("gateway: %s", _describe_keys(access["api_keys"]))
     return cluster, app
+
+
+def _single_key(spec: ClusterSpec, api_key: str | None) -> str | None:
+    """The one key of `--api-key` (the caller's, else the spec's, else $PDSERVE_API_KEY)."""
+    return api_key or spec.api_key or os.environ.get("PDSERVE_API_KEY")
+
+
+def gateway_access(spec: ClusterSpec, api_key: str | None) -> dict:
+    """create_app's keys and bounds: the keys file's keys plus `api_key` as the key named
+    "default". Raises ValueError (one line) for a keys file that does not parse."""
+    return {"api_keys": configured_keys(api_key, spec.api_keys_file), "max_request_bytes": spec.max_request_bytes,
+            "max_prompt_tokens": spec.max_prompt_tokens}
+
+
+def _describe_keys(keys: list[APIKey]) -> str:
+    """For the start-up log line: the keys' names (never the keys)."""
+    return f"API keys {', '.join(k.name for k in keys)}" if keys else "no API key: the API is open"
 
 
 def gateway_tokenizer(spec: ClusterSpec) -> Tokenizer:
@@ -111,13 +131,14 @@ def serve_gateway(spec: ClusterSpec, api_key: str | None = None, log_level: str 
     """`pdserve gateway`: routes over the instances of the cluster state (a controller owns them)."""
     from cluster.control.frontend import Frontend
     _need_shared_cluster(spec, "gateway")
+    access = gateway_access(spec, _single_key(spec, api_key))
     cpu_plan.keep_off_ranks(spec)
-    api_key = api_key or spec.api_key or os.environ.get("PDSERVE_API_KEY")
     tokenizer = gateway_tokenizer(spec)
     frontend = Frontend(spec, log_level=log_level.upper()).start()
-    app = create_app(frontend, tokenizer, spec.model, None, api_key, spec.tool_call_parser, spec.reasoning_parser)
+    app = create_app(frontend, tokenizer, spec.model, None, None, spec.tool_call_parser, spec.reasoning_parser,
+                     **access)
     logger.info("pdserve gateway %s: OpenAI API at http://%s:%d/v1 (%d instances known; %s)", frontend.router.client_id,
-                spec.host, spec.port, len(frontend.instances), "API key required" if api_key else "no API key")
+                spec.host, spec.port, len(frontend.instances), _describe_keys(access["api_keys"]))
     try:
         return _run_uvicorn(app, spec, log_level)
     finally:
@@ -164,11 +185,9 @@ def _paths(spec: ClusterSpec) -> str:
 
 def serve(spec: ClusterSpec, api_key: str | None = None, log_level: str = "info") -> int:
     import uvicorn
-    api_key = api_key or spec.api_key or os.environ.get("PDSERVE_API_KEY")
-    cluster, app = build(spec, api_key)
+    cluster, app = build(spec, _single_key(spec, api_key))
     counts = ", ".join(f"{n} {role} (tp={spec.tp_size(role)})" for role, n in spec.instance_counts.items())
-    logger.info("pdserve: %s on %s [%s]; %s", spec.model, counts, _paths(spec),
-                "API key required" if api_key else "no API key")
+    logger.info("pdserve: %s on %s [%s]", spec.model, counts, _paths(spec))
     logger.info("OpenAI API at http://%s:%d/v1", spec.host, spec.port)
     try:
         uvicorn.run(app, host=spec.host, port=spec.port, log_level=log_level, timeout_graceful_shutdown=5)

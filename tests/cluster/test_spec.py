@@ -37,7 +37,8 @@ def test_defaults():
     assert (spec.max_num_seqs, spec.max_num_batched_tokens, spec.enable_prefix_caching) == (128, 2048, True)
     assert (spec.attention_backend, spec.num_threads, spec.router_policy) == ("auto", None, "least_loaded")
     assert (spec.disagg_threshold_tokens, spec.kv_transfer_timeout_s, spec.heartbeat_ttl_s) == (0, 10.0, 5.0)
-    assert spec.api_key is None
+    assert (spec.api_key, spec.api_keys_file, spec.max_request_bytes, spec.max_prompt_tokens) == (
+        None, None, 8 * 1024 * 1024, None)
     assert spec.instance_counts == {"prefill": 1, "decode": 1}
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.port = 1
@@ -202,6 +203,9 @@ def test_cli_rejects_bad_values():
     ({"tool_call_parser": "pythonic"}, "tool_call_parser must be one of hermes, llama3_json, mistral"),
     ({"reasoning_parser": "think"}, "reasoning_parser must be one of deepseek_r1, openai_gptoss, qwen3"),
     ({"chat_template": ""}, "chat_template must not be empty"),
+    ({"api_keys_file": ""}, "api_keys_file must not be empty"),
+    ({"max_request_bytes": 0}, "max_request_bytes must be >= 1, got 0"),
+    ({"max_prompt_tokens": 0}, "max_prompt_tokens must be >= 1, got 0"),
     ({"speculative_method": "medusa"}, "speculative_method must be one of ngram, draft_model"),
     ({"speculative_method": "draft_model"}, "draft_model needs --speculative-model"),
     ({"speculative_method": "eagle3"}, "eagle3 needs --speculative-model"),
@@ -221,11 +225,12 @@ def test_api_key_not_in_repr():
 
 
 @pytest.mark.parametrize("module, allowed", [("cluster/spec.py", {"engine.config", "engine.expert_placement"}),
-                                             ("cluster/state.py", {"cluster.redis_state"}),
-                                             ("cluster/redis_state.py", {"cluster.state"})])
+                                             ("cluster/state.py", {"cluster.redis_state", "cluster.redis_client"}),
+                                             ("cluster/redis_state.py", {"cluster.state", "cluster.redis_client"}),
+                                             ("cluster/redis_client.py", set())])
 def test_leaf_modules_import_nothing_of_ours(module, allowed):
     """cluster/spec.py and the cluster state are leaves: spec imports only engine.config, the two
-    state modules only each other."""
+    state modules only each other and the Redis client, which imports nothing of ours."""
     ours = {"engine", "prefill_worker", "decode_worker", "kvtransfer", "router", "gateway", "cluster", "bench"}
     tree = ast.parse((REPO / module).read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

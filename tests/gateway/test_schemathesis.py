@@ -36,6 +36,7 @@ def test_the_document_names_the_served_model_and_every_status():
     body = doc["components"]["schemas"]["ChatCompletionRequest"]
     assert body["properties"]["model"]["enum"] == ["smollm2"] and body["additionalProperties"] is False
     statuses = set(doc["paths"]["/v1/chat/completions"]["post"]["responses"])
-    assert statuses == {"200", "400", "401", "404", "422", "429", "503"}
+    assert statuses == {"200", "400", "401", "404", "413", "422", "429", "503"}
+    assert set(doc["paths"]["/v1/models"]["get"]["responses"]) == {"200", "401", "429"}  # a key's limits too
     assert "text/event-stream" in doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
     assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}

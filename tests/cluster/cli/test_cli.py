@@ -1,6 +1,7 @@
 """`pdserve generate` with cluster flags runs through Ray actors and prints the same JSON."""
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -57,7 +58,7 @@ def test_speculative_flags_reach_both_paths_and_bad_ones_are_refused_first(capsy
     assert capsys.readouterr().err.strip() == "pdserve: error: --num-speculative-tokens needs --speculative-method"
 
 
-@pytest.mark.parametrize("command", ["generate", "serve", "controller", "gateway", "bench", "status"])
+@pytest.mark.parametrize("command", ["generate", "serve", "controller", "gateway", "bench", "status", "hash-api-key"])
 def test_help_renders(command, capsys):
     """Every subcommand's --help prints (a stray % in a help string makes argparse crash)."""
     with pytest.raises(SystemExit) as exit_info:
@@ -84,6 +85,46 @@ def test_separate_processes_need_ray_and_redis(command, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"pdserve: error: pdserve {command} needs --ray-address and --redis-url: the controller and "
                    "the gateways are separate processes that meet in Ray and the cluster state"]
+
+
+def test_hash_api_key_prints_the_sha256_a_keys_file_takes(tmp_path, monkeypatch, capsys):
+    """`pdserve hash-api-key` reads the key from stdin (the newline dropped) and prints its hex
+    SHA-256, which a keys file takes and the gateway then accepts; an empty stdin, or a key with
+    whitespace inside (a bearer token has none), is refused in one line."""
+    import io
+
+    from cluster.cli.cli import main
+    from gateway.api_keys import APIKeyManager, load_api_keys
+    out = subprocess.run([sys.executable, "-m", "cluster.cli.cli", "hash-api-key"], input="sk-team-a-1234\n",
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == hashlib.sha256(b"sk-team-a-1234").hexdigest() + "\n", out.stderr
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"keys": [{"name": "team-a", "sha256": out.stdout.strip()}]}))
+    assert APIKeyManager(load_api_keys(path)).identify("Bearer sk-team-a-1234").name == "team-a"
+    for text, why in (("\n", "stdin held no key"),
+                      ("sk-a sk-b\n", "the key holds whitespace (give one key, on one line)"),
+                      ("sk-\u00e9t\u00e9\n", "the key must be printable ASCII")):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+        assert main(["hash-api-key"]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.splitlines() == [f"pdserve: error: hash-api-key: {why}"]
+
+
+@pytest.mark.parametrize("command", ["serve", "gateway"])
+def test_a_bad_keys_file_or_body_bound_is_refused_in_one_line(command, tmp_path, capsys):
+    """`--api-keys-file` that does not parse, or a non-positive `--max-request-bytes`: one line
+    naming it, before anything starts."""
+    from cluster.cli.cli import main
+    shared = ["--ray-address", "127.0.0.1:1", "--redis-url", "redis://127.0.0.1:1"] if command == "gateway" else []
+    path = tmp_path / "keys.json"
+    path.write_text('{"keys": [{"name": "team-a", "sha256": "sk-not-a-hash"}]}')
+    assert main([command, *shared, "--api-keys-file", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"pdserve: error: api_keys_file {path}: keys[0].sha256 must be 64 hex digits, the SHA-256 of the key "
+        "(`pdserve hash-api-key` prints it), never the key itself"]
+    for value in ("0", "-5"):
+        assert main([command, *shared, "--max-request-bytes", value]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"pdserve: error: max_request_bytes must be >= 1, got {value}"]
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,213 @@
+"""Named API keys, stored as SHA-256 hashes, and each key's limits: a token-bucket request rate
+and a bound on its requests in flight.
+
+The keys file (`--api-keys-file`, docs/gateway.md "API keys and limits"):
+
+    {"keys": [{"name": "team-a", "sha256": "<hex of sha256(key)>",
+               "requests_per_second": 5, "burst": 10, "max_concurrent": 4}, ...]}
+
+Only hashes are stored, so the file (a ConfigMap, a repository) does not leak the keys; a
+presented bearer token is hashed and compared with every stored hash in constant time. The limits
+are held per gateway process: N gateways admit N times a key's rate and concurrency.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from gateway.protocol import APIError
+
+DEFAULT_KEY_NAME = "default"  # the name of the single `--api-key` / $PDSERVE_API_KEY
+NO_KEY = "_none"  # the metrics label of a request without a (valid) key; no key name can take it
+KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_ENTRY_FIELDS = {"name", "sha256", "requests_per_second", "burst", "max_concurrent"}
+
+
+def hash_api_key(key: str) -> str:
+    """The hex SHA-256 of a key: what the keys file stores (`pdserve hash-api-key`)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class APIKey:
+    """One named key: its hash and its limits (None: unlimited)."""
+
+    name: str
+    sha256: str
+    requests_per_second: float | None = None
+    burst: int | None = None  # bucket size; None with a rate: the rate rounded up (at least 1)
+    max_concurrent: int | None = None
+
+    def __post_init__(self):
+        assert KEY_NAME.fullmatch(self.name) and _SHA256_HEX.fullmatch(self.sha256), self.name
+        assert self.burst is None or self.requests_per_second is not None, self.name
+
+    @property
+    def bucket_size(self) -> int:
+        if self.burst is not None:
+            return self.burst
+        return max(1, math.ceil(self.requests_per_second or 1))
+
+
+def _number(entry: dict, field: str, where: str, integer: bool) -> float | int | None:
+    """An optional positive number of a key entry; ValueError naming it otherwise."""
+    value = entry.get(field)
+    if value is None:
+        return None
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float)) and math.isfinite(value)
+    if isinstance(value, bool) or not ok or value <= 0:
+        kind = "an integer >= 1" if integer else "a number > 0"
+        raise ValueError(f"{where}.{field} must be {kind} or absent, got {json.dumps(value)}")
+    return value
+
+
+def _parse_entry(entry, where: str) -> APIKey:
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} must be an object, got {json.dumps(entry)}")
+    if unknown := sorted(set(entry) - _ENTRY_FIELDS):
+        raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(_ENTRY_FIELDS))}")
+    name, digest = entry.get("name"), entry.get("sha256")
+    if not isinstance(name, str) or not KEY_NAME.fullmatch(name):
+        raise ValueError(f"{where}.name must be 1-63 of [A-Za-z0-9_.-], starting alphanumeric, got {json.dumps(name)}")
+    if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest.lower()):
+        raise ValueError(f"{where}.sha256 must be 64 hex digits, the SHA-256 of the key (`pdserve hash-api-key` "
+                         "prints it), never the key itself")
+    rate = _number(entry, "requests_per_second", where, integer=False)
+    burst = _number(entry, "burst", where, integer=True)
+    if burst is not None and rate is None:
+        raise ValueError(f"{where}.burst needs requests_per_second (it is the size of the rate's bucket)")
+    return APIKey(name, digest.lower(), None if rate is None else float(rate), burst,
+                  _number(entry, "max_concurrent", where, integer=True))
+
+
+def load_api_keys(path: str | Path) -> list[APIKey]:
+    """The keys of a keys file. Raises ValueError, one line naming the file and what is wrong."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"api_keys_file {path}: cannot read it: {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"api_keys_file {path}: not JSON: {exc}") from None
+    try:
+        if not isinstance(data, dict) or set(data) != {"keys"} or not isinstance(data["keys"], list):
+            raise ValueError('expected an object {"keys": [...]} and nothing else')
+        if not data["keys"]:
+            raise ValueError("keys is empty: give at least one key (without keys the API is open)")
+        keys = [_parse_entry(entry, f"keys[{i}]") for i, entry in enumerate(data["keys"])]
+        _check_unique(keys)
+    except ValueError as exc:
+        raise ValueError(f"api_keys_file {path}: {exc}") from None
+    return keys
+
+
+def _check_unique(keys: Iterable[APIKey]) -> None:
+    names, hashes = set(), set()
+    for key in keys:
+        if key.name in names:
+            raise ValueError(f"the key name {key.name!r} is given twice")
+        if key.sha256 in hashes:  # one key under two names: which one's limits would apply?
+            raise ValueError(f"the key named {key.name!r} has the same hash as an earlier one")
+        names.add(key.name)
+        hashes.add(key.sha256)
+
+
+def configured_keys(api_key: str | None, api_keys_file: str | None) -> list[APIKey]:
+    """The keys a gateway checks: the file's, plus the single `api_key` (or $PDSERVE_API_KEY,
+    read by the caller) as one unlimited key named "default". Raises ValueError, one line."""
+    keys = [] if api_keys_file is None else load_api_keys(api_keys_file)
+    if api_key is not None:
+        keys.append(APIKey(DEFAULT_KEY_NAME, hash_api_key(api_key)))
+        try:
+            _check_unique(keys)
+        except ValueError as exc:
+            raise ValueError(f"api_keys_file {api_keys_file} and --api-key/$PDSERVE_API_KEY: {exc}") from None
+    return keys
+
+
+class KeyLimitError(APIError):
+    """A 429 of a key's own limits; `outcome` ("rate_limited", "concurrency_limited") labels the metrics."""
+
+    def __init__(self, outcome: str, message: str, retry_after_s: int):
+        super().__init__(429, message, "requests", code="rate_limit_exceeded",  # OpenAI's body for its own limits
+                         headers={"Retry-After": str(retry_after_s)})
+        self.outcome = outcome
+
+
+class TokenBucket:
+    """`rate` tokens a second, up to `size` of them; a request takes one. Starts full."""
+
+    def __init__(self, rate: float, size: int, now: float):
+        self.rate, self.size = rate, size
+        self.tokens, self.updated = float(size), now
+
+    def take(self, now: float) -> float:
+        """Takes a token: 0.0; or, with none there, the seconds until one is (nothing taken)."""
+        self.tokens = min(self.size, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        return (1 - self.tokens) / self.rate
+
+
+class APIKeyManager:
+    """Who a request is and whether its key may start another request now. Lives on the event
+    loop (the gateway's one thread for requests), so its state needs no lock."""
+
+    def __init__(self, keys: Iterable[APIKey], clock: Callable[[], float] = time.monotonic):
+        self.keys = list(keys)
+        _check_unique(self.keys)
+        self.clock = clock
+        self.buckets = {k.name: TokenBucket(k.requests_per_second, k.bucket_size, clock())
+                        for k in self.keys if k.requests_per_second is not None}
+        self.in_flight = {k.name: 0 for k in self.keys}
+
+    @property
+    def required(self) -> bool:
+        """Whether requests must present a key (any is configured)."""
+        return bool(self.keys)
+
+    def identify(self, authorization: str | None) -> APIKey | None:
+        """The key an `Authorization: Bearer <key>` header presents; None: none, or a wrong one.
+        Every stored hash is compared (constant time), so timing tells nothing of which matched."""
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return None
+        digest = hash_api_key(token.strip()).encode()
+        found = None
+        for key in self.keys:
+            if hmac.compare_digest(digest, key.sha256.encode()):
+                found = key
+        return found
+
+    def admit(self, key: APIKey) -> None:
+        """Counts a new request of `key` in flight; `release` it when its response ends.
+
+        Raises:
+            KeyLimitError (429): its concurrency limit is reached (Retry-After 1: a slot frees when a
+                request ends, which cannot be foreseen) or its bucket is empty (Retry-After: the
+                whole seconds until a token is there). A refused request takes nothing.
+        """
+        if key.max_concurrent is not None and self.in_flight[key.name] >= key.max_concurrent:
+            raise KeyLimitError("concurrency_limited", f"concurrency limit reached for API key {key.name!r}: "
+                                f"{key.max_concurrent} requests in flight; retry when one of them ends", 1)
+        bucket = self.buckets.get(key.name)
+        wait_s = 0.0 if bucket is None else bucket.take(self.clock())
+        if wait_s > 0:
+            retry = max(1, math.ceil(wait_s))
+            raise KeyLimitError("rate_limited", f"rate limit reached for API key {key.name!r}: "
+                                f"{key.requests_per_second:g} requests per second (burst {key.bucket_size}); "
+                                f"try again in {retry}s", retry)
+        self.in_flight[key.name] += 1
+
+    def release(self, key: APIKey) -> None:
+        assert self.in_flight[key.name] > 0, key.name
+        self.in_flight[key.name] -= 1
