@@ -33,7 +33,7 @@ DRIVERS = ("pdserve-controller", "pdserve-gateway")  # Ray drivers: `ray start` 
 CHART_OWNED_SPEC_KEYS = {
     "host", "port", "ray_address", "redis_url", "api_key", "ray_resources", "autoscale", "autoscale_policy",
     "autoscale_actuator", "ttft_slo_s", "tbt_slo_s", "min_prefill", "max_prefill", "min_decode", "max_decode",
-    "k8s_namespace", "k8s_prefill_deployment", "k8s_decode_deployment",
+    "k8s_namespace", "k8s_prefill_deployment", "k8s_decode_deployment", "api_keys_file",
 }
 AUTOSCALED = {"autoscaler": {"enabled": True, "policy": "queue", "ttftSloS": 1.5, "minDecode": 2, "maxDecode": 6},
               "decode": {"replicas": 2}}

@@ -181,8 +181,17 @@ The command of a Ray driver pod (controller, gateway): join Ray as a node withou
 - >-
   ray start --address={{ include "pdserve.headAddress" .root }} --num-cpus=0 {{ include "pdserve.nodeIpFlag" .root }} &&
   exec pdserve {{ .command }} --config /etc/pdserve/spec.yaml --host 0.0.0.0 --port 8000
-  --ray-address auto --redis-url "$PDSERVE_REDIS_URL"
+  --ray-address auto --redis-url "$PDSERVE_REDIS_URL"{{ with .args }} {{ . }}{{ end }}
 {{- end }}
+
+{{/* The gateways' named API keys: whether any are configured, and the Secret holding their file. */}}
+{{- define "pdserve.apiKeysOn" -}}
+{{- if or .Values.gateway.apiKeys.keys .Values.gateway.apiKeys.existingSecret }}true{{ end }}
+{{- end }}
+{{- define "pdserve.apiKeysSecret" -}}
+{{- .Values.gateway.apiKeys.existingSecret | default (printf "%s-api-keys" (include "pdserve.fullname" .)) }}
+{{- end }}
+{{- define "pdserve.apiKeysDir" -}}/etc/pdserve-api-keys{{- end }}
 
 {{/* The spec volume of the controller and gateways, their /dev/shm and the user's extras. */}}
 {{- define "pdserve.driverVolumes" -}}
