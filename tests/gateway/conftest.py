@@ -12,8 +12,22 @@ import pytest
 from cluster.cli.serve import build, serve_in_thread
 from cluster.spec import ClusterSpec
 from decode_worker.llm import LLM
+from engine.loader import resolve_model_path
+from engine.tokenizer import Tokenizer
+from tests.gateway.fakes import FakeCluster
 
 HERMES = Path(__file__).parent / "chat_templates" / "hermes.jinja"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """SmolLM2's tokenizer, for apps over a FakeCluster."""
+    return Tokenizer.from_path(resolve_model_path("smollm2"))
+
+
+@pytest.fixture
+def cluster():
+    return FakeCluster()
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,6 @@ import pytest
 from fastapi.testclient import TestClient
 
 from cluster.cli.serve import serve_in_thread
-from engine.loader import resolve_model_path
-from engine.tokenizer import Tokenizer
 from gateway.api_keys import (APIKey, APIKeyManager, KeyLimitError, configured_keys, hash_api_key,
                               load_api_keys)
 from gateway.app import create_app
@@ -27,16 +25,6 @@ from tests.gateway.fakes import TOKENS, FakeCluster
 pytestmark = pytest.mark.timeout(120)
 KEY_A, KEY_B = "sk-team-a-7f3c9e1d2b", "sk-team-b-0a4e6c8d1f"
 A, B = {"Authorization": f"Bearer {KEY_A}"}, {"Authorization": f"Bearer {KEY_B}"}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return Tokenizer.from_path(resolve_model_path("smollm2"))
-
-
-@pytest.fixture
-def cluster():
-    return FakeCluster()
 
 
 def keys(a: dict | None = None, b: dict | None = None) -> list[APIKey]:

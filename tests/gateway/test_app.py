@@ -17,16 +17,6 @@ from tests.gateway.fakes import TOKENS, FakeCluster, fake_logprobs
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return Tokenizer.from_path(resolve_model_path("smollm2"))
-
-
-@pytest.fixture
-def cluster():
-    return FakeCluster()
-
-
 @pytest.fixture
 def client(cluster, tokenizer):
     return TestClient(create_app(cluster, tokenizer, "smollm2", FakeCluster.max_model_len))
