@@ -28,14 +28,14 @@ import logging
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
 from bench import multihost_net as net
 from bench.chaos_faults import FAULT_KINDS, Fault, Injector, Kubelet
 from bench.chaos_load import PROMPTS, VIOLATIONS, Load, reference_texts
-from bench.chart_pods import ChartPods
+from bench.chart_pods import BED_AUTH, ChartPods
 
 logger = logging.getLogger(__name__)
 MEMORY_BOUND = (1.5, 512.0)  # a pod may reach 1.5 x its first sample at spec + 512 MiB
@@ -53,6 +53,7 @@ class ChaosConfig:
     kinds: tuple[str, ...] = FAULT_KINDS
     num_prefill: int = 1
     num_decode: int = 1
+    headers: dict = field(default_factory=lambda: dict(BED_AUTH))  # the gateways' API key
 
 
 class Chaos:
@@ -77,7 +78,7 @@ class Chaos:
 
     def run(self) -> dict:
         load = Load(self.gateways, self.references, self.config.concurrency, self.config.seed,
-                    self.config.deadline_s).start()
+                    self.config.deadline_s, headers=self.config.headers).start()
         try:
             self._wait_at_spec("the start")
             self._sample_memory(baseline=True)
@@ -134,7 +135,7 @@ class Chaos:
 
     def _probe(self, url: str) -> bool:
         body = {"model": "smollm2", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        r = httpx.post(url + "/v1/completions", json=body, headers=self.config.headers, timeout=60)
         return r.status_code == 200 and r.json()["choices"][0]["text"] == self.references[("completion", PROMPTS[0], 8)]
 
     def _pause(self, seconds: float) -> None:

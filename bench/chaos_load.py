@@ -70,11 +70,12 @@ class RequestRecord:
 
 class Load:
     """`concurrency` client threads, each sending one request after another to a random gateway
-    of `gateways()` (a callable: the set changes as pods die), until `stop()`."""
+    of `gateways()` (a callable: the set changes as pods die), with `headers`, until `stop()`."""
 
     def __init__(self, gateways, references: dict, concurrency: int, seed: int, deadline_s: float,
-                 abort_fraction: float = 0.1, n_fraction: float = 0.2):
+                 abort_fraction: float = 0.1, n_fraction: float = 0.2, headers: dict | None = None):
         self.gateways, self.references, self.deadline_s = gateways, references, deadline_s
+        self.headers = headers or {}  # e.g. the API key
         self.abort_fraction, self.n_fraction = abort_fraction, n_fraction
         self.records: list[RequestRecord] = []
         self._ids = itertools.count()
@@ -127,7 +128,7 @@ class Load:
         path = "/v1/chat/completions" if r.kind == "chat" else "/v1/completions"
         timeout = httpx.Timeout(self.deadline_s, connect=10.0)
         try:
-            with httpx.stream("POST", url + path, json=body, timeout=timeout) as resp:
+            with httpx.stream("POST", url + path, json=body, headers=self.headers, timeout=timeout) as resp:
                 if resp.status_code != 200:
                     resp.read()
                     self._end(r, "error", f"HTTP {resp.status_code}: {resp.text[:200]}")

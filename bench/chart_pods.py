@@ -41,6 +41,7 @@ What a kubelet would do, and what happens here:
 from __future__ import annotations
 
 import base64
+import hashlib
 import logging
 import re
 import shlex
@@ -59,15 +60,23 @@ logger = logging.getLogger(__name__)
 
 CHART = Path(__file__).resolve().parents[1] / "deploy" / "helm" / "pdserve"
 REPO = CHART.parents[2]
+# The bed's API keys (test keys, no secret): "bed" unlimited, which every bed client sends, and
+# "tight", one request per 20 s, which a test exceeds.
+BED_API_KEY, BED_TIGHT_KEY = "pdserve-bed-key", "pdserve-bed-tight-key"
+BED_MAX_REQUEST_BYTES = 64 * 1024
 # SmolLM2 in fp32 on CPU, 1 prefill + 1 decode instance, the release's Redis, 2 gateways.
 BED_VALUES = {
     "spec": {"model": "smollm2", "dtype": "float32", "device": "cpu", "num_kv_blocks": 256, "num_threads": 1,
-             "heartbeat_ttl_s": 3},
+             "heartbeat_ttl_s": 3, "max_request_bytes": BED_MAX_REQUEST_BYTES},
     "redis": {"enabled": True},
     "prefill": {"replicas": 1},
     "decode": {"replicas": 1},
-    "gateway": {"replicas": 2},
+    "gateway": {"replicas": 2, "apiKeys": {"keys": [
+        {"name": "bed", "sha256": hashlib.sha256(BED_API_KEY.encode()).hexdigest()},
+        {"name": "tight", "sha256": hashlib.sha256(BED_TIGHT_KEY.encode()).hexdigest(),
+         "requests_per_second": 0.05, "burst": 1}]}},
 }
+BED_AUTH = {"Authorization": f"Bearer {BED_API_KEY}"}
 STAGES = (("redis", "ray-head"), ("prefill", "decode"), ("controller",), ("gateway",))
 SHORT = {"ray-head": "head", "controller": "ctl", "gateway": "gw", "prefill": "pf", "decode": "dc"}
 PROBES = ("startupProbe", "livenessProbe", "readinessProbe")

@@ -7,6 +7,7 @@ import time
 
 import httpx
 
+from bench.chart_pods import BED_AUTH
 from tests.multihost.conftest import MAX_TOKENS
 
 
@@ -24,7 +25,8 @@ class Stream:
 
     def _run(self, url: str, body: dict) -> None:
         try:
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+            # the chart's gateways need the bed's key; a bed server without keys ignores it
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=BED_AUTH, timeout=300) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
                         self._on_chunk(json.loads(line[6:]))

@@ -7,6 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from bench.chart_pods import BED_AUTH
+
 pytestmark = pytest.mark.timeout(600)
 CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": 8, "temperature": 0}
@@ -18,7 +20,7 @@ def of(chart, component: str) -> list[str]:
 
 def chat(url: str) -> str:
     """A greedy chat completion through `url`: its text (asserting 200)."""
-    r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=120)
+    r = httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=BED_AUTH, timeout=120)
     assert r.status_code == 200, (url, r.text)
     return r.json()["choices"][0]["message"]["content"]
 

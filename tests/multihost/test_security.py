@@ -1,15 +1,18 @@
 """Only the cluster's own processes get in (docs/security.md), on the Helm chart's pods: a foreign
 process on a host of its own, in the pods' network but holding none of the chart's Secrets,
 speaks the KV protocol to the decode instance and commands to Redis, and is refused and counted;
-the decode instance's cache stays empty and the cluster serves on."""
+the decode instance's cache stays empty and the cluster serves on. And the gateways' API keys:
+a key over its rate is refused while another is served; a body too big never reaches the router."""
 from __future__ import annotations
 
 import base64
 import json
 import sys
 
+import httpx
 import pytest
 
+from bench.chart_pods import BED_AUTH, BED_MAX_REQUEST_BYTES, BED_TIGHT_KEY
 from bench.multihost import HostSpec
 from tests.multihost.conftest import PROMPTS
 from tests.multihost.test_gateways import checked, instances, pods_of, wait_until
@@ -98,3 +101,35 @@ def _redis(chart, cli: list[str], password: str, *command: str) -> str:
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
+
+
+def _key_outcomes(url: str) -> dict[tuple[str, str], float]:
+    """The gateway's pdserve_api_key_requests_total by (key name, outcome)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {(s.labels["key"], s.labels["outcome"]): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == "pdserve_api_key_requests_total"}
+
+
+def test_a_key_over_its_rate_gets_429_while_another_is_served_and_a_big_body_413(chart):
+    """The chart's keys (bench/chart_pods.py BED_VALUES): "tight" allows one request per 20 s, so
+    its second is answered 429 with Retry-After while "bed" is served; a body past the spec's
+    max_request_bytes is answered 413 by the gateway's guard, before the body is parsed or
+    routed; a key not in the file, 401."""
+    url = chart.url(pods_of(chart, "gateway")[0])
+    body = {"model": "smollm2", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    tight = {"Authorization": f"Bearer {BED_TIGHT_KEY}"}
+    before = _key_outcomes(url)
+    answers = [httpx.post(url + "/v1/completions", json=body, headers=tight, timeout=120) for _ in range(2)]
+    assert [a.status_code for a in answers] == [200, 429], answers[1].text
+    assert answers[1].json()["error"]["code"] == "rate_limit_exceeded" and int(answers[1].headers["retry-after"]) >= 1
+    assert httpx.post(url + "/v1/completions", json=body, headers=BED_AUTH, timeout=120).status_code == 200
+    big = httpx.post(url + "/v1/completions", headers=BED_AUTH, timeout=60,
+                     json={**body, "prompt": "x" * (BED_MAX_REQUEST_BYTES + 1)})
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large", big.text
+    stranger = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer guess"}, timeout=60)
+    assert stranger.status_code == 401
+    after = _key_outcomes(url)
+    grew = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+    assert grew == {("tight", "served"): 1, ("tight", "rate_limited"): 1, ("bed", "served"): 1,
+                    ("bed", "too_large"): 1, ("_none", "unauthorized"): 1}, grew
