@@ -31,7 +31,7 @@ def acl_file(path: Path, user: str, password: str) -> Path:
     """The chart's ACL (templates/_helpers.tpl pdserve.redisAcl): `default` off, `user` with the
     password's SHA-256, every command but @dangerous."""
     digest = hashlib.sha256(password.encode()).hexdigest()
-    path.write_text(f"user default off\nuser {user} on #{digest} ~* &* +@all -@dangerous\n")
+    path.write_text(f"user default off\nuser {user} on #{digest} ~* &* +@all -@dangerous +acl|log\n")
     return path
 
 

@@ -412,7 +412,7 @@ def test_redis_secret_holds_the_password_and_only_its_hash(rendered):
     password = data["password"]
     assert len(password) == 48 and password.isalnum()
     assert data["users.acl"] == (f"user default off\nuser pdserve on #{hashlib.sha256(password.encode()).hexdigest()} "
-                                 "~* &* +@all -@dangerous\n")
+                                 "~* &* +@all -@dangerous +acl|log\n")
     assert password not in data["users.acl"]
     assert _secret_data(manifests(), "pdserve-redis-auth")["password"] != password  # random per render, not fixed
 

@@ -80,14 +80,14 @@ def test_a_foreign_process_is_refused_by_the_kv_endpoint_and_by_redis(chart, rog
     redis_host = chart.address(pods_of(chart, "redis")[0])
     password = secret_value(chart, "-redis-auth", "password")
     cli = ["redis-cli", "-h", redis_host, "-p", "6379", "-e"]
+    denied_before = _refused_passwords(chart, password)
     for argv, refusal in [(["SET", "pdserve:rogue", "1"], "NOAUTH"),
                           (["--user", "pdserve", "--pass", "guess", "--no-auth-warning", "PING"], "WRONGPASS"),
                           (["--user", "default", "--pass", "guess", "--no-auth-warning", "PING"], "WRONGPASS")]:
         out = chart.bed.run(rogue, cli + argv, timeout=30)
         assert out.returncode != 0 and refusal in out.stdout + out.stderr, (argv, out.stdout, out.stderr)
-    # nothing was written; Redis' own count of refused passwords (INFO) is an admin command that
-    # the chart's ACL refuses the cluster's user too (-@dangerous), so it is not read here
-    assert _redis(chart, cli, password, "EXISTS", "pdserve:rogue") == "0"
+    assert _refused_passwords(chart, password) - denied_before == 2  # the two guesses, counted
+    assert _redis(chart, cli, password, "EXISTS", "pdserve:rogue") == "0"  # nothing written
 
     for s in [Stream(chart.url(pods_of(chart, "gateway")[0]), p) for p in PROMPTS[:2]]:
         checked(s, reference)
@@ -101,6 +101,16 @@ def _redis(chart, cli: list[str], password: str, *command: str) -> str:
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
+
+
+def _refused_passwords(chart, password: str) -> int:
+    """Redis' own count of refused logins (ACL LOG, reason auth), asked as the cluster's user."""
+    import redis
+    client = redis.Redis(chart.address(pods_of(chart, "redis")[0]), 6379, username="pdserve", password=password)
+    try:
+        return sum(int(e["count"]) for e in client.acl_log() if e["reason"] == "auth")
+    finally:
+        client.close()
 
 
 def _key_outcomes(url: str) -> dict[tuple[str, str], float]:

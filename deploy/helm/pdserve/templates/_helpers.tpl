@@ -108,11 +108,12 @@ pdserve
 {{/*
 The release's Redis ACL file for a password (the argument): `default` off, and the one user with
 the password's SHA-256 (so the plaintext is in no Redis config), all keys and commands but
-@dangerous (CONFIG, MODULE, DEBUG, SHUTDOWN, ...: what a stolen password could take a host with).
+@dangerous (CONFIG, MODULE, DEBUG, SHUTDOWN, ...: what a stolen password could take a host with),
+except ACL LOG (read-only: the refused logins, with the user names tried, never a password).
 */}}
 {{- define "pdserve.redisAcl" -}}
 user default off
-user {{ include "pdserve.redisUser" nil }} on #{{ sha256sum . }} ~* &* +@all -@dangerous
+user {{ include "pdserve.redisUser" nil }} on #{{ sha256sum . }} ~* &* +@all -@dangerous +acl|log
 {{ end }}
 
 {{/* Where the controller and the gateways find an external Redis' CA bundle. */}}
