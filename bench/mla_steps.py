@@ -59,7 +59,9 @@ def build(folder: Path, args: argparse.Namespace) -> dict[str, Path]:
 
 
 def config(folder: Path, args: argparse.Namespace, max_seqs: int, tokens: int) -> EngineConfig:
-    return EngineConfig(model=str(folder), num_threads=args.threads, device="cpu",
+    # fp32, as transfers() runs: `auto` is bf16 on a CPU with native bf16, which would halve the
+    # cache's bytes per token against the transfer's
+    return EngineConfig(model=str(folder), dtype="float32", num_threads=args.threads, device="cpu",
                         cache=CacheConfig(num_blocks=tokens // 16 + 8, block_size=16),
                         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=4096))
 

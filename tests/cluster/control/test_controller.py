@@ -59,6 +59,15 @@ def check_endpoints(controller: Controller) -> None:
     assert 'pdserve_controller_instances{health="healthy",role="decode"} 1.0' in text, text
 
 
+def check_readmitted(gateway: Frontend, iid: str, prompts, want) -> None:
+    """The gateway alone finds `iid` dead (a partition between the two): it attaches it again
+    once the controller has heartbeated it for a TTL since, and serves through it."""
+    gateway.router.mark_dead(iid, RuntimeError("a call timed out"))
+    assert not gateway.instances[iid].client.info.healthy
+    wait_for(lambda: gateway.instances[iid].client.info.healthy, 20, f"the gateway attaches {iid} again")
+    assert checked(generate(gateway, prompts)) == want
+
+
 def test_restarted_controller_adopts_and_gateways_follow(ray_session, tiny_path, redis_url):
     """1P1D under a controller, two gateways: both serve the colocated tokens; with the controller
     gone they still do; a new controller adopts both instances (same processes, nothing started);
@@ -108,14 +117,7 @@ def test_restarted_controller_adopts_and_gateways_follow(ray_session, tiny_path,
                  == sorted(controller.instances), 10, "the controller registers its instances again")
         assert all(sorted(g.instances) == sorted(controller.instances) for g in gateways)
         state.close()
-
-        # gateway 0 alone finds prefill-1 dead (a partition between the two): it attaches it again
-        # once the controller has heartbeated it for a TTL since
-        gateways[0].router.mark_dead("prefill-1", RuntimeError("a call timed out"))
-        assert not gateways[0].instances["prefill-1"].client.info.healthy
-        wait_for(lambda: gateways[0].instances["prefill-1"].client.info.healthy, 20,
-                 "gateway 0 attaches prefill-1 again")
-        assert checked(generate(gateways[0], prompts)) == want
+        check_readmitted(gateways[0], "prefill-1", prompts, want)
     finally:
         for g in gateways:
             g.shutdown()
