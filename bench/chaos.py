@@ -74,7 +74,7 @@ class Chaos:
         return self.pods.url(self.injector.of("controller")[0])
 
     def gateways(self) -> dict[str, str]:
-        return {n: self.pods.url(n) for n in self.injector.of("gateway") if self.kubelet.running(n)}
+        return {n: self.pods.url(n) for n in self.injector.of("gateway") if self.pods.running(n)}
 
     def run(self) -> dict:
         load = Load(self.gateways, self.references, self.config.concurrency, self.config.seed,
@@ -177,7 +177,7 @@ class Chaos:
         again after it restarted: its restarts are kubelet.restarts)."""
         for name in self.pods.pods:
             host = self.pods.bed.hosts.get(name)
-            if host is None or not self.kubelet.running(name):
+            if host is None or not self.pods.running(name):
                 continue
             rss = sum(_rss_mib(pid) for pid in net.netns_pids(host.link.netns))
             entry = self.memory.get(name)

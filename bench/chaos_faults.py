@@ -61,14 +61,11 @@ class Kubelet:
         self.lock, self.held, self.restarts = threading.RLock(), set(), []
         self._seen_dead: dict[str, float] = {}
 
-    def running(self, name: str) -> bool:
-        return self.pods._pods[name].running
-
     def tick(self) -> None:
         now = time.monotonic()
         with self.lock:
             for name in list(self.pods.pods):
-                if name in self.held or self.running(name):
+                if name in self.held or self.pods.running(name):
                     self._seen_dead.pop(name, None)
                 elif now - self._seen_dead.setdefault(name, now) >= self.delay_s:
                     logger.info("kubelet: %s exited, restarting it", name)

@@ -152,6 +152,10 @@ class ChartPods:
     def address(self, name: str) -> str:
         return self.bed.address(name)
 
+    def running(self, name: str) -> bool:
+        """Whether the pod's container is running (not exited, not killed)."""
+        return self._pods[name].running
+
     def url(self, name: str, port: str = "http") -> str:
         return f"http://{self.address(name)}:{self._port(self._pods[name], port)}"
 

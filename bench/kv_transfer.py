@@ -289,18 +289,18 @@ def _report(result: dict, args) -> None:
               f"{r['pdserve_vs_raw_one_message']:>9.2f} {r['pdserve_ms_per_request']:>7.1f} "
               f"{r['same_device_GBps']:>8.2f}G {r['same_device_vs_copy']:>8.2f} "
               f"{r['same_device_ms_per_request']:>7.1f}")
-    if args.kv_checksum:
-        print("with --kv-checksum (GB/s; per-round ratio to the same transport without, median)")
+    variants = [(args.kv_checksum, "--kv-checksum (GB/s; per-round ratio to the same transport without, median)",
+                 "checksum_GBps", "checksum_vs_plain"),
+                (args.control_auth_off, "--control-auth-off (GB/s unauthenticated; per-round ratio authenticated "
+                 "/ unauthenticated, median)", "noauth_GBps", "auth_vs_noauth")]
+    for on, title, rate, ratio in variants:
+        if not on:
+            continue
+        print(f"with {title}")
         for r in result["rows"]:
-            print(f"{r['slots']:>10} {r['tokens']:>7}  data channel {r['pdserve_checksum_GBps']:.2f}G "
-                  f"x{r['pdserve_checksum_vs_plain']:.3f}   same device {r['same_device_checksum_GBps']:.2f}G "
-                  f"x{r['same_device_checksum_vs_plain']:.3f}")
-    if args.control_auth_off:
-        print("with --control-auth-off (GB/s unauthenticated; per-round ratio authenticated / unauthenticated, median)")
-        for r in result["rows"]:
-            print(f"{r['slots']:>10} {r['tokens']:>7}  data channel {r['pdserve_noauth_GBps']:.2f}G "
-                  f"x{r['pdserve_auth_vs_noauth']:.3f}   same device {r['same_device_noauth_GBps']:.2f}G "
-                  f"x{r['same_device_auth_vs_noauth']:.3f}")
+            print(f"{r['slots']:>10} {r['tokens']:>7}  data channel {r['pdserve_' + rate]:.2f}G "
+                  f"x{r['pdserve_' + ratio]:.3f}   same device {r['same_device_' + rate]:.2f}G "
+                  f"x{r['same_device_' + ratio]:.3f}")
 
 
 if __name__ == "__main__":

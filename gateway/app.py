@@ -25,7 +25,7 @@ from gateway.logprobs import LogprobsFormatter
 from gateway.reasoning import get_reasoning_parser
 from gateway.tool_parsers import get_tool_parser
 from gateway import openapi
-from gateway.api_keys import DEFAULT_KEY_NAME, NO_KEY, APIKey, APIKeyManager, hash_api_key
+from gateway.api_keys import NO_KEY, APIKey, APIKeyManager, configured_keys
 from gateway.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import APIError, ChatCompletionRequest, CompletionRequest, make_id, now
@@ -230,7 +230,7 @@ def create_app(cluster, tokenizer, model_name: str, max_model_len: int | None, a
     `api_keys` (gateway/api_keys.py) and `api_key` (one more, unlimited, named "default"): the
     keys `/v1/...` takes (none: open); `max_request_bytes` bounds every body (413 past it);
     `max_prompt_tokens` bounds prompts below the context (400 past it)."""
-    keys = [*api_keys, *([] if api_key is None else [APIKey(DEFAULT_KEY_NAME, hash_api_key(api_key))])]
+    keys = [*api_keys, *configured_keys(api_key, None)]
     app = FastAPI(title="pdserve", version="0.1.0")
     gw = _Gateway(cluster, tokenizer, model_name, max_model_len, tool_call_parser, reasoning_parser,
                   max_prompt_tokens)

@@ -18,7 +18,7 @@ from cluster import redis_client
 from cluster.redis_client import RedisAuthError, connection_options, mask_url
 from cluster.redis_state import RedisState
 from cluster.state import InstanceRecord
-from tests.conftest import _free_port
+from tests.conftest import _free_port, stop_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,17 +55,8 @@ def start_redis_server(workdir: Path, *args: str, port_flag: str = "--port") -> 
                 return proc, port
             except OSError:
                 time.sleep(0.05)
-        stop(proc)
+        stop_server(proc)
     raise RuntimeError(f"redis-server did not start: {(workdir / f'redis-{port}.log').read_text()[-2000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def exercise_state(state: RedisState) -> None:
@@ -104,7 +95,7 @@ def acl_redis(tmp_path_factory) -> str:
     try:
         yield f"redis://127.0.0.1:{port}/0"
     finally:
-        stop(proc)
+        stop_server(proc)
 
 
 def test_password_from_env_admits_the_state(acl_redis, monkeypatch):
@@ -253,7 +244,7 @@ def tls_redis(tmp_path_factory) -> tuple[str, Path]:
     try:
         yield f"rediss://127.0.0.1:{port}/0", cert
     finally:
-        stop(proc)
+        stop_server(proc)
 
 
 def test_tls_with_the_ca_file(tls_redis, monkeypatch):

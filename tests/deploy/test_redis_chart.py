@@ -129,7 +129,8 @@ def test_release_redis_admits_only_the_chart_password(tmp_path, monkeypatch):
 
     from cluster.redis_client import RedisAuthError
     from cluster.redis_state import RedisState
-    from tests.cluster.test_redis_auth import ENV, exercise_state, start_redis_server, stop
+    from tests.cluster.test_redis_auth import ENV, exercise_state, start_redis_server
+    from tests.conftest import stop_server
     objects = manifests()
     data = _secret_data(objects, "pdserve-redis-auth")
     server = container(one(objects, "Deployment", "pdserve-redis"))
@@ -167,4 +168,4 @@ def test_release_redis_admits_only_the_chart_password(tmp_path, monkeypatch):
             with pytest.raises(RedisAuthError):
                 RedisState(url)
     finally:
-        stop(proc)
+        stop_server(proc)
