@@ -137,6 +137,8 @@ _HELP = {
                      "(docs/gateway.md, \"API keys and limits\")",
     "max_request_bytes": "largest HTTP request body, bytes; a larger one is answered 413 before it is parsed",
     "max_prompt_tokens": "longest prompt, tokens, answered 400 past it (None: only the model's context bounds it)",
+    "drain_timeout_s": "on SIGTERM a gateway refuses new requests and lets running ones finish for up to this "
+                       "long, then ends each one left with an error chunk (a stream) or a 503 (docs/deploy.md)",
     "chat_template": "a Jinja chat template file used instead of the model's (e.g. one that renders tools)",
     "tool_call_parser": "how the model writes tool calls, for tool_choice auto: hermes, llama3_json or mistral "
                         "(None: auto is refused; required and named choices need no parser)",
@@ -220,6 +222,7 @@ class ClusterSpec:
     api_keys_file: str | None = None  # gateway/api_keys.py: named keys as SHA-256 hashes, with per-key limits
     max_request_bytes: int = 8 * 1024 * 1024  # gateway/guard.py: 413 past it, before parsing
     max_prompt_tokens: int | None = None  # 400 past it; None: the context is the only bound
+    drain_timeout_s: float = 30.0  # gateway/drain.py: SIGTERM lets running requests finish up to this
     chat_template: str | None = None  # a Jinja file in place of the model's chat template
     tool_call_parser: str | None = None  # gateway/tool_parsers.py: tool_choice auto reads calls with it
     reasoning_parser: str | None = None  # gateway/reasoning.py: <think> ... </think> -> reasoning_content
@@ -309,7 +312,7 @@ class ClusterSpec:
                      "ttft_slo_s", "tbt_slo_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("scale_headroom", "scale_up_cooldown_s", "scale_down_cooldown_s"):
+        for name in ("scale_headroom", "scale_up_cooldown_s", "scale_down_cooldown_s", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("gpu_memory_utilization", "prefill_gpu_memory_utilization", "decode_gpu_memory_utilization"):
