@@ -12,7 +12,7 @@ import threading
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 class _Families:
@@ -32,6 +32,8 @@ class _Families:
         for (role, health), n in sorted(counts.items()):
             gauge.add_metric([role, health], n)
         yield gauge
+        yield CounterMetricFamily("pdserve_controller_supervise_errors", "faults the instance supervisor survived "
+                                  "(logged with their traceback)", value=self.controller.supervise_errors)
         if self.controller.autoscaler is not None:
             yield from self.controller.autoscaler.collect()
 

@@ -58,6 +58,7 @@ class Controller(Adoption, RankSetup):
                             if spec.cpus_per_rank is not None else None)  # each node's pinned cores
         self._start_lock = threading.Lock()  # one instance starts at a time on shared GPUs
         self._dead_ids: list[str] = []  # dead instances, kept in the cluster state as such until shutdown
+        self.supervise_errors = 0  # faults the supervisor survived (pdserve_controller_supervise_errors_total)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         # not joined: a namespace of our own, so leftovers of another cluster on this Ray never collide
@@ -368,15 +369,12 @@ class Controller(Adoption, RankSetup):
         last_try = time.monotonic() if owed else 0.0
         ttl = self.spec.heartbeat_ttl_s
         while not self._stop.wait(ttl / 3):
-            self._probe_all(ttl)
-            for iid, inst in list(self.instances.items()):
-                if not self.spec.replace_dead_instances:
-                    break
-                if not (inst.client.info.healthy or inst.client.info.draining):
-                    logger.warning("instance %s is dead; replacing it", iid)
-                    self._nodes.suspect(inst.node_id)
-                    self.remove_instance(iid, dead=True)
-                    owed.append(inst.role)
+            try:
+                self._probe_all(ttl)
+                self._replace_dead(owed)
+            except Exception:  # NOTE: this thread must outlive any fault (a Redis cut mid-call): say so, go on
+                self.supervise_errors += 1
+                logger.exception("supervising the instances failed (%d so far); retrying", self.supervise_errors)
             if owed and time.monotonic() - last_try >= retry_s:
                 last_try = time.monotonic()
                 try:
@@ -385,6 +383,17 @@ class Controller(Adoption, RankSetup):
                 except Exception as exc:  # no room in Ray, model load failed: keep serving, say so
                     logger.warning("cannot start the owed %s instance yet (retry in %.0f s): %s",
                                    owed[0], retry_s, exc)
+
+    def _replace_dead(self, owed: list[str]) -> None:
+        """Every dead instance removed (marked dead) and its role owed a new one."""
+        for iid, inst in list(self.instances.items()):
+            if not self.spec.replace_dead_instances:
+                break
+            if not (inst.client.info.healthy or inst.client.info.draining):
+                logger.warning("instance %s is dead; replacing it", iid)
+                self._nodes.suspect(inst.node_id)
+                owed.append(inst.role)  # first: what follows may fail, and the pool must not shrink
+                self.remove_instance(iid, dead=True)
 
     def _probe_all(self, ttl: float) -> None:
         """One load() call to every healthy instance at once; an instance dead, or silent for
@@ -445,15 +454,19 @@ class Controller(Adoption, RankSetup):
     def _destroy(self, inst: Instance, dead: bool = False) -> None:
         """Stops the instance's ranks and frees its node. A `dead` one keeps its record in the
         cluster state, marked dead (until shutdown), and is not asked to stop: it cannot answer."""
+        if dead:
+            self._dead_ids.append(inst.instance_id)
         try:
             self.state.drop_instance_hashes(inst.instance_id)
             if dead:
                 self.state.set_health(inst.instance_id, "dead")
-                self._dead_ids.append(inst.instance_id)
             else:
                 self.state.remove(inst.instance_id)
         except KeyError:
             pass
+        except Exception as exc:  # the state store unreachable: the ranks still stop; its heartbeat expires
+            logger.warning("cannot record %s as %s in the cluster state (%s); its heartbeat will expire",
+                           inst.instance_id, "dead" if dead else "removed", exc)
         if not self.use_ray:
             inst.ranks[0].shutdown()
             return
