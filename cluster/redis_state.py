@@ -3,6 +3,7 @@ controller, every gateway, `pdserve status`. Interface and semantics: cluster/st
 (credentials, TLS, masked URL): cluster/redis_client.py."""
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -40,6 +41,7 @@ end
 return 1
 """
 _LOAD_PREFIX = "load:"
+logger = logging.getLogger(__name__)
 
 
 class RedisState(ClusterState):
@@ -70,13 +72,29 @@ class RedisState(ClusterState):
         self._hset_if_exists = self._redis.register_script(_HSET_IF_EXISTS)
         self._heartbeat = self._redis.register_script(_HEARTBEAT)
         self._sadd_if_exists = self._redis.register_script(_SADD_IF_EXISTS)
+        self.malformed_records = 0  # records skipped as unreadable (_decode)
+        self._malformed_ids: set[str] = set()
 
     def _key(self, *parts: str) -> str:
         return ":".join((self.namespace, *parts))
 
     def _decode(self, instance_id: str, fields: dict[bytes, bytes]) -> InstanceRecord | None:
+        """The record, or None when there is none or it cannot be read: one malformed record (a
+        stranger's write, an older version's) is skipped, logged once and counted, so every
+        reader's view of the others goes on."""
         if not fields:
             return None
+        try:
+            return self._record(instance_id, fields)
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:  # msgpack's errors are ValueErrors
+            self.malformed_records += 1
+            if instance_id not in self._malformed_ids:
+                self._malformed_ids.add(instance_id)
+                logger.warning("cluster state: the record of %r is malformed (%s: %s); skipped",
+                               instance_id, type(exc).__name__, str(exc)[:200])
+            return None
+
+    def _record(self, instance_id: str, fields: dict[bytes, bytes]) -> InstanceRecord:
         values = {k.decode(): _unpack(v) for k, v in fields.items()}
         load = {k[len(_LOAD_PREFIX):]: v for k, v in values.items() if k.startswith(_LOAD_PREFIX)}
         return InstanceRecord(instance_id=instance_id, role=values["role"], tp_size=values["tp_size"],

@@ -302,3 +302,19 @@ def test_redis_states_share_one_namespace(redis_url):
     finally:
         for s in (a, b, other):
             s.close()
+
+
+@pytest.mark.parametrize("spoil", [{b"role": b"\xc1"}, {b"tp_size": None}], ids=["not msgpack", "field missing"])
+def test_a_malformed_redis_record_is_skipped_not_fatal(redis_url, spoil):
+    """One record a stranger (or an older version) spoiled is skipped, logged once and counted;
+    every reader still lists the other instances, so no gateway's sync stops on it."""
+    state = RedisState(redis_url, namespace="malformed")
+    state._redis.flushdb()
+    state.register(create_record("decode-0"))
+    state.register(create_record("decode-1"))
+    key = state._key("inst", "decode-1")
+    for field, value in spoil.items():
+        state._redis.hdel(key, field) if value is None else state._redis.hset(key, field, value)
+    assert ids(state.list_instances()) == ["decode-0"] and state.get("decode-1") is None
+    assert ids(state.list_instances()) == ["decode-0"] and state.malformed_records == 3
+    state.close()
