@@ -1,6 +1,7 @@
 """What the router does when an attempt fails: retry it elsewhere, recompute it on its decode
-instance, or give up; and an instance found dead. Every method runs under the router's lock
-(router/router.py); calls to instances are deferred until it is released."""
+instance, or give up; an instance found dead; and the guards around its handlers (an exception in
+one fails only the request it was handling). Every method but `_place_guarded` and `_safe` runs
+under the router's lock (router/router.py); calls to instances are deferred until it is released."""
 from __future__ import annotations
 
 import logging
@@ -75,10 +76,72 @@ class Failures:
                 self._deferred.append((client.abort, tracked.attempt_id))
 
     def _safe(self, fn, *args) -> None:
+        """A call deferred until the lock was released (an abort): never raises."""
         try:
             fn(*args)
         except InstanceDeadError:
             pass
+        except Exception:  # nothing waits on it: logged and counted, the caller's thread goes on
+            logger.exception("deferred call %s%s failed", getattr(fn, "__qualname__", fn), args)
+            with self._lock:
+                self.handler_errors["deferred"] += 1
+
+    # -- guards: an exception fails only the request it was about ---------------------------------
+    def _place_guarded(self, tracked: Tracked) -> bool:
+        """`_place` (not under the lock), except that an exception fails this request alone (an
+        explicit error) and returns True: it has ended."""
+        try:
+            return self._place(tracked)
+        except Exception as exc:
+            with self._locked():
+                self._handler_failed("place", exc, tracked)
+            return True
+
+    def _handle_events(self, handler: str, handle, events: list) -> None:
+        """Under the lock: each event to `handle`; one that raises fails only its own request (an
+        explicit error) and the rest are handled."""
+        for event in events:
+            tracked = self._by_attempt.get(event.request_id)  # before the handler can change the tables
+            try:
+                handle(event)
+            except Exception as exc:
+                self._handler_failed(handler, exc, tracked)
+
+    def _handler_failed(self, handler: str, exc: Exception, tracked: Tracked | None) -> None:
+        """Under the lock: `handler` raised over `tracked`'s request (a bug, or an error no path
+        expects). Only that request ends, with an explicit error; counted in `handler_errors`."""
+        self.handler_errors[handler] += 1
+        rid = None if tracked is None else tracked.request_id
+        logger.error("router handler %s raised on request %s; that request fails", handler, rid, exc_info=exc)
+        if tracked is not None:
+            self._fail_request(tracked, f"internal error in the router ({handler}: {type(exc).__name__})")
+        self._wake.notify_all()  # whatever it held may be free now
+
+    def _fail_request(self, tracked: Tracked, reason: str) -> None:
+        """Under the lock: the whole request `tracked` belongs to (every choice) leaves the queue
+        and its instances, and each choice not ended yet ends with an error. Assumes nothing of
+        the state a raising handler left: it may have been half updated."""
+        root = tracked.parent or tracked
+        for t in [root, *root.choices]:
+            if t in self._pending:
+                self._pending.remove(t)
+            if t.done and self._by_attempt.get(t.attempt_id) is not t:
+                continue  # a choice that ended: nothing of it runs
+            self._by_attempt.pop(t.attempt_id, None)
+            for iid in {t.prefill_id, t.decode_id, *t.placing} - {None}:  # placing: any candidate may hold it
+                if (client := self._client(iid)) is not None:
+                    self._deferred.append((client.abort, t.attempt_id))
+            t.placing = ()
+        for t in root.choices or [root]:
+            if not t.done:
+                self.stats["failed"] += 1
+                try:
+                    self._finish(t, StreamEvent([], True, "error", reason))
+                except Exception:  # its consumer's listener raised: it is marked done all the same
+                    logger.exception("request %s: cannot deliver its end", t.request_id)
+        root.done = True
+        if self._live.get(root.request_id) is root:
+            del self._live[root.request_id]
 
     def mark_dead(self, iid: str, exc: Exception | None = None) -> None:
         """An instance died (found by this router's calls, or told by its owner): every attempt

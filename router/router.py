@@ -17,6 +17,10 @@ Locking: one lock guards the router's tables; it is never held across a call to 
 A placement decides under the lock (`_plan`), calls the instances without it (`_call`), then
 settles under it again (`_settle`); an attempt failed or aborted meanwhile is undone there.
 Calls that other code wants while holding the lock (aborts) are deferred until it is released.
+
+No thread dies silently: a handler that raises (placing one request, one event of an instance)
+fails only the request it was handling, with an explicit error, counted in `handler_errors`; what
+escapes a thread's loop anyway is logged, counted and the loop restarted (router/supervisor.py).
 """
 from __future__ import annotations
 
@@ -33,8 +37,13 @@ from router.client import DecodeClient, InstanceDeadError, PrefillClient
 from router.failures import Failures
 from router.policy import BaseRoutingPolicy
 from router.stream import RequestStream, StreamEvent, Tracked, indexed
+from router.supervisor import ThreadSupervisor
 
 logger = logging.getLogger(__name__)
+
+
+# what a guard catches an exception in (the label of pdserve_router_handler_errors_total)
+HANDLERS = ("place", "prefill_result", "decode_output", "deferred", "load")
 
 
 class QueueFullError(RuntimeError):
@@ -76,7 +85,8 @@ class Router(Failures):
         self._by_attempt: dict[str, Tracked] = {}
         self._pending: deque[Tracked] = deque()  # waiting for a decode instance to accept
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._supervisor = ThreadSupervisor(self._stop, backoff_s=poll_s)
+        self.handler_errors = dict.fromkeys(HANDLERS, 0)  # exceptions guards caught (each failed one request)
         # cumulative counters (the autoscaler's arrival rate and request shape come from these)
         self.stats = {"retries": 0, "failed": 0, "completed": 0, "submitted": 0, "prompt_tokens": 0,
                       "cached_prompt_tokens": 0, "output_tokens": 0, "instance_deaths": 0,
@@ -107,16 +117,23 @@ class Router(Failures):
         self._spawn(self._refresh_loads)
 
     def _spawn(self, target, *args) -> None:
-        t = threading.Thread(target=target, args=args, daemon=True, name=f"router-{target.__name__}")
-        t.start()
-        self._threads.append(t)
+        self._supervisor.spawn(target.__name__.lstrip("_"), target, *args)
+
+    @property
+    def thread_restarts(self) -> dict[str, int]:
+        """Thread kind (place_pending, collect, refresh_loads) -> restarts after it raised."""
+        return self._supervisor.restarts
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """Every thread the router started (a collector's ends when its instance dies)."""
+        return list(self._supervisor.threads)
 
     def close(self) -> None:
         self._stop.set()
         with self._lock:
             self._wake.notify_all()
-        for t in self._threads:
-            t.join(timeout=2 * self.poll_s + 1)
+        self._supervisor.join(timeout_s=2 * self.poll_s + 1)
 
     def add_instance(self, client: PrefillClient | DecodeClient) -> None:
         """A new instance joins while serving (placement starts using it at once)."""
@@ -124,7 +141,7 @@ class Router(Failures):
         with self._locked():
             (self.prefill if role == "prefill" else self.decode)[iid] = client
             self._wake.notify_all()
-        if self._threads:
+        if self._supervisor.threads:
             self._spawn(self._collect, iid)
 
     def drain(self, instance_id: str) -> None:
@@ -175,7 +192,7 @@ class Router(Failures):
             if queue_behind:
                 self._pending.append(tracked)
                 self._wake.notify_all()
-        if not queue_behind and not self._place(tracked):
+        if not queue_behind and not self._place_guarded(tracked):
             with self._locked():
                 self._pending.append(tracked)
         return [c.stream for c in tracked.choices] if tracked.choices else tracked.stream
@@ -340,27 +357,42 @@ class Router(Failures):
     def _place_pending(self) -> None:
         """The placement thread: queued and retried requests, first come first placed. When the
         head of the queue fits nowhere, it waits for capacity (a request finishing, an instance
-        joining) or 50 ms."""
+        joining) or 50 ms. Requests it took off the queue and had not placed when something
+        raised past the guards go back to its head (the supervisor restarts the thread)."""
         while not self._stop.is_set():
             with self._locked():
                 if not self._pending:
                     self._wake.wait(0.05)
-                batch = list(self._pending)
+                batch = deque(self._pending)
                 self._pending.clear()
-            for i, tracked in enumerate(batch):
-                if not self._place(tracked):
+            try:
+                self._place_batch(batch)
+            finally:
+                if batch:
                     with self._locked():
-                        self._pending.extendleft(reversed(batch[i:]))
-                        self._wake.wait(0.05)
-                    break
+                        self._pending.extendleft(reversed(batch))
+
+    def _place_batch(self, batch: deque[Tracked]) -> None:
+        """Places `batch` in order, taking each request off it once placed or ended. One that fits
+        nowhere goes back to the queue's head with those behind it; then it waits for capacity."""
+        while batch:
+            if not self._place_guarded(batch[0]):
+                with self._locked():
+                    self._pending.extendleft(reversed(batch))
+                    batch.clear()
+                    self._wake.wait(0.05)
+                return
+            batch.popleft()
 
     # -- events from instances -------------------------------------------------------------------------
     def _collect(self, iid: str) -> None:
         """One thread per instance: long-polls its events (decode outputs or prefill results)."""
-        if iid in self.prefill:
-            client, handle = self.prefill[iid], self._on_prefill_result
+        if (client := self.prefill.get(iid)) is not None:
+            handler, handle = "prefill_result", self._on_prefill_result
+        elif (client := self.decode.get(iid)) is not None:
+            handler, handle = "decode_output", self._on_decode_output
         else:
-            client, handle = self.decode[iid], self._on_decode_output
+            return  # removed before its collector started
         while not self._stop.is_set() and client.info.healthy:
             try:
                 events = client.poll_outputs(self.poll_s, self.client_id)
@@ -372,8 +404,7 @@ class Router(Failures):
                 self._stop.wait(self.poll_s)
                 continue
             with self._locked():
-                for event in events:
-                    handle(event)
+                self._handle_events(handler, handle, events)
 
     def _on_prefill_result(self, r) -> None:
         tracked = self._by_attempt.get(r.request_id)
@@ -454,4 +485,6 @@ class Router(Failures):
                         self.mark_dead(client.info.instance_id, exc)
                     except Exception:  # the thread must go on (the policy reads these loads)
                         logger.exception("reading the load of %s failed", client.info.instance_id)
+                        with self._locked():
+                            self.handler_errors["load"] += 1
 
