@@ -137,6 +137,8 @@ _HELP = {
                      "(docs/gateway.md, \"API keys and limits\")",
     "max_request_bytes": "largest HTTP request body, bytes; a larger one is answered 413 before it is parsed",
     "max_prompt_tokens": "longest prompt, tokens, answered 400 past it (None: only the model's context bounds it)",
+    "request_timeout_s": "deadline, seconds, of each generation request at the gateway, queueing included; past "
+                         "it the request is aborted and answered 504 (a stream: an error chunk)",
     "drain_timeout_s": "on SIGTERM a gateway refuses new requests and lets running ones finish for up to this "
                        "long, then ends each one left with an error chunk (a stream) or a 503 (docs/deploy.md)",
     "chat_template": "a Jinja chat template file used instead of the model's (e.g. one that renders tools)",
@@ -222,6 +224,7 @@ class ClusterSpec:
     api_keys_file: str | None = None  # gateway/api_keys.py: named keys as SHA-256 hashes, with per-key limits
     max_request_bytes: int = 8 * 1024 * 1024  # gateway/guard.py: 413 past it, before parsing
     max_prompt_tokens: int | None = None  # 400 past it; None: the context is the only bound
+    request_timeout_s: float = 600.0  # gateway/session.py: 504 past it, the request aborted
     drain_timeout_s: float = 30.0  # gateway/drain.py: SIGTERM lets running requests finish up to this
     chat_template: str | None = None  # a Jinja file in place of the model's chat template
     tool_call_parser: str | None = None  # gateway/tool_parsers.py: tool_choice auto reads calls with it
@@ -309,7 +312,7 @@ class ClusterSpec:
             if value is not None and value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
         for name in ("kv_memory_gib", "kv_transfer_timeout_s", "heartbeat_ttl_s", "autoscale_interval_s",
-                     "ttft_slo_s", "tbt_slo_s"):
+                     "ttft_slo_s", "tbt_slo_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("scale_headroom", "scale_up_cooldown_s", "scale_down_cooldown_s", "drain_timeout_s"):
