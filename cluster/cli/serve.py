@@ -20,6 +20,7 @@ from engine.loader import resolve_model_path
 from engine.tokenizer import Tokenizer
 from gateway.api_keys import APIKey, configured_keys
 from gateway.app import create_app
+from gateway.drain import Drain
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +79,20 @@ def _need_shared_cluster(spec: ClusterSpec, command: str) -> None:
                          "are separate processes that meet in Ray and the cluster state")
 
 
-def _run_uvicorn(app, spec: ClusterSpec, log_level: str, starting=None) -> int:
+def run_server(app, spec: ClusterSpec, log_level: str, starting=None, drain: bool = False) -> int:
     """Serves `app` until SIGTERM/SIGINT. `starting()` (if given) runs on a thread once the port
-    is open (probes answer meanwhile); when it raises, the server stops and 1 is returned."""
+    is open (probes answer meanwhile); when it raises, the server stops and 1 is returned.
+    `drain`: a gateway's; on the signal it drains for up to `spec.drain_timeout_s` (gateway/drain.py)
+    before it stops, instead of cutting what runs after 5 s."""
     import threading
 
     import uvicorn
+    if drain:
+        app = Drain(app, spec.drain_timeout_s)
     server = uvicorn.Server(uvicorn.Config(app, host=spec.host, port=spec.port, log_level=log_level,
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=app.grace_s if drain else 5))
+    if drain:
+        app.attach(server)
     failed = threading.Event()
 
     def start() -> None:
@@ -122,7 +129,7 @@ def serve_controller(spec: ClusterSpec, log_level: str = "info") -> int:
     logger.info("pdserve controller: %s, Ray namespace %s; health at http://%s:%d/health", spec.model,
                 spec.cluster_name, spec.host, spec.port)
     try:
-        return _run_uvicorn(app, spec, log_level, start)
+        return run_server(app, spec, log_level, start)
     finally:
         controller.shutdown(stop_instances=False)
 
@@ -140,7 +147,7 @@ def serve_gateway(spec: ClusterSpec, api_key: str | None = None, log_level: str 
     logger.info("pdserve gateway %s: OpenAI API at http://%s:%d/v1 (%d instances known; %s)", frontend.router.client_id,
                 spec.host, spec.port, len(frontend.instances), _describe_keys(access["api_keys"]))
     try:
-        return _run_uvicorn(app, spec, log_level)
+        return run_server(app, spec, log_level, drain=True)
     finally:
         frontend.shutdown()
 
@@ -184,13 +191,11 @@ def _paths(spec: ClusterSpec) -> str:
 
 
 def serve(spec: ClusterSpec, api_key: str | None = None, log_level: str = "info") -> int:
-    import uvicorn
     cluster, app = build(spec, _single_key(spec, api_key))
     counts = ", ".join(f"{n} {role} (tp={spec.tp_size(role)})" for role, n in spec.instance_counts.items())
     logger.info("pdserve: %s on %s [%s]", spec.model, counts, _paths(spec))
     logger.info("OpenAI API at http://%s:%d/v1", spec.host, spec.port)
     try:
-        uvicorn.run(app, host=spec.host, port=spec.port, log_level=log_level, timeout_graceful_shutdown=5)
+        return run_server(app, spec, log_level, drain=True)
     finally:
         cluster.shutdown()
-    return 0
