@@ -1,6 +1,8 @@
 """The Redis client of the cluster state (cluster/redis_state.py): credentials and TLS from the
 environment, so a password never sits in a ConfigMap or on a command line, or from the URL itself:
 
+    PDSERVE_REDIS_URL              the URL itself, when `--redis-url` is not given (a password in
+                                   a command line is refused: the process list shows it)
     PDSERVE_REDIS_USERNAME         ACL user (AUTH user password); unset = Redis' `default` user
     PDSERVE_REDIS_PASSWORD         its password, or
     PDSERVE_REDIS_PASSWORD_FILE    a file holding it (a mounted Secret key)
@@ -19,6 +21,7 @@ from urllib.parse import urlsplit
 
 logger = logging.getLogger(__name__)
 
+URL_ENV = "PDSERVE_REDIS_URL"  # the URL, where --redis-url is not given (cluster/cli/cli.py)
 USERNAME_ENV = "PDSERVE_REDIS_USERNAME"
 PASSWORD_ENV = "PDSERVE_REDIS_PASSWORD"
 PASSWORD_FILE_ENV = "PDSERVE_REDIS_PASSWORD_FILE"

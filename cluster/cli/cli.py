@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from cluster.cli.expert_plan import add_expert_plan
@@ -246,11 +247,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _redis_url_off_argv(args) -> None:
+    """`--redis-url` from PDSERVE_REDIS_URL when the flag is absent, and never a password on the
+    command line: every local user reads it in the process list, and Ray's job table shows a
+    driver's command line as its entrypoint. Refused, naming where it goes instead."""
+    from urllib.parse import urlsplit
+    from cluster.redis_client import PASSWORD_ENV, PASSWORD_FILE_ENV, URL_ENV, mask_url
+    url = getattr(args, "redis_url", None)
+    if url and (urlsplit(url).password is not None or "password=" in urlsplit(url).query):
+        raise ValueError(f"--redis-url {mask_url(url)} carries a password, which the process list and Ray's job "
+                         f"table would show: set {PASSWORD_ENV} or {PASSWORD_FILE_ENV}, or the whole URL in {URL_ENV}")
+    if url is None and hasattr(args, "config") and os.environ.get(URL_ENV):  # a command with the spec's flags
+        args.redis_url = os.environ[URL_ENV]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        _redis_url_off_argv(args)
         return args.func(args)
     except ValueError as exc:  # bad user input: a clear message, no traceback
         print(f"pdserve: error: {exc}", file=sys.stderr)
