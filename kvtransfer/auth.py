@@ -3,19 +3,26 @@ from it, both sides of the handshake (over any connection that sends and receive
 objects) and the per-message MACs. The protocol, and how a refused peer is handled, are in
 control.py's docstring; the threat model in docs/security.md.
 
-Where the secret comes from (cluster_secret): PDSERVE_CLUSTER_SECRET, else Ray's token
-(RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH names), which every process of a pdserve
-cluster holds (cluster/control/instance.py setup_ray_auth for a local cluster; the Helm chart
-gives every Ray pod RAY_AUTH_TOKEN from a Secret). With neither, a random secret is made for
-this process and put in its environment, so its own senders and receivers (and the processes it
-starts afterwards) agree; peers in other processes cannot connect to it.
+Where the secret comes from (cluster_secret): PDSERVE_CLUSTER_SECRET, the KV secret, at least
+MIN_SECRET_CHARS characters (a KV server refuses a shorter one at start: require_strong_secret).
+Without it, Ray's token (RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH names), which every
+process of a pdserve cluster holds (cluster/control/instance.py setup_ray_auth for a local
+cluster; the Helm chart gives every Ray pod RAY_AUTH_TOKEN from a Secret): that fallback works
+but is logged as a WARNING once per process, since whoever holds the Ray token (a Ray client,
+the dashboard's operators) then also holds the KV key; set PDSERVE_CLUSTER_SECRET apart from it.
+With neither, a random secret is made for this process and put in its environment, so its own
+senders and receivers (and the processes it starts afterwards) agree; peers in other processes
+cannot connect to it.
 
 The secret is never a MAC key itself: the KV key is HMAC-SHA256(secret, KV_CONTROL_LABEL), so a
 key that leaked from here does not give away Ray's token, and another use of the secret would
-derive a key of its own under another label.
+derive a key of its own under another label. KV payloads (not the control messages) are MAC'd
+with payload_key(session key) (checksum.py PartMac), so one connection's payload key says
+nothing of another's.
 """
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import os
@@ -26,6 +33,8 @@ logger = logging.getLogger(__name__)
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
 HANDSHAKE = "pdserve-kv-auth-v1"  # the challenge's first element: names the protocol and its version
 KV_CONTROL_LABEL = b"pdserve-kv-control-v1"
+KV_PAYLOAD_LABEL = b"pdserve-kv-payload-v1"
+MIN_SECRET_CHARS = 32  # 32 hex characters: 128 bits; `openssl rand -hex 32` gives 64
 NONCE_BYTES = 32
 _SEQ = struct.Struct(">Q")
 
@@ -44,18 +53,43 @@ def cluster_secret() -> bytes:
     environment on every call, so a process that sets it before building its transport uses it.
     Raises OSError when RAY_AUTH_TOKEN_PATH names a file that cannot be read: that is a
     misconfigured node, and a made-up secret would only refuse every peer later."""
-    secret = os.environ.get(SECRET_ENV) or os.environ.get("RAY_AUTH_TOKEN")
+    secret = os.environ.get(SECRET_ENV)
+    if not secret and (secret := os.environ.get("RAY_AUTH_TOKEN")):
+        _warn_ray_token_fallback()
     if not secret and (path := os.environ.get("RAY_AUTH_TOKEN_PATH")):
         with open(path, encoding="utf-8") as f:
             secret = f.read().strip()
         if not secret:
             raise OSError(f"RAY_AUTH_TOKEN_PATH names an empty file: {path}")
+        _warn_ray_token_fallback()
     if not secret:
         secret = secrets.token_hex(32)
         os.environ[SECRET_ENV] = secret  # the next call finds it: logged once per process
         logger.info("no %s or Ray token here: generated a per-process cluster secret; KV peers in other "
                     "processes (that did not inherit it) cannot connect to this one", SECRET_ENV)
     return secret.encode()
+
+
+@functools.cache  # once per process: every connection reads the secret
+def _warn_ray_token_fallback() -> None:
+    logger.warning("no %s: the KV channel's key is derived from the Ray token, so whoever holds that token can "
+                   "also speak to KV endpoints; set %s (at least %d characters) apart from it", SECRET_ENV,
+                   SECRET_ENV, MIN_SECRET_CHARS)
+
+
+def require_strong_secret() -> None:
+    """ValueError (one line, no secret in it) when PDSERVE_CLUSTER_SECRET is set and shorter than
+    MIN_SECRET_CHARS. A KV server calls it before listening (control.py), so a weak secret stops
+    the decode rank at start; a sender holding a weak secret is refused at the handshake anyway."""
+    secret = os.environ.get(SECRET_ENV)
+    if secret and len(secret) < MIN_SECRET_CHARS:
+        raise ValueError(f"{SECRET_ENV} has {len(secret)} characters, at least {MIN_SECRET_CHARS} are required "
+                         f"(e.g. the output of `openssl rand -hex 32`)")
+
+
+def payload_key(session_key: bytes) -> bytes:
+    """The key of one control connection's KV payload MACs: HMAC-SHA256(session key, KV_PAYLOAD_LABEL)."""
+    return hmac.digest(session_key, KV_PAYLOAD_LABEL, "sha256")
 
 
 def kv_control_key(secret: bytes | None = None) -> bytes:

@@ -8,7 +8,8 @@ handshake (`data_channel_kind`) and names in its welcome: gloo for CPU caches; f
 `HostStagedChannel` (host_staged.py: gloo through host memory) between two ranks of one GPU
 whose cache is not shared, since NCCL refuses a communicator with two ranks on one device.
 
-Channels rendezvous in the receiver's TCPStore under the prefix "pg/<channel>/".
+Channels rendezvous in a store of their own (rendezvous.py: made after the control handshake,
+bound to the receiver's host, under a random prefix); `open_channel` takes it prefixed.
 """
 from __future__ import annotations
 
@@ -89,11 +90,11 @@ def settle_event(channel: DataChannel, event, timeout_s: float) -> None:
 
 
 class GlooChannel(DataChannel):
-    def __init__(self, store: dist.Store, channel: int, rank: int, host: str, timeout_s: float):
+    def __init__(self, store: dist.Store, rank: int, host: str, timeout_s: float):
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timedelta(seconds=timeout_s)
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pg/{channel}/", store), rank, 2, opts)
+        self.pg = dist.ProcessGroupGloo(store, rank, 2, opts)
         self.peer = 1 - rank
 
     def isend(self, tensor: torch.Tensor, ready: object | None = None) -> object:
@@ -116,15 +117,16 @@ class GlooChannel(DataChannel):
             pass
 
 
-def open_channel(store: dist.Store, channel: int, rank: int, kind: str, device: torch.device, host: str,
+def open_channel(store: dist.Store, rank: int, kind: str, device: torch.device, host: str,
                  timeout_s: float) -> DataChannel:
-    """This end of channel `channel`, of `kind` (DATA_CHANNELS), for KV on `device` (blocks until
-    both ends joined, at most `timeout_s`)."""
+    """This end of a channel of `kind` (DATA_CHANNELS) rendezvousing in `store` (its own,
+    prefixed: rendezvous.py), for KV on `device` (blocks until both ends joined, at most
+    `timeout_s`)."""
     if kind == "nccl":
         from kvtransfer.nccl import NcclChannel
-        return NcclChannel(store, channel, rank, timeout_s, device)
+        return NcclChannel(store, rank, timeout_s, device)
     if kind == "host":
         from kvtransfer.host_staged import HostStagedChannel
-        return HostStagedChannel(GlooChannel(store, channel, rank, host, timeout_s), device)
+        return HostStagedChannel(GlooChannel(store, rank, host, timeout_s), device)
     assert kind == "gloo", kind
-    return GlooChannel(store, channel, rank, host, timeout_s)
+    return GlooChannel(store, rank, host, timeout_s)

@@ -53,6 +53,8 @@ MAX_MESSAGE_BYTES = 1 << 20  # a done with logprobs is under 1 KiB; a ready of a
 FRAME_OVERHEAD = 64  # msgpack array header, seq and MAC around a message's body
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection that has not proved the secret by then is refused
 REFUSAL_LOG_EVERY_S = 60.0  # one WARNING per refused host in this long (the rest at DEBUG; all counted)
+MAX_PENDING = 64  # connections in their handshake at once; more are closed unread
+ACCEPT_RETRY_S = 0.05  # after a failed accept or thread start (out of descriptors, threads)
 
 
 class ControlError(RuntimeError):
@@ -164,6 +166,8 @@ class _Connection:
 
 def _key(authenticate: bool, what: str) -> bytes | None:
     if authenticate:
+        if what == "server":
+            auth.require_strong_secret()
         return auth.kv_control_key()
     logger.warning("KV control %s without authentication: for a benchmark's comparison only", what)
     return None
@@ -175,11 +179,15 @@ class ControlServer:
     message (None: no reply), whose optional `close()` runs when the connection ends; `drop()`
     closes that connection from any thread. One thread per connection. Counts connections,
     messages, garbage and refused peers (auth_refused); a session that raises ControlGarbage
-    counts as garbage too. `authenticate=False`: bench/kv_transfer.py's comparison only."""
+    counts as garbage too. `authenticate=False`: bench/kv_transfer.py's comparison only.
+    `session_keys`: `open_session(drop, session_key)` instead, the connection's session key
+    (None without authentication), from which its payload MACs' key derives (auth.payload_key)."""
 
-    def __init__(self, host: str, open_session, schema: dict, backlog: int = 64, *, authenticate: bool = True):
-        self.open_session, self.schema = open_session, schema
+    def __init__(self, host: str, open_session, schema: dict, backlog: int = 64, *, authenticate: bool = True,
+                 max_pending: int = MAX_PENDING, session_keys: bool = False):
+        self.open_session, self.schema, self.session_keys = open_session, schema, session_keys
         self._key = _key(authenticate, "server")
+        self._pending = threading.BoundedSemaphore(max_pending)  # connections not yet past the handshake
         self.stats: Counter = Counter()
         self._refusals_logged: dict[str, float] = {}  # host -> when its last refusal was logged at WARNING
         self._listener = socket.create_server((host, 0), backlog=backlog)
@@ -204,24 +212,49 @@ class ControlServer:
                 conn.close()
 
     def _accept(self) -> None:
+        """Until closed, whatever one connection does (module docstring: bounds)."""
         while not self._closed.is_set():
             try:
                 sock, peer = self._listener.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if not self._closed.is_set():
+                    self._accept_failed("accept_errors", exc)
+                continue
+            if not self._pending.acquire(blocking=False):  # released once its handshake ended
+                self.stats["pending_refused"] += 1
+                sock.close()
+                continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Connection(sock, peer)
             with self._lock:
                 self._conns.add(conn)
             self.stats["connections"] += 1
-            threading.Thread(target=self._serve, args=(conn,), daemon=True, name="kv-control-conn").start()
+            try:
+                threading.Thread(target=self._serve, args=(conn,), daemon=True, name="kv-control-conn").start()
+            except RuntimeError as exc:  # "can't start new thread"
+                self._end(conn, pending=True)
+                self._accept_failed("thread_errors", exc)
+
+    def _accept_failed(self, what: str, exc: Exception) -> None:
+        self.stats[what] += 1
+        logger.warning("KV control: %s (counted in %s); the server goes on", exc, what)
+        time.sleep(ACCEPT_RETRY_S)
+
+    def _end(self, conn: _Connection, pending: bool) -> None:
+        conn.close()
+        with self._lock:
+            self._conns.discard(conn)
+        if pending:
+            self._pending.release()
 
     def _serve(self, conn: _Connection) -> None:
-        session = None
+        session, pending = None, True
         try:
             if self._key is not None:  # no session (nothing reaches a handler) before the peer proved the secret
                 self._challenge(conn)
-            session = self.open_session(conn.close)
+            pending = False
+            self._pending.release()
+            session = self._open(conn)
             while not self._closed.is_set():
                 msg = check(conn.recv(), self.schema)
                 self.stats["messages"] += 1
@@ -239,11 +272,14 @@ class ControlServer:
             self.stats["handler_errors"] += 1
             logger.exception("KV control: handler failed; dropping its connection")
         finally:
-            conn.close()
-            with self._lock:
-                self._conns.discard(conn)
+            self._end(conn, pending)
             if hasattr(session, "close"):
                 session.close()
+
+    def _open(self, conn: _Connection):
+        if not self.session_keys:
+            return self.open_session(conn.close)
+        return self.open_session(conn.close, None if conn.macs is None else conn.macs.key)
 
     def _challenge(self, conn: _Connection) -> None:
         """The server's side of the handshake: ControlAuthError when the peer fails it (or sends
@@ -310,6 +346,12 @@ class ControlClient:
         conn = self._conn
         if conn is not None:
             conn.close()
+
+    @property
+    def session_key(self) -> bytes | None:
+        """The current connection's session key (None: not connected, or unauthenticated)."""
+        conn = self._conn
+        return None if conn is None or conn.macs is None else conn.macs.key
 
     def closed_by_peer(self) -> bool:
         """Whether the server closed the current connection (its process ended): never blocks.

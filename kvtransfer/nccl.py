@@ -3,7 +3,8 @@
 CI (it needs two GPUs on two ranks; a one-GPU machine cannot form such a pair either).
 
 - A two-rank `ProcessGroupNCCL` per control connection, bootstrapped through the receiver's
-  TCPStore after the control handshake. Its watchdog is told to abort the communicator on an
+  rendezvous store (rendezvous.py) after the control handshake; NCCL bootstraps at the first
+  operation, so the receiver keeps that store until the channel closes. Its watchdog is told to abort the communicator on an
   error and leave the process alone (`TORCH_NCCL_ASYNC_ERROR_HANDLING=2`, "CleanUpOnly"; the
   default, 3, tears the process down), and our deadlines are shorter than its timeout, so the
   deadline always acts first: we abort the group, the requests on it fail, the process lives.
@@ -31,7 +32,7 @@ WATCHDOG_MARGIN_S = 60.0  # the group's own timeout sits this far past our deadl
 
 
 class NcclChannel(DataChannel):
-    def __init__(self, store: dist.Store, channel: int, rank: int, timeout_s: float, device: torch.device):
+    def __init__(self, store: dist.Store, rank: int, timeout_s: float, device: torch.device):
         """`device`: the KV cache's GPU (the calling thread's current device may be another)."""
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"  # read when the group is made
         opts = dist.ProcessGroupNCCL.Options()
@@ -39,7 +40,7 @@ class NcclChannel(DataChannel):
         self.device = device
         self.stream = torch.cuda.Stream(device)
         with torch.cuda.device(device):  # the communicator binds to the current device when it is made
-            self.pg = dist.ProcessGroupNCCL(dist.PrefixStore(f"pg/{channel}/", store), rank, 2, opts)
+            self.pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
         self.peer = 1 - rank
 
     def isend(self, tensor: torch.Tensor, ready: object | None = None) -> object:

@@ -29,6 +29,17 @@ Authentication (control.py, auth.py): a connection gets a `Session` only once it
 the cluster secret; one that does not, or whose message's MAC is wrong, is closed and counted
 (`auth_refused` in stats), and nothing it sent reaches a session or the cache.
 
+Data channels (rendezvous.py): each connection's hello (after the handshake) makes a store of
+its own on this rank's host, under a random prefix the welcome carries; the channel is built on
+it at `join` and the store stops once it is (NCCL, which bootstraps at its first operation: when
+the channel closes). No store of this rank listens beyond that, nor on another address.
+
+Payload MACs (checksum.py PartMac): on an authenticated connection with a data channel, `done`
+carries the sender's MAC of the part's payloads, keyed from the connection's session key; the
+session's own over what arrived must equal it before the request can be reported complete (so
+before it becomes runnable), or the part fails like a checksum mismatch (the request reported
+failed, its blocks freed by the instance), logged and counted (`kv_mac_mismatches`).
+
 Checksums (`compat.kv_checksum`, checksum.py): `done` carries the sender's checksum of the part;
 the session's own over what arrived must equal it, or the part fails like one from a lost peer
 (ack {ok: false}, the request reported failed), logged and counted (`kv_checksum_mismatches`).
@@ -40,18 +51,17 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from engine.threads import run_serially
-from kvtransfer import wire
+from kvtransfer import auth, wire
 from kvtransfer.base import CompletedTransfer, KVReceiver
 from kvtransfer.channel import RECEIVER, DataChannel, data_channel_kind, open_channel
 from kvtransfer.checksum import PartChecksum
 from kvtransfer.control import ControlGarbage, ControlServer
 from kvtransfer.params import CompatRecord
+from kvtransfer.rendezvous import Rendezvous
 from kvtransfer.scatter import scatter_layer, scatter_tokens, slot_runs, whole_blocks
 from kvtransfer.shared_cache import device_key, export_cache
 from kvtransfer.session import Part, Session
@@ -79,22 +89,22 @@ class Expected:
 
 class TorchDistReceiver(KVReceiver):
     def __init__(self, compat: CompatRecord, kv_cache: torch.Tensor, head_offset: int, host: str = "127.0.0.1",
-                 timeout_s: float = 10.0, share_cache: bool = False, kv_views=None, *, control_auth: bool = True):
+                 timeout_s: float = 10.0, share_cache: bool = False, kv_views=None, *, control_auth: bool = True,
+                 payload_mac: bool = True):
         """`share_cache`: offer senders on the same device (shared_cache.device_key) the cache
         itself, so they write into it (on a CPU it moves into shared memory). `kv_views`: the
         attention backend's, where the blocks are not in the torch layout: every layer is then
         scattered through them (no direct receives, no shared cache). `control_auth=False`: an
         unauthenticated control channel (control.py), for bench/kv_transfer.py's comparison only
-        (TorchDistTransport never passes it)."""
-        self.kv_views = kv_views
+        (TorchDistTransport never passes it), which has no payload MACs either; `payload_mac=False`:
+        none on an authenticated channel, for the same benchmark only."""
+        self.kv_views, self.payload_mac = kv_views, payload_mac and control_auth
         # kv_cache: (num_layers, 2, num_blocks, block_size, local_kv_heads, head_dim)
         assert kv_cache.dim() == 6 and kv_cache.shape[0] == compat.num_layers, kv_cache.shape
         self.compat, self.kv_cache, self.head_offset = compat, kv_cache, head_offset
         self.num_local_heads, self.timeout_s, self.host = kv_cache.shape[4], timeout_s, host
         self.block_size = kv_cache.shape[3]
         self.num_slots = kv_cache.shape[2] * self.block_size
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=timeout_s))
         self._lock = threading.Lock()
         self._receives_done = threading.Condition(self._lock)
         self._expected: dict[str, Expected] = {}
@@ -105,7 +115,9 @@ class TorchDistReceiver(KVReceiver):
         self._sessions: set[Session] = set()
         self.device_key = device_key(kv_cache.device)  # whether a sender is on this device, shared or not
         self.shared_cache, self.no_cache_reason = self._share(share_cache)
-        self._control = ControlServer(host, self._open_session, wire.SCHEMA, authenticate=control_auth)
+        self._closed = False
+        self._control = ControlServer(host, self._open_session, wire.SCHEMA, authenticate=control_auth,
+                                      session_keys=True)
 
     def _share(self, share_cache: bool) -> tuple[dict | None, str | None]:
         """The cache's description for senders on this device, or why there is none (logged)."""
@@ -126,11 +138,11 @@ class TorchDistReceiver(KVReceiver):
         logger.warning("KV receiver: same-device transport off (%s): senders on this device use the data channel", why)
         return None, why
 
-    def _open_session(self, drop) -> Session:
+    def _open_session(self, drop, session_key: bytes | None) -> Session:
         """On the connection's own thread, which scatters what arrives: its tensor ops run
         serially, so it starts no OpenMP team beside the step thread's (engine/threads.py)."""
         run_serially()
-        return Session(self, drop)
+        return Session(self, drop, auth.payload_key(session_key) if self.payload_mac and session_key else None)
 
     @property
     def endpoint_address(self) -> tuple[str, int]:
@@ -190,7 +202,9 @@ class TorchDistReceiver(KVReceiver):
         for session in sessions:
             if session.channel is not None:
                 session.channel.close()
-        self._store = None  # its server stops once the channels let go of their clients
+            session.end_rendezvous()
+        with self._lock:
+            self._closed = True
 
     # -- the sessions' calls -----------------------------------------------------------------------
     def count(self, key: str) -> None:
@@ -205,7 +219,7 @@ class TorchDistReceiver(KVReceiver):
 
     def on_hello(self, session: Session, msg: dict) -> dict:
         reply = {"kind": "welcome", "ok": False, "error": None, "compat": self.compat.to_dict(),
-                 "store_port": self._store.port, "channel": -1, "cache": None, "data_channel": "gloo",
+                 "store_port": 0, "store_prefix": "", "channel": -1, "cache": None, "data_channel": "gloo",
                  "no_cache_reason": None}
         try:
             reply["error"] = self.compat.mismatch(CompatRecord.from_dict(msg["compat"]))
@@ -229,20 +243,28 @@ class TorchDistReceiver(KVReceiver):
             reply["no_cache_reason"] = self.no_cache_reason
             logger.info("KV from %s (this device): no cache offered (%s): data channel %s", session.sender_id,
                         self.no_cache_reason, reply["data_channel"])
+        session.rendezvous = Rendezvous(self.host, self.timeout_s)  # its store, until `join` (or the connection) ends
+        reply["store_port"], reply["store_prefix"] = session.rendezvous.port, session.rendezvous.prefix
         reply["ok"] = True
         return reply
 
-    def open_data_channel(self, index: int, kind: str) -> DataChannel:
-        """This end of data channel `index` of `kind` (the welcome's). Rendezvous goes through the
-        master store object itself: one more client per connection made torch's TCPStore refuse
-        connections after a few."""
-        store = self._store
-        if store is None:
-            raise ControlGarbage("the receiver is closed")
+    def open_data_channel(self, session: Session) -> DataChannel:
+        """This end of `session`'s data channel, of the kind its welcome named, built in its
+        rendezvous store (rendezvous.py), which then stops unless NCCL still needs it."""
+        with self._lock:
+            if self._closed:
+                raise ControlGarbage("the receiver is closed")
+        if session.rendezvous is None:
+            raise ControlGarbage("join without a rendezvous")
         try:
-            return open_channel(store, index, RECEIVER, kind, self.kv_cache.device, self.host, self.timeout_s)
+            channel = open_channel(session.rendezvous.store(), RECEIVER, session.data_channel, self.kv_cache.device,
+                                   self.host, self.timeout_s)
         except (RuntimeError, OSError) as exc:  # the sender did not join in time
-            raise ControlGarbage(f"data channel {index} was not built: {exc}") from None
+            raise ControlGarbage(f"data channel {session.index} was not built: {exc}") from None
+        finally:
+            if session.data_channel != "nccl":
+                session.end_rendezvous()
+        return channel
 
     def on_begin(self, session: Session, msg: dict) -> dict:
         rid, lo = msg["request_id"], msg["head_start"] - self.head_offset
@@ -262,7 +284,8 @@ class TorchDistReceiver(KVReceiver):
                 direct = session.shared or (self.kv_views is None and lo == 0 and n_heads == self.num_local_heads
                                             and len(e.runs) <= MAX_DIRECT_RUNS)
                 part = Part(lo, n_heads, msg["num_tokens"], e.runs if direct else [],
-                            checksum=PartChecksum() if self.compat.kv_checksum else None)
+                            checksum=PartChecksum() if self.compat.kv_checksum else None,
+                            mac=session.part_mac(rid, msg["head_start"], msg["num_tokens"]))
                 session.parts[(rid, msg["head_start"])] = part
                 if session.shared:  # the part's slots are the sender's to write until its `done`
                     e.receiving += 1
@@ -333,6 +356,13 @@ class TorchDistReceiver(KVReceiver):
                 logger.warning("KV from %s: %s of %s (heads from %d)", session.sender_id, reply["error"], rid,
                                msg["head_start"])
                 self._stats["kv_checksum_mismatches"] += 1
+                self._fail(rid, reply["error"])
+                return reply
+            if part.mac is not None and not part.mac.verify(msg["mac"]):
+                reply["error"] = "KV payload MAC mismatch: bytes altered or injected on the data channel"
+                logger.warning("KV from %s: %s of %s (heads from %d): dropped", session.sender_id, reply["error"], rid,
+                               msg["head_start"])
+                self._stats["kv_mac_mismatches"] += 1
                 self._fail(rid, reply["error"])
                 return reply
             e.parts_done += 1

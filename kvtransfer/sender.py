@@ -25,6 +25,10 @@ names in its welcome (channel.py: data_channel_kind).
 
 With `compat.kv_checksum` each part's `done` carries a checksum of its payloads (checksum.py),
 taken from the tensors handed to the channel (or written into the shared cache) before they go.
+Over a data channel it also carries their MAC (checksum.py PartMac), keyed from the control
+connection's session key, so the receiver refuses bytes that someone else put on the channel.
+The channel rendezvouses in a store the receiver made for this connection, under the random
+prefix its welcome names (rendezvous.py).
 
 The control connection proves the cluster secret both ways before the hello, and every message
 carries a MAC (control.py, auth.py): a receiver that refuses this rank's secret, or cannot prove
@@ -39,18 +43,17 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from engine.threads import run_serially
-from kvtransfer import wire
+from kvtransfer import auth, wire
 from kvtransfer.base import IncompatiblePeerError, KVSender, Transfer, TransferError
 from kvtransfer.channel import DATA_CHANNELS, SENDER, DataChannel, open_channel
-from kvtransfer.checksum import PartChecksum
+from kvtransfer.checksum import PartChecksum, PartMac
 from kvtransfer.control import ControlClient
 from kvtransfer.params import CompatRecord, KVEndpoint
+from kvtransfer.rendezvous import join
 from kvtransfer.shared_cache import device_key, export_event, open_cache
 from kvtransfer.shared_writer import SharedCacheManager, SharedCacheWriter
 
@@ -72,6 +75,7 @@ class _Transfer(Transfer):
         self.posted_before_done = 0  # the peer's payload count when `done` was sent
         self.error: str | None = None
         self.checksum = PartChecksum() if peer.owner.compat.kv_checksum else None
+        self.mac: PartMac | None = None  # set once begun, on a connection with a payload key
         self._done = threading.Event()
         # time.monotonic() stamps: begin, finish() called (first token known), acknowledged
         self.begin_s, self.finish_s, self.acked_s = time.monotonic(), None, None
@@ -114,6 +118,7 @@ class _Peer:
         self.control = ControlClient(dest.address, wire.SCHEMA, authenticate=owner.control_auth)
         self.channel: DataChannel | None = None
         self.shared: SharedCacheWriter | None = None  # the receiver's cache, opened here (same device)
+        self.payload_key: bytes | None = None  # this connection's payload MAC key, once its data channel is built
         self.cache_pid: int | None = None  # the process whose cache `shared` is
         self.abandoned: str | None = None  # why another thread ended this connection
         self.inflight: deque = deque()  # (number, send handle, payload) posted, not yet waited on
@@ -245,6 +250,8 @@ class _Peer:
             except (wire.WireError, ValueError) as exc:
                 raise TransferError(f"{self.name} answered begin with bad runs: {exc}") from None
             t.begun, t.runs = True, ready["runs"]
+            if self.payload_key is not None:
+                t.mac = PartMac(self.payload_key, t.request_id, t.head_start, t.num_tokens)
         if kind == "layer":
             if self.shared is not None:
                 return self._write_layer(t, a, *b)
@@ -259,7 +266,8 @@ class _Peer:
         self.control.send({"kind": "done", "request_id": t.request_id, "head_start": t.head_start,
                            "num_layers": t.num_layers_sent, "first_token": a, "logprobs": wire.pack_logprobs(b[0]),
                            "more_choices": [[tok, wire.pack_logprobs(lp)] for tok, lp in b[1]],
-                           "checksum": None if t.checksum is None else t.checksum.value}, timeout)
+                           "checksum": None if t.checksum is None else t.checksum.value,
+                           "mac": None if t.mac is None else t.mac.value}, timeout)
         t.posted_before_done = self.posted
         self.unacked.append(t)
 
@@ -298,6 +306,8 @@ class _Peer:
                 payload = payload.view(-1).view(torch.uint8)
                 if t.checksum is not None:  # the source bytes, before they enter the channel
                     t.checksum.update(payload, event)
+                if t.mac is not None:
+                    t.mac.update(payload, event)
                 # posted, not waited on: the next announcement goes out while this payload moves
                 self.inflight.append((self.posted, self.channel.isend(payload, event), payload))
                 self.posted += 1
@@ -359,13 +369,14 @@ class _Peer:
             logger.info("KV to %s (this device) not written into its cache (%s): data channel %s", self.name, why_not,
                         "gloo through host memory (NCCL cannot pair two ranks of one GPU)" if kind == "host" else kind)
         try:
-            store = dist.TCPStore(self.dest.host, welcome["store_port"], is_master=False,
-                                  timeout=timedelta(seconds=timeout), wait_for_workers=False)
+            store = join(self.dest.host, welcome["store_port"], welcome["store_prefix"], timeout)
             self.control.send({"kind": "join", "channel": welcome["channel"], "shared": False}, timeout)
-            self.channel = open_channel(store, welcome["channel"], SENDER, kind, o.device, o.host, timeout)
+            self.channel = open_channel(store, SENDER, kind, o.device, o.host, timeout)
         except (RuntimeError, OSError) as exc:  # TCPStore / group rendezvous failures
             raise TransferError(f"building the data channel to {self.name} failed: {exc}") from None
         o.count("groups_created")
+        if o.payload_mac and (key := self.control.session_key) is not None:
+            self.payload_key = auth.payload_key(key)
 
     def _open_shared(self, desc: dict) -> str | None:
         """Opens the receiver's cache (same device), after its export event on the writer's
@@ -387,12 +398,14 @@ class _Peer:
 
 class TorchDistSender(KVSender):
     def __init__(self, compat: CompatRecord, sender_id: str, timeout_s: float = 10.0, host: str = "127.0.0.1",
-                 max_groups: int = 64, same_device: bool = False, *, control_auth: bool = True):
+                 max_groups: int = 64, same_device: bool = False, *, control_auth: bool = True,
+                 payload_mac: bool = True):
         """`same_device`: write into the caches of receivers on this rank's device (they offer them).
         The hello carries this rank's device_key whatever `same_device` says: a receiver on the same
         GPU must not pick NCCL (channel.py: data_channel_kind). `control_auth=False`: an
         unauthenticated control channel (control.py), for bench/kv_transfer.py's comparison only
-        (TorchDistTransport never passes it)."""
+        (TorchDistTransport never passes it); `payload_mac=False`: no payload MACs on an
+        authenticated channel, for the same comparison only."""
         if max_groups < 1:
             raise ValueError(f"max_groups must be >= 1, got {max_groups}")
         self.compat, self.sender_id, self.timeout_s, self.host = compat, sender_id, timeout_s, host
@@ -400,7 +413,7 @@ class TorchDistSender(KVSender):
         self.device = torch.device("cuda", torch.cuda.current_device()) if compat.device_type == "cuda" \
             else torch.device("cpu")
         self.device_key, self.same_device = device_key(self.device), same_device
-        self.control_auth = control_auth
+        self.control_auth, self.payload_mac = control_auth, payload_mac
         self.caches = SharedCacheManager()  # receivers' caches opened here, and stalled writers
         self.max_groups = max_groups
         self._peers: OrderedDict[tuple[str, int], _Peer] = OrderedDict()

@@ -7,7 +7,9 @@ device) has no data channel: its sender writes granted layers into the cache its
 With checksums (`compat.kv_checksum`) each part hashes what arrived in the order it crossed: a
 scattered layer's buffer, or, for layers received straight into the cache, the runs' slots read
 back once they landed; for layers a same-device sender wrote, the part's slots read back at
-`done`, K then V of every token. `done` compares (receiver.py)."""
+`done`, K then V of every token. `done` compares (receiver.py). A payload MAC (checksum.py
+PartMac, keyed by this connection's `payload_key`) covers the same bytes on a data channel: a
+part's `done` must carry one exactly when the session has a key and is not shared."""
 from __future__ import annotations
 
 import logging
@@ -20,9 +22,10 @@ import torch
 
 from kvtransfer import wire
 from kvtransfer.channel import ChannelError, DataChannel
-from kvtransfer.checksum import PartChecksum
+from kvtransfer.checksum import PartChecksum, PartMac
 from kvtransfer.scatter import as_bytes
 from kvtransfer.control import ControlError, ControlGarbage
+from kvtransfer.rendezvous import Rendezvous
 
 if TYPE_CHECKING:
     from kvtransfer.receiver import TorchDistReceiver, Expected
@@ -42,13 +45,27 @@ class Part:
     runs: list[tuple[int, int, int]]  # received straight into the cache; [] to scatter
     layers: int = 0
     checksum: PartChecksum | None = None  # of what arrived so far (kv_checksum on)
+    mac: PartMac | None = None  # of what arrived so far (an authenticated data channel)
+
+    def hash(self, payload: torch.Tensor) -> None:
+        """Adds bytes that arrived to the checksum and the MAC (those the part has)."""
+        if self.checksum is not None:
+            self.checksum.update(payload)
+        if self.mac is not None:
+            self.mac.update(payload)
+
+    @property
+    def hashed(self) -> bool:
+        return self.checksum is not None or self.mac is not None
 
 
 class Session:
     """One prefill rank's connection: its messages, in order, on the connection's thread."""
 
-    def __init__(self, rx: TorchDistReceiver, drop):
-        self.rx, self.drop = rx, drop
+    def __init__(self, rx: TorchDistReceiver, drop, payload_key: bytes | None = None):
+        """`payload_key`: this connection's payload MAC key (auth.payload_key), None for none."""
+        self.rx, self.drop, self.payload_key = rx, drop, payload_key
+        self.rendezvous: Rendezvous | None = None  # the data channel's store, from hello until built
         self.sender_id, self.index = "?", None
         self.channel: DataChannel | None = None
         self.offered = self.shared = False  # offered the cache at hello; joined to write into it
@@ -73,8 +90,10 @@ class Session:
             if msg["shared"] and not self.offered:
                 raise ControlGarbage("joined shared without the cache being offered")
             self.shared = msg["shared"]
-            if not self.shared:
-                self.channel = self.rx.open_data_channel(self.index, self.data_channel)
+            if self.shared:
+                self.end_rendezvous()
+            else:
+                self.channel = self.rx.open_data_channel(self)
             return None
         if not joined or kind not in ("begin", "layer", "rows", "done") or (kind == "layer" and self.shared):
             raise ControlGarbage(f"{kind} message out of order")
@@ -90,6 +109,9 @@ class Session:
         if (msg["checksum"] is None) != (part.checksum is None):
             raise ControlGarbage(f"done {'with' if part.checksum is None else 'without'} a checksum, "
                                  f"kv_checksum is {part.checksum is not None} here")
+        if (msg["mac"] is None) != (part.mac is None):
+            raise ControlGarbage(f"done {'with' if part.mac is None else 'without'} a payload MAC, "
+                                 f"which this connection {'does not' if part.mac is None else 'does'} carry")
         if self.shared:
             self._wrote(msg, part)
         else:
@@ -143,9 +165,9 @@ class Session:
         except ChannelError as exc:  # the pair is aborted (the channel already is); the sender rebuilds it
             self._payload_failed(msg, exc)
         self.activity = time.monotonic()
-        if part.checksum is not None:
+        if part.hashed:
             with self.channel.writing():  # CUDA: the receive ran on the channel's stream
-                part.checksum.update(payload)
+                part.hash(payload)
         self.rx.write_part(self, msg["request_id"], layer, part, payload)
 
     def _hash_landed(self, msg: dict, part: Part) -> None:
@@ -158,7 +180,7 @@ class Session:
                 cache = rx.kv_cache[layer].view(2, rx.num_slots, -1)  # (2, slots, heads * head_dim)
                 for _, length, slot in part.runs:
                     for k in (0, 1):
-                        part.checksum.update(cache[k, slot:slot + length])
+                        part.hash(cache[k, slot:slot + length])
 
     def _hash_written(self, num_layers: int, part: Part, e: Expected) -> None:
         """Shared: adds layers 0 .. num_layers - 1, which a same-device sender wrote, to the part's
@@ -206,7 +228,7 @@ class Session:
                 self.channel.wait(handle, self.rx.timeout_s)
             except ChannelError as exc:
                 error = error or exc
-        if error is None and e is not None and part.checksum is not None:  # before cancel() may free them
+        if error is None and e is not None and part.hashed:  # before cancel() may free them
             self._hash_landed(msg, part)
         num_bytes = msg["count"] * wire.payload_bytes(part.num_tokens, part.num_heads, self.rx.compat.head_dim,
                                                       self.rx.kv_cache.dtype)
@@ -227,7 +249,20 @@ class Session:
                 self.writes[k], future = None, self.writes[k]
                 future.result()
 
+    def part_mac(self, request_id: str, head_start: int, num_tokens: int) -> PartMac | None:
+        """The MAC a part begun on this connection is checked against (None: none)."""
+        if self.payload_key is None or self.shared:
+            return None
+        return PartMac(self.payload_key, request_id, head_start, num_tokens)
+
+    def end_rendezvous(self) -> None:
+        """The data channel's store stops listening (repeatable)."""
+        if self.rendezvous is not None:
+            self.rendezvous.close()
+            self.rendezvous = None
+
     def close(self) -> None:
+        self.end_rendezvous()
         if self.channel is not None:  # first: receives still posted end at once, so cancel() waits no longer
             self.channel.close()
         self.writer.shutdown(wait=True)

@@ -6,8 +6,8 @@ the handshake. Each message below travels in a MAC'd frame, after both ends prov
 secret (control.py's docstring: the authentication handshake and the frames).
 Sender -> receiver, with the receiver's answer:
 
-    hello  {sender_id, compat, device_key}              -> welcome {ok, error, compat, store_port, channel, cache,
-                                                                    data_channel, no_cache_reason}
+    hello  {sender_id, compat, device_key}              -> welcome {ok, error, compat, store_port, store_prefix,
+                                                                    channel, cache, data_channel, no_cache_reason}
     join   {channel, shared}                               (no answer: both ends build the data channel; or,
                                                            shared, the sender opened `cache`: no data channel)
     begin  {request_id, head_start, head_end, num_tokens} -> ready {request_id, ok, error, runs, slots}
@@ -23,9 +23,11 @@ Sender -> receiver, with the receiver's answer:
                                                            just before its `done`: a speculative proposer's rows of
                                                            the prompt's positions start .., in order, in
                                                            chunks of at most ROWS_CHUNK_BYTES of `data`)
-    done   {request_id, head_start, num_layers, first_token, logprobs, more_choices, checksum}
+    done   {request_id, head_start, num_layers, first_token, logprobs, more_choices, checksum, mac}
                                                         -> ack {request_id, ok, error}
 
+store_port, store_prefix: where `join` builds the data channel, a store made for this connection
+on the receiver's host (rendezvous.py), and its random key prefix; 0 and "" when refused.
 device_key: the sender's shared_cache.device_key ("" when unknown). data_channel: which channel
 `join` builds (channel.py: data_channel_kind): "gloo", "nccl", or "host" (gloo through host
 memory) for two ranks of one GPU. cache: the receiver's cache (shared_cache.py), offered to a
@@ -53,7 +55,9 @@ checksum: with `kv_checksum` in both ends' CompatRecord (--kv-checksum), the par
 message, or K then V of each run; on a shared connection, per layer, the bytes written as the
 sender held them, (2, tokens, heads, head_dim), which the receiver reads back from its slots at `done`.
 nil without kv_checksum; either way round is a malformed message. A mismatch fails the part:
-ack {ok: false}.
+ack {ok: false}. mac: on an authenticated connection with a data channel, the part's keyed
+BLAKE2b (checksum.py PartMac) over the same bytes as the checksum; nil on a shared connection
+(or with payload MACs off: bench only); a missing, extra or wrong one fails the part likewise.
 """
 from __future__ import annotations
 
@@ -64,14 +68,16 @@ ROWS_CHUNK_BYTES = 512 << 10  # of a `rows` message's data (control.py takes mes
 ROW_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
 SCHEMA: dict[str, dict[str, type | tuple]] = {
     "hello": {"sender_id": str, "compat": dict, "device_key": str},
-    "welcome": {"ok": bool, "error": (str, _NONE), "compat": dict, "store_port": int, "channel": int,
+    "welcome": {"ok": bool, "error": (str, _NONE), "compat": dict, "store_port": int, "store_prefix": str,
+                "channel": int,
                 "cache": (dict, _NONE), "data_channel": str, "no_cache_reason": (str, _NONE)},
     "join": {"channel": int, "shared": bool},
     "begin": {"request_id": str, "head_start": int, "head_end": int, "num_tokens": int},
     "ready": {"request_id": str, "ok": bool, "error": (str, _NONE), "runs": list, "slots": list},
     "layer": {"request_id": str, "head_start": int, "layer": int, "count": int},
     "done": {"request_id": str, "head_start": int, "num_layers": int, "first_token": int,
-             "logprobs": (list, _NONE), "more_choices": list, "checksum": (int, _NONE)},
+             "logprobs": (list, _NONE), "more_choices": list, "checksum": (int, _NONE),
+             "mac": (bytes, _NONE)},
     "ack": {"request_id": str, "ok": bool, "error": (str, _NONE)},
     "rows": {"request_id": str, "head_start": int, "start": int, "num_rows": int, "width": int, "dtype": str,
              "data": bytes},

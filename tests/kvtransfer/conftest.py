@@ -10,4 +10,4 @@ from kvtransfer.auth import SECRET_ENV
 
 @pytest.fixture(autouse=True)
 def _cluster_secret(monkeypatch):
-    monkeypatch.setenv(SECRET_ENV, "kvtransfer-tests-secret")
+    monkeypatch.setenv(SECRET_ENV, "kvtransfer-tests-secret-0123456789abcdef")

@@ -23,7 +23,7 @@ from tests.kvtransfer.test_torch_dist import (COMPAT, HEADS, _raw_connection, _w
 
 pytestmark = pytest.mark.timeout(60)
 SCHEMA = {"note": {"text": str}}
-OTHER_SECRET = "not-the-cluster-secret"
+OTHER_SECRET = "not-the-cluster-secret-0123456789abcdef"
 
 
 def note(text: str) -> dict:
@@ -58,7 +58,7 @@ def test_the_secret_comes_from_the_cluster_env_then_the_ray_token_then_its_file(
     token_file.write_text("from-the-file\n")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token_file))
     monkeypatch.setenv("RAY_AUTH_TOKEN", "ray-token")
-    assert auth.cluster_secret() == b"kvtransfer-tests-secret"
+    assert auth.cluster_secret() == b"kvtransfer-tests-secret-0123456789abcdef"
     monkeypatch.delenv(SECRET_ENV)
     assert auth.cluster_secret() == b"ray-token"
     monkeypatch.setenv("RAY_AUTH_TOKEN", "")  # Ray with auth disabled
@@ -108,8 +108,8 @@ def test_a_sender_with_another_secret_is_refused_counted_and_writes_nothing(monk
     assert dst.abs().sum() == 0 and rx.stats.get("connections", 0) == 0 and rx.poll() == ([], [])
     refusals = [r.getMessage() for r in caplog.records if r.name == "kvtransfer.control"]
     assert len(refusals) == 1 and "127.0.0.1" in refusals[0]
-    assert OTHER_SECRET not in caplog.text and "kvtransfer-tests-secret" not in caplog.text
-    monkeypatch.setenv(SECRET_ENV, "kvtransfer-tests-secret")
+    assert OTHER_SECRET not in caplog.text and "kvtransfer-tests-secret-0123456789abcdef" not in caplog.text
+    monkeypatch.setenv(SECRET_ENV, "kvtransfer-tests-secret-0123456789abcdef")
     tx = create_kv_transport("torch").sender(COMPAT, "p0")
     send_part(tx, "r", dest, make_cache(), torch.arange(4), 0, HEADS).wait(10)
     assert poll_until(rx)[0] == [("r", 7, None, ())]
@@ -235,3 +235,13 @@ def test_unauthenticated_ends_exist_for_the_benchmark_and_an_authenticated_serve
         ControlClient(server.address, SCHEMA, authenticate=False).call(note("x"), timeout_s=5)
     assert _wait_for(lambda: server.stats["auth_refused"] == 1) and server.notes == []
     plain.close()
+
+
+def test_a_weak_cluster_secret_is_refused_in_one_line(monkeypatch):
+    """A KV server will not start with a PDSERVE_CLUSTER_SECRET under 32 characters: one line,
+    naming the variable and the bound, never the secret."""
+    monkeypatch.setenv(SECRET_ENV, "short-secret")
+    with pytest.raises(ValueError) as refused:
+        ControlServer("127.0.0.1", lambda drop: (lambda msg: None), SCHEMA)
+    text = str(refused.value)
+    assert "\n" not in text and SECRET_ENV in text and "32" in text and "short-secret" not in text

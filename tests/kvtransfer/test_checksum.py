@@ -2,7 +2,8 @@
 bytes in the order they cross; checked parts arrive on every path (received into the cache,
 scattered, a TP mix, written by a same-device sender); one element altered in flight fails the
 part with a checksum mismatch, counted, and the pair serves on; without checksums the same
-alteration lands in the cache unnoticed (the negative control); the two ends must agree, and a
+alteration lands in the cache unnoticed when payload MACs are off too (the negative control; with
+them on it is caught: test_payload_mac.py); the two ends must agree, and a
 `done` that breaks the agreement is garbage."""
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from kvtransfer import sender as sender_module
 from kvtransfer.base import IncompatiblePeerError, TransferError, create_kv_transport
 from kvtransfer.checksum import PartChecksum, checksum_of
 from kvtransfer.params import KVEndpoint
-from kvtransfer.receiver import MAX_DIRECT_RUNS
+from kvtransfer.receiver import MAX_DIRECT_RUNS, TorchDistReceiver
+from kvtransfer.sender import TorchDistSender
 from kvtransfer.shared_writer import SharedCacheWriter
 from tests.kvtransfer.faults import OFFSET, corrupt_in_flight
 from tests.kvtransfer.test_receive_direct import _slots
@@ -58,17 +60,22 @@ PATHS = {"direct": (1, 1, False), "direct_max": (MAX_DIRECT_RUNS, 1, False),
          "shared": (1, 1, True), "shared_gathered": (MAX_DIRECT_RUNS + 1, 1, True), "shared_tp_mix": (2, 2, True)}
 
 
-def ship(path: str, corrupt: bool = False, compat=CHECKED):
+def ship(path: str, corrupt: bool = False, compat=CHECKED, payload_mac: bool = True):
     """Ships request "r" on `path` (PATHS), altering one element of layer 1 in flight when
-    `corrupt`. Returns (receiver, its cache, source cache, slots, per-part errors, receiver's
-    poll, what was altered); closes both ends."""
+    `corrupt`; `payload_mac=False`: both ends without payload MACs (bench's switch). Returns
+    (receiver, its cache, source cache, slots, per-part errors, receiver's poll, what was
+    altered); closes both ends."""
     num_runs, num_parts, shared = PATHS[path]
     rx, dst, dest = shared_receiver(compat) if shared else make_receiver(compat=compat)
+    if not payload_mac:
+        rx.close()
+        rx = TorchDistReceiver(compat, dst, 0, timeout_s=5.0, payload_mac=False)
+        dest = KVEndpoint("d", 0, *rx.endpoint_address)
     slots = _slots(num_runs)
     heads = [(p * HEADS // num_parts, (p + 1) * HEADS // num_parts) for p in range(num_parts)]
     rx.expect("r", slots, len(heads))
     src, errors, altered = make_cache(), [], []
-    senders = [create_kv_transport("torch").sender(compat, f"p{i}", same_device=shared) for i in range(len(heads))]
+    senders = [TorchDistSender(compat, f"p{i}", same_device=shared, payload_mac=payload_mac) for i in range(len(heads))]
     with corrupt_in_flight(layer=1, times=1) if corrupt else contextlib.nullcontext() as fault:
         for tx, (lo, hi) in zip(senders, heads):
             try:
@@ -118,9 +125,11 @@ def test_one_element_altered_in_flight_fails_the_part(path):
 
 
 def test_without_checksums_the_altered_element_lands_unnoticed():
-    """The negative control: checksums off, the same alteration completes the request, and the
-    cache differs from the sent KV in exactly that element (layer 1, K, first token and head)."""
-    rx, dst, src, slots, errors, (done, failed), altered = ship("direct", corrupt=True, compat=COMPAT)
+    """The negative control: checksums and payload MACs off, the same alteration completes the
+    request, and the cache differs from the sent KV in exactly that element (layer 1, K, first
+    token and head)."""
+    rx, dst, src, slots, errors, (done, failed), altered = ship("direct", corrupt=True, compat=COMPAT,
+                                                                payload_mac=False)
     assert errors == [None] and failed == [] and len(done) == 1 and len(altered) == 1
     assert altered[0].before == float(flat(src, 1)[0, 0, 0, 0])  # the sender's own KV is intact
     diff = (dst - reference(src, slots)).nonzero().tolist()

@@ -157,3 +157,48 @@ def test_close_ends_the_accepting_thread():
     while any(t.is_alive() for t in accepting) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert accepting and not any(t.is_alive() for t in accepting)
+
+
+def _challenged(sock: socket.socket) -> bool:
+    """Whether the server sent this raw connection its challenge (False: closed unread)."""
+    sock.settimeout(5)
+    try:
+        return bool(sock.recv(256))
+    except OSError:
+        return False
+
+
+def test_connections_beyond_the_pending_bound_are_refused_and_the_server_serves(server):
+    """MAX_PENDING raw connections sit in their handshake: one more is closed at once, without a
+    challenge, and counted; once they leave, an authenticated client is served."""
+    from kvtransfer import control
+    stragglers = [socket.create_connection(server.address, timeout=5) for _ in range(getattr(control, "MAX_PENDING", 64))]
+    assert all(map(_challenged, stragglers))
+    extra = socket.create_connection(server.address, timeout=5)
+    assert not _challenged(extra) and server.stats["pending_refused"] == 1
+    for s in [*stragglers, extra]:
+        s.close()
+    client = ControlClient(server.address, SCHEMA)
+    assert client.call(reserve("r"), timeout_s=5.0)["ok"]
+    client.close()
+
+
+def test_a_thread_that_cannot_start_leaves_the_accept_loop_alive(server, monkeypatch):
+    """The connection whose thread fails to start is closed and counted; the next one is served."""
+    from kvtransfer import control
+    real, failed = threading.Thread, []
+
+    class Failing(real):
+        def start(self):
+            if self.name == "kv-control-conn" and not failed:
+                failed.append(self)
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(control.threading, "Thread", Failing)
+    first = socket.create_connection(server.address, timeout=5)
+    assert not _challenged(first) and failed
+    monkeypatch.setattr(control.threading, "Thread", real)
+    client = ControlClient(server.address, SCHEMA)
+    assert client.call(reserve("r"), timeout_s=5.0)["ok"] and server.stats["thread_errors"] == 1
+    client.close(), first.close()

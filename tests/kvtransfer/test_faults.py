@@ -7,11 +7,11 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from kvtransfer import wire
 from kvtransfer.base import TransferError, create_kv_transport
 from kvtransfer.channel import SENDER, GlooChannel
+from kvtransfer.rendezvous import join
 from kvtransfer.control import ControlClient
 from kvtransfer.receiver import MAX_DIRECT_RUNS
 from tests.kvtransfer.faults import FaultProxy
@@ -91,9 +91,9 @@ def test_an_announced_payload_that_never_comes(pair, slots):
     dest = proxy.endpoint()
     client = ControlClient(dest.address, wire.SCHEMA)
     welcome = client.call({"kind": "hello", "sender_id": "stuck", "compat": COMPAT.to_dict(), "device_key": ""}, 5)
-    store = dist.TCPStore(dest.host, welcome["store_port"], is_master=False, wait_for_workers=False)
+    store = join(dest.host, welcome["store_port"], welcome["store_prefix"], 5.0)
     client.send({"kind": "join", "channel": welcome["channel"], "shared": False}, 5)
-    channel = GlooChannel(store, welcome["channel"], SENDER, "127.0.0.1", 5.0)
+    channel = GlooChannel(store, SENDER, "127.0.0.1", 5.0)
     rx.expect("r", slots, 1)
     ready = client.call({"kind": "begin", "request_id": "r", "head_start": 0, "head_end": HEADS,
                          "num_tokens": len(slots)}, 5)

@@ -7,11 +7,11 @@ import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from kvtransfer import wire
 from kvtransfer.base import create_kv_transport
 from kvtransfer.channel import SENDER, GlooChannel
+from kvtransfer.rendezvous import join
 from kvtransfer.control import ControlClient
 from kvtransfer.receiver import MAX_DIRECT_RUNS
 from kvtransfer.scatter import slot_runs
@@ -80,9 +80,9 @@ class _HandSender:
         self.client = ControlClient(dest.address, wire.SCHEMA)
         welcome = self.client.call({"kind": "hello", "sender_id": "hand", "compat": COMPAT.to_dict(),
                                     "device_key": ""}, 5)
-        store = dist.TCPStore(dest.host, welcome["store_port"], is_master=False, wait_for_workers=False)
+        store = join(dest.host, welcome["store_port"], welcome["store_prefix"], 5.0)
         self.client.send({"kind": "join", "channel": welcome["channel"], "shared": False}, 5)
-        self.channel = GlooChannel(store, welcome["channel"], SENDER, "127.0.0.1", 5.0)
+        self.channel = GlooChannel(store, SENDER, "127.0.0.1", 5.0)
 
     def begin(self, rid: str, num_tokens: int) -> dict:
         return self.client.call({"kind": "begin", "request_id": rid, "head_start": 0, "head_end": HEADS,

@@ -141,7 +141,7 @@ class _HandSender:
 
     def done(self, rid: str) -> dict:
         return self.client.call({"kind": "done", "request_id": rid, "head_start": 0, "num_layers": LAYERS,
-                                 "first_token": 7, "logprobs": None, "more_choices": [], "checksum": None}, 5)
+                                 "first_token": 7, "logprobs": None, "more_choices": [], "checksum": None, "mac": None}, 5)
 
 
 def test_a_cancel_waits_for_the_granted_parts_done():

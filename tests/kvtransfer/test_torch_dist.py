@@ -8,13 +8,13 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from kvtransfer import wire
 from kvtransfer.base import IncompatiblePeerError, TransferError, create_kv_transport
 from kvtransfer.params import CompatRecord, KVEndpoint, kv_heads_of_rank
 from kvtransfer.plan import expected_parts, plan_head_slices
 from kvtransfer.channel import SENDER, GlooChannel
+from kvtransfer.rendezvous import join
 from kvtransfer.control import ControlClient
 from kvtransfer.receiver import MAX_DIRECT_RUNS
 
@@ -166,9 +166,9 @@ def _raw_connection(dest: KVEndpoint, compat: CompatRecord = COMPAT) -> ControlC
     client = ControlClient(dest.address, wire.SCHEMA)
     welcome = client.call({"kind": "hello", "sender_id": "evil", "compat": compat.to_dict(), "device_key": ""}, 5)
     assert welcome["ok"]
-    store = dist.TCPStore(dest.host, welcome["store_port"], is_master=False, wait_for_workers=False)
+    store = join(dest.host, welcome["store_port"], welcome["store_prefix"], 5.0)
     client.send({"kind": "join", "channel": welcome["channel"], "shared": False}, 5)
-    GlooChannel(store, welcome["channel"], SENDER, "127.0.0.1", 5.0)
+    client.channel = GlooChannel(store, SENDER, "127.0.0.1", 5.0)  # kept: a collected one closes its end
     return client
 
 

@@ -11,7 +11,7 @@ from kvtransfer.control import MAX_MESSAGE_BYTES
 
 def done(**kw) -> dict:
     return {"kind": "done", "request_id": "r", "head_start": 0, "num_layers": 30, "first_token": 5,
-            "logprobs": None, "more_choices": [], "checksum": None, **kw}
+            "logprobs": None, "more_choices": [], "checksum": None, "mac": None, **kw}
 
 
 def test_largest_done_message_round_trips():
