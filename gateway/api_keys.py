@@ -9,14 +9,21 @@ The keys file (`--api-keys-file`, docs/gateway.md "API keys and limits"):
 Only hashes are stored, so the file (a ConfigMap, a repository) does not leak the keys; a
 presented bearer token is hashed and compared with every stored hash in constant time. The limits
 are held per gateway process: N gateways admit N times a key's rate and concurrency.
+
+The file is re-read when it changes (`KeysFileWatcher`: its inode, mtime or size, polled; or at once
+on SIGHUP), so keys rotate without a restart: a Kubernetes Secret volume swaps a symlink to a new
+copy, which is a new inode. A new file that does not parse keeps the keys in use (one log line).
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
 import json
+import logging
 import math
+import os
 import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,16 +31,33 @@ from typing import Callable, Iterable
 
 from gateway.protocol import APIError
 
+logger = logging.getLogger(__name__)
 DEFAULT_KEY_NAME = "default"  # the name of the single `--api-key` / $PDSERVE_API_KEY
 NO_KEY = "_none"  # the metrics label of a request without a (valid) key; no key name can take it
 KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _ENTRY_FIELDS = {"name", "sha256", "requests_per_second", "burst", "max_concurrent"}
+KEYS_POLL_S = 2.0  # how often KeysFileWatcher looks at the file (a stat)
+MIN_KEY_CHARS = 16  # what `pdserve hash-api-key` and --api-key take: 16 random hex digits are 64 bits
 
 
 def hash_api_key(key: str) -> str:
     """The hex SHA-256 of a key: what the keys file stores (`pdserve hash-api-key`)."""
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def check_key_strength(key: str, where: str) -> None:
+    """ValueError (one line, naming `where`, never the key) for a key no HTTP client could send
+    (whitespace, not printable ASCII) or shorter than MIN_KEY_CHARS. Only a key seen in plain text
+    can be checked: a keys file holds hashes, so its keys are checked when `pdserve hash-api-key`
+    makes them."""
+    if any(c.isspace() for c in key):  # a bearer token has none: its hash would never match
+        raise ValueError(f"{where}: the key holds whitespace (give one key, on one line)")
+    if not (key.isascii() and key.isprintable()):  # an HTTP header carries no other
+        raise ValueError(f"{where}: the key must be printable ASCII")
+    if len(key) < MIN_KEY_CHARS:
+        raise ValueError(f"{where}: the key has {len(key)} characters, fewer than {MIN_KEY_CHARS}: make one with "
+                         "`openssl rand -hex 32`")
 
 
 @dataclass(frozen=True)
@@ -122,13 +146,17 @@ def _check_unique(keys: Iterable[APIKey]) -> None:
 def configured_keys(api_key: str | None, api_keys_file: str | None) -> list[APIKey]:
     """The keys a gateway checks: the file's, plus the single `api_key` (or $PDSERVE_API_KEY,
     read by the caller) as one unlimited key named "default". Raises ValueError, one line."""
-    keys = [] if api_keys_file is None else load_api_keys(api_keys_file)
-    if api_key is not None:
-        keys.append(APIKey(DEFAULT_KEY_NAME, hash_api_key(api_key)))
-        try:
-            _check_unique(keys)
-        except ValueError as exc:
-            raise ValueError(f"api_keys_file {api_keys_file} and --api-key/$PDSERVE_API_KEY: {exc}") from None
+    keys = [] if api_key is None else [APIKey(DEFAULT_KEY_NAME, hash_api_key(api_key))]
+    return keys if api_keys_file is None else _with_file(api_keys_file, keys)
+
+
+def _with_file(api_keys_file: str, fixed: Iterable[APIKey]) -> list[APIKey]:
+    """The file's keys, then `fixed` (the "default" key); ValueError (one line) as configured_keys."""
+    keys = [*load_api_keys(api_keys_file), *fixed]
+    try:
+        _check_unique(keys)
+    except ValueError as exc:
+        raise ValueError(f"api_keys_file {api_keys_file} and --api-key/$PDSERVE_API_KEY: {exc}") from None
     return keys
 
 
@@ -159,16 +187,31 @@ class TokenBucket:
 
 
 class APIKeyManager:
-    """Who a request is and whether its key may start another request now. Lives on the event
-    loop (the gateway's one thread for requests), so its state needs no lock."""
+    """Who a request is and whether its key may start another request now. Requests use it on the
+    event loop; `replace` may come from another thread (KeysFileWatcher), so the counters change
+    under a lock, held for a few dict operations and never across I/O."""
 
     def __init__(self, keys: Iterable[APIKey], clock: Callable[[], float] = time.monotonic):
-        self.keys = list(keys)
-        _check_unique(self.keys)
         self.clock = clock
-        self.buckets = {k.name: TokenBucket(k.requests_per_second, k.bucket_size, clock())
-                        for k in self.keys if k.requests_per_second is not None}
-        self.in_flight = {k.name: 0 for k in self.keys}
+        self._lock = threading.Lock()
+        self.keys: tuple[APIKey, ...] = ()
+        self.buckets: dict[str, TokenBucket] = {}
+        self.in_flight: dict[str, int] = {}
+        self.replace(keys)
+
+    def replace(self, keys: Iterable[APIKey]) -> None:
+        """Puts `keys` in place of the current ones in one step (ValueError for a duplicate name or
+        hash: nothing changes). A key that keeps its name and rate keeps its bucket, so a reload
+        refills no one; requests in flight stay counted under their key's name until they end."""
+        keys = tuple(keys)
+        _check_unique(keys)
+        with self._lock:
+            old = {k.name: k for k in self.keys}
+            self.buckets = {k.name: self.buckets[k.name] if _same_bucket(old.get(k.name), k)
+                            else TokenBucket(k.requests_per_second, k.bucket_size, self.clock())
+                            for k in keys if k.requests_per_second is not None}
+            self.in_flight = {**{k.name: 0 for k in keys}, **{n: c for n, c in self.in_flight.items() if c > 0}}
+            self.keys = keys
 
     @property
     def required(self) -> bool:
@@ -183,7 +226,7 @@ class APIKeyManager:
             return None
         digest = hash_api_key(token.strip()).encode()
         found = None
-        for key in self.keys:
+        for key in self.keys:  # one snapshot: a replace meanwhile does not change what is compared
             if hmac.compare_digest(digest, key.sha256.encode()):
                 found = key
         return found
@@ -196,18 +239,95 @@ class APIKeyManager:
                 request ends, which cannot be foreseen) or its bucket is empty (Retry-After: the
                 whole seconds until a token is there). A refused request takes nothing.
         """
-        if key.max_concurrent is not None and self.in_flight[key.name] >= key.max_concurrent:
-            raise KeyLimitError("concurrency_limited", f"concurrency limit reached for API key {key.name!r}: "
-                                f"{key.max_concurrent} requests in flight; retry when one of them ends", 1)
-        bucket = self.buckets.get(key.name)
-        wait_s = 0.0 if bucket is None else bucket.take(self.clock())
-        if wait_s > 0:
-            retry = max(1, math.ceil(wait_s))
-            raise KeyLimitError("rate_limited", f"rate limit reached for API key {key.name!r}: "
-                                f"{key.requests_per_second:g} requests per second (burst {key.bucket_size}); "
-                                f"try again in {retry}s", retry)
-        self.in_flight[key.name] += 1
+        with self._lock:
+            if key.max_concurrent is not None and self.in_flight.get(key.name, 0) >= key.max_concurrent:
+                raise KeyLimitError("concurrency_limited", f"concurrency limit reached for API key {key.name!r}: "
+                                    f"{key.max_concurrent} requests in flight; retry when one of them ends", 1)
+            bucket = self.buckets.get(key.name)
+            wait_s = 0.0 if bucket is None else bucket.take(self.clock())
+            if wait_s > 0:
+                retry = max(1, math.ceil(wait_s))
+                raise KeyLimitError("rate_limited", f"rate limit reached for API key {key.name!r}: "
+                                    f"{key.requests_per_second:g} requests per second (burst {key.bucket_size}); "
+                                    f"try again in {retry}s", retry)
+            self.in_flight[key.name] = self.in_flight.get(key.name, 0) + 1
 
     def release(self, key: APIKey) -> None:
-        assert self.in_flight[key.name] > 0, key.name
-        self.in_flight[key.name] -= 1
+        with self._lock:
+            assert self.in_flight.get(key.name, 0) > 0, key.name
+            self.in_flight[key.name] -= 1
+
+
+def _same_bucket(old: APIKey | None, new: APIKey) -> bool:
+    return old is not None and (old.requests_per_second, old.bucket_size) == (new.requests_per_second, new.bucket_size)
+
+
+class KeysFileWatcher:
+    """Re-reads a keys file into an `APIKeyManager` when it changes, on a daemon thread.
+
+    Properties: a change of the file (its inode, as when a Kubernetes Secret volume swaps its
+    symlink, its mtime or its size) is picked up within `interval_s`, or at once after
+    `reload_soon()` (SIGHUP). The file's keys plus `fixed` (the --api-key "default") replace the
+    manager's in one step, logged with the keys' names only. A file that cannot be read or
+    parsed, or clashes with `fixed`, changes nothing and is logged once per version of the file.
+    """
+
+    def __init__(self, path: str | Path, manager: APIKeyManager, fixed: Iterable[APIKey] = (),
+                 interval_s: float = KEYS_POLL_S):
+        self.path, self.manager, self.fixed, self.interval_s = str(path), manager, tuple(fixed), interval_s
+        self._version = self._stat()
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _stat(self) -> tuple | None:
+        try:
+            st = os.stat(self.path)  # follows the symlinks: a swapped ..data link is a new inode
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
+
+    def start(self) -> KeysFileWatcher:
+        self._thread = threading.Thread(target=self._run, daemon=True, name="api-keys-file")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def reload_soon(self) -> None:
+        """Re-read the file now, changed or not. Safe in a signal handler (it only sets an event)."""
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            forced = self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.check(force=forced)
+            except Exception:  # never the end of reloading: the next change is tried again
+                logger.exception("API keys file %s: reload failed", self.path)
+
+    def check(self, force: bool = False) -> bool:
+        """Reloads if the file changed since the last look (or `force`); True when new keys are in place."""
+        version = self._stat()
+        if version == self._version and not force:
+            return False
+        self._version = version
+        old = {k.name: k for k in self.manager.keys}
+        try:
+            keys = _with_file(self.path, self.fixed)
+            self.manager.replace(keys)
+        except ValueError as exc:
+            logger.error("API keys not reloaded (the %d in use stay): %s", len(old), exc)
+            return False
+        new = {k.name: k for k in keys}
+        changed = sorted(n for n in set(old) & set(new) if old[n] != new[n])
+        logger.info("API keys reloaded from %s: %d keys; added %s; removed %s; changed %s", self.path, len(new),
+                    ", ".join(sorted(set(new) - set(old))) or "none", ", ".join(sorted(set(old) - set(new))) or "none",
+                    ", ".join(changed) or "none")
+        return True

@@ -235,7 +235,8 @@ def create_app(cluster, tokenizer, model_name: str, max_model_len: int | None, a
     gw = _Gateway(cluster, tokenizer, model_name, max_model_len, tool_call_parser, reasoning_parser,
                   max_prompt_tokens)
     gw.metrics.add_api_keys([k.name for k in keys] or [NO_KEY])
-    app.add_middleware(RequestGuard, keys=APIKeyManager(keys), metrics=gw.metrics, max_request_bytes=max_request_bytes)
+    app.state.api_keys = APIKeyManager(keys)  # replaced in place when the keys file changes (serve.py)
+    app.add_middleware(RequestGuard, keys=app.state.api_keys, metrics=gw.metrics, max_request_bytes=max_request_bytes)
     _install_error_handlers(app)
     _add_generation_routes(app, gw)
     _add_service_routes(app, gw)

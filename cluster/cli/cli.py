@@ -212,21 +212,19 @@ def _add_hash_api_key(sub) -> None:
     p = sub.add_parser("hash-api-key", allow_abbrev=False, help="print the SHA-256 of an API key read from stdin",
                        description="Reads one API key from stdin (a prompt without echo on a terminal; surrounding "
                                    "whitespace and the newline are dropped, as an HTTP header's are) and prints "
-                                   "the hex SHA-256 that --api-keys-file stores (docs/gateway.md).")
+                                   "the hex SHA-256 that --api-keys-file stores (docs/gateway.md). A key of fewer "
+                                   "than 16 characters, or one no HTTP client could send, is refused.")
     p.set_defaults(func=cmd_hash_api_key)
 
 
 def cmd_hash_api_key(args) -> int:
     import getpass
 
-    from gateway.api_keys import hash_api_key
+    from gateway.api_keys import check_key_strength, hash_api_key
     key = (getpass.getpass("API key: ") if sys.stdin.isatty() else sys.stdin.read()).strip()
     if not key:
         raise ValueError("hash-api-key: stdin held no key")
-    if any(c.isspace() for c in key):  # a bearer token has none: this hash would never match
-        raise ValueError("hash-api-key: the key holds whitespace (give one key, on one line)")
-    if not (key.isascii() and key.isprintable()):  # an HTTP header carries no other, so no client could send it
-        raise ValueError("hash-api-key: the key must be printable ASCII")
+    check_key_strength(key, "hash-api-key")  # a keys file holds hashes: here is the one chance to check the key
     print(hash_api_key(key))
     return 0
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from pathlib import Path
 
 import jinja2
@@ -18,7 +20,7 @@ from cluster.spec import ClusterSpec
 from engine.config import resolve_dtype
 from engine.loader import resolve_model_path
 from engine.tokenizer import Tokenizer
-from gateway.api_keys import APIKey, configured_keys
+from gateway.api_keys import KEYS_POLL_S, APIKey, KeysFileWatcher, check_key_strength, configured_keys
 from gateway.app import create_app
 from gateway.drain import Drain
 
@@ -49,9 +51,24 @@ def _single_key(spec: ClusterSpec, api_key: str | None) -> str | None:
 
 def gateway_access(spec: ClusterSpec, api_key: str | None) -> dict:
     """create_app's keys and bounds: the keys file's keys plus `api_key` as the key named
-    "default". Raises ValueError (one line) for a keys file that does not parse."""
+    "default". Raises ValueError (one line) for a keys file that does not parse, or an `api_key`
+    too weak to take (gateway/api_keys.py check_key_strength)."""
+    if api_key is not None:
+        check_key_strength(api_key, "--api-key/$PDSERVE_API_KEY")
     return {"api_keys": configured_keys(api_key, spec.api_keys_file), "max_request_bytes": spec.max_request_bytes,
             "max_prompt_tokens": spec.max_prompt_tokens}
+
+
+def watch_keys(app, spec: ClusterSpec, api_key: str | None, interval_s: float = KEYS_POLL_S) -> KeysFileWatcher | None:
+    """With a keys file: re-reads it into the running app's keys when it changes, and at once on
+    SIGHUP (from the main thread only, where signals can be handled); None without one."""
+    if spec.api_keys_file is None:
+        return None
+    watcher = KeysFileWatcher(spec.api_keys_file, app.state.api_keys, configured_keys(api_key, None), interval_s)
+    watcher.start()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGHUP, lambda *_: watcher.reload_soon())
+    return watcher
 
 
 def _describe_keys(keys: list[APIKey]) -> str:
@@ -84,8 +101,6 @@ def run_server(app, spec: ClusterSpec, log_level: str, starting=None, drain: boo
     is open (probes answer meanwhile); when it raises, the server stops and 1 is returned.
     `drain`: a gateway's; on the signal it drains for up to `spec.drain_timeout_s` (gateway/drain.py)
     before it stops, instead of cutting what runs after 5 s."""
-    import threading
-
     import uvicorn
     if drain:
         app = Drain(app, spec.drain_timeout_s)
@@ -146,9 +161,12 @@ def serve_gateway(spec: ClusterSpec, api_key: str | None = None, log_level: str 
                      **access)
     logger.info("pdserve gateway %s: OpenAI API at http://%s:%d/v1 (%d instances known; %s)", frontend.router.client_id,
                 spec.host, spec.port, len(frontend.instances), _describe_keys(access["api_keys"]))
+    watcher = watch_keys(app, spec, _single_key(spec, api_key))
     try:
         return run_server(app, spec, log_level, drain=True)
     finally:
+        if watcher is not None:
+            watcher.stop()
         frontend.shutdown()
 
 
@@ -159,7 +177,6 @@ def serve_in_thread(app, host: str = "127.0.0.1", start_timeout_s: float = 30.0)
         (base url "http://host:port", stop): `stop()` shuts the server down and joins the thread.
     """
     import socket
-    import threading
     import time
 
     import uvicorn
@@ -192,6 +209,7 @@ def _paths(spec: ClusterSpec) -> str:
 
 def serve(spec: ClusterSpec, api_key: str | None = None, log_level: str = "info") -> int:
     cluster, app = build(spec, _single_key(spec, api_key))
+    watch_keys(app, spec, _single_key(spec, api_key))  # a daemon thread: it ends with the process
     counts = ", ".join(f"{n} {role} (tp={spec.tp_size(role)})" for role, n in spec.instance_counts.items())
     logger.info("pdserve: %s on %s [%s]", spec.model, counts, _paths(spec))
     logger.info("OpenAI API at http://%s:%d/v1", spec.host, spec.port)

@@ -89,21 +89,22 @@ def test_separate_processes_need_ray_and_redis(command, capsys):
 
 def test_hash_api_key_prints_the_sha256_a_keys_file_takes(tmp_path, monkeypatch, capsys):
     """`pdserve hash-api-key` reads the key from stdin (the newline dropped) and prints its hex
-    SHA-256, which a keys file takes and the gateway then accepts; an empty stdin, or a key with
-    whitespace inside (a bearer token has none), is refused in one line."""
+    SHA-256, which a keys file takes and the gateway then accepts; an empty stdin, a key with
+    whitespace inside (a bearer token has none), or one under 16 characters is refused in one line."""
     import io
 
     from cluster.cli.cli import main
     from gateway.api_keys import APIKeyManager, load_api_keys
-    out = subprocess.run([sys.executable, "-m", "cluster.cli.cli", "hash-api-key"], input="sk-team-a-1234\n",
+    out = subprocess.run([sys.executable, "-m", "cluster.cli.cli", "hash-api-key"], input="sk-team-a-12345678\n",
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and out.stdout == hashlib.sha256(b"sk-team-a-1234").hexdigest() + "\n", out.stderr
+    assert out.returncode == 0 and out.stdout == hashlib.sha256(b"sk-team-a-12345678").hexdigest() + "\n", out.stderr
     path = tmp_path / "keys.json"
     path.write_text(json.dumps({"keys": [{"name": "team-a", "sha256": out.stdout.strip()}]}))
-    assert APIKeyManager(load_api_keys(path)).identify("Bearer sk-team-a-1234").name == "team-a"
+    assert APIKeyManager(load_api_keys(path)).identify("Bearer sk-team-a-12345678").name == "team-a"
     for text, why in (("\n", "stdin held no key"),
                       ("sk-a sk-b\n", "the key holds whitespace (give one key, on one line)"),
-                      ("sk-\u00e9t\u00e9\n", "the key must be printable ASCII")):
+                      ("sk-\u00e9t\u00e9\n", "the key must be printable ASCII"),
+                      ("sk-short-123\n", "the key has 12 characters, fewer than 16: make one with `openssl rand -hex 32`")):
         monkeypatch.setattr(sys, "stdin", io.StringIO(text))
         assert main(["hash-api-key"]) == 2
         captured = capsys.readouterr()
