@@ -6,6 +6,7 @@ send/recv of the same bytes, in the same run, between the same two processes.
     python -m bench.kv_transfer --slots contiguous  # where the reservation's blocks lie (default: both)
     python -m bench.kv_transfer --kv-checksum   # also with checksums, interleaved in the same rounds
     python -m bench.kv_transfer --control-auth-off  # also with the control channel unauthenticated
+    python -m bench.kv_transfer --payload-mac-off   # also the data channel without payload MACs
     ip netns exec A python -m bench.kv_transfer --receiver-netns B --sender-host IP_A --receiver-host IP_B
                                                 # two hosts (network namespaces: bench/multihost.py)
 
@@ -24,6 +25,10 @@ ratio per round (the median): what checksums cost on a shared machine, drift can
 `--control-auth-off` does the same with both transports' control channel unauthenticated
 (kvtransfer/control.py `authenticate=False`, which exists for this comparison only): the ratio
 authenticated / unauthenticated is what the handshake-free steady state pays for per-message MACs.
+`--payload-mac-off` adds the data-channel transport without payload MACs (checksum.py PartMac;
+`payload_mac=False`, for this comparison only; same-device writes carry none): the ratio with /
+without is what the keyed BLAKE2b over every payload byte costs. The unauthenticated transport
+has no payload MACs either.
 """
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ from kvtransfer.channel import RECEIVER, SENDER, GlooChannel
 
 BLOCK = 16
 DONE = torch.zeros(1, dtype=torch.uint8)
-VARIANTS = ("_checksum", "_noauth")  # suffixes of the transports timed beside the plain two
+VARIANTS = ("_checksum", "_noauth", "_nomac")  # suffixes of the transports timed beside the plain two
 
 
 def _shape(args, tokens: int) -> tuple[int, int]:
@@ -60,13 +65,15 @@ def _compat(args, kv_checksum: bool = False) -> CompatRecord:
                         kv_checksum=kv_checksum)
 
 
-def _ends(args) -> list[tuple[str, bool, bool, bool]]:
-    """The transports timed: (name, same device, checksums, control channel authenticated)."""
-    ends = [("pdserve", False, False, True), ("same_device", True, False, True)]
+def _ends(args) -> list[tuple[str, bool, bool, bool, bool]]:
+    """The transports timed: (name, same device, checksums, control channel authenticated, payload MACs)."""
+    ends = [("pdserve", False, False, True, True), ("same_device", True, False, True, True)]
     if args.kv_checksum:
-        ends += [("pdserve_checksum", False, True, True), ("same_device_checksum", True, True, True)]
+        ends += [("pdserve_checksum", False, True, True, True), ("same_device_checksum", True, True, True, True)]
     if args.control_auth_off:
-        ends += [("pdserve_noauth", False, False, False), ("same_device_noauth", True, False, False)]
+        ends += [("pdserve_noauth", False, False, False, False), ("same_device_noauth", True, False, False, False)]
+    if args.payload_mac_off:
+        ends += [("pdserve_nomac", False, False, True, False)]
     return ends
 
 
@@ -85,12 +92,13 @@ def receiver_main(conn, args) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore(args.receiver_host, 0, is_master=True, wait_for_workers=False)
     conn.send(store.port)
-    pg = GlooChannel(store, 0, RECEIVER, args.receiver_host, 120.0)
+    pg = GlooChannel(dist.PrefixStore("raw/", store), RECEIVER, args.receiver_host, 120.0)
     max_tokens = max(args.tokens)
     num_blocks = 2 * max_tokens // BLOCK + 2
     cache = torch.zeros(args.layers, 2, num_blocks, BLOCK, args.kv_heads, args.head_dim, dtype=torch.bfloat16)
     ends = [TorchDistReceiver(_compat(args, checked), torch.zeros_like(cache), 0, host=args.receiver_host,
-                              share_cache=same, control_auth=authed) for _, same, checked, authed in _ends(args)]
+                              share_cache=same, control_auth=authed, payload_mac=mac)
+            for _, same, checked, authed, mac in _ends(args)]
     conn.send([end.endpoint_address for end in ends])
     for layout, tokens in _cases(args):
         layer_bytes, request_bytes = _shape(args, tokens)
@@ -177,12 +185,12 @@ def run(args) -> dict:
     proc.start()
     torch.set_num_threads(1)
     store = dist.TCPStore(args.receiver_host, parent.recv(), is_master=False, wait_for_workers=False)
-    pg = GlooChannel(store, 0, SENDER, args.sender_host, 120.0)
+    pg = GlooChannel(dist.PrefixStore("raw/", store), SENDER, args.sender_host, 120.0)
     addresses = parent.recv()
     senders = {}
-    for (name, same, checked, authed), address in zip(_ends(args), addresses):
+    for (name, same, checked, authed, mac), address in zip(_ends(args), addresses):
         tx = TorchDistSender(_compat(args, checked), f"bench-{name}", host=args.sender_host, same_device=same,
-                             control_auth=authed)
+                             control_auth=authed, payload_mac=mac)
         senders[name] = (tx, KVEndpoint("bench", 0, *address))
     rows = []
     for layout, tokens in _cases(args):
@@ -217,7 +225,7 @@ def run(args) -> dict:
     for tx, _ in senders.values():
         tx.close()
     return {"same_device_connections": shared_connections, "kv_checksum": args.kv_checksum,
-            "control_auth_off": args.control_auth_off,
+            "control_auth_off": args.control_auth_off, "payload_mac_off": args.payload_mac_off,
             "layers": args.layers, "kv_heads": args.kv_heads,
             "head_dim": args.head_dim, "dtype": "bfloat16",
             "reps": args.reps, "rows": rows, "receiver_stats": rx_stats}
@@ -231,7 +239,8 @@ def _variants_first(names: list[str]) -> list[str]:
 
 def _variant_columns(gbps: dict[str, list[float]]) -> dict:
     """With checksums: their GB/s, and per round the ratio to the same transport without (median).
-    With the control channel unauthenticated: its GB/s, and per round authenticated / it (median)."""
+    With the control channel unauthenticated: its GB/s, and per round authenticated / it (median).
+    Without payload MACs (the data channel only): its GB/s, and per round with / without (median)."""
     out, med = {}, statistics.median
     for name in ("pdserve", "same_device"):
         if f"{name}_checksum" in gbps:
@@ -242,6 +251,10 @@ def _variant_columns(gbps: dict[str, list[float]]) -> dict:
             plain = gbps[f"{name}_noauth"]
             out[f"{name}_noauth_GBps"] = med(plain)
             out[f"{name}_auth_vs_noauth"] = med(a / p for a, p in zip(gbps[name], plain))
+        if f"{name}_nomac" in gbps:
+            plain = gbps[f"{name}_nomac"]
+            out[f"{name}_nomac_GBps"] = med(plain)
+            out[f"{name}_mac_vs_nomac"] = med(a / p for a, p in zip(gbps[name], plain))
     return out
 
 
@@ -261,6 +274,9 @@ def main(argv=None) -> int:
     p.add_argument("--control-auth-off", action="store_true",
                    help="also time both transports with the control channel unauthenticated, in the same rounds "
                         "(the ratio authenticated / unauthenticated): the cost of the per-message MACs")
+    p.add_argument("--payload-mac-off", action="store_true",
+                   help="also time the data-channel transport without payload MACs, in the same rounds (the ratio "
+                        "with / without): the cost of the keyed BLAKE2b over the KV bytes")
     p.add_argument("--json", action="store_true")
     p.add_argument("--sender-host", default="127.0.0.1", help="the sender's address (its host's, across hosts)")
     p.add_argument("--receiver-host", default="127.0.0.1", help="the receiver's address")
@@ -292,15 +308,18 @@ def _report(result: dict, args) -> None:
     variants = [(args.kv_checksum, "--kv-checksum (GB/s; per-round ratio to the same transport without, median)",
                  "checksum_GBps", "checksum_vs_plain"),
                 (args.control_auth_off, "--control-auth-off (GB/s unauthenticated; per-round ratio authenticated "
-                 "/ unauthenticated, median)", "noauth_GBps", "auth_vs_noauth")]
+                 "/ unauthenticated, median)", "noauth_GBps", "auth_vs_noauth"),
+                (args.payload_mac_off, "--payload-mac-off (GB/s without payload MACs; per-round ratio with / "
+                 "without, median; data channel only)", "nomac_GBps", "mac_vs_nomac")]
     for on, title, rate, ratio in variants:
         if not on:
             continue
         print(f"with {title}")
         for r in result["rows"]:
+            same = (f"   same device {r['same_device_' + rate]:.2f}G x{r['same_device_' + ratio]:.3f}"
+                    if 'same_device_' + rate in r else "")
             print(f"{r['slots']:>10} {r['tokens']:>7}  data channel {r['pdserve_' + rate]:.2f}G "
-                  f"x{r['pdserve_' + ratio]:.3f}   same device {r['same_device_' + rate]:.2f}G "
-                  f"x{r['same_device_' + ratio]:.3f}")
+                  f"x{r['pdserve_' + ratio]:.3f}{same}")
 
 
 if __name__ == "__main__":
