@@ -8,7 +8,7 @@ rank's shard after loading, so sharding is the same for every method.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.quant.base import BaseLinearMethod, UnquantizedLinearMethod
 from engine.tp_comm import broadcast_step
+from engine.tp_wire import ControlChannel
 
 
 @dataclass(frozen=True)
@@ -26,16 +27,22 @@ class TPGroup:
 
     Two process groups over the same ranks: `group` for the model's tensors (NCCL on GPUs, gloo on
     CPUs) and `control` (gloo) for what the driver tells its followers, where a follower may wait
-    for long: an idle instance makes no collective call on the device group."""
+    for long: an idle instance makes no collective call on the device group. Control messages are
+    msgpack sealed with an HMAC under `key` (engine/tp_wire.py): nothing that arrives is unpickled,
+    and a message from a process without the key is refused undecoded (TPAuthError)."""
 
     rank: int = 0
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup for tensors; None only when size == 1
     control: Any = None  # gloo ProcessGroup for objects; None: `group` (a CPU instance)
     device: torch.device = torch.device("cpu")  # where this rank's tensors live
+    key: bytes = b""  # the control messages' MAC key, the same on every rank (b"": tests' hand-built groups)
+    wire_types: tuple[type, ...] = ()  # records that may cross beyond the engine's (tp_wire.engine_types)
+    channel: ControlChannel = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         assert 0 <= self.rank < self.size
+        object.__setattr__(self, "channel", ControlChannel(self.key, self.rank, self.wire_types))
 
     def _need_group(self):
         if self.group is None:
@@ -70,13 +77,11 @@ class TPGroup:
         return self.group if self.control is None else self.control
 
     def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0's `obj` on every rank, pickled on the control group (small messages: stop)."""
+        """Rank 0's `obj` on every rank, on the control channel (load-time choices)."""
         if self.size == 1:
             return obj
         self._need_group()
-        box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.control_group)
-        return box[0]
+        return self.channel.broadcast(obj, dist.get_global_rank(self.group, 0), self.control_group)
 
     def broadcast_step(self, obj: Any = None) -> Any:
         """Rank 0's step on every rank: its structure on the control group, its tensors on
@@ -84,17 +89,15 @@ class TPGroup:
         if self.size == 1:
             return obj
         self._need_group()
-        return broadcast_step(obj, self.rank, dist.get_global_rank(self.group, 0), self.control_group, self.group,
-                              self.device)
+        return broadcast_step(obj, self.rank, dist.get_global_rank(self.group, 0), self.channel, self.control_group,
+                              self.group, self.device)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's `obj`, in rank order, on every rank (on the control group)."""
+        """Every rank's `obj`, in rank order, on every rank (on the control channel)."""
         if self.size == 1:
             return [obj]
         self._need_group()
-        out = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.control_group)
-        return out
+        return self.channel.all_gather(obj, self.size, self.control_group)
 
 
 class LinearBase(nn.Module):

@@ -1,11 +1,11 @@
-"""Broadcasting a step from a TP driver to its followers: the step's structure as a small pickled
-header on the control group (gloo, CPU), its tensors as one flat buffer per dtype on the device
-group (NCCL on GPUs), as vLLM's `broadcast_tensor_dict` does. Step inputs are never pickled
-through the GPU, and a follower waits for the next step on the CPU group only (an NCCL
+"""Broadcasting a step from a TP driver to its followers: the step's structure as a small header
+on the control group (gloo, CPU; msgpack sealed with a MAC, never pickle: engine/tp_wire.py), its
+tensors as one flat buffer per dtype on the device group (NCCL on GPUs), as vLLM's
+`broadcast_tensor_dict` does. Step inputs never travel through the GPU's collectives as objects, and a follower waits for the next step on the CPU group only (an NCCL
 collective left waiting while idle would hold a stream and trip NCCL's watchdog).
 
     driver:    split(step) -> header (step with tensor placeholders, buffer sizes) + tensors
-               broadcast_object(header) on the control group
+               channel.broadcast(header) on the control group
                broadcast(one buffer per dtype) on the device group
     follower:  header -> empty buffers -> broadcast -> views -> the same step
 """
@@ -18,8 +18,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from engine.tp_wire import ControlChannel
 
-class _TensorSlot(NamedTuple):
+
+class TensorSlot(NamedTuple):
     """Stands for tensor `index` of the step: its place in its dtype's buffer."""
     dtype: torch.dtype
     offset: int
@@ -52,7 +54,7 @@ def split_tensors(obj: Any, device_type: str) -> tuple[Any, list[torch.Tensor]]:
         offset = offsets.get(x.dtype, 0)
         offsets[x.dtype] = offset + x.numel()
         tensors.append(x)
-        return _TensorSlot(x.dtype, offset, tuple(x.shape))
+        return TensorSlot(x.dtype, offset, tuple(x.shape))
 
     return _rebuild(obj, slot), tensors
 
@@ -60,26 +62,27 @@ def split_tensors(obj: Any, device_type: str) -> tuple[Any, list[torch.Tensor]]:
 def fill_tensors(skeleton: Any, buffers: dict[torch.dtype, torch.Tensor]) -> Any:
     """The inverse of `split_tensors`: every slot becomes a view of its dtype's buffer."""
     def view(x):
-        if not isinstance(x, _TensorSlot):
+        if not isinstance(x, TensorSlot):
             return None
         return buffers[x.dtype][x.offset:x.offset + math.prod(x.shape)].view(x.shape)
 
     return _rebuild(skeleton, view)
 
 
-def broadcast_step(obj: Any, rank: int, src: int, control_group, device_group, device: torch.device) -> Any:
-    """Rank `src`'s `obj` on every rank; its tensors on `device` travel on `device_group`."""
+def broadcast_step(obj: Any, rank: int, src: int, channel: ControlChannel, control_group, device_group,
+                   device: torch.device) -> Any:
+    """Rank `src`'s `obj` on every rank; its header travels on `channel` (over `control_group`), its
+    tensors on `device` on `device_group`."""
     if rank == 0:
         skeleton, tensors = split_tensors(obj, device.type)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t.reshape(-1))
         buffers = {dtype: torch.cat(parts) for dtype, parts in by_dtype.items()}
-        box = [(skeleton, [(dtype, b.numel()) for dtype, b in buffers.items()])]
+        header = (skeleton, [(dtype, b.numel()) for dtype, b in buffers.items()])
     else:
-        box = [None]
-    dist.broadcast_object_list(box, src=src, group=control_group)
-    skeleton, sizes = box[0]
+        header = None
+    skeleton, sizes = channel.broadcast(header, src, control_group)
     if rank != 0:
         buffers = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in sizes}
     for dtype, n in sizes:  # the same order on every rank: the driver's dict order, sent in the header

@@ -15,7 +15,7 @@ import torch
 
 from cluster.ranks import cpu_plan
 from cluster.ranks.nodes import RankPlacement, node_address, set_socket_ifnames, unreachable
-from cluster.ranks.rank import RankHost, free_address
+from cluster.ranks.rank import RankHost, TPRendezvous, open_rendezvous
 from engine.config import EngineConfig
 from engine.request import RequestMessage
 from kvtransfer.params import KVEndpoint, KVTransferParams
@@ -54,6 +54,7 @@ class RankActor:
         self._ifname = set_socket_ifnames(self._host_name)  # before any process group: gloo/NCCL read them once
         self.host: RankHost | None = None
         self._complete = False  # rank 0: the controller finished starting the instance
+        self._tp_listener = None  # rank 0: the TP rendezvous's socket, until setup's store takes it
 
     def placement(self) -> RankPlacement:
         """Where this rank runs: the address it binds and advertises, and its process id."""
@@ -85,16 +86,22 @@ class RankActor:
         """Rank 0: every rank is set up (followers known): the instance may be adopted."""
         self._complete = True
 
-    def rendezvous_address(self) -> str:
-        """Rank 0: where the instance's TP group meets."""
-        return free_address(self._host_name)
+    def rendezvous_address(self) -> TPRendezvous:
+        """Rank 0: where the instance's TP group meets, on this rank's address only, under a fresh
+        random prefix (the driver hands it to every rank's `setup`; it travels through Ray only)."""
+        if self._tp_listener is not None:
+            self._tp_listener.close()
+        rendezvous, self._tp_listener = open_rendezvous(self._host_name)
+        return rendezvous
 
-    def setup(self, tp_address: str | None) -> KVEndpoint | None:
+    def setup(self, tp_address: TPRendezvous | None) -> KVEndpoint | None:
         """Loads the model, joins the TP group, starts the loop. Returns this rank's KV endpoint."""
         config, role, instance_id, rank, tp_size = self._args
+        listener, self._tp_listener = self._tp_listener, None
         self.host = RankHost(config, role, instance_id, rank, tp_size, tp_address, self._host_name, self._kv_timeout_s,
                              on_loop_death=lambda: os._exit(1), client_ttl_s=self._client_ttl_s,
-                             kv_same_device=self._kv_same_device, kv_checksum=self._kv_checksum)
+                             kv_same_device=self._kv_same_device, kv_checksum=self._kv_checksum,
+                             tp_listener=listener)
         cpu_plan.set_niceness(self._cpu.niceness)  # threads Ray started meanwhile, too
         return self.host.kv_endpoint()
 

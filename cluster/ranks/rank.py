@@ -1,14 +1,23 @@
 """One rank of one instance, wherever it runs (a Ray actor, or in-process in tests).
 
+The TP group meets at rank 0's TCPStore, which rank 0 creates itself on a socket bound to its own
+address (never every interface), its keys under a random prefix the driver hands to the followers
+through Ray (`TPRendezvous`); the group's control messages are MACed under a key derived from the
+cluster secret (`tp_group_key`, engine/tp_wire.py), so a process that reaches the store can spoil
+the group but cannot make a rank decode, let alone unpickle, anything it sends.
+
 `RankHost` builds the rank's model runner (joining its instance's tensor-parallel group),
 its KV transport end (prefill: sender; decode: receiver) and its worker on a thread of its own,
 then runs the worker's loop there: rank 0 drives, the other ranks follow the steps rank 0 broadcasts.
 """
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import socket
 import threading
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -22,35 +31,97 @@ from engine.model_runner import ModelRunner, select_device
 from engine.speculative.rows import rows_signature
 from engine.parallel import TPGroup
 from engine.tokenizer import Tokenizer
-from kvtransfer.base import create_kv_transport
-from kvtransfer.connector import DecodeConnector, PrefillConnector
-from kvtransfer.params import CompatRecord, KVEndpoint, kv_heads_of_rank
+from kvtransfer.auth import cluster_secret
+from kvtransfer.base import CompletedTransfer, create_kv_transport
+from kvtransfer.connector import DecodeConnector, PrefillConnector, Shipment
+from kvtransfer.params import CompatRecord, KVEndpoint, KVTransferParams, kv_heads_of_rank
 from prefill_worker.worker import PrefillWorker
 
 logger = logging.getLogger(__name__)
 
 
+TP_KEY_LABEL = b"pdserve tp group v1"
+# the records of the workers' control messages beyond the engine's: a prefill step's shipments, a decode rank's polls
+TP_WIRE_TYPES = (Shipment, KVTransferParams, KVEndpoint, CompletedTransfer)
+
+
+def tp_group_key() -> bytes:
+    """The TP groups' control-message key: HMAC-SHA256(cluster secret, TP_KEY_LABEL)."""
+    return hmac.digest(cluster_secret(), TP_KEY_LABEL, "sha256")
+
+
 def free_address(host: str = "127.0.0.1") -> str:
-    """host:port with a port that was free a moment ago (for a TP group's rendezvous)."""
-    with socket.socket() as s:
+    """host:port with a port that was free a moment ago."""
+    with socket.socket(_family(host)) as s:
         s.bind((host, 0))
         return f"{host}:{s.getsockname()[1]}"
 
 
-def join_tp_group(device: torch.device, rank: int, tp_size: int, address: str) -> TPGroup:
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+@dataclass(frozen=True)
+class TPRendezvous:
+    """Where an instance's TP group meets: rank 0's store at host:port, its keys under `prefix`
+    (random, known to the ranks through Ray only)."""
+    host: str
+    port: int
+    prefix: str
+
+    @classmethod
+    def parse(cls, address: str) -> TPRendezvous:
+        """From "host:port" (no prefix: callers that chose the port themselves, benchmarks)."""
+        host, _, port = address.rpartition(":")
+        return cls(host.strip("[]"), int(port), "")
+
+
+def open_rendezvous(host: str) -> tuple[TPRendezvous, socket.socket]:
+    """Rank 0: a listening socket bound to `host` (the rank's own address) on a free port, held
+    until its store takes it (so no other process can take the port meanwhile), and a fresh prefix."""
+    listener = socket.socket(_family(host))
+    listener.bind((host, 0))
+    listener.listen(128)
+    return TPRendezvous(host, listener.getsockname()[1], secrets.token_hex(16)), listener
+
+
+def tp_store(rank: int, tp_size: int, rendezvous: TPRendezvous, timeout: timedelta,
+             listener: socket.socket | None = None) -> dist.Store:
+    """The group's store: rank 0 serves it on `listener` (else on a socket it binds to the
+    rendezvous host and port), the others connect; keys under the rendezvous's prefix."""
+    if rank == 0:
+        if listener is None:
+            listener = socket.socket(_family(rendezvous.host))
+            listener.bind((rendezvous.host, rendezvous.port))
+            listener.listen(128)
+        # NOTE: TCPStore serves on the socket it is given (libuv's backend honours master_listen_fd
+        # in torch 2.13); detach(): the store owns and closes it
+        store = dist.TCPStore(rendezvous.host, rendezvous.port, tp_size, True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=listener.detach())
+    else:
+        store = dist.TCPStore(rendezvous.host, rendezvous.port, tp_size, False, timeout=timeout)
+    return dist.PrefixStore(f"pdserve-tp/{rendezvous.prefix}/", store)
+
+
+def join_tp_group(device: torch.device, rank: int, tp_size: int, address: TPRendezvous | str,
+                  listener: socket.socket | None = None) -> TPGroup:
     """This rank's TP group: on GPUs NCCL for the model's tensors and a gloo group beside it for
     the driver's messages (followers wait there while idle, so no NCCL call waits unmatched);
-    on CPUs one gloo group for both."""
+    on CPUs one gloo group for both. Rank 0 serves the rendezvous (on `listener` if given)."""
+    rendezvous = TPRendezvous.parse(address) if isinstance(address, str) else address
+    wire = {"key": tp_group_key(), "wire_types": TP_WIRE_TYPES}
     if device.type != "cuda":
-        dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=tp_size,
-                                timeout=timedelta(hours=24))  # followers may idle for long
-        return TPGroup(rank, tp_size, dist.group.WORLD, device=device)
+        timeout = timedelta(hours=24)  # followers may idle for long
+        dist.init_process_group("gloo", store=tp_store(rank, tp_size, rendezvous, timeout, listener), rank=rank,
+                                world_size=tp_size, timeout=timeout)
+        return TPGroup(rank, tp_size, dist.group.WORLD, device=device, **wire)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://{address}", rank=rank, world_size=tp_size,
-                            timeout=timedelta(minutes=10), device_id=device)  # collectives run matched: in step
+    timeout = timedelta(minutes=10)  # collectives run matched: in step
+    dist.init_process_group("nccl", store=tp_store(rank, tp_size, rendezvous, timeout, listener), rank=rank,
+                            world_size=tp_size, timeout=timeout, device_id=device)
     control = dist.new_group(backend="gloo", timeout=timedelta(hours=24))
     logger.info("TP rank %d/%d: NCCL for tensors on %s, gloo for control", rank, tp_size, device)
-    return TPGroup(rank, tp_size, dist.group.WORLD, control, device)
+    return TPGroup(rank, tp_size, dist.group.WORLD, control, device, **wire)
 
 
 def load_tokenizer(model: str) -> Tokenizer | None:
@@ -63,14 +134,16 @@ def load_tokenizer(model: str) -> Tokenizer | None:
 
 class RankHost:
     def __init__(self, config: EngineConfig, role: str, instance_id: str, rank: int = 0, tp_size: int = 1,
-                 tp_address: str | None = None, host: str = "127.0.0.1", kv_timeout_s: float = 10.0,
+                 tp_address: TPRendezvous | str | None = None, host: str = "127.0.0.1", kv_timeout_s: float = 10.0,
                  model_config=None, weights=None, on_loop_death=None, client_ttl_s: float = 30.0,
-                 kv_same_device: bool = True, kv_checksum: bool = False):
+                 kv_same_device: bool = True, kv_checksum: bool = False,
+                 tp_listener: socket.socket | None = None):
         """`on_loop_death`: called if the step loop dies (a Ray actor exits, so the instance is
         seen dead and its requests retried elsewhere, instead of hanging alive but idle).
         `kv_same_device`: KV between ranks on one device is written straight into the decode
         cache (the spec's kv_transport "auto"); False: always over the data channel ("torch").
-        `kv_checksum`: every KV part carries a checksum, checked on receipt (the spec's kv_checksum)."""
+        `kv_checksum`: every KV part carries a checksum, checked on receipt (the spec's kv_checksum).
+        `tp_address`, `tp_listener`: the TP group's rendezvous, and rank 0's socket for it (open_rendezvous)."""
         self.role, self.instance_id, self.rank, self.host = role, instance_id, rank, host
         self.on_loop_death = on_loop_death
         self.sender = self.receiver = None
@@ -87,7 +160,7 @@ class RankHost:
         def build_then_loop():
             try:
                 self._build(config, role, instance_id, rank, tp_size, tp_address, host, kv_timeout_s, model_config,
-                            weights, client_ttl_s, kv_same_device, kv_checksum)
+                            weights, client_ttl_s, kv_same_device, kv_checksum, tp_listener)
                 built.append(None)
             except BaseException as exc:  # raised again on the caller's thread
                 built.append(exc)
@@ -102,9 +175,11 @@ class RankHost:
             raise built[0]
 
     def _build(self, config, role, instance_id, rank, tp_size, tp_address, host, kv_timeout_s, model_config,
-               weights, client_ttl_s, kv_same_device, kv_checksum) -> None:
+               weights, client_ttl_s, kv_same_device, kv_checksum, tp_listener=None) -> None:
         """The model runner (joining the TP group), the KV transport end and the worker."""
-        tp = join_tp_group(select_device(config.device), rank, tp_size, tp_address) if tp_size > 1 else TPGroup()
+        tp = TPGroup()
+        if tp_size > 1:
+            tp = join_tp_group(select_device(config.device), rank, tp_size, tp_address, tp_listener)
         self.runner = ModelRunner(config, tp, model_config=model_config, weights=weights)
         mc = self.runner.model_config
         # the KV cache's dtype, not the model's: an fp8 cache ships fp8, and refuses a peer whose cache is not

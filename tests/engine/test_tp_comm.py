@@ -1,5 +1,5 @@
-"""Broadcasting a step to TP followers (engine/tp_comm.py): the structure travels pickled on the
-control group, the tensors as one buffer per dtype on the device group; every follower gets a
+"""Broadcasting a step to TP followers (engine/tp_comm.py): the structure travels as msgpack on the
+control group (engine/tp_wire.py), the tensors as one buffer per dtype on the device group; every follower gets a
 step equal to the driver's, field by field, tensors included (gloo for both groups here)."""
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from kvtransfer.connector import Shipment
 from kvtransfer.params import KVEndpoint, KVTransferParams
 
 pytestmark = pytest.mark.timeout(120)
+STEP_TYPES = (Shipment, KVTransferParams, KVEndpoint)  # the prefill step's records from kvtransfer
 
 
 def make_step(seed: int = 0):
@@ -66,7 +67,7 @@ def _rank(rank: int, port: int, out) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
                             timeout=timedelta(seconds=60))
     control = dist.new_group(backend="gloo")
-    tp = TPGroup(rank, 3, dist.group.WORLD, control)
+    tp = TPGroup(rank, 3, dist.group.WORLD, control, key=b"k" * 32, wire_types=STEP_TYPES)
     got = [tp.broadcast_step(make_step(seed=s) if rank == 0 else None) for s in range(3)]
     got.append(tp.broadcast_step("stop" if rank == 0 else None))
     if rank:

@@ -74,6 +74,7 @@ def test_a_cuda_rank_joins_its_tp_group_on_an_indexed_device(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_setDevice", lambda index: calls.setdefault("set_device", index), raising=False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.setdefault("init", (backend, kw)))
     monkeypatch.setattr(dist, "new_group", lambda **kw: "control")
+    monkeypatch.setattr(rank_module, "tp_store", lambda *a, **kw: "store")
 
     tp = rank_module.join_tp_group(select_device("auto"), 0, 2, "127.0.0.1:1")
 
