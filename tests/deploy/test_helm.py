@@ -239,12 +239,13 @@ def test_autoscaler_keys_reach_the_spec():
 
 
 def test_autoscaler_rbac_is_least_privilege():
-    """The autoscaler may only get and patch the scale of Deployments, in its own namespace, and
-    the controller pod (where it runs) uses that ServiceAccount; without it, no RBAC and no token.
-    The gateways never mount a token."""
+    """The autoscaler may only get and patch the scale of the two worker Deployments, in its own
+    namespace, and the controller pod (where it runs) uses that ServiceAccount; without it, no RBAC
+    and no token. The gateways never mount a token."""
     objects = manifests(AUTOSCALED)
     (role,) = find(objects, "Role")
-    assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["get", "patch"]}]
+    assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["deployments/scale"],
+                              "resourceNames": ["pdserve-prefill", "pdserve-decode"], "verbs": ["get", "patch"]}]
     assert not find(objects, "ClusterRole") and not find(objects, "ClusterRoleBinding")
     (binding,) = find(objects, "RoleBinding")
     (account,) = find(objects, "ServiceAccount")
@@ -370,13 +371,15 @@ def test_existing_ray_secret_is_used_not_generated():
 
 
 def test_ray_head_command_and_ports(rendered):
-    """The head schedules no work (num-cpus 0) and serves GCS, client and dashboard ports through its Service."""
+    """The head schedules no work (num-cpus 0) and publishes only the GCS: not the Ray client
+    (10001) nor the dashboard (8265), which nothing uses and which stays on the pod's localhost."""
     _, objects = rendered
     head = container(one(objects, "Deployment", "pdserve-head"))
     assert head["command"] == ["ray", "start", "--head", "--port=6379", "--num-cpus=0",
-                               "--node-ip-address=$(PDSERVE_NODE_IP)", "--dashboard-host=0.0.0.0", "--block"]
+                               "--node-ip-address=$(PDSERVE_NODE_IP)", "--block"]
     ports = {p["name"]: p["port"] for p in one(objects, "Service", "pdserve-head")["spec"]["ports"]}
-    assert ports == {"gcs": 6379, "client": 10001, "dashboard": 8265}
+    assert ports == {"gcs": 6379}
+    assert [p["containerPort"] for p in head["ports"]] == [6379]
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])

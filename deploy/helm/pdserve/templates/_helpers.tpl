@@ -194,6 +194,16 @@ The command of a Ray driver pod (controller, gateway): join Ray as a node withou
 {{- end }}
 {{- define "pdserve.apiKeysDir" -}}/etc/pdserve-api-keys{{- end }}
 
+{{/*
+A gateway pod's grace period: the preStop sleep, the drain bound (spec.drain_timeout_s, 30 s by
+default: cluster/spec.py) and 15 s for the streams' last chunks, the uvicorn shutdown and `ray stop`.
+*/}}
+{{- define "pdserve.gatewayGraceSeconds" -}}
+{{- $drain := 30 }}
+{{- if hasKey .Values.spec "drain_timeout_s" }}{{ $drain = .Values.spec.drain_timeout_s }}{{ end }}
+{{- add .Values.gateway.preStopSeconds (ceil $drain | int) 15 }}
+{{- end }}
+
 {{/* The spec volume of the controller and gateways, their /dev/shm and the user's extras. */}}
 {{- define "pdserve.driverVolumes" -}}
 - name: spec
