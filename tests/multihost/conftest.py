@@ -7,17 +7,21 @@ Skipped without root, iproute2, util-linux or redis-server; with PDSERVE_REQUIRE
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from bench.multihost import Bed, HostSpec
 from bench.multihost_serving import serve_on_bed, stop_process
 
 BIN = Path(sys.executable).parent  # the venv's bin: ray, pdserve
+logger = logging.getLogger(__name__)
 HOSTS = [
     HostSpec("head", "head"),
     HostSpec("gw", "gateway"),
@@ -103,20 +107,74 @@ def reference() -> dict[str, str]:
     return {p: o.text for p, o in zip(PROMPTS, outs)}
 
 
-@pytest.fixture(scope="package")
-def chart():
-    """The chart rendered with `bench.chart_pods.BED_VALUES` (SmolLM2 fp32, 1 prefill + 1 decode,
-    Redis, 2 gateways), every pod running and ready, on a bed of its own (no Ray of the bed's:
-    the chart's head is the Ray cluster), so this does not need the `bed` fixture's hosts.
-    Tests that break a pod restore it. Package scope: one deployment for every test."""
-    skip_unless_bed_can_run()
-    from bench.chart_pods import BED_VALUES, ChartPods
-    bed = Bed([]).up()
-    try:
-        pods = ChartPods(bed, BED_VALUES, release="pd")
+class ChartDeployment:
+    """The chart's pods (`bench.chart_pods.BED_VALUES`) on a bed of their own, checked before each
+    module that uses them: pods that exited are restarted, and a deployment still not at its spec
+    after `repair_s` is rebuilt, so one module's failure cannot fail the modules after it."""
+
+    def __init__(self, bed: Bed):
+        self.bed, self.pods = bed, None
+
+    def build(self) -> None:
+        from bench.chart_pods import BED_VALUES, ChartPods
+        self.pods = ChartPods(self.bed, BED_VALUES, release="pd").up(timeout=300)
+
+    def why_not_at_spec(self) -> str | None:
+        """None when every pod runs, the controller has one healthy prefill and one healthy decode
+        instance, and each of the two gateways is ready and sees exactly those; else what is not."""
+        pods = self.pods
+        if stopped := [n for n in pods.pods if not pods.running(n)]:
+            return f"pods not running: {stopped}"
+        (ctl,) = [n for n, c in pods.pods.items() if c == "controller"]
+        gateways = [n for n, c in pods.pods.items() if c == "gateway"]
         try:
-            yield pods.up(timeout=300)
-        finally:
-            pods.down()
+            status = httpx.get(pods.url(ctl) + "/status", timeout=10).json()["instances"]
+            healthy = {i["instance_id"]: i["role"] for i in status if i["healthy"] and not i["draining"]}
+            if sorted(healthy.values()) != ["decode", "prefill"]:
+                return f"controller's healthy instances: {healthy}"
+            for gw in gateways:
+                url = pods.url(gw)
+                seen = {i["instance_id"] for i in httpx.get(url + "/status", timeout=10).json()["instances"]
+                        if i["healthy"]}
+                if httpx.get(url + "/ready", timeout=10).status_code != 200 or seen != set(healthy):
+                    return f"gateway {gw} not ready or sees {sorted(seen)}"
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None if len(gateways) == 2 else f"{len(gateways)} gateway pods"
+
+    def ensure(self, repair_s: float = 180.0) -> None:
+        """At spec, else repaired within `repair_s` (exited pods restarted), else rebuilt."""
+        from bench.chaos_faults import Kubelet
+        kubelet, deadline = Kubelet(self.pods, delay_s=0.0), time.monotonic() + repair_s
+        while (why := self.why_not_at_spec()) is not None and time.monotonic() < deadline:
+            kubelet.tick()
+            time.sleep(2.0)
+        if why is not None:
+            logger.warning("the chart's pods are not at spec after %.0f s (%s): rebuilding them", repair_s, why)
+            self.pods.down()
+            self.build()
+
+
+@pytest.fixture(scope="package")
+def chart_deployment():
+    """The package's one ChartDeployment, built once; its bed has no Ray of the `bed` fixture's
+    (the chart's head is the Ray cluster)."""
+    skip_unless_bed_can_run()
+    bed = Bed([]).up()
+    deployment = ChartDeployment(bed)
+    try:
+        deployment.build()
+        yield deployment
     finally:
+        if deployment.pods is not None:
+            deployment.pods.down()
         bed.down()
+
+
+@pytest.fixture(scope="module")
+def chart(chart_deployment):
+    """The chart's pods (SmolLM2 fp32, 1 prefill + 1 decode, Redis, 2 gateways), every pod running
+    and ready, at spec when the module starts (ChartDeployment.ensure). Tests that break a pod
+    restore it."""
+    chart_deployment.ensure()
+    return chart_deployment.pods
