@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import time
 
 from fastapi.responses import JSONResponse
@@ -90,10 +91,13 @@ class Drain:
         return self.timeout_s + SHUTDOWN_MARGIN_S
 
     def attach(self, server) -> None:
-        """Makes a `uvicorn.Server`'s SIGTERM/SIGINT handler begin the drain first."""
+        """Makes a `uvicorn.Server`'s SIGTERM/SIGINT handler begin the drain first; a second
+        SIGINT (Ctrl-C again) ends what still runs at once, as the bound would."""
         handle_exit = server.handle_exit
 
         def draining_exit(sig, frame) -> None:
+            if self.draining and sig == signal.SIGINT and self._loop is not None:
+                self._loop.call_soon_threadsafe(self._expire)
             self.begin()
             handle_exit(sig, frame)
         server.handle_exit = draining_exit  # capture_signals() installs self.handle_exit when it runs
@@ -162,6 +166,7 @@ class Drain:
             await send({"type": "http.response.body", "body": body, "more_body": False})
         else:
             await _respond(error, scope, receive, send)
+        response.ended = True
 
 
 async def _respond(exc: APIError, scope, receive, send) -> None:

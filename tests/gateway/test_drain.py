@@ -6,8 +6,10 @@ The real process on SIGTERM: tests/cluster/cli/test_serve_drain.py."""
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -152,4 +154,25 @@ def test_a_zero_bound_ends_running_streams_at_once(served):
     drain.begin()
     streaming.join(60)
     assert drain.began_s == began_s
+    assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == ERROR_CODE
+
+
+def test_signals_begin_the_drain_and_a_second_ctrl_c_ends_it_at_once(served):
+    """Attached to a server, SIGTERM begins the drain (and still reaches the server's own handler);
+    a second SIGINT ends the streams left at once, though the bound is 60 s."""
+    _, drain, url = served(60.0)
+    seen = []
+    server = SimpleNamespace(handle_exit=lambda sig, frame: seen.append(sig))
+    drain.attach(server)
+    first, lines = threading.Event(), []
+    streaming = threading.Thread(target=read_stream, args=(url, chat(300, True), first, lines, AUTH))
+    streaming.start()
+    assert first.wait(60)
+    server.handle_exit(signal.SIGTERM, None)
+    assert drain.draining and httpx.get(f"{url}/ready").status_code == 503
+    time.sleep(0.5)
+    assert streaming.is_alive()  # the bound is 60 s: it goes on
+    server.handle_exit(signal.SIGINT, None)
+    streaming.join(20)
+    assert not streaming.is_alive() and seen == [signal.SIGTERM, signal.SIGINT]
     assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == ERROR_CODE
