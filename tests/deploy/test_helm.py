@@ -283,7 +283,7 @@ def test_driver_probes_and_command(rendered, name, command):
     assert _driver_shell(deployment) == (
         "ray start --address=pdserve-head:6379 --num-cpus=0 --node-ip-address=$(PDSERVE_NODE_IP) && "
         f"exec pdserve {command} --config /etc/pdserve/spec.yaml --host 0.0.0.0 --port 8000 "
-        '--ray-address auto --redis-url "$PDSERVE_REDIS_URL"')
+        "--ray-address auto")
     mounts = {m["name"]: m["mountPath"] for m in driver["volumeMounts"]}
     assert mounts["spec"] == "/etc/pdserve"
     volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
@@ -348,7 +348,19 @@ def test_ray_pods_use_token_auth(rendered):
         assert token == {"name": secret["metadata"]["name"], "key": "token"}, name
         shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
         assert shm["emptyDir"]["medium"] == "Memory", name
+        kv = env["PDSERVE_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]
+        assert kv == {"name": secret["metadata"]["name"], "key": "cluster-secret", "optional": True}, name
         assert pod["securityContext"]["runAsNonRoot"] is True, name
+
+
+def test_the_kv_cluster_secret_is_generated_apart_from_the_ray_token(rendered):
+    """The generated Secret holds a KV cluster secret of its own (64 characters, not Ray's token),
+    so a leaked Ray token does not open the KV channel and the other way round."""
+    import base64
+    _, objects = rendered
+    data = one(objects, "Secret", "pdserve-ray-auth")["data"]
+    token, kv = (base64.b64decode(data[k]).decode() for k in ("token", "cluster-secret"))
+    assert len(kv) == 64 and kv.isalnum() and kv != token
 
 
 @pytest.mark.parametrize("niceness,want", [(None, "0"), (5, "5"), (-5, "0")])

@@ -71,7 +71,8 @@ helm.sh/chart: {{ include "pdserve.chart" .root }}
 {{- end }}
 
 {{/*
-Env of every Ray pod: token authentication with the release's token, and the pod's own address
+Env of every Ray pod: token authentication with the release's token, the KV transfer's cluster
+secret (a key of the same Secret, optional: kvtransfer/auth.py falls back to the token), and the pod's own address
 (PDSERVE_NODE_IP), which `ray start --node-ip-address=$(PDSERVE_NODE_IP)` and the ranks bind.
 */}}
 {{- define "pdserve.rayEnv" -}}
@@ -82,6 +83,12 @@ Env of every Ray pod: token authentication with the release's token, and the pod
     secretKeyRef:
       name: {{ include "pdserve.rayAuthSecret" . }}
       key: {{ .Values.ray.auth.existingSecretKey }}
+- name: PDSERVE_CLUSTER_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdserve.rayAuthSecret" . }}
+      key: {{ .Values.ray.auth.clusterSecretKey }}
+      optional: true
 - name: PDSERVE_NODE_IP
   valueFrom:
     fieldRef:
@@ -174,7 +181,8 @@ external one's Secrets. They meet only in Redis, so one of the two is required.
 
 {{/*
 The command of a Ray driver pod (controller, gateway): join Ray as a node without CPUs, then run
-`pdserve <command>` on the mounted spec. Call with (dict "root" $ "command" "gateway").
+`pdserve <command>` on the mounted spec; the Redis URL comes from PDSERVE_REDIS_URL (never on the
+command line: an external one may carry a password). Call with (dict "root" $ "command" "gateway").
 */}}
 {{- define "pdserve.driverCommand" -}}
 - sh
@@ -182,7 +190,7 @@ The command of a Ray driver pod (controller, gateway): join Ray as a node withou
 - >-
   ray start --address={{ include "pdserve.headAddress" .root }} --num-cpus=0 {{ include "pdserve.nodeIpFlag" .root }} &&
   exec pdserve {{ .command }} --config /etc/pdserve/spec.yaml --host 0.0.0.0 --port 8000
-  --ray-address auto --redis-url "$PDSERVE_REDIS_URL"{{ with .args }} {{ . }}{{ end }}
+  --ray-address auto{{ with .args }} {{ . }}{{ end }}
 {{- end }}
 
 {{/* The gateways' named API keys: whether any are configured, and the Secret holding their file. */}}
