@@ -74,7 +74,8 @@ class Chaos:
         return self.pods.url(self.injector.of("controller")[0])
 
     def gateways(self) -> dict[str, str]:
-        return {n: self.pods.url(n) for n in self.injector.of("gateway") if self.pods.running(n)}
+        return {n: self.pods.url(n) for n in self.injector.of("gateway")
+                if self.pods.running(n) and n not in self.injector.terminating}
 
     def run(self) -> dict:
         load = Load(self.gateways, self.references, self.config.concurrency, self.config.seed,
@@ -108,6 +109,9 @@ class Chaos:
                 self._pause(0.5)
             faults = [f.result() for f in futures]
         logger.info("chaos: injected %s", ", ".join(f"{f.kind} on {f.target}" for f in faults))
+        for f in faults:
+            if f.violation:
+                self._violate(f.kind, f"{f.target}: {f.violation}")
         if self._wait_at_spec(" + ".join(f.kind for f in faults)):
             for f in faults:
                 f.recovered_at = time.monotonic()
@@ -191,7 +195,16 @@ class Chaos:
         logger.warning("chaos violation %s: %s", kind, detail)
         self.violations.append({"kind": kind, "detail": detail, "at": round(time.monotonic() - self.t0, 3)})
 
+    def _excuse_cuts(self, load: Load) -> None:
+        """A connection cut with no error said is an explicit error only when its gateway was
+        SIGKILLed while the request ran (nothing was left to say it); else a violation."""
+        for r in load.records:
+            if r.outcome == "cut" and any(pod == r.gateway and r.sent_at <= t <= r.ended_at + 1.0
+                                          for pod, t in self.injector.sigkills):
+                r.outcome, r.detail = "error", f"its gateway was SIGKILLed: {r.detail}"
+
     def _log(self, load: Load) -> dict:
+        self._excuse_cuts(load)
         requests = [r.summary(self.t0) for r in load.records]
         self.violations += [{"kind": r["outcome"], "detail": r["detail"], "request": r["id"], "at": r["ended_at"]}
                             for r in requests if r["outcome"] in VIOLATIONS]

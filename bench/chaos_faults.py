@@ -9,6 +9,10 @@ Kinds (FAULT_KINDS) and how each heals:
 - restart_redis: Redis killed; the kubelet starts it again, empty (no persistence, as the chart runs it).
 - cut_link: a worker's, Redis' or the controller's link drops every packet for a few seconds.
 - slow_link: the same links shaped to 1 Mbit/s both ways for a while (`Bed.slow_link`).
+- rollout_gateway: a gateway pod ended as a rollout ends it (`ChartPods.terminate_pod`: its
+  preStop hook, SIGTERM, SIGKILL past the grace period), its clients sent elsewhere from the
+  start (the Service drops a terminating pod); then the kubelet starts it again (the new pod).
+  Exiting only at SIGKILL is a violation: the drain must end within the grace period.
 Not injected: the Ray head (no GCS fault tolerance: the whole Ray cluster would restart) and cut
 gateway links (a client cut off from its gateway cannot be told anything: nothing to check).
 """
@@ -27,7 +31,7 @@ from bench.chart_pods import ChartPods
 logger = logging.getLogger(__name__)
 
 FAULT_KINDS = ("kill_gateway", "kill_controller", "kill_prefill_host", "kill_decode_host", "kill_prefill_rank",
-               "kill_decode_rank", "restart_redis", "cut_link", "slow_link")
+               "kill_decode_rank", "restart_redis", "cut_link", "slow_link", "rollout_gateway")
 KILLED_POD = {"kill_gateway": "gateway", "kill_controller": "controller", "kill_prefill_host": "prefill",
               "kill_decode_host": "decode"}
 LINK_TARGETS = ("prefill", "decode", "redis", "controller")
@@ -40,7 +44,8 @@ class Fault:
     started_at: float
     healed_at: float | None = None
     recovered_at: float | None = None
-    error: str = ""
+    error: str = ""  # it could not be injected
+    violation: str = ""  # what the cluster did wrong while it was injected (the run counts it)
 
     def summary(self, t0: float) -> dict:
         d = asdict(self)
@@ -86,6 +91,8 @@ class Injector:
 
     def __init__(self, pods: ChartPods, kubelet: Kubelet, controller_url, hold_s: tuple[float, float] = (2.0, 8.0)):
         self.pods, self.kubelet, self.controller_url, self.hold_s = pods, kubelet, controller_url, hold_s
+        self.terminating: set[str] = set()  # pods in a rollout's termination: no client is sent there
+        self.sigkills: list[tuple[str, float]] = []  # (pod, when) every SIGKILL of a pod
 
     def of(self, component: str) -> list[str]:
         return sorted(n for n, c in self.pods.pods.items() if c == component)
@@ -116,6 +123,7 @@ class Injector:
         with self.kubelet.lock:
             self.kubelet.held.add(name)
             self.pods.kill_pod(name)
+            self.sigkills.append((name, time.monotonic()))
         time.sleep(hold_s)
         self.kubelet.held.discard(name)
 
@@ -155,3 +163,19 @@ class Injector:
             time.sleep(rng.uniform(self.hold_s[0] * 2, self.hold_s[1] * 2))
         finally:
             self.pods.bed.unslow_link(fault.target)
+
+    def _rollout(self, kind: str, fault: Fault, rng: random.Random) -> None:
+        fault.target = name = rng.choice(self.of("gateway"))
+        with self.kubelet.lock:
+            self.kubelet.held.add(name)
+            self.terminating.add(name)
+        try:
+            if not self.pods.terminate_pod(name):
+                with self.kubelet.lock:
+                    self.pods.kill_pod(name)
+                    self.sigkills.append((name, time.monotonic()))
+                fault.violation = "the gateway outlived its grace period after SIGTERM: SIGKILLed"
+        finally:
+            with self.kubelet.lock:
+                self.terminating.discard(name)
+                self.kubelet.held.discard(name)

@@ -1,15 +1,20 @@
-"""The chaos run's load (bench/chaos.py): client threads that send streaming chat and completion
-requests through the gateways without pause, and judge how each one ended.
+"""The chaos run's load (bench/chaos.py): client threads that send chat and completion requests
+through the gateways without pause, and judge how each one ended. Most stream; a quarter do not
+(some of those hung up by their client after a second or two); a tenth are long (LONG_TOKENS, the
+streams a rollout's drain must carry to their end or end with an error).
 
 Every request is greedy (temperature 0, ignore_eos), so a completed one must carry exactly the
 colocated engine's text in every choice (`references`). How a request may end:
 - "ok": every choice finished (a finish reason each) and equals the reference;
-- "aborted": its client hung up on purpose (a random few, after a random number of chunks);
-- "error": an explicit error reached the client: an HTTP error status, an error chunk, or the
-  connection closed under it (its gateway was killed);
+- "aborted": its client hung up on purpose (a random few, after a random number of chunks, or a
+  non-streaming one after `hangup_after_s`);
+- "error": an explicit error reached the client: an HTTP error status, an error chunk, or a
+  connection refused;
+- "cut": the connection closed under it with no error said. The run (bench/chaos.py) excuses it
+  only when its gateway was SIGKILLed meanwhile (no process was left to say anything);
 - a violation: "wrong_output" (finished, other text), "truncated" (the stream ended cleanly with
   a choice lacking a finish reason and no error), "hang" (no byte for `deadline_s`), "late"
-  (ended, but past `deadline_s` after it was sent).
+  (ended, but past `deadline_s` after it was sent), and "cut" unless excused.
 """
 from __future__ import annotations
 
@@ -27,8 +32,9 @@ PROMPTS = ["The capital of France is", "Water boils at a temperature of", "One, 
            "Here is a long story about a lighthouse keeper. " * 12 + "The keeper",
            "List the planets of the solar system in order from the sun, with one fact about each: " * 4]
 MAX_TOKENS = (8, 24)
+LONG_TOKENS = 160  # a long stream: about 10 s on the bed's pods
 KINDS = ("completion", "chat")
-VIOLATIONS = ("wrong_output", "truncated", "hang", "late")
+VIOLATIONS = ("wrong_output", "truncated", "hang", "late", "cut")
 
 
 def reference_texts(model: str = "smollm2") -> dict[tuple[str, str, int], str]:
@@ -38,7 +44,7 @@ def reference_texts(model: str = "smollm2") -> dict[tuple[str, str, int], str]:
     llm = LLM(model=model, dtype="float32", num_blocks=256)
     refs = {}
     for kind in KINDS:
-        for max_tokens in MAX_TOKENS:
+        for max_tokens in (*MAX_TOKENS, LONG_TOKENS):
             outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                                 chat=kind == "chat")
             refs.update({(kind, p, max_tokens): o.text for p, o in zip(PROMPTS, outs)})
@@ -55,6 +61,8 @@ class RequestRecord:
     gateway: str
     abort_after_chunks: int | None
     sent_at: float
+    stream: bool = True
+    hangup_after_s: float | None = None  # a non-streaming client's patience (hung up on purpose)
     ended_at: float | None = None
     outcome: str | None = None  # ok, aborted, error or one of VIOLATIONS
     detail: str = ""
@@ -73,10 +81,12 @@ class Load:
     of `gateways()` (a callable: the set changes as pods die), with `headers`, until `stop()`."""
 
     def __init__(self, gateways, references: dict, concurrency: int, seed: int, deadline_s: float,
-                 abort_fraction: float = 0.1, n_fraction: float = 0.2, headers: dict | None = None):
+                 abort_fraction: float = 0.1, n_fraction: float = 0.2, headers: dict | None = None,
+                 plain_fraction: float = 0.25, long_fraction: float = 0.1):
         self.gateways, self.references, self.deadline_s = gateways, references, deadline_s
         self.headers = headers or {}  # e.g. the API key
         self.abort_fraction, self.n_fraction = abort_fraction, n_fraction
+        self.plain_fraction, self.long_fraction = plain_fraction, long_fraction  # not streamed; LONG_TOKENS
         self.records: list[RequestRecord] = []
         self._ids = itertools.count()
         self._lock, self._stopping = threading.Lock(), threading.Event()
@@ -113,20 +123,23 @@ class Load:
     def _new_record(self, rng: random.Random, name: str, url: str) -> RequestRecord:
         abort = rng.randint(1, 6) if rng.random() < self.abort_fraction else None
         n = 2 if rng.random() < self.n_fraction else 1
-        return RequestRecord(next(self._ids), rng.choice(KINDS), rng.randrange(len(PROMPTS)), n,
-                             rng.choice(MAX_TOKENS), name, abort, time.monotonic())
+        max_tokens = LONG_TOKENS if rng.random() < self.long_fraction else rng.choice(MAX_TOKENS)
+        stream = rng.random() >= self.plain_fraction
+        hangup = rng.uniform(0.5, 2.5) if not stream and abort is not None else None
+        return RequestRecord(next(self._ids), rng.choice(KINDS), rng.randrange(len(PROMPTS)), n, max_tokens,
+                             name, abort if stream else None, time.monotonic(), stream, hangup)
 
     def _send(self, r: RequestRecord, url: str) -> float | None:
         """Sends and judges `r`; the Retry-After of an error answer, if it had one."""
         prompt = PROMPTS[r.prompt_index]
         body = {"model": "smollm2", "max_tokens": r.max_tokens, "temperature": 0, "ignore_eos": True, "n": r.n,
-                "stream": True}
+                "stream": r.stream}
         if r.kind == "chat":
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
             body["prompt"] = prompt
         path = "/v1/chat/completions" if r.kind == "chat" else "/v1/completions"
-        timeout = httpx.Timeout(self.deadline_s, connect=10.0)
+        timeout = httpx.Timeout(r.hangup_after_s or self.deadline_s, connect=10.0)
         try:
             with httpx.stream("POST", url + path, json=body, headers=self.headers, timeout=timeout) as resp:
                 if resp.status_code != 200:
@@ -134,12 +147,25 @@ class Load:
                     self._end(r, "error", f"HTTP {resp.status_code}: {resp.text[:200]}")
                     retry_after = resp.headers.get("retry-after", "")
                     return float(retry_after) if retry_after.isdigit() else None
-                self._read(r, resp)
+                self._read(r, resp) if r.stream else self._read_whole(r, resp)
         except httpx.ReadTimeout:
-            self._end(r, "hang", f"no byte for {self.deadline_s:.0f} s")
-        except httpx.HTTPError as exc:  # refused, reset, closed mid-stream: the client is told
+            if r.hangup_after_s is not None:
+                self._end(r, "aborted", f"not streamed, hung up after {r.hangup_after_s:.1f} s")
+            else:
+                self._end(r, "hang", f"no byte for {self.deadline_s:.0f} s")
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # refused: the client knows
             self._end(r, "error", f"{type(exc).__name__}: {exc}"[:200])
+        except httpx.HTTPError as exc:  # reset or closed under it, no error said
+            self._end(r, "cut", f"{type(exc).__name__}: {exc}"[:200])
         return None
+
+    def _read_whole(self, r: RequestRecord, resp: httpx.Response) -> None:
+        """A non-streamed answer: every choice's text and finish reason at once."""
+        for c in json.loads(resp.read())["choices"]:
+            r.texts[c["index"]] = c["text"] if r.kind == "completion" else c["message"]["content"] or ""
+            if c.get("finish_reason"):
+                r.finish[c["index"]] = c["finish_reason"]
+        self._judge(r, True)
 
     def _read(self, r: RequestRecord, resp: httpx.Response) -> None:
         chunks, done = 0, False
@@ -176,7 +202,7 @@ class Load:
 
     def _end(self, r: RequestRecord, outcome: str, detail: str = "") -> None:
         r.ended_at = time.monotonic()
-        if outcome in ("ok", "error", "aborted") and r.ended_at - r.sent_at > self.deadline_s:
+        if outcome in ("ok", "error", "aborted", "cut") and r.ended_at - r.sent_at > self.deadline_s:
             outcome, detail = "late", f"{outcome} after {r.ended_at - r.sent_at:.0f} s; {detail}"
         r.outcome, r.detail = outcome, detail
 

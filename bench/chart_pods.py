@@ -7,6 +7,7 @@ then run every Deployment's pods as a kubelet would, one bed host ("pod" role) p
     pods.url("gw1")                # http://POD_IP:8000 (its container port named "http")
     pods.probe("gw1", "readinessProbe")
     pods.kill_pod("pf1"); pods.restart_pod("pf1")
+    pods.terminate_pod("gw1")      # preStop, SIGTERM, SIGKILL past the grace period
     name = pods.start_pod("gateway"); pods.wait_ready(name, 120); pods.delete_pod(name)
     pods.down(); bed.down()
 
@@ -35,8 +36,8 @@ What a kubelet would do, and what happens here:
 - Probes: httpGet (path, port by number or name, scheme, headers), tcpSocket (both from the root
   namespace against the pod's address) and exec (inside the pod, with its env), each with its
   timeoutSeconds; success as kubelet counts it (HTTP 200-399).
-- Runs as root: securityContext, resources, scheduling, lifecycle hooks and imagePullPolicy are
-  ignored. Needs root, as the bed does.
+- Runs as root: securityContext, resources, scheduling, postStart hooks and imagePullPolicy are
+  ignored; preStop and the grace period only through `terminate_pod`. Needs root, as the bed does.
 """
 from __future__ import annotations
 
@@ -67,11 +68,12 @@ BED_MAX_REQUEST_BYTES = 64 * 1024
 # SmolLM2 in fp32 on CPU, 1 prefill + 1 decode instance, the release's Redis, 2 gateways.
 BED_VALUES = {
     "spec": {"model": "smollm2", "dtype": "float32", "device": "cpu", "num_kv_blocks": 256, "num_threads": 1,
-             "heartbeat_ttl_s": 3, "max_request_bytes": BED_MAX_REQUEST_BYTES},
+             "heartbeat_ttl_s": 3, "max_request_bytes": BED_MAX_REQUEST_BYTES,
+             "drain_timeout_s": 8},  # a rollout (bench/chaos.py) lets some streams finish and ends others
     "redis": {"enabled": True},
     "prefill": {"replicas": 1},
     "decode": {"replicas": 1},
-    "gateway": {"replicas": 2, "apiKeys": {"keys": [
+    "gateway": {"replicas": 2, "preStopSeconds": 2, "apiKeys": {"keys": [
         {"name": "bed", "sha256": hashlib.sha256(BED_API_KEY.encode()).hexdigest()},
         {"name": "tight", "sha256": hashlib.sha256(BED_TIGHT_KEY.encode()).hexdigest(),
          "requests_per_second": 0.05, "burst": 1}]}},
@@ -193,6 +195,29 @@ class ChartPods:
             shutil.rmtree(hosts_dir, ignore_errors=True)
             del self._pods[name]
             self._write_hosts()
+
+    def terminate_pod(self, name: str) -> bool:
+        """The end a rollout (or a scale-down) gives a pod, as kubelet does it: the container's
+        preStop hook (exec) runs in the pod, then SIGTERM to the container's process, then SIGKILL
+        of everything once terminationGracePeriodSeconds (counted from the start, the hook's time
+        included) ran out. Returns whether the container exited within the grace period; if it
+        did not, the caller kills the pod (`kill_pod`: kubelet's SIGKILL). Either way the pod is
+        left exited, for a kubelet to start again (a new pod, in a rollout)."""
+        pod = self._pods[name]
+        grace = float(pod.template["spec"].get("terminationGracePeriodSeconds", 30))
+        deadline = time.monotonic() + grace
+        hook = pod.container.get("lifecycle", {}).get("preStop", {})
+        if "exec" in hook:
+            try:
+                self.bed.run(name, hook["exec"]["command"], timeout=grace)
+            except subprocess.TimeoutExpired:
+                logger.warning("pod %s: its preStop hook outlived the grace period", name)
+        pod.proc.terminate()
+        try:
+            pod.proc.wait(max(0.0, deadline - time.monotonic()))
+            return True
+        except subprocess.TimeoutExpired:
+            return False
 
     def restart_pod(self, name: str) -> None:
         """The container starts again in the same pod: same address and volumes (but a Memory
