@@ -71,6 +71,11 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens of admitted requests",
                                      registry=self.registry)
         self.generation_tokens = Counter("pdserve_generation_tokens", "generated tokens", registry=self.registry)
+        self.deadline_exceeded = Counter("pdserve_request_deadline_exceeded", "generation requests ended by their "
+                                         "deadline (request_timeout_s): 504, or an error chunk on a stream",
+                                         ["endpoint"], registry=self.registry)
+        for endpoint in ("chat", "completion"):
+            self.deadline_exceeded.labels(endpoint)
         # per API key name (gateway/guard.py): names come from the operator's keys file, plus NO_KEY
         self.api_key_requests = Counter("pdserve_api_key_requests", "API requests by key name and outcome "
                                         "(API_KEY_OUTCOMES)", ["key", "outcome"], registry=self.registry)
@@ -120,7 +125,22 @@ class GatewayMetrics:
         counters = []
         for key, (name, doc) in ROUTER_COUNTERS.items():
             counters.append(CounterMetricFamily(name, doc, value=router.stats[key] if router else 0))
-        yield from [queue, active, healthy, *families.values(), *by_layer.values(), *spec.values(), *counters]
+        yield from [queue, active, healthy, *families.values(), *by_layer.values(), *spec.values(), *counters,
+                    *_router_guard_counters(router)]
 
     def describe(self):
         return []
+
+
+def _router_guard_counters(router) -> list[CounterMetricFamily]:
+    """What the router's guards caught (each failed one request) and its threads' restarts
+    (router/supervisor.py), by handler and by thread kind; none from a router without them."""
+    errors = CounterMetricFamily("pdserve_router_handler_errors", "exceptions a router handler raised; each "
+                                 "failed only the request it was handling", labels=["handler"])
+    for handler, n in getattr(router, "handler_errors", {}).items():
+        errors.add_metric([handler], n)
+    restarts = CounterMetricFamily("pdserve_router_thread_restarts", "router threads restarted after an "
+                                   "exception escaped their loop", labels=["thread"])
+    for thread, n in getattr(router, "thread_restarts", {}).items():
+        restarts.add_metric([thread], n)
+    return [errors, restarts]

@@ -3,7 +3,14 @@
 Events come from the router's threads through `listener` (call_soon_threadsafe into an asyncio
 queue), so hundreds of concurrent streams cost no threads. A client that goes away mid-request
 aborts it on every instance (`cluster.abort`, on a worker thread: the event loop never waits on
-the router), which frees its blocks.
+the router), which frees its blocks: a stream notices when its next chunk cannot be sent, a
+non-streaming request through a task that waits for the connection's `http.disconnect`.
+
+Every request has a deadline, the cluster spec's `request_timeout_s` from its arrival (queueing
+included): past it the request is aborted on its instances and the client gets 504 with an
+OpenAI error body, or, on a stream, an error chunk and `[DONE]`; either way the response ends, so
+the API key's slot is released (gateway/guard.py). Both ends come as sentinels in the request's
+own event queue (one timer per request, nothing per token).
 
 Text is decided here and nowhere else (engine/text.py): instances stream token ids; a stop string
 found here ends the choice at once and stops it on its instances (`cluster.stop`).
@@ -22,6 +29,16 @@ from gateway.protocol import APIError, now
 from router.stream import StreamEvent
 
 RETRY_AFTER = {"Retry-After": "1"}
+DISCONNECT_POLL_S = 0.5  # a server whose `receive` answers before the client leaves is asked this often
+# what the generation puts in its own queue (told apart from the router's events by identity)
+_DEADLINE = StreamEvent([], True, "deadline")
+_CLIENT_GONE = StreamEvent([], True, "client_gone")
+
+
+def request_timeout_s(cluster) -> float | None:
+    """The deadline of a request on `cluster`: its spec's request_timeout_s (a Cluster or a
+    Frontend); None (no deadline) for a stand-in without a spec."""
+    return getattr(getattr(cluster, "spec", None), "request_timeout_s", None)
 
 
 class Choice:
@@ -70,8 +87,9 @@ class Generation:
     """One request's generation: n choices (one stream each from the router, events by index)."""
 
     def __init__(self, cluster, request_id: str, kind: str, model: str, prompt_ids: list[int], choices: list[Choice],
-                 metrics, loop: asyncio.AbstractEventLoop):
+                 metrics, loop: asyncio.AbstractEventLoop, timeout_s: float | None = None):
         self.cluster = cluster  # submit, abort, stop (gateway/app.py: what the routes share)
+        self.timeout_s = timeout_s if timeout_s is not None else request_timeout_s(cluster)  # None: no deadline
         self.request_id, self.kind, self.model, self.choices, self.metrics = request_id, kind, model, choices, metrics
         self.num_prompt_tokens = len(prompt_ids)
         self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
@@ -80,12 +98,44 @@ class Generation:
         self.first_token_s = self.last_token_s = None
         self.error: str | None = None
         self.bad_request = False  # the error is the request's own (an instance refused it)
+        self.timed_out = False  # its deadline passed: the error is a 504
+        self.client_gone = False  # a non-streaming request's client closed its connection
 
     @property
     def finished(self) -> bool:
         return self.error is not None or all(c.finished for c in self.choices)
 
     # -- events -----------------------------------------------------------------------------
+    def _arm_deadline(self) -> asyncio.TimerHandle | None:
+        """Puts _DEADLINE in the queue at arrival + timeout_s (at once if that has passed)."""
+        if self.timeout_s is None:
+            return None
+        left = max(0.0, self.arrival_s + self.timeout_s - time.monotonic())
+        return asyncio.get_running_loop().call_later(left, self.queue.put_nowait, _DEADLINE)
+
+    async def _next(self) -> StreamEvent | None:
+        """The router's next event; None when the request ends here instead: its deadline passed
+        (`timed_out`, with the error set and counted) or its client left (`client_gone`)."""
+        event = await self.queue.get()
+        if event is _CLIENT_GONE:
+            self.client_gone = True
+            return None
+        if event is _DEADLINE:
+            if self.finished:  # (it came behind the last event: nothing to end)
+                return None
+            self.timed_out = True
+            self.error = f"the request did not finish within its deadline of {self.timeout_s:g} s (request_timeout_s)"
+            self.metrics.deadline_exceeded.labels(self.kind).inc()
+            return None
+        return event
+
+    async def _watch_disconnect(self, request) -> None:
+        """Puts _CLIENT_GONE in the queue once the client has closed its connection (nothing else
+        reads it once the body is in: a non-streaming response sends only at the end)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        self.queue.put_nowait(_CLIENT_GONE)
+
     def _consume(self, event: StreamEvent) -> tuple[Choice, str]:
         """Applies one event; returns its choice and the text that may be sent now."""
         if event.token_ids:
@@ -125,8 +175,12 @@ class Generation:
         self.metrics.requests.labels(self.kind, status).inc()
 
     def _failed(self) -> APIError:
+        """The error the client gets (and its count): 400 (its own), 504 (its deadline) or 503."""
+        self._account("timeout" if self.timed_out else "error")
         if self.bad_request:
             return APIError(400, self.error)
+        if self.timed_out:
+            return APIError(504, self.error, "timeout_error", code="request_timeout")
         return APIError(503, f"generation failed: {self.error}", "service_unavailable", headers=RETRY_AFTER)
 
     @property
@@ -141,21 +195,21 @@ class Generation:
 
     # -- non-streaming ----------------------------------------------------------------------
     async def complete(self, request) -> dict:
+        """The whole answer, or APIError; {} for a client that left (nobody reads it)."""
         parts: list[list[str]] = [[] for _ in self.choices]
+        deadline, watcher = self._arm_deadline(), asyncio.ensure_future(self._watch_disconnect(request))
         try:
-            while not self.finished:
-                try:
-                    event = await asyncio.wait_for(self.queue.get(), 0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return {}
-                    continue
+            while not self.finished and (event := await self._next()) is not None:
                 choice, text = self._consume(event)
                 parts[choice.index].append(text)
         finally:
-            self._end()
+            watcher.cancel()
+            if deadline is not None:
+                deadline.cancel()
+            self._end()  # aborts what has not finished (the client left, the deadline passed)
+        if self.client_gone and self.error is None:
+            return {}
         if self.error:
-            self._account("error")
             raise self._failed()
         self._account("ok")
         choices = [self._final(c, "".join(p)) for c, p in zip(self.choices, parts)]
@@ -197,14 +251,15 @@ class Generation:
                 for i, d in enumerate(deltas)]
 
     async def sse(self, include_usage: bool) -> AsyncIterator[str]:
+        deadline = self._arm_deadline()
         try:
             if self.kind == "chat":
                 for c in self.choices:
                     yield self._chunk(c, None, None, include_usage, role=True)
             while not self.finished:
-                choice, text = self._consume(await self.queue.get())
+                event = await self._next()  # None: the deadline passed (the error is set)
+                choice, text = self._consume(event) if event is not None else (None, "")
                 if self.error:
-                    self._account("error")
                     yield f"data: {json.dumps(self._failed().body())}\n\n"
                     break
                 for chunk in self._chunks(choice, text, include_usage):
@@ -216,4 +271,6 @@ class Generation:
                     yield f"data: {json.dumps({**self._head(obj), 'choices': [], 'usage': self.usage})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
+            if deadline is not None:
+                deadline.cancel()
             self._end()  # the client may have disconnected (the generator was cancelled)
