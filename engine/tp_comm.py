@@ -1,8 +1,9 @@
 """Broadcasting a step from a TP driver to its followers: the step's structure as a small header
 on the control group (gloo, CPU; msgpack sealed with a MAC, never pickle: engine/tp_wire.py), its
 tensors as one flat buffer per dtype on the device group (NCCL on GPUs), as vLLM's
-`broadcast_tensor_dict` does. Step inputs never travel through the GPU's collectives as objects, and a follower waits for the next step on the CPU group only (an NCCL
-collective left waiting while idle would hold a stream and trip NCCL's watchdog).
+`broadcast_tensor_dict` does. Step inputs never travel through the GPU's collectives as objects,
+and a follower waits for the next step on the CPU group only (an NCCL collective left waiting
+while idle would hold a stream and trip NCCL's watchdog).
 
     driver:    split(step) -> header (step with tensor placeholders, buffer sizes) + tensors
                channel.broadcast(header) on the control group
