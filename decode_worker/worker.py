@@ -73,6 +73,7 @@ class DecodeWorker(BaseWorker):
                 "kv_transfer_failures": float(st.get("failed", 0)),
                 "kv_messages_dropped": float(st.get("garbage_messages", 0) + st.get("unknown_requests", 0)),
                 "kv_checksum_mismatches": float(st.get("kv_checksum_mismatches", 0)),
+                "kv_mac_mismatches": float(st.get("kv_mac_mismatches", 0)),  # payloads failing their MAC
                 "kv_peers_refused": float(st.get("auth_refused", 0)),  # failed the KV channel's authentication
                 "decode_steps": float(self.num_steps),
                 "decode_step_s": self.step_s, "decode_step_seqs": float(self.num_step_seqs),

@@ -2,8 +2,9 @@
 colocated engine's greedy tokens and top logprobs, with one element of one layer's K altered in
 flight (tests/kvtransfer/faults.py `corrupt_in_flight`):
 
-- checksums off (the negative control): the corruption reaches the decode instance and its
-  output differs from colocated;
+- checksums and payload MACs off (the negative control): the corruption reaches the decode
+  instance and its output differs from colocated;
+- payload MACs alone (the default where a cluster secret is set): the same as checksums, below;
 - checksums on (`kv_checksum`): the mismatch fails the transfer, the request is retried and
   ends exactly as colocated, and the mismatch is counted on the decode instance, in its load
   and on the gateway's /metrics."""
@@ -47,11 +48,19 @@ def colocated(tiny_path):
         return outputs(c.generate(PROMPTS, PARAMS, timeout_s=60))
 
 
+def without_payload_macs(c: Cluster) -> None:
+    """Both ends of the cluster's transfers without payload MACs (before the first connection)."""
+    for inst in c.instances.values():
+        end = inst.ranks[0].sender if inst.role == "prefill" else inst.ranks[0].receiver
+        end.payload_mac = False
+
+
 def test_without_checksums_a_corrupted_element_changes_the_output(tiny_path, colocated):
-    """The negative control: one element of layer 1's K altered in flight, checksums off, the
-    decode instance computes with it and that request's tokens or top logprobs differ (the
-    others' do not: one part was altered)."""
+    """The negative control: one element of layer 1's K altered in flight, checksums and payload
+    MACs off, the decode instance computes with it and that request's tokens or top logprobs
+    differ (the others' do not: one part was altered)."""
     with Cluster(spec_for(tiny_path), use_ray=False) as c:
+        without_payload_macs(c)
         with corrupt_in_flight(layer=1, times=1) as fault:
             got = outputs(c.generate(PROMPTS, PARAMS, timeout_s=60))
         assert len(fault.altered) == 1
@@ -82,4 +91,19 @@ def test_with_checksums_the_corruption_is_caught_retried_and_counted(tiny_path, 
         while series not in generate_latest(metrics.registry).decode() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert series in generate_latest(metrics.registry).decode()
+        c.assert_no_leaks()
+
+
+def test_the_payload_mac_catches_the_corruption_by_default(tiny_path, colocated):
+    """Checksums off, payload MACs on (the default: an in-process cluster has a generated secret):
+    the altered part fails its MAC, the request is retried and ends as colocated, and the one
+    mismatch is counted in the decode instance's load (pdserve_kv_mac_mismatches_total)."""
+    with Cluster(spec_for(tiny_path), use_ray=False) as c:
+        with corrupt_in_flight(layer=1, times=1) as fault:
+            got = outputs(c.generate(PROMPTS, PARAMS, timeout_s=60))
+        assert len(fault.altered) == 1
+        assert all(same_output(g, w) for g, w in zip(got, colocated)), (got, colocated)
+        decode = next(i for i in c.instances.values() if i.role == "decode")
+        assert decode.ranks[0].receiver.stats["kv_mac_mismatches"] == 1 and c.router.stats["retries"] >= 1
+        assert decode.client.load()["kv_mac_mismatches"] == 1
         c.assert_no_leaks()
