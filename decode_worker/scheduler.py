@@ -316,7 +316,7 @@ class Scheduler:
             if not sp.ignore_eos and token in req.eos_token_ids:
                 req.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
-            if token in sp.stop_token_ids:
+            if token in sp.stop_token_set:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:

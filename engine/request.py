@@ -8,6 +8,7 @@ front end to an instance) and its `SamplingParams`. What an instance's scheduler
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from collections.abc import Container
 from dataclasses import dataclass, field, replace
@@ -23,7 +24,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # any of them ends generation, as EOS does (`stop_token_set`)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return besides the sampled token's
     # Logit processing, with vLLM's and OpenAI's meanings (engine/sampling.py: the formulas, the order)
@@ -65,6 +66,12 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """`stop_token_ids` as a set: the decode scheduler asks it of every token sampled, in O(1)
+        however many ids the request gave (not a field: the tuple is what crosses processes)."""
+        return frozenset(self.stop_token_ids)
 
     def choice(self, index: int) -> SamplingParams:
         """Choice `index`'s own params once an n > 1 request forks: n = 1, seed + index (vLLM's child seeds)."""

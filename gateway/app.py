@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import jinja2
@@ -16,9 +17,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import structured_output
+from engine.request import SamplingParams
 from engine.text import TextState
 from gateway.chat_output import ChatOutput
 from gateway.logprobs import LogprobsFormatter
@@ -28,7 +31,8 @@ from gateway import openapi
 from gateway.api_keys import NO_KEY, APIKey, APIKeyManager, configured_keys
 from gateway.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from gateway.metrics import GatewayMetrics
-from gateway.protocol import APIError, ChatCompletionRequest, CompletionRequest, make_id, now
+from gateway.protocol import (MAX_PROMPT_CHARS_PER_TOKEN, APIError, ChatCompletionRequest, CompletionRequest,
+                              make_id, now, parse_body)
 from gateway.session import Choice, Generation
 from router.client import InstanceDeadError
 from router.router import QueueFullError
@@ -123,36 +127,70 @@ class _Gateway:
             text = self.tokenizer.apply_chat_template(messages, **kwargs, **({"tools": tools} if tools else {}))
         except (ValueError, TypeError, jinja2.TemplateError) as exc:
             raise APIError(400, f"the chat template refused the messages: {exc}", param="messages") from None
+        self.check_prompt_chars(text, "messages")
         in_reasoning = self.reasoning is not None and self.reasoning.starts_in_reasoning(text)
         mode = None if not tools or choice == "none" else choice if isinstance(choice, str) else "named"
         name = choice["function"]["name"] if mode == "named" else None
         ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
         return ids, lambda: ChatOutput(self.reasoning, in_reasoning, mode, self.tool_parser, name)
 
-    async def start(self, body, prompt_ids: list[int], kind: str, shaping: Callable[[], ChatOutput] | None = None
-                    ) -> Generation:
-        """Validates, submits to the router, returns the generation to stream or wait for. The
-        router calls instances while placing, so it runs on a worker thread, not the event loop."""
+    def check_prompt_chars(self, text: str, param: str) -> None:
+        """APIError(400) for a text prompt too long to be within the prompt bound however it tokenizes
+        (MAX_PROMPT_CHARS_PER_TOKEN characters per token): tokenizing it would be work for nothing."""
+        tokens = self.max_prompt_tokens or self.max_model_len
+        if len(text) > (bound := MAX_PROMPT_CHARS_PER_TOKEN * tokens):
+            raise APIError(400, f"the prompt has {len(text)} characters; this server takes at most {tokens} prompt "
+                                f"tokens, so at most {bound} characters ({MAX_PROMPT_CHARS_PER_TOKEN} per token)",
+                           param=param, code="context_length_exceeded")
+
+    def completion_prompt(self, body: CompletionRequest) -> list[int]:
+        if isinstance(body.prompt, list):
+            return list(body.prompt)
+        self.check_prompt_chars(body.prompt, "prompt")
+        return self.tokenizer.encode(body.prompt)
+
+    async def prepare(self, request: Request, model: type[ChatCompletionRequest] | type[CompletionRequest]
+                      ) -> _Prepared:
+        """The request's body parsed, checked and tokenized on a worker thread (each may take a second
+        for a large body; the event loop goes on serving meanwhile)."""
+        raw = await request.body()
+        return await run_in_threadpool(self._prepare, raw, request.headers.get("content-type"), model)
+
+    def _prepare(self, raw: bytes, content_type: str | None, model) -> _Prepared:
+        """Blocking: every check that can refuse the request (APIError, RequestValidationError) in the
+        order a client would fix them, cheap ones before the prompt is tokenized."""
+        body = parse_body(model, raw, content_type)
         if body.model != self.model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            "not_found_error", param="model", code="model_not_found")
+        shaping = None
+        if isinstance(body, ChatCompletionRequest):
+            prompt_ids, shaping = self.chat_prompt(body)
+        else:
+            prompt_ids = self.completion_prompt(body)
         if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt_ids):
             raise APIError(400, f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", param="prompt")
         self.check_ready()
         params = body.sampling_params(len(prompt_ids), self.max_model_len, self.tokenizer.vocab_size,
                                       self.max_prompt_tokens)
-        if params.structured_output is not None:  # compiling a grammar may take a while: not on the loop
-            await asyncio.to_thread(self.check_structured_output, *params.structured_output)
+        if params.structured_output is not None:  # compiling a grammar may take a while
+            self.check_structured_output(*params.structured_output)
+        return _Prepared(body, prompt_ids, params, shaping)
+
+    async def start(self, prep: _Prepared, kind: str) -> Generation:
+        """Submits a prepared request to the router, returns the generation to stream or wait for. The
+        router calls instances while placing, so it runs on a worker thread, not the event loop."""
+        params, prompt_ids = prep.params, prep.prompt_ids
         rid = make_id("chatcmpl" if kind == "chat" else "cmpl")
         choices = []
         for i in range(params.n):
-            output = shaping() if shaping else None
+            output = prep.shaping() if prep.shaping else None
             keep = output is not None and output.keeps_special_tokens  # tool-call markers may be special tokens
             hidden = ({self.tokenizer.eos_token_id, *params.stop_token_ids} - {None}) if keep else ()
             text = TextState(self.tokenizer, prompt_ids, params.stop, params.min_tokens, not keep, frozenset(hidden))
             choices.append(Choice(i, text, None if params.logprobs is None else
                                   LogprobsFormatter(self.tokenizer, kind, params.logprobs), output))
-        gen = Generation(self.cluster, rid, kind, body.model, prompt_ids, choices, self.metrics,
+        gen = Generation(self.cluster, rid, kind, prep.body.model, prompt_ids, choices, self.metrics,
                          asyncio.get_running_loop())
         try:
             await asyncio.to_thread(self.cluster.submit, rid, prompt_ids, params, gen.listener)
@@ -169,16 +207,27 @@ class _Gateway:
         return JSONResponse(await gen.complete(request))
 
 
-def _add_generation_routes(app: FastAPI, gw: _Gateway) -> None:
-    @app.post("/v1/chat/completions", responses=openapi.GENERATION)  # key and limits: gateway/guard.py
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        ids, shaping = gw.chat_prompt(body)
-        return await gw.respond(await gw.start(body, ids, "chat", shaping), body, request)
+@dataclass
+class _Prepared:
+    """A request that passed every check: its body, prompt, sampling params and (chat) output shaping."""
+    body: ChatCompletionRequest | CompletionRequest
+    prompt_ids: list[int]
+    params: SamplingParams
+    shaping: Callable[[], ChatOutput] | None
 
-    @app.post("/v1/completions", responses=openapi.GENERATION)
-    async def completions(body: CompletionRequest, request: Request):
-        ids = gw.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        return await gw.respond(await gw.start(body, ids, "completion"), body, request)
+
+def _add_generation_routes(app: FastAPI, gw: _Gateway) -> None:
+    # The bodies are parsed off the event loop (`prepare`), not by FastAPI: the document declares them
+    # (gateway/openapi.py). Key and limits: gateway/guard.py.
+    @app.post("/v1/chat/completions", responses=openapi.GENERATION, openapi_extra=openapi.body(ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        prep = await gw.prepare(request, ChatCompletionRequest)
+        return await gw.respond(await gw.start(prep, "chat"), prep.body, request)
+
+    @app.post("/v1/completions", responses=openapi.GENERATION, openapi_extra=openapi.body(CompletionRequest))
+    async def completions(request: Request):
+        prep = await gw.prepare(request, CompletionRequest)
+        return await gw.respond(await gw.start(prep, "completion"), prep.body, request)
 
 
 def _add_service_routes(app: FastAPI, gw: _Gateway) -> None:

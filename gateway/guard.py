@@ -9,7 +9,8 @@ returns only when the last chunk of a stream is out, or the client went away (uv
 `http.disconnect` cancels the stream), or the app raised, so the `finally` that releases the
 slot covers every way a request ends, whatever the route does.
 
-Probes (`/health`, `/ready`), `/metrics`, `/status` and the OpenAPI document need no key, as before.
+Probes (`/health`, `/ready`), `/metrics`, `/status` and the OpenAPI document need no key, as before, and
+take no body: a request outside `/v1` that announces one is answered 413 before a byte of it is read.
 The presented key is hashed and dropped here; only its name travels on (`request.state.api_key_name`).
 """
 from __future__ import annotations
@@ -40,7 +41,7 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         if not scope["path"].startswith(API_PREFIX):
-            await self._pass(scope, receive, send, None)
+            await self._outside_api(scope, receive, send)
             return
         key = self.keys.identify(_header(scope, b"authorization"))
         if key is None and self.keys.required:
@@ -65,6 +66,16 @@ class RequestGuard:
             await _respond(exc, scope, receive, send)
             return
         await self._in_flight(scope, receive, send, key, name)
+
+    async def _outside_api(self, scope, receive, send) -> None:
+        """Probes, /metrics, /status and the document take no body: one announced (a Content-Length
+        over 0, or chunked) is refused at once, unread, and the connection closed."""
+        declared = _header(scope, b"content-length")
+        if _header(scope, b"transfer-encoding") is not None or declared not in (None, "0"):
+            await _respond(APIError(413, f"{scope['path']} takes no request body", code="request_too_large",
+                                    headers={"Connection": "close"}), scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
     async def _in_flight(self, scope, receive, send, key: APIKey | None, name: str) -> None:
         """Runs an admitted request; its slot is held until its response ended, however it ended."""
@@ -91,9 +102,9 @@ class RequestGuard:
         return APIError(413, f"the request body is over {self.max_request_bytes} bytes, this server's bound "
                              "(--max-request-bytes)", code="request_too_large")
 
-    async def _pass(self, scope, receive, send, name: str | None) -> None:
-        """Reads the body up to the bound (413 past it) and hands the request on with it; `name`
-        None: not an API request, not counted per key."""
+    async def _pass(self, scope, receive, send, name: str) -> None:
+        """Reads the body up to the bound (413 past it) and hands the request on with it, counted for
+        key `name`."""
         try:
             body = await self._read_body(receive)
         except ClientDisconnect:  # gone while sending its body: nobody to answer
@@ -120,9 +131,8 @@ class RequestGuard:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    def _count(self, name: str | None, outcome: str) -> None:
-        if name is not None:
-            self.metrics.api_key_requests.labels(name, outcome).inc()
+    def _count(self, name: str, outcome: str) -> None:
+        self.metrics.api_key_requests.labels(name, outcome).inc()
 
 
 def _header(scope, name: bytes) -> str | None:

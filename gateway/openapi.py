@@ -1,11 +1,21 @@
 """What the gateway's OpenAPI document declares beyond FastAPI's defaults, so that it tells the
 truth: every status a route answers with its OpenAI-style error body (and `Retry-After` where it
 is sent), the streamed content type beside JSON, `/metrics` as Prometheus text, and `model` as
-the one served name (a client or a fuzzer that reads the document asks for a model that exists)."""
+the one served name (a client or a fuzzer that reads the document asks for a model that exists).
+The generation routes parse their own bodies (off the event loop, gateway/app.py), so the request
+bodies are declared here (`body`), with the schemas FastAPI would have derived."""
 from __future__ import annotations
 
 from fastapi import FastAPI
+from fastapi.encoders import jsonable_encoder
+from fastapi.openapi.models import OpenAPI
 from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+REQUEST_BODIES = (ChatCompletionRequest, CompletionRequest)  # what `body` may name
+_REF = "#/components/schemas/{model}"
 
 
 class ErrorDetail(BaseModel):
@@ -36,7 +46,8 @@ NOT_READY = {503: _error("no ready instance (or every retry failed)", retry=True
 GENERATION = {
     200: {"description": "the completion (JSON), or with `stream` its chunks (server-sent events)",
           "content": {"text/event-stream": {}}},
-    400: _error("a value the server cannot serve: a prompt over the context or --max-prompt-tokens, "
+    400: _error("a value the server cannot serve: a prompt over the context or --max-prompt-tokens, a count "
+                "past its bound (stop, stop_token_ids, logit_bias, tools), "
                 "max_tokens out of range, an unsupported parameter, ..."),
     **UNAUTHORIZED,
     404: _error("another model than the one served"),
@@ -49,13 +60,24 @@ METRICS = {200: {"description": "Prometheus text exposition",
                  "content": {"text/plain": {"schema": {"type": "string"}}}}}
 
 
+def body(model: type[BaseModel]) -> dict:
+    """A route's `openapi_extra`: its required JSON body is `model` (one of REQUEST_BODIES)."""
+    assert model in REQUEST_BODIES, model
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}}}}
+
+
 def install(app: FastAPI, model_name: str) -> None:
-    """Makes `app.openapi()` give `model` as an enum of the served name in every request body."""
+    """Makes `app.openapi()` hold the request bodies' schemas, and give `model` as an enum of the
+    served name in every request body."""
     build = app.openapi
 
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = build()
+            _, defs = models_json_schema([(m, "validation") for m in REQUEST_BODIES], ref_template=_REF)
+            schema["components"]["schemas"].update(defs["$defs"])
+            schema = jsonable_encoder(OpenAPI.model_validate(schema), by_alias=True, exclude_none=True)  # as FastAPI's
             for name in ("ChatCompletionRequest", "CompletionRequest"):
                 schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [model_name]
             app.openapi_schema = schema

@@ -8,7 +8,8 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from engine.request import SamplingParams, prompt_misfit
 from gateway.tools import check_tool_choice, named_schema, required_schema, validate_tools
@@ -20,6 +21,14 @@ NEUTRAL = {"best_of": 1, "echo": False, "suffix": None}
 MAX_SEED = 2**63 - 1  # a torch.Generator's seed
 MAX_N = 128  # choices per request (OpenAI's bound)
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI allows 20 in chat, 5 in completions; vLLM 20 in both)
+# What one request may ask beyond its tokens, bounded because the work per token or per step grows with
+# each (docs/gateway.md, "Bounds"): checked on the parsed JSON before any field is validated (`check_counts`).
+MAX_STOP = 4  # stop strings (OpenAI's bound)
+MAX_STOP_CHARS = 1024  # characters of one stop string (the stream lags by the longest one)
+MAX_STOP_TOKEN_IDS = 1024  # vLLM's stop_token_ids (vLLM sets no bound)
+MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's bound)
+MAX_TOOLS = 128  # function tools (OpenAI's bound)
+MAX_PROMPT_CHARS_PER_TOKEN = 32  # a text prompt's characters per token the server takes, checked before tokenizing
 
 
 def _json_integer(value):
@@ -47,31 +56,88 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _short(value, limit: int = 40) -> str:
+    """`value`'s repr cut to `limit` characters: an error message names what it refuses, never echoes a body."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def check_counts(data: object) -> None:
+    """APIError(400) naming the first list or map of a parsed body past its bound (the MAX_* above),
+    with its length only, never its items. Runs before pydantic: an oversized field costs no validation."""
+    if not isinstance(data, dict):
+        return  # not an object: pydantic's 422
+    stop = data.get("stop")
+    if isinstance(stop, list) and len(stop) > MAX_STOP:
+        raise APIError(400, f"stop takes at most {MAX_STOP} strings, got {len(stop)}", param="stop")
+    if any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in (stop if isinstance(stop, list) else [stop])):
+        raise APIError(400, f"each stop string may have at most {MAX_STOP_CHARS} characters", param="stop")
+    for name, kind, bound in (("stop_token_ids", list, MAX_STOP_TOKEN_IDS), ("logit_bias", dict, MAX_LOGIT_BIAS),
+                              ("tools", list, MAX_TOOLS)):
+        value = data.get(name)
+        if isinstance(value, kind) and len(value) > bound:
+            raise APIError(400, f"{name} takes at most {bound} {'entries' if kind is dict else 'items'}, "
+                                f"got {len(value)}", param=name)
+
+
+def parse_body(model: type[BaseModel], raw: bytes, content_type: str | None) -> BaseModel:
+    """The body as `model`: JSON (Content-Type application/json or *+json), its counts within bounds
+    (`check_counts`: 400), then validated (RequestValidationError: 422, FastAPI's own error list). Blocking:
+    the gateway runs it on a worker thread (a large body takes a second to parse)."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    if not raw:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise RequestValidationError([{"type": "model_attributes_type", "loc": ("body",),
+                                       "msg": "the body must be JSON (Content-Type: application/json)"}])
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:  # JSONDecodeError, or a number past int's 4300 digits
+        loc = ("body", exc.pos) if isinstance(exc, json.JSONDecodeError) else ("body",)
+        raise RequestValidationError([{"type": "json_invalid", "loc": loc, "msg": "JSON decode error"}]) from None
+    check_counts(data)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_input=False)]
+                                     ) from None
+
+
+class _Item(BaseModel):
+    """A model a body may hold many of: the messages, their parts and tool calls."""
+
+    # NOTE: a body is validated on a worker thread, but pydantic-core holds the GIL for all of one
+    # validation unless it calls back into Python: this hook per item lets the event loop run between
+    # items (6.6 MB of 150k messages: the loop's longest wait 0.43 s -> about 0.1 s).
+    def model_post_init(self, context, /) -> None:
+        pass
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
     include_usage: bool = False
 
 
-class TextPart(BaseModel):
+class TextPart(_Item):
     model_config = ConfigDict(strict=True)
     type: Literal["text"]
     text: str
 
 
-class ToolCallFunction(BaseModel):
+class ToolCallFunction(_Item):
     model_config = ConfigDict(strict=True, extra="forbid")
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class MessageToolCall(BaseModel):
+class MessageToolCall(_Item):
     model_config = ConfigDict(strict=True, extra="forbid")
     id: str
     type: Literal["function"]
     function: ToolCallFunction
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Item):
     model_config = ConfigDict(strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None  # None: an assistant message that only calls tools
@@ -111,9 +177,9 @@ def _bounded(**bounds) -> Field:
     return Field(None, json_schema_extra=bounds)
 
 
-_STOP = {"anyOf": [{"type": "string", "minLength": 1},
-                   {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4}, {"type": "null"}]}
-_LOGIT_BIAS = {"anyOf": [{"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+_STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+_STOP = {"anyOf": [_STOP_STRING, {"type": "array", "items": _STOP_STRING, "maxItems": MAX_STOP}, {"type": "null"}]}
+_LOGIT_BIAS = {"anyOf": [{"type": "object", "propertyNames": {"pattern": "^[0-9]+$"}, "maxProperties": MAX_LOGIT_BIAS,
                           "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
                          {"type": "null"}]}
 
@@ -165,7 +231,8 @@ class _Sampling(BaseModel):
     min_tokens: Int | None = _bounded(minimum=0)
     min_p: float | None = _bounded(minimum=0, maximum=1)
     stop_token_ids: list[Int] | None = Field(None, json_schema_extra={"anyOf": [
-        {"type": "array", "items": {"type": "integer", "minimum": 0}}, {"type": "null"}]})
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": MAX_STOP_TOKEN_IDS},
+        {"type": "null"}]})
     n: Int | None = _bounded(minimum=1, maximum=MAX_N)  # prefilled once, forked on the decode instance
     response_format: ResponseFormat | None = None  # structured outputs (engine/structured_output.py)
     structured_outputs: StructuredOutputs | None = None  # vLLM's form: json, regex, choice, grammar
@@ -221,7 +288,7 @@ class _Sampling(BaseModel):
             value = getattr(self, name, None) if name not in (self.model_extra or {}) else self.model_extra[name]
             if name in IGNORED or value is None or (name in NEUTRAL and value in (NEUTRAL[name], {}, [])):
                 continue
-            raise APIError(400, f"unsupported parameter: {name}={value!r}", param=name)
+            raise APIError(400, f"unsupported parameter: {name}={_short(value)}", param=name)
         if why := prompt_misfit(prompt_len, max_model_len):
             raise APIError(400, why, param="messages" if hasattr(self, "messages") else "prompt",
                            code="context_length_exceeded" if prompt_len else None)
@@ -235,8 +302,8 @@ class _Sampling(BaseModel):
             raise APIError(400, f"max_tokens must be between 1 and {room} (context {max_model_len} minus "
                                 f"{prompt_len} prompt tokens), got {max_tokens}", param="max_tokens")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if any(not s for s in stop) or len(stop) > 4:
-            raise APIError(400, "stop must be up to 4 non-empty strings", param="stop")
+        if any(not s for s in stop) or len(stop) > MAX_STOP:
+            raise APIError(400, f"stop must be up to {MAX_STOP} non-empty strings", param="stop")
         checks = [("temperature", self.temperature, 0.0, 2.0), ("top_p", self.top_p, 1e-9, 1.0),
                   ("presence_penalty", self.presence_penalty, -2.0, 2.0),
                   ("frequency_penalty", self.frequency_penalty, -2.0, 2.0), ("min_p", self.min_p, 0.0, 1.0),
@@ -267,20 +334,23 @@ class _Sampling(BaseModel):
 
     @staticmethod
     def _token_ids(name: str, ids: list[int], vocab_size: int) -> tuple[int, ...]:
-        if any(not 0 <= t < vocab_size for t in ids):
-            raise APIError(400, f"{name} must be token ids in [0, {vocab_size}), got {ids}", param=name)
+        """`ids` as a tuple; APIError(400) naming the first one outside the vocabulary (only that one)."""
+        if (bad := next((t for t in ids if not 0 <= t < vocab_size), None)) is not None:
+            raise APIError(400, f"{name} must be token ids in [0, {vocab_size}), got {_short(bad)}", param=name)
         return tuple(ids)
 
     def _logit_bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         """OpenAI's map of token ids (as strings) to a bias in [-100, 100]."""
         out = []
         for key, bias in (self.logit_bias or {}).items():
-            if not key.strip().isdigit():
-                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
-            if not -100 <= bias <= 100:
-                raise APIError(400, f"logit_bias values must be in [-100, 100], got {bias} for {key}",
+            digits = key.strip()
+            if not (digits.isascii() and digits.isdigit()) or len(digits) > 12:  # no vocabulary has 10**12 tokens
+                raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {_short(key)}",
                                param="logit_bias")
-            out.append((int(key), float(bias)))
+            if not -100 <= bias <= 100:
+                raise APIError(400, f"logit_bias values must be in [-100, 100], got {bias} for {_short(key)}",
+                               param="logit_bias")
+            out.append((int(digits), float(bias)))
         self._token_ids("logit_bias", [t for t, _ in out], vocab_size)
         return tuple(out)
 
@@ -290,7 +360,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Int | None = _bounded(minimum=1)
     logprobs: bool | None = None
     top_logprobs: Int | None = _bounded(minimum=0, maximum=MAX_LOGPROBS)
-    tools: list[dict] | None = None  # OpenAI's function tools (gateway/tools.py checks them)
+    tools: list[dict] | None = Field(None, json_schema_extra={"anyOf": [  # OpenAI's function tools (gateway/tools.py)
+        {"type": "array", "items": {"type": "object"}, "maxItems": MAX_TOOLS}, {"type": "null"}]})
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     parallel_tool_calls: bool | None = None  # with tool_choice "required": false allows one call only
     chat_template_kwargs: dict | None = None  # vLLM's: variables for the chat template (enable_thinking, ...)

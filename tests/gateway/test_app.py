@@ -123,7 +123,7 @@ def test_sampling_controls_reach_the_cluster(client, cluster):
     p = cluster.submitted[0][2]
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens, p.min_p) == (
         0.5, -0.25, 1.3, 2, 0.1)
-    assert dict(p.logit_bias) == {42: -100.0, 7: 2.5} and p.stop_token_ids == (5, 9)
+    assert dict(p.logit_bias) == {42: -100.0, 7: 2.5} and p.stop_token_ids == (5, 9) and p.stop_token_set == {5, 9}
 
 
 def test_malformed_json_is_422(client):
