@@ -24,6 +24,8 @@ INSTANCE_GAUGES = {
                          "KV control connections refused: no proof of the cluster secret, or a message failing its MAC"),
     "kv_checksum_mismatches": ("pdserve_kv_checksum_mismatches_total",
                                "KV parts whose checksum did not match (--kv-checksum): failed and retried"),
+    "kv_mac_mismatches": ("pdserve_kv_mac_mismatches_total",
+                          "KV parts whose payload MAC did not match (altered in flight): failed and retried"),
     "spec_max_batch": ("pdserve_spec_decode_max_batch_size",
                        "speculative decoding: most decoding sequences a step speculates with (measured)"),
     "spec_rows_received": ("pdserve_spec_decode_prompt_rows_received_total",
