@@ -130,7 +130,7 @@ class Chaos:
             if len(gateways) != len(self.injector.of("gateway")):
                 return False
             for url in gateways.values():
-                seen = httpx.get(url + "/status", timeout=5).json()["instances"]
+                seen = httpx.get(url + "/status", headers=self.config.headers, timeout=5).json()["instances"]
                 if {i["instance_id"] for i in seen if i["healthy"]} != healthy or not self._probe(url):
                     return False
             return True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -249,15 +250,34 @@ def _add_service_routes(app: FastAPI, gw: _Gateway) -> None:
     async def metrics():
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    expert_counts = ExpertCountCache()
+
     @app.get("/status")
     async def status():
         instances = list(gw.cluster.instances.values())
-        experts = await asyncio.to_thread(lambda: [_expert_counts(i) for i in instances])
+        experts = await asyncio.to_thread(expert_counts.get, instances)
         return {"instances": [{"instance_id": i.instance_id, "role": i.role, "tp_size": i.tp_size,
                                "healthy": i.client.info.healthy, "load": i.client.info.load,
                                "engine": i.client.info.engine, "expert_counts": counts,
                                "ranks": [p.status() for p in i.placements]}
                               for i, counts in zip(instances, experts)]}
+
+
+class ExpertCountCache:
+    """Each instance's expert counts, asked of it at most once per `ttl_s` however often /status
+    is read (it used to be one Ray call per instance per read)."""
+
+    def __init__(self, ttl_s: float = 5.0):
+        self.ttl_s = ttl_s
+        self._seen: dict[str, tuple[float, dict | None]] = {}  # instance id -> (asked at, counts)
+
+    def get(self, instances: list) -> list[dict[str, list[int]] | None]:
+        now, ids = time.monotonic(), {i.instance_id for i in instances}
+        self._seen = {iid: seen for iid, seen in self._seen.items() if iid in ids}  # gone: forgotten
+        for i in instances:
+            if i.instance_id not in self._seen or now - self._seen[i.instance_id][0] >= self.ttl_s:
+                self._seen[i.instance_id] = (now, _expert_counts(i))
+        return [self._seen[i.instance_id][1] for i in instances]
 
 
 def _expert_counts(instance) -> dict[str, list[int]] | None:

@@ -27,6 +27,7 @@ from gateway.protocol import APIError
 logger = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 API_PREFIX = "/v1/"  # what needs a key: the OpenAI routes
+STATUS_PATH = "/status"  # needs a key too (rank addresses and pids), without the key's limits
 
 
 class RequestGuard:
@@ -74,6 +75,12 @@ class RequestGuard:
         if _header(scope, b"transfer-encoding") is not None or declared not in (None, "0"):
             await _respond(APIError(413, f"{scope['path']} takes no request body", code="request_too_large",
                                     headers={"Connection": "close"}), scope, receive, send)
+            return
+        if scope["path"] == STATUS_PATH and self.keys.required \
+                and self.keys.identify(_header(scope, b"authorization")) is None:
+            self._count(NO_KEY, "unauthorized")
+            await _respond(APIError(401, "missing or wrong API key (Authorization: Bearer ...)",
+                                    "authentication_error", code="invalid_api_key"), scope, receive, send)
             return
         await self.app(scope, receive, send)
 

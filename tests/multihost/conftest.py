@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.chart_pods import BED_AUTH
 from bench.multihost import Bed, HostSpec
 from bench.multihost_serving import serve_on_bed, stop_process
 
@@ -134,8 +135,8 @@ class ChartDeployment:
                 return f"controller's healthy instances: {healthy}"
             for gw in gateways:
                 url = pods.url(gw)
-                seen = {i["instance_id"] for i in httpx.get(url + "/status", timeout=10).json()["instances"]
-                        if i["healthy"]}
+                answer = httpx.get(url + "/status", headers=BED_AUTH, timeout=10)
+                seen = {i["instance_id"] for i in answer.json()["instances"] if i["healthy"]}
                 if httpx.get(url + "/ready", timeout=10).status_code != 200 or seen != set(healthy):
                     return f"gateway {gw} not ready or sees {sorted(seen)}"
         except (httpx.HTTPError, ValueError, KeyError) as exc:

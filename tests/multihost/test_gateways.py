@@ -9,6 +9,7 @@ import time
 import httpx
 import pytest
 
+from bench.chart_pods import BED_AUTH
 from tests.multihost.conftest import MAX_TOKENS, PROMPTS
 from tests.multihost.streams import Stream
 
@@ -29,7 +30,8 @@ def pods_of(chart, component: str) -> list[str]:
 
 
 def instances(url: str) -> dict[str, dict]:
-    return {i["instance_id"]: i for i in httpx.get(f"{url}/status", timeout=10).json()["instances"]}
+    answer = httpx.get(f"{url}/status", headers=BED_AUTH, timeout=10)
+    return {i["instance_id"]: i for i in answer.json()["instances"]}
 
 
 def wait_until(predicate, timeout: float, what: str):
