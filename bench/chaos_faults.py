@@ -7,31 +7,41 @@ Kinds (FAULT_KINDS) and how each heals:
 - kill_prefill_rank, kill_decode_rank: the instance's rank process SIGKILLed, its pod left up;
   the controller must replace the instance.
 - restart_redis: Redis killed; the kubelet starts it again, empty (no persistence, as the chart runs it).
+- restart_ray_head: the Ray head's pod killed; the kubelet starts it again: a new, empty Ray
+  cluster (no GCS fault tolerance). Worker pods' `ray start --block` exits and they restart;
+  the controller and the gateways find their node gone and exit (cluster/control/ray_watch.py),
+  then join the new cluster, where the controller starts the instances again.
 - cut_link: a worker's, Redis' or the controller's link drops every packet for a few seconds.
 - slow_link: the same links shaped to 1 Mbit/s both ways for a while (`Bed.slow_link`).
 - rollout_gateway: a gateway pod ended as a rollout ends it (`ChartPods.terminate_pod`: its
   preStop hook, SIGTERM, SIGKILL past the grace period), its clients sent elsewhere from the
   start (the Service drops a terminating pod); then the kubelet starts it again (the new pod).
   Exiting only at SIGKILL is a violation: the drain must end within the grace period.
-Not injected: the Ray head (no GCS fault tolerance: the whole Ray cluster would restart) and cut
-gateway links (a client cut off from its gateway cannot be told anything: nothing to check).
+- router_fault: SIGUSR2 to a gateway (its pods run with PDSERVE_FAILPOINTS=sigusr2,
+  router/failpoints.py): the next event one of its router handlers takes raises; the guard must
+  fail that request alone (an explicit error) and count it. Injected once its count rose.
+Not injected: cut gateway links (a client cut off from its gateway cannot be told anything:
+nothing to check).
 """
 from __future__ import annotations
 
 import logging
 import random
+import re
+import signal
 import threading
 import time
 from dataclasses import asdict, dataclass
 
 import httpx
 
-from bench.chart_pods import ChartPods
+from bench.chart_pods import BED_AUTH, ChartPods
 
 logger = logging.getLogger(__name__)
 
 FAULT_KINDS = ("kill_gateway", "kill_controller", "kill_prefill_host", "kill_decode_host", "kill_prefill_rank",
-               "kill_decode_rank", "restart_redis", "cut_link", "slow_link", "rollout_gateway")
+               "kill_decode_rank", "restart_redis", "cut_link", "slow_link", "rollout_gateway", "router_fault",
+               "restart_ray_head")
 KILLED_POD = {"kill_gateway": "gateway", "kill_controller": "controller", "kill_prefill_host": "prefill",
               "kill_decode_host": "decode"}
 LINK_TARGETS = ("prefill", "decode", "redis", "controller")
@@ -115,7 +125,7 @@ class Injector:
         self._down_then_up(fault.target, rng.uniform(*self.hold_s))
 
     def _restart(self, kind: str, fault: Fault, rng: random.Random) -> None:
-        fault.target = self.of("redis")[0]
+        fault.target = self.of("ray-head" if kind == "restart_ray_head" else "redis")[0]
         self._down_then_up(fault.target, 0.0)
 
     def _down_then_up(self, name: str, hold_s: float) -> None:
@@ -133,7 +143,7 @@ class Injector:
         urls = [self.controller_url()] + [self.pods.url(g) for g in self.of("gateway")]
         for url in urls:
             try:
-                return httpx.get(url + "/status", timeout=10).json()["instances"]
+                return httpx.get(url + "/status", headers=BED_AUTH, timeout=10).json()["instances"]
             except (httpx.HTTPError, ValueError, KeyError):
                 continue
         raise RuntimeError(f"no /status answered: {urls}")
@@ -179,3 +189,21 @@ class Injector:
             with self.kubelet.lock:
                 self.terminating.discard(name)
                 self.kubelet.held.discard(name)
+
+    def _router(self, kind: str, fault: Fault, rng: random.Random, timeout_s: float = 60.0) -> None:
+        fault.target = name = rng.choice([g for g in self.of("gateway") if self.pods.running(g)])
+        before = self._handler_errors(name)
+        self.pods.signal_pod(name, signal.SIGUSR2)
+        deadline = time.monotonic() + timeout_s
+        while self._handler_errors(name) <= before:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no router handler error counted on {name} {timeout_s:.0f} s after SIGUSR2")
+            time.sleep(0.5)
+
+    def _handler_errors(self, name: str) -> float:
+        """The gateway's pdserve_router_handler_errors_total, all handlers (0 if it does not answer)."""
+        try:
+            text = httpx.get(self.pods.url(name) + "/metrics", timeout=10).text
+        except httpx.HTTPError:
+            return 0.0
+        return sum(float(v) for v in re.findall(r"^pdserve_router_handler_errors_total\{[^}]*\} (\S+)$", text, re.M))

@@ -47,6 +47,7 @@ import logging
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -73,6 +74,7 @@ BED_VALUES = {
     "redis": {"enabled": True},
     "prefill": {"replicas": 1},
     "decode": {"replicas": 1},
+    "extraEnv": [{"name": "PDSERVE_FAILPOINTS", "value": "sigusr2"}],  # the chaos run's router_fault
     "gateway": {"replicas": 2, "preStopSeconds": 2, "apiKeys": {"keys": [
         {"name": "bed", "sha256": hashlib.sha256(BED_API_KEY.encode()).hexdigest()},
         {"name": "tight", "sha256": hashlib.sha256(BED_TIGHT_KEY.encode()).hexdigest(),
@@ -212,12 +214,16 @@ class ChartPods:
                 self.bed.run(name, hook["exec"]["command"], timeout=grace)
             except subprocess.TimeoutExpired:
                 logger.warning("pod %s: its preStop hook outlived the grace period", name)
-        pod.proc.terminate()
+        self.signal_pod(name, signal.SIGTERM)
         try:
             pod.proc.wait(max(0.0, deadline - time.monotonic()))
             return True
         except subprocess.TimeoutExpired:
             return False
+
+    def signal_pod(self, name: str, sig: int) -> None:
+        """Sends `sig` to the pod's container process (its command, not nsenter)."""
+        self._pods[name].proc.send_signal(sig)
 
     def restart_pod(self, name: str) -> None:
         """The container starts again in the same pod: same address and volumes (but a Memory

@@ -91,6 +91,7 @@ class Failures:
         """`_place` (not under the lock), except that an exception fails this request alone (an
         explicit error) and returns True: it has ended."""
         try:
+            self.failpoints.check("place")
             return self._place(tracked)
         except Exception as exc:
             with self._locked():
@@ -103,6 +104,7 @@ class Failures:
         for event in events:
             tracked = self._by_attempt.get(event.request_id)  # before the handler can change the tables
             try:
+                self.failpoints.check(handler)
                 handle(event)
             except Exception as exc:
                 self._handler_failed(handler, exc, tracked)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from engine.request import RequestMessage, SamplingParams, choice_id
 from kvtransfer.params import KVTransferParams
 from router.client import DecodeClient, InstanceDeadError, PrefillClient
+from router.failpoints import Failpoints
 from router.failures import Failures
 from router.policy import BaseRoutingPolicy
 from router.stream import RequestStream, StreamEvent, Tracked, indexed
@@ -87,6 +88,7 @@ class Router(Failures):
         self._stop = threading.Event()
         self._supervisor = ThreadSupervisor(self._stop, backoff_s=poll_s)
         self.handler_errors = dict.fromkeys(HANDLERS, 0)  # exceptions guards caught (each failed one request)
+        self.failpoints = Failpoints.from_env()  # off unless PDSERVE_FAILPOINTS (router/failpoints.py)
         # cumulative counters (the autoscaler's arrival rate and request shape come from these)
         self.stats = {"retries": 0, "failed": 0, "completed": 0, "submitted": 0, "prompt_tokens": 0,
                       "cached_prompt_tokens": 0, "output_tokens": 0, "instance_deaths": 0,

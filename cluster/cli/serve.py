@@ -15,6 +15,7 @@ import torch
 
 from cluster.control import model_fit
 from cluster.control.cluster import Cluster
+from cluster.control.ray_watch import RayMembershipWatch
 from cluster.ranks import cpu_plan
 from cluster.spec import ClusterSpec
 from engine.config import resolve_dtype
@@ -143,9 +144,11 @@ def serve_controller(spec: ClusterSpec, log_level: str = "info") -> int:
         started.set()
     logger.info("pdserve controller: %s, Ray namespace %s; health at http://%s:%d/health", spec.model,
                 spec.cluster_name, spec.host, spec.port)
+    membership = RayMembershipWatch.of_this_process("pdserve controller").start()
     try:
         return run_server(app, spec, log_level, start)
     finally:
+        membership.stop()
         controller.shutdown(stop_instances=False)
 
 
@@ -162,9 +165,11 @@ def serve_gateway(spec: ClusterSpec, api_key: str | None = None, log_level: str 
     logger.info("pdserve gateway %s: OpenAI API at http://%s:%d/v1 (%d instances known; %s)", frontend.router.client_id,
                 spec.host, spec.port, len(frontend.instances), _describe_keys(access["api_keys"]))
     watcher = watch_keys(app, spec, _single_key(spec, api_key))
+    membership = RayMembershipWatch.of_this_process("pdserve gateway").start()
     try:
         return run_server(app, spec, log_level, drain=True)
     finally:
+        membership.stop()
         if watcher is not None:
             watcher.stop()
         frontend.shutdown()
