@@ -49,7 +49,7 @@ def _channel(store_port: int, rank: int, device: torch.device, timeout_s: float)
     from kvtransfer.channel import open_channel
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
     kind = "nccl" if device.type == "cuda" else "gloo"  # two devices: what the receiver picks (kvtransfer)
-    channel = open_channel(store, 0, rank, kind, device, "127.0.0.1", timeout_s)
+    channel = open_channel(dist.PrefixStore("channel/", store), rank, kind, device, "127.0.0.1", timeout_s)
     try:
         n = CHANNEL_MIB << 20
         g = torch.Generator().manual_seed(5)
@@ -122,6 +122,8 @@ def two_gpu(plan: Plan) -> dict:
     prompts = _prompts(NUM_PROMPTS, plan.prompt_len, mc.vocab_size, 40)
     store_port = int(free_address().rpartition(":")[2])
     store = dist.TCPStore("127.0.0.1", store_port, world_size=3, is_master=True, wait_for_workers=False)
+    from kvtransfer.auth import cluster_secret
+    cluster_secret()  # made here if none is set, into the environment the two ranks inherit: one TP key
     ctx = mp.get_context("spawn")
     addresses = (free_address(), free_address())
     conns, procs = [], []

@@ -121,7 +121,7 @@ def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     min_p = [p.min_p for p in params]
     if any(min_p):
         sub = apply_min_p(sub, torch.tensor(min_p, device=device))
-    top_k = [p.top_k for p in params]
+    top_k = [min(p.top_k, sub.shape[-1]) for p in params]  # past the vocabulary: keep all (no int64 overflow)
     top_p = [p.top_p for p in params]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sub = _apply_top_k_top_p(sub, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))

@@ -288,7 +288,7 @@ class Controller(Adoption, RankSetup):
         from cluster.ranks.rank import RankHost
         host = RankHost(self.spec.engine_config(role), role, iid, kv_timeout_s=self.spec.kv_transfer_timeout_s,
                         client_ttl_s=self.spec.client_ttl_s, kv_same_device=self._kv_same_device(False),
-                        kv_checksum=self.spec.kv_checksum)
+                        kv_checksum=self.spec.kv_checksum, on_loop_death=lambda: self._loop_died(iid))
         ep = host.kv_endpoint()
         info = InstanceInfo(iid, role, 1, (ep,) if ep else (), max_model_len=host.max_model_len,
                             block_size=host.block_size, engine=host.engine)
@@ -297,6 +297,12 @@ class Controller(Adoption, RankSetup):
         cpu = cpu_plan.cpu_state(host.step_thread_id, runner.intraop_threads, runner.team is not None)
         placement = nodes.RankPlacement(0, nodes.LOOPBACK, os.getpid(), cpu)
         return Instance(iid, role, 1, [host], client, placements=[placement])
+
+    def _loop_died(self, iid: str) -> None:
+        """An in-process rank's step loop died (a Ray rank's process exits instead): the instance
+        is lost, as if it stopped answering, so its requests are retried and it is replaced."""
+        if iid in self.instances:
+            self._on_lost(iid, InstanceDeadError(iid, "its step loop died"))
 
     def _create_ray(self, role: str, iid: str, tp: int) -> Instance:
         """Chooses a node, reserves a STRICT_PACK placement group on it, starts the ranks there."""

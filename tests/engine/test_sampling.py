@@ -78,6 +78,17 @@ def test_top_p_stays_in_nucleus(top_p):
         assert set(out.token_ids) == {logits[0].argmax().item()}
 
 
+def test_a_top_k_past_the_vocabulary_keeps_every_token_and_never_overflows():
+    """top_k of the vocabulary's size or more (even past int64, as a fuzzer sends it) is no
+    top-k: the draws equal those with top_k off, same seeds; it used to raise in the rank's loop
+    (torch.tensor overflow), which killed a prefill instance."""
+    logits = create_logits(3)
+    for k in (VOCAB, VOCAB + 1, 2**63, 10**30):
+        params = [SamplingParams(temperature=1.0, top_k=k, seed=s) for s in range(3)]
+        off = [SamplingParams(temperature=1.0, seed=s) for s in range(3)]
+        assert sample(logits, params).token_ids == sample(logits, off).token_ids
+
+
 def test_top_k_then_top_p_keeps_one():
     """Combined top-k and a tiny top-p never produce an empty set: the top token remains."""
     torch.manual_seed(0)

@@ -6,6 +6,7 @@ any difference comes from the forward pass, the cache, batching or sampling.
 from __future__ import annotations
 
 import json
+import math
 import re
 import warnings
 
@@ -140,16 +141,35 @@ def test_greedy_matches_transformers(llm, hf_model, prompts, fp32_outputs):
     llm.engine.kv.assert_no_leaks()
 
 
-def test_bf16_sanity(prompts, fp32_outputs):
+def _bf16_ulp(x: float) -> float:
+    """The spacing of bfloat16 numbers around `x` (8 significant bits)."""
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7)
+
+
+def test_bf16_sanity(prompts, fp32_outputs, hf_model):
     """Sanity check of the bf16 path, not an exactness claim: 5 prompts batched in bf16 give the
-    fp32 run's first 8 greedy tokens for at least 4 of them."""
+    fp32 run's first 8 greedy tokens, except where fp32 itself nearly ties: at the first token
+    that differs, bf16's pick is within 4 bf16 spacings of fp32's best logit there (transformers'
+    fp32 logits after the same tokens). Where bf16 is native (AMX), its rounding flips two of
+    these prompts' first tokens, whose fp32 top two are 0.07-0.08 apart at logits of 25-31
+    (a spacing there is 0.125); a broken bf16 path diverges where fp32 has a clear winner."""
     bf16 = LLM(model="smollm2", dtype="bfloat16", num_blocks=64, device="cpu")
     assert "LM head from the GGUF's Q8_0 blocks" in bf16.engine.runner.linear_layers  # the batch-1 steps' head
     outs = bf16.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     bf16.engine.kv.assert_no_leaks()
-    same = [o.token_ids == f.token_ids[:8] for o, f in zip(outs, fp32_outputs)]
-    print(f"\n[smollm2] bf16 first 8 tokens equal fp32's for {sum(same)}/{len(same)} prompts")
-    assert sum(same) >= 4, [(o.token_ids, f.token_ids[:8]) for o, f in zip(outs, fp32_outputs)]
+    same = 0
+    for i, (prompt, o, f) in enumerate(zip(prompts, outs, fp32_outputs)):
+        pos = _first_divergence(o.token_ids, f.token_ids[:8])
+        if pos is None:
+            same += 1
+            continue
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + f.token_ids[:pos]])).logits[0, -1].float()
+        best, ours = logits.max().item(), logits[o.token_ids[pos]].item()
+        assert best - ours < 4 * _bf16_ulp(best), (
+            f"prompt {i}: bf16 diverges from fp32 at token {pos} (bf16 {o.token_ids[pos]}, fp32 "
+            f"{f.token_ids[pos]}), {best - ours:.3g} below fp32's best logit {best:.3g}: not a near-tie")
+    print(f"\n[smollm2] bf16 first 8 tokens equal fp32's for {same}/{len(prompts)} prompts, the rest near-ties")
 
 
 def test_int8_quality(llm, prompts, fp32_outputs):

@@ -6,7 +6,7 @@ import pytest
 
 from cluster.control.cluster import Cluster
 from tests.exactness.matrix import Case, mismatches, pairwise_cases, reference, serve, spec_of
-from tests.kvtransfer.faults import corrupt_in_flight
+from tests.kvtransfer.faults import corrupt_in_flight, without_payload_macs
 
 pytestmark = pytest.mark.timeout(300)
 CASES = pairwise_cases()
@@ -45,9 +45,15 @@ CONTROL = Case(layout="1P1D", n3=False, structured=False)  # one request at a ti
 
 def test_one_corrupted_element_is_reported(model, references):
     """The negative control: one element of one layer's K altered on the wire (tests/kvtransfer/
-    faults.py), nothing else changed; the matrix reports that request as a mismatch."""
-    with corrupt_in_flight(layer=1, times=1) as fault:
-        got = serve(CONTROL, model)
+    faults.py), payload MACs off (they would catch it), nothing else changed; the matrix reports
+    that request as a mismatch."""
+    cluster = Cluster(spec_of(CONTROL, model), use_ray=False).start()
+    try:
+        without_payload_macs(cluster)
+        with corrupt_in_flight(layer=1, times=1) as fault:
+            got = serve(CONTROL, model, cluster=cluster)
+    finally:
+        cluster.shutdown()
     assert len(fault.altered) == 1
     found = mismatches(got, references["auto"])
     assert len(found) == 1 and found[0].startswith("p0[0]: "), found

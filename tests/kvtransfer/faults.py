@@ -198,3 +198,12 @@ def corrupt_in_flight(layer: int = 1, times: int = 1):
         for channel in (GlooChannel, NcclChannel):
             stack.enter_context(mock.patch.object(channel, "isend", fault.wrap_isend(channel.isend)))
         yield fault
+
+
+def without_payload_macs(cluster) -> None:
+    """Both ends of an in-process cluster's transfers without payload MACs, which would catch
+    `corrupt_in_flight` (the negative controls: what happens with no protection at all). Call it
+    before the first transfer: a connection takes the setting when it is made."""
+    for inst in cluster.instances.values():
+        end = inst.ranks[0].sender if inst.role == "prefill" else inst.ranks[0].receiver
+        end.payload_mac = False

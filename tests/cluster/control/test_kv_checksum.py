@@ -20,7 +20,7 @@ from engine.request import SamplingParams
 from gateway.metrics import GatewayMetrics
 from tests.cluster.control.test_inprocess_pd import spec_for
 from tests.helpers import assert_logprobs_close, random_prompts
-from tests.kvtransfer.faults import corrupt_in_flight
+from tests.kvtransfer.faults import corrupt_in_flight, without_payload_macs
 
 pytestmark = pytest.mark.timeout(120)
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -46,13 +46,6 @@ def same_output(got, want) -> bool:
 def colocated(tiny_path):
     with Cluster(spec_for(tiny_path, mode="colocated"), use_ray=False) as c:
         return outputs(c.generate(PROMPTS, PARAMS, timeout_s=60))
-
-
-def without_payload_macs(c: Cluster) -> None:
-    """Both ends of the cluster's transfers without payload MACs (before the first connection)."""
-    for inst in c.instances.values():
-        end = inst.ranks[0].sender if inst.role == "prefill" else inst.ranks[0].receiver
-        end.payload_mac = False
 
 
 def test_without_checksums_a_corrupted_element_changes_the_output(tiny_path, colocated):

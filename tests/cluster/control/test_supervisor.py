@@ -69,3 +69,26 @@ def test_a_fault_inside_the_supervisor_is_counted_and_the_loop_goes_on(tiny_path
             assert time.monotonic() < deadline, f"{old} never replaced: {controller.instances}"
             time.sleep(0.1)
         assert controller.supervise_errors == 1 and all(t.is_alive() for t in controller._threads)
+
+
+def test_an_in_process_rank_whose_loop_dies_is_lost_and_replaced(tiny_path):
+    """A step that raises kills an in-process prefill rank's loop (a Ray rank's process exits
+    instead): the instance is lost at once, so the request in it ends (retried on the replacement,
+    or with an explicit error) instead of waiting forever, and the pool is back at its size."""
+    from cluster.control.cluster import Cluster
+    from engine.request import SamplingParams
+    from tests.helpers import random_prompts
+    spec = spec_for(tiny_path, num_prefill=1, num_decode=1, heartbeat_ttl_s=0.6)
+    with Cluster(spec, use_ray=False) as cluster:
+        (old,) = [i for i, inst in cluster.instances.items() if inst.role == "prefill"]
+        worker = cluster.instances[old].ranks[0].worker
+
+        def step():
+            raise ValueError("injected (test): a request the sampler cannot take")
+        worker.step = step
+        (stream,) = cluster.generate(random_prompts(1, [12], seed=1), SamplingParams(max_tokens=4), timeout_s=120)
+        assert stream.error is None or "dead" in stream.error or "died" in stream.error, stream.error
+        deadline = time.monotonic() + 60
+        while not any(i != old and inst.role == "prefill" for i, inst in cluster.instances.items()):
+            assert time.monotonic() < deadline, f"{old} never replaced: {list(cluster.instances)}"
+            time.sleep(0.1)
