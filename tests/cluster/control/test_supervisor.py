@@ -31,19 +31,24 @@ class FlakyState(MemoryState):
         super().drop_instance_hashes(instance_id)
 
 
+def wait_replaced(controller, old: str, role: str, timeout_s: float = 60.0) -> None:
+    """Until an instance of `role` other than `old` is up (`timeout_s`: a failure naming them)."""
+    deadline = time.monotonic() + timeout_s
+    while not any(i != old and inst.role == role for i, inst in controller.instances.items()):
+        assert time.monotonic() < deadline, f"{old} never replaced: {list(controller.instances)}"
+        time.sleep(0.1)
+
+
 def test_supervisor_survives_a_state_store_timeout_and_replaces_the_dead(tiny_path):
     """An instance lost while the store times out is still replaced, a second one later too, the
     supervising thread stays alive, and the fault is counted."""
     state = FlakyState(failures=1)
     spec = spec_for(tiny_path, num_prefill=1, num_decode=1, heartbeat_ttl_s=0.6)
     with Controller(spec, state=state, use_ray=False) as controller:
-        for round_ in range(2):
+        for _ in range(2):
             (old,) = [i for i, inst in controller.instances.items() if inst.role == "decode"]
             controller._on_lost(old, RuntimeError("lost (test)"))
-            deadline = time.monotonic() + 60
-            while not any(i != old and inst.role == "decode" for i, inst in controller.instances.items()):
-                assert time.monotonic() < deadline, f"round {round_}: {old} never replaced: {controller.instances}"
-                time.sleep(0.1)
+            wait_replaced(controller, old, "decode")
         assert all(t.is_alive() for t in controller._threads)
         assert controller.supervise_errors == 0 and state.failures == 0
         assert {inst.role for inst in controller.instances.values()} == {"prefill", "decode"}
@@ -64,10 +69,7 @@ def test_a_fault_inside_the_supervisor_is_counted_and_the_loop_goes_on(tiny_path
         monkeypatch.setattr(controller, "_replace_dead", flaky)
         (old,) = [i for i, inst in controller.instances.items() if inst.role == "decode"]
         controller._on_lost(old, RuntimeError("lost (test)"))
-        deadline = time.monotonic() + 60
-        while not any(i != old and inst.role == "decode" for i, inst in controller.instances.items()):
-            assert time.monotonic() < deadline, f"{old} never replaced: {controller.instances}"
-            time.sleep(0.1)
+        wait_replaced(controller, old, "decode")
         assert controller.supervise_errors == 1 and all(t.is_alive() for t in controller._threads)
 
 
@@ -88,7 +90,4 @@ def test_an_in_process_rank_whose_loop_dies_is_lost_and_replaced(tiny_path):
         worker.step = step
         (stream,) = cluster.generate(random_prompts(1, [12], seed=1), SamplingParams(max_tokens=4), timeout_s=120)
         assert stream.error is None or "dead" in stream.error or "died" in stream.error, stream.error
-        deadline = time.monotonic() + 60
-        while not any(i != old and inst.role == "prefill" for i, inst in cluster.instances.items()):
-            assert time.monotonic() < deadline, f"{old} never replaced: {list(cluster.instances)}"
-            time.sleep(0.1)
+        wait_replaced(cluster, old, "prefill")
