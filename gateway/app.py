@@ -139,6 +139,9 @@ class _Gateway:
         """APIError(400) for a text prompt too long to be within the prompt bound however it tokenizes
         (MAX_PROMPT_CHARS_PER_TOKEN characters per token): tokenizing it would be work for nothing."""
         tokens = self.max_prompt_tokens or self.max_model_len
+        if not tokens:  # no instance known yet, so no bound to apply: not ready (503), never a 400
+            self.check_ready()
+            return
         if len(text) > (bound := MAX_PROMPT_CHARS_PER_TOKEN * tokens):
             raise APIError(400, f"the prompt has {len(text)} characters; this server takes at most {tokens} prompt "
                                 f"tokens, so at most {bound} characters ({MAX_PROMPT_CHARS_PER_TOKEN} per token)",

@@ -105,6 +105,19 @@ def test_a_text_prompt_past_its_character_bound_is_never_tokenized(cluster, toke
     assert seen == [] and cluster.submitted == []
 
 
+def test_no_instance_known_yet_is_not_ready_never_a_400(cluster, tokenizer):
+    """A gateway that knows no instance yet (its context length 0: the cluster's, asked per
+    request) has no character bound to apply: a prompt gets the not-ready 503 with Retry-After,
+    as any request then, not a 400 "at most 0 characters" (the 10-minute chaos run found that)."""
+    cluster.max_model_len, cluster.is_ready = 0, False
+    c = TestClient(create_app(cluster, tokenizer, "smollm2", None))
+    for path, body in (("/v1/completions", {"model": "smollm2", "prompt": "The capital of France is"}),
+                       ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "Hi"}]))):
+        r = c.post(path, json=body)
+        assert r.status_code == 503 and "retry-after" in r.headers, (path, r.text)
+    assert cluster.submitted == []
+
+
 class _Blocker:
     """Blocks the thread that meets MARKER until released (5 s at most: then it notes the wait ran
     out, which is what a blocked event loop makes happen)."""
