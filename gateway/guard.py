@@ -9,8 +9,9 @@ returns only when the last chunk of a stream is out, or the client went away (uv
 `http.disconnect` cancels the stream), or the app raised, so the `finally` that releases the
 slot covers every way a request ends, whatever the route does.
 
-Probes (`/health`, `/ready`), `/metrics`, `/status` and the OpenAPI document need no key, as before, and
-take no body: a request outside `/v1` that announces one is answered 413 before a byte of it is read.
+Probes (`/health`, `/ready`), `/metrics` and the OpenAPI document need no key; `/status` needs one where
+keys are configured (it shows rank addresses and pids), without the key's limits. None of them takes
+a body: a request outside `/v1` that announces one is answered 413 before a byte of it is read.
 The presented key is hashed and dropped here; only its name travels on (`request.state.api_key_name`).
 """
 from __future__ import annotations
@@ -46,10 +47,7 @@ class RequestGuard:
             return
         key = self.keys.identify(_header(scope, b"authorization"))
         if key is None and self.keys.required:
-            self._count(NO_KEY, "unauthorized")
-            logger.debug("no or wrong API key: %s %s", scope["method"], scope["path"])
-            await _respond(APIError(401, "missing or wrong API key (Authorization: Bearer ...)",
-                                    "authentication_error", code="invalid_api_key"), scope, receive, send)
+            await self._unauthorized(scope, receive, send)
             return
         name = NO_KEY if key is None else key.name
         scope.setdefault("state", {})["api_key_name"] = name  # request.state.api_key_name in the routes
@@ -78,11 +76,16 @@ class RequestGuard:
             return
         if scope["path"] == STATUS_PATH and self.keys.required \
                 and self.keys.identify(_header(scope, b"authorization")) is None:
-            self._count(NO_KEY, "unauthorized")
-            await _respond(APIError(401, "missing or wrong API key (Authorization: Bearer ...)",
-                                    "authentication_error", code="invalid_api_key"), scope, receive, send)
+            await self._unauthorized(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+    async def _unauthorized(self, scope, receive, send) -> None:
+        """401 for a missing or wrong key, counted under no key's name."""
+        self._count(NO_KEY, "unauthorized")
+        logger.debug("no or wrong API key: %s %s", scope["method"], scope["path"])
+        await _respond(APIError(401, "missing or wrong API key (Authorization: Bearer ...)",
+                                "authentication_error", code="invalid_api_key"), scope, receive, send)
 
     async def _in_flight(self, scope, receive, send, key: APIKey | None, name: str) -> None:
         """Runs an admitted request; its slot is held until its response ended, however it ended."""
