@@ -27,7 +27,7 @@ ratio per round (the median): what checksums cost on a shared machine, drift can
 authenticated / unauthenticated is what the handshake-free steady state pays for per-message MACs.
 `--payload-mac-off` adds the data-channel transport without payload MACs (checksum.py PartMac;
 `payload_mac=False`, for this comparison only; same-device writes carry none): the ratio with /
-without is what the keyed BLAKE2b over every payload byte costs. The unauthenticated transport
+without is what the keyed BLAKE3 over every payload byte costs. The unauthenticated transport
 has no payload MACs either.
 """
 from __future__ import annotations
@@ -276,7 +276,7 @@ def main(argv=None) -> int:
                         "(the ratio authenticated / unauthenticated): the cost of the per-message MACs")
     p.add_argument("--payload-mac-off", action="store_true",
                    help="also time the data-channel transport without payload MACs, in the same rounds (the ratio "
-                        "with / without): the cost of the keyed BLAKE2b over the KV bytes")
+                        "with / without): the cost of the keyed BLAKE3 over the KV bytes")
     p.add_argument("--json", action="store_true")
     p.add_argument("--sender-host", default="127.0.0.1", help="the sender's address (its host's, across hosts)")
     p.add_argument("--receiver-host", default="127.0.0.1", help="the receiver's address")

@@ -32,6 +32,8 @@ class DecodeWorker(BaseWorker):
         super().__init__(engine.runner, instance_id, client_ttl_s)
         self.engine, self.connector = engine, connector
         self._lock = threading.Lock()
+        # while a step is in flight its requests' blocks stay theirs: an abort then frees them after it
+        self._stepping, self._deferred_aborts = False, []
         # cumulative, for the autoscaler's online profile: steps, their seconds, sequences in them
         self.num_steps, self.step_s, self.num_step_seqs = 0, 0.0, 0
 
@@ -58,8 +60,13 @@ class DecodeWorker(BaseWorker):
             self.outbox.add(msg.request_id, msg.client_id)
 
     def abort(self, request_id: str) -> None:
+        """Its client gets nothing more from now on; its blocks are freed now or, while a step is in
+        flight (it may be writing them), as that step ends, before a reservation could take them."""
         with self._lock:
-            self.engine.abort_request(request_id)
+            if self._stepping:
+                self._deferred_aborts.append(request_id)
+            else:
+                self.engine.abort_request(request_id)
             self.outbox.forget(request_id)
             self.connector.cancel(request_id)
 
@@ -86,24 +93,36 @@ class DecodeWorker(BaseWorker):
 
     # -- the step --------------------------------------------------------------------------------------
     def step(self) -> bool:
-        """Rank 0: one step. Returns whether a batch ran."""
+        """Rank 0: one step. Returns whether a batch ran.
+
+        The worker lock covers the scheduler's bookkeeping only: the runner's request table is this
+        thread's, so its update (each new request's grammar: llguidance's tokenizer for the first one,
+        a matcher fed the output so far for each choice and retry) and the inputs are made outside it,
+        and reserve() never waits for them."""
         with self._lock:
             sched = self.engine.scheduler.schedule()
+            if sched.is_empty and not self.connector.awaiting and not sched.finished_req_ids:
+                return False  # idle: no collective call (followers wait on the control group)
+            self._stepping = True
+        try:
             runner = self.engine.runner
             runner.update_states(sched)
             inp = None if sched.is_empty else runner.prepare_inputs(sched)
-            if inp is None and not self.connector.awaiting and not sched.finished_req_ids:
-                return False  # idle: no collective call (followers wait on the control group)
-        self.tp.broadcast_step(inp)
-        result = None
-        if inp is not None:
-            start = time.monotonic()
-            result = runner.sample(inp, runner.execute_model(inp))
-            self.num_steps += 1
-            self.step_s += time.monotonic() - start
-            self.num_step_seqs += len(sched.new_requests) + len(sched.cached_requests)
-        polls = self.tp.all_gather_object(self.connector.poll())
+            self.tp.broadcast_step(inp)
+            result = None
+            if inp is not None:
+                start = time.monotonic()
+                result = runner.sample(inp, runner.execute_model(inp))
+                self.num_steps += 1
+                self.step_s += time.monotonic() - start
+                self.num_step_seqs += len(sched.new_requests) + len(sched.cached_requests)
+            polls = self.tp.all_gather_object(self.connector.poll())
+        except BaseException:
+            with self._lock:
+                self._end_step()
+            raise
         with self._lock:
+            self._end_step()
             outputs = self._admit_transfers(polls)
             if result is not None:
                 touched = self.engine.scheduler.update(sched, result)
@@ -111,6 +130,13 @@ class DecodeWorker(BaseWorker):
                 outputs += self._process(touched)
         self._publish(outputs)
         return inp is not None
+
+    def _end_step(self) -> None:
+        """The step's writes are done: the aborts that came during it free their blocks now."""
+        self._stepping = False
+        for request_id in self._deferred_aborts:
+            self.engine.abort_request(request_id)
+        self._deferred_aborts = []
 
     def follow(self) -> bool:
         """Ranks > 0: run the step rank 0 broadcast. Returns False when told to stop."""

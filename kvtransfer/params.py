@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-PROTOCOL_VERSION = 15  # 3: control messages on TCP, payloads alone on the data channel; 4: runs; 5: shared caches;
+PROTOCOL_VERSION = 16  # 3: control messages on TCP, payloads alone on the data channel; 4: runs; 5: shared caches;
 # 6: kv_window (a sliding-window model ships only the tokens its decode can still read); 7: kv_layout (a
 # transfer per KV group, num_layers its slabs); 8: done.more_choices (n > 1: every choice's first token);
 # 9: kv_checksum (done.checksum, kvtransfer/checksum.py); 10: a shared part's `ready` grants its slots until
@@ -13,7 +13,8 @@ PROTOCOL_VERSION = 15  # 3: control messages on TCP, payloads alone on the data 
 # 13: proposer_rows (a speculative proposer's state of the prompt, `rows` messages before `done`); 14: the control
 # channel is authenticated (control.py: a handshake before `hello`, every message in a MAC'd frame), so an older
 # peer never gets as far as comparing this: it is refused at the handshake, or its handshake times out;
-# 15: a rendezvous store per connection (welcome.store_prefix, rendezvous.py) and payload MACs (done.mac)
+# 15: a rendezvous store per connection (welcome.store_prefix, rendezvous.py) and payload MACs (done.mac);
+# 16: the payload MAC is keyed BLAKE3 (was keyed BLAKE2b)
 
 
 @dataclass(frozen=True)

@@ -304,13 +304,15 @@ class _Peer:
             # one message, or K then V of each run (each a contiguous slice of kv)
             for payload in [kv[k, start:start + length] for start, length in t.runs for k in (0, 1)] or [kv]:
                 payload = payload.view(-1).view(torch.uint8)
-                if t.checksum is not None:  # the source bytes, before they enter the channel
-                    t.checksum.update(payload, event)
-                if t.mac is not None:
-                    t.mac.update(payload, event)
                 # posted, not waited on: the next announcement goes out while this payload moves
                 self.inflight.append((self.posted, self.channel.isend(payload, event), payload))
                 self.posted += 1
+                # hashed while it moves (both hashes release the GIL): the source bytes, which the
+                # channel only reads
+                if t.checksum is not None:
+                    t.checksum.update(payload, event)
+                if t.mac is not None:
+                    t.mac.update(payload, event)
                 if len(self.inflight) > MAX_INFLIGHT:
                     self.channel.wait(self.inflight.popleft()[1], self.owner.timeout_s)
                 num_bytes += payload.numel()

@@ -56,7 +56,7 @@ message, or K then V of each run; on a shared connection, per layer, the bytes w
 sender held them, (2, tokens, heads, head_dim), which the receiver reads back from its slots at `done`.
 nil without kv_checksum; either way round is a malformed message. A mismatch fails the part:
 ack {ok: false}. mac: on an authenticated connection with a data channel, the part's keyed
-BLAKE2b (checksum.py PartMac) over the same bytes as the checksum; nil on a shared connection
+BLAKE3 (checksum.py PartMac) over the same bytes as the checksum; nil on a shared connection
 (or with payload MACs off: bench only); a missing, extra or wrong one fails the part likewise.
 """
 from __future__ import annotations
