@@ -20,7 +20,6 @@ import argparse
 import json
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 # (layers, bytes of a layer-token) of Mistral 7B and Gemma 2 9B (alternating like the small one)
@@ -63,17 +62,20 @@ def measure(model: str, prompt_len: int, max_tokens: int, block_size: int) -> di
     prompt = torch.randint(3, 500, (prompt_len,), generator=torch.Generator().manual_seed(1)).tolist()
     with Cluster(spec, use_ray=False) as cluster:
         decode = cluster.instances["decode-0"].ranks[0]
-        kv, peak, done = decode.worker.engine.kv, [0], threading.Event()
+        scheduler = decode.worker.engine.scheduler
+        kv, peak, schedule = decode.worker.engine.kv, [0], scheduler.schedule
 
-        def watch():
-            while not done.wait(0.001):
-                for tables in list(kv.req_to_blocks.values()):
-                    peak[0] = max(peak[0], sum(b.block_id != 0 for blocks in tables for b in blocks))
+        def schedule_and_count():
+            """Blocks are taken when a step is scheduled (and freed after it): the count right after
+            each schedule is the exact peak, which a sampling thread could miss on a busy host."""
+            out = schedule()
+            for tables in kv.req_to_blocks.values():
+                peak[0] = max(peak[0], sum(b.block_id != 0 for blocks in tables for b in blocks))
+            return out
 
-        threading.Thread(target=watch, daemon=True).start()
+        scheduler.schedule = schedule_and_count
         streams = cluster.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                                    timeout_s=600)
-        done.set()
         assert streams[0].error is None, streams[0].error
         mc, bs = decode.runner.model_config, decode.runner.block_size
         layer_token = 2 * mc.num_kv_heads * mc.head_dim * 4  # fp32

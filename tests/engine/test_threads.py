@@ -2,6 +2,7 @@
 and the step thread keeps its own team size."""
 from __future__ import annotations
 
+import collections
 import os
 import threading
 
@@ -15,34 +16,39 @@ pytestmark = pytest.mark.skipif(DEFAULT_NUM_THREADS < 2 or not os.path.isdir("/p
 
 
 def _threads_while_copying(serial: bool) -> int:
-    """Threads in this process while a side thread, having copied a KV-sized tensor (a receive's
-    scatter), still lives."""
-    copied, release, counted = threading.Event(), threading.Event(), []
+    """Threads this process gained while a side thread, having copied a KV-sized tensor (a
+    receive's scatter), still lives: the thread itself, and any OpenMP team it started. The most
+    common count of five tries: other tests' background threads (a transport's, Ray's) may start
+    or end during one."""
+    def once() -> int:
+        copied, release = threading.Event(), threading.Event()
 
-    def side():
-        if serial:
-            run_serially()
-        cache = torch.zeros(2, 4096, 3, 64)
-        cache.index_copy_(1, torch.arange(256), torch.ones(2, 256, 3, 64))  # parallel if it may be
-        copied.set()
-        release.wait()
+        def side():
+            if serial:
+                run_serially()
+            cache = torch.zeros(2, 4096, 3, 64)
+            cache.index_copy_(1, torch.arange(256), torch.ones(2, 256, 3, 64))  # parallel if it may be
+            copied.set()
+            release.wait()
 
-    t = threading.Thread(target=side)
-    t.start()
-    copied.wait()
-    counted.append(len(os.listdir("/proc/self/task")))
-    release.set()
-    t.join()
-    return counted[0]
+        before = len(os.listdir("/proc/self/task"))
+        t = threading.Thread(target=side)
+        t.start()
+        copied.wait()
+        during = len(os.listdir("/proc/self/task"))
+        release.set()
+        t.join()
+        return during - before
+
+    return collections.Counter(once() for _ in range(5)).most_common(1)[0][0]
 
 
 def test_a_serial_side_thread_starts_no_team():
     main_threads = torch.get_num_threads()
     try:
         use_intraop_threads(2)
-        before = len(os.listdir("/proc/self/task"))
-        assert _threads_while_copying(serial=False) == before + 2  # the thread and its team's worker
-        assert _threads_while_copying(serial=True) == before + 1  # the thread alone
+        assert _threads_while_copying(serial=False) == 2  # the thread and its team's worker
+        assert _threads_while_copying(serial=True) == 1  # the thread alone
     finally:
         torch.set_num_threads(main_threads)
 
