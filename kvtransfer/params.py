@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-PROTOCOL_VERSION = 16  # 3: control messages on TCP, payloads alone on the data channel; 4: runs; 5: shared caches;
+PROTOCOL_VERSION = 17  # 3: control messages on TCP, payloads alone on the data channel; 4: runs; 5: shared caches;
 # 6: kv_window (a sliding-window model ships only the tokens its decode can still read); 7: kv_layout (a
 # transfer per KV group, num_layers its slabs); 8: done.more_choices (n > 1: every choice's first token);
 # 9: kv_checksum (done.checksum, kvtransfer/checksum.py); 10: a shared part's `ready` grants its slots until
@@ -14,7 +14,8 @@ PROTOCOL_VERSION = 16  # 3: control messages on TCP, payloads alone on the data 
 # channel is authenticated (control.py: a handshake before `hello`, every message in a MAC'd frame), so an older
 # peer never gets as far as comparing this: it is refused at the handshake, or its handshake times out;
 # 15: a rendezvous store per connection (welcome.store_prefix, rendezvous.py) and payload MACs (done.mac);
-# 16: the payload MAC is keyed BLAKE3 (was keyed BLAKE2b)
+# 16: the payload MAC is keyed BLAKE3 (was keyed BLAKE2b); 17: a part ends with an opaque trailer (`trailer`
+# chunks, done.trailer_bytes; the instance layer's, compat.trailer_format) in place of the first token's fields
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,8 @@ class CompatRecord:
     what a KV head's two planes hold: "kv" (a head's keys and values), or for DeepSeek's latent
     attention "mla:<kv_lora_rank>+<qk_rope_head_dim>" (one head, a token's entry in two halves:
     engine/mla.py), which every decode rank receives whole.
-    `speculative` is informational. `proposer_rows` is what the part to decode rank 0 carries of the
-    prompt for the decode's speculative proposer, a draft model's KV or a head's rows
-    (engine/speculative/rows.py rows_signature; "" nothing): the proposer reads them, so both ends
-    must agree.
+    `trailer_format` names what a part's trailer holds (base.py: bytes carried unread); the
+    instance layer that packs and unpacks it names it (engine/handover.py), so both ends must agree.
     NOTE: fp8 scales are not here because they are 1.0 on every instance (engine/models/llama.py); a
     change that loads them from checkpoints must add them to MUST_MATCH.
     """
@@ -49,12 +48,11 @@ class CompatRecord:
     kv_layout: str = ""  # KVLayout.signature: both ends cut a prompt's KV to the same groups and tokens
     kv_checksum: bool = False  # done carries a checksum of the part's payloads (--kv-checksum)
     kv_format: str = "kv"  # what a KV head holds (docstring)
-    speculative: str = ""  # the decode end's speculative decoding (SpeculativeConfig.describe; "" off), informational
-    proposer_rows: str = ""  # what is shipped of the prompt for a speculative proposer (docstring)
+    trailer_format: str = ""  # what a part's trailer holds, named by the instance layer (docstring)
     protocol_version: int = PROTOCOL_VERSION
 
     MUST_MATCH = ("protocol_version", "model", "dtype", "num_layers", "num_kv_heads", "head_dim", "device_type",
-                  "kv_layout", "kv_checksum", "kv_format", "proposer_rows")
+                  "kv_layout", "kv_checksum", "kv_format", "trailer_format")
 
     def __post_init__(self):
         assert self.num_layers > 0 and self.num_kv_heads > 0 and self.head_dim > 0, self

@@ -5,7 +5,7 @@ Example: 4 KV heads, prefill tp=1, decode tp=2      prefill tp=2, decode tp=1
         |  |   \\  \\                                      \\  /         \\  /
     D0 [h0 h1]  D1 [h2 h3]                                 D0 [h0 h1 h2 h3]
 Each decode rank's heads come from the lowest prefill rank holding them (a replicated head is
-sent once). Decode rank 0 always gets a part from prefill rank 0, which carries the first token.
+sent once). Decode rank 0 always gets a part from prefill rank 0, which carries the trailer (base.py).
 """
 from __future__ import annotations
 

@@ -8,10 +8,11 @@ A control server (control.py) accepts one connection per prefill rank; each gets
     layer -> receive exactly that payload (deadline): straight into the cache when the part has
              all of this rank's heads and its slots form at most MAX_DIRECT_RUNS stretches,
              else into a buffer, then scattered into the request's slots
+    trailer -> kept with its part (bytes carried unread: base.py)
     done  -> all layers there? -> ack;  every part of the request done -> poll() reports it
 
 Requests are tracked in `Expected`: expect(rid, slots, num_parts) ... poll() reports
-(rid, first_token, logprobs), or a failure: a begun part silent for timeout_s (unless its
+(rid, the trailer a part carried), or a failure: a begun part silent for timeout_s (unless its
 connection is busy with other requests' KV), a connection lost mid-part, a part of the wrong
 size. A garbage message or a receive past its deadline drops its connection (the sender
 rebuilds it); payloads of a cancelled request are received and dropped. All of it is counted.
@@ -31,8 +32,9 @@ the cluster secret; one that does not, or whose message's MAC is wrong, is close
 
 Data channels (rendezvous.py): each connection's hello (after the handshake) makes a store of
 its own on this rank's host, under a random prefix the welcome carries; the channel is built on
-it at `join` and the store stops once it is (NCCL, which bootstraps at its first operation: when
-the channel closes). No store of this rank listens beyond that, nor on another address.
+it at `join` and the store stops at the sender's first `begin`, once both ends are (NCCL, which
+bootstraps at its first operation: when the channel closes). No store of this rank listens beyond
+that, nor on another address.
 
 Payload MACs (checksum.py PartMac): on an authenticated connection with a data channel, `done`
 carries the sender's MAC of the part's payloads, keyed from the connection's session key; the
@@ -79,12 +81,9 @@ class Expected:
     runs: list[tuple[int, int, int]]  # slot_runs(slots)
     sessions: set = field(default_factory=set)  # the connections its parts arrive on
     parts_done: int = 0
-    first_token: int = -1
-    logprobs: dict[int, float] | None = None
-    more_choices: tuple = ()
+    trailer: bytes = b""  # the one a part carried (b"" if none did)
     last_activity: float | None = None  # set when its first part begins
     receiving: int = 0  # receives in flight straight into its slots
-    rows: list[dict] = field(default_factory=list)  # a speculative proposer's rows of the prompt: `rows` messages
 
 
 class TorchDistReceiver(KVReceiver):
@@ -109,7 +108,6 @@ class TorchDistReceiver(KVReceiver):
         self._receives_done = threading.Condition(self._lock)
         self._expected: dict[str, Expected] = {}
         self._completed: list[CompletedTransfer] = []
-        self._rows: dict[str, tuple[int, torch.Tensor]] = {}  # completed requests' rows, until taken
         self._failed: list[tuple[str, str]] = []
         self._stats: Counter = Counter()
         self._sessions: set[Session] = set()
@@ -163,7 +161,6 @@ class TorchDistReceiver(KVReceiver):
         under the lock; a receive straight into them is waited for (its deadline bounds it)."""
         with self._lock:
             e = self._expected.pop(request_id, None)
-            self._rows.pop(request_id, None)
             while e is not None and e.receiving:
                 self._receives_done.wait()
 
@@ -207,9 +204,9 @@ class TorchDistReceiver(KVReceiver):
             self._closed = True
 
     # -- the sessions' calls -----------------------------------------------------------------------
-    def count(self, key: str) -> None:
+    def count(self, key: str, n: int = 1) -> None:
         with self._lock:
-            self._stats[key] += 1
+            self._stats[key] += n
 
     def _fail(self, rid: str, reason: str) -> None:
         """Holding the lock."""
@@ -250,7 +247,9 @@ class TorchDistReceiver(KVReceiver):
 
     def open_data_channel(self, session: Session) -> DataChannel:
         """This end of `session`'s data channel, of the kind its welcome named, built in its
-        rendezvous store (rendezvous.py), which then stops unless NCCL still needs it."""
+        rendezvous store (rendezvous.py). The store stops at the sender's first `begin`, which it
+        sends once its own end is built (the session's), or here if this end fails; NCCL keeps
+        it until the channel closes."""
         with self._lock:
             if self._closed:
                 raise ControlGarbage("the receiver is closed")
@@ -260,10 +259,8 @@ class TorchDistReceiver(KVReceiver):
             channel = open_channel(session.rendezvous.store(), RECEIVER, session.data_channel, self.kv_cache.device,
                                    self.host, self.timeout_s)
         except (RuntimeError, OSError) as exc:  # the sender did not join in time
+            session.end_rendezvous()
             raise ControlGarbage(f"data channel {session.index} was not built: {exc}") from None
-        finally:
-            if session.data_channel != "nccl":
-                session.end_rendezvous()
         return channel
 
     def on_begin(self, session: Session, msg: dict) -> dict:
@@ -365,40 +362,19 @@ class TorchDistReceiver(KVReceiver):
                 self._stats["kv_mac_mismatches"] += 1
                 self._fail(rid, reply["error"])
                 return reply
+            if part.trailer and e.trailer:
+                reply["error"] = "a second part carried a trailer"
+                self._fail(rid, reply["error"])
+                return reply
             e.parts_done += 1
-            e.first_token = max(e.first_token, msg["first_token"])
-            if msg["logprobs"] is not None:
-                e.logprobs = wire.unpack_logprobs(msg["logprobs"])
-            if msg["more_choices"]:
-                e.more_choices = tuple((t, wire.unpack_logprobs(lp)) for t, lp in msg["more_choices"])
+            if part.trailer:
+                e.trailer = b"".join(part.trailer)
             if e.parts_done == e.num_parts:
                 del self._expected[rid]
-                if e.rows:
-                    self._rows[rid] = wire.rows_tensor(e.rows)
-                self._completed.append(CompletedTransfer(rid, e.first_token, e.logprobs, e.more_choices))
+                self._completed.append(CompletedTransfer(rid, e.trailer))
                 self._stats["completed"] += 1
         reply["ok"] = True
         return reply
-
-    def on_rows(self, msg: dict, part: Part) -> None:
-        """A chunk of a speculative proposer's rows of the prompt (a head's hidden states, a draft's
-        KV; wire.py), in order; only where the ends agreed on them (compat.proposer_rows)."""
-        if not self.compat.proposer_rows:
-            raise ControlGarbage("rows message without proposer_rows in the compat record")
-        with self._lock:
-            e = self._expected.get(msg["request_id"])
-            if e is None:
-                self._stats["dropped_rows"] += 1
-                return None
-            if e.rows and msg["start"] != e.rows[-1]["start"] + e.rows[-1]["num_rows"]:
-                raise ControlGarbage(f"rows of {msg['request_id']} out of order")
-            e.rows.append(msg)
-            self._stats["rows_bytes_received"] += len(msg["data"])
-        return None
-
-    def take_rows(self, request_id: str) -> tuple[int, torch.Tensor] | None:
-        with self._lock:
-            return self._rows.pop(request_id, None)
 
     def on_session_closed(self, session: Session) -> None:
         with self._lock:

@@ -1,11 +1,16 @@
 """Where a data channel's two ranks meet (channel.py): a TCPStore per control connection, made
 by the receiver after the handshake, bound to the rank's own host, its keys under a random prefix
-that only the two ends know, and gone once the channel is built.
+that only the two ends know, and gone once both ends of the channel are built.
 
     receiver, on hello (the peer proved the cluster secret)    sender
     r = Rendezvous(host)  -> welcome {store_port, store_prefix} --> join(host, port, prefix)
     channel built on r.store()                                      channel built on its store
-    r.close(): the store stops listening (gloo; NCCL: when the channel closes, it bootstraps lazily)
+    r.close() at the sender's first `begin`  <------------------  begin (sent once its end is built)
+    (gloo; NCCL: when the channel closes, it bootstraps lazily)
+
+Why not as soon as the receiver's end is built: the sender's end may still be reading the store
+then (gloo's rendezvous is not over for both ranks at once); on a loaded host, closing it there
+failed the sender's build ("Failed to recv, got 0 bytes") and dropped the pair.
 
 What this denies a stranger who can reach the host: the store listens only on the address the
 rank was given (a socket bound here and handed to torch: `master_listen_fd`, honoured by the

@@ -48,7 +48,7 @@ import torch
 
 from engine.threads import run_serially
 from kvtransfer import auth, wire
-from kvtransfer.base import IncompatiblePeerError, KVSender, Transfer, TransferError
+from kvtransfer.base import MAX_TRAILER_BYTES, IncompatiblePeerError, KVSender, Transfer, TransferError
 from kvtransfer.channel import DATA_CHANNELS, SENDER, DataChannel, open_channel
 from kvtransfer.checksum import PartChecksum, PartMac
 from kvtransfer.control import ControlClient
@@ -77,7 +77,7 @@ class _Transfer(Transfer):
         self.checksum = PartChecksum() if peer.owner.compat.kv_checksum else None
         self.mac: PartMac | None = None  # set once begun, on a connection with a payload key
         self._done = threading.Event()
-        # time.monotonic() stamps: begin, finish() called (first token known), acknowledged
+        # time.monotonic() stamps: begin, finish() called (the trailer known), acknowledged
         self.begin_s, self.finish_s, self.acked_s = time.monotonic(), None, None
 
     def send_layer(self, layer: int, kv: torch.Tensor) -> None:
@@ -88,10 +88,11 @@ class _Transfer(Transfer):
             ready.record()
         self.peer.submit(("layer", self, layer, (kv, ready)))
 
-    def finish(self, first_token: int, logprobs: dict[int, float] | None = None, more_choices: tuple = (),
-               rows: tuple[int, torch.Tensor] | None = None) -> None:
+    def finish(self, trailer: bytes = b"") -> None:
+        if len(trailer) > MAX_TRAILER_BYTES:
+            raise ValueError(f"a trailer of {len(trailer)} bytes; at most {MAX_TRAILER_BYTES}")
         self.finish_s = time.monotonic()
-        self.peer.submit(("done", self, first_token, (logprobs, more_choices, rows)))
+        self.peer.submit(("done", self, bytes(trailer), None))
 
     def fail(self, reason: str) -> None:
         if not self._done.is_set():
@@ -258,14 +259,12 @@ class _Peer:
             return self._send_layers(t, *self._gather(t, a, b))
         if self.shared is not None:  # `done` says the part is in the cache: so it must be
             self.shared.settle(timeout)
-        if b[2] is not None:  # a speculative proposer's rows of the prompt (wire.py `rows`)
-            for msg in wire.rows_messages(t.request_id, t.head_start, *b[2]):
-                self.control.send(msg, timeout)
-                self.owner.count("rows_bytes_sent", len(msg["data"]))
+        for msg in wire.trailer_messages(t.request_id, t.head_start, a):
+            self.control.send(msg, timeout)
+            self.owner.count("trailer_bytes_sent", len(msg["data"]))
         # not waited on: the receiver acks once every payload is in; the next part goes on meanwhile
         self.control.send({"kind": "done", "request_id": t.request_id, "head_start": t.head_start,
-                           "num_layers": t.num_layers_sent, "first_token": a, "logprobs": wire.pack_logprobs(b[0]),
-                           "more_choices": [[tok, wire.pack_logprobs(lp)] for tok, lp in b[1]],
+                           "num_layers": t.num_layers_sent, "trailer_bytes": len(a),
                            "checksum": None if t.checksum is None else t.checksum.value,
                            "mac": None if t.mac is None else t.mac.value}, timeout)
         t.posted_before_done = self.posted

@@ -15,12 +15,13 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvtransfer import wire
+from kvtransfer.base import MAX_TRAILER_BYTES
 from kvtransfer.channel import ChannelError, DataChannel
 from kvtransfer.checksum import PartChecksum, PartMac
 from kvtransfer.scatter import as_bytes
@@ -46,6 +47,8 @@ class Part:
     layers: int = 0
     checksum: PartChecksum | None = None  # of what arrived so far (kv_checksum on)
     mac: PartMac | None = None  # of what arrived so far (an authenticated data channel)
+    trailer: list[bytes] = field(default_factory=list)  # its `trailer` chunks so far (base.py: carried unread)
+    trailer_bytes: int = 0
 
     def hash(self, payload: torch.Tensor) -> None:
         """Adds bytes that arrived to the checksum and the MAC (those the part has)."""
@@ -95,17 +98,22 @@ class Session:
             else:
                 self.channel = self.rx.open_data_channel(self)
             return None
-        if not joined or kind not in ("begin", "layer", "rows", "done") or (kind == "layer" and self.shared):
+        if not joined or kind not in ("begin", "layer", "trailer", "done") or (kind == "layer" and self.shared):
             raise ControlGarbage(f"{kind} message out of order")
         if kind == "begin":
+            if self.data_channel != "nccl":  # the sender's end is built: it needs the store no more
+                self.end_rendezvous()
             return self.rx.on_begin(self, msg)
         part = self.parts.get((msg["request_id"], msg["head_start"]))
         if part is None:
             raise ControlGarbage(f"{kind} for a part that did not begin: {msg['request_id']}")
         if kind == "layer":
             return self._layer(msg, part)
-        if kind == "rows":
-            return self.rx.on_rows(msg, part)
+        if kind == "trailer":
+            return self._trailer(msg, part)
+        if msg["trailer_bytes"] != part.trailer_bytes:
+            raise ControlGarbage(f"done of {msg['request_id']} says {msg['trailer_bytes']} trailer bytes, "
+                                 f"{part.trailer_bytes} came")
         if (msg["checksum"] is None) != (part.checksum is None):
             raise ControlGarbage(f"done {'with' if part.checksum is None else 'without'} a checksum, "
                                  f"kv_checksum is {part.checksum is not None} here")
@@ -118,6 +126,14 @@ class Session:
             self._written()
         del self.parts[(msg["request_id"], msg["head_start"])]
         return self.rx.on_done(self, msg, part)
+
+    def _trailer(self, msg: dict, part: Part) -> None:
+        """A chunk of the part's trailer, kept until its `done`."""
+        part.trailer_bytes += len(msg["data"])
+        if part.trailer_bytes > MAX_TRAILER_BYTES:
+            raise ControlGarbage(f"a trailer of {msg['request_id']} over {MAX_TRAILER_BYTES} bytes")
+        part.trailer.append(msg["data"])
+        self.rx.count("trailer_bytes_received", len(msg["data"]))
 
     def _layer(self, msg: dict, part: Part) -> None:
         """The announced layers arrive while the ones before are written (or still arriving, when

@@ -17,13 +17,11 @@ Sender -> receiver, with the receiver's answer:
                                                            message, (2, tokens, heads, head_dim);
                                                            else per run [start, length]: K[start:start+length],
                                                            then V[start:start+length], each a message
-    rows   {request_id, head_start, start, num_rows, width, dtype, data}
-                                                           (no answer; only with compat.proposer_rows, only
-                                                           on the part from prefill rank 0 to decode rank 0,
-                                                           just before its `done`: a speculative proposer's rows of
-                                                           the prompt's positions start .., in order, in
-                                                           chunks of at most ROWS_CHUNK_BYTES of `data`)
-    done   {request_id, head_start, num_layers, first_token, logprobs, more_choices, checksum, mac}
+    trailer {request_id, head_start, data}                (no answer; a chunk of the part's trailer, base.py: bytes
+                                                           this transport carries unread; in order, just before
+                                                           its `done`, each at most TRAILER_CHUNK_BYTES; none
+                                                           for an empty trailer)
+    done   {request_id, head_start, num_layers, trailer_bytes, checksum, mac}
                                                         -> ack {request_id, ok, error}
 
 store_port, store_prefix: where `join` builds the data channel, a store made for this connection
@@ -48,8 +46,7 @@ tokens in order): the receiver receives each run straight into the cache; [] whe
 many runs to pay off, or the part has some of the rank's heads only (it receives one buffer and
 scatters it). On a shared connection `runs` always tile the part and `slots` holds each run's
 first slot in the receiver's cache ([] on other connections).
-logprobs: None, or the first token's [[token_id, logprob], ...] (sampled token first).
-more_choices: [] or, for n > 1 choices of one prompt, the others' [first_token, logprobs or nil].
+trailer_bytes: the length of the trailer its `trailer` chunks carried (a mismatch is a malformed message).
 checksum: with `kv_checksum` in both ends' CompatRecord (--kv-checksum), the part's xxh3_64
 (checksum.py) over its payload bytes in the order they cross: per announced layer, the one
 message, or K then V of each run; on a shared connection, per layer, the bytes written as the
@@ -64,8 +61,7 @@ from __future__ import annotations
 import torch
 
 _NONE = type(None)
-ROWS_CHUNK_BYTES = 512 << 10  # of a `rows` message's data (control.py takes messages up to 1 MiB)
-ROW_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
+TRAILER_CHUNK_BYTES = 512 << 10  # of a `trailer` message's data (control.py takes messages up to 1 MiB)
 SCHEMA: dict[str, dict[str, type | tuple]] = {
     "hello": {"sender_id": str, "compat": dict, "device_key": str},
     "welcome": {"ok": bool, "error": (str, _NONE), "compat": dict, "store_port": int, "store_prefix": str,
@@ -75,12 +71,10 @@ SCHEMA: dict[str, dict[str, type | tuple]] = {
     "begin": {"request_id": str, "head_start": int, "head_end": int, "num_tokens": int},
     "ready": {"request_id": str, "ok": bool, "error": (str, _NONE), "runs": list, "slots": list},
     "layer": {"request_id": str, "head_start": int, "layer": int, "count": int},
-    "done": {"request_id": str, "head_start": int, "num_layers": int, "first_token": int,
-             "logprobs": (list, _NONE), "more_choices": list, "checksum": (int, _NONE),
-             "mac": (bytes, _NONE)},
+    "done": {"request_id": str, "head_start": int, "num_layers": int, "trailer_bytes": int,
+             "checksum": (int, _NONE), "mac": (bytes, _NONE)},
     "ack": {"request_id": str, "ok": bool, "error": (str, _NONE)},
-    "rows": {"request_id": str, "head_start": int, "start": int, "num_rows": int, "width": int, "dtype": str,
-             "data": bytes},
+    "trailer": {"request_id": str, "head_start": int, "data": bytes},
 }
 
 
@@ -100,46 +94,24 @@ def check_message(msg, schema: dict[str, dict[str, type | tuple]]) -> dict:
         value = msg[name]
         if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
             raise WireError(f"{msg['kind']}.{name} has type {type(value).__name__}")
-    if msg["kind"] == "done" and msg["logprobs"] is not None and not all(map(_is_logprob_pair, msg["logprobs"])):
-        raise WireError("done.logprobs is not a list of [token_id, logprob] pairs")
-    if msg["kind"] == "done" and not all(_is_choice(c) for c in msg["more_choices"]):
-        raise WireError("done.more_choices is not a list of [token_id, logprobs or nil]")
+    if msg["kind"] == "done" and msg["trailer_bytes"] < 0:
+        raise WireError("done.trailer_bytes is negative")
+    if msg["kind"] == "trailer" and not 0 < len(msg["data"]) <= TRAILER_CHUNK_BYTES:
+        raise WireError(f"trailer chunk of {len(msg['data'])} bytes")
     if msg["kind"] == "done" and msg["checksum"] is not None and not _is_u64(msg["checksum"]):
         raise WireError("done.checksum is not an unsigned 64-bit int")
     if msg["kind"] == "ready" and not all(_is_run(run) for run in msg["runs"]):
         raise WireError("ready.runs is not a list of [start, length] pairs")
     if msg["kind"] == "ready" and not all(type(slot) is int and slot >= 0 for slot in msg["slots"]):
         raise WireError("ready.slots is not a list of slots")
-    if msg["kind"] == "rows":
-        _check_rows(msg)
     return msg
 
 
-def _check_rows(msg: dict) -> None:
-    if msg["dtype"] not in ROW_DTYPES or msg["start"] < 0 or msg["num_rows"] < 1 or msg["width"] < 1:
-        raise WireError(f"rows message of {msg['num_rows']} rows, {msg['width']} wide, {msg['dtype']!r}, from "
-                        f"{msg['start']}")
-    if len(msg["data"]) != msg["num_rows"] * msg["width"] * ROW_DTYPES[msg["dtype"]].itemsize:
-        raise WireError(f"rows message of {len(msg['data'])} bytes for {msg['num_rows']} rows of {msg['width']} "
-                        f"{msg['dtype']}")
-
-
-def rows_messages(request_id: str, head_start: int, start: int, rows: torch.Tensor) -> list[dict]:
-    """`rows` (tokens, width) of positions start .. as `rows` messages, in order."""
-    rows = rows.detach().to("cpu").contiguous()
-    dtype = str(rows.dtype).removeprefix("torch.")
-    per = max(1, ROWS_CHUNK_BYTES // (rows.shape[1] * rows.element_size()))
-    return [{"kind": "rows", "request_id": request_id, "head_start": head_start, "start": start + i,
-             "num_rows": len(chunk), "width": rows.shape[1], "dtype": dtype,
-             "data": chunk.view(torch.uint8).numpy().tobytes()} for i in range(0, len(rows), per)
-            for chunk in (rows[i:i + per],)]
-
-
-def rows_tensor(chunks: list[dict]) -> tuple[int, torch.Tensor]:
-    """The first position and the (tokens, width) rows of a part's `rows` messages, in order."""
-    dtype, width = ROW_DTYPES[chunks[0]["dtype"]], chunks[0]["width"]
-    data = bytearray(b"".join(c["data"] for c in chunks))
-    return chunks[0]["start"], torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(-1, width)
+def trailer_messages(request_id: str, head_start: int, trailer: bytes) -> list[dict]:
+    """`trailer` as `trailer` messages, in order (none for b"")."""
+    view = memoryview(trailer)
+    return [{"kind": "trailer", "request_id": request_id, "head_start": head_start,
+             "data": bytes(view[i:i + TRAILER_CHUNK_BYTES])} for i in range(0, len(trailer), TRAILER_CHUNK_BYTES)]
 
 
 def _is_u64(value) -> bool:
@@ -149,25 +121,6 @@ def _is_u64(value) -> bool:
 def _is_run(run) -> bool:
     return isinstance(run, list) and len(run) == 2 and type(run[0]) is int and type(run[1]) is int \
         and run[0] >= 0 and run[1] > 0
-
-
-def _is_choice(choice) -> bool:
-    return (isinstance(choice, list) and len(choice) == 2 and type(choice[0]) is int
-            and (choice[1] is None or isinstance(choice[1], list) and all(map(_is_logprob_pair, choice[1]))))
-
-
-def _is_logprob_pair(pair) -> bool:
-    return (isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int
-            and isinstance(pair[1], float))
-
-
-def pack_logprobs(logprobs: dict[int, float] | None) -> list[list] | None:
-    """{token_id: logprob} (insertion order kept) -> the wire's pairs."""
-    return None if logprobs is None else [[int(t), float(lp)] for t, lp in logprobs.items()]
-
-
-def unpack_logprobs(pairs: list[list] | None) -> dict[int, float] | None:
-    return None if pairs is None else {t: lp for t, lp in pairs}
 
 
 def check_runs(runs: list[list[int]], num_tokens: int) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestMessage
+from engine.handover import Handover
 from engine.speculative.rows import DraftKVRecorder, RowRecorder
 from engine.worker_base import BaseWorker
 from kvtransfer.connector import PrefillConnector, Shipment
@@ -118,7 +119,7 @@ class PrefillWorker(BaseWorker):
             rid = req.request_id
             rows = None if self.rows is None else \
                 self.rows.take(rid, self.scheduler.kv.get_block_ids(rid)[0], req.num_prompt_tokens)
-            self.connector.finish(rid, token, logprobs, more, rows)
+            self.connector.finish(rid, Handover(token, logprobs, more, rows).pack())
             self._report(PrefillResult(req.request_id, token, num_cached_tokens=req.num_cached_tokens,
                                        logprobs=logprobs, more_choices=more))
         return True
@@ -133,7 +134,7 @@ class PrefillWorker(BaseWorker):
         if inp is not None:
             self._execute(inp, shipments)
             for s in shipments:
-                self.connector.finish(s.request_id, -1)  # only rank 0 knows the first token
+                self.connector.finish(s.request_id)  # only rank 0 knows the first token: it hands it over
         return True
 
     def _execute(self, inp, shipments: list[Shipment]):

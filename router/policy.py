@@ -1,6 +1,7 @@
 """Routing policies: which prefill and which decode instance serve a request.
 
-Each is a `BaseRoutingPolicy`; `create_routing_policy(name)` is the registry.
+Each is a `BaseRoutingPolicy`; `ROUTING_POLICIES` is the registry (its names are the spec's
+`router_policy` choices, checked at import), `create_routing_policy(name)` its factory.
 """
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import itertools
 from abc import ABC, abstractmethod
 from typing import Callable
 
+from cluster.spec import spec_registry
 from router.client import InstanceInfo
 
 
@@ -72,8 +74,10 @@ class PrefixAware(LeastLoaded):
         return chosen
 
 
+ROUTING_POLICIES = spec_registry("router_policy", {p.name: p for p in (RoundRobin, LeastLoaded, PrefixAware)})
+
+
 def create_routing_policy(name: str, **kwargs) -> BaseRoutingPolicy:
-    policies = {p.name: p for p in (RoundRobin, LeastLoaded, PrefixAware)}
-    if name not in policies:
-        raise ValueError(f"unknown router policy {name!r}; choose one of {sorted(policies)}")
-    return policies[name](**kwargs)
+    if name not in ROUTING_POLICIES:
+        raise ValueError(f"unknown router policy {name!r}; choose one of {sorted(ROUTING_POLICIES)}")
+    return ROUTING_POLICIES[name](**kwargs)

@@ -13,9 +13,9 @@ from collections import deque
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from cluster.autoscale.actuators import Actuator, DryRunActuator, PodsThenInstances, PoolSizes, RayActuator
-from cluster.autoscale.autoscaler import (Observation, Policy, Profile, QueueThreshold, ScalingLimits, SLOPlanner,
-                                          fit_line)
+from cluster.autoscale.actuators import Actuator, PoolSizes
+from cluster.autoscale.autoscaler import Observation, Policy, Profile, ScalingLimits, SLOPlanner, fit_line
+from cluster.autoscale.factory import create_actuator, create_policy
 
 logger = logging.getLogger(__name__)
 
@@ -182,23 +182,8 @@ def create_autoscaler(cluster, spec) -> Autoscaler:
     """The autoscaler the spec asks for (`autoscale_*` keys), not yet started."""
     limits = ScalingLimits.from_spec(spec)
     profile = Profile.load(spec.autoscale_profile) if spec.autoscale_profile else None
-    online = None
-    if spec.autoscale_policy == "slo":
-        policy: Policy = SLOPlanner(profile, limits, spec.ttft_slo_s, spec.tbt_slo_s,
-                                    rate_window_s=3 * spec.autoscale_interval_s)
-        if profile is None:
-            online = OnlineProfile(spec.max_num_seqs)
-    else:
-        policy = QueueThreshold(limits)
-    if spec.autoscale_actuator == "ray":
-        actuator: Actuator = RayActuator(cluster)
-    elif spec.autoscale_actuator == "kubernetes":
-        from cluster.autoscale.kubernetes_actuator import KubernetesActuator
-        ray_side = RayActuator(cluster)
-        actuator = PodsThenInstances(KubernetesActuator(spec.k8s_prefill_deployment, spec.k8s_decode_deployment,
-                                                        spec.k8s_namespace, drain=ray_side.drain), ray_side)
-    else:
-        actuator = DryRunActuator(RayActuator(cluster).current())
+    policy, actuator = create_policy(spec, profile, limits), create_actuator(cluster, spec)
+    online = OnlineProfile(spec.max_num_seqs) if isinstance(policy, SLOPlanner) and profile is None else None
     logger.info("autoscaler: %s policy, %s actuator, every %.0f s, pools %d-%d prefill, %d-%d decode",
                 spec.autoscale_policy, spec.autoscale_actuator, spec.autoscale_interval_s, limits.min_prefill,
                 limits.max_prefill, limits.min_decode, limits.max_decode)

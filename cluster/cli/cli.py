@@ -11,18 +11,12 @@ from cluster.cli.expert_plan import add_expert_plan
 
 
 def _add_generate(sub) -> None:
-    from engine.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES  # the serve flags import it too
-    from engine.speculative.config import METHODS as SPECULATIVE_METHODS
-    p = sub.add_parser("generate", allow_abbrev=False, help="generate a completion for one prompt")
+    from cluster.cli.flags import GENERATE_GROUPS, add_cli_flags
+    p = sub.add_parser("generate", allow_abbrev=False, help="generate a completion for one prompt",
+                       description="Runs the prompt on one in-process engine; a KV-transfer or layout flag, "
+                                   "--tp or --config runs it through a cluster of Ray actors instead (started "
+                                   "for this prompt, then stopped).")
     p.add_argument("prompt")
-    p.add_argument("--model", default="smollm2", help="smollm2, a .gguf file or a HF safetensors folder")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="auto: bfloat16 on CUDA or a CPU with native bf16, else float32")
-    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES,
-                   help="linear layers: auto (the checkpoint's format: a GGUF's Q4_0/Q4_1/Q4_K linears run int4), "
-                        "none; lossy: int8 (per-channel int8 weights), w8a8 (int8 activations too), int4 (Q4_1 groups of 32)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
-                   help="KV cache element type: auto (the model's dtype) or fp8_e4m3 (docs/engine.md)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -32,38 +26,45 @@ def _add_generate(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--threads", type=int, default=None, help="torch threads on CPU")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="tokens and logprobs independent of batch, chunking and layout (docs/exactness.md)")
-    p.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
-                   help="speculative decoding: ngram (prompt lookup), draft_model, eagle3 (a head) or mtp "
-                        "(DeepSeek-V3's own module) (docs/speculative.md)")
-    p.add_argument("--speculative-model", default=None,
-                   help="the draft model or EAGLE-3 head (alone: --speculative-method draft_model)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step, 1-16 (default 3)")
-    g = p.add_argument_group("cluster", "any of these runs the prompt through a cluster of Ray actors")
-    g.add_argument("--prefill", type=int, default=None, help="prefill instances")
-    g.add_argument("--decode", type=int, default=None, help="decode (or colocated) instances")
-    g.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks per instance")
-    g.add_argument("--prefill-tp", type=int, default=None, help="tensor-parallel ranks per prefill instance "
-                                                                "(default: --tp)")
-    g.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel ranks per instance: --decode-tp and --prefill-tp, unless given")
+    add_cli_flags(p.add_argument_group("cluster spec", "the flags of `pdserve serve` for an instance's engine, the "
+                                                       "KV transfer and the layout"),
+                  GENERATE_GROUPS, aliases={"num_threads": ("--threads",), "num_prefill": ("--prefill",),
+                                            "num_decode": ("--decode",)})
     p.set_defaults(func=cmd_generate)
 
 
-def _cluster_spec(args):
-    """The ClusterSpec the cluster flags ask for, or None when none was given."""
-    flags = (args.prefill, args.decode, args.tp, args.prefill_tp, args.mode)
-    if all(f is None for f in flags):
-        return None
+def _on_cluster(args) -> bool:
+    """Whether generate's flags ask for a cluster: a KV-transfer or layout flag, --tp or --config."""
+    from cluster.cli.flags import FLAG_GROUPS
+    keys = FLAG_GROUPS["kv_transfer"] + FLAG_GROUPS["layout"]
+    return args.tp is not None or args.config is not None or any(hasattr(args, key) for key in keys)
+
+
+def _generate_spec(args):
+    """The spec generate runs: its flags over --config over the defaults, `--tp` for both pools where
+    --decode-tp / --prefill-tp are not given. A --config file's service keys are serve's: generate runs
+    its own local cluster, so they are dropped (named in a warning), never used to join a running one."""
+    from dataclasses import replace
+
+    from cluster.cli.flags import FLAG_GROUPS
     from cluster.spec import ClusterSpec
-    tp = args.tp or 1
-    return ClusterSpec(model=args.model, dtype=args.dtype, num_prefill=1 if args.prefill is None else args.prefill,
-                       num_decode=args.decode or 1, decode_tp=tp, prefill_tp=args.prefill_tp or tp,
-                       mode=args.mode or "disaggregated", num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
-                       quantization=args.quantization, batch_invariant=args.batch_invariant,
-                       speculative_method=args.speculative_method, speculative_model=args.speculative_model,
-                       num_speculative_tokens=args.num_speculative_tokens)
+    spec, default = ClusterSpec.from_args(args), ClusterSpec()
+    if args.tp is not None:
+        spec = replace(spec, decode_tp=getattr(args, "decode_tp", args.tp),
+                       prefill_tp=getattr(args, "prefill_tp", args.tp))
+    dropped = [key for key in FLAG_GROUPS["service"] if getattr(spec, key) != getattr(default, key)]
+    if dropped:
+        logging.getLogger(__name__).warning("pdserve generate runs its own cluster: %s of %s not used (pdserve "
+                                            "serve's)", ", ".join(dropped), args.config)
+        spec = replace(spec, **{key: getattr(default, key) for key in dropped})
+    return spec
+
+
+def _cluster_spec(args):
+    """The ClusterSpec of the cluster the flags ask for, or None when they ask for none."""
+    return _generate_spec(args) if _on_cluster(args) else None
 
 
 def _generate_on_cluster(spec, args, params) -> dict:
@@ -71,7 +72,7 @@ def _generate_on_cluster(spec, args, params) -> dict:
     from cluster.control.cluster import Cluster
     from engine.loader import resolve_model_path
     from engine.tokenizer import Tokenizer
-    tok = Tokenizer.from_path(resolve_model_path(args.model))
+    tok = Tokenizer.from_path(resolve_model_path(spec.model))
     prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat \
         else tok.encode(args.prompt)
     with Cluster(spec) as cluster:
@@ -85,29 +86,29 @@ def _generate_on_cluster(spec, args, params) -> dict:
             "tokens_per_s": (len(stream.token_ids) - 1) / decode_s if decode_s > 0 else None}
 
 
-def cmd_generate(args) -> int:
+def _generate_in_process(spec, args, params) -> dict:
+    """One prompt on one colocated engine of the spec's engine keys (`engine_config("colocated")`)."""
+    from decode_worker.engine import ColocatedEngine
     from decode_worker.llm import LLM
+    out = LLM(engine=ColocatedEngine(spec.engine_config("colocated"))).generate([args.prompt], params,
+                                                                               chat=args.chat)[0]
+    return {"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
+            "finish_reason": out.finish_reason, "ttft_s": out.ttft_s, "tokens_per_s": out.tokens_per_s}
+
+
+def cmd_generate(args) -> int:
     from engine.request import SamplingParams
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-    from engine.speculative.config import SpeculativeConfig
-    speculative = SpeculativeConfig.from_flags(args.speculative_method, args.speculative_model,
-                                               args.num_speculative_tokens)  # refused before anything loads
-    spec = _cluster_spec(args)
-    if spec is not None:
-        result = _generate_on_cluster(spec, args, params)
-    else:
-        llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
-                  quantization=args.quantization, batch_invariant=args.batch_invariant, speculative=speculative)
-        out = llm.generate([args.prompt], params, chat=args.chat)[0]
-        result = {"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
-                  "finish_reason": out.finish_reason, "ttft_s": out.ttft_s, "tokens_per_s": out.tokens_per_s}
+    spec = _generate_spec(args)  # bad flags are refused here, before anything loads
+    run = _generate_on_cluster if _on_cluster(args) else _generate_in_process
+    result = run(spec, args, params)
     print(json.dumps(result) if args.json else result["text"])
     return 0
 
 
 def _add_serve(sub) -> None:
-    from cluster.spec import add_cli_flags
+    from cluster.cli.flags import add_cli_flags
     p = sub.add_parser("serve", allow_abbrev=False, help="start the cluster and the OpenAI-compatible HTTP gateway")
     add_cli_flags(p)
     p.set_defaults(func=cmd_serve)
@@ -131,7 +132,7 @@ _PROCESSES = {  # the commands that run one process of a cluster from the spec f
 
 
 def _add_process(sub, name: str) -> None:
-    from cluster.spec import add_cli_flags
+    from cluster.cli.flags import add_cli_flags
     help_, description = _PROCESSES[name]
     p = sub.add_parser(name, allow_abbrev=False, help=help_, description=description)
     add_cli_flags(p)
@@ -146,8 +147,8 @@ def cmd_process(args) -> int:
 
 
 def _add_bench(sub) -> None:
+    from cluster.cli.flags import add_cli_flags
     from cluster.loadgen.loadgen import add_flags
-    from cluster.spec import add_cli_flags
     p = sub.add_parser("bench", allow_abbrev=False, help="load-test a running server over HTTP, or --profile one instance",
                        description="Without --profile: stream /v1/completions at a running server and report "
                                    "TTFT, TBT, end-to-end latency, throughput and goodput. With --profile: measure "

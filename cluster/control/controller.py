@@ -288,7 +288,8 @@ class Controller(Adoption, RankSetup):
         from cluster.ranks.rank import RankHost
         host = RankHost(self.spec.engine_config(role), role, iid, kv_timeout_s=self.spec.kv_transfer_timeout_s,
                         client_ttl_s=self.spec.client_ttl_s, kv_same_device=self._kv_same_device(False),
-                        kv_checksum=self.spec.kv_checksum, on_loop_death=lambda: self._loop_died(iid))
+                        kv_checksum=self.spec.kv_checksum, kv_transport=self.spec.kv_transport,
+                        on_loop_death=lambda: self._loop_died(iid))
         ep = host.kv_endpoint()
         info = InstanceInfo(iid, role, 1, (ep,) if ep else (), max_model_len=host.max_model_len,
                             block_size=host.block_size, engine=host.engine)
@@ -335,7 +336,8 @@ class Controller(Adoption, RankSetup):
                 lifetime="detached" if self.detached else None, runtime_env=self._rank_runtime_env,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote(
                 config, role, iid, r, tp, self.spec.kv_transfer_timeout_s, self.log_level, not self.multihost,
-                self.spec.client_ttl_s, self._kv_same_device(gpu), cpu_plans[r], kv_checksum=self.spec.kv_checksum))
+                self.spec.client_ttl_s, self._kv_same_device(gpu), cpu_plans[r], kv_checksum=self.spec.kv_checksum,
+                kv_transport=self.spec.kv_transport))
         start = time.monotonic()
         placements = ray.get([a.placement.remote() for a in actors], timeout=300)
         address = ray.get(actors[0].rendezvous_address.remote()) if tp > 1 else None

@@ -19,6 +19,7 @@ from cluster.ranks.rank import RankHost, TPRendezvous, open_rendezvous
 from engine.config import EngineConfig
 from engine.request import RequestMessage
 from kvtransfer.params import KVEndpoint, KVTransferParams
+from kvtransfer.registry import DEFAULT as DEFAULT_TRANSPORT
 
 
 class _Followers:
@@ -39,17 +40,18 @@ class RankActor:
     def __init__(self, config: EngineConfig, role: str, instance_id: str, rank: int, tp_size: int,
                  kv_timeout_s: float, log_level: str = "INFO", loopback: bool = False, client_ttl_s: float = 30.0,
                  kv_same_device: bool = True, cpu: cpu_plan.RankCpuPlan = cpu_plan.RankCpuPlan(),
-                 kv_checksum: bool = False):
+                 kv_checksum: bool = False, kv_transport: str = DEFAULT_TRANSPORT):
         """`loopback`: the driver started Ray on this one host; bind 127.0.0.1. `kv_same_device`:
         the spec's kv_transport is auto (KV within one device is written into the decode cache).
         `cpu`: this process's niceness and cores, applied before the rank's threads start.
-        `kv_checksum`: the spec's (every KV part carries a checksum, checked on receipt)."""
+        `kv_checksum`: the spec's (every KV part carries a checksum, checked on receipt). `kv_transport`:
+        the KV transport's name (kvtransfer/registry.py)."""
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self._cpu = cpu
         cpu_plan.apply(cpu)
         self._args = (config, role, instance_id, rank, tp_size)
         self._kv_timeout_s, self._client_ttl_s, self._kv_same_device = kv_timeout_s, client_ttl_s, kv_same_device
-        self._kv_checksum = kv_checksum
+        self._kv_checksum, self._kv_transport = kv_checksum, kv_transport
         self._host_name = node_address(loopback)
         self._ifname = set_socket_ifnames(self._host_name)  # before any process group: gloo/NCCL read them once
         self.host: RankHost | None = None
@@ -101,7 +103,7 @@ class RankActor:
         self.host = RankHost(config, role, instance_id, rank, tp_size, tp_address, self._host_name, self._kv_timeout_s,
                              on_loop_death=lambda: os._exit(1), client_ttl_s=self._client_ttl_s,
                              kv_same_device=self._kv_same_device, kv_checksum=self._kv_checksum,
-                             tp_listener=listener)
+                             tp_listener=listener, kv_transport=self._kv_transport)
         cpu_plan.set_niceness(self._cpu.niceness)  # threads Ray started meanwhile, too
         return self.host.kv_endpoint()
 

@@ -26,13 +26,14 @@ import torch.distributed as dist
 from decode_worker.engine import ColocatedEngine
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
+from engine.handover import trailer_format
 from engine.loader import resolve_model_path
 from engine.model_runner import ModelRunner, select_device
 from engine.speculative.rows import rows_signature
 from engine.parallel import TPGroup
 from engine.tokenizer import Tokenizer
 from kvtransfer.auth import cluster_secret
-from kvtransfer.base import CompletedTransfer, create_kv_transport
+from kvtransfer.registry import DEFAULT as DEFAULT_TRANSPORT, create_kv_transport
 from kvtransfer.connector import DecodeConnector, PrefillConnector, Shipment
 from kvtransfer.params import CompatRecord, KVEndpoint, KVTransferParams, kv_heads_of_rank
 from prefill_worker.worker import PrefillWorker
@@ -41,8 +42,8 @@ logger = logging.getLogger(__name__)
 
 
 TP_KEY_LABEL = b"pdserve tp group v1"
-# the records of the workers' control messages beyond the engine's: a prefill step's shipments, a decode rank's polls
-TP_WIRE_TYPES = (Shipment, KVTransferParams, KVEndpoint, CompletedTransfer)
+# the records of the workers' control messages beyond the engine's: a prefill step's shipments
+TP_WIRE_TYPES = (Shipment, KVTransferParams, KVEndpoint)
 
 
 def tp_group_key() -> bytes:
@@ -137,12 +138,13 @@ class RankHost:
                  tp_address: TPRendezvous | str | None = None, host: str = "127.0.0.1", kv_timeout_s: float = 10.0,
                  model_config=None, weights=None, on_loop_death=None, client_ttl_s: float = 30.0,
                  kv_same_device: bool = True, kv_checksum: bool = False,
-                 tp_listener: socket.socket | None = None):
+                 tp_listener: socket.socket | None = None, kv_transport: str = DEFAULT_TRANSPORT):
         """`on_loop_death`: called if the step loop dies (a Ray actor exits, so the instance is
         seen dead and its requests retried elsewhere, instead of hanging alive but idle).
         `kv_same_device`: KV between ranks on one device is written straight into the decode
         cache (the spec's kv_transport "auto"); False: always over the data channel ("torch").
         `kv_checksum`: every KV part carries a checksum, checked on receipt (the spec's kv_checksum).
+        `kv_transport`: the KV transport's name in kvtransfer/registry.py (the spec's).
         `tp_address`, `tp_listener`: the TP group's rendezvous, and rank 0's socket for it (open_rendezvous)."""
         self.role, self.instance_id, self.rank, self.host = role, instance_id, rank, host
         self.on_loop_death = on_loop_death
@@ -160,7 +162,7 @@ class RankHost:
         def build_then_loop():
             try:
                 self._build(config, role, instance_id, rank, tp_size, tp_address, host, kv_timeout_s, model_config,
-                            weights, client_ttl_s, kv_same_device, kv_checksum, tp_listener)
+                            weights, client_ttl_s, kv_same_device, kv_checksum, tp_listener, kv_transport)
                 built.append(None)
             except BaseException as exc:  # raised again on the caller's thread
                 built.append(exc)
@@ -175,7 +177,8 @@ class RankHost:
             raise built[0]
 
     def _build(self, config, role, instance_id, rank, tp_size, tp_address, host, kv_timeout_s, model_config,
-               weights, client_ttl_s, kv_same_device, kv_checksum, tp_listener=None) -> None:
+               weights, client_ttl_s, kv_same_device, kv_checksum, tp_listener=None,
+               kv_transport: str = DEFAULT_TRANSPORT) -> None:
         """The model runner (joining the TP group), the KV transport end and the worker."""
         tp = TPGroup()
         if tp_size > 1:
@@ -187,9 +190,8 @@ class RankHost:
                               num_layers=mc.kv_layout.num_slabs, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                               block_size=self.runner.block_size, tp_size=tp_size, device_type=self.runner.device.type,
                               kv_layout=mc.kv_layout.signature, kv_checksum=kv_checksum, kv_format=mc.kv_format,
-                              speculative=config.speculative.describe() if config.speculative else "",
-                              proposer_rows=rows_signature(config.speculative or config.ship_proposer_rows, mc,
-                                                           self.runner.dtype, self.runner.kv_dtype))
+                              trailer_format=trailer_format(rows_signature(config.speculative or config.ship_proposer_rows,
+                                                                           mc, self.runner.dtype, self.runner.kv_dtype)))
         backend = self.runner.backend
         kv_views = None
         if backend.own_kv_layout and role in ("prefill", "decode"):  # the transfer reads and writes through them
@@ -201,7 +203,7 @@ class RankHost:
                                self.kv_same_device_off)
             kv_same_device = False
         if role == "prefill":
-            self.sender = create_kv_transport("torch").sender(compat, f"{instance_id}/{rank}", timeout_s=kv_timeout_s,
+            self.sender = create_kv_transport(kv_transport).sender(compat, f"{instance_id}/{rank}", timeout_s=kv_timeout_s,
                                                               host=host, same_device=kv_same_device)
             # a request's blocks are leased to its transfer: freed on the decode side's ack, or after
             # 3 transfer timeouts if no ack ever comes (a hung peer cannot pin them forever)
@@ -211,7 +213,7 @@ class RankHost:
         else:
             if role == "decode":
                 heads = kv_heads_of_rank(mc.num_kv_heads, tp_size, rank)
-                self.receiver = create_kv_transport("torch").receiver(
+                self.receiver = create_kv_transport(kv_transport).receiver(
                     compat, self.runner.kv_cache, heads.start, host=host, timeout_s=kv_timeout_s,
                     share_cache=kv_same_device, kv_views=kv_views)
             tokenizer = load_tokenizer(config.model) if rank == 0 and model_config is None else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from decode_worker.worker import DecodeWorker
+from engine.handover import Handover
 from engine.request import RequestMessage, SamplingParams
 from kvtransfer.base import CompletedTransfer, KVReceiver
 from kvtransfer.connector import DecodeConnector
@@ -48,7 +49,8 @@ def test_transferred_logprobs_lead_and_missing_ones_fail_the_request():
     for rid in ("ok", "bad"):
         assert worker.reserve(RequestMessage(rid, list(range(3, 20)), params), prefill_tp=1)
     assert rx.expected == {"ok": 1, "bad": 1}
-    rx.done = [CompletedTransfer("ok", 5, {5: -0.5}), CompletedTransfer("bad", 5, None)]
+    rx.done = [CompletedTransfer("ok", Handover(5, {5: -0.5}).pack()),
+               CompletedTransfer("bad", Handover(5).pack())]  # without the logprobs asked for
     outputs = []
     for _ in range(10):
         worker.step()
@@ -74,7 +76,8 @@ def test_a_failed_load_ends_the_request_with_kv_load_failed_and_frees_its_blocks
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     for rid in ("ok", "lost"):
         assert worker.reserve(RequestMessage(rid, list(range(3, 20)), params), prefill_tp=1)
-    rx.done, rx.failed = [CompletedTransfer("ok", 5, None)], [("lost", "no KV for 10 s after the transfer began")]
+    rx.done = [CompletedTransfer("ok", Handover(5).pack())]
+    rx.failed = [("lost", "no KV for 10 s after the transfer began")]
     outputs = []
     for _ in range(10):
         worker.step()
@@ -116,7 +119,7 @@ def test_an_idle_decode_instance_makes_no_collective_call():
     assert worker.reserve(RequestMessage("r", list(range(3, 20)), params), prefill_tp=1)
     worker.step()
     assert tp.calls == 2  # awaiting KV: the ranks' polls are gathered
-    rx.done = [CompletedTransfer("r", 5, None)]
+    rx.done = [CompletedTransfer("r", Handover(5).pack())]
     while worker.has_work():
         worker.step()
     worker.step()  # tells the runner the request finished
@@ -124,4 +127,25 @@ def test_an_idle_decode_instance_makes_no_collective_call():
     for _ in range(5):
         assert not worker.step()
     assert tp.calls == calls
+    engine.kv.assert_no_leaks()
+
+
+def test_a_malformed_handover_fails_its_request_only():
+    """A trailer that is no handover (engine/handover.py): that request ends with an error flagged
+    `kv_load_failed`, its blocks freed, counted among the dropped KV messages; another decodes on."""
+    engine = tiny_engine(make_hf_tiny_llama(), num_blocks=32, block_size=8)
+    rx = FakeReceiver()
+    worker = DecodeWorker(engine, DecodeConnector(rx, engine.runner.model_config.num_kv_heads, 0, 1))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    for rid in ("ok", "bad"):
+        assert worker.reserve(RequestMessage(rid, list(range(3, 20)), params), prefill_tp=1)
+    rx.done = [CompletedTransfer("ok", Handover(5).pack()), CompletedTransfer("bad", b"\x93\x01\x02\x03")]
+    outputs = []
+    for _ in range(10):
+        worker.step()
+        outputs += worker.poll_outputs(0)
+    (bad,) = [o for o in outputs if o.request_id == "bad"]
+    assert bad.finished and bad.kv_load_failed and "handover is malformed" in bad.error
+    assert [o for o in outputs if o.request_id == "ok"][-1].finish_reason == "length"
+    assert worker.load()["kv_messages_dropped"] == 1
     engine.kv.assert_no_leaks()

@@ -17,7 +17,6 @@ import torch.multiprocessing as mp
 
 from engine.parallel import TPGroup
 from engine.tp_wire import TPAuthError, WireCodec, engine_types
-from kvtransfer.base import CompletedTransfer
 from tests.engine.test_tp_comm import STEP_TYPES, assert_equal_steps, make_step
 
 pytestmark = pytest.mark.timeout(400)  # spawned ranks: slow on a loaded 2-core box
@@ -30,16 +29,16 @@ class NotRegistered:
 
 
 def codec() -> WireCodec:
-    return WireCodec(engine_types() + STEP_TYPES + (CompletedTransfer,))
+    return WireCodec(engine_types() + STEP_TYPES)
 
 
 def test_a_step_and_a_poll_round_trip_with_their_types():
     """decode(encode(x)) == x for a prefill step (dataclasses, tuples, lists, CPU tensors of
-    several dtypes) and a decode rank's poll (named tuples, int-keyed dicts)."""
+    several dtypes) and a decode rank's poll (transfer ids, (id, why) pairs)."""
     c = codec()
     step = make_step()
     assert_equal_steps(c.decode(c.encode(step)), step)
-    poll = ([CompletedTransfer("a", 3, {5: -0.1}, ((4, None), (5, {1: -2.0})))], [("b", "timed out")])
+    poll = (["a", "c#kv1"], [("b", "timed out")])  # the transfers complete and failed on one rank
     assert c.decode(c.encode(poll)) == poll
     x = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
     assert torch.equal(c.decode(c.encode(x)), x) and c.decode(c.encode(torch.float16)) is torch.float16
@@ -79,10 +78,10 @@ def _rank(rank: int, port: int, out) -> None:
     _record_unpickling(calls)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=280))
-    tp = TPGroup(rank, 2, dist.group.WORLD, key=KEY, wire_types=STEP_TYPES + (CompletedTransfer,))
+    tp = TPGroup(rank, 2, dist.group.WORLD, key=KEY, wire_types=STEP_TYPES)
     steps = [tp.broadcast_step(make_step(seed=s) if rank == 0 else None) for s in range(2)]
     choice = tp.broadcast_object({"expanded": 1.5} if rank == 0 else None)
-    polls = tp.all_gather_object(([CompletedTransfer(f"r{rank}", rank, None)], []))
+    polls = tp.all_gather_object(([f"r{rank}"], [(f"f{rank}", "timed out")]))
     refused = []
     decoded = []
     tp.channel.codec.decode = lambda data: decoded.append(data)  # nothing refused may reach it
@@ -101,7 +100,8 @@ def _rank(rank: int, port: int, out) -> None:
         refused.append("foreign")
     out.put((rank, calls, refused, decoded, tp.channel.num_refused, rank == 0 or (
         all(assert_equal_steps(got, make_step(seed=s)) is None for s, got in enumerate(steps))
-        and choice == {"expanded": 1.5} and polls[0][0][0].request_id == "r0")))
+        and choice == {"expanded": 1.5}
+        and polls == [(["r0"], [("f0", "timed out")]), (["r1"], [("f1", "timed out")])])))
     dist.destroy_process_group()
 
 

@@ -16,10 +16,11 @@ import torch
 
 from kvtransfer import auth, control
 from kvtransfer.auth import SECRET_ENV, MessageMacs
-from kvtransfer.base import TransferError, create_kv_transport
+from kvtransfer.base import TransferError
+from kvtransfer.registry import create_kv_transport
 from kvtransfer.control import ControlAuthError, ControlClient, ControlError, ControlServer
-from tests.kvtransfer.test_torch_dist import (COMPAT, HEADS, _raw_connection, _wait_for, make_cache, make_receiver,
-                                              poll_until, send_part)
+from tests.kvtransfer.test_torch_dist import (COMPAT, HEADS, TRAILER, _raw_connection, _wait_for, make_cache,
+                                              make_receiver, poll_until, send_part)
 
 pytestmark = pytest.mark.timeout(60)
 SCHEMA = {"note": {"text": str}}
@@ -89,7 +90,7 @@ def test_a_sender_holding_the_cluster_secret_transfers():
     tx = create_kv_transport("torch").sender(COMPAT, "p0")
     rx.expect("r", torch.arange(4), 1)
     send_part(tx, "r", dest, make_cache(), torch.arange(4), 0, HEADS).wait(10)
-    assert poll_until(rx)[0] == [("r", 7, None, ())] and rx.stats["auth_refused"] == 0
+    assert poll_until(rx)[0] == [("r", TRAILER)] and rx.stats["auth_refused"] == 0
     assert dst.abs().sum() > 0
     tx.close(), rx.close()
 
@@ -112,7 +113,7 @@ def test_a_sender_with_another_secret_is_refused_counted_and_writes_nothing(monk
     monkeypatch.setenv(SECRET_ENV, "kvtransfer-tests-secret-0123456789abcdef")
     tx = create_kv_transport("torch").sender(COMPAT, "p0")
     send_part(tx, "r", dest, make_cache(), torch.arange(4), 0, HEADS).wait(10)
-    assert poll_until(rx)[0] == [("r", 7, None, ())]
+    assert poll_until(rx)[0] == [("r", TRAILER)]
     stranger.close(), tx.close(), rx.close()
 
 
@@ -184,7 +185,7 @@ def test_a_tampered_begin_mid_session_is_refused_and_reserves_nothing(tamper):
     assert rx.stats["garbage_messages"] == 0 and rx.poll() == ([], []) and dst.abs().sum() == 0
     tx = create_kv_transport("torch").sender(COMPAT, "p0")
     send_part(tx, "r", dest, make_cache(), torch.arange(4), 0, HEADS).wait(10)
-    assert poll_until(rx)[0] == [("r", 7, None, ())]
+    assert poll_until(rx)[0] == [("r", TRAILER)]
     client.close(), tx.close(), rx.close()
 
 

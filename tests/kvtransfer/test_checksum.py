@@ -16,7 +16,8 @@ import torch
 import xxhash
 
 from kvtransfer import sender as sender_module
-from kvtransfer.base import IncompatiblePeerError, TransferError, create_kv_transport
+from kvtransfer.base import IncompatiblePeerError, TransferError
+from kvtransfer.registry import create_kv_transport
 from kvtransfer.checksum import PartChecksum, checksum_of
 from kvtransfer.params import KVEndpoint
 from kvtransfer.receiver import MAX_DIRECT_RUNS, TorchDistReceiver
@@ -24,8 +25,8 @@ from kvtransfer.sender import TorchDistSender
 from kvtransfer.shared_writer import SharedCacheWriter
 from tests.kvtransfer.faults import OFFSET, corrupt_in_flight
 from tests.kvtransfer.test_receive_direct import _slots
-from tests.kvtransfer.test_torch_dist import (COMPAT, HEADS, LAYERS, _wait_for, flat, make_cache, make_receiver,
-                                              poll_until, send_part)
+from tests.kvtransfer.test_torch_dist import (COMPAT, HEADS, LAYERS, TRAILER, _wait_for, flat, make_cache,
+                                              make_receiver, poll_until, send_part)
 
 pytestmark = pytest.mark.timeout(60)
 CHECKED = replace(COMPAT, kv_checksum=True)
@@ -79,7 +80,8 @@ def ship(path: str, corrupt: bool = False, compat=CHECKED, payload_mac: bool = T
     with corrupt_in_flight(layer=1, times=1) if corrupt else contextlib.nullcontext() as fault:
         for tx, (lo, hi) in zip(senders, heads):
             try:
-                send_part(tx, "r", dest, src, torch.arange(len(slots)), lo, hi).wait(BOUND_S)
+                send_part(tx, "r", dest, src, torch.arange(len(slots)), lo, hi,
+                          trailer=TRAILER if lo == 0 else b"").wait(BOUND_S)
                 errors.append(None)
             except TransferError as exc:
                 errors.append(str(exc))

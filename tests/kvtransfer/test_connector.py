@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from engine.handover import Handover
 from engine.model_runner import ModelRunner
 from engine.request import RequestMessage, SamplingParams
 from kvtransfer.base import CompletedTransfer, KVSender, Transfer, TransferError
@@ -27,8 +28,8 @@ class ScriptedTransfer(Transfer):
     def send_layer(self, layer: int, kv: torch.Tensor) -> None:
         self.layers.append((layer, tuple(kv.shape)))
 
-    def finish(self, first_token: int, logprobs=None, more_choices=(), rows=None) -> None:
-        self.finished, self.rows = first_token, rows
+    def finish(self, trailer: bytes = b"") -> None:
+        self.finished = trailer
 
     def wait(self, timeout: float | None = None) -> None:
         if self.outcome == "hang":  # like a receiver that never acks: the wait runs out
@@ -80,7 +81,10 @@ def test_prefill_ships_each_kv_group_what_its_window_reads(tmp_path):
     heads = runner.model_config.num_kv_heads
     assert [(rid, n) for rid, _, _, _, n, _ in sender.transfers] == [("r#kv0", 23), ("r#kv1", 60), ("r#kv2", 23)]
     for *_, n, t in sender.transfers:
-        assert t.layers == [(0, (2, n, heads, runner.model_config.head_dim))] and t.finished == first.first_token
+        assert t.layers == [(0, (2, n, heads, runner.model_config.head_dim))]
+    # the handover rides on group 0's part to decode rank 0 only
+    assert [t.finished != b"" for *_, t in sender.transfers] == [True, False, False]
+    assert Handover.unpack(sender.transfers[0][-1].finished).first_token == first.first_token
 
 
 def run_until(worker: PrefillWorker, want: int, timeout_s: float = 30.0) -> list:
@@ -106,7 +110,8 @@ def test_prefill_blocks_stay_leased_until_the_transfer_ends(outcome, lease_s):
         (0, 0, heads // 2, 20), (1, heads // 2, heads, 20)]  # decode tp=2: one part per rank
     for *_, t in sender.transfers:
         assert [layer for layer, _ in t.layers] == list(range(worker.runner.model_config.num_layers))
-    assert [t.finished for *_, t in sender.transfers] == [first.first_token] * 2
+    to_rank0, to_rank1 = (t.finished for *_, t in sender.transfers)  # the handover goes to decode rank 0
+    assert Handover.unpack(to_rank0).first_token == first.first_token and to_rank1 == b""
     start = time.monotonic()
     results = run_until(worker, 1, timeout_s=1.0 if outcome == "ack" else 30.0)
     if outcome == "ack":
@@ -132,6 +137,8 @@ class RecordingFollowers:
 
 
 def test_decode_connector_admits_only_what_every_rank_holds_and_forgets_failures_everywhere():
+    """Each rank's poll names the transfers complete there; rank 0 keeps their trailers, which never
+    cross the TP group, and hands each out with its request once every rank holds it."""
     rx = FakeReceiver()
     followers = RecordingFollowers()
     c = DecodeConnector(rx, num_kv_heads=2, tp_rank=0, tp_size=2)
@@ -139,28 +146,38 @@ def test_decode_connector_admits_only_what_every_rank_holds_and_forgets_failures
     for rid in ("a", "b", "c"):
         c.reserve(rid, [torch.arange(4)], prefill_tp=1)
     assert rx.expected == {"a": 1, "b": 1, "c": 1} and [r for r, _ in followers.expected] == ["a", "b", "c"]
-    done = {rid: CompletedTransfer(rid, 7, None) for rid in "abc"}
-    polls = [([done["a"], done["b"]], []), ([done["a"]], [("b", "no KV for 1 s")])]
-    ready, failed = c.admit(polls)
-    assert ready == [done["a"]] and list(failed) == ["b"] and "rank 1" in failed["b"]
-    assert followers.forgotten == ["b"] and "b" not in rx.expected
-    assert c.admit([([done["b"]], []), ([done["b"]], [])]) == ([], {})  # late news of a failed one
+    rx.done = [CompletedTransfer("a", b"of a"), CompletedTransfer("b", b"of b")]
+    rank0 = c.poll()
+    assert rank0 == (["a", "b"], [])  # ids only: what crosses the TP group
+    ready, failed = c.admit([rank0, (["a"], [("b", "no KV for 1 s")])])
+    assert ready == [CompletedTransfer("a", b"of a")] and list(failed) == ["b"] and "rank 1" in failed["b"]
+    assert followers.forgotten == ["b"] and "b" not in rx.expected and c._trailers == {}
+    assert c.admit([(["b"], []), (["b"], [])]) == ([], {})  # late news of a failed one
     assert c.cancel("c") and followers.forgotten == ["b", "c"] and not c.cancel("c")
-    assert c.admit([([done["c"]], []), ([done["c"]], [])]) == ([], {})
+    assert c.admit([(["c"], []), (["c"], [])]) == ([], {})
+
+
+def test_a_follower_rank_keeps_no_trailers():
+    rx = FakeReceiver()
+    c = DecodeConnector(rx, num_kv_heads=2, tp_rank=1, tp_size=2)
+    c.expect("a", [torch.arange(4)], prefill_tp=1)
+    rx.done = [CompletedTransfer("a", b"")]
+    assert c.poll() == (["a"], []) and c._trailers == {}
 
 
 def test_decode_connector_admits_a_request_once_every_kv_group_arrived():
     """Two KV groups (sliding and global layers): a transfer each, `a#kv0` and `a#kv1`; the request
-    is ready, under its own id, only when both are complete on every rank."""
+    is ready, under its own id with group 0's trailer, only when both are complete on every rank."""
     rx = FakeReceiver()
     c = DecodeConnector(rx, num_kv_heads=2, tp_rank=0, tp_size=2, num_groups=2)
     c.set_followers(RecordingFollowers())
     c.reserve("a", [torch.arange(4), torch.arange(8, 16)], prefill_tp=1)
     assert rx.expected == {"a#kv0": 1, "a#kv1": 1}
-    g0, g1 = CompletedTransfer("a#kv0", 7, None), CompletedTransfer("a#kv1", 7, None)
-    assert c.admit([([g0], []), ([g0, g1], [])]) == ([], {})  # rank 0 lacks group 1
-    ready, failed = c.admit([([g1], []), ([], [])])
-    assert ready == [CompletedTransfer("a", 7, None)] and not failed and not c.awaiting
+    rx.done = [CompletedTransfer("a#kv0", b"handover")]
+    assert c.admit([c.poll(), (["a#kv0", "a#kv1"], [])]) == ([], {})  # rank 0 lacks group 1
+    rx.done = [CompletedTransfer("a#kv1", b"")]
+    ready, failed = c.admit([c.poll(), ([], [])])
+    assert ready == [CompletedTransfer("a", b"handover")] and not failed and not c.awaiting
     c.reserve("b", [torch.arange(4), torch.arange(4)], prefill_tp=1)
     ready, failed = c.admit([([], [("b#kv1", "no KV for 1 s")]), ([], [])])
     assert not ready and list(failed) == ["b"] and not rx.expected.keys() & {"b#kv0", "b#kv1"}

@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from kvtransfer import wire
-from kvtransfer.base import TransferError, create_kv_transport
+from kvtransfer.base import TransferError
+from kvtransfer.registry import create_kv_transport
 from kvtransfer.channel import SENDER, GlooChannel
 from kvtransfer.rendezvous import join
 from kvtransfer.control import ControlClient
 from kvtransfer.receiver import MAX_DIRECT_RUNS
 from tests.kvtransfer.faults import FaultProxy
-from tests.kvtransfer.test_torch_dist import (COMPAT, HEADS, _wait_for, make_cache, make_receiver, poll_until,
-                                              send_part)
+from tests.kvtransfer.test_torch_dist import (COMPAT, HEADS, TRAILER, _wait_for, make_cache, make_receiver,
+                                              poll_until, send_part)
 
 pytestmark = pytest.mark.timeout(60)
 DEADLINE_S = 1.0
@@ -37,7 +38,7 @@ def serves_again(rx, proxy, tx) -> None:
     proxy.heal()
     rx.expect("next", torch.arange(4), 1)
     send_part(tx, "next", proxy.endpoint(), make_cache(), torch.arange(4), 0, HEADS).wait(BOUND_S)
-    assert poll_until(rx)[0] == [("next", 7, None, ())]
+    assert poll_until(rx)[0] == [("next", TRAILER)]
 
 
 @pytest.mark.parametrize("phase", ["hello", "begin", "layer", "done"])
@@ -68,7 +69,7 @@ def test_delays_within_the_deadline_are_only_slow(pair):
     proxy.delay_s = DEADLINE_S / 20
     rx.expect("r", torch.arange(4), 1)
     send_part(tx, "r", proxy.endpoint(), make_cache(), torch.arange(4), 0, HEADS).wait(BOUND_S)
-    assert poll_until(rx)[0] == [("r", 7, None, ())] and tx.stats.get("groups_failed", 0) == 0
+    assert poll_until(rx)[0] == [("r", TRAILER)] and tx.stats.get("groups_failed", 0) == 0
 
 
 def test_garbage_mid_part_fails_that_request_on_both_sides(pair):

@@ -8,12 +8,13 @@ import dataclasses
 import pytest
 import torch
 
-from kvtransfer.base import IncompatiblePeerError, create_kv_transport
+from kvtransfer.base import IncompatiblePeerError
+from kvtransfer.registry import create_kv_transport
 from kvtransfer.params import KVEndpoint
 from kvtransfer.receiver import MAX_DIRECT_RUNS
 from kvtransfer.scatter import as_bytes, scatter_layer, slot_runs, whole_blocks
-from tests.kvtransfer.test_torch_dist import (BLOCK, BLOCKS, COMPAT, HEAD_DIM, HEADS, LAYERS, flat, make_cache,
-                                              make_receiver, poll_until, send_part, ship_to_slots)
+from tests.kvtransfer.test_torch_dist import (BLOCK, BLOCKS, COMPAT, HEAD_DIM, HEADS, LAYERS, TRAILER, flat,
+                                              make_cache, make_receiver, poll_until, send_part, ship_to_slots)
 
 pytestmark = pytest.mark.timeout(60)
 FP8 = torch.float8_e4m3fn
@@ -62,8 +63,9 @@ def test_fp8_head_halves_of_two_prefill_ranks_land_exactly():
     full, slots, half = make_cache().to(FP8), torch.arange(2 * BLOCK, 4 * BLOCK + 3), HEADS // 2
     rx.expect("r", slots, 2)
     for p, tx in enumerate(senders):
-        send_part(tx, "r", dest, full, torch.arange(len(slots)), p * half, (p + 1) * half).wait(10)
-    assert poll_until(rx)[0] == [("r", 7, None, ())]
+        send_part(tx, "r", dest, full, torch.arange(len(slots)), p * half, (p + 1) * half,
+                  trailer=TRAILER if p == 0 else b"").wait(10)
+    assert poll_until(rx)[0] == [("r", TRAILER)]
     for layer in range(LAYERS):
         assert torch.equal(as_bytes(flat(dst, layer)[:, slots]), as_bytes(flat(full, layer)[:, :len(slots)]))
     for end in (*senders, rx):

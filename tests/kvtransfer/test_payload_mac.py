@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer.base import create_kv_transport
+from kvtransfer.registry import create_kv_transport
 from kvtransfer.checksum import PartMac
 from tests.kvtransfer.faults import corrupt_in_flight
 from tests.kvtransfer.test_checksum import ship

@@ -9,15 +9,16 @@ import pytest
 import torch
 
 from kvtransfer import wire
-from kvtransfer.base import create_kv_transport
+from kvtransfer.registry import create_kv_transport
 from kvtransfer.channel import SENDER, GlooChannel
 from kvtransfer.rendezvous import join
 from kvtransfer.control import ControlClient
 from kvtransfer.receiver import MAX_DIRECT_RUNS
 from kvtransfer.scatter import slot_runs
 from tests.kvtransfer.faults import FaultProxy
-from tests.kvtransfer.test_torch_dist import (BLOCK, BLOCKS, COMPAT, HEADS, LAYERS, _wait_for, flat, make_cache,
-                                              make_receiver, poll_until, send_part, ship_head_halves, ship_to_slots)
+from tests.kvtransfer.test_torch_dist import (BLOCK, BLOCKS, COMPAT, HEADS, LAYERS, TRAILER, _wait_for, flat,
+                                              make_cache, make_receiver, poll_until, send_part, ship_head_halves,
+                                              ship_to_slots)
 
 BOUND_S = 30.0  # every wait here takes well under a second
 
@@ -67,7 +68,7 @@ def test_layers_queued_at_the_sender_go_under_one_announcement():
     src, slots = make_cache(), torch.arange(2 * BLOCK)
     rx.expect("r", slots, 1)
     send_part(tx, "r", proxy.endpoint(), src, slots, 0, HEADS).wait(10)
-    assert poll_until(rx)[0] == [("r", 7, None, ())]
+    assert poll_until(rx)[0] == [("r", TRAILER)]
     assert proxy.seen.count("layer") == 1 and rx.stats["layers_direct"] == LAYERS
     assert torch.equal(dst[:, :, :2], src[:, :, :2])
     tx.close(), proxy.close(), rx.close()

@@ -1,7 +1,7 @@
 """The data channel's rendezvous (kvtransfer/rendezvous.py): a receiver on 127.0.0.1 listens on
-127.0.0.1 only, before, during and after a channel's rendezvous, whose store is gone once the
-channel is built; a rogue that sets the old, guessable rendezvous keys first (with the store's
-port) and sends bytes of its own gets none of them accepted."""
+127.0.0.1 only, before, during and after a channel's rendezvous, whose store is gone once both
+ends of the channel are built; a rogue that sets the old, guessable rendezvous keys first (with
+the store's port) and sends bytes of its own gets none of them accepted."""
 from __future__ import annotations
 
 import os
@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from kvtransfer import receiver as receiver_module
 from kvtransfer import sender as sender_module
-from kvtransfer.base import TransferError, create_kv_transport
+from kvtransfer.base import TransferError
+from kvtransfer.registry import create_kv_transport
 from kvtransfer.channel import DataChannel
 from tests.kvtransfer.test_torch_dist import COMPAT, HEADS, LAYERS, make_cache, make_receiver, poll_until, send_part
 
@@ -52,7 +53,7 @@ def _port(store) -> int:
 
 def test_a_receiver_on_loopback_listens_on_loopback_only_and_its_store_goes(monkeypatch):
     """Every socket a receiver given 127.0.0.1 listens on is bound to 127.0.0.1: at start, while
-    a channel rendezvouses (its store), after it; the store no longer listens once the channel is built."""
+    a channel rendezvouses (its store), after it; the store no longer listens once both ends are built."""
     before = set(_listening())
     rx, dst, dest = make_receiver()
     seen, stores, open_channel = {}, [], receiver_module.open_channel

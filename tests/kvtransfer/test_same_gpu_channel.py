@@ -15,7 +15,7 @@ from kvtransfer import nccl as nccl_module
 from kvtransfer import receiver as receiver_module
 from kvtransfer import sender as sender_module
 from kvtransfer import wire
-from kvtransfer.base import create_kv_transport
+from kvtransfer.registry import create_kv_transport
 from kvtransfer.channel import data_channel_kind
 from kvtransfer.control import ControlClient
 from kvtransfer.params import KVEndpoint

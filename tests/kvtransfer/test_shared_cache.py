@@ -13,12 +13,12 @@ import torch
 import torch.multiprocessing as mp
 
 from kvtransfer import sender as sender_module
-from kvtransfer.base import create_kv_transport
+from kvtransfer.registry import create_kv_transport
 from kvtransfer.control import ControlClient
 from kvtransfer.params import KVEndpoint
 from kvtransfer.shared_cache import device_key, export_cache, open_cache
 from kvtransfer import wire
-from tests.kvtransfer.test_torch_dist import (BLOCK, COMPAT, HEADS, LAYERS, _wait_for, flat, make_cache,
+from tests.kvtransfer.test_torch_dist import (BLOCK, COMPAT, HEADS, LAYERS, TRAILER, _wait_for, flat, make_cache,
                                               poll_until, send_part, ship_head_halves, ship_to_slots)
 
 pytestmark = pytest.mark.timeout(120)
@@ -119,7 +119,7 @@ def test_a_sender_in_another_process_writes_into_the_cache():
     child.start()
     assert queue.get(timeout=60) == 1
     child.join(BOUND_S)
-    assert poll_until(rx)[0] == [("r", 7, None, ())]
+    assert poll_until(rx)[0] == [("r", TRAILER)]
     for layer in range(LAYERS):
         assert torch.equal(flat(dst, layer)[:, slots], flat(src, layer)[:, :len(slots)])
     rx.close()
@@ -141,7 +141,7 @@ class _HandSender:
 
     def done(self, rid: str) -> dict:
         return self.client.call({"kind": "done", "request_id": rid, "head_start": 0, "num_layers": LAYERS,
-                                 "first_token": 7, "logprobs": None, "more_choices": [], "checksum": None, "mac": None}, 5)
+                                 "trailer_bytes": 0, "checksum": None, "mac": None}, 5)
 
 
 def test_a_cancel_waits_for_the_granted_parts_done():

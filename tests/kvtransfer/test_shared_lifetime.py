@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from kvtransfer import sender as sender_module
-from kvtransfer.base import TransferError, create_kv_transport
+from kvtransfer.base import TransferError
+from kvtransfer.registry import create_kv_transport
 from kvtransfer.shared_writer import SharedCacheWriter
 from tests.kvtransfer.fake_cuda import FakeStream
 from tests.kvtransfer.test_shared_cache import make_shared_receiver, shared_sender
@@ -114,7 +115,7 @@ def test_a_stalled_copy_poisons_the_connection_and_keeps_what_it_touches(monkeyp
         refs.append(weakref.ref(kv))
         t.send_layer(layer, kv)
         del kv
-    t.finish(7)
+    t.finish(b"\x07")
     with pytest.raises(TransferError, match="did not complete"):
         t.wait(BOUND_S)
     _, failed = poll_until(rx, timeout=BOUND_S)
@@ -147,12 +148,12 @@ def test_a_step_of_interleaved_parts_costs_no_message_per_layer_and_one_event(mo
         for p, t in enumerate(parts):
             t.send_layer(layer, flat(src, layer)[:, slots[p]].clone())
     for t in parts:
-        t.finish(7)
+        t.finish(b"\x07")
     for t in parts:
         t.wait(BOUND_S)
     done, _ = poll_until(rx, n_events=num_parts)
     assert sorted(c.request_id for c in done) == [f"r{p}" for p in range(num_parts)]
-    assert rx.stats["control_messages"] == 2 + 2 * num_parts  # hello, join; begin and done per part
+    assert rx.stats["control_messages"] == 2 + 3 * num_parts  # hello, join; begin, trailer and done per part
     assert stream.num_recorded == 1
     for layer in range(LAYERS):
         assert torch.equal(flat(dst, layer)[:, :num_parts * 2 * BLOCK], flat(src, layer)[:, :num_parts * 2 * BLOCK])

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvtransfer import wire
-from kvtransfer.base import IncompatiblePeerError, TransferError, create_kv_transport
+from kvtransfer.base import IncompatiblePeerError, TransferError
+from kvtransfer.registry import create_kv_transport
 from kvtransfer.params import CompatRecord, KVEndpoint, kv_heads_of_rank
 from kvtransfer.plan import expected_parts, plan_head_slices
 from kvtransfer.channel import SENDER, GlooChannel
@@ -20,6 +21,7 @@ from kvtransfer.receiver import MAX_DIRECT_RUNS
 
 LAYERS, HEADS, HEAD_DIM, BLOCKS, BLOCK = 3, 4, 8, 16, 4
 COMPAT = CompatRecord("tiny", "float32", LAYERS, HEADS, HEAD_DIM, block_size=BLOCK)
+TRAILER = b"\x07 and what else a request's KV comes with"  # the transport carries it unread (base.py)
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -42,14 +44,13 @@ def make_receiver(local_heads=HEADS, head_offset=0, compat=COMPAT, timeout_s=5.0
     return rx, cache, KVEndpoint("d", 0, host, port)
 
 
-def send_part(tx, rid, dest, src_cache, src_slots, head_start, head_end, first_token=7, src_head_offset=0,
-              logprobs=None, more_choices=()):
+def send_part(tx, rid, dest, src_cache, src_slots, head_start, head_end, trailer=TRAILER, src_head_offset=0):
     """Ships heads [head_start, head_end) of src_cache's `src_slots`, every layer; returns the Transfer."""
     t = tx.begin(rid, dest, head_start, head_end, len(src_slots))
     lo = head_start - src_head_offset
     for layer in range(LAYERS):
         t.send_layer(layer, flat(src_cache, layer)[:, src_slots, lo:lo + head_end - head_start].clone())
-    t.finish(first_token, logprobs, more_choices)
+    t.finish(trailer)
     return t
 
 
@@ -58,7 +59,7 @@ def ship_to_slots(tx, rx, dest, dst, src, slots) -> None:
     must then equal the per-token reference scatter, zeros elsewhere."""
     rx.expect("r", slots, 1)
     send_part(tx, "r", dest, src, torch.arange(len(slots)), 0, HEADS).wait(10)
-    assert poll_until(rx)[0] == [("r", 7, None, ())]
+    assert poll_until(rx)[0] == [("r", TRAILER)]
     expected = torch.zeros_like(dst)
     for layer in range(LAYERS):
         flat(expected, layer)[:, slots] = flat(src, layer)[:, :len(slots)]
@@ -72,8 +73,9 @@ def ship_head_halves(rx, dest, dst, senders, slots) -> None:
     rx.expect("r", slots, 2)
     half = HEADS // 2
     for p, tx in enumerate(senders):
-        send_part(tx, "r", dest, full, torch.arange(len(slots)), p * half, (p + 1) * half).wait(10)
-    assert poll_until(rx)[0] == [("r", 7, None, ())]
+        send_part(tx, "r", dest, full, torch.arange(len(slots)), p * half, (p + 1) * half,
+                  trailer=TRAILER if p == 0 else b"").wait(10)  # the sampling rank's part carries it
+    assert poll_until(rx)[0] == [("r", TRAILER)]
     for layer in range(LAYERS):
         assert torch.equal(flat(dst, layer)[:, slots], flat(full, layer)[:, :len(slots)])
 
@@ -91,18 +93,16 @@ def poll_until(rx, n_events=1, timeout=10.0):
 
 def test_round_trip_bytes_land_in_reserved_slots():
     """The receiver's cache at the reserved slots equals the sender's KV (checksums, every layer),
-    other slots stay untouched, and poll reports the first token with its logprobs, and the other
-    choices' (n > 1)."""
+    other slots stay untouched, and poll reports the request with its trailer, bytes unchanged."""
     rx, dst, dest = make_receiver()
     tx = create_kv_transport("torch").sender(COMPAT, "p0")
     src = make_cache()
     src_slots, dst_slots = torch.tensor([5, 6, 7, 20, 21]), torch.tensor([40, 41, 42, 60, 3])
     rx.expect("r1", dst_slots, num_parts=1)
-    logprobs = {42: -0.125, 7: -0.5, **{100 + k: -3.0 - k / 7 for k in range(19)}}  # sampled + top 20
-    more = ((43, {43: -0.25, 7: -0.5}), (44, None))
-    send_part(tx, "r1", dest, src, src_slots, 0, HEADS, first_token=42, logprobs=logprobs, more_choices=more).wait(10)
+    trailer = bytes(range(256)) * 3
+    send_part(tx, "r1", dest, src, src_slots, 0, HEADS, trailer=trailer).wait(10)
     done, failed = poll_until(rx)
-    assert done == [("r1", 42, logprobs, more)] and list(done[0].logprobs) == list(logprobs) and failed == []
+    assert done == [("r1", trailer)] and failed == []
     for layer in range(LAYERS):
         sent, got = flat(src, layer)[:, src_slots], flat(dst, layer)[:, dst_slots]
         assert torch.equal(sent, got) and sent.sum().item() == pytest.approx(got.sum().item())
@@ -132,14 +132,14 @@ def test_heterogeneous_tp_each_decode_rank_gets_its_heads(ptp, dtp):
         held = kv_heads_of_rank(HEADS, ptp, s.prefill_rank)
         local = full[:, :, :, :, held.start:held.stop]  # what prefill rank p holds
         transfers.append(send_part(senders[s.prefill_rank], "r", receivers[s.decode_rank][2], local.contiguous(),
-                                   slots, s.head_start, s.head_end, first_token=5 if s.prefill_rank == 0 else -1,
+                                   slots, s.head_start, s.head_end, trailer=TRAILER if s.prefill_rank == 0 else b"",
                                    src_head_offset=held.start))
     for t in transfers:
         t.wait(10)
     for d, (rx, cache, _, heads) in enumerate(receivers):
         done, failed = poll_until(rx)
         from_rank0 = any(s.prefill_rank == 0 and s.decode_rank == d for s in plan_head_slices(HEADS, ptp, dtp))
-        assert failed == [] and done == [("r", 5 if from_rank0 else -1, None, ())]
+        assert failed == [] and done == [("r", TRAILER if from_rank0 else b"")]
         for layer in range(LAYERS):
             assert torch.equal(flat(cache, layer)[:, slots + 10], flat(full, layer)[:, slots, heads.start:heads.stop])
         rx.close()
@@ -195,7 +195,7 @@ def test_garbage_dropped_counted_and_serving_goes_on(garbage):
     tx = create_kv_transport("torch").sender(COMPAT, "p0")
     rx.expect("ok", torch.arange(4), 1)
     send_part(tx, "ok", dest, make_cache(), torch.arange(4), 0, HEADS).wait(10)
-    assert poll_until(rx)[0] == [("ok", 7, None, ())]
+    assert poll_until(rx)[0] == [("ok", TRAILER)]
     tx.close(), rx.close(), client.close()
 
 
@@ -213,7 +213,7 @@ def test_unknown_request_dropped_counted_then_serving_goes_on():
     assert rx.stats.get("bytes_received", 0) == 0
     rx.expect("ok", torch.arange(4), 1)
     send_part(tx, "ok", dest, make_cache(), torch.arange(4), 0, HEADS).wait(10)
-    assert poll_until(rx)[0] == [("ok", 7, None, ())] and tx.stats["groups_created"] == 1
+    assert poll_until(rx)[0] == [("ok", TRAILER)] and tx.stats["groups_created"] == 1
     tx.close(), rx.close()
 
 

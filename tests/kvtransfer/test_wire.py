@@ -1,47 +1,42 @@
-"""Control messages: a done message with the most logprobs fits and round-trips; malformed ones are refused."""
+"""Control messages: a part's trailer crosses in chunks that fit a message and come back whole;
+malformed messages are refused."""
 from __future__ import annotations
 
 import msgpack
 import pytest
 
-from engine.request import SamplingParams
 from kvtransfer import wire
 from kvtransfer.control import MAX_MESSAGE_BYTES
 
 
 def done(**kw) -> dict:
-    return {"kind": "done", "request_id": "r", "head_start": 0, "num_layers": 30, "first_token": 5,
-            "logprobs": None, "more_choices": [], "checksum": None, "mac": None, **kw}
+    return {"kind": "done", "request_id": "r", "head_start": 0, "num_layers": 30, "trailer_bytes": 0,
+            "checksum": None, "mac": None, **kw}
 
 
-def test_largest_done_message_round_trips():
-    """The sampled token plus the most top logprobs a request may ask for, with a 200-character id."""
-    n = 20
-    SamplingParams(logprobs=n)  # the engine's own bound
-    with pytest.raises(ValueError):
-        SamplingParams(logprobs=n + 1)
-    logprobs = {49151 - k: -1e-7 - k * 1.234567890123 for k in range(n + 1)}
-    msg = done(request_id="x" * 200, first_token=49151, logprobs=wire.pack_logprobs(logprobs))
-    raw = msgpack.packb(msg)
-    assert len(raw) < MAX_MESSAGE_BYTES
-    got = wire.check_message(msgpack.unpackb(raw), wire.SCHEMA)
-    assert got == msg and wire.unpack_logprobs(got["logprobs"]) == logprobs
-    # n = 128 choices (the gateway's bound), each with as many logprobs
-    msg["more_choices"] = [[49151 - c, wire.pack_logprobs(logprobs)] for c in range(127)]
-    raw = msgpack.packb(msg)
-    assert len(raw) < MAX_MESSAGE_BYTES and wire.check_message(msgpack.unpackb(raw), wire.SCHEMA) == msg
+@pytest.mark.parametrize("size", [0, 1, wire.TRAILER_CHUNK_BYTES, 2 * wire.TRAILER_CHUNK_BYTES + 3])
+def test_a_trailer_crosses_in_chunks_that_fit_a_message(size):
+    """Each chunk, with a 200-character request id, is a well-formed message under the control
+    channel's bound; joined in order they are the trailer (none for an empty one)."""
+    trailer = bytes(i % 251 for i in range(size))
+    msgs = wire.trailer_messages("x" * 200, 0, trailer)
+    assert len(msgs) == -(-size // wire.TRAILER_CHUNK_BYTES)
+    raws = [msgpack.packb(m) for m in msgs]
+    assert all(len(raw) < MAX_MESSAGE_BYTES for raw in raws)
+    got = [wire.check_message(msgpack.unpackb(raw), wire.SCHEMA) for raw in raws]
+    assert b"".join(m["data"] for m in got) == trailer
 
 
-@pytest.mark.parametrize("more", [[[1]], [[1, [[2]]]], [["a", None]], [[True, None]], [1], "x", None])
-def test_malformed_more_choices_refused(more):
+@pytest.mark.parametrize("data", [b"", b"x" * (wire.TRAILER_CHUNK_BYTES + 1), "text", None])
+def test_malformed_trailer_chunks_refused(data):
     with pytest.raises(wire.WireError):
-        wire.check_message(done(more_choices=more), wire.SCHEMA)
+        wire.check_message({"kind": "trailer", "request_id": "r", "head_start": 0, "data": data}, wire.SCHEMA)
 
 
-@pytest.mark.parametrize("logprobs", [[[1]], [[1, 2]], [["a", -1.0]], [[True, -1.0]], [1, -1.0], "x"])
-def test_malformed_logprobs_refused(logprobs):
+@pytest.mark.parametrize("trailer_bytes", [-1, True, 1.0, None])
+def test_malformed_trailer_length_refused(trailer_bytes):
     with pytest.raises(wire.WireError):
-        wire.check_message(done(logprobs=logprobs), wire.SCHEMA)
+        wire.check_message(done(trailer_bytes=trailer_bytes), wire.SCHEMA)
 
 
 @pytest.mark.parametrize("msg", [done(extra=1), {"kind": "layer", "request_id": "r", "head_start": 0},

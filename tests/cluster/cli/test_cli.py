@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from cluster.cli.cli import _cluster_spec, build_parser
+from cluster.cli.cli import _cluster_spec, _generate_spec, build_parser
 
 
 def test_cluster_flags_build_the_spec():
@@ -25,7 +25,7 @@ def test_generate_kv_cache_dtype_flag():
     """`pdserve generate --kv-cache-dtype` offers the engine's choices and reaches the cluster spec."""
     from engine.config import KV_CACHE_DTYPE_CHOICES
     parse = lambda *a: build_parser().parse_args(["generate", "hi", *a])  # noqa: E731
-    assert parse().kv_cache_dtype == "auto"
+    assert _generate_spec(parse()).kv_cache_dtype == "auto"
     assert _cluster_spec(parse("--decode", "1", "--kv-cache-dtype", "fp8_e4m3")).kv_cache_dtype == "fp8_e4m3"
     assert all(parse("--kv-cache-dtype", choice).kv_cache_dtype == choice for choice in KV_CACHE_DTYPE_CHOICES)
     with pytest.raises(SystemExit):
@@ -36,7 +36,7 @@ def test_batch_invariant_flag_reaches_both_paths():
     """`--batch-invariant` reaches the cluster spec and the serve flags; a quantization it cannot run
     is refused in one line naming both."""
     parse = lambda *a: build_parser().parse_args(["generate", "hi", *a])  # noqa: E731
-    assert not parse().batch_invariant
+    assert not _generate_spec(parse()).batch_invariant
     assert _cluster_spec(parse("--decode", "1", "--batch-invariant")).batch_invariant
     serve = build_parser().parse_args(["serve", "--batch-invariant"])
     assert serve.batch_invariant

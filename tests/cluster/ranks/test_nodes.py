@@ -11,9 +11,9 @@ import torch
 
 from cluster.ranks import nodes
 from cluster.ranks.nodes import NodeInfo, PlacedInstance, PlacementError, RankPlacement
-from kvtransfer.base import create_kv_transport
+from kvtransfer.registry import create_kv_transport
 from kvtransfer.params import KVEndpoint
-from tests.kvtransfer.test_torch_dist import COMPAT, HEADS, make_cache, make_receiver, poll_until, send_part
+from tests.kvtransfer.test_torch_dist import COMPAT, HEADS, TRAILER, make_cache, make_receiver, poll_until, send_part
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -171,7 +171,7 @@ def test_probe_finds_closed_ports_and_leaves_a_kv_receiver_working():
     tx = create_kv_transport("torch").sender(COMPAT, "p0")
     rx.expect("r", torch.arange(4), 1)
     send_part(tx, "r", dest, make_cache(), torch.arange(4), 0, HEADS).wait(10)
-    assert poll_until(rx)[0] == [("r", 7, None, ())] and rx.stats["garbage_messages"] == 0
+    assert poll_until(rx)[0] == [("r", TRAILER)] and rx.stats["garbage_messages"] == 0
     assert nodes.unreachable([], 1.0) == []
     tx.close(), rx.close()
 
