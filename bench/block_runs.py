@@ -18,8 +18,8 @@ import json
 import random
 import statistics
 
-from engine.block_manager import KVCacheManager
-from engine.request import Request
+from engine.core.block_manager import KVCacheManager
+from engine.core.request import Request
 from kvtransfer.receiver import MAX_DIRECT_RUNS
 
 BLOCK = 16

@@ -52,7 +52,7 @@ from bench.serving_vs_vllm import (REPO, Server, Workload, _free_port, run_main,
                                     workload_of)
 from cluster.loadgen.loadgen import first_model, run_load
 from engine.attention import BACKENDS
-from engine.config import QUANTIZATION_CHOICES
+from engine.core.config import QUANTIZATION_CHOICES
 
 logger = logging.getLogger("bench.busy_host")
 
@@ -159,7 +159,7 @@ def measure_level(url: str, level: int, num_neighbours: int, args: argparse.Name
     with busy_neighbours(num_neighbours) as procs:
         start = time.monotonic()
         # NOTE: settle requests, not counted: a server may resize its thread teams to the CPU time
-        # the neighbours leave it (pdserve re-reads it every half second, engine/threads.py), so
+        # the neighbours leave it (pdserve re-reads it every half second, engine/core/threads.py), so
         # the first requests after the neighbours start would measure that transition, not the
         # busy steady state.
         if wl.num_warmup:

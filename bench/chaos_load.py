@@ -40,7 +40,7 @@ VIOLATIONS = ("wrong_output", "truncated", "hang", "late", "cut")
 def reference_texts(model: str = "smollm2") -> dict[tuple[str, str, int], str]:
     """(kind, prompt, max_tokens) -> the colocated engine's greedy text (fp32, in this process)."""
     from decode_worker.llm import LLM
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
     llm = LLM(model=model, dtype="float32", num_blocks=256)
     refs = {}
     for kind in KINDS:

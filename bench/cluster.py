@@ -25,7 +25,7 @@ import time
 from bench.offline import random_prompts
 from cluster.control.cluster import Cluster
 from cluster.spec import ClusterSpec
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 
 logger = logging.getLogger("bench.cluster")
 

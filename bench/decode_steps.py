@@ -20,8 +20,8 @@ import time
 from bench.offline import random_prompts
 from decode_worker.llm import LLM
 from engine.attention import BACKENDS
-from engine.config import QUANTIZATION_CHOICES
-from engine.request import SamplingParams
+from engine.core.config import QUANTIZATION_CHOICES
+from engine.core.request import SamplingParams
 
 
 def step_times(llm: LLM, batches: list[int], steps: int, prompt_len: int) -> dict[int, float]:
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention-backend", default="auto", choices=BACKENDS)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--batch-invariant", action="store_true", help="the batch-invariant mode (engine/batch_invariant.py)")
+    p.add_argument("--batch-invariant", action="store_true", help="the batch-invariant mode (engine/quant/batch_invariant.py)")
     p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per batch size")
     p.add_argument("--prompt-len", type=int, default=128)

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 def target_hf_config(model: str) -> dict:
     """The keys a head is shaped by, from the model's config (a GGUF's or a HF folder's)."""
-    from engine.loader import load_model_config
+    from engine.loading.loader import load_model_config
     c = load_model_config(model)
     return {"hidden_size": c.hidden_size, "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
             "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps,

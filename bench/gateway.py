@@ -24,9 +24,9 @@ import time
 import httpx
 
 from bench.offline import random_prompts
-from cluster.spec import ClusterSpec
-from engine.request import SamplingParams
 from cluster.cli.serve import build, serve_in_thread
+from cluster.spec import ClusterSpec
+from engine.core.request import SamplingParams
 
 logger = logging.getLogger("bench.gateway")
 

@@ -107,11 +107,11 @@ def _measure(path: Path, quantization: str, cache: Path, batches: list[int], ste
 
     from bench.decode_steps import step_times
     from decode_worker.llm import LLM
-    from engine import gguf_loader
+    from engine.quant import gguf_file
     os.environ["PDSERVE_CACHE_DIR"] = str(cache)
     row = {}
     for load in ("first_load_s", "cached_load_s"):
-        gguf_loader.forget_open_readers()  # each load parses the file, as a new process would
+        gguf_file.forget_open_readers()  # each load parses the file, as a new process would
         start = time.perf_counter()
         llm = LLM(model=str(path), dtype=dtype, quantization=quantization)
         row[load] = round(time.perf_counter() - start, 2)

@@ -56,7 +56,7 @@ def _save_tiny(folder: Path, family: str, seed: int) -> Path:
 def _tiny_llm(plan: Plan, folder: Path, backend: str):
     from decode_worker.engine import ColocatedEngine
     from decode_worker.llm import LLM
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
     cfg = engine_config(plan.device, dict(num_blocks=256, block_size=16), backend, max_num_seqs=8,
                         max_num_batched_tokens=64)  # prompts of 100 tokens prefill in chunks over their cache
     cfg = replace(cfg, model=str(folder), dtype="float32")
@@ -81,7 +81,7 @@ def decode(plan: Plan, deadline: float) -> dict:
 
     from decode_worker.engine import ColocatedEngine
     from decode_worker.llm import LLM
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
     shape = dict(plan.big, num_hidden_layers=min(8, plan.big["num_hidden_layers"]))
     cfg = LlamaConfig(**shape, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False)
     mc = model_config_of(cfg, "random-8b-shape-cut")

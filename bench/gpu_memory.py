@@ -1,4 +1,4 @@
-"""The `memory` section of bench/gpu_check.py: the KV budget of engine/kv_budget.py on a real
+"""The `memory` section of bench/gpu_check.py: the KV budget of engine/runner/kv_budget.py on a real
 device. An 8B-shaped Llama (Llama-3-8B's shape, all 32 layers, random bf16 weights made on the
 device), the torch attention backend (whose decode gathers every row's whole context, and which
 runs CUDA graphs), gpu_memory_utilization 0.9, max_model_len 8192, 128 sequences, 4096-token steps:
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from bench.gpu_sections import Plan, _random_weights, engine_config, model_config_of
-from engine.kv_budget import MemoryBudget
+from engine.runner.kv_budget import MemoryBudget
 
 GiB, MiB = 1 << 30, 1 << 20
 GPU_UTILIZATION, MAX_MODEL_LEN, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 0.9, 8192, 128, 4096
@@ -28,7 +28,7 @@ LADDER = (1, 16, 32, 64, 96, 128)
 
 
 class StandInMemory:
-    """A pretend device for the CPU dry run (engine/device_memory.py DeviceMemory): `total` bytes,
+    """A pretend device for the CPU dry run (engine/runner/device_memory.py DeviceMemory): `total` bytes,
     a `context`, and nothing of this process's tensors seen (reserved and peak stay 0)."""
 
     def __init__(self, total: int = GiB, context: int = 64 * MiB):
@@ -99,7 +99,7 @@ def decode_ladder(runner, batches: tuple[int, ...]) -> dict:
 def memory(plan: Plan) -> dict:
     from transformers import LlamaConfig
 
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
     cuda = plan.device.startswith("cuda")
     dry = dict(utilization=0.07, max_model_len=512, max_num_seqs=4, ladder=(1, 4))
     knobs = dict(utilization=GPU_UTILIZATION, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,

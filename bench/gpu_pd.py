@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 import torch.multiprocessing as mp
 
 from bench.gpu_sections import TINY, Plan, _greedy, _hf_llama, _llm, _prompts, engine_config, model_config_of
-from engine.request import RequestMessage
+from engine.core.request import RequestMessage
 from kvtransfer.auth import cluster_secret
 from kvtransfer.params import KVTransferParams
 

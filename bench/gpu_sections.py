@@ -158,7 +158,7 @@ def sharpened(model):
 
 
 def model_config_of(cfg, name: str):
-    from engine.config import ModelConfig
+    from engine.core.config import ModelConfig
     return ModelConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                        num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
                        num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.hidden_size // cfg.num_attention_heads,
@@ -169,7 +169,7 @@ def model_config_of(cfg, name: str):
 def engine_config(device: str, kv: dict, backend: str = "auto", max_num_seqs: int = 128,
                   max_num_batched_tokens: int = 4096):
     """The bf16 EngineConfig every section's engine runs with (bench/gpu_pd.py's ranks too)."""
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
     return EngineConfig(device=device, dtype="bfloat16", attention_backend=backend, cache=CacheConfig(**kv),
                         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                                   max_num_batched_tokens=max_num_batched_tokens))
@@ -179,14 +179,14 @@ def _llm(plan: Plan, model_config, weights, kv: dict, backend: str = "auto", max
          max_num_batched_tokens: int = 4096):
     from decode_worker.engine import ColocatedEngine
     from decode_worker.llm import LLM
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
     cfg = engine_config(plan.device, kv, backend, max_num_seqs, max_num_batched_tokens)
     runner = ModelRunner(cfg, model_config=model_config, weights=weights)
     return LLM(engine=ColocatedEngine(cfg, runner=runner)), runner
 
 
 def _greedy(max_tokens: int):
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
@@ -233,7 +233,7 @@ def engine_vs_transformers(plan: Plan, num_tokens: int = 32) -> dict:
     return out
 
 
-# a tiny DeepSeek-V3: latent attention (engine/mla.py), grouped sigmoid routing, a shared expert
+# a tiny DeepSeek-V3: latent attention (engine/layers/mla.py), grouped sigmoid routing, a shared expert
 MLA_TINY = dict(TINY, num_key_value_heads=TINY["num_attention_heads"], kv_lora_rank=64, q_lora_rank=96,
                 qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
                 moe_intermediate_size=64, n_group=4, topk_group=2, first_k_dense_replace=1,
@@ -256,7 +256,7 @@ def mla_vs_transformers(plan: Plan, num_tokens: int = 32) -> dict:
 
     from decode_worker.engine import ColocatedEngine
     from decode_worker.llm import LLM
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
     torch.manual_seed(1)
     hf = sharpened(DeepseekV3ForCausalLM(DeepseekV3Config(**MLA_TINY)).eval()).to(plan.device)
     prompts = [p for n in (7, 100, 300) for p in _prompts(1, n, TINY["vocab_size"], seed=n)]

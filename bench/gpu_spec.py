@@ -50,8 +50,8 @@ def _run(path: Path, device: str, spec, prompts: list[list[int]], max_tokens: in
     and its speculator."""
     from decode_worker.engine import ColocatedEngine
     from decode_worker.llm import LLM
-    from engine.model_runner import ModelRunner
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
+    from engine.runner.model_runner import ModelRunner
     cfg = replace(engine_config(device, kv or dict(num_blocks=512, block_size=16), "torch", max_num_seqs=8),
                   model=str(path), dtype="float32", speculative=spec)
     engine = ColocatedEngine(cfg, runner=ModelRunner(cfg))
@@ -76,7 +76,7 @@ def _compare(plain, got) -> dict:
 
 
 def speculative(plan: Plan) -> dict:
-    from engine.speculative.config import SpeculativeConfig
+    from engine.core.speculative_config import SpeculativeConfig
     cuda = plan.device.startswith("cuda")
     shape, lengths, max_tokens = (SHAPE, (5, 9, 13, 17) * 2, 32) if cuda else (DRY_SHAPE, (5, 9, 13, 17), 12)
     g = torch.Generator().manual_seed(5)

@@ -73,7 +73,7 @@ def _rank_main(rank: int, plan: Plan, addresses: tuple[str, str], store_port: in
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s [tp{rank}] %(name)s: %(message)s")
     sys.stdout = sys.stderr  # the check's stdout carries its JSON object only
     from cluster.ranks.rank import RankHost, join_tp_group
-    from engine.model_runner import select_device
+    from engine.runner.model_runner import select_device
     try:
         if plan.device.startswith("cuda"):
             torch.cuda.set_device(rank)
@@ -98,7 +98,7 @@ def _rank_main(rank: int, plan: Plan, addresses: tuple[str, str], store_port: in
 
 
 def _generate(worker, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from engine.request import RequestMessage
+    from engine.core.request import RequestMessage
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     for i, prompt in enumerate(prompts):
         worker.add_request(RequestMessage(f"r{i}", prompt, _greedy(max_tokens)))
@@ -151,7 +151,7 @@ def two_gpu(plan: Plan) -> dict:
         return out
     from decode_worker.engine import ColocatedEngine
     from decode_worker.llm import LLM
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
     config = _config(plan.device)
     llm = LLM(engine=ColocatedEngine(config, runner=ModelRunner(config, model_config=mc, weights=weights.items())))
     want = [o.token_ids for o in llm.generate(prompts, _greedy(plan.output_len))]

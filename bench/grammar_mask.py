@@ -10,7 +10,7 @@ drift hits both alike. A round adds N chat requests asking for a long JSON list 
 temperature 0.8, EOS ignored, so every request runs through the timed steps), prefills and steps them
 3 times unmeasured, times `--steps` decode steps (ms per step, wall clock), then aborts them. The
 result is the median over rounds. `mask_ms_per_step` is the part spent filling and applying the
-bitmasks (engine/structured_output.py `apply_grammar_masks`); `grammar_live` is the share of timed
+bitmasks (engine/sample/structured_output.py `apply_grammar_masks`); `grammar_live` is the share of timed
 (request, step) pairs whose grammar had not yet ended (after the end only EOS is allowed, which is cheap).
 """
 from __future__ import annotations
@@ -22,10 +22,10 @@ import statistics
 import sys
 import time
 
-import engine.structured_output
+import engine.sample.structured_output
 from decode_worker.llm import LLM
 from engine.attention import BACKENDS
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 
 SCHEMA = {"type": "object", "required": ["products"], "properties": {"products": {
     "type": "array", "items": {"type": "object", "required": ["name", "price", "tags"], "properties": {
@@ -37,18 +37,18 @@ PROMPT = "List 50 products of a hardware store as JSON, with their prices and ta
 @contextlib.contextmanager
 def _timed_masks(totals: list[float]):
     """Adds the time spent in the sampler's `apply_grammar_masks` calls to totals[0]."""
-    apply = engine.structured_output.apply_grammar_masks
+    apply = engine.sample.structured_output.apply_grammar_masks
 
     def timed(logits, grammars):
         start = time.perf_counter()
         apply(logits, grammars)
         totals[0] += time.perf_counter() - start
 
-    engine.structured_output.apply_grammar_masks = timed
+    engine.sample.structured_output.apply_grammar_masks = timed
     try:
         yield
     finally:
-        engine.structured_output.apply_grammar_masks = apply
+        engine.sample.structured_output.apply_grammar_masks = apply
 
 
 def one_round(llm: LLM, n: int, steps: int, grammar: bool, tag: str) -> tuple[float, float, float]:

@@ -25,10 +25,10 @@ import time
 import torch
 
 from decode_worker.llm import LLM
-from engine.batch import CachedRequestData, NewRequestData, SchedulerOutput
-from engine.kv_cache import kv_block_bytes
-from engine.loader import load_model_config, resolve_model_path
-from engine.request import SamplingParams
+from engine.core.batch import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.core.kv_cache import kv_block_bytes
+from engine.core.request import SamplingParams
+from engine.loading.loader import load_model_config, resolve_model_path
 
 logger = logging.getLogger("bench.kv_dtype")
 KV_DTYPES = ("auto", "fp8_e4m3")

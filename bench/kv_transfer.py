@@ -43,12 +43,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.handover import Handover
+from engine.core.handover import Handover
 from kvtransfer.auth import cluster_secret
+from kvtransfer.channel import RECEIVER, SENDER, GlooChannel
 from kvtransfer.params import CompatRecord, KVEndpoint
 from kvtransfer.receiver import TorchDistReceiver
 from kvtransfer.sender import TorchDistSender
-from kvtransfer.channel import RECEIVER, SENDER, GlooChannel
 
 BLOCK = 16
 DONE = torch.zeros(1, dtype=torch.uint8)
@@ -156,7 +156,7 @@ def _time_pdserve(tx, dest, args, tokens: int, prefix: str) -> float:
         t = tx.begin(rid, dest, 0, args.kv_heads, tokens)
         for layer in range(args.layers):
             t.send_layer(layer, kv[layer])
-        t.finish(Handover(1).pack())  # what a prefill hands over with a request (engine/handover.py)
+        t.finish(Handover(1).pack())  # what a prefill hands over with a request (engine/core/handover.py)
         return t
 
     one(f"{prefix}-{args.reps}").wait(60)  # warm-up: the first transfer of a size

@@ -20,8 +20,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from engine.config import cpu_has_native_bf16
-from engine.loader import load_model_config, resolve_model_path
+from engine.core.config import cpu_has_native_bf16
+from engine.loading.loader import load_model_config, resolve_model_path
 from engine.quant.kernels import (FbgemmKernel, LinearKernel, Int8PackKernel, ReferenceKernel, UnquantizedBaseline,
                                dequantize)
 from engine.quant.int4 import DequantizedKernel, Int4PackKernel

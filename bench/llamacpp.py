@@ -28,7 +28,7 @@ def bench_llamacpp(prompt: list[int], output_len: int, threads: int, runs: int =
     """Batch-1 greedy decode of `output_len` tokens after `prompt`; the best of `runs` runs (the
     first also warms up). Returns llamacpp_batch1_ms_per_step, its system info and version."""
     import llama_cpp
-    from engine.loader import resolve_model_path
+    from engine.loading.loader import resolve_model_path
     path = resolve_model_path("smollm2")
     llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads,
                           n_ctx=len(prompt) + output_len + 8, n_batch=512, verbose=False)

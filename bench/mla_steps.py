@@ -1,4 +1,4 @@
-"""DeepSeek's latent attention (engine/mla.py) against grouped-query attention of the same hidden size.
+"""DeepSeek's latent attention (engine/layers/mla.py) against grouped-query attention of the same hidden size.
 
     python -m bench.mla_steps                 # KV bytes, decode steps by form, transfer of a 2,048-token prompt
     python -m bench.mla_steps --json
@@ -33,11 +33,11 @@ import torch
 from bench.offline import random_prompts
 from decode_worker.engine import ColocatedEngine
 from decode_worker.llm import LLM
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.kv_cache import kv_block_bytes
-from engine.mla import FORMS, MLAAttention
-from engine.model_runner import ModelRunner
-from engine.request import SamplingParams
+from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core.kv_cache import kv_block_bytes
+from engine.core.request import SamplingParams
+from engine.layers.mla import FORMS, MLAAttention
+from engine.runner.model_runner import ModelRunner
 
 
 def build(folder: Path, args: argparse.Namespace) -> dict[str, Path]:

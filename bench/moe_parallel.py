@@ -3,11 +3,11 @@
     python -m bench.moe_parallel                 # 2 gloo processes, 1 thread each
     python -m bench.moe_parallel --json --reps 10
 
-One sparse layer (engine/moe.py: `--experts` experts of `--expert-width`, top `--top-k`) on two
+One sparse layer (engine/layers/moe.py: `--experts` experts of `--expert-width`, top `--top-k`) on two
 ranks, fed the same tokens and routing on both, timed per call with its all-reduce, for:
 - tp: each rank holds half of every expert;
 - ep: each rank holds half the experts, whole (the default contiguous runs);
-- ep_planned: the placement `plan` makes from the routing's counts (engine/expert_placement.py);
+- ep_planned: the placement `plan` makes from the routing's counts (engine/core/expert_placement.py);
 - ep_planned_replicas: the same with `--replicas` extra copies of the hottest experts.
 Two routings: uniform, and skewed (expert e chosen with weight 1 / (e + 1) ** `--skew`, so the
 first rank's contiguous run takes most tokens). Per layout: ms per call (the slower rank's, as the
@@ -27,8 +27,8 @@ from datetime import timedelta
 
 import torch
 
-from engine.config import ModelConfig, MoEConfig
-from engine.expert_placement import ExpertPlacement, imbalance, plan, rank_loads
+from engine.core.config import ModelConfig, MoEConfig
+from engine.core.expert_placement import ExpertPlacement, imbalance, plan, rank_loads
 
 LAYOUTS = ("tp", "ep", "ep_planned", "ep_planned_replicas")
 
@@ -41,8 +41,8 @@ def routing(kind: str, tokens: int, experts: int, top_k: int, skew: float, seed:
 
 
 def _block(args, rank: int, group, held):
-    from engine.moe import SparseMoeBlock
-    from engine.parallel import TPGroup
+    from engine.layers.moe import SparseMoeBlock
+    from engine.parallel.layers import TPGroup
     cfg = ModelConfig(vocab_size=32, hidden_size=args.hidden, intermediate_size=args.expert_width, num_layers=1,
                       num_heads=2, num_kv_heads=2, head_dim=8,
                       moe=MoEConfig(num_experts=args.experts, top_k=args.top_k, intermediate_size=args.expert_width,
@@ -55,7 +55,7 @@ def _block(args, rank: int, group, held):
             block.experts.weight_loader(block.experts.w13_weight, full, e, shard)
         down = torch.randn(args.hidden, args.expert_width, generator=g) / args.expert_width ** 0.5
         block.experts.weight_loader(block.experts.w2_weight, down, e)
-    from engine.moe import select_expert_methods
+    from engine.layers.moe import select_expert_methods
     holder = torch.nn.Module()
     holder.layers = torch.nn.ModuleList([torch.nn.Module()])
     holder.layers[0].mlp = block
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32, help="tokens per call (a decode batch)")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--skew", type=float, default=1.2)
-    p.add_argument("--method", default="auto", help="expert method (engine/expert_compute.py METHOD_CHOICES)")
+    p.add_argument("--method", default="auto", help="expert method (engine/layers/expert_compute.py METHOD_CHOICES)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

@@ -7,7 +7,7 @@
    experts, `--top-k` per token, each `--expert-width` wide, against a dense Qwen3 whose MLP is
    top_k * expert_width wide: the same attention, the same FLOPs per token. Both are tiny random
    checkpoints built from transformers' config classes, in the engine's dtype.
-2. The expert paths on one sparse layer's weights: each method (engine/expert_compute.py) at
+2. The expert paths on one sparse layer's weights: each method (engine/layers/expert_compute.py) at
    1, 8, 32 and 256 tokens of random routing, against one dense SwiGLU of the same FLOPs (the
    dense model's MLP), and which method `--expert-method auto` runs at each batch; and the int8
    and int4 experts of `--quantization int8` / `int4` (their kernel timed at load, as the runner
@@ -32,13 +32,13 @@ import torch.nn.functional as F
 from bench.decode_steps import step_times
 from decode_worker.engine import ColocatedEngine
 from decode_worker.llm import LLM
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.expert_compute import (METHODS, PACKED, MethodChoice, sort_pairs, vllm_cpu_experts,
+from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.layers.expert_compute import (METHODS, PACKED, MethodChoice, sort_pairs, vllm_cpu_experts,
                                    vllm_cpu_moe_unavailable, vllm_cpu_pack)
-from engine.layers import silu_and_mul
-from engine.model_runner import ModelRunner
-from engine.moe import moe_blocks
-from engine.quant.experts import FORMATS, quantize_experts, quantized_experts
+from engine.layers.common import silu_and_mul
+from engine.layers.moe import moe_blocks
+from engine.layers.quant_experts import FORMATS, quantize_experts, quantized_experts
+from engine.runner.model_runner import ModelRunner
 
 SHAPE = dict(vocab_size=40960, hidden_size=768, num_hidden_layers=6, num_attention_heads=12, num_key_value_heads=4,
              head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True)

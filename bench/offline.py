@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from engine.attention import BACKENDS
-from engine.config import QUANTIZATION_CHOICES, parse_dtype
-from engine.request import SamplingParams
+from engine.core.config import QUANTIZATION_CHOICES, parse_dtype
+from engine.core.request import SamplingParams
 
 logger = logging.getLogger("bench.offline")
 
@@ -101,7 +101,7 @@ def bench_pdserve(wl: Workload, dtype: str, threads: int, quantization: str = "a
 def load_hf_model(dtype: str):
     """transformers' Llama from the same GGUF file pdserve loads (dequantized to `dtype`)."""
     from transformers import AutoModelForCausalLM
-    from engine.loader import resolve_model_path
+    from engine.loading.loader import resolve_model_path
     path = resolve_model_path("smollm2")
     # NOTE: transformers 5 renamed `torch_dtype` to `dtype`.
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=parse_dtype(dtype))

@@ -17,8 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.offline import random_prompts
 from decode_worker.engine import ColocatedEngine
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.request import SamplingParams
+from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core.request import SamplingParams
 
 
 def _table(prof, top: int, wall_s: float) -> str:

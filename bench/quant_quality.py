@@ -18,8 +18,8 @@ import sys
 
 import torch
 
-from engine.batch import NewRequestData, SchedulerOutput
-from engine.request import SamplingParams
+from engine.core.batch import NewRequestData, SchedulerOutput
+from engine.core.request import SamplingParams
 
 CHATS = [
     "What is the capital of France?", "Explain photosynthesis to a child in two sentences.",

@@ -32,8 +32,8 @@ def trace_one_request(model: str = "smollm2") -> list[str]:
 
     from cluster.control.cluster import Cluster
     from cluster.spec import ClusterSpec
-    from engine.loader import resolve_model_path
-    from engine.tokenizer import Tokenizer
+    from engine.loading.loader import resolve_model_path
+    from engine.text.tokenizer import Tokenizer
     from gateway.app import create_app
 
     spec = ClusterSpec(model=model, dtype="float32", device="cpu", num_kv_blocks=64, block_size=16, num_threads=1,

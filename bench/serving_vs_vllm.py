@@ -45,7 +45,7 @@ import httpx
 from cluster.loadgen.loadgen import LoadConfig, RequestRecord, request_specs, run_load
 from cluster.loadgen.loadgen_report import summarize
 from engine.attention import BACKENDS
-from engine.config import QUANTIZATION_CHOICES
+from engine.core.config import QUANTIZATION_CHOICES
 
 logger = logging.getLogger("bench.serving_vs_vllm")
 
@@ -165,7 +165,7 @@ def convert_model(out_dir: str) -> None:
     """SmolLM2's GGUF as a float32 HF safetensors folder, for vLLM (which cannot read the GGUF)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-    from engine.loader import resolve_model_path
+    from engine.loading.loader import resolve_model_path
     path = resolve_model_path("smollm2")
     # NOTE: transformers 5 keeps GGUF weights in their blocks, which do not save, unless told to dequantize.
     quant = GgufConfig(gguf_file=path.name, dequantize=True)
@@ -224,7 +224,7 @@ def measure_offline(wl: Workload, quantization: str, threads: int, dtype: str = 
     """`LLM.generate` over the same prompts, at most `concurrency` sequences running (max_num_seqs)."""
     import torch
     from decode_worker.llm import LLM
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
     torch.set_num_threads(threads)
     llm = LLM(model="smollm2", dtype=dtype, quantization=quantization, num_threads=threads,
               max_num_seqs=wl.concurrency, attention_backend=attention_backend)

@@ -52,9 +52,9 @@ def measure(model: str, prompt_len: int, max_tokens: int, block_size: int) -> di
 
     from cluster.control.cluster import Cluster
     from cluster.spec import ClusterSpec
-    from engine.kv_cache import kv_block_bytes
-    from engine.loader import hf_model_config
-    from engine.request import SamplingParams
+    from engine.core.kv_cache import kv_block_bytes
+    from engine.core.request import SamplingParams
+    from engine.loading.loader import hf_model_config
     groups = hf_model_config(Path(model)).kv_layout.num_groups
     spec = ClusterSpec(model=model, dtype="float32", device="cpu", block_size=block_size,
                        num_kv_blocks=groups * (-(-(prompt_len + max_tokens) // block_size) + 8), max_num_seqs=4,

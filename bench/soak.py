@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cluster.control.cluster import Cluster
 from cluster.spec import ClusterSpec
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 
 
 def rss_mib() -> float:

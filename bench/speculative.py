@@ -59,7 +59,7 @@ def write_layer_draft(model: str, num_layers: int, folder: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
-    from engine.loader import load_model_config, load_weights, resolve_model_path
+    from engine.loading.loader import load_model_config, load_weights, resolve_model_path
     path = resolve_model_path(model)
     mc = load_model_config(path)
     keep = {}
@@ -86,7 +86,7 @@ def decode_tok_s(outs) -> float:
 
 
 def measure(llm, prompts: list[str], batch: int, max_tokens: int) -> dict:
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     runs = [llm.generate(prompts[i:i + 1], params, chat=True) for i in range(len(prompts))] if batch == 1 else \
         [llm.generate([prompts[i % len(prompts)] for i in range(batch)], params, chat=True)]
@@ -97,7 +97,7 @@ def measure(llm, prompts: list[str], batch: int, max_tokens: int) -> dict:
 def run_method(args, method: str, models: dict[str, str]) -> dict:
     """`models`: method -> its checkpoint (the draft, the head)."""
     from decode_worker.llm import LLM
-    from engine.speculative.config import SpeculativeConfig
+    from engine.core.speculative_config import SpeculativeConfig
     spec = None if method == "none" else SpeculativeConfig(method, args.k, model=models.get(method),
                                                            max_batch_size=args.max_batch_size)
     llm = LLM(model=args.model, max_num_seqs=max(args.batches), speculative=spec, num_threads=args.threads,

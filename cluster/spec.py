@@ -24,10 +24,10 @@ from typing import TypeVar
 import yaml
 
 from engine.attention import BACKENDS as ATTENTION_BACKENDS
-from engine.config import (DTYPE_CHOICES, EXPERT_METHOD_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES,
+from engine.core.config import (DTYPE_CHOICES, EXPERT_METHOD_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES,
                            SPECULATIVE_SHIPPED, SPECULATIVE_METHODS, CacheConfig, EngineConfig, SchedulerConfig,
                            SpeculativeConfig)
-from engine.expert_placement import ExpertPlacement
+from engine.core.expert_placement import ExpertPlacement
 
 MODES = ("disaggregated", "colocated")
 ROLES = ("prefill", "decode", "colocated")
@@ -108,9 +108,9 @@ class ClusterSpec:
     enable_expert_parallel: bool = False
     prefill_expert_parallel: bool | None = None
     decode_expert_parallel: bool | None = None
-    expert_placement: str | None = None  # a JSON file of engine/expert_placement.py ExpertPlacement
-    expert_method: str = "auto"  # engine/expert_compute.py METHOD_CHOICES
-    speculative_method: str | None = None  # engine/speculative/config.py METHODS
+    expert_placement: str | None = None  # a JSON file of engine/core/expert_placement.py ExpertPlacement
+    expert_method: str = "auto"  # engine/layers/expert_compute.py METHOD_CHOICES
+    speculative_method: str | None = None  # engine/core/speculative_config.py METHODS
     speculative_model: str | None = None
     num_speculative_tokens: int | None = None
     speculative_max_batch_size: int | None = None

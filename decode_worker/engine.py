@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.block_manager import KVCacheManager
-from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.core.block_manager import KVCacheManager
+from engine.core.config import EngineConfig
+from engine.core.request import Request, RequestStatus, SamplingParams
+from engine.runner.model_runner import ModelRunner
 from engine.speculative.speculator import Speculator
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 from decode_worker.output import OutputProcessor, RequestOutput
 from decode_worker.scheduler import Scheduler
 
@@ -22,7 +22,7 @@ class ColocatedEngine:
         self.config = config
         self.runner = runner or ModelRunner(config)
         if tokenizer is None and runner is None:
-            from engine.loader import resolve_model_path
+            from engine.loading.loader import resolve_model_path
             tokenizer = Tokenizer.from_path(resolve_model_path(config.model))
         self.tokenizer = tokenizer
         mc = self.runner.model_config
@@ -35,7 +35,7 @@ class ColocatedEngine:
         self.speculator = None if config.speculative is None or self.runner.tp.rank > 0 else \
             Speculator.build(config.speculative, self.runner)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.speculator)
-        self.output = OutputProcessor()  # token ids only: text is the front end's (engine/text.py)
+        self.output = OutputProcessor()  # token ids only: text is the front end's (engine/text/detokenize.py)
         self.eos_token_ids = frozenset(mc.eos_token_ids)  # the model's one EOS set (ModelConfig)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:

@@ -5,9 +5,9 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.request import RequestStatus, SamplingParams, choice_id
-from engine.text import TextState
+from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core.request import RequestStatus, SamplingParams, choice_id
+from engine.text.detokenize import TextState
 from decode_worker.engine import ColocatedEngine
 
 
@@ -39,7 +39,7 @@ class CompletionOutput:
 class LLM:
     """`LLM(model="smollm2").generate(["Hello"], SamplingParams(max_tokens=32))`.
 
-    The offline front end: it decides the text (engine/text.py) and ends a request at a stop string,
+    The offline front end: it decides the text (engine/text/detokenize.py) and ends a request at a stop string,
     as the gateway does for served requests."""
 
     def __init__(self, model: str = "smollm2", dtype: str = "auto", engine: ColocatedEngine | None = None,
@@ -50,7 +50,7 @@ class LLM:
                                        if k in SchedulerConfig.__dataclass_fields__})
             engine = ColocatedEngine(EngineConfig(model=model, dtype=dtype, cache=cache, scheduler=sched, **overrides))
         self.engine = engine
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = engine.text.tokenizer
         self._ids = itertools.count()
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:

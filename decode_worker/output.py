@@ -1,6 +1,6 @@
 """What a decode instance streams per step: each request's new token ids and logprobs, no text.
 
-Text (detokenization, stop strings) is the front end's (engine/text.py): a stop string found there
+Text (detokenization, stop strings) is the front end's (engine/text/detokenize.py): a stop string found there
 ends the request here by an abort. Every output says where its tokens stand in the request's output
 (`start`), so a consumer joins streams from two instances without de-duplicating anything: a
 disaggregated request's first token is the prefill's to hand over, and this instance's outputs of it
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.request import Request
+from engine.core.request import Request
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,11 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING
 
-from engine.batch import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
-from engine.block_manager import KVCacheManager
-from engine.config import SchedulerConfig, window_start
-from engine.logits_processing import history_of
-from engine.request import Request, RequestStatus, check_admission, choice_id
+from engine.core.batch import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
+from engine.core.block_manager import KVCacheManager
+from engine.core.config import SchedulerConfig, window_start
+from engine.core.request import Request, RequestStatus, check_admission, choice_id
+from engine.sample.logits_processing import history_of
 from engine.speculative.base import SpecSequence
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class Scheduler:
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        """Colocated: queues a prompt to prefill here; ValueError (engine.request.check_admission) if it
+        """Colocated: queues a prompt to prefill here; ValueError (engine.core.request.check_admission) if it
         cannot be taken (its n choices run side by side once forked)."""
         check_admission(req, self.max_model_len, self.requests, max_num_choices=self.config.max_num_seqs)
         self.requests[req.request_id] = req

@@ -5,7 +5,7 @@ continuous-batching loop, and queues each step's new tokens for the router's col
 long-polls `poll_outputs` (one call per step at most, never one per token). Every rank's KV
 connector (kvtransfer/connector.py) receives its heads; a request joins the batch only when all
 ranks hold its complete KV. In colocated mode (`add_request`) rank 0 also prefills locally.
-The loop that drives the ranks, and the per-client queue of outputs, are engine/worker_base.py's.
+The loop that drives the ranks, and the per-client queue of outputs, are engine/runner/worker_base.py's.
 
 Per step, with tensor parallelism:  rank 0 schedules -> broadcast(step) -> all ranks execute
 -> all_gather(each rank's finished/failed transfers) -> rank 0 admits requests complete everywhere.
@@ -19,10 +19,10 @@ import time
 
 from decode_worker.engine import ColocatedEngine
 from decode_worker.output import RequestOutput
-from engine.config import window_start
-from engine.handover import Handover, HandoverError
-from engine.request import Request, RequestMessage, RequestStatus
-from engine.worker_base import BaseWorker
+from engine.core.config import window_start
+from engine.core.handover import Handover, HandoverError
+from engine.core.request import Request, RequestMessage, RequestStatus
+from engine.runner.worker_base import BaseWorker
 from kvtransfer.connector import DecodeConnector, prompt_slots
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class DecodeWorker(BaseWorker):
         self._stepping, self._deferred_aborts = False, []
         # cumulative, for the autoscaler's online profile: steps, their seconds, sequences in them
         self.num_steps, self.step_s, self.num_step_seqs = 0, 0.0, 0
-        self.num_bad_handovers = 0  # requests failed for a malformed handover (engine/handover.py)
+        self.num_bad_handovers = 0  # requests failed for a malformed handover (engine/core/handover.py)
 
     # -- rank 0 API (thread-safe) ---------------------------------------------------------------
     def reserve(self, msg: RequestMessage, prefill_tp: int) -> bool:
@@ -156,7 +156,7 @@ class DecodeWorker(BaseWorker):
 
     def _admit_transfers(self, polls) -> list[RequestOutput]:
         """Requests whose KV is complete on every rank join the batch, with what the prefill handed
-        over (engine/handover.py); failed ones, and malformed handovers, end with an error."""
+        over (engine/core/handover.py); failed ones, and malformed handovers, end with an error."""
         touched = []
         ready, failed = self.connector.admit(polls)
         for done in ready:

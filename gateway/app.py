@@ -21,9 +21,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import structured_output
-from engine.request import SamplingParams
-from engine.text import TextState
+from engine.core.request import SamplingParams
+from engine.sample import structured_output
+from engine.text.detokenize import TextState
 from gateway.chat_output import ChatOutput
 from gateway.logprobs import LogprobsFormatter
 from gateway.reasoning import get_reasoning_parser

@@ -5,12 +5,12 @@
     completions  {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}
                  top_logprobs: the n most likely plus the sampled token (OpenAI: "up to logprobs+1")
 
-Each map holds the sampled token first, then the top n (see engine/sampling.py). A token's text is
+Each map holds the sampled token first, then the top n (see engine/sample/sampling.py). A token's text is
 its bytes decoded with U+FFFD for a partial UTF-8 character; `bytes` keeps the exact bytes.
 """
 from __future__ import annotations
 
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 
 class LogprobsFormatter:

@@ -32,7 +32,7 @@ INSTANCE_GAUGES = {
                            "speculative decoding: prompt positions whose proposer state came with a remote prefill's KV"),
 }
 # load key prefix -> (metric name, help): a figure per sparse layer of a mixture of experts, labelled
-# with the layer (engine/moe.py expert_load_figures)
+# with the layer (engine/layers/moe.py expert_load_figures)
 LAYER_GAUGES = {
     "expert_imbalance/": ("pdserve_instance_expert_imbalance_ratio",
                           "max over mean of the tokens routed to each expert of a layer, since start"),

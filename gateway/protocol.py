@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from engine.request import SamplingParams, prompt_misfit
+from engine.core.request import SamplingParams, prompt_misfit
 from gateway.tools import check_tool_choice, named_schema, required_schema, validate_tools
 
 # Accepted but without effect on generation (OpenAI bookkeeping fields).
@@ -151,7 +151,7 @@ class ChatMessage(_Item):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
     def for_template(self, index: int) -> dict:
-        """The message as the chat template takes it (engine/tokenizer.py); APIError(400) if it cannot be."""
+        """The message as the chat template takes it (engine/text/tokenizer.py); APIError(400) if it cannot be."""
         where = f"messages[{index}]"
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise APIError(400, f"{where}.content is required (only an assistant message with tool_calls may "
@@ -234,7 +234,7 @@ class _Sampling(BaseModel):
         {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": MAX_STOP_TOKEN_IDS},
         {"type": "null"}]})
     n: Int | None = _bounded(minimum=1, maximum=MAX_N)  # prefilled once, forked on the decode instance
-    response_format: ResponseFormat | None = None  # structured outputs (engine/structured_output.py)
+    response_format: ResponseFormat | None = None  # structured outputs (engine/sample/structured_output.py)
     structured_outputs: StructuredOutputs | None = None  # vLLM's form: json, regex, choice, grammar
     # accepted without effect (IGNORED), or only at their neutral value (NEUTRAL)
     best_of: Int | None = _bounded(minimum=1, maximum=1)

@@ -12,7 +12,7 @@ OpenAI error body, or, on a stream, an error chunk and `[DONE]`; either way the 
 the API key's slot is released (gateway/guard.py). Both ends come as sentinels in the request's
 own event queue (one timer per request, nothing per token).
 
-Text is decided here and nowhere else (engine/text.py): instances stream token ids; a stop string
+Text is decided here and nowhere else (engine/text/detokenize.py): instances stream token ids; a stop string
 found here ends the choice at once and stops it on its instances (`cluster.stop`).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import json
 import time
 from typing import AsyncIterator
 
-from engine.text import TextState
+from engine.text.detokenize import TextState
 from gateway.chat_output import ChatOutput
 from gateway.logprobs import LogprobsFormatter
 from gateway.protocol import APIError, now

@@ -31,9 +31,9 @@ class CompatRecord:
     both ends must agree, since a receiver that checks needs one in every `done`. `kv_format` names
     what a KV head's two planes hold: "kv" (a head's keys and values), or for DeepSeek's latent
     attention "mla:<kv_lora_rank>+<qk_rope_head_dim>" (one head, a token's entry in two halves:
-    engine/mla.py), which every decode rank receives whole.
+    engine/layers/mla.py), which every decode rank receives whole.
     `trailer_format` names what a part's trailer holds (base.py: bytes carried unread); the
-    instance layer that packs and unpacks it names it (engine/handover.py), so both ends must agree.
+    instance layer that packs and unpacks it names it (engine/core/handover.py), so both ends must agree.
     NOTE: fp8 scales are not here because they are 1.0 on every instance (engine/models/llama.py); a
     change that loads them from checkpoints must add them to MUST_MATCH.
     """

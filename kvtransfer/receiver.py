@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.threads import run_serially
+from engine.core.threads import run_serially
 from kvtransfer import auth, wire
 from kvtransfer.base import CompletedTransfer, KVReceiver
 from kvtransfer.channel import RECEIVER, DataChannel, data_channel_kind, open_channel
@@ -65,8 +65,8 @@ from kvtransfer.control import ControlGarbage, ControlServer
 from kvtransfer.params import CompatRecord
 from kvtransfer.rendezvous import Rendezvous
 from kvtransfer.scatter import scatter_layer, scatter_tokens, slot_runs, whole_blocks
-from kvtransfer.shared_cache import device_key, export_cache
 from kvtransfer.session import Part, Session
+from kvtransfer.shared_cache import device_key, export_cache
 
 logger = logging.getLogger(__name__)
 # Each run costs two messages per layer (K, V); beyond this many, one message and a scatter is faster.
@@ -138,7 +138,7 @@ class TorchDistReceiver(KVReceiver):
 
     def _open_session(self, drop, session_key: bytes | None) -> Session:
         """On the connection's own thread, which scatters what arrives: its tensor ops run
-        serially, so it starts no OpenMP team beside the step thread's (engine/threads.py)."""
+        serially, so it starts no OpenMP team beside the step thread's (engine/core/threads.py)."""
         run_serially()
         return Session(self, drop, auth.payload_key(session_key) if self.payload_mac and session_key else None)
 

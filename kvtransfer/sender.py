@@ -46,7 +46,7 @@ from collections import Counter, OrderedDict, deque
 
 import torch
 
-from engine.threads import run_serially
+from engine.core.threads import run_serially
 from kvtransfer import auth, wire
 from kvtransfer.base import MAX_TRAILER_BYTES, IncompatiblePeerError, KVSender, Transfer, TransferError
 from kvtransfer.channel import DATA_CHANNELS, SENDER, DataChannel, open_channel
@@ -172,7 +172,7 @@ class _Peer:
         self.control.shutdown()  # wakes a receive blocked on it
 
     def _run(self) -> None:
-        run_serially()  # it gathers and copies KV: no OpenMP team of its own (engine/threads.py)
+        run_serially()  # it gathers and copies KV: no OpenMP team of its own (engine/core/threads.py)
         broken: str | None = None
         while True:
             if self.unacked and not self._held and self._ops.empty() and broken is None:

@@ -24,9 +24,9 @@ from kvtransfer import wire
 from kvtransfer.base import MAX_TRAILER_BYTES
 from kvtransfer.channel import ChannelError, DataChannel
 from kvtransfer.checksum import PartChecksum, PartMac
-from kvtransfer.scatter import as_bytes
 from kvtransfer.control import ControlError, ControlGarbage
 from kvtransfer.rendezvous import Rendezvous
+from kvtransfer.scatter import as_bytes
 
 if TYPE_CHECKING:
     from kvtransfer.receiver import TorchDistReceiver, Expected

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections import deque
 
-from engine.batch import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
-from engine.block_manager import KVCacheManager
-from engine.config import SchedulerConfig
-from engine.logits_processing import history_of
-from engine.request import Request, RequestStatus, check_admission
+from engine.core.batch import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
+from engine.core.block_manager import KVCacheManager
+from engine.core.config import SchedulerConfig
+from engine.core.request import Request, RequestStatus, check_admission
+from engine.sample.logits_processing import history_of
 
 
 class PrefillScheduler:
@@ -40,7 +40,7 @@ class PrefillScheduler:
         return {*(r.request_id for r in (*self.waiting, *self.running)), *self.done}
 
     def add_request(self, req: Request) -> None:
-        """Queues a prompt; ValueError (engine.request.check_admission) if it cannot be taken. An
+        """Queues a prompt; ValueError (engine.core.request.check_admission) if it cannot be taken. An
         n > 1 request is one prompt here: every choice's first token comes from its logits."""
         check_admission(req, self.max_model_len, self.request_ids)
         self.waiting.append(req)

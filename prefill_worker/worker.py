@@ -5,7 +5,7 @@ the other ranks, samples first tokens and reports them. Every rank computes its 
 heads and ships its own KV heads to the decode ranks that need them, layer by layer, through
 its KV connector (kvtransfer/connector.py): right after layer i computes, the request's K/V of
 that layer are gathered (a copy) and queued, and sent while the next layers compute.
-The loop that drives the ranks, and the per-client queue of results, are engine/worker_base.py's.
+The loop that drives the ranks, and the per-client queue of results, are engine/runner/worker_base.py's.
 """
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import queue
 import time
 from dataclasses import dataclass, field
 
-from engine.block_manager import KVCacheManager
-from engine.model_runner import ModelRunner
-from engine.request import Request, RequestMessage
-from engine.handover import Handover
+from engine.core.block_manager import KVCacheManager
+from engine.core.handover import Handover
+from engine.core.request import Request, RequestMessage
+from engine.runner.model_runner import ModelRunner
+from engine.runner.worker_base import BaseWorker
 from engine.speculative.rows import DraftKVRecorder, RowRecorder
-from engine.worker_base import BaseWorker
 from kvtransfer.connector import PrefillConnector, Shipment
 from kvtransfer.params import KVTransferParams
 from prefill_worker.scheduler import PrefillScheduler

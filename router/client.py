@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from engine.request import RequestMessage
+from engine.core.request import RequestMessage
 from kvtransfer.params import KVEndpoint, KVTransferParams
 
 

@@ -31,7 +31,7 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
-from engine.request import RequestMessage, SamplingParams, choice_id
+from engine.core.request import RequestMessage, SamplingParams, choice_id
 from kvtransfer.params import KVTransferParams
 from router.client import DecodeClient, InstanceDeadError, PrefillClient
 from router.failpoints import Failpoints

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.request import SamplingParams, choice_id
+from engine.core.request import SamplingParams, choice_id
 
 
 @dataclass

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from engine.batch import CachedRequestData, NewRequestData, SchedulerOutput
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.request import SamplingParams
+from engine.core.batch import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.core.request import SamplingParams
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -56,7 +56,7 @@ FAMILIES = {
                                                                   "rope_theta": 1000000.0},
                                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
                               tie_word_embeddings=True)),
-    # mixtures of experts (engine/moe.py): renormalized top-2 of 4 (Mixtral, with its window); a shared
+    # mixtures of experts (engine/layers/moe.py): renormalized top-2 of 4 (Mixtral, with its window); a shared
     # expert, top-3 of 6 unrenormalized, every other layer sparse (Qwen2-MoE); q/k norms, a dense layer
     # listed in mlp_only_layers, renormalized top-2 of 8 (Qwen3-MoE)
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=24, head_dim=32)),
@@ -68,7 +68,7 @@ FAMILIES = {
     # default), router bias, top-2 of 4 experts with the clamped SwiGLU over interleaved rows
     "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=32,
                                 sliding_window=24)),
-    # latent attention (engine/mla.py), scaled down: V2-Lite's (no query low-rank projection, greedy
+    # latent attention (engine/layers/mla.py), scaled down: V2-Lite's (no query low-rank projection, greedy
     # softmax routing, 2 shared experts), V2's (the query's, groups), V3's (sigmoid routing with the
     # correction bias over groups, renormalized and scaled, YaRN with mscale)
     "deepseek_v2_lite": ("deepseek_v2", dict(MLA, q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=2,
@@ -162,7 +162,7 @@ def engine_config(dtype: str = "float32", num_blocks: int = 256, block_size: int
 def tiny_engine(hf_model, **knobs):
     """A ColocatedEngine over an in-memory tiny HF model (no tokenizer)."""
     from decode_worker.engine import ColocatedEngine
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
     cfg = engine_config(**knobs)
     runner = ModelRunner(cfg, model_config=model_config_of(hf_model), weights=hf_model.state_dict().items())
     return ColocatedEngine(cfg, runner=runner)

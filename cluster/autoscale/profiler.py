@@ -25,7 +25,7 @@ def measure_profile(spec: ClusterSpec, prompt_tokens: int = 512, num_prompts: in
     """Returns the profile and the raw points it was fitted from."""
     from decode_worker.engine import ColocatedEngine
     from decode_worker.llm import LLM
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
 
     start = time.monotonic()
     engine = ColocatedEngine(spec.engine_config("decode"))

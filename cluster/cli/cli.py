@@ -70,8 +70,8 @@ def _cluster_spec(args):
 def _generate_on_cluster(spec, args, params) -> dict:
     """One prompt through a fresh cluster; the same fields as the in-process path."""
     from cluster.control.cluster import Cluster
-    from engine.loader import resolve_model_path
-    from engine.tokenizer import Tokenizer
+    from engine.loading.loader import resolve_model_path
+    from engine.text.tokenizer import Tokenizer
     tok = Tokenizer.from_path(resolve_model_path(spec.model))
     prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat \
         else tok.encode(args.prompt)
@@ -97,7 +97,7 @@ def _generate_in_process(spec, args, params) -> dict:
 
 
 def cmd_generate(args) -> int:
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     spec = _generate_spec(args)  # bad flags are refused here, before anything loads

@@ -1,5 +1,5 @@
 """`pdserve expert-plan`: a recording of expert loads turned into a placement for
-`--expert-placement` (engine/expert_placement.py plan).
+`--expert-placement` (engine/core/expert_placement.py plan).
 
     pdserve expert-plan http://gateway:8000 --ranks 4 --replicas 8 -o placement.json
     pdserve expert-plan status.json --ranks 4          # a saved /status, or {"layers": {layer: counts}}
@@ -64,7 +64,7 @@ def read_counts(source: str) -> dict[int, list[int]]:
 
 
 def cmd_expert_plan(args) -> int:
-    from engine.expert_placement import ExpertPlacement, imbalance, plan, rank_loads
+    from engine.core.expert_placement import ExpertPlacement, imbalance, plan, rank_loads
     if args.ranks < 1 or args.replicas < 0:
         raise ValueError(f"--ranks must be at least 1 and --replicas at least 0; got {args.ranks} and {args.replicas}")
     counts = read_counts(args.source)

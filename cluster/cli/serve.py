@@ -18,9 +18,9 @@ from cluster.control.cluster import Cluster
 from cluster.control.ray_watch import RayMembershipWatch
 from cluster.ranks import cpu_plan
 from cluster.spec import ClusterSpec
-from engine.config import resolve_dtype
-from engine.loader import resolve_model_path
-from engine.tokenizer import Tokenizer
+from engine.core.config import resolve_dtype
+from engine.loading.loader import resolve_model_path
+from engine.text.tokenizer import Tokenizer
 from gateway.api_keys import KEYS_POLL_S, APIKey, KeysFileWatcher, check_key_strength, configured_keys
 from gateway.app import create_app
 from gateway.drain import Drain

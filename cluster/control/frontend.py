@@ -1,7 +1,7 @@
 """A gateway's cluster when a controller elsewhere owns the instances (`pdserve gateway`): a
 router over the instances it finds in the cluster state, and nothing else. Any number of these
 run side by side; each gets exactly its own requests' tokens (outputs are addressed to its
-router's id, engine/outbox.py) and publishes its request counters for the controller's autoscaler.
+router's id, engine/core/outbox.py) and publishes its request counters for the controller's autoscaler.
 
     every SYNC_S:  cluster state records  ->  healthy and new: attach (its rank-0 actor, by name)
                                               draining: no new requests
@@ -23,8 +23,8 @@ from cluster.control.instance import Instance, init_ray, rank_actor_name
 from cluster.ranks.nodes import RankPlacement
 from cluster.spec import ClusterSpec
 from cluster.state import ClusterState, InstanceRecord, create_state
-from engine.block_manager import block_hashes
-from engine.request import SamplingParams
+from engine.core.block_manager import block_hashes
+from engine.core.request import SamplingParams
 from kvtransfer.params import KVEndpoint
 from router.client import InstanceInfo
 from router.policy import create_routing_policy

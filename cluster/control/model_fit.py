@@ -4,7 +4,7 @@ expert parallelism for a model without experts, or an expert placement that does
 from __future__ import annotations
 
 from cluster.spec import ClusterSpec
-from engine.loader import load_model_config
+from engine.loading.loader import load_model_config
 
 
 def check(spec: ClusterSpec) -> None:

@@ -42,7 +42,7 @@ class RankSetup:
         """What the ranks of a new `role` instance on `node` run: the role's config, CPU threads
         shared out: a pinned rank's own cores, else the node's usable cores over the spec's ranks
         (not oversubscribed: with more OpenMP threads than cores, steps wait on descheduled ones),
-        as a most: fewer while other processes take those cores (engine/threads.py TeamSizer).
+        as a most: fewer while other processes take those cores (engine/core/threads.py TeamSizer).
         A spec's own num_threads is kept as given, fixed."""
         config = self._role_engine_config(role, gpu)
         if config.num_threads is None and not gpu:
@@ -84,7 +84,7 @@ class RankSetup:
         freed by the driver with its processes). CPUs keep the data channel: a POSIX shared-memory
         cache outlives a killed decode process in /dev/shm (measured: a test suite's killed actors
         left 9.6 GB there), so that path is for processes that close their receivers."""
-        from engine.model_runner import select_device
+        from engine.runner.model_runner import select_device
         return self.spec.kv_transport == "auto" and (gpu or select_device(self.spec.device).type == "cuda")
 
     def _use_gpus(self) -> bool:

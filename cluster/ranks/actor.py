@@ -16,8 +16,8 @@ import torch
 from cluster.ranks import cpu_plan
 from cluster.ranks.nodes import RankPlacement, node_address, set_socket_ifnames, unreachable
 from cluster.ranks.rank import RankHost, TPRendezvous, open_rendezvous
-from engine.config import EngineConfig
-from engine.request import RequestMessage
+from engine.core.config import EngineConfig
+from engine.core.request import RequestMessage
 from kvtransfer.params import KVEndpoint, KVTransferParams
 from kvtransfer.registry import DEFAULT as DEFAULT_TRANSPORT
 

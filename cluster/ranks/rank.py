@@ -3,7 +3,7 @@
 The TP group meets at rank 0's TCPStore, which rank 0 creates itself on a socket bound to its own
 address (never every interface), its keys under a random prefix the driver hands to the followers
 through Ray (`TPRendezvous`); the group's control messages are MACed under a key derived from the
-cluster secret (`tp_group_key`, engine/tp_wire.py), so a process that reaches the store can spoil
+cluster secret (`tp_group_key`, engine/parallel/tp_wire.py), so a process that reaches the store can spoil
 the group but cannot make a rank decode, let alone unpickle, anything it sends.
 
 `RankHost` builds the rank's model runner (joining its instance's tensor-parallel group),
@@ -25,17 +25,17 @@ import torch.distributed as dist
 
 from decode_worker.engine import ColocatedEngine
 from decode_worker.worker import DecodeWorker
-from engine.config import EngineConfig
-from engine.handover import trailer_format
-from engine.loader import resolve_model_path
-from engine.model_runner import ModelRunner, select_device
-from engine.speculative.rows import rows_signature
-from engine.parallel import TPGroup
-from engine.tokenizer import Tokenizer
+from engine.core.config import EngineConfig
+from engine.core.handover import trailer_format
+from engine.loading.loader import resolve_model_path
+from engine.parallel.layers import TPGroup
+from engine.runner.model_runner import ModelRunner, select_device
+from engine.speculative.registry import rows_signature
+from engine.text.tokenizer import Tokenizer
 from kvtransfer.auth import cluster_secret
-from kvtransfer.registry import DEFAULT as DEFAULT_TRANSPORT, create_kv_transport
 from kvtransfer.connector import DecodeConnector, PrefillConnector, Shipment
 from kvtransfer.params import CompatRecord, KVEndpoint, KVTransferParams, kv_heads_of_rank
+from kvtransfer.registry import DEFAULT as DEFAULT_TRANSPORT, create_kv_transport
 from prefill_worker.worker import PrefillWorker
 
 logger = logging.getLogger(__name__)
@@ -255,7 +255,7 @@ class RankHost:
 
     def _loop(self) -> None:
         try:
-            self.worker.run(self._stop)  # rank 0 drives, the others follow (engine/worker_base.py)
+            self.worker.run(self._stop)  # rank 0 drives, the others follow (engine/runner/worker_base.py)
         except Exception:  # a dead loop must be loud, and must not leave a live-looking instance
             logger.exception("%s rank %d loop died", self.instance_id, self.rank)
             if self.on_loop_death is not None:

@@ -35,7 +35,7 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
     the fixed-split attention of engine/attention/batch_invariant_backend.py. Raises ValueError for
     a backend that cannot run. `sinks`: the model has attention sinks (gpt-oss): auto skips a backend
     without them, and one named that has none is refused. `mla`: DeepSeek's latent attention, which
-    runs its own torch attention over the cache (engine/mla.py): auto and torch give the torch
+    runs its own torch attention over the cache (engine/layers/mla.py): auto and torch give the torch
     backend (its plain cache layout, its per-step plan); any other is refused by name."""
     if mla:
         if name not in ("auto", "torch") or batch_invariant:
@@ -43,7 +43,7 @@ def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype
             raise ValueError(f"{what} has no latent-attention (MLA) path; DeepSeek models run on --attention-backend "
                              "auto or torch")
         from engine.attention.torch_backend import TorchAttentionBackend
-        logger.info("attention backend: torch (latent attention, MLA: engine/mla.py over the plain cache layout)")
+        logger.info("attention backend: torch (latent attention, MLA: engine/layers/mla.py over the plain cache layout)")
         return TorchAttentionBackend()
     backend = _create(name, device, dtype, kv_cache_dtype, head_dim, batch_invariant, sinks)
     if sinks and not backend.takes_sinks:

@@ -1,4 +1,4 @@
-"""The batch-invariant mode's attention (`--batch-invariant`, engine/batch_invariant.py).
+"""The batch-invariant mode's attention (`--batch-invariant`, engine/quant/batch_invariant.py).
 
 Every sequence attends over its whole context read back from the paged cache (a prefill's own new
 keys too, as the cache holds them: an fp8 cache is read the same way by every path): the step's
@@ -15,7 +15,7 @@ import torch
 
 from engine.attention.base import AttentionMetadata, BaseAttentionBackend, gather_kv, write_kv
 from engine.attention.torch_backend import _gather_rows, context_slots
-from engine.batch_invariant import fixed_split_attention, fixed_split_decode
+from engine.quant.batch_invariant import fixed_split_attention, fixed_split_decode
 
 
 class BatchInvariantAttentionBackend(BaseAttentionBackend):

@@ -147,7 +147,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
 
     def prepare_static_decode(self, meta: AttentionMetadata, max_blocks: int) -> None:
         """A decode-only step over exactly `max_blocks` blocks per sequence, with no host reads:
-        what a CUDA graph captures (engine/cuda_graphs.py)."""
+        what a CUDA graph captures (engine/runner/cuda_graphs.py)."""
         self._plan_decodes(meta, meta.num_decodes, max_blocks)
         self._prefills = []
 

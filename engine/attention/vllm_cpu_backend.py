@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from engine.attention.base import FP8, AttentionMetadata, BaseAttentionBackend, quantize_fp8
-from engine.vllm_cpu_ops import SCRATCHPAD, bf16_rounds_to_nearest
+from engine.attention.vllm_cpu_ops import SCRATCHPAD, bf16_rounds_to_nearest
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def vllm_cpu_unavailable() -> str | None:
 def library_name() -> str | None:
     """The build vLLM loads on this CPU (vllm/platforms/cpu.py): `_C` where AVX-512 has the BF16
     instructions, `_C_AVX512` with AVX-512 alone, `_C_AVX2` otherwise; None off x86-64. The
-    AVX-512-alone build rounds its bf16 results toward zero (engine/vllm_cpu_ops.py)."""
+    AVX-512-alone build rounds its bf16 results toward zero (engine/attention/vllm_cpu_ops.py)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None
     if torch.cpu._is_avx512_supported():
@@ -95,7 +95,7 @@ class VllmCpuAttentionBackend(BaseAttentionBackend):
             self.isa = "vec16"
 
     def fused_ops(self, dtype: torch.dtype) -> frozenset[str]:
-        """engine/vllm_cpu_ops.py: the norm in bf16 only where this build rounds to nearest."""
+        """engine/attention/vllm_cpu_ops.py: the norm in bf16 only where this build rounds to nearest."""
         fuse_norm = dtype == torch.float32 or bf16_rounds_to_nearest()
         return frozenset({"rotary", "rms_norm"} if fuse_norm else {"rotary"})
 

@@ -4,13 +4,13 @@
     model = model_class(config)(config, tp, linear_method=method, fused=fused)
 
 A HF config is matched by its `architectures` (else its `model_type`), a GGUF by its
-`general.architecture` (engine/gguf_loader.py). Each family is a small module that reads its
+`general.architecture` (engine/loading/gguf_loader.py). Each family is a small module that reads its
 config keys into `ModelConfig` switches and names the class that runs them; what a config asks for
 that pdserve does not run is refused there, in one line naming it (engine/models/hf_config.py).
 """
 from __future__ import annotations
 
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.models import (deepseek_v2, deepseek_v3, gemma2, gemma3, gpt_oss, llama, mistral, mixtral, qwen2, qwen2_moe,
                            qwen3, qwen3_moe)
 from engine.models.hf_config import UnsupportedConfig

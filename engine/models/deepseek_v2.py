@@ -1,7 +1,7 @@
 """DeepSeek-V2 (and V2-Lite, V2.5): the Llama decoder with multi-head latent attention
-(engine/mla.py) in every layer and, past the first `first_k_dense_replace` layers, a mixture of
+(engine/layers/mla.py) in every layer and, past the first `first_k_dense_replace` layers, a mixture of
 experts with always-on shared experts (ungated; `n_shared_experts` of them, one MLP as wide as
-their sum) and DeepSeek's routing (engine/routing.py): softmax scores, "greedy" top-k or
+their sum) and DeepSeek's routing (engine/layers/routing.py): softmax scores, "greedy" top-k or
 "group_limited_greedy" over `n_group` groups, the weights times `routed_scaling_factor`.
 
 DeepSeek-V3 (engine/models/deepseek_v3.py) is this model with V3's router. transformers'
@@ -13,9 +13,9 @@ from typing import Iterable, Iterator
 
 import torch
 
-from engine.config import MLAConfig, ModelConfig, MoEConfig
-from engine.layers import RotaryEmbedding
-from engine.mla import MLAAttention, deinterleave_rows
+from engine.core.config import MLAConfig, ModelConfig, MoEConfig
+from engine.layers.common import RotaryEmbedding
+from engine.layers.mla import MLAAttention, deinterleave_rows
 from engine.models.hf_config import UnsupportedConfig, llama_like_fields, refuse
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
@@ -48,7 +48,7 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         """The checkpoint's tensors as this model's layers take them: the multi-token-prediction
         layers past the last (which transformers ignores too) dropped, `shared_experts` under the
         block's `shared_expert`, and the rotary rows of q and of the latent's projection from
-        interleaved pairs to halves (engine/mla.py)."""
+        interleaved pairs to halves (engine/layers/mla.py)."""
         mla, layers = self.config.mla, self.config.num_layers
         for name, tensor in weights:
             parts = name.removeprefix("model.").split(".")
@@ -67,7 +67,7 @@ MODEL = DeepseekForCausalLM
 
 def deepseek_fields(cfg: dict, name: str, rope_interleave: bool) -> dict:
     """The `ModelConfig` keyword arguments V2 and V3 share: Llama's, the latent attention's shape
-    (the cache's one KV head of half an entry: engine/mla.py) and the dense layers' count."""
+    (the cache's one KV head of half an entry: engine/layers/mla.py) and the dense layers' count."""
     if cfg.get("attention_bias"):
         raise refuse(name, "attention_bias true in a DeepSeek model")
     if cfg.get("moe_layer_freq", 1) != 1:

@@ -5,7 +5,7 @@ the chosen scores renormalized with `norm_topk_prob`, times `routed_scaling_fact
 dims interleaved unless `rope_interleave` is false."""
 from __future__ import annotations
 
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.models.deepseek_v2 import CHECKPOINT_QUANT, DeepseekForCausalLM, deepseek_fields, deepseek_moe
 from engine.models.hf_config import refuse
 

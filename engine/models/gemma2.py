@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.expert_placement import ExpertPlacement, HeldExperts
+from engine.core.config import ModelConfig
+from engine.core.expert_placement import ExpertPlacement, HeldExperts
 from engine.models.hf_config import alternating_layer_types, checked_layer_types, llama_like_fields, refuse
 from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-from engine.parallel import TPGroup
+from engine.parallel.layers import TPGroup
 from engine.quant.base import BaseLinearMethod
 
 HF_ARCHITECTURE = "Gemma2ForCausalLM"

@@ -13,14 +13,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.expert_placement import ExpertPlacement
-from engine.layers import RotaryEmbedding
+from engine.core.config import ModelConfig
+from engine.core.expert_placement import ExpertPlacement
+from engine.layers.common import RotaryEmbedding
 from engine.models.gemma2 import Gemma2DecoderLayer, Gemma2ForCausalLM, GemmaRMSNorm
 from engine.models.hf_config import (LAYER_TYPES, alternating_layer_types, checked_layer_types, checked_rope_scaling,
                                      llama_like_fields, refuse)
 from engine.models.llama import LlamaAttention
-from engine.parallel import TPGroup
+from engine.parallel.layers import TPGroup
 from engine.quant.base import BaseLinearMethod
 
 HF_ARCHITECTURE = "Gemma3ForCausalLM"

@@ -1,9 +1,9 @@
 """gpt-oss (openai/gpt-oss-20b and -120b): the Llama decoder with biases on q, k, v and o, a learned
 attention sink per head (a logit in each softmax's denominator: engine/attention/base.py), sliding
 (128 keys) and full layers alternating per `layer_types`, YaRN rope, and in every layer a mixture
-of experts (engine/moe.py) whose router has a bias (top-k of its logits, then a softmax over those:
+of experts (engine/layers/moe.py) whose router has a bias (top-k of its logits, then a softmax over those:
 the renormalized softmax top-k) and whose experts carry biases and apply a clamped SwiGLU to
-interleaved gate/up rows (engine/expert_compute.py `swiglu_oai`).
+interleaved gate/up rows (engine/layers/expert_compute.py `swiglu_oai`).
 
 Its checkpoints store each layer's experts stacked: `mlp.experts.gate_up_proj` (E, hidden, 2 *
 inter) with gate and up columns interleaved and `down_proj` (E, inter, hidden), each with a bias;
@@ -20,7 +20,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from engine.config import ModelConfig, MoEConfig
+from engine.core.config import ModelConfig, MoEConfig
 from engine.models.hf_config import (UnsupportedConfig, alternating_layer_types, checked_layer_types,
                                      llama_like_fields, refuse)
 from engine.models.llama import LlamaForCausalLM

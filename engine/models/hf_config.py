@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-ROPE_TYPES = ("linear", "llama3", "yarn")  # beyond the default; engine/layers.py RotaryEmbedding
+ROPE_TYPES = ("linear", "llama3", "yarn")  # beyond the default; engine/layers/common.py RotaryEmbedding
 
 
 class UnsupportedConfig(ValueError):
@@ -154,7 +154,7 @@ def moe_config(cfg: dict, name: str, intermediate_key: str, renormalize: bool, s
         renormalize: the family's own renormalizing (Mixtral: always); Qwen's `norm_topk_prob` overrides it.
         shared_key: the key of the shared expert's width (Qwen2-MoE), None where the family has none.
     """
-    from engine.config import MoEConfig
+    from engine.core.config import MoEConfig
     if cfg.get("use_sliding_window"):
         raise refuse(name, "use_sliding_window in a mixture-of-experts model")
     num_layers = cfg["num_hidden_layers"]

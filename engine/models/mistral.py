@@ -2,7 +2,7 @@
 (Mistral 7B v0.1: 4,096 keys; v0.2 on: null, full attention)."""
 from __future__ import annotations
 
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.models.hf_config import llama_like_fields
 from engine.models.llama import LlamaForCausalLM
 

@@ -1,9 +1,9 @@
-"""Mixtral: the Mistral decoder whose every MLP is a mixture of experts (engine/moe.py): softmax
+"""Mixtral: the Mistral decoder whose every MLP is a mixture of experts (engine/layers/moe.py): softmax
 top-2 of 8 experts, the two weights renormalized; its checkpoints name the block `block_sparse_moe`
 and the experts' projections `w1` (gate), `w3` (up) and `w2` (down)."""
 from __future__ import annotations
 
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.models.hf_config import llama_like_fields, moe_config
 from engine.models.llama import LlamaForCausalLM
 

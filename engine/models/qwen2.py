@@ -3,7 +3,7 @@ o_proj), rope theta 1e6 as configured, YaRN for long context, and a sliding wind
 `use_sliding_window` turns it on (engine/models/hf_config.py `qwen_windows`)."""
 from __future__ import annotations
 
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.models.hf_config import llama_like_fields, qwen_windows
 from engine.models.llama import LlamaForCausalLM
 

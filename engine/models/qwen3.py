@@ -2,7 +2,7 @@
 embedding, biases only where `attention_bias` says, and Qwen2's window switches."""
 from __future__ import annotations
 
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.models.hf_config import llama_like_fields, qwen_windows
 from engine.models.llama import LlamaForCausalLM
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.quant.base import BaseLinearMethod, UnquantizedLinearMethod, mkldnn_packing_available
 from engine.quant.int4 import Int4LinearMethod
 from engine.quant.int8 import Int8LinearMethod, W8A8LinearMethod
@@ -38,16 +38,16 @@ __all__ = ["BaseLinearMethod", "LINEAR_METHODS", "UnquantizedLinearMethod", "Int
 
 
 def gguf_code_plan_of(path):
-    """engine/gguf_codes.py's plan for a GGUF at `path` (which linears are int4 codes), else None."""
+    """engine/quant/gguf_codes.py's plan for a GGUF at `path` (which linears are int4 codes), else None."""
     if path is None or Path(path).suffix != ".gguf" or not Path(path).is_file():
         return None
-    from engine.gguf_codes import gguf_code_plan
+    from engine.quant.gguf_codes import gguf_code_plan
     return gguf_code_plan(path)
 
 
 def create_linear_method(name: str, path: str | os.PathLike | None = None, **kwargs) -> BaseLinearMethod:
     """A linear method by registry name; kwargs go to its constructor. `int4` reads a GGUF's 4-bit
-    blocks as they are where the file has them (engine/gguf_codes.py), its other linears as
+    blocks as they are where the file has them (engine/quant/gguf_codes.py), its other linears as
     floats; a checkpoint without any is quantized at load."""
     if name not in LINEAR_METHODS:
         raise ValueError(f"unknown linear method {name!r}; choose one of {', '.join(LINEAR_METHODS)}")
@@ -64,12 +64,12 @@ def method_reads_q4_codes(method: BaseLinearMethod) -> bool:
 
 
 def experts_read_q4_codes(method: BaseLinearMethod | None) -> bool:
-    """Whether a mixture's experts hold the file's int4 codes (engine/fused_experts.py `q4_codes`)."""
+    """Whether a mixture's experts hold the file's int4 codes (engine/layers/fused_experts.py `q4_codes`)."""
     return method_reads_q4_codes(method) and bool(getattr(method, "expert_codes", False))
 
 
 def expert_scheme(method: BaseLinearMethod) -> str:
-    """The method name the experts are quantized as (engine/moe.py `quantize_model_experts`): a
+    """The method name the experts are quantized as (engine/layers/moe.py `quantize_model_experts`): a
     GGUF's experts of other types than Q4 stay as dequantized, not quantized again to int4."""
     return "unquantized" if method_reads_q4_codes(method) and not experts_read_q4_codes(method) else method.name
 
@@ -103,7 +103,7 @@ def resolve_quantization(quantization: str, path: str | os.PathLike | None = Non
     """The linear method a `quantization` knob asks for.
 
     `auto` keeps the checkpoint's format: a GGUF with Q4_0 / Q4_1 / Q4_K decoder linears runs
-    `int4` on exactly those weights (engine/gguf_codes.py says which; its other types dequantized;
+    `int4` on exactly those weights (engine/quant/gguf_codes.py says which; its other types dequantized;
     unless int4's groups do not fit the TP shards: then all dequantized, logged); any other
     checkpoint runs `unquantized` (GGUF Q5_*, Q6_K, Q8_0, F16, ... dequantized at load;
     safetensors as stored). `none` forces unquantized; `int8`, `w8a8` and `int4` of a float

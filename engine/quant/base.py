@@ -1,6 +1,6 @@
 """The linear-method interface and the unquantized method.
 
-A linear layer (engine/parallel.py) owns its shapes, its sharding and its collectives; its
+A linear layer (engine/parallel/layers.py) owns its shapes, its sharding and its collectives; its
 *linear method* owns how the weight is stored and multiplied (vLLM's `LinearMethodBase`):
 
     method.create_weights(layer, ...)          # at construction: the parameters checkpoints load into
@@ -29,7 +29,7 @@ class BaseLinearMethod(ABC):
 
     name: str = "base"
     # True: a row-parallel layer keeps its whole weight on every rank and gathers its input
-    # (engine/parallel.py), instead of summing the ranks' partial products (the batch-invariant method)
+    # (engine/parallel/layers.py), instead of summing the ranks' partial products (the batch-invariant method)
     replicates_row_parallel: bool = False
 
     @abstractmethod
@@ -71,7 +71,7 @@ class BaseLinearMethod(ABC):
 def mkldnn_packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """oneDNN weight packing needs the op in this torch build with oneDNN enabled; bf16 also a CPU
     with native bf16 support (avx512bw/vl/dq or avx_ne_convert), which an AVX2-only CPU lacks."""
-    from engine.config import cpu_has_native_bf16
+    from engine.core.config import cpu_has_native_bf16
     have = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
     return have and (dtype == torch.float32 or cpu_has_native_bf16())
 

@@ -4,7 +4,7 @@ Weights come either straight from a GGUF's Q4_0 / Q4_1 / Q4_K blocks (`prequanti
 own numbers, exactly; what `--quantization auto` runs for such a file) or from a float checkpoint,
 quantized at load onto llama.cpp's Q4_1 (`--quantization int4`; the error is logged). In a file
 that mixes types (Q4_K_M: Q6_K for some layers), a layer whose tensors are of another type loads
-their dequantized floats and runs as the unquantized method does (engine/gguf_codes.py's plan).
+their dequantized floats and runs as the unquantized method does (engine/quant/gguf_codes.py's plan).
 
 Kernels, measured per batch-size range at load like int8's (engine/quant/selection.py):
 - `int4pack`: torch's `_weight_int4pack_mm_for_cpu` (vectorized for bf16/fp16; scalar in fp32),

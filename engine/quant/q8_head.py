@@ -19,11 +19,13 @@ head's by about one bf16 rounding (tests/engine/quant/test_q8_head.py).
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
 
 from engine.quant.base import BaseLinearMethod
+from engine.quant.gguf_file import open_gguf
 from engine.quant.int4 import Int4PackKernel
 from engine.quant.int8 import skip_kernel
 from engine.quant.kernels import LinearKernel, UnquantizedBaseline
@@ -128,13 +130,23 @@ class Q8HeadMethod(BaseLinearMethod):
         return f"LM head from the GGUF's Q8_0 blocks ({str(self.dtype).removeprefix('torch.')}): {ranges}"
 
 
+def gguf_q8_0_head(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The LM head's Q8_0 blocks as codes (vocab, hidden) int8 and scales (vocab, hidden / 32)
+    fp32 (engine/quant/q8_head.py): `output.weight`, or the embedding it is tied to; None when
+    that tensor is not Q8_0."""
+    tensors = {t.name: t for t in open_gguf(path).tensors}
+    head = tensors.get("output.weight", tensors.get("token_embd.weight"))
+    if head is None or head.tensor_type.name != "Q8_0":
+        return None
+    return decode_q8_0_blocks(head.data, tuple(int(d) for d in reversed(head.shape)))
+
+
 def q8_head_method(path, decoder: BaseLinearMethod, dtype: torch.dtype, device: torch.device,
                    tp_size: int) -> Q8HeadMethod | None:
     """The Q8_0 head where the decoder keeps a Q4 GGUF's own blocks (quantization auto / int4) and
     the file's head is Q8_0; None (logged why, when it would have applied) elsewhere."""
     if not getattr(decoder, "prequantized", False):
         return None
-    from engine.gguf_codes import gguf_q8_0_head
     why = ("a CPU kernel" if device.type != "cpu" else
            "tensor-parallel ranks keep their vocabulary slice dense" if tp_size > 1 else
            f"its int4 planes run bf16 activations, not {str(dtype).removeprefix('torch.')}"

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.batch import NewRequestData, SchedulerOutput
-from engine.request import SamplingParams
-from engine.speculative.base import Proposer, SpecSequence
+from engine.core.batch import NewRequestData, SchedulerOutput
+from engine.core.request import SamplingParams
+from engine.speculative.base import PROFILE_CONTEXT, Proposer, SpecSequence
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
-    from engine.speculative.config import SpeculativeConfig
+    from engine.core.speculative_config import SpeculativeConfig
+    from engine.speculative.base import TargetRunner
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class DraftModelProposer(Proposer):
         self.fed = model.fed  # request id -> (tokens fed, how many were its own)
 
     @classmethod
-    def from_config(cls, config: SpeculativeConfig, target: ModelRunner | None) -> DraftModelProposer:
+    def from_config(cls, config: SpeculativeConfig, target: TargetRunner | None) -> DraftModelProposer:
         assert isinstance(target.draft, DraftModel), "the target's rank-0 runner loads the draft (load_model)"
         return cls(target.draft, target.model_config.vocab_size)
 
@@ -54,7 +54,7 @@ class DraftModelProposer(Proposer):
         return self.model.rows_received
 
     @classmethod
-    def load_model(cls, target: ModelRunner) -> DraftModel:
+    def load_model(cls, target: TargetRunner) -> DraftModel:
         return DraftModel(load_draft(target))
 
     def propose(self, seqs: Sequence[SpecSequence]) -> list[list[int]]:
@@ -109,27 +109,26 @@ class DraftModelProposer(Proposer):
 
     def profile_seconds(self, batch_sizes: Sequence[int], k: int, device: torch.device) -> tuple[float, ...]:
         """k draft decode steps per batch size (the catch-up of a kept run is taken as one of them)."""
-        from engine.speculative.profile import PROFILE_CONTEXT
-        from engine.timing import best_seconds
+        from engine.core.timing import best_seconds
         context = min(PROFILE_CONTEXT, self.draft.configured_max_model_len - k)
         return tuple(k * best_seconds(lambda: self.draft.profile_step(b, 1, context), device) for b in batch_sizes)
 
 
-def load_draft(target: ModelRunner) -> ModelRunner:
+def load_draft(target: TargetRunner) -> TargetRunner:
     """The draft model's runner, loaded by the target's rank-0 runner before it sizes its KV pool:
     the device budget then counts the draft's weights, and `DraftModel.block_bytes` its share of each
     block. Its own pool comes once the target's is sized (`DraftModel.give_pool`). It runs eagerly: its CUDA
     graphs would capture a pool that is replaced."""
-    from engine.model_runner import ModelRunner
     tc = target.config
     spec = tc.speculative or tc.ship_proposer_rows  # a decode (colocated) instance's, or a prefill's
     if target.model_config.kv_layout.windows[0] is not None:
         raise ValueError(f"--speculative-model: {target.model_config.name}'s first KV group has a sliding window; "
                          "the draft reads that group's block tables, which drop blocks outside it")
     cache = replace(tc.cache, num_blocks=2, block_size=target.block_size)  # a placeholder pool
-    draft = ModelRunner(replace(tc, model=spec.model, tp_size=1, expert_parallel=False, expert_placement=None,
-                                quantization="auto", speculative=None, ship_proposer_rows=None, enforce_eager=True,
-                                cache=cache))
+    # the target's own runner class (speculation sits below the runner and names no class of it)
+    draft = type(target)(replace(tc, model=spec.model, tp_size=1, expert_parallel=False, expert_placement=None,
+                                 quantization="auto", speculative=None, ship_proposer_rows=None, enforce_eager=True,
+                                 cache=cache))
     why = _misfit(draft, target)
     if why is not None:
         raise ValueError(f"--speculative-model {spec.model}: {why}")
@@ -142,7 +141,7 @@ class DraftModel:
 
     reads_target_hidden = False
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: TargetRunner):
         self.runner = runner
         self.fed: dict[str, tuple[list[int], int]] = {}  # request id -> (tokens fed, how many were its own)
         self.rows_received = 0  # prompt positions whose draft KV came from prefill instances, since start
@@ -152,13 +151,13 @@ class DraftModel:
         return self.runner.num_blocks
 
     def block_bytes(self) -> int:
-        from engine.kv_cache import kv_block_bytes  # not at import: engine.config imports this package
+        from engine.core.kv_cache import kv_block_bytes  # not at import: engine.core.config imports this package
         d = self.runner
         return kv_block_bytes(d.model_config, d.num_kv_heads, d.block_size, d.kv_dtype)
 
     def give_pool(self, num_blocks: int) -> None:
         """As many blocks as the target's (it reads the target's block tables)."""
-        from engine.kv_cache import allocate_kv_cache
+        from engine.core.kv_cache import allocate_kv_cache
         d = self.runner
         d.kv_cache = None
         d.num_blocks = num_blocks
@@ -197,7 +196,7 @@ class DraftModel:
         return torch.tensor([block_ids[p // bs] * bs + p % bs for p in range(start, end)], device=self.runner.device)
 
 
-def _misfit(draft: ModelRunner, target: ModelRunner) -> str | None:
+def _misfit(draft: TargetRunner, target: TargetRunner) -> str | None:
     """Why the draft cannot propose for the target (None: it can)."""
     dc, tc = draft.model_config, target.model_config
     if dc.vocab_size > tc.vocab_size:

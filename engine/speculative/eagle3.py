@@ -22,14 +22,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.layers import RMSNorm, RotaryEmbedding
+from engine.core.config import ModelConfig
+from engine.layers.common import RMSNorm, RotaryEmbedding
 from engine.models.hf_config import llama_like_fields
 from engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from engine.parallel import ParallelLMHead, QKVParallelLinear, TPGroup, VocabParallelEmbedding
+from engine.parallel.layers import ParallelLMHead, QKVParallelLinear, TPGroup, VocabParallelEmbedding
+from engine.speculative.heads import HeadModel, HeadProposer
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
+    from engine.speculative.base import TargetRunner
 
 logger = logging.getLogger(__name__)
 
@@ -134,11 +135,11 @@ def aux_layers(cfg: dict, num_target_layers: int) -> tuple[int, ...]:
 
 def eagle3_rows(head_model: str, num_target_layers: int) -> tuple[int, ...]:
     """The target layers whose inputs the head `head_model` reads."""
-    from engine.loader import resolve_model_path
+    from engine.loading.loader import resolve_model_path
     return aux_layers(eagle3_config(resolve_model_path(head_model))[1], num_target_layers)
 
 
-def eagle3_taps(target: ModelRunner, head_model: str) -> _ResidualTaps:
+def eagle3_taps(target: TargetRunner, head_model: str) -> _ResidualTaps:
     """The taps on the target's layers that give the head its rows (on a decode instance beside
     the head; on a prefill instance, to ship them)."""
     layers = target.model.layers
@@ -148,10 +149,9 @@ def eagle3_taps(target: ModelRunner, head_model: str) -> _ResidualTaps:
     return _ResidualTaps(layers, eagle3_rows(head_model, len(layers)))
 
 
-def load_eagle3(target: ModelRunner):
+def load_eagle3(target: TargetRunner):
     """The head beside the target's rank-0 runner (heads.HeadModel), its taps on the target's layers."""
-    from engine.loader import load_weights, resolve_model_path
-    from engine.speculative.heads import HeadModel
+    from engine.loading.loader import load_weights, resolve_model_path
     folder = resolve_model_path(target.config.speculative.model)
     cfg, raw = eagle3_config(folder)
     cfg = replace(cfg, max_position_embeddings=max(cfg.max_position_embeddings, target.configured_max_model_len))
@@ -175,11 +175,11 @@ def load_eagle3(target: ModelRunner):
     return HeadModel(head.eval(), cfg, target, taps)
 
 
-def _target_embedding(target: ModelRunner) -> torch.Tensor:
+def _target_embedding(target: TargetRunner) -> torch.Tensor:
     """The target's whole embedding table (a TP rank holds a slice of its own: read from the checkpoint)."""
     if target.tp.size == 1:
         return target.model.embed_tokens.weight
-    from engine.loader import load_weights, resolve_model_path
+    from engine.loading.loader import load_weights, resolve_model_path
     for name, tensor in load_weights(resolve_model_path(target.config.model), target.dtype):
         if name.removeprefix("model.") == "embed_tokens.weight":
             return tensor.to(target.device)
@@ -204,3 +204,13 @@ class _ResidualTaps:
         rows = torch.cat([self.seen[i] for i in self.ids], dim=-1)
         self.seen = {}
         return rows
+
+
+class Eagle3Proposer(HeadProposer):
+    """EAGLE-3 (eagle3.py): its checkpoint is --speculative-model."""
+
+    name = "eagle3"
+
+    @classmethod
+    def load_model(cls, target: TargetRunner) -> HeadModel:
+        return load_eagle3(target)

@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from engine.speculative.base import Proposer, SpecSequence
+from engine.speculative.base import PROFILE_CONTEXT, Proposer, SpecSequence
 from engine.speculative.rows import rows_by_request
 
 if TYPE_CHECKING:
-    from engine.config import ModelConfig
-    from engine.model_runner import ModelInput, ModelRunner
-    from engine.speculative.config import SpeculativeConfig
+    from engine.core.config import ModelConfig
+    from engine.core.speculative_config import SpeculativeConfig
+    from engine.parallel.step import ModelInput
+    from engine.speculative.base import TargetRunner
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class HeadModel:
 
     reads_target_hidden = True
 
-    def __init__(self, module: nn.Module, config: ModelConfig, target: ModelRunner,
+    def __init__(self, module: nn.Module, config: ModelConfig, target: TargetRunner,
                  taps: Callable[[torch.Tensor], torch.Tensor]):
         from engine.attention import create_attention_backend
         self.module, self.config, self.target, self.taps = module, config, target, taps
@@ -102,11 +103,11 @@ class HeadModel:
         self.observing = False  # from the proposer's start: the target's load-time profile steps are not kept
 
     def block_bytes(self) -> int:
-        from engine.kv_cache import kv_block_bytes
+        from engine.core.kv_cache import kv_block_bytes
         return kv_block_bytes(self.config, self.num_kv_heads, self.block_size, self.target.kv_dtype)
 
     def give_pool(self, num_blocks: int) -> None:
-        from engine.kv_cache import allocate_kv_cache
+        from engine.core.kv_cache import allocate_kv_cache
         self.kv_cache = allocate_kv_cache(self.config, self.num_kv_heads, num_blocks, self.block_size,
                                           self.target.kv_dtype, self.target.device)
         self.num_blocks, self.free = num_blocks, list(range(num_blocks - 1, 0, -1))  # block 0: the null block
@@ -183,7 +184,7 @@ class HeadProposer(Proposer):
         head.observing = True
 
     @classmethod
-    def from_config(cls, config: SpeculativeConfig, target: ModelRunner | None) -> HeadProposer:
+    def from_config(cls, config: SpeculativeConfig, target: TargetRunner | None) -> HeadProposer:
         assert isinstance(target.draft, HeadModel), "the target's rank-0 runner loads the head (load_model)"
         return cls(target.draft)
 
@@ -241,8 +242,7 @@ class HeadProposer(Proposer):
 
     def profile_seconds(self, batch_sizes: Sequence[int], k: int, device: torch.device) -> tuple[float, ...]:
         """k head decode steps per batch size, over PROFILE_CONTEXT positions of a scratch sequence each."""
-        from engine.speculative.profile import PROFILE_CONTEXT
-        from engine.timing import best_seconds
+        from engine.core.timing import best_seconds
         return tuple(k * best_seconds(lambda: self._profile_step(b, PROFILE_CONTEXT), device) for b in batch_sizes)
 
     def _profile_step(self, num_seqs: int, context: int) -> None:
@@ -255,25 +255,3 @@ class HeadProposer(Proposer):
             head.forward([_Feed(i, [0], hidden, context - 1, 0) for i in range(num_seqs)], states)
         finally:
             head.kv_cache = pool
-
-
-class Eagle3Proposer(HeadProposer):
-    """EAGLE-3 (eagle3.py): its checkpoint is --speculative-model."""
-
-    name = "eagle3"
-
-    @classmethod
-    def load_model(cls, target: ModelRunner) -> HeadModel:
-        from engine.speculative.eagle3 import load_eagle3
-        return load_eagle3(target)
-
-
-class MtpProposer(HeadProposer):
-    """DeepSeek-V3's multi-token-prediction module (mtp.py), from the target's own checkpoint."""
-
-    name = "mtp"
-
-    @classmethod
-    def load_model(cls, target: ModelRunner) -> HeadModel:
-        from engine.speculative.mtp import load_mtp
-        return load_mtp(target)

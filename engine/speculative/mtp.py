@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from engine.layers import RMSNorm
+from engine.layers.common import RMSNorm
 from engine.models.deepseek_v2 import DeepseekForCausalLM
+from engine.speculative.heads import HeadModel, HeadProposer
 
 if TYPE_CHECKING:
-    from engine.config import ModelConfig
-    from engine.model_runner import ModelRunner
+    from engine.core.config import ModelConfig
+    from engine.speculative.base import TargetRunner
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +72,11 @@ def checkpoint_names(layer: int):
     return rename
 
 
-def load_mtp(target: ModelRunner):
+def load_mtp(target: TargetRunner):
     """The target checkpoint's first MTP module beside its rank-0 runner (heads.HeadModel)."""
-    from engine.loader import load_weights, resolve_model_path
-    from engine.moe import select_expert_methods
+    from engine.layers.moe import select_expert_methods
+    from engine.loading.loader import load_weights, resolve_model_path
     from engine.quant import process_weights_after_loading
-    from engine.speculative.heads import HeadModel
     path, mc = resolve_model_path(target.config.model), target.model_config
     raw = json.loads((path / "config.json").read_text()) if path.is_dir() else {}
     if mc.architecture != "deepseek_v3" or not raw.get("num_nextn_predict_layers"):
@@ -106,3 +106,13 @@ def load_mtp(target: ModelRunner):
 def final_hidden(hidden: torch.Tensor) -> torch.Tensor:
     """The module reads the target's final (normed) hidden states."""
     return hidden
+
+
+class MtpProposer(HeadProposer):
+    """DeepSeek-V3's multi-token-prediction module (mtp.py), from the target's own checkpoint."""
+
+    name = "mtp"
+
+    @classmethod
+    def load_model(cls, target: TargetRunner) -> HeadModel:
+        return load_mtp(target)

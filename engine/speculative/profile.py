@@ -14,21 +14,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
-from engine.speculative.base import Proposer, SpecSequence
-from engine.timing import best_seconds
+from engine.core.timing import best_seconds
+from engine.speculative.base import PROFILE_CONTEXT
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
+    from engine.speculative.base import TargetRunner
 
 logger = logging.getLogger(__name__)
 
-PROFILE_CONTEXT = 256  # tokens of context each profiled sequence reads
 PROFILE_MAX_BATCH = 64  # larger batches are taken to behave as the largest measured
 EVERY_BATCH = 1 << 30  # max_batch_size where speculation pays at the largest measured batch
 
@@ -72,7 +68,7 @@ def profile_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def measure_verify(runner: ModelRunner, k: int) -> SpecProfile:
+def measure_verify(runner: TargetRunner, k: int) -> SpecProfile:
     """Decode and verify steps of the target at each profiled batch size (every TP rank runs them,
     in step, as the KV budget's profile)."""
     start = time.perf_counter()
@@ -84,13 +80,3 @@ def measure_verify(runner: ModelRunner, k: int) -> SpecProfile:
     logger.info("speculative decoding: decode and verify steps (%d drafts) profiled in %.1f s", k,
                 time.perf_counter() - start)
     return SpecProfile(sizes, decode, verify)
-
-
-def synthetic_seconds(proposer: Proposer, batch_sizes: Sequence[int], k: int, device: torch.device
-                      ) -> tuple[float, ...]:
-    """A proposer's seconds per batch size on sequences of PROFILE_CONTEXT random tokens of a small
-    vocabulary (so that n-grams recur)."""
-    g = torch.Generator().manual_seed(0)
-    seqs = [SpecSequence(f"profile-{i}", torch.randint(0, 200, (PROFILE_CONTEXT,), generator=g).tolist(), k)
-            for i in range(max(batch_sizes))]
-    return tuple(best_seconds(lambda: proposer.propose(seqs[:b]), device) for b in batch_sizes)

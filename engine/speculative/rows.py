@@ -6,7 +6,7 @@ of each prompt, computed on rank 0 and shipped with the prompt's KV as rows, a r
 - a draft model (draft_model.py): the draft's KV of the prompt (`DraftKVRecorder`: the draft runs
   its prompt pass beside the target, into its pool read through the target's block tables).
 
-    runner.draft = row_recorder(spec, runner)               # ModelRunner, for config.ship_proposer_rows
+    runner.draft = row_recorder(spec, runner)   # registry.py; ModelRunner, for config.ship_proposer_rows
     start, rows = runner.draft.take(request_id, block_ids, num_tokens)   # after the prompt's last chunk
 """
 from __future__ import annotations
@@ -16,12 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.speculative.config import SHIPPED
-
 if TYPE_CHECKING:
-    from engine.config import ModelConfig
-    from engine.model_runner import ModelInput, ModelRunner
-    from engine.speculative.config import SpeculativeConfig
+    from engine.parallel.step import ModelInput
 
 
 def rows_by_request(inp: ModelInput, rows: torch.Tensor) -> Iterator[tuple[str, int, torch.Tensor]]:
@@ -102,34 +98,3 @@ class DraftKVRecorder:
 
     def forget(self, rid: str) -> None:
         """It keeps nothing per request."""
-
-
-def rows_signature(spec: SpeculativeConfig | None, model_config: ModelConfig, dtype: torch.dtype,
-                   kv_dtype: torch.dtype) -> str:
-    """What a prefill instance ships of each prompt for a decode instance's proposer ("": nothing):
-    both ends of a KV transfer compute it from their configs, and must agree (CompatRecord.proposer_rows)."""
-    if spec is None or spec.method not in SHIPPED:
-        return ""
-    if spec.method == "draft_model":
-        from engine.loader import load_model_config
-        dc = load_model_config(spec.model)
-        width = dc.kv_layout.num_slabs * 2 * dc.num_kv_heads * dc.head_dim
-        return f"draft_model: KV of {dc.name}, {width} wide, {str(kv_dtype).removeprefix('torch.')}"
-    dtype = str(dtype).removeprefix("torch.")
-    if spec.method == "eagle3":
-        from engine.speculative.eagle3 import eagle3_rows
-        ids = eagle3_rows(spec.model, model_config.num_layers)
-        return f"eagle3: inputs of layers {','.join(map(str, ids))}, {3 * model_config.hidden_size} wide, {dtype}"
-    return f"mtp: final hidden states, {model_config.hidden_size} wide, {dtype}"
-
-
-def row_recorder(spec: SpeculativeConfig, target: ModelRunner) -> RowRecorder | DraftKVRecorder:
-    """A prefill instance's recorder of what the decode instances' proposer needs of each prompt."""
-    if spec.method == "draft_model":
-        from engine.speculative.draft_model import DraftModel, load_draft
-        return DraftKVRecorder(DraftModel(load_draft(target)))
-    if spec.method == "eagle3":
-        from engine.speculative.eagle3 import eagle3_taps
-        return RowRecorder(eagle3_taps(target, spec.model))
-    from engine.speculative.mtp import final_hidden
-    return RowRecorder(final_hidden)

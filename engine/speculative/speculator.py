@@ -16,13 +16,14 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from engine.speculative.base import Proposer, SpecSequence, create_proposer
-from engine.speculative.config import SpeculativeConfig
+from engine.core.speculative_config import SpeculativeConfig
+from engine.speculative.base import Proposer, SpecSequence
 from engine.speculative.profile import EVERY_BATCH, SpecProfile
+from engine.speculative.registry import create_proposer
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
-    from engine.request import Request
+    from engine.core.request import Request
+    from engine.speculative.base import TargetRunner
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class Speculator:
         self._update_limit()
 
     @classmethod
-    def build(cls, config: SpeculativeConfig, runner: ModelRunner) -> Speculator:
+    def build(cls, config: SpeculativeConfig, runner: TargetRunner) -> Speculator:
         """The proposer beside `runner`, its cost added to the runner's profile (runner.spec_profile)."""
         proposer = create_proposer(config, runner)
         profile = runner.spec_profile

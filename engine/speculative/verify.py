@@ -15,13 +15,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.logits_processing import TokenHistory, needs_processing, process_logits
-from engine.sampling import gather_logprobs, is_greedy, keep_grammar_tokens, probabilities
+from engine.core.batch import TokenHistory
+from engine.sample.logits_processing import needs_processing, process_logits
+from engine.sample.sampling import gather_logprobs, is_greedy, keep_grammar_tokens, probabilities
 from engine.speculative.rejection import rejection_sample
 
 if TYPE_CHECKING:
-    from engine.batch import RunnerOutput
-    from engine.model_runner import ModelInput, ModelRunner
+    from engine.core.batch import RunnerOutput
+    from engine.parallel.step import ModelInput
+    from engine.speculative.base import TargetRunner
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ def split_rows(inp: ModelInput) -> tuple[list[int], list[str], list[Verifying]]:
     return rows, ids, verifying
 
 
-def verify(runner: ModelRunner, logits: torch.Tensor, verifying: list[Verifying], out: RunnerOutput) -> None:
+def verify(runner: TargetRunner, logits: torch.Tensor, verifying: list[Verifying], out: RunnerOutput) -> None:
     """Fills `out.spec_token_ids` (and `out.spec_logprobs`) of each verifying request: its kept
     drafts and one more token; advances its history and grammar; trims its block tables."""
     states = [runner.requests[v.request_id] for v in verifying]
@@ -101,7 +103,7 @@ def _apply_masks_along(logits: torch.Tensor, verifying: list[Verifying], states:
     """In place: each grammar row's forbidden tokens to -inf, the masks taken along its drafts."""
     import llguidance.numpy as llg_numpy
 
-    from engine.structured_output import apply_bitmask
+    from engine.sample.structured_output import apply_bitmask
 
     width = next(s.grammar.vocab_size for s in states if s.grammar is not None)
     bitmask = torch.from_numpy(llg_numpy.allocate_token_bitmask(logits.shape[0], width))
@@ -115,7 +117,7 @@ def _apply_masks_along(logits: torch.Tensor, verifying: list[Verifying], states:
     apply_bitmask(logits, rows, bitmask[rows], width)
 
 
-def _advance(runner: ModelRunner, v: Verifying, state, tokens: list[int]) -> None:
+def _advance(runner: TargetRunner, v: Verifying, state, tokens: list[int]) -> None:
     """The kept tokens join the request's history and grammar; its tables keep the blocks of the
     tokens whose KV is now valid (this step's first token and the kept drafts)."""
     if state.history is not None:

@@ -11,7 +11,7 @@ import yaml
 
 from cluster.cli.flags import add_cli_flags
 from cluster.spec import ClusterSpec
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -225,8 +225,8 @@ def test_api_key_not_in_repr():
     assert "s3cret" not in repr(ClusterSpec(api_key="s3cret"))
 
 
-@pytest.mark.parametrize("module, allowed", [("cluster/spec.py", {"engine.attention", "engine.config",
-                                                                   "engine.expert_placement"}),
+@pytest.mark.parametrize("module, allowed", [("cluster/spec.py", {"engine.attention", "engine.core.config",
+                                                                   "engine.core.expert_placement"}),
                                              ("cluster/state.py", {"cluster.redis_state", "cluster.redis_client"}),
                                              ("cluster/redis_state.py", {"cluster.state", "cluster.redis_client"}),
                                              ("cluster/redis_client.py", set())])

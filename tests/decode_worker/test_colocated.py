@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from decode_worker.llm import LLM
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from tests.helpers import hf_greedy, make_hf_tiny_llama, random_prompts, tiny_engine
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

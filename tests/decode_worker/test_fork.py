@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from decode_worker.scheduler import Scheduler
-from engine.request import choice_id
-from engine.batch import RunnerOutput
-from engine.block_manager import KVCacheManager
-from engine.config import SchedulerConfig
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.core.batch import RunnerOutput
+from engine.core.block_manager import KVCacheManager
+from engine.core.config import SchedulerConfig
+from engine.core.request import choice_id
+from engine.core.request import Request, RequestStatus, SamplingParams
 
 BLOCK = 4
 EOS = 2

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from decode_worker.worker import DecodeWorker
-from engine.handover import Handover
-from engine.request import RequestMessage, SamplingParams
+from engine.core.handover import Handover
+from engine.core.request import RequestMessage, SamplingParams
 from kvtransfer.base import CompletedTransfer, KVReceiver
 from kvtransfer.connector import DecodeConnector
 from tests.helpers import make_hf_tiny_llama, tiny_engine
@@ -131,7 +131,7 @@ def test_an_idle_decode_instance_makes_no_collective_call():
 
 
 def test_a_malformed_handover_fails_its_request_only():
-    """A trailer that is no handover (engine/handover.py): that request ends with an error flagged
+    """A trailer that is no handover (engine/core/handover.py): that request ends with an error flagged
     `kv_load_failed`, its blocks freed, counted among the dropped KV messages; another decodes on."""
     engine = tiny_engine(make_hf_tiny_llama(), num_blocks=32, block_size=8)
     rx = FakeReceiver()

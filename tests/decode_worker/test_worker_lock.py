@@ -11,7 +11,7 @@ import pytest
 
 from decode_worker.engine import ColocatedEngine
 from decode_worker.worker import DecodeWorker
-from engine.request import RequestMessage, SamplingParams
+from engine.core.request import RequestMessage, SamplingParams
 from gateway import protocol
 from kvtransfer.connector import DecodeConnector
 from tests.decode_worker.test_worker import FakeReceiver

@@ -16,7 +16,7 @@ import yaml
 
 from cluster import spec as cluster_spec
 from cluster.spec import ClusterSpec
-from engine.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
+from engine.core.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -12,8 +12,8 @@ import pytest
 from cluster.autoscale.factory import POLICIES as AUTOSCALE_POLICIES
 from cluster.spec import CHOICES, ClusterSpec
 from engine.attention import BACKENDS as ATTENTION_BACKENDS
-from engine.config import DTYPE_CHOICES, EXPERT_METHOD_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
-from engine.speculative.config import METHODS as SPECULATIVE_METHODS
+from engine.core.config import DTYPE_CHOICES, EXPERT_METHOD_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
+from engine.core.speculative_config import METHODS as SPECULATIVE_METHODS
 from gateway.reasoning import REASONING_PARSERS
 from gateway.tool_parsers import TOOL_PARSERS
 from router.policy import ROUTING_POLICIES

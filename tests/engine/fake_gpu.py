@@ -1,4 +1,4 @@
-"""A pretend CUDA device for the KV budget's tests (engine/kv_budget.py): its memory as the driver
+"""A pretend CUDA device for the KV budget's tests (engine/runner/kv_budget.py): its memory as the driver
 and torch's allocator would report it, with other processes on it and one process under test.
 
     free = total - others - context - non_torch - reserved
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.device_memory import MemorySnapshot
+from engine.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.runner.device_memory import MemorySnapshot
 
 GiB, MiB = 1 << 30, 1 << 20
 # Llama-3-8B's shape: a KV block of 16 tokens is 32 layers x 2 x 16 x 8 heads x 128 x 2 bytes = 2 MiB
@@ -21,7 +21,7 @@ LLAMA_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14
 
 
 class FakeGpu:
-    """A DeviceMemory (engine/device_memory.py) whose numbers the test sets."""
+    """A DeviceMemory (engine/runner/device_memory.py) whose numbers the test sets."""
 
     def __init__(self, total: int, others: int = 0, context: int = 0):
         self.total_bytes, self.others, self.context_bytes = total, others, context

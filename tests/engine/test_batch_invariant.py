@@ -1,4 +1,4 @@
-"""The batch-invariant mode (engine/batch_invariant.py): each row's numbers are a function of that
+"""The batch-invariant mode (engine/quant/batch_invariant.py): each row's numbers are a function of that
 row alone, bit for bit, and close to the plain computation."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from decode_worker.llm import LLM
-from engine import batch_invariant
-from engine.batch_invariant import fixed_split_attention, fixed_split_decode, tiled_linear
+from engine.core.request import SamplingParams
+from engine.quant import batch_invariant
 from engine.quant.base import mkldnn_packing_available
-from engine.request import SamplingParams
+from engine.quant.batch_invariant import fixed_split_attention, fixed_split_decode, tiled_linear
 from tests.helpers import all_logits, make_hf_tiny_llama, random_prompts, tiny_engine
 
 

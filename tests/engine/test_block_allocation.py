@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 
-import engine.block_manager as bm
+import engine.core.block_manager as bm
 from decode_worker.scheduler import Scheduler
-from engine.config import SchedulerConfig
-from engine.request import RequestStatus
+from engine.core.config import SchedulerConfig
+from engine.core.request import RequestStatus
 
 from tests.engine.test_block_manager import (BLOCK_SIZE, create_manager, create_requests, free_and_assert_no_leaks,
                                              prefill)

@@ -3,8 +3,8 @@ copy its partial last block (copy on write); no room changes nothing; the hashes
 cache its own blocks right."""
 from __future__ import annotations
 
-from engine.block_manager import KVCacheManager
-from engine.request import Request
+from engine.core.block_manager import KVCacheManager
+from engine.core.request import Request
 from tests.engine.test_block_manager import BLOCK_SIZE, create_requests
 
 

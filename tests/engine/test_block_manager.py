@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import engine.block_manager as bm
-from engine.block_manager import BlockPool, KVCacheManager, hash_block_tokens
-from engine.request import Request
+import engine.core.block_manager as bm
+from engine.core.block_manager import BlockPool, KVCacheManager, hash_block_tokens
+from engine.core.request import Request
 
 BLOCK_SIZE = 16
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -382,7 +382,7 @@ def test_hashes_are_deterministic_across_processes(hash_seed):
     first = hash_block_tokens(None, list(range(16)))
     assert first == hash_block_tokens(None, list(range(16))) == GOLDEN["first"] < 2 ** 64
     assert hash_block_tokens(first, list(range(16, 32))) == GOLDEN["second"]
-    code = ("from engine.block_manager import hash_block_tokens as h; f = h(None, list(range(16)));"
+    code = ("from engine.core.block_manager import hash_block_tokens as h; f = h(None, list(range(16)));"
             "print(f, h(f, list(range(16, 32))))")
     env = dict(os.environ, PYTHONHASHSEED=hash_seed)
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,

@@ -2,8 +2,8 @@
 KV groups of sliding and global layers side by side (Gemma 2)."""
 from __future__ import annotations
 
-from engine.block_manager import KVCacheManager
-from engine.request import Request
+from engine.core.block_manager import KVCacheManager
+from engine.core.request import Request
 from tests.engine.test_block_manager import BLOCK_SIZE, create_requests
 
 

@@ -1,4 +1,4 @@
-"""The static decode step CUDA graphs capture (engine/cuda_graphs.py), run eagerly on the CPU:
+"""The static decode step CUDA graphs capture (engine/runner/cuda_graphs.py), run eagerly on the CPU:
 padded to a captured batch size and context bucket, its logits equal the plain decode path's for
 every real row, step after step; steps it cannot take (prefills, too long) are refused. The
 capture itself needs a GPU (bench/gpu_check.py)."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cuda_graphs import DecodeGraphs, block_buckets
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
+from engine.runner.cuda_graphs import DecodeGraphs, block_buckets
 from tests.helpers import make_hf_tiny_llama, random_prompts, tiny_engine
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

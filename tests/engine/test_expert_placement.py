@@ -1,4 +1,4 @@
-"""Expert placement (engine/expert_placement.py): the default runs, the load-balancing plan with
+"""Expert placement (engine/core/expert_placement.py): the default runs, the load-balancing plan with
 and without replicas, its validity on random loads, and the file format's refusals."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from engine.expert_compute import LocalExperts
-from engine.expert_placement import ExpertPlacement, imbalance, pack, plan, rank_loads
-from engine.moe import grouped_experts, route
+from engine.core.expert_placement import ExpertPlacement, imbalance, pack, plan, rank_loads
+from engine.layers.expert_compute import LocalExperts
+from engine.layers.moe import grouped_experts, route
 
 SKEWED = [400, 200, 120, 90, 60, 40, 20, 10]  # tokens per expert: the hot ones share the first rank by default
 

@@ -11,11 +11,11 @@ import torch
 
 from decode_worker.engine import ColocatedEngine
 from decode_worker.llm import LLM
-from engine.expert_placement import ExpertPlacement, plan
-from engine.loader import hf_model_config
-from engine.model_runner import ModelRunner
+from engine.core.expert_placement import ExpertPlacement, plan
+from engine.core.request import SamplingParams
+from engine.loading.loader import hf_model_config
 from engine.models import UnsupportedConfig
-from engine.request import SamplingParams
+from engine.runner.model_runner import ModelRunner
 from tests.helpers import (FAMILIES, all_logits, assert_logits_match_transformers, engine_config, hf_greedy,
                            make_hf_tiny, random_prompts, run_gloo_ranks)
 
@@ -175,8 +175,8 @@ def _tp_rank(rank: int, port: int, runs: list[tuple[str, str, object]], prompt: 
 
     import torch.distributed as dist
 
-    from engine.moe import moe_blocks
-    from engine.parallel import TPGroup
+    from engine.layers.moe import moe_blocks
+    from engine.parallel.layers import TPGroup
     from tests.engine.quant.test_engine import _prefill_logits
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,

@@ -1,17 +1,17 @@
 """Gemma 3 beyond the per-family tests (logits and greedy tokens: tests/engine/test_families.py and
 test_gguf_families.py): a config.json as published before transformers 5 reads as transformers
 reads it; a `gemma3` GGUF gets llama.cpp's layer types, rotary bases and query scale; Gemma 3's
-chat template renders through engine/tokenizer.py as transformers renders it."""
+chat template renders through engine/text/tokenizer.py as transformers renders it."""
 from __future__ import annotations
 
 import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
 
-from engine.gguf_loader import _family_switches
+from engine.loading.gguf_loader import _family_switches
 from engine.models import config_from_hf
 from engine.models.hf_config import normalize_rope_scaling
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 # the keys of google/gemma-3-1b-it's config.json (transformers 4.50: no layer_types, no rope_parameters)
 GEMMA3_1B = {"architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attn_logit_softcapping": None,

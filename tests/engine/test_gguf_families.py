@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.gguf_loader import gguf_model_config
-from engine.model_runner import ModelRunner
+from engine.loading.gguf_loader import gguf_model_config
+from engine.runner.model_runner import ModelRunner
 from tests.engine.gguf.make_fixtures import FAMILIES, VOCAB
 from tests.helpers import assert_logits_match_transformers, engine_config, make_hf_tiny, random_prompts
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.gguf_loader import open_gguf, read_gguf_metadata
-from engine.gguf_tokenizer import gguf_backend
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.quant.gguf_file import open_gguf, read_gguf_metadata
+from engine.text.gguf_tokenizer import gguf_backend
+from engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 GGUF = Path(__file__).parent / "gguf"
 STRINGS = [

@@ -1,6 +1,6 @@
 """Every tensor type llama.cpp's quantizer writes (Q2_K to Q8_0, BF16, F16, F32) loads equal to
 gguf-py's own dequantization; the 4-bit types that decode onto int4 (Q4_0, Q4_1, Q4_K) run on their
-codes where the whole layer has them (engine/gguf_codes.py), the rest dequantized, as a Q4_K_M
+codes where the whole layer has them (engine/quant/gguf_codes.py), the rest dequantized, as a Q4_K_M
 mix needs; and the load log names every type."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 from bench.gguf_types import LINEARS, TYPES, q4_k_m_types, random_blocks, write_llama_gguf
-from engine.gguf_codes import describe_tensor_types, gguf_code_plan
-from engine.gguf_loader import _as_hf_rows, hf_param_name, open_gguf
-from engine.loader import load_weights
+from engine.loading.loader import load_weights
+from engine.quant.gguf_codes import describe_tensor_types, gguf_code_plan
+from engine.quant.gguf_file import _as_hf_rows, hf_param_name, open_gguf
 from engine.quant.q4 import decode_q4_blocks, dequantize_q4
 
 # K-quants take rows of 256 weights: every input width is 256
@@ -37,7 +37,7 @@ def test_every_tensor_type_loads_as_gguf_py_dequantizes_it(tmp_path, caplog):
     slots = [f"blk.{i}.{n}" for i in range(2) for n in LINEARS]
     path = write_llama_gguf(tmp_path / "types.gguf", dict(zip(slots, TYPES)), layers=2, **WIDTHS)
     assert {t.tensor_type.name for t in open_gguf(path).tensors} == set(TYPES)
-    with caplog.at_level(logging.INFO, logger="engine.gguf_codes"):
+    with caplog.at_level(logging.INFO, logger="engine.quant.gguf_codes"):
         loaded = dict(load_weights(path, torch.float32, cache_dir=tmp_path / "cache"))
     expected = _gguf_dequantized(path)
     assert set(loaded) == set(expected)
@@ -86,7 +86,7 @@ def test_q4_k_m_mix_reads_whole_q4_layers_as_codes(tmp_path):
 def test_q4_k_m_mix_runs_int4_beside_dequantized_layers(tmp_path, monkeypatch):
     """The engine on a Q4_K_M mix under `auto` runs int4 on the Q4_K layers and the dequantized
     floats on the others, with the logits of `none` (everything dequantized) to fp32 rounding."""
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
     from tests.helpers import all_logits, engine_config, random_prompts
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     path = write_llama_gguf(tmp_path / "mix.gguf", q4_k_m_types(3), layers=3, **WIDTHS)
@@ -108,8 +108,8 @@ def test_a_mixture_whose_experts_are_not_all_q4_keeps_them_dequantized(tmp_path,
     on its Q4_0 codes; the logits are those of `none` to fp32 rounding."""
     from pathlib import Path
 
-    from engine.model_runner import ModelRunner
-    from engine.moe import moe_blocks
+    from engine.layers.moe import moe_blocks
+    from engine.runner.model_runner import ModelRunner
     from tests.engine.gguf.requantize import requantize
     from tests.helpers import all_logits, engine_config, random_prompts
     Q = gguf.GGMLQuantizationType

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.loader import hf_model_config
-from engine.model_runner import ModelRunner
+from engine.loading.loader import hf_model_config
 from engine.models import UnsupportedConfig
 from engine.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from engine.runner.model_runner import ModelRunner
 from tests.helpers import (FAMILIES, assert_logits_match_transformers, engine_config, make_hf_tiny,
                            random_prompts)
 

@@ -1,4 +1,4 @@
-"""The KV budget of a GPU rank (engine/kv_budget.py) from what a pretend device reports
+"""The KV budget of a GPU rank (engine/runner/kv_budget.py) from what a pretend device reports
 (tests/engine/fake_gpu.py): the CUDA context and other non-torch memory are this process's, the
 larger of the prefill and decode profiles counts, CUDA graphs are reserved, a second process on
 the device takes what is free and never more than its share, and a budget short of one request at
@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import device_memory
-from engine.config import ModelConfig
-from engine.device_memory import TorchDeviceMemory
-from engine.kv_budget import FREE_MARGIN, blocks_for_one_request, blocks_from_device
+from engine.core.config import ModelConfig
+from engine.runner import device_memory
+from engine.runner.device_memory import TorchDeviceMemory
+from engine.runner.kv_budget import FREE_MARGIN, blocks_for_one_request, blocks_from_device
 from tests.engine.fake_gpu import GiB, MiB, FakeGpu, FakeRunner
 
 BLOCK = 2 * MiB

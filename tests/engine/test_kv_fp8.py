@@ -14,9 +14,9 @@ from engine.attention import create_attention_backend
 from engine.attention.base import FP8, dequantize_fp8, gather_kv, quantize_fp8, write_kv
 from engine.attention.flash3_backend import Flash3FP8Backend
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.config import CacheConfig, resolve_kv_cache_dtype
-from engine.kv_cache import kv_block_bytes
-from engine.model_runner import ModelRunner
+from engine.core.config import CacheConfig, resolve_kv_cache_dtype
+from engine.core.kv_cache import kv_block_bytes
+from engine.runner.model_runner import ModelRunner
 from tests.engine.test_flash_backend import (BATCHES, HEAD_DIM, RecordingFlash, _gather_paged, _ref_attend,
                                              build_metadata)
 from tests.helpers import engine_config, make_hf_tiny_llama, model_config_of

@@ -11,8 +11,8 @@ import torch
 from decode_worker.llm import LLM
 from engine.attention.base import dequantize_fp8, quantize_fp8
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.cuda_graphs import DecodeGraphs
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
+from engine.runner.cuda_graphs import DecodeGraphs
 from tests.helpers import all_logits, make_hf_tiny_llama, random_prompts, tiny_engine
 
 # Measured on this model: teacher-forced logits of 12 prompts (5-150 tokens, 32 generated) differ

@@ -1,5 +1,5 @@
 """How many KV blocks a rank gets: fixed, from the CPU budget, or (on a GPU) from the device's
-memory after profiling steps (engine/kv_budget.py; its arithmetic: test_kv_device_budget.py). The
+memory after profiling steps (engine/runner/kv_budget.py; its arithmetic: test_kv_device_budget.py). The
 profiling steps run on a CPU too: they must leave the runner exactly as they found it; and a CPU
 runner given a device reader sizes its pool through the same path as a GPU rank."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from engine.config import CacheConfig
-from engine.kv_cache import kv_block_bytes
-from engine.model_runner import ModelRunner
+from engine.core.config import CacheConfig
+from engine.core.kv_cache import kv_block_bytes
+from engine.runner.model_runner import ModelRunner
 from tests.engine.fake_gpu import GiB, MiB, FakeGpu
 from tests.helpers import all_logits, engine_config, make_hf_tiny_llama, model_config_of, random_prompts
 

@@ -9,9 +9,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from engine import gguf_loader
-from engine.gguf_loader import cache_path_for, permute_qk, unpermute_qk
-from engine.loader import load_model_config, load_weights, resolve_model_path
+from engine.loading import gguf_loader
+from engine.loading.gguf_loader import cache_path_for
+from engine.loading.loader import load_model_config, load_weights, resolve_model_path
+from engine.quant import gguf_file
+from engine.quant.gguf_file import permute_qk, unpermute_qk
 from tests.helpers import make_hf_tiny_llama
 
 # A tiny GQA llama: 4 query heads, 2 KV heads, head_dim 16. Widths are multiples of 32 (quant block).
@@ -88,7 +90,7 @@ def tiny_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     _write_gguf(path, source, TENSOR_TYPES)
     # Quant blocks lie within a row and the Q/K permutation moves whole rows, so they commute.
-    expected = {gguf_loader.hf_param_name(f"{base}.weight"):
+    expected = {gguf_file.hf_param_name(f"{base}.weight"):
                 torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, TENSOR_TYPES[base]),
                                                         TENSOR_TYPES[base]).reshape(w.shape).copy())
                 for base, w in source.items()}

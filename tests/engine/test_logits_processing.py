@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-from engine.logits_processing import TokenHistory, history_of, process_logits
-from engine.request import Request, SamplingParams
-from engine.sampling import Sampler
+from engine.core.batch import TokenHistory
+from engine.core.request import Request, SamplingParams
+from engine.sample.logits_processing import history_of, process_logits
+from engine.sample.sampling import Sampler
 
 GREEDY = dict(temperature=0.0, max_tokens=8)
 

@@ -1,4 +1,4 @@
-"""DeepSeek's latent attention (engine/mla.py): the cache holds one entry per token (the latent and
+"""DeepSeek's latent attention (engine/layers/mla.py): the cache holds one entry per token (the latent and
 the rotary key, transformers' own cached values), the absorbed and expanded forms give
 transformers' logits, an fp8 cache stays within its rounding, and what cannot run it is refused.
 The families' logits and greedy tokens against transformers: tests/engine/test_families.py."""
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from engine.attention import create_attention_backend
-from engine.kv_cache import kv_block_bytes
-from engine.loader import hf_model_config
-from engine.mla import FORMS, MLAAttention, PrefillForms, deinterleave_rows
-from engine.model_runner import ModelRunner
+from engine.core.kv_cache import kv_block_bytes
+from engine.layers.mla import FORMS, MLAAttention, PrefillForms, deinterleave_rows
+from engine.loading.loader import hf_model_config
+from engine.runner.model_runner import ModelRunner
 from tests.helpers import (FAMILIES, all_logits, assert_logits_match_transformers, engine_config, make_hf_tiny,
                            random_prompts)
 
@@ -73,7 +73,7 @@ def test_absorbed_decodes_equal_expanded_ones(deepseek):
     sequence at a time): the same tokens, and top logprobs within 1e-4."""
     from decode_worker.engine import ColocatedEngine
     from decode_worker.llm import LLM
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
     _, _, folder = deepseek
     prompts = random_prompts(3, [5, 30, 70], seed=8)
     outs = {}
@@ -95,7 +95,7 @@ def test_a_prefix_cache_hit_reads_the_cached_latents(deepseek):
     blocks) and still decodes transformers' 16 greedy tokens."""
     from decode_worker.engine import ColocatedEngine
     from decode_worker.llm import LLM
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
     from tests.helpers import hf_greedy
     _, hf, folder = deepseek
     cfg = engine_config(model=str(folder))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model_runner import ModelRunner
+from engine.runner.model_runner import ModelRunner
 from tests.helpers import all_logits, engine_config, make_hf_tiny_llama, model_config_of, random_prompts, save_tiny_llama
 
 
@@ -64,7 +64,7 @@ def test_llama3_rope_scaling_matches_transformers():
 def test_auto_dtype_follows_native_bf16_support():
     """auto is bf16 on CUDA and on CPUs with native bf16 kernels, float32 on CPUs that emulate it."""
     import torch
-    from engine.config import cpu_has_native_bf16, resolve_dtype
+    from engine.core.config import cpu_has_native_bf16, resolve_dtype
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     cpu = resolve_dtype("auto", torch.device("cpu"))
     assert cpu == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)

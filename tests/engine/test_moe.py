@@ -1,4 +1,4 @@
-"""The mixture-of-experts layer (engine/moe.py) against a plain per-token reference written from
+"""The mixture-of-experts layer (engine/layers/moe.py) against a plain per-token reference written from
 the routing's definition: the grouped expert compute, the routing's edge cases (ties, an expert no
 token chose, every token to one expert), the load counts, and the checkpoint names it loads."""
 from __future__ import annotations
@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig, MoEConfig
-from engine.expert_compute import LocalExperts
-from engine.expert_placement import HeldExperts, contiguous_experts
-from engine.moe import SparseMoeBlock, expert_param, grouped_experts, route
-from engine.parallel import TPGroup
+from engine.core.config import ModelConfig, MoEConfig
+from engine.core.expert_placement import HeldExperts, contiguous_experts
+from engine.layers.expert_compute import LocalExperts
+from engine.layers.moe import SparseMoeBlock, expert_param, grouped_experts, route
+from engine.parallel.layers import TPGroup
 
 HIDDEN, INTER, EXPERTS = 16, 12, 6
 
@@ -137,7 +137,7 @@ def test_a_mixture_refuses_the_batch_invariant_mode(tmp_path):
     """--batch-invariant with a mixture of experts: refused at start, naming the model and why."""
     from dataclasses import replace
 
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
     from tests.helpers import FAMILIES, engine_config, save_tiny
     kind, switches = FAMILIES["qwen3_moe"]
     folder = save_tiny(tmp_path / "m", kind, **switches)
@@ -168,17 +168,17 @@ def test_expert_parallel_ranks_sum_to_the_whole():
 
 
 def test_the_spec_offers_every_expert_method():
-    """The cluster spec's choices (engine/config.py) are the methods engine/expert_compute.py has."""
-    from engine.config import EXPERT_METHOD_CHOICES
-    from engine.expert_compute import METHOD_CHOICES
+    """The cluster spec's choices (engine/core/config.py) are the methods engine/layers/expert_compute.py has."""
+    from engine.core.config import EXPERT_METHOD_CHOICES
+    from engine.layers.expert_compute import METHOD_CHOICES
     assert EXPERT_METHOD_CHOICES == METHOD_CHOICES
 
 
 def test_vllm_cpus_fused_moe_equals_the_reference():
-    """vLLM-CPU's fused MoE (engine/expert_compute.py `vllm_cpu`), chosen for a block: its weights
+    """vLLM-CPU's fused MoE (engine/layers/expert_compute.py `vllm_cpu`), chosen for a block: its weights
     repacked in place, the block's output equal to the per-token reference within 1e-5."""
-    from engine.expert_compute import vllm_cpu_moe_unavailable
-    from engine.moe import select_expert_methods
+    from engine.layers.expert_compute import vllm_cpu_moe_unavailable
+    from engine.layers.moe import select_expert_methods
     block = _block(hidden=32, inter=32)  # the op's GEMM outputs (2 * 32, 32) fill its tiles
     if (why := vllm_cpu_moe_unavailable(block.experts.w13_weight, block.experts.w2_weight, None)) is not None:
         pytest.skip(f"vllm_cpu: {why}")
@@ -192,7 +192,7 @@ def test_vllm_cpus_fused_moe_equals_the_reference():
     assert block.experts.choice.method(1) == "vllm_cpu"
     torch.testing.assert_close(block(x), want, atol=1e-5, rtol=1e-5)
     # the op reads dense rows: top-k weights and ids given as views into wider tensors still work
-    from engine.expert_compute import vllm_cpu_experts
+    from engine.layers.expert_compute import vllm_cpu_experts
     weights, ids = route(block.gate(x), EXPERTS, False)
     got = vllm_cpu_experts(x, block.experts.w13_weight, block.experts.w2_weight, weights[:, :2], ids[:, :2])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -205,7 +205,7 @@ def test_vllm_cpus_fused_moe_equals_the_reference():
 def test_auto_takes_the_packed_kernel_for_every_range_or_for_none(monkeypatch, packed_ms, want):
     """Times per range (1, 8, 32, 256 tokens): loop 4, 4, 1, 1 ms; grouped_mm 1, 1, 4, 4 ms;
     vllm_cpu `packed_ms` each. The per-range plan sums to 4 ms; vllm_cpu runs only if its sum is less."""
-    from engine import expert_compute
+    from engine.layers.common import expert_compute
     times = {"loop": iter([4.0, 4.0, 1.0, 1.0]), "grouped_mm": iter([1.0, 1.0, 4.0, 4.0])}
     monkeypatch.setattr(expert_compute, "vllm_cpu_moe_unavailable", lambda *a: None)
     monkeypatch.setattr(expert_compute, "vllm_cpu_pack", lambda w: w)
@@ -223,8 +223,8 @@ def test_every_rank_runs_rank_0s_choice_of_expert_method():
     instance runs one method; here rank 0's is loop, whatever this rank measured."""
     from types import SimpleNamespace
 
-    from engine.expert_compute import MethodChoice
-    from engine.moe import select_expert_methods
+    from engine.layers.expert_compute import MethodChoice
+    from engine.layers.moe import select_expert_methods
     block = _block()
     rank0 = MethodChoice(((None, "loop"),), ({"loop": 1.0},))
     sent = []
@@ -244,7 +244,7 @@ def test_vllm_cpus_fused_moe_in_two_threads_at_once():
     served other tokens than colocated because of it."""
     import threading
 
-    from engine.expert_compute import vllm_cpu_experts, vllm_cpu_moe_unavailable, vllm_cpu_pack
+    from engine.layers.expert_compute import vllm_cpu_experts, vllm_cpu_moe_unavailable, vllm_cpu_pack
     router, w13, w2 = _weights(11, hidden=64, inter=64)
     if (why := vllm_cpu_moe_unavailable(w13, w2, None)) is not None:
         pytest.skip(f"vllm_cpu: {why}")
@@ -277,8 +277,8 @@ def test_gpt_oss_experts_equal_transformers(method):
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-    from engine.expert_compute import vllm_cpu_moe_unavailable
-    from engine.moe import select_expert_methods
+    from engine.layers.expert_compute import vllm_cpu_moe_unavailable
+    from engine.layers.moe import select_expert_methods
     hidden, inter, experts = 64, 32, 6
     torch.manual_seed(0)
     ref = GptOssMLP(GptOssConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts,

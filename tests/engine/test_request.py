@@ -8,7 +8,7 @@ from dataclasses import FrozenInstanceError
 
 import pytest
 
-from engine.request import Request, RequestMessage, RequestStatus, SamplingParams, check_admission
+from engine.core.request import Request, RequestMessage, RequestStatus, SamplingParams, check_admission
 
 
 def test_a_message_is_immutable_and_round_trips_through_pickle():

@@ -1,4 +1,4 @@
-"""DeepSeek's routings (engine/routing.py) against transformers' routers on the same weights: the
+"""DeepSeek's routings (engine/layers/routing.py) against transformers' routers on the same weights: the
 same experts and weights per token (order aside), for V2's greedy and group-limited choices and
 V3's sigmoid choice with the correction bias, over groups."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import MoEConfig
-from engine.routing import route_tokens, top_ids
+from engine.core.config import MoEConfig
+from engine.layers.routing import route_tokens, top_ids
 
 EXPERTS, HIDDEN = 16, 24
 

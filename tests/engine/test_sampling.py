@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from engine.request import SamplingParams
-from engine.sampling import Sampler, SamplerOutput, make_generator
+from engine.core.request import SamplingParams
+from engine.sample.sampling import Sampler, SamplerOutput, make_generator
 
 VOCAB = 32
 

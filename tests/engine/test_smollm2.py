@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from decode_worker.llm import LLM
-from engine.loader import resolve_model_path
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
+from engine.loading.loader import resolve_model_path
 from tests.helpers import all_logits
 
 pytestmark = pytest.mark.slow
@@ -32,7 +32,7 @@ CHATS = [
     [{"role": "user", "content": "What does a compiler do? Answer like a pirate."}],
 ]
 # Our tokenizer isolates digits first (SmolLM2's tokenizer.json); transformers' GGUF tokenizer does
-# not, so a whitespace character before a digit tokenizes differently (see engine/tokenizer.py).
+# not, so a whitespace character before a digit tokenizes differently (see engine/text/tokenizer.py).
 EXTRA_TEXTS = ["Hi! What's 2+2?", "Déjà vu: naïve café, 日本語 😀", "def f(x):\n    return x**2"]
 _SPACE_BEFORE_DIGIT = re.compile(r"\s\d")
 GREEDY_TOKENS = 32

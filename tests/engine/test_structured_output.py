@@ -1,4 +1,4 @@
-"""Structured outputs (engine/structured_output.py): grammar masks, spec checks, and the engine end to
+"""Structured outputs (engine/sample/structured_output.py): grammar masks, spec checks, and the engine end to
 end on the built-in SmolLM2-135M GGUF."""
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from decode_worker.llm import LLM
-from engine.batch import NewRequestData, SchedulerOutput
-from engine.logits_processing import TokenHistory, history_of, needs_processing
-from engine.request import Request, SamplingParams
-from engine.sampling import Sampler
-from engine.structured_output import (GrammarState, _unpack_numpy, _unpack_torch, apply_grammar_masks, check,
+from engine.core.batch import NewRequestData, SchedulerOutput
+from engine.core.batch import TokenHistory
+from engine.core.request import Request, SamplingParams
+from engine.sample.logits_processing import history_of, needs_processing
+from engine.sample.sampling import Sampler
+from engine.sample.structured_output import (GrammarState, _unpack_numpy, _unpack_torch, apply_grammar_masks, check,
                                       grammar_of, ll_tokenizer)
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 VOCAB = 49152  # SmolLM2's logits width
 EOS = 2  # <|im_end|>

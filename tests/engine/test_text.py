@@ -1,12 +1,12 @@
-"""engine/text.py: a request's text decided once: detokenized, cut at a stop string, held back
+"""engine/text/detokenize.py: a request's text decided once: detokenized, cut at a stop string, held back
 while a stop string may still be forming; tokens past the stop are counted, not added."""
 from __future__ import annotations
 
 import pytest
 
-from engine.loader import resolve_model_path
-from engine.text import TextState
-from engine.tokenizer import Tokenizer
+from engine.loading.loader import resolve_model_path
+from engine.text.detokenize import TextState
+from engine.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

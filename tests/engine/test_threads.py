@@ -1,4 +1,4 @@
-"""engine/threads.py: a thread beside the step thread that runs serially starts no OpenMP team,
+"""engine/core/threads.py: a thread beside the step thread that runs serially starts no OpenMP team,
 and the step thread keeps its own team size."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from engine.threads import DEFAULT_NUM_THREADS, run_serially, use_intraop_threads
+from engine.core.threads import DEFAULT_NUM_THREADS, run_serially, use_intraop_threads
 
 pytestmark = pytest.mark.skipif(DEFAULT_NUM_THREADS < 2 or not os.path.isdir("/proc/self/task"),
                                 reason="needs 2+ torch threads and Linux's /proc")
@@ -99,7 +99,7 @@ class _Host:
 
 
 def _sizer(max_threads: int, host: _Host) -> "TeamSizer":
-    from engine.threads import TeamSizer
+    from engine.core.threads import TeamSizer
     sizer = TeamSizer(max_threads, clock=lambda: host.now, read_busy=lambda cpus: host.busy, read_own=lambda: host.own)
     sizer.cpus = frozenset(range(2))  # a 2-core host, whatever runs the test
     return sizer
@@ -155,7 +155,7 @@ def test_team_reads_the_host_at_most_once_an_interval_and_never_past_its_most():
 
 def test_cpu_busy_counts_only_the_given_cpus(tmp_path):
     """The busy time of /proc/stat's per-CPU lines, all fields but idle and iowait, of the given CPUs only."""
-    from engine.threads import read_cpu_busy_s
+    from engine.core.threads import read_cpu_busy_s
     stat = tmp_path / "stat"
     stat.write_text("cpu  10 0 10 100 5 0 0 0 0 0\n"
                     "cpu0 4 1 2 50 3 1 1 1 0 0\n"

@@ -7,8 +7,8 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import pre_tokenizers
 
-from engine.loader import resolve_model_path
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.loading.loader import resolve_model_path
+from engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 CHATS = [
     [{"role": "user", "content": "Hi! What's 2+2?"}],

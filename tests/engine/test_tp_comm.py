@@ -1,5 +1,5 @@
-"""Broadcasting a step to TP followers (engine/tp_comm.py): the structure travels as msgpack on the
-control group (engine/tp_wire.py), the tensors as one buffer per dtype on the device group; every follower gets a
+"""Broadcasting a step to TP followers (engine/parallel/tp_comm.py): the structure travels as msgpack on the
+control group (engine/parallel/tp_wire.py), the tensors as one buffer per dtype on the device group; every follower gets a
 step equal to the driver's, field by field, tensors included (gloo for both groups here)."""
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.attention.base import AttentionMetadata
-from engine.model_runner import ModelInput
-from engine.parallel import TPGroup
-from engine.tp_comm import fill_tensors, split_tensors
+from engine.parallel.layers import TPGroup
+from engine.parallel.step import ModelInput
+from engine.parallel.tp_comm import fill_tensors, split_tensors
 from kvtransfer.connector import Shipment
 from kvtransfer.params import KVEndpoint, KVTransferParams
 

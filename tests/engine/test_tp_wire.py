@@ -1,4 +1,4 @@
-"""The TP group's control messages (engine/tp_wire.py): msgpack of registered records only, sealed
+"""The TP group's control messages (engine/parallel/tp_wire.py): msgpack of registered records only, sealed
 with an HMAC; nothing that crosses a 2-rank group is unpickled, and a tampered or foreign message
 is refused before it is decoded."""
 from __future__ import annotations
@@ -15,8 +15,9 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 import torch.multiprocessing as mp
 
-from engine.parallel import TPGroup
-from engine.tp_wire import TPAuthError, WireCodec, engine_types
+from engine.parallel.layers import TPGroup
+from engine.parallel.step import engine_types
+from engine.parallel.tp_wire import TPAuthError, WireCodec
 from tests.engine.test_tp_comm import STEP_TYPES, assert_equal_steps, make_step
 
 pytestmark = pytest.mark.timeout(400)  # spawned ranks: slow on a loaded 2-core box

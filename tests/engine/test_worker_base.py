@@ -1,11 +1,11 @@
-"""The loop both workers run (engine/worker_base.py), with a scripted worker: rank 0 steps until
+"""The loop both workers run (engine/runner/worker_base.py), with a scripted worker: rank 0 steps until
 stopped, sleeping only after a step that ran nothing, aborts silent clients' requests, then
 releases the followers; a follower runs rank 0's steps until released."""
 from __future__ import annotations
 
 import threading
 
-from engine.worker_base import BaseWorker
+from engine.runner.worker_base import BaseWorker
 
 
 class FakeTP:
@@ -55,7 +55,7 @@ class ScriptedWorker(BaseWorker):
 def test_rank_0_steps_until_stopped_then_releases_the_followers(monkeypatch):
     """Every step runs; only a step that ran nothing is followed by a sleep; the followers get "stop" once, last."""
     sleeps = []
-    monkeypatch.setattr("engine.worker_base.time.sleep", sleeps.append)
+    monkeypatch.setattr("engine.runner.worker_base.time.sleep", sleeps.append)
     worker = ScriptedWorker(FakeTP(0), work=[True, False, True, False])
     worker.run(worker.stop)
     assert worker.work == [] and len(sleeps) == 2 and worker.tp.sent == ["stop"]

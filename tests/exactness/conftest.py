@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 from tests.helpers import local_ray, save_tiny_llama
 
 

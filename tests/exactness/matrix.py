@@ -20,7 +20,7 @@ from allpairspy import AllPairs
 
 from cluster.control.cluster import Cluster
 from cluster.spec import ClusterSpec
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from tests.helpers import random_prompts
 
 LAYOUTS = {  # name -> (mode, num_prefill, num_decode, prefill_tp, decode_tp)

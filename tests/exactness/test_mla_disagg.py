@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cluster.control.cluster import Cluster
-from engine.loader import hf_model_config
+from engine.loading.loader import hf_model_config
 from tests.engine.speculative.test_mtp import write_mtp_checkpoint
 from tests.exactness.matrix import LAYOUTS, Case, requests, serve, spec_of
 from tests.exactness.test_moe_disagg import differences

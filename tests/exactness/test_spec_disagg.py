@@ -12,7 +12,7 @@ import pytest
 
 from bench.eagle3_head import save_eagle3_head
 from cluster.control.cluster import Cluster
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 from tests.exactness.matrix import Case, mismatches, reference, serve, spec_of
 from tests.helpers import save_tiny_llama
 

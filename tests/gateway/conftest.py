@@ -12,8 +12,8 @@ import pytest
 from cluster.cli.serve import build, serve_in_thread
 from cluster.spec import ClusterSpec
 from decode_worker.llm import LLM
-from engine.loader import resolve_model_path
-from engine.tokenizer import Tokenizer
+from engine.loading.loader import resolve_model_path
+from engine.text.tokenizer import Tokenizer
 from tests.gateway.fakes import FakeCluster
 
 HERMES = Path(__file__).parent / "chat_templates" / "hermes.jinja"
@@ -46,5 +46,5 @@ def server():
 @pytest.fixture(scope="session")
 def llm():
     engine = LLM(model="smollm2", dtype="float32", num_blocks=256)
-    engine.tokenizer.set_chat_template(HERMES.read_text())
+    engine.text.tokenizer.set_chat_template(HERMES.read_text())
     return engine

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.loader import resolve_model_path
-from engine.tokenizer import Tokenizer
+from engine.loading.loader import resolve_model_path
+from engine.text.tokenizer import Tokenizer
 from gateway.app import create_app
 from router.stream import StreamEvent
 from tests.gateway.fakes import TOKENS, FakeCluster, fake_logprobs

@@ -8,8 +8,8 @@ import threading
 import httpx
 import pytest
 
-from engine.loader import resolve_model_path
-from engine.tokenizer import Tokenizer
+from engine.loading.loader import resolve_model_path
+from engine.text.tokenizer import Tokenizer
 from gateway.app import create_app
 from tests.gateway.fakes import FakeCluster
 

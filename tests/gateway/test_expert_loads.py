@@ -9,8 +9,8 @@ from fastapi.testclient import TestClient
 
 from cluster.control.cluster import Cluster
 from cluster.spec import ClusterSpec
-from engine.loader import resolve_model_path
-from engine.tokenizer import Tokenizer
+from engine.loading.loader import resolve_model_path
+from engine.text.tokenizer import Tokenizer
 from gateway.app import create_app
 from tests.helpers import FAMILIES, random_prompts, save_tiny
 

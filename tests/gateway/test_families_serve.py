@@ -17,7 +17,7 @@ import pytest
 
 from cluster.cli.serve import build, serve_in_thread
 from cluster.spec import ClusterSpec
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 from tests.helpers import hf_greedy, make_hf_tiny
 
 pytestmark = pytest.mark.timeout(300)

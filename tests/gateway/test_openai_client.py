@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from tests.helpers import all_logits
 
 pytestmark = pytest.mark.timeout(300)

@@ -12,8 +12,8 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.config import SchemathesisConfig
 
-from engine.loader import resolve_model_path
-from engine.tokenizer import Tokenizer
+from engine.loading.loader import resolve_model_path
+from engine.text.tokenizer import Tokenizer
 from gateway.app import create_app
 from tests.gateway.fakes import FakeCluster
 

@@ -13,7 +13,7 @@ import pytest
 
 from cluster.cli.serve import build, serve_in_thread
 from cluster.spec import ClusterSpec
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 from tests.helpers import make_hf_tiny
 
 pytestmark = pytest.mark.timeout(600)

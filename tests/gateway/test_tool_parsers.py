@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
 
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 from gateway.tool_parsers import TOOL_PARSERS, get_tool_parser
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'

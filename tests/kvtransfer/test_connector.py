@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from engine.handover import Handover
-from engine.model_runner import ModelRunner
-from engine.request import RequestMessage, SamplingParams
+from engine.core.handover import Handover
+from engine.core.request import RequestMessage, SamplingParams
+from engine.runner.model_runner import ModelRunner
 from kvtransfer.base import CompletedTransfer, KVSender, Transfer, TransferError
 from kvtransfer.connector import DecodeConnector, PrefillConnector
 from kvtransfer.params import KVEndpoint, KVTransferParams

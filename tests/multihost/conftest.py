@@ -102,7 +102,7 @@ MAX_TOKENS = 24
 def reference() -> dict[str, str]:
     """Greedy colocated outputs of PROMPTS (MAX_TOKENS each; the in-process engine, fp32)."""
     from decode_worker.llm import LLM
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
     llm = LLM(model="smollm2", dtype="float32", num_blocks=256)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     return {p: o.text for p, o in zip(PROMPTS, outs)}

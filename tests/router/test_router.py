@@ -9,7 +9,7 @@ import time
 import pytest
 
 from decode_worker.output import RequestOutput
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from kvtransfer.params import KVEndpoint
 from prefill_worker.worker import PrefillResult
 from router.client import DecodeClient, InstanceDeadError, InstanceInfo, PrefillClient

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from decode_worker.output import RequestOutput
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from prefill_worker.worker import PrefillResult
 from router.policy import create_routing_policy
 from router.router import Router

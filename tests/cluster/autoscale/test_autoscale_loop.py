@@ -12,7 +12,7 @@ from cluster.autoscale.autoscale_loop import create_autoscaler
 from cluster.autoscale.autoscaler import Profile
 from cluster.control.cluster import Cluster
 from cluster.spec import ClusterSpec
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from gateway.metrics import GatewayMetrics
 from tests.helpers import random_prompts
 

@@ -23,7 +23,7 @@ def test_cluster_flags_build_the_spec():
 
 def test_generate_kv_cache_dtype_flag():
     """`pdserve generate --kv-cache-dtype` offers the engine's choices and reaches the cluster spec."""
-    from engine.config import KV_CACHE_DTYPE_CHOICES
+    from engine.core.config import KV_CACHE_DTYPE_CHOICES
     parse = lambda *a: build_parser().parse_args(["generate", "hi", *a])  # noqa: E731
     assert _generate_spec(parse()).kv_cache_dtype == "auto"
     assert _cluster_spec(parse("--decode", "1", "--kv-cache-dtype", "fp8_e4m3")).kv_cache_dtype == "fp8_e4m3"

@@ -10,7 +10,7 @@ import pytest
 from cluster.cli.cli import main
 from cluster.control.cluster import Cluster
 from cluster.spec import ClusterSpec
-from engine.expert_placement import ExpertPlacement
+from engine.core.expert_placement import ExpertPlacement
 from tests.helpers import FAMILIES, save_tiny
 
 SKEWED = [400, 200, 120, 90, 60, 40, 20, 10]

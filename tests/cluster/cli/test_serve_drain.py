@@ -27,8 +27,8 @@ def serve_slow(port: int, drain_timeout_s: float) -> None:
     """The server process: a gateway over a SlowCluster on 127.0.0.1:port; prints each abort."""
     from cluster.cli.serve import run_server
     from cluster.spec import ClusterSpec
-    from engine.loader import resolve_model_path
-    from engine.tokenizer import Tokenizer
+    from engine.loading.loader import resolve_model_path
+    from engine.text.tokenizer import Tokenizer
     from gateway.app import create_app
     logging.basicConfig(level=logging.INFO)
     cluster = SlowCluster(on_abort=lambda rid: print(f"aborted {rid}", flush=True))

@@ -13,7 +13,7 @@ import pytest
 
 from cluster.control.cluster import Cluster
 from cluster.spec import ClusterSpec
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from tests.helpers import random_prompts
 
 pytestmark = pytest.mark.timeout(300)

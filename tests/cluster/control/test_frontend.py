@@ -5,7 +5,7 @@ from __future__ import annotations
 from cluster.control.frontend import create_router
 from cluster.spec import ClusterSpec
 from cluster.state import InstanceRecord, MemoryState
-from engine.block_manager import block_hashes
+from engine.core.block_manager import block_hashes
 from tests.router.test_router import PARAMS, FakeDecode, FakePrefill
 
 

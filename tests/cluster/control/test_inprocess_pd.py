@@ -10,8 +10,8 @@ import torch
 
 from cluster.control.cluster import Cluster
 from cluster.spec import ClusterSpec
-from engine.request import SamplingParams
 from engine.attention.vllm_cpu_backend import vllm_cpu_unavailable
+from engine.core.request import SamplingParams
 from tests.helpers import FAMILIES, assert_logprobs_close, random_prompts, save_tiny, save_tiny_llama
 
 pytestmark = pytest.mark.timeout(120)
@@ -160,7 +160,7 @@ def test_2p2d_matches_colocated(tiny_path):
 def test_decode_kv_equals_prefill_kv_checksums(tiny_path):
     """After a 1P1D request, the KV blocks the decode instance holds for the prompt (found through
     its prefix cache) equal, layer by layer, the blocks the prefill computed."""
-    from engine.request import Request
+    from engine.core.request import Request
     prompt = random_prompts(1, [41], seed=9)[0]  # 5 full blocks of 8
     with Cluster(spec_for(tiny_path), use_ray=False) as cluster:
         cluster.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), timeout_s=60)

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from cluster.control.cluster import Cluster
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from gateway.metrics import GatewayMetrics
 from tests.cluster.control.test_inprocess_pd import spec_for
 from tests.helpers import assert_logprobs_close, random_prompts

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.control.cluster import Cluster
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from tests.cluster.control.test_inprocess_pd import spec_for
 from tests.helpers import random_prompts
 from tests.kvtransfer.faults import FaultProxy

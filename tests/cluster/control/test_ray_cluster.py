@@ -15,7 +15,7 @@ from cluster.autoscale.actuators import PoolSizes, RayActuator
 from cluster.control.cluster import Cluster
 from cluster.ranks.nodes import PlacementError, RankPlacement
 from cluster.spec import ClusterSpec
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 from tests.helpers import FAMILIES, assert_logprobs_close, random_prompts, save_tiny, save_tiny_llama
 
 pytestmark = pytest.mark.timeout(300)

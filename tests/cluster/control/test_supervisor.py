@@ -78,7 +78,7 @@ def test_an_in_process_rank_whose_loop_dies_is_lost_and_replaced(tiny_path):
     instead): the instance is lost at once, so the request in it ends (retried on the replacement,
     or with an explicit error) instead of waiting forever, and the pool is back at its size."""
     from cluster.control.cluster import Cluster
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
     from tests.helpers import random_prompts
     spec = spec_for(tiny_path, num_prefill=1, num_decode=1, heartbeat_ttl_s=0.6)
     with Cluster(spec, use_ray=False) as cluster:

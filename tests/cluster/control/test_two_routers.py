@@ -8,7 +8,7 @@ import time
 import pytest
 
 from cluster.control.cluster import Cluster
-from engine.request import RequestStatus, SamplingParams
+from engine.core.request import RequestStatus, SamplingParams
 from router.policy import create_routing_policy
 from router.router import Router
 from tests.cluster.control.test_inprocess_pd import spec_for

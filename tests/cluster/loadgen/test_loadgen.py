@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from cluster.cli.cli import build_parser, main
+from cluster.cli.serve import serve_in_thread
 from cluster.loadgen.loadgen import LoadConfig, RequestRecord, arrival_times, load_dataset, request_specs, run_load
 from cluster.loadgen.loadgen_report import Slo, summarize, write_outputs
-from engine.loader import resolve_model_path
-from engine.tokenizer import Tokenizer
-from cluster.cli.serve import serve_in_thread
+from engine.loading.loader import resolve_model_path
+from engine.text.tokenizer import Tokenizer
 from gateway.app import create_app
 from router.router import QueueFullError
 from router.stream import StreamEvent

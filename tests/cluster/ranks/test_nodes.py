@@ -11,8 +11,8 @@ import torch
 
 from cluster.ranks import nodes
 from cluster.ranks.nodes import NodeInfo, PlacedInstance, PlacementError, RankPlacement
-from kvtransfer.registry import create_kv_transport
 from kvtransfer.params import KVEndpoint
+from kvtransfer.registry import create_kv_transport
 from tests.kvtransfer.test_torch_dist import COMPAT, HEADS, TRAILER, make_cache, make_receiver, poll_until, send_part
 
 pytestmark = pytest.mark.timeout(120)
@@ -193,7 +193,7 @@ def test_rank_actor_placement_and_network_check(ray_session):
     node; check_network passes for a listening endpoint and names a closed one in one line."""
     import ray
     from cluster.ranks.actor import RankActor
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
     actor = RankActor.remote(EngineConfig(model="unused"), "prefill", "prefill-0", 0, 1, 5.0, "WARNING", True)
     where = ray.get(actor.placement.remote(), timeout=60)
     assert where == RankPlacement(0, "127.0.0.1", ray.get(actor.pid.remote()))

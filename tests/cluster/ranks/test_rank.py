@@ -8,8 +8,8 @@ import pytest
 from cluster.ranks.rank import RankHost
 import cluster.ranks.rank as rank_module
 from cluster.spec import ClusterSpec
-from engine.model_runner import ModelRunner
-from engine.request import RequestMessage, SamplingParams
+from engine.core.request import RequestMessage, SamplingParams
+from engine.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,7 +67,7 @@ def test_a_cuda_rank_joins_its_tp_group_on_an_indexed_device(monkeypatch):
     `device_id` refuse a bare `cuda`. CPU runs take the gloo branch, so only fakes show it here."""
     import torch
     import torch.distributed as dist
-    from engine.model_runner import select_device
+    from engine.runner.model_runner import select_device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     calls = {}

@@ -15,7 +15,7 @@ import torch.distributed.distributed_c10d as c10d
 import torch.multiprocessing as mp
 
 from cluster.ranks.rank import join_tp_group, open_rendezvous, tp_store
-from engine.tp_wire import TPAuthError
+from engine.parallel.tp_wire import TPAuthError
 
 pytestmark = pytest.mark.timeout(400)  # spawned ranks: slow on a loaded 2-core box
 ANY = {"00000000", "00000000000000000000000000000000"}  # 0.0.0.0 and :: in /proc/net/tcp{,6}

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from decode_worker.llm import LLM
-from engine.batch import NewRequestData, SchedulerOutput
-from engine.model_runner import ModelRunner
-from engine.parallel import TPGroup
-from engine.request import SamplingParams
+from engine.core.batch import NewRequestData, SchedulerOutput
+from engine.core.request import SamplingParams
+from engine.parallel.layers import TPGroup
+from engine.runner.model_runner import ModelRunner
 from tests.helpers import (all_logits, engine_config, make_hf_tiny_llama, random_prompts, run_gloo_ranks,
                            save_tiny_llama, tiny_engine)
 
@@ -129,12 +129,12 @@ def test_quantization_quantizes_a_mixtures_experts(tmp_path, caplog, quantizatio
     are, their float weights dropped, and the load log says which kernel runs them; logits near the
     unquantized engine's (a flipped expert choice moves a few positions more than a dense model's);
     --expert-method other than auto is refused (it names float experts)."""
-    from engine.moe import moe_blocks
+    from engine.layers.moe import moe_blocks
     from tests.helpers import FAMILIES, save_tiny
     kind, switches = FAMILIES["mixtral"]
     folder = str(save_tiny(tmp_path / "mixtral", kind, seed=2, **switches))
     prompt = random_prompts(1, [60], seed=6)[0]
-    with caplog.at_level("INFO", logger="engine.model_runner"):
+    with caplog.at_level("INFO", logger="engine.runner.model_runner"):
         quant = ModelRunner(engine_config(model=folder, quantization=quantization))
     blocks = [b.experts for _, b in moe_blocks(quant.model)]
     assert all(e.quant.scheme == quantization and e.w13_weight is None for e in blocks)

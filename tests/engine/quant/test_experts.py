@@ -1,4 +1,4 @@
-"""Quantized experts (engine/quant/experts.py): int8 and int4 experts through each kernel against the
+"""Quantized experts (engine/layers/quant_experts.py): int8 and int4 experts through each kernel against the
 float reference run on their dequantized weights, the kernel choice, and a block's weights dropped."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.expert_compute import MethodChoice, loop_experts, sort_pairs
-from engine.moe import route
-from engine.quant.experts import FORMATS, OnBf16, candidates, q4_experts, quantize_experts
+from engine.layers.expert_compute import MethodChoice, loop_experts, sort_pairs
+from engine.layers.moe import route
+from engine.layers.quant_experts import FORMATS, OnBf16, candidates, q4_experts, quantize_experts
 from engine.quant.q4 import quantize_q4_1
 from tests.engine.test_moe import EXPERTS, _block
 
@@ -62,7 +62,7 @@ def test_quantized_experts_equal_the_reference_over_their_dequantized_weights(sc
 
 
 def test_q4_codes_run_as_they_are():
-    """Experts given as Q4 codes (a GGUF's, engine/gguf_loader.py) are their own numbers: the block
+    """Experts given as Q4 codes (a GGUF's, engine/loading/gguf_loader.py) are their own numbers: the block
     equals the reference on those codes dequantized, and the error is not claimed (None)."""
     block = _block(hidden=32, inter=32)
     e = block.experts
@@ -91,7 +91,7 @@ def test_the_bf16_kernels_are_candidates_only_for_an_fp32_model():
 def test_a_block_quantizes_its_experts_and_drops_the_float_weights():
     """FusedExperts.quantize: the kernel timed fastest runs every batch, the float weights are gone,
     and an --expert-method other than auto is refused naming the scheme."""
-    from engine.moe import select_expert_methods
+    from engine.layers.moe import select_expert_methods
     block = _block(hidden=32, inter=32)
     x = torch.randn(5, 32)
     with torch.no_grad():
@@ -121,9 +121,9 @@ def test_a_q4_gguf_mixture_runs_the_files_codes(tmp_path, monkeypatch, caplog, n
     from the reference's router logits)."""
     import gguf
 
-    from engine.model_runner import ModelRunner
-    from engine.moe import moe_blocks
+    from engine.layers.moe import moe_blocks
     from engine.quant import experts as quant_experts
+    from engine.runner.model_runner import ModelRunner
     from tests.engine.gguf.requantize import requantize
     from tests.helpers import all_logits, engine_config, random_prompts
     src = Path(__file__).parents[1] / "gguf" / f"{name}.gguf"
@@ -158,8 +158,8 @@ def test_a_q4_gguf_mixture_runs_the_files_codes(tmp_path, monkeypatch, caplog, n
 def test_q4_codes_split_over_tensor_parallel_ranks_sum_to_the_whole():
     """Loaded as a GGUF's per-expert codes (gate and up rows, down columns with their groups'
     scales and minimums), two tensor-parallel ranks' partial sums add up to one rank's output."""
-    from engine.fused_experts import FusedExperts
-    from engine.parallel import TPGroup
+    from engine.layers.fused_experts import FusedExperts
+    from engine.parallel.layers import TPGroup
     hidden, inter, experts = 32, 64, 3
     g = torch.Generator().manual_seed(7)
     floats = {"gate_proj": torch.randn(experts, inter, hidden, generator=g),

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.loader import load_weights, resolve_model_path
+from engine.core.config import ModelConfig
+from engine.loading.loader import load_weights, resolve_model_path
 from engine.quant import create_linear_method, int4_misfit, resolve_quantization
 from engine.quant.int4 import DequantizedKernel, Int4PackKernel, ReferenceInt4Kernel
 from engine.quant.q4 import GROUP_SIZE, decode_q4_blocks, dequantize_q4, quantize_q4_1
@@ -107,7 +107,7 @@ def test_auto_runs_a_q4_gguf_as_int4_unless_its_groups_do_not_fit():
     """auto keeps a Q4_1 GGUF's format (int4, reading its codes) where the groups of 32 fit the TP
     shards; at tp=4 SmolLM2's attention output (576 / 4 = 144) does not fit: auto falls back to
     unquantized, an explicit int4 is refused naming it. A float checkpoint stays unquantized."""
-    from engine.loader import load_model_config
+    from engine.loading.loader import load_model_config
     path = resolve_model_path("smollm2")
     config = load_model_config(path)
     assert resolve_quantization("auto", path, config, 1) == "int4"
@@ -127,7 +127,7 @@ def test_auto_runs_a_q4_gguf_as_int4_unless_its_groups_do_not_fit():
 def test_int4_misfit_checks_a_mixtures_experts():
     """The experts are quantized too: each rank's expert width (whole under expert parallelism) and
     the shared expert's must be multiples of 32."""
-    from engine.config import MoEConfig
+    from engine.core.config import MoEConfig
     def config(shared: int) -> ModelConfig:
         moe = MoEConfig(num_experts=8, top_k=2, intermediate_size=64, renormalize=True,
                         shared_expert_intermediate_size=shared)
@@ -143,7 +143,7 @@ def test_default_gguf_in_fp32_runs_int4_with_the_unquantized_numbers():
     """The default model under `auto` (int4 from its Q4_1 codes) in fp32 gives the logits of
     `none` (the GGUF dequantized at load) over a 40-token prompt, to fp32 accumulation rounding:
     the same weights, whichever kernel the measurement picked per range."""
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
     from tests.helpers import all_logits, engine_config, random_prompts
     prompt = random_prompts(1, [40], vocab=40000, seed=3)[0]
     logits = {}

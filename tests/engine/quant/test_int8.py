@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.parallel import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+from engine.parallel.layers import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                              TPGroup)
 from engine.quant import create_linear_method, linear_layers, process_weights_after_loading, resolve_quantization
 from engine.quant.int8 import Int8LinearMethod, W8A8LinearMethod

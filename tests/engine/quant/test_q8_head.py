@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.loader import resolve_model_path
+from engine.loading.loader import resolve_model_path
 from engine.quant import create_linear_method
 from engine.quant.int4 import Int4PackKernel
 from engine.quant.q4 import dequantize_q4

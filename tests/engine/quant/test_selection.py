@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from engine.parallel import ColumnParallelLinear, RowParallelLinear
+from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from engine.quant.int8 import Int8LinearMethod
 from engine.quant.kernels import BASELINE, KERNELS, ReferenceKernel, UnquantizedBaseline
 from engine.quant.selection import BUCKETS, DROP_AFTER, ROUNDS, choose_kernels

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from bench.eagle3_head import save_eagle3_head
-from engine.request import SamplingParams
-from engine.speculative.config import SpeculativeConfig
+from engine.core.request import SamplingParams
+from engine.core.speculative_config import SpeculativeConfig
 from tests.engine.speculative.eagle3_heads import ReferenceHead
 from tests.engine.speculative.test_engine import GREEDY, assert_same_greedy, make_engine, prompts, record_drafts, run
 from tests.helpers import make_hf_tiny, random_prompts, save_tiny
@@ -78,8 +78,8 @@ def test_a_prefills_rows_give_the_decode_head_the_colocated_drafts(target, head)
     a colocated engine's head proposes after computing the prompt itself."""
     from dataclasses import replace
 
-    from engine.batch import NewRequestData, SchedulerOutput
-    from engine.model_runner import ModelRunner
+    from engine.core.batch import NewRequestData, SchedulerOutput
+    from engine.runner.model_runner import ModelRunner
     from engine.speculative.base import SpecSequence
     from engine.speculative.rows import RowRecorder
     from tests.helpers import engine_config

@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 
 from decode_worker.engine import ColocatedEngine
-from engine.model_runner import ModelRunner
-from engine.request import SamplingParams
-from engine.speculative.config import SpeculativeConfig
+from engine.core.request import SamplingParams
+from engine.core.speculative_config import SpeculativeConfig
+from engine.runner.model_runner import ModelRunner
 from tests.helpers import engine_config, random_prompts, save_tiny
 
 MAX_TOKENS = 24
@@ -150,7 +150,7 @@ def test_a_draft_that_cannot_propose_is_refused(models, tmp_path):
 def test_the_kv_budget_counts_the_draft_pool(models):
     """The draft is loaded before the target sizes its pool: kv_memory_gib holds both pools, block
     for block (on a GPU the device budget counts its weights too: bench/gpu_check.py)."""
-    from engine.kv_cache import kv_block_bytes
+    from engine.core.kv_cache import kv_block_bytes
     plain = ModelRunner(replace(engine_config(model=str(models[0]), num_blocks=None), speculative=None))
     spec = SpeculativeConfig("draft_model", 3, model=str(models[1]), max_batch_size=8)
     runner = ModelRunner(replace(engine_config(model=str(models[0]), num_blocks=None), speculative=spec))
@@ -191,7 +191,7 @@ def test_a_prefills_draft_kv_gives_the_decode_draft_the_colocated_drafts(models)
     """A prefill runner with the draft beside it (the decode's spec as ship_proposer_rows) computes
     the prompt's draft KV; a decode engine's draft given it in other blocks, with the prompt's first
     token, proposes what a colocated engine's draft proposes after computing the prompt itself."""
-    from engine.batch import NewRequestData, SchedulerOutput
+    from engine.core.batch import NewRequestData, SchedulerOutput
     from engine.speculative.base import SpecSequence
     from engine.speculative.rows import DraftKVRecorder
     target, draft = models

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from engine.speculative.config import SpeculativeConfig
+from engine.core.speculative_config import SpeculativeConfig
 from tests.engine.speculative.test_eagle3 import assert_pool_whole
 from tests.engine.speculative.test_engine import GREEDY, assert_same_greedy, make_engine, record_drafts, run
 from tests.helpers import FAMILIES, make_hf_tiny

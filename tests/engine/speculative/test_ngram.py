@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
+from engine.core.speculative_config import SpeculativeConfig
 from engine.speculative import SpecSequence, create_proposer
 from engine.speculative.ngram import NgramProposer
-from engine.speculative.config import SpeculativeConfig
 
 
 def drafts(p: NgramProposer, history: list[int], k: int) -> list[int]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from engine.block_manager import KVCacheManager
-from engine.request import Request, SamplingParams
-from engine.speculative.config import SpeculativeConfig
+from engine.core.block_manager import KVCacheManager
+from engine.core.request import Request, SamplingParams
+from engine.core.speculative_config import SpeculativeConfig
 from engine.speculative.ngram import NgramProposer
 from engine.speculative.profile import EVERY_BATCH, SpecProfile
 from engine.speculative.speculator import EXPLORE_EVERY, MIN_MEASURED, Speculator

@@ -1,0 +1,104 @@
+"""What a prefill rank and a decode rank share: outputs queued per client (router), the requests of
+clients that went silent aborted, and the loop that drives the rank.
+
+    rank 0      while not stopped: step()  (after a step that ran nothing: sleep idle_wait_s)
+                    once a second: abort_silent_clients()
+                then stop_followers()
+    ranks > 0   while follow(): run the step rank 0 broadcast   (until rank 0's stop_followers)
+
+The roles differ in their steps (a prefill batch and its KV shipments; a decode batch, the KV
+transfers that completed, the forks), in how they take requests and in what they report.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+from engine.core.outbox import Outbox
+
+if TYPE_CHECKING:
+    from engine.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class BaseWorker(ABC):
+    # NOTE: rank 0 sleeps between idle steps even while KV is arriving: a busy loop would hold the GIL
+    # and starve this process's KV threads (a decode's receiver: transfers took 100x longer).
+    idle_wait_s = 0.001
+    silent_clients_check_s = 1.0  # how often rank 0 looks for clients that stopped polling
+
+    def __init__(self, runner: ModelRunner, instance_id: str, client_ttl_s: float):
+        """`client_ttl_s`: a client (router) that has not polled for this long is gone (its gateway
+        died); its requests are aborted, so their blocks are freed."""
+        self.runner, self.tp, self.instance_id = runner, runner.tp, instance_id
+        self.client_ttl_s = client_ttl_s
+        self.outbox = Outbox()  # outputs per client (router): each gateway gets only its own
+        self.num_orphans_aborted = 0  # requests of clients that went silent
+
+    @abstractmethod
+    def step(self) -> bool:
+        """Rank 0: one step, which the followers run too (with nothing to run, a step makes no
+        collective call: the followers wait on the control group).
+
+        Returns:
+            whether to step again at once; False: the loop sleeps `idle_wait_s` first (a decode ran
+            no batch, a prefill had no work).
+        """
+
+    @abstractmethod
+    def follow(self) -> bool:
+        """Ranks > 0: run the step rank 0 broadcast. Returns False when told to stop."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Rank 0 (thread-safe): ends the request here, wherever it is, and frees its blocks."""
+
+    def load(self) -> dict[str, float]:
+        """Rank 0: figures for the router's policy, the autoscaler and /status; each role adds its own."""
+        return {"orphans_aborted": float(self.num_orphans_aborted),
+                "intraop_threads": float(self.runner.intraop_threads),  # rank 0's, now (engine/core/threads.py)
+                **self.runner.expert_load_figures()}  # a mixture's, per sparse layer (engine/layers/moe.py)
+
+    def expert_counts(self) -> dict[int, list[int]]:
+        """Rank 0: per sparse layer, the tokens routed to each expert since start ({}: a dense
+        model); every rank routes alike, so rank 0's counts are the instance's."""
+        return self.runner.expert_counts()
+
+    def poll_outputs(self, timeout: float = 0.0, client_id: str = "") -> list:
+        """Rank 0 (thread-safe), a long poll: the outputs of `client_id`'s requests since its last call,
+        waiting up to `timeout` for the first (a prefill's PrefillResults, a decode's RequestOutputs)."""
+        return self.outbox.take(client_id, timeout)
+
+    def abort_silent_clients(self) -> list[str]:
+        """Rank 0: aborts the requests of clients that have not polled for `client_ttl_s`; returns their ids."""
+        orphans = self.outbox.drop_silent(self.client_ttl_s)
+        for rid in orphans:
+            self.abort(rid)
+        self.num_orphans_aborted += len(orphans)
+        return orphans
+
+    def stop_followers(self) -> None:
+        """Rank 0: ends the followers' loops."""
+        self.tp.broadcast_step("stop")
+
+    def run(self, stop: threading.Event) -> None:
+        """The rank's loop, on the thread that built its model, until `stop` is set (rank 0; it then
+        releases the followers) or rank 0 releases it (ranks > 0)."""
+        if self.tp.rank > 0:
+            while self.follow():
+                pass
+            return
+        checked = time.monotonic()
+        while not stop.is_set():
+            if not self.step():
+                time.sleep(self.idle_wait_s)
+            if time.monotonic() - checked > self.silent_clients_check_s:
+                checked = time.monotonic()
+                if orphans := self.abort_silent_clients():
+                    logger.warning("%s: aborted %d requests of clients silent for %.0f s", self.instance_id,
+                                   len(orphans), self.client_ttl_s)
+        self.stop_followers()

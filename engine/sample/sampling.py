@@ -1,0 +1,239 @@
+"""Token sampling: grammar masks (engine/sample/structured_output.py), logit processing
+(engine/sample/logits_processing.py), temperature, min-p, top-k, top-p, per-request seeds, logprobs.
+
+One `Sampler` call turns a batch of last-position logits into one token per
+sequence. Everything that can be batched is batched (temperature, top-k/top-p
+masks with one sort per batch, unseeded draws); only seeded rows loop in Python,
+because each must draw from its own `torch.Generator` to stay reproducible no
+matter which other requests share the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.core.batch import TokenHistory
+from engine.core.request import SamplingParams
+from engine.sample.logits_processing import apply_min_p, needs_processing, process_logits
+
+if TYPE_CHECKING:
+    from engine.sample.structured_output import GrammarState
+
+# Temperatures below this are treated as greedy: dividing by them overflows float32.
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplerOutput:
+    """Result of one sampling step, one entry per sequence in batch order."""
+
+    token_ids: list[int]
+    # None where the request did not ask for logprobs; else {token_id: logprob} holding the
+    # sampled token plus the top-`logprobs` tokens (so 1..logprobs+1 entries).
+    logprobs: list[dict[int, float] | None]
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """Build the per-request generator for a seeded request.
+
+    Args:
+        seed: `SamplingParams.seed`; None means the request uses the default generator.
+        device: device the logits live on (generators are device-specific).
+    Returns:
+        A generator seeded with `seed`, or None for unseeded requests. The caller keeps it
+        for the request's lifetime so successive steps continue one random stream.
+    """
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.greedy or params.temperature < _SAMPLING_EPS
+
+
+class Sampler:
+    """Stateless batch sampler; per-request random state lives in the caller's generators."""
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None],
+                 histories: list[TokenHistory | None] | None = None,
+                 grammars: list[GrammarState | None] | None = None) -> SamplerOutput:
+        """Pick one token per sequence.
+
+        Args:
+            logits: last-position logits, any float dtype; computed in float32.
+            params: sampling params per sequence.
+            generators: per-sequence generator (from `make_generator`), None = default generator.
+            histories: per sequence, its tokens (penalties, min_tokens); None where none are needed.
+            grammars: per sequence, its structured-output state, None where it has none: its mask
+                applies first, before any other processing. The caller advances the states.
+        Returns:
+            SamplerOutput with one token id and one logprobs entry per sequence.
+        Shape:
+            logits: (num_seqs, vocab_size); len(params) == len(generators) == num_seqs.
+        """
+        assert logits.dim() == 2 and logits.shape[0] == len(params) == len(generators)
+        raw = logits.float()  # (num_seqs, vocab_size): the model's, for logprobs
+        logits = raw
+        masked = grammars is not None and any(g is not None for g in grammars)
+        if masked:
+            from engine.sample.structured_output import apply_grammar_masks  # llguidance: only where grammars run
+            logits = raw.clone()
+            apply_grammar_masks(logits, grammars)
+        if any(needs_processing(p) for p in params):
+            processed = process_logits(logits.clone(), params, histories or [None] * len(params))
+            logits = keep_grammar_tokens(processed, logits, grammars) if masked else processed
+        greedy = [is_greedy(p) for p in params]
+        if all(greedy):
+            token_ids = logits.argmax(dim=-1)  # (num_seqs,)
+        else:
+            token_ids = self._sample_mixed(logits, params, generators, greedy)
+        return SamplerOutput(token_ids=token_ids.tolist(),
+                             logprobs=gather_logprobs(raw, token_ids, params))
+
+    def _sample_mixed(self, logits: torch.Tensor, params: list[SamplingParams],
+                      generators: list[torch.Generator | None], greedy: list[bool]) -> torch.Tensor:
+        """Argmax for greedy rows, random draws for the rest.
+
+        Shape:
+            logits: (num_seqs, vocab_size) float32 -> token ids (num_seqs,) int64.
+        """
+        token_ids = logits.argmax(dim=-1)  # (num_seqs,); sampled rows overwritten below
+        rows = [i for i, g in enumerate(greedy) if not g]
+        row_idx = torch.tensor(rows, device=logits.device)
+        probs = probabilities(logits[row_idx], [params[i] for i in rows])  # (num_sampled, vocab_size)
+        token_ids[row_idx] = _exponential_race(probs, [generators[i] for i in rows])
+        return token_ids
+
+
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: its processed logits after temperature, min-p,
+    top-k and top-p (the rows are not greedy).
+
+    Shape:
+        logits: (n, vocab_size) float32 -> (n, vocab_size), rows summing to 1.
+    """
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=device)
+    sub = logits / temps.unsqueeze(1)  # (n, vocab_size)
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        sub = apply_min_p(sub, torch.tensor(min_p, device=device))
+    top_k = [min(p.top_k, sub.shape[-1]) for p in params]  # past the vocabulary: keep all (no int64 overflow)
+    top_p = [p.top_p for p in params]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        sub = _apply_top_k_top_p(sub, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device))
+    return sub.softmax(dim=-1)
+
+
+def keep_grammar_tokens(processed: torch.Tensor, masked: torch.Tensor, grammars: list[object | None]
+                        ) -> torch.Tensor:
+    """Where a grammar row's processing forbade every token its grammar allows (min_tokens holding
+    back the EOS a finished grammar needs), the grammar wins: that row goes back to its masked logits.
+
+    Shape:
+        processed, masked: (num_seqs, vocab_size) -> (num_seqs, vocab_size).
+    """
+    idx = torch.tensor([i for i, g in enumerate(grammars) if g is not None], device=masked.device)
+    rows = processed[idx]  # (num_rows, vocab_size)
+    dead = (rows == float("-inf")).all(dim=-1, keepdim=True)  # no host sync
+    processed[idx] = torch.where(dead, masked[idx], rows)
+    return processed
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set logits outside each row's top-k, then outside its nucleus, to -inf.
+
+    Top-p is applied to the distribution left after top-k (as vLLM does): keep the smallest
+    prefix of the descending-sorted tokens whose probability mass reaches `top_p`. The most
+    likely token is always kept.
+
+    Args:
+        logits: temperature-scaled float32 logits.
+        top_k: per-row k, 0 = off.
+        top_p: per-row nucleus mass in (0, 1].
+    Returns:
+        Masked logits in the original token order.
+    Shape:
+        logits: (n, vocab_size); top_k, top_p: (n,) -> (n, vocab_size).
+    """
+    vocab_size = logits.shape[-1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # (n, vocab_size)
+    k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size)
+    ranks = torch.arange(vocab_size, device=logits.device)
+    mask = ranks.unsqueeze(0) >= k.unsqueeze(1)  # (n, vocab_size): beyond top-k
+    probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+    mask |= mass_before >= top_p.unsqueeze(1)  # nucleus already complete before this token
+    mask[:, 0] = False
+    sorted_logits.masked_fill_(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
+
+
+def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per row via argmax(probs / E), E ~ Exponential(1) i.i.d.
+
+    This equals a categorical draw from `probs` and needs no CPU-GPU sync. Seeded rows draw
+    their noise from their own generator, one row at a time, so a seeded request's tokens
+    do not depend on its batch neighbours; unseeded rows share one batched draw from the
+    default generator.
+
+    Args:
+        probs: normalized probabilities (masked tokens have probability 0).
+        generators: per-row generator or None.
+    Returns:
+        Sampled token id per row.
+    Shape:
+        probs: (n, vocab_size) -> (n,) int64.
+    """
+    noise = torch.empty_like(probs)  # (n, vocab_size)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        idx = torch.tensor(unseeded, device=probs.device)
+        noise[idx] = torch.empty_like(probs[idx]).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    # NOTE: exponential_ can return exactly 0; 0/0 would be NaN, which argmax would pick.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                     params: list[SamplingParams]) -> list[dict[int, float] | None]:
+    """Logprobs of the sampled token and the top-n tokens, for rows that asked for them.
+
+    Logprobs come from `log_softmax` of the raw (untempered, unmasked) logits: that is the
+    model's own distribution, which is what OpenAI clients read `logprobs` as, and what vLLM
+    returns by default.
+
+    Args:
+        logits: raw float32 logits.
+        token_ids: sampled token per row.
+        params: per-row params; `logprobs` None = skip the row, n = top-n plus sampled.
+    Returns:
+        Per row None or {token_id: logprob}, sampled token first.
+    Shape:
+        logits: (num_seqs, vocab_size); token_ids: (num_seqs,).
+    """
+    out: list[dict[int, float] | None] = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return out
+    row_idx = torch.tensor(rows, device=logits.device)
+    logprobs = logits[row_idx].log_softmax(dim=-1)  # (num_rows, vocab_size)
+    sampled = token_ids[row_idx]
+    sampled_lp = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
+    max_n = min(max(params[i].logprobs for i in rows), logits.shape[-1])
+    top_lp, top_ids = logprobs.topk(max_n, dim=-1)  # (num_rows, max_n)
+    top_lp, top_ids, sampled = top_lp.tolist(), top_ids.tolist(), sampled.tolist()
+    for j, i in enumerate(rows):
+        n = params[i].logprobs
+        entry = {sampled[j]: sampled_lp[j]}
+        for tok, lp in zip(top_ids[j][:n], top_lp[j][:n]):
+            entry.setdefault(tok, lp)
+        out[i] = entry
+    return out
