@@ -3,7 +3,7 @@ when the probe sees two devices. Two spawned ranks, one per device:
 
 1. `join_tp_group` on `cuda` (each rank's current device: the index rule of `select_device`):
    NCCL for tensors, gloo beside it; all_reduce, all_gather and broadcast_step checked by value.
-2. The KV data channel between them (kvtransfer/channel.py `open_channel`: NCCL on CUDA): one
+2. The KV data channel between them (kvtransfer/channel_factory.py `open_channel`: NCCL on CUDA): one
    KV-sized tensor sent by rank 0, received by rank 1, compared by checksum, and its GB/s.
 3. A TP=2 colocated engine (cluster/ranks/rank.py `RankHost`) on the engine section's tiny random
    Llama in float32 (in bf16 the two sum partial products in another order and a near-tie may
@@ -46,7 +46,7 @@ def _collectives(tp, device: torch.device) -> dict:
 
 
 def _channel(store_port: int, rank: int, device: torch.device, timeout_s: float) -> dict:
-    from kvtransfer.channel import open_channel
+    from kvtransfer.channel_factory import open_channel
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
     kind = "nccl" if device.type == "cuda" else "gloo"  # two devices: what the receiver picks (kvtransfer)
     channel = open_channel(dist.PrefixStore("channel/", store), rank, kind, device, "127.0.0.1", timeout_s)

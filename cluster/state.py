@@ -2,7 +2,8 @@
 
 One interface (`ClusterState`), two backends: `MemoryState` (default, in-process, thread-safe)
 and `RedisState` (cluster/redis_state.py: shared by every process of the cluster; values are
-msgpack). A leaf module: any layer may import it, and it imports nothing of ours.
+msgpack); `create_state` (cluster/state_factory.py) picks one by URL. A leaf module: any layer
+may import it, and it imports nothing of ours.
 
 Times: `updated_at` and metric timestamps are wall-clock (`time.time()`), because they are
 compared across processes and machines. Heartbeat deadlines are relative (a TTL), so the memory
@@ -345,16 +346,3 @@ class MemoryState(ClusterState):
             now = time.monotonic()
             self._routers = {k: v for k, v in self._routers.items() if v[0] > now}
             return {k: dict(stats) for k, (_, stats) in self._routers.items()}
-
-
-def create_state(url: str | None = None, namespace: str = "pdserve") -> ClusterState:
-    """Returns `MemoryState` for None or "memory://", `RedisState` for "redis://...",
-    "rediss://..." or "unix://..." (keys under `namespace`: one cluster's); raises ValueError for
-    anything else."""
-    if url is None or url == "memory://":
-        return MemoryState()
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        from cluster.redis_state import RedisState
-        return RedisState(url, namespace)
-    from cluster.redis_client import mask_url
-    raise ValueError(f"unsupported cluster state url {mask_url(url)!r}: use memory:// or redis://host:port/db")

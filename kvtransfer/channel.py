@@ -9,7 +9,8 @@ handshake (`data_channel_kind`) and names in its welcome: gloo for CPU caches; f
 whose cache is not shared, since NCCL refuses a communicator with two ranks on one device.
 
 Channels rendezvous in a store of their own (rendezvous.py: made after the control handshake,
-bound to the receiver's host, under a random prefix); `open_channel` takes it prefixed.
+bound to the receiver's host, under a random prefix); `open_channel` (channel_factory.py)
+takes it prefixed.
 """
 from __future__ import annotations
 
@@ -115,18 +116,3 @@ class GlooChannel(DataChannel):
             self.pg.abort()
         except Exception:  # already aborted or broken: nothing left to free
             pass
-
-
-def open_channel(store: dist.Store, rank: int, kind: str, device: torch.device, host: str,
-                 timeout_s: float) -> DataChannel:
-    """This end of a channel of `kind` (DATA_CHANNELS) rendezvousing in `store` (its own,
-    prefixed: rendezvous.py), for KV on `device` (blocks until both ends joined, at most
-    `timeout_s`)."""
-    if kind == "nccl":
-        from kvtransfer.nccl import NcclChannel
-        return NcclChannel(store, rank, timeout_s, device)
-    if kind == "host":
-        from kvtransfer.host_staged import HostStagedChannel
-        return HostStagedChannel(GlooChannel(store, rank, host, timeout_s), device)
-    assert kind == "gloo", kind
-    return GlooChannel(store, rank, host, timeout_s)

@@ -52,38 +52,25 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 
 from engine.core.threads import run_serially
 from kvtransfer import auth, wire
 from kvtransfer.base import CompletedTransfer, KVReceiver
-from kvtransfer.channel import RECEIVER, DataChannel, data_channel_kind, open_channel
+from kvtransfer.channel import RECEIVER, DataChannel, data_channel_kind
+from kvtransfer.channel_factory import open_channel
 from kvtransfer.checksum import PartChecksum
 from kvtransfer.control import ControlGarbage, ControlServer
 from kvtransfer.params import CompatRecord
 from kvtransfer.rendezvous import Rendezvous
 from kvtransfer.scatter import scatter_layer, scatter_tokens, slot_runs, whole_blocks
-from kvtransfer.session import Part, Session
+from kvtransfer.session import Expected, Part, Session
 from kvtransfer.shared_cache import device_key, export_cache
 
 logger = logging.getLogger(__name__)
 # Each run costs two messages per layer (K, V); beyond this many, one message and a scatter is faster.
 MAX_DIRECT_RUNS = 4
-
-
-@dataclass
-class Expected:
-    slots: torch.Tensor  # (num_tokens,) int64
-    num_parts: int
-    block_ids: torch.Tensor | None  # (num_tokens // block_size,) when the slots fill whole blocks in order
-    runs: list[tuple[int, int, int]]  # slot_runs(slots)
-    sessions: set = field(default_factory=set)  # the connections its parts arrive on
-    parts_done: int = 0
-    trailer: bytes = b""  # the one a part carried (b"" if none did)
-    last_activity: float | None = None  # set when its first part begins
-    receiving: int = 0  # receives in flight straight into its slots
 
 
 class TorchDistReceiver(KVReceiver):

@@ -49,7 +49,8 @@ import torch
 from engine.core.threads import run_serially
 from kvtransfer import auth, wire
 from kvtransfer.base import MAX_TRAILER_BYTES, IncompatiblePeerError, KVSender, Transfer, TransferError
-from kvtransfer.channel import DATA_CHANNELS, SENDER, DataChannel, open_channel
+from kvtransfer.channel import DATA_CHANNELS, SENDER, DataChannel
+from kvtransfer.channel_factory import open_channel
 from kvtransfer.checksum import PartChecksum, PartMac
 from kvtransfer.control import ControlClient
 from kvtransfer.params import CompatRecord, KVEndpoint

@@ -16,7 +16,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -29,7 +29,7 @@ from kvtransfer.rendezvous import Rendezvous
 from kvtransfer.scatter import as_bytes
 
 if TYPE_CHECKING:
-    from kvtransfer.receiver import TorchDistReceiver, Expected
+    from kvtransfer.params import CompatRecord
 
 logger = logging.getLogger(__name__)
 # Layers (or announced spans, received straight into the cache) posted and not yet written, per
@@ -62,10 +62,53 @@ class Part:
         return self.checksum is not None or self.mac is not None
 
 
+@dataclass
+class Expected:
+    slots: torch.Tensor  # (num_tokens,) int64
+    num_parts: int
+    block_ids: torch.Tensor | None  # (num_tokens // block_size,) when the slots fill whole blocks in order
+    runs: list[tuple[int, int, int]]  # slot_runs(slots)
+    sessions: set = field(default_factory=set)  # the connections its parts arrive on
+    parts_done: int = 0
+    trailer: bytes = b""  # the one a part carried (b"" if none did)
+    last_activity: float | None = None  # set when its first part begins
+    receiving: int = 0  # receives in flight straight into its slots
+
+
+class SessionHost(Protocol):
+    """What a session reads of the receiver that accepted it (receiver.py `TorchDistReceiver` is the
+    one there is): its cache and counters, and the handlers of each message. A protocol, so that
+    the receiver imports this module and not the other way round."""
+
+    kv_cache: list[torch.Tensor]  # per layer (2, num_blocks, block_size, num_local_heads, head_dim)
+    num_slots: int
+    num_local_heads: int
+    timeout_s: float
+    compat: CompatRecord
+
+    def count(self, key: str, n: int = 1) -> None: ...
+
+    def on_hello(self, session: Session, msg: dict) -> dict: ...
+
+    def open_data_channel(self, session: Session) -> DataChannel: ...
+
+    def on_begin(self, session: Session, msg: dict) -> dict: ...
+
+    def start_receiving(self, rid: str) -> Expected | None: ...
+
+    def on_received(self, rid: str, part: Part, e: Expected | None, layers: int, num_bytes: int) -> None: ...
+
+    def write_part(self, session: Session, rid: str, layer: int, part: Part, payload: torch.Tensor) -> None: ...
+
+    def on_done(self, session: Session, msg: dict, part: Part) -> dict: ...
+
+    def on_session_closed(self, session: Session) -> None: ...
+
+
 class Session:
     """One prefill rank's connection: its messages, in order, on the connection's thread."""
 
-    def __init__(self, rx: TorchDistReceiver, drop, payload_key: bytes | None = None):
+    def __init__(self, rx: SessionHost, drop, payload_key: bytes | None = None):
         """`payload_key`: this connection's payload MAC key (auth.payload_key), None for none."""
         self.rx, self.drop, self.payload_key = rx, drop, payload_key
         self.rendezvous: Rendezvous | None = None  # the data channel's store, from hello until built

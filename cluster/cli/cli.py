@@ -161,6 +161,21 @@ def _add_bench(sub) -> None:
     p.set_defaults(func=cmd_bench)
 
 
+def run_from_args(args) -> int:
+    """`pdserve bench` without --profile: run, print the table, write --out. 1 when no request succeeded."""
+    import asyncio
+    from cluster.loadgen.loadgen import config_from_args, run_load
+    from cluster.loadgen.loadgen_report import Slo, format_table, summarize, write_outputs
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request
+    result = asyncio.run(run_load(config_from_args(args)))
+    summary = summarize(result.records, Slo(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo))
+    print(format_table(summary))
+    if args.out:
+        paths = write_outputs(result, summary, args.out)
+        print("wrote " + ", ".join(str(p) for p in paths))
+    return 0 if summary["num_ok"] else 1
+
+
 def cmd_bench(args) -> int:
     from dataclasses import fields
     from cluster.spec import ClusterSpec
@@ -168,7 +183,6 @@ def cmd_bench(args) -> int:
         given = [f"--{f.name.replace('_', '-')}" for f in fields(ClusterSpec) if hasattr(args, f.name)]
         if given or args.config:  # they would be ignored: say so instead
             raise ValueError(f"{', '.join(given or ['--config'])}: cluster spec flags only apply with --profile")
-        from cluster.loadgen.loadgen import run_from_args
         return run_from_args(args)
     from cluster.autoscale.profiler import measure_profile
     profile, raw = measure_profile(ClusterSpec.from_args(args))

@@ -30,7 +30,8 @@ from cluster.control.instance import Instance, init_ray, rank_actor_name, setup_
 from cluster.control.rank_setup import RankSetup
 from cluster.ranks import cpu_plan, nodes
 from cluster.spec import ClusterSpec
-from cluster.state import ClusterState, InstanceRecord, create_state
+from cluster.state import ClusterState, InstanceRecord
+from cluster.state_factory import create_state
 from router.client import InstanceDeadError, InstanceInfo
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,8 @@ from cluster.control.clients import RayDecodeClient, RayPrefillClient
 from cluster.control.instance import Instance, init_ray, rank_actor_name
 from cluster.ranks.nodes import RankPlacement
 from cluster.spec import ClusterSpec
-from cluster.state import ClusterState, InstanceRecord, create_state
+from cluster.state import ClusterState, InstanceRecord
+from cluster.state_factory import create_state
 from engine.core.block_manager import block_hashes
 from engine.core.request import SamplingParams
 from kvtransfer.params import KVEndpoint

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import logging
 import math
 import os
 import sys
@@ -386,16 +385,3 @@ def config_from_args(args) -> LoadConfig:
                       num_output_tokens=args.output_tokens, length_dist=args.length_dist, dataset=args.dataset,
                       temperature=args.temperature, seed=args.seed, request_timeout_s=args.request_timeout,
                       progress=not args.no_progress)
-
-
-def run_from_args(args) -> int:
-    """`pdserve bench` without --profile: run, print the table, write --out. 1 when no request succeeded."""
-    from cluster.loadgen.loadgen_report import Slo, format_table, summarize, write_outputs
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request
-    result = asyncio.run(run_load(config_from_args(args)))
-    summary = summarize(result.records, Slo(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo))
-    print(format_table(summary))
-    if args.out:
-        paths = write_outputs(result, summary, args.out)
-        print("wrote " + ", ".join(str(p) for p in paths))
-    return 0 if summary["num_ok"] else 1

@@ -7,7 +7,8 @@ import time
 import pytest
 
 from cluster.redis_state import RedisState
-from cluster.state import ClusterState, InstanceRecord, MemoryState, create_state
+from cluster.state import ClusterState, InstanceRecord, MemoryState
+from cluster.state_factory import create_state
 
 BIG = 2**64 - 1
 
