@@ -50,7 +50,7 @@ class LLM:
                                        if k in SchedulerConfig.__dataclass_fields__})
             engine = ColocatedEngine(EngineConfig(model=model, dtype=dtype, cache=cache, scheduler=sched, **overrides))
         self.engine = engine
-        self.tokenizer = engine.text.tokenizer
+        self.tokenizer = engine.tokenizer
         self._ids = itertools.count()
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:

@@ -46,5 +46,5 @@ def server():
 @pytest.fixture(scope="session")
 def llm():
     engine = LLM(model="smollm2", dtype="float32", num_blocks=256)
-    engine.text.tokenizer.set_chat_template(HERMES.read_text())
+    engine.tokenizer.set_chat_template(HERMES.read_text())
     return engine

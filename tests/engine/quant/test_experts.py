@@ -121,8 +121,8 @@ def test_a_q4_gguf_mixture_runs_the_files_codes(tmp_path, monkeypatch, caplog, n
     from the reference's router logits)."""
     import gguf
 
+    from engine.layers import quant_experts
     from engine.layers.moe import moe_blocks
-    from engine.quant import experts as quant_experts
     from engine.runner.model_runner import ModelRunner
     from tests.engine.gguf.requantize import requantize
     from tests.helpers import all_logits, engine_config, random_prompts
