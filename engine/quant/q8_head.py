@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from engine.quant.base import BaseLinearMethod
-from engine.quant.gguf_file import open_gguf
 from engine.quant.int4 import Int4PackKernel
 from engine.quant.int8 import skip_kernel
 from engine.quant.kernels import LinearKernel, UnquantizedBaseline
@@ -134,6 +133,7 @@ def gguf_q8_0_head(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]
     """The LM head's Q8_0 blocks as codes (vocab, hidden) int8 and scales (vocab, hidden / 32)
     fp32 (engine/quant/q8_head.py): `output.weight`, or the embedding it is tied to; None when
     that tensor is not Q8_0."""
+    from engine.quant.gguf_file import open_gguf  # gguf is needed for GGUF files only
     tensors = {t.name: t for t in open_gguf(path).tensors}
     head = tensors.get("output.weight", tensors.get("token_embd.weight"))
     if head is None or head.tensor_type.name != "Q8_0":
