@@ -49,7 +49,7 @@ import httpx
 from bench.aiperf_client import DEFAULT_AIPERF, AiperfRun, run_aiperf
 from bench.busy_host_report import fmt, format_table, ratios, write_plot
 from bench.serving_vs_vllm import (REPO, Server, Workload, _free_port, run_main, server_command, target_row,
-                                    workload_of)
+                                   workload_of)
 from cluster.loadgen.loadgen import first_model, run_load
 from engine.attention import BACKENDS
 from engine.core.config import QUANTIZATION_CHOICES

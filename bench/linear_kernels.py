@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from engine.core.config import cpu_has_native_bf16
 from engine.loading.loader import load_model_config, resolve_model_path
 from engine.quant.kernels import (FbgemmKernel, LinearKernel, Int8PackKernel, ReferenceKernel, UnquantizedBaseline,
-                               dequantize)
+                                  dequantize)
 from engine.quant.int4 import DequantizedKernel, Int4PackKernel
 from engine.quant.q4 import random_q4
 from engine.quant.selection import measuring_time_fn, processor_name

@@ -33,10 +33,11 @@ import torch
 from bench.offline import random_prompts
 from decode_worker.engine import ColocatedEngine
 from decode_worker.llm import LLM
+from engine.core.choices import FORMS
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.kv_cache import kv_block_bytes
 from engine.core.request import SamplingParams
-from engine.layers.mla import FORMS, MLAAttention
+from engine.layers.mla import MLAAttention
 from engine.runner.model_runner import ModelRunner
 
 

@@ -32,9 +32,10 @@ import torch.nn.functional as F
 from bench.decode_steps import step_times
 from decode_worker.engine import ColocatedEngine
 from decode_worker.llm import LLM
+from engine.core.choices import MethodChoice
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.layers.expert_compute import (METHODS, PACKED, MethodChoice, sort_pairs, vllm_cpu_experts,
-                                   vllm_cpu_moe_unavailable, vllm_cpu_pack)
+from engine.layers.expert_compute import (METHODS, PACKED, sort_pairs, vllm_cpu_experts,
+                                          vllm_cpu_moe_unavailable, vllm_cpu_pack)
 from engine.layers.common import silu_and_mul
 from engine.layers.moe import moe_blocks
 from engine.layers.quant_experts import FORMATS, quantize_experts, quantized_experts

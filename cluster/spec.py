@@ -25,8 +25,8 @@ import yaml
 
 from engine.attention import BACKENDS as ATTENTION_BACKENDS
 from engine.core.config import (DTYPE_CHOICES, EXPERT_METHOD_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES,
-                           SPECULATIVE_SHIPPED, SPECULATIVE_METHODS, CacheConfig, EngineConfig, SchedulerConfig,
-                           SpeculativeConfig)
+                                SPECULATIVE_SHIPPED, SPECULATIVE_METHODS, CacheConfig, EngineConfig, SchedulerConfig,
+                                SpeculativeConfig)
 from engine.core.expert_placement import ExpertPlacement
 
 MODES = ("disaggregated", "colocated")

@@ -4,7 +4,7 @@ config.py (EngineConfig, ModelConfig, CacheConfig, ...) and speculative_config.p
 knobs, checked before anything loads); request.py (SamplingParams, Request, RequestStatus); batch.py
 (SchedulerOutput in, RunnerOutput out: the step's interface); block_manager.py (the paged KV blocks,
 prefix caching); kv_cache.py (the pool's shape and bytes); expert_placement.py (which experts a
-rank holds); handover.py (what a prefill hands a decode instance beside the KV); outbox.py,
+rank holds); choices.py (what rank 0 measures at load for its whole TP group); handover.py (what a prefill hands a decode instance beside the KV); outbox.py,
 threads.py, timing.py (small utilities).
 
 May import: nothing of the engine above it (engine/ floors: docs/architecture.md).

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.vllm_cpu_ops import SCRATCHPAD
+from engine.core.choices import MethodChoice
 from engine.core.expert_placement import HeldExperts
 from engine.core.timing import best_seconds
 from engine.layers.common import silu_and_mul
@@ -172,24 +173,6 @@ def vllm_cpu_experts(x: torch.Tensor, w13_packed: torch.Tensor, w2_packed: torch
 
 # (largest token count of the range, the count measured); None: any larger batch
 BUCKETS = ((1, 1), (8, 8), (64, 32), (None, 256))
-
-
-@dataclass(frozen=True)
-class MethodChoice:
-    """Per token-count range, the expert method that runs, and the times it was chosen on."""
-
-    ranges: tuple[tuple[int | None, str], ...]  # (largest token count; None: any larger, method)
-    ms: tuple[dict[str, float], ...] = ()  # per range, each method's time for one layer
-
-    def method(self, num_tokens: int) -> str:
-        return next(m for limit, m in self.ranges if limit is None or num_tokens <= limit)
-
-    def describe(self) -> str:
-        if not self.ms:
-            return f"{self.ranges[0][1]} for every batch"
-        return "; ".join(f"{m} for {'<=' + str(limit) if limit is not None else 'more'} tokens ("
-                         + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()) + ")"
-                         for (limit, m), ms in zip(self.ranges, self.ms))
 
 
 def select_method(name: str, x_like: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,

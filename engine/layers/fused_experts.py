@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.core.choices import MethodChoice
 from engine.core.expert_placement import HeldExperts
-from engine.layers.expert_compute import ACTIVATIONS, METHODS, PACKED, LocalExperts, MethodChoice, sort_pairs, vllm_cpu_experts
+from engine.layers.expert_compute import ACTIVATIONS, METHODS, PACKED, LocalExperts, sort_pairs, vllm_cpu_experts
 from engine.parallel.layers import TPGroup
 from engine.layers.quant_experts import (FORMATS, QuantizedExperts, q4_experts, quantize_experts, quantized_experts,
-                                  time_kernels)
+                                         time_kernels)
 from engine.quant.q4 import GROUP_SIZE
 
 # with q4_codes, in place of w13_weight and w2_weight

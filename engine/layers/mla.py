@@ -28,7 +28,6 @@ are the same sums, in the order transformers' V3 computes them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,38 +35,15 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, BaseAttentionBackend
 from engine.attention.base import gather_kv, write_kv
+from engine.core.choices import PrefillForms
 from engine.core.config import ModelConfig
 from engine.layers.common import RMSNorm, RotaryEmbedding
 from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear, TPGroup
 from engine.quant.base import BaseLinearMethod
 
-FORMS = ("expanded", "absorbed")
 # (largest query count of the range, the count timed; None: any larger); each over a context of twice
 # the count (a chunk after as many cached tokens)
 PREFILL_BUCKETS = ((16, 16), (128, 128), (None, 512))
-
-
-@dataclass(frozen=True)
-class PrefillForms:
-    """Per range of a prefill's query count, the form it runs, and the times it was chosen on."""
-
-    ranges: tuple[tuple[int | None, str], ...]
-    ms: tuple[dict[str, float], ...] = ()
-
-    @classmethod
-    def fixed(cls, form: str) -> PrefillForms:
-        assert form in FORMS, form
-        return cls(((None, form),))
-
-    def form(self, num_queries: int) -> str:
-        return next(f for limit, f in self.ranges if limit is None or num_queries <= limit)
-
-    def describe(self) -> str:
-        if not self.ms:
-            return f"{self.ranges[0][1]} for every prefill"
-        return "; ".join(f"{f} for {'<=' + str(limit) if limit is not None else 'more'} tokens ("
-                         + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()) + ")"
-                         for (limit, f), ms in zip(self.ranges, self.ms))
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -251,8 +227,7 @@ def select_prefill_forms(model: nn.Module, tp: TPGroup) -> str | None:
     layers = [layer.self_attn for layer in model.layers if isinstance(layer.self_attn, MLAAttention)]
     if not layers:
         return None
-    forms = time_prefill_forms(layers[0])  # crosses as plain tuples (the TP channel: the step's records only)
-    forms = PrefillForms(*tp.broadcast_object((forms.ranges, forms.ms)))
+    forms = tp.broadcast_object(time_prefill_forms(layers[0]))
     for layer in layers:
         layer.prefill_forms = forms
     return f"latent attention: decodes absorbed; prefills {forms.describe()}"

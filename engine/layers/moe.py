@@ -23,7 +23,7 @@ from torch import nn
 from engine.core.config import ModelConfig
 from engine.core.expert_placement import HeldExperts, imbalance, rank_loads
 from engine.layers.common import silu_and_mul
-from engine.layers.expert_compute import METHODS, PACKED, LocalExperts, MethodChoice, select_method, sort_pairs, vllm_cpu_pack
+from engine.layers.expert_compute import METHODS, PACKED, LocalExperts, select_method, sort_pairs, vllm_cpu_pack
 from engine.layers.fused_experts import FusedExperts
 from engine.layers.routing import route, route_tokens
 from engine.parallel.layers import MergedColumnParallelLinear, RowParallelLinear, TPGroup
@@ -166,8 +166,7 @@ def select_expert_methods(model: nn.Module, name: str) -> None:
     experts = first.experts
     choice = select_method(name, experts.w13_weight, experts.w13_weight, experts.w2_weight, first.top_k, experts.local,
                            b13=experts.w13_bias, b2=experts.w2_bias, act=experts.activation)
-    # as plain tuples: the TP channel carries the step's records only (engine/parallel/step.py)
-    choice = MethodChoice(*first.tp.broadcast_object((choice.ranges, choice.ms)))
+    choice = first.tp.broadcast_object(choice)
     for _, block in blocks:
         block.experts.choice = choice
         if choice.method(1) == PACKED:  # its own layout, in place of the loaded one (no second copy)

@@ -25,7 +25,7 @@ from engine.layers.moe import SparseMoeBlock, expert_param
 from engine.models.hf_config import llama_like_fields
 from engine.quant.base import BaseLinearMethod
 from engine.parallel.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
-                             RowParallelLinear, TPGroup, VocabParallelEmbedding)
+                                    RowParallelLinear, TPGroup, VocabParallelEmbedding)
 
 
 class LlamaAttention(nn.Module):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention.base import AttentionMetadata
+from engine.core.choices import MethodChoice, PrefillForms
 from engine.parallel.tp_comm import TensorSlot
 
 
@@ -38,6 +39,6 @@ class ModelInput:
 
 def engine_types() -> tuple[type, ...]:
     """The engine's records that cross a TP group: the step (ModelInput and its metadata, the
-    broadcast's tensor slots). Layers above add their own (TPGroup.wire_types); load-time choices
-    (expert methods, MLA prefill forms) cross as plain tuples."""
-    return ModelInput, AttentionMetadata, TensorSlot
+    broadcast's tensor slots) and the load-time choices rank 0 makes for all (expert methods, MLA
+    prefill forms: engine/core/choices.py). Layers above add their own (TPGroup.wire_types)."""
+    return ModelInput, AttentionMetadata, MethodChoice, PrefillForms, TensorSlot

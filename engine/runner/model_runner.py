@@ -27,7 +27,7 @@ from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.runner.device_memory import DeviceMemory, MemorySnapshot, TorchDeviceMemory
 from engine.runner.kv_budget import MemoryBudget, blocks_from_device
 from engine.layers.moe import (describe_experts, expert_counts, expert_load_figures, quantize_model_experts,
-                        reset_expert_counts, select_expert_methods)
+                               reset_expert_counts, select_expert_methods)
 from engine.layers.mla import select_prefill_forms
 from engine.parallel.layers import TPGroup
 from engine.parallel.step import ModelInput

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from engine.attention import create_attention_backend
+from engine.core.choices import FORMS, PrefillForms
 from engine.core.kv_cache import kv_block_bytes
-from engine.layers.mla import FORMS, MLAAttention, PrefillForms, deinterleave_rows
+from engine.layers.mla import MLAAttention, deinterleave_rows
 from engine.loading.loader import hf_model_config
 from engine.runner.model_runner import ModelRunner
 from tests.helpers import (FAMILIES, all_logits, assert_logits_match_transformers, engine_config, make_hf_tiny,

@@ -205,7 +205,7 @@ def test_vllm_cpus_fused_moe_equals_the_reference():
 def test_auto_takes_the_packed_kernel_for_every_range_or_for_none(monkeypatch, packed_ms, want):
     """Times per range (1, 8, 32, 256 tokens): loop 4, 4, 1, 1 ms; grouped_mm 1, 1, 4, 4 ms;
     vllm_cpu `packed_ms` each. The per-range plan sums to 4 ms; vllm_cpu runs only if its sum is less."""
-    from engine.layers.common import expert_compute
+    from engine.layers import expert_compute
     times = {"loop": iter([4.0, 4.0, 1.0, 1.0]), "grouped_mm": iter([1.0, 1.0, 4.0, 4.0])}
     monkeypatch.setattr(expert_compute, "vllm_cpu_moe_unavailable", lambda *a: None)
     monkeypatch.setattr(expert_compute, "vllm_cpu_pack", lambda w: w)
@@ -223,7 +223,7 @@ def test_every_rank_runs_rank_0s_choice_of_expert_method():
     instance runs one method; here rank 0's is loop, whatever this rank measured."""
     from types import SimpleNamespace
 
-    from engine.layers.expert_compute import MethodChoice
+    from engine.core.choices import MethodChoice
     from engine.layers.moe import select_expert_methods
     block = _block()
     rank0 = MethodChoice(((None, "loop"),), ({"loop": 1.0},))

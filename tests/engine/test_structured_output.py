@@ -16,7 +16,7 @@ from engine.core.request import Request, SamplingParams
 from engine.sample.logits_processing import history_of, needs_processing
 from engine.sample.sampling import Sampler
 from engine.sample.structured_output import (GrammarState, _unpack_numpy, _unpack_torch, apply_grammar_masks, check,
-                                      grammar_of, ll_tokenizer)
+                                             grammar_of, ll_tokenizer)
 from engine.text.tokenizer import Tokenizer
 
 VOCAB = 49152  # SmolLM2's logits width

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.layers.expert_compute import MethodChoice, loop_experts, sort_pairs
+from engine.core.choices import MethodChoice
+from engine.layers.expert_compute import loop_experts, sort_pairs
 from engine.layers.moe import route
 from engine.layers.quant_experts import FORMATS, OnBf16, candidates, q4_experts, quantize_experts
 from engine.quant.q4 import quantize_q4_1

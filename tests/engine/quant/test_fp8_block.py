@@ -47,7 +47,7 @@ def test_an_fp8_deepseek_v3_checkpoint_loads_to_its_dequantized_twin(tmp_path):
     """Every linear of a tiny V3 (attention's, the experts', the shared and dense MLPs') in e4m3
     with a scale per 16 x 16 block and config.json's quantization_config, against the same weights
     dequantized and saved as floats: the same logits, bit for bit."""
-    from engine.layers.mla import PrefillForms
+    from engine.core.choices import PrefillForms
     from engine.runner.model_runner import ModelRunner
     from tests.helpers import FAMILIES, all_logits, engine_config, random_prompts, save_tiny
     kind, switches = FAMILIES["deepseek_v3"]

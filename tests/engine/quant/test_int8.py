@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.parallel.layers import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                             TPGroup)
+                                    TPGroup)
 from engine.quant import create_linear_method, linear_layers, process_weights_after_loading, resolve_quantization
 from engine.quant.int8 import Int8LinearMethod, W8A8LinearMethod
 from engine.quant.kernels import cpu_has_vnni
