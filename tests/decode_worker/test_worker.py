@@ -66,22 +66,33 @@ def test_transferred_logprobs_lead_and_missing_ones_fail_the_request():
     engine.kv.assert_no_leaks()
 
 
-def test_a_failed_load_ends_the_request_with_kv_load_failed_and_frees_its_blocks():
-    """The receiver reports a failed load: the request ends with an error flagged
-    `kv_load_failed` (the router may recompute it here), its blocks are free, and the others
-    decode on."""
+def reserved_pair(*rids: str):
+    """A decode worker on a tiny model with a fake receiver, `rids` reserved (3 tokens each)."""
     engine = tiny_engine(make_hf_tiny_llama(), num_blocks=32, block_size=8)
     rx = FakeReceiver()
     worker = DecodeWorker(engine, DecodeConnector(rx, engine.runner.model_config.num_kv_heads, 0, 1))
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    for rid in ("ok", "lost"):
+    for rid in rids:
         assert worker.reserve(RequestMessage(rid, list(range(3, 20)), params), prefill_tp=1)
-    rx.done = [CompletedTransfer("ok", Handover(5).pack())]
-    rx.failed = [("lost", "no KV for 10 s after the transfer began")]
+    return engine, rx, worker
+
+
+def step_outputs(worker: DecodeWorker, steps: int = 10) -> list:
     outputs = []
-    for _ in range(10):
+    for _ in range(steps):
         worker.step()
         outputs += worker.poll_outputs(0)
+    return outputs
+
+
+def test_a_failed_load_ends_the_request_with_kv_load_failed_and_frees_its_blocks():
+    """The receiver reports a failed load: the request ends with an error flagged
+    `kv_load_failed` (the router may recompute it here), its blocks are free, and the others
+    decode on."""
+    engine, rx, worker = reserved_pair("ok", "lost")
+    rx.done = [CompletedTransfer("ok", Handover(5).pack())]
+    rx.failed = [("lost", "no KV for 10 s after the transfer began")]
+    outputs = step_outputs(worker)
     (lost,) = [o for o in outputs if o.request_id == "lost"]
     assert lost.finished and lost.kv_load_failed and "no KV" in lost.error and "lost" not in rx.expected
     assert [o for o in outputs if o.request_id == "ok"][-1].finish_reason == "length"
@@ -133,17 +144,9 @@ def test_an_idle_decode_instance_makes_no_collective_call():
 def test_a_malformed_handover_fails_its_request_only():
     """A trailer that is no handover (engine/core/handover.py): that request ends with an error flagged
     `kv_load_failed`, its blocks freed, counted among the dropped KV messages; another decodes on."""
-    engine = tiny_engine(make_hf_tiny_llama(), num_blocks=32, block_size=8)
-    rx = FakeReceiver()
-    worker = DecodeWorker(engine, DecodeConnector(rx, engine.runner.model_config.num_kv_heads, 0, 1))
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    for rid in ("ok", "bad"):
-        assert worker.reserve(RequestMessage(rid, list(range(3, 20)), params), prefill_tp=1)
+    engine, rx, worker = reserved_pair("ok", "bad")
     rx.done = [CompletedTransfer("ok", Handover(5).pack()), CompletedTransfer("bad", b"\x93\x01\x02\x03")]
-    outputs = []
-    for _ in range(10):
-        worker.step()
-        outputs += worker.poll_outputs(0)
+    outputs = step_outputs(worker)
     (bad,) = [o for o in outputs if o.request_id == "bad"]
     assert bad.finished and bad.kv_load_failed and "handover is malformed" in bad.error
     assert [o for o in outputs if o.request_id == "ok"][-1].finish_reason == "length"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -18,8 +19,8 @@ pytestmark = pytest.mark.skipif(DEFAULT_NUM_THREADS < 2 or not os.path.isdir("/p
 def _threads_while_copying(serial: bool) -> int:
     """Threads this process gained while a side thread, having copied a KV-sized tensor (a
     receive's scatter), still lives: the thread itself, and any OpenMP team it started. The most
-    common count of five tries: other tests' background threads (a transport's, Ray's) may start
-    or end during one."""
+    common count of five tries (each after the last one's threads are gone): other tests' background
+    threads (a transport's, Ray's) may start or end during one."""
     def once() -> int:
         copied, release = threading.Event(), threading.Event()
 
@@ -38,6 +39,9 @@ def _threads_while_copying(serial: bool) -> int:
         during = len(os.listdir("/proc/self/task"))
         release.set()
         t.join()
+        deadline = time.monotonic() + 5  # its threads leave /proc a moment after join(): the next try waits
+        while len(os.listdir("/proc/self/task")) > before and time.monotonic() < deadline:
+            time.sleep(0.01)
         return during - before
 
     return collections.Counter(once() for _ in range(5)).most_common(1)[0][0]
