@@ -101,7 +101,7 @@ def run_method(args, method: str, models: dict[str, str]) -> dict:
     spec = None if method == "none" else SpeculativeConfig(method, args.k, model=models.get(method),
                                                            max_batch_size=args.max_batch_size)
     llm = LLM(model=args.model, max_num_seqs=max(args.batches), speculative=spec, num_threads=args.threads,
-              adapt_threads=True)  # as a served rank (cluster/control/rank_setup.py)
+              adapt_threads=True)  # as a served rank (cluster/control/rank_planner.py)
     llm.generate(["Hello"], None)  # warm-up, not counted
     out = {}
     for workload in args.workloads:

@@ -2,7 +2,7 @@
 files in kvtransfer/ and an entry here (with its name in cluster/spec.py's KV_TRANSPORTS, which
 `spec_registry` holds this to). The name reaches `create_kv_transport` through the rank
 (cluster/ranks/rank.py). "auto" is torch.distributed with same-device writes where a prefill and a
-decode rank share a GPU (cluster/control/rank_setup.py decides those); "torch" the same transport,
+decode rank share a GPU (cluster/control/rank_planner.py decides those); "torch" the same transport,
 always over its data channel."""
 from __future__ import annotations
 

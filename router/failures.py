@@ -1,164 +1,142 @@
 """What the router does when an attempt fails: retry it elsewhere, recompute it on its decode
-instance, or give up; an instance found dead; and the guards around its handlers (an exception in
-one fails only the request it was handling). Every method but `_place_guarded` and `_safe` runs
-under the router's lock (router/router.py); calls to instances are deferred until it is released."""
+instance, or give up; an instance found dead; and the guard around its event handlers (an exception
+in one fails only the request it was handling). The router holds one `Failures` over its tables
+(router/tables.py). Every method but `mark_dead` runs under the tables' lock; calls to instances are
+deferred until it is released."""
 from __future__ import annotations
 
 import logging
 
-from router.client import InstanceDeadError
+from router.failpoints import Failpoints
 from router.stream import StreamEvent, Tracked
+from router.tables import RouterTables
 
 logger = logging.getLogger(__name__)
 
 
 class Failures:
-    """Router's failure paths (a mixin of Router: its tables, stats and lock)."""
+    """The router's retry policy over its tables (router/tables.py): what ends an attempt, and
+    whether the request goes on elsewhere, recomputes, or fails."""
 
-    def _fail(self, tracked: Tracked, instance_id: str | None, reason: str) -> None:
+    def __init__(self, tables: RouterTables, max_attempts: int, kv_recompute_max_tokens: int,
+                 failpoints: Failpoints):
+        self.tables, self.max_attempts = tables, max_attempts
+        self.kv_recompute_max_tokens, self.failpoints = kv_recompute_max_tokens, failpoints
+
+    def fail(self, tracked: Tracked, instance_id: str | None, reason: str) -> None:
         logger.warning("request %s attempt %d failed on %s: %s", tracked.request_id, tracked.attempt,
                        instance_id, reason)
         if instance_id is not None:
             tracked.excluded.add(instance_id)
-        self._abort_attempt(tracked)
+        self.tables.abort_attempt(tracked)
         if tracked.choices:
-            return self._split(tracked, lambda choice: self._fail(choice, instance_id, reason))
+            return self.split(tracked, lambda choice: self.fail(choice, instance_id, reason))
         tracked.grouped = False  # a choice goes on by itself
-        self._retry(tracked, reason)
+        self.retry(tracked, reason)
 
-    def _split(self, parent: Tracked, each) -> None:
+    def split(self, parent: Tracked, each) -> None:
         """The placement of an n > 1 request ended before its choices forked: `each` choice goes on
         (or ends) by itself."""
         for choice in parent.choices:
             if not choice.done and choice.grouped:
                 each(choice)
 
-    def _may_recompute(self, tracked: Tracked) -> bool:
+    def may_recompute(self, tracked: Tracked) -> bool:
         n = len(tracked.prompt_token_ids) + len(tracked.delivered)
         return n <= self.kv_recompute_max_tokens and tracked.attempt + 1 < self.max_attempts
 
-    def _recompute(self, tracked: Tracked, reason: str) -> None:
+    def recompute(self, tracked: Tracked, reason: str) -> None:
         """The decode instance's KV load failed: its next attempt prefills there (prompt and the
         tokens already streamed, as for any retry), no transfer involved."""
         logger.warning("request %s attempt %d: KV load on %s failed (%s); recomputing it there",
                        tracked.request_id, tracked.attempt, tracked.decode_id, reason)
-        self.stats["kv_recomputes"] += 1
+        self.tables.stats["kv_recomputes"] += 1
         decode_id = tracked.decode_id
-        self._abort_attempt(tracked)
+        self.tables.abort_attempt(tracked)
         if tracked.choices:
-            return self._split(tracked, lambda choice: self._recompute(choice, reason))
+            return self.split(tracked, lambda choice: self.recompute(choice, reason))
         tracked.recompute_on, tracked.grouped = decode_id, False
-        self._retry(tracked, reason)
+        self.retry(tracked, reason)
 
-    def _retry(self, tracked: Tracked, reason: str) -> None:
+    def retry(self, tracked: Tracked, reason: str) -> None:
         """Queues the request's next attempt at the head of the queue (the placement thread
         makes it: the caller holds the lock)."""
         if tracked.attempt + 1 >= self.max_attempts or tracked.done:
-            return self._give_up(tracked, reason)
+            return self.give_up(tracked, reason)
         tracked.attempt += 1
-        self.stats["retries"] += 1
-        self._pending.appendleft(tracked)
-        self._wake.notify_all()
+        self.tables.stats["retries"] += 1
+        self.tables.pending.appendleft(tracked)
+        self.tables.wake.notify_all()
 
-    def _give_up(self, tracked: Tracked, reason: str, bad_request: bool = False) -> None:
-        self._by_attempt.pop(tracked.attempt_id, None)
+    def give_up(self, tracked: Tracked, reason: str, bad_request: bool = False) -> None:
+        self.tables.by_attempt.pop(tracked.attempt_id, None)
         if tracked.choices:
-            return self._split(tracked, lambda choice: self._give_up(choice, reason, bad_request))
-        self.stats["failed"] += 1
-        self._finish(tracked, StreamEvent([], True, "error", reason, bad_request=bad_request))
+            return self.split(tracked, lambda choice: self.give_up(choice, reason, bad_request))
+        self.tables.stats["failed"] += 1
+        self.tables.finish(tracked, StreamEvent([], True, "error", reason, bad_request=bad_request))
 
-    def _abort_attempt(self, tracked: Tracked) -> None:
-        """Under the lock: forgets the attempt; its instances are told once the lock is released."""
-        self._by_attempt.pop(tracked.attempt_id, None)
-        for iid in (tracked.prefill_id, tracked.decode_id):
-            client = self._client(iid) if iid is not None else None
-            if client is not None:
-                self._deferred.append((client.abort, tracked.attempt_id))
-
-    def _safe(self, fn, *args) -> None:
-        """A call deferred until the lock was released (an abort): never raises."""
-        try:
-            fn(*args)
-        except InstanceDeadError:
-            pass
-        except Exception:  # nothing waits on it: logged and counted, the caller's thread goes on
-            logger.exception("deferred call %s%s failed", getattr(fn, "__qualname__", fn), args)
-            with self._lock:
-                self.handler_errors["deferred"] += 1
-
-    # -- guards: an exception fails only the request it was about ---------------------------------
-    def _place_guarded(self, tracked: Tracked) -> bool:
-        """`_place` (not under the lock), except that an exception fails this request alone (an
-        explicit error) and returns True: it has ended."""
-        try:
-            self.failpoints.check("place")
-            return self._place(tracked)
-        except Exception as exc:
-            with self._locked():
-                self._handler_failed("place", exc, tracked)
-            return True
-
-    def _handle_events(self, handler: str, handle, events: list) -> None:
+    # -- the guard: an exception fails only the request it was about ---------------------------------
+    def handle_events(self, handler: str, handle, events: list) -> None:
         """Under the lock: each event to `handle`; one that raises fails only its own request (an
         explicit error) and the rest are handled."""
         for event in events:
-            tracked = self._by_attempt.get(event.request_id)  # before the handler can change the tables
+            tracked = self.tables.by_attempt.get(event.request_id)  # before the handler can change the tables
             try:
                 self.failpoints.check(handler)
                 handle(event)
             except Exception as exc:
-                self._handler_failed(handler, exc, tracked)
+                self.handler_failed(handler, exc, tracked)
 
-    def _handler_failed(self, handler: str, exc: Exception, tracked: Tracked | None) -> None:
+    def handler_failed(self, handler: str, exc: Exception, tracked: Tracked | None) -> None:
         """Under the lock: `handler` raised over `tracked`'s request (a bug, or an error no path
         expects). Only that request ends, with an explicit error; counted in `handler_errors`."""
-        self.handler_errors[handler] += 1
+        self.tables.handler_errors[handler] += 1
         rid = None if tracked is None else tracked.request_id
         logger.error("router handler %s raised on request %s; that request fails", handler, rid, exc_info=exc)
         if tracked is not None:
-            self._fail_request(tracked, f"internal error in the router ({handler}: {type(exc).__name__})")
-        self._wake.notify_all()  # whatever it held may be free now
+            self.fail_request(tracked, f"internal error in the router ({handler}: {type(exc).__name__})")
+        self.tables.wake.notify_all()  # whatever it held may be free now
 
-    def _fail_request(self, tracked: Tracked, reason: str) -> None:
+    def fail_request(self, tracked: Tracked, reason: str) -> None:
         """Under the lock: the whole request `tracked` belongs to (every choice) leaves the queue
         and its instances, and each choice not ended yet ends with an error. Assumes nothing of
         the state a raising handler left: it may have been half updated."""
         root = tracked.parent or tracked
         for t in [root, *root.choices]:
-            if t in self._pending:
-                self._pending.remove(t)
-            if t.done and self._by_attempt.get(t.attempt_id) is not t:
+            if t in self.tables.pending:
+                self.tables.pending.remove(t)
+            if t.done and self.tables.by_attempt.get(t.attempt_id) is not t:
                 continue  # a choice that ended: nothing of it runs
-            self._by_attempt.pop(t.attempt_id, None)
+            self.tables.by_attempt.pop(t.attempt_id, None)
             for iid in {t.prefill_id, t.decode_id, *t.placing} - {None}:  # placing: any candidate may hold it
-                if (client := self._client(iid)) is not None:
-                    self._deferred.append((client.abort, t.attempt_id))
+                if (client := self.tables.client(iid)) is not None:
+                    self.tables.deferred.append((client.abort, t.attempt_id))
             t.placing = ()
         for t in root.choices or [root]:
             if not t.done:
-                self.stats["failed"] += 1
+                self.tables.stats["failed"] += 1
                 try:
-                    self._finish(t, StreamEvent([], True, "error", reason))
+                    self.tables.finish(t, StreamEvent([], True, "error", reason))
                 except Exception:  # its consumer's listener raised: it is marked done all the same
                     logger.exception("request %s: cannot deliver its end", t.request_id)
         root.done = True
-        if self._live.get(root.request_id) is root:
-            del self._live[root.request_id]
+        if self.tables.live.get(root.request_id) is root:
+            del self.tables.live[root.request_id]
 
     def mark_dead(self, iid: str, exc: Exception | None = None) -> None:
         """An instance died (found by this router's calls, or told by its owner): every attempt
         on it is retried elsewhere."""
-        with self._locked():
-            client = self._client(iid)
+        with self.tables.locked():
+            client = self.tables.client(iid)
             if client is None or not client.info.healthy:
                 return
             client.info.healthy = False
-            self.stats["instance_deaths"] += 1
+            self.tables.stats["instance_deaths"] += 1
             logger.error("instance %s is dead (%s); retrying its requests", iid, exc)
-            for tracked in [t for t in self._by_attempt.values() if iid in (t.prefill_id, t.decode_id)]:
-                if self._by_attempt.get(tracked.attempt_id) is not tracked:
+            for tracked in [t for t in self.tables.by_attempt.values() if iid in (t.prefill_id, t.decode_id)]:
+                if self.tables.by_attempt.get(tracked.attempt_id) is not tracked:
                     continue  # a choice its parent's failure already sent on
                 if tracked.prefill_id == iid and tracked.decoding and tracked.num_attempt_tokens:
                     tracked.prefill_id = None  # its KV and first token are out already: it goes on there
                     continue
-                self._fail(tracked, iid, f"instance {iid} died")
+                self.fail(tracked, iid, f"instance {iid} died")

@@ -28,7 +28,6 @@ import logging
 import threading
 import uuid
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from engine.core.request import RequestMessage, SamplingParams, choice_id
@@ -39,12 +38,10 @@ from router.failures import Failures
 from router.policy import BaseRoutingPolicy
 from router.stream import RequestStream, StreamEvent, Tracked, indexed
 from router.supervisor import ThreadSupervisor
+from router.tables import RouterTables
 
 logger = logging.getLogger(__name__)
 
-
-# what a guard catches an exception in (the label of pdserve_router_handler_errors_total)
-HANDLERS = ("place", "prefill_result", "decode_output", "deferred", "load")
 
 
 class QueueFullError(RuntimeError):
@@ -67,49 +64,22 @@ class _Outcome:
     bad_request: str | None = None
 
 
-class Router(Failures):
+class Router:
     def __init__(self, prefill: list[PrefillClient], decode: list[DecodeClient], policy: BaseRoutingPolicy,
                  mode: str = "disaggregated", disagg_threshold_tokens: int = 0, max_attempts: int = 3,
                  max_queued: int = 4096, poll_s: float = 0.2, kv_recompute_max_tokens: int = 0):
         self.client_id = f"router-{uuid.uuid4().hex[:12]}"  # instances send this router only its own requests' outputs
-        self.prefill = {c.info.instance_id: c for c in prefill}
-        self.decode = {c.info.instance_id: c for c in decode}
         self.policy, self.mode = policy, mode
-        self.disagg_threshold_tokens, self.max_attempts = disagg_threshold_tokens, max_attempts
-        self.max_queued, self.poll_s = max_queued, poll_s
-        self.kv_recompute_max_tokens = kv_recompute_max_tokens
-        self._lock = threading.RLock()
-        self._wake = threading.Condition(self._lock)  # the placement thread: queue or capacity changed
-        self._deferred: list[tuple] = []  # (fn, *args) wanted under the lock, run once it is released
-        self._tls = threading.local()  # per thread: nesting of _locked() (a Condition wait lets others in)
-        self._live: dict[str, Tracked] = {}  # request id -> request, until it has finished
-        self._by_attempt: dict[str, Tracked] = {}
-        self._pending: deque[Tracked] = deque()  # waiting for a decode instance to accept
+        self.disagg_threshold_tokens, self.max_queued, self.poll_s = disagg_threshold_tokens, max_queued, poll_s
+        self.failpoints = Failpoints.from_env()  # off unless PDSERVE_FAILPOINTS (router/failpoints.py)
+        self.tables = t = RouterTables(prefill, decode)
+        self.failures = Failures(t, max_attempts, kv_recompute_max_tokens, self.failpoints)
+        # the tables under the names this class reads them by (the same objects)
+        self.prefill, self.decode, self.stats, self.handler_errors = t.prefill, t.decode, t.stats, t.handler_errors
+        self._lock, self._wake, self._locked = t.lock, t.wake, t.locked
+        self._live, self._by_attempt, self._pending, self._stopped = t.live, t.by_attempt, t.pending, t.stopped
         self._stop = threading.Event()
         self._supervisor = ThreadSupervisor(self._stop, backoff_s=poll_s)
-        self.handler_errors = dict.fromkeys(HANDLERS, 0)  # exceptions guards caught (each failed one request)
-        self.failpoints = Failpoints.from_env()  # off unless PDSERVE_FAILPOINTS (router/failpoints.py)
-        # cumulative counters (the autoscaler's arrival rate and request shape come from these)
-        self.stats = {"retries": 0, "failed": 0, "completed": 0, "submitted": 0, "prompt_tokens": 0,
-                      "cached_prompt_tokens": 0, "output_tokens": 0, "instance_deaths": 0,
-                      "kv_recomputes": 0, "tokens_past_stop": 0}
-        self._stopped: dict[str, None] = {}  # attempt ids ended by `stop` (latest 1024): their late tokens count
-
-    @contextmanager
-    def _locked(self):
-        """The router's lock; calls deferred while it was held run after the outermost release."""
-        with self._lock:
-            depth = getattr(self._tls, "depth", 0)
-            self._tls.depth = depth + 1
-            try:
-                yield
-            finally:
-                self._tls.depth = depth
-                calls = []
-                if depth == 0:
-                    calls, self._deferred = self._deferred, []
-        for fn, *args in calls:
-            self._safe(fn, *args)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -149,12 +119,9 @@ class Router(Failures):
     def drain(self, instance_id: str) -> None:
         """No new requests go to the instance; the ones it has run to completion."""
         with self._locked():
-            client = self._client(instance_id)
+            client = self.tables.client(instance_id)
             if client is not None:
                 client.info.draining = True
-
-    def _client(self, instance_id: str) -> PrefillClient | DecodeClient | None:
-        return self.prefill.get(instance_id) or self.decode.get(instance_id)
 
     def is_drained(self, instance_id: str) -> bool:
         """True when nothing needs the instance any more: no attempt decodes there, and every
@@ -163,10 +130,14 @@ class Router(Failures):
             return not any(t.decode_id == instance_id or (t.prefill_id == instance_id and not t.decoding)
                            or instance_id in t.placing for t in self._by_attempt.values())
 
+    def mark_dead(self, instance_id: str, exc: Exception | None = None) -> None:
+        """The instance died (its owner says so): every attempt on it is retried elsewhere."""
+        self.failures.mark_dead(instance_id, exc)
+
     def remove_instance(self, instance_id: str) -> None:
         """An instance leaves while serving: nothing new goes there; its in-flight requests are
         retried elsewhere (as for a dead one), then it is forgotten."""
-        self.mark_dead(instance_id, RuntimeError("removed"))
+        self.failures.mark_dead(instance_id, RuntimeError("removed"))
         with self._locked():
             self.prefill.pop(instance_id, None)
             self.decode.pop(instance_id, None)
@@ -210,8 +181,8 @@ class Router(Failures):
                 if t in self._pending:
                     self._pending.remove(t)
                 if self._by_attempt.get(t.attempt_id) is t:
-                    self._abort_attempt(t)
-                self._finish(t, StreamEvent([], True, "abort"))
+                    self.tables.abort_attempt(t)
+                self.tables.finish(t, StreamEvent([], True, "abort"))
 
     def stop(self, request_id: str, index: int, num_tokens: int) -> None:
         """The front end found a stop string in choice `index`'s text, completed by its output token
@@ -229,7 +200,7 @@ class Router(Failures):
                 self._stopped[t.attempt_id] = None
                 while len(self._stopped) > 1024:
                     del self._stopped[next(iter(self._stopped))]
-                self._abort_attempt(t)
+                self.tables.abort_attempt(t)
             self._complete(t, "stop")
 
     @property
@@ -259,6 +230,17 @@ class Router(Failures):
         return [c.info for c in pool.values()
                 if c.info.healthy and not c.info.draining and c.info.instance_id not in tracked.excluded]
 
+    def _place_guarded(self, tracked: Tracked) -> bool:
+        """`_place` (not under the lock), except that an exception fails this request alone (an
+        explicit error) and returns True: it has ended."""
+        try:
+            self.failpoints.check("place")
+            return self._place(tracked)
+        except Exception as exc:
+            with self._locked():
+                self.failures.handler_failed("place", exc, tracked)
+            return True
+
     def _place(self, tracked: Tracked) -> bool:
         """Tries to start an attempt now. Returns False when every decode instance is full (the
         caller queues the request; admission control), True when it started or ended."""
@@ -278,7 +260,7 @@ class Router(Failures):
         decodes = self._healthy(self.decode, tracked)
         prefills = self._healthy(self.prefill, tracked)
         if not decodes:
-            self._give_up(tracked, "no healthy decode instance")
+            self.failures.give_up(tracked, "no healthy decode instance")
             return None
         prompt = tracked.prompt_token_ids + tracked.delivered
         done = len(tracked.delivered)  # the retry's prompt ends with them: its grammar and penalties count them
@@ -329,7 +311,7 @@ class Router(Failures):
         if self._by_attempt.get(plan.attempt_id) is not tracked:
             for client in (plan.prefill, outcome.decode):
                 if client is not None:
-                    self._deferred.append((client.abort, plan.attempt_id))
+                    self.tables.deferred.append((client.abort, plan.attempt_id))
             return True
         tracked.decode_id = None if outcome.decode is None else outcome.decode.info.instance_id
         for choice in tracked.choices:
@@ -337,12 +319,12 @@ class Router(Failures):
         if outcome.dead is not None:
             iid = outcome.dead.instance_id
             tracked.excluded.add(iid)
-            self.mark_dead(iid, outcome.dead)  # fails this attempt too (it involves iid)
+            self.failures.mark_dead(iid, outcome.dead)  # fails this attempt too (it involves iid)
             if self._by_attempt.get(plan.attempt_id) is tracked:
-                self._fail(tracked, iid, str(outcome.dead))
+                self.failures.fail(tracked, iid, str(outcome.dead))
         elif outcome.bad_request is not None:
-            self._abort_attempt(tracked)
-            self._give_up(tracked, outcome.bad_request, bad_request=True)
+            self.tables.abort_attempt(tracked)
+            self.failures.give_up(tracked, outcome.bad_request, bad_request=True)
         elif outcome.decode is None:  # every decode instance is full: the caller queues it
             del self._by_attempt[plan.attempt_id]
             for choice in tracked.choices:
@@ -352,7 +334,7 @@ class Router(Failures):
         else:
             for client in (plan.prefill, outcome.decode):
                 if client is not None and not client.info.healthy:  # died while the calls were out
-                    self._fail(tracked, client.info.instance_id, f"instance {client.info.instance_id} died")
+                    self.failures.fail(tracked, client.info.instance_id, f"instance {client.info.instance_id} died")
                     break
         return True
 
@@ -399,21 +381,21 @@ class Router(Failures):
             try:
                 events = client.poll_outputs(self.poll_s, self.client_id)
             except InstanceDeadError as exc:
-                self.mark_dead(iid, exc)
+                self.failures.mark_dead(iid, exc)
                 return
             except Exception:  # anything else must not end the thread: its streams would hang
                 logger.exception("collecting from %s failed; polling again", iid)
                 self._stop.wait(self.poll_s)
                 continue
             with self._locked():
-                self._handle_events(handler, handle, events)
+                self.failures.handle_events(handler, handle, events)
 
     def _on_prefill_result(self, r) -> None:
         tracked = self._by_attempt.get(r.request_id)
         if tracked is None:
             return
         if r.first_token is None:
-            return self._fail(tracked, tracked.prefill_id, r.error or "prefill failed")
+            return self.failures.fail(tracked, tracked.prefill_id, r.error or "prefill failed")
         if tracked.attempt == 0:
             self.stats["cached_prompt_tokens"] += r.num_cached_tokens
         firsts = [(r.first_token, r.logprobs), *r.more_choices]
@@ -435,10 +417,10 @@ class Router(Failures):
             if o.request_id in self._stopped:
                 self.stats["tokens_past_stop"] += len(o.new_token_ids)
             return
-        if o.error and o.kv_load_failed and self._may_recompute(tracked):
-            return self._recompute(tracked, o.error)
+        if o.error and o.kv_load_failed and self.failures.may_recompute(tracked):
+            return self.failures.recompute(tracked, o.error)
         if o.error:
-            return self._fail(tracked, tracked.decode_id, o.error)
+            return self.failures.fail(tracked, tracked.decode_id, o.error)
         if o.start > tracked.num_attempt_tokens:  # the prefill's first token has not come yet
             tracked.held.append(o)
             return
@@ -453,29 +435,20 @@ class Router(Failures):
         if o.finished:
             del self._by_attempt[tracked.attempt_id]
             if tracked.prefill_id in self.prefill:
-                self._deferred.append((self.prefill[tracked.prefill_id].abort, tracked.attempt_id))
+                self.tables.deferred.append((self.prefill[tracked.prefill_id].abort, tracked.attempt_id))
             self._complete(tracked, o.finish_reason)
 
     def _complete(self, tracked: Tracked, finish_reason: str) -> None:
         """The request (choice) ended well: counted, its stream ended."""
         self.stats["completed"] += 1
         self.stats["output_tokens"] += len(tracked.delivered)
-        self._finish(tracked, StreamEvent([], True, finish_reason))
+        self.tables.finish(tracked, StreamEvent([], True, finish_reason))
         self._wake.notify_all()  # its blocks come free: queued requests may fit now
 
     def _deliver(self, tracked: Tracked, token_ids: list[int], logprobs: list[dict] | None = None) -> None:
         if token_ids:
             tracked.delivered += token_ids
             tracked.stream.put(StreamEvent(list(token_ids), logprobs=logprobs))
-
-    def _finish(self, tracked: Tracked, event: StreamEvent) -> None:
-        if not tracked.done:
-            tracked.done = True
-            if self._live.get(tracked.request_id) is tracked:
-                del self._live[tracked.request_id]
-            tracked.stream.put(event)
-            if tracked.parent is not None and all(c.done for c in tracked.parent.choices):
-                self._finish(tracked.parent, event)  # its last choice ended
 
     def _refresh_loads(self) -> None:
         while not self._stop.wait(0.1):
@@ -484,7 +457,7 @@ class Router(Failures):
                     try:
                         client.info.load = client.load()
                     except InstanceDeadError as exc:
-                        self.mark_dead(client.info.instance_id, exc)
+                        self.failures.mark_dead(client.info.instance_id, exc)
                     except Exception:  # the thread must go on (the policy reads these loads)
                         logger.exception("reading the load of %s failed", client.info.instance_id)
                         with self._locked():

@@ -10,7 +10,7 @@ watches them, replaces the dead, drains and removes them; the autoscaler acts th
 Joined to a Ray cluster (`ray_address`), each rank is a detached Ray actor named
 `<instance id>.rank<r>` in the Ray namespace `cluster_name`, in a detached placement group named
 `<cluster_name>/<instance id>`: instances outlive this process, and a controller that starts adopts
-the complete, ready ones of its spec (cluster/control/adoption.py) instead of starting new ones.
+the complete, ready ones of its spec (cluster/control/adopter.py) instead of starting new ones.
 Otherwise (Ray started here, or in-process) instances live and die with this process.
 """
 from __future__ import annotations
@@ -23,11 +23,12 @@ import threading
 import time
 from dataclasses import replace
 
-from cluster.control import gpu_share, model_fit
-from cluster.control.adoption import Adoption
+from cluster.control import model_fit
+from cluster.control.adopter import Adopter
 from cluster.control.clients import LocalDecodeClient, LocalPrefillClient, RayDecodeClient, RayPrefillClient
 from cluster.control.instance import Instance, init_ray, rank_actor_name, setup_ray_auth  # noqa: F401 (re-exported)
-from cluster.control.rank_setup import RankSetup
+from cluster.control.membership import Membership
+from cluster.control.rank_planner import RankPlanner
 from cluster.ranks import cpu_plan, nodes
 from cluster.spec import ClusterSpec
 from cluster.state import ClusterState, InstanceRecord
@@ -38,14 +39,16 @@ logger = logging.getLogger(__name__)
 DRAIN_GRACE_S = 1.5  # gateways see a draining instance within their sync interval (cluster/control/frontend.py)
 
 
-class Controller(Adoption, RankSetup):
+class Controller:
     def __init__(self, spec: ClusterSpec, state: ClusterState | None = None, use_ray: bool = True,
-                 log_level: str = "WARNING", wait_for_room: bool = False):
+                 log_level: str = "WARNING", wait_for_room: bool = False, membership: Membership | None = None):
         """`wait_for_room`: an instance no node has room for yet is owed and retried (a node may
-        join: `pdserve controller` before its worker pods), instead of failing `start()`."""
+        join: `pdserve controller` before its worker pods), instead of failing `start()`.
+        `membership`: what a router in this process is told of the instances (cluster/control/cluster.py)."""
         if not use_ray and (spec.prefill_tp > 1 or spec.decode_tp > 1):
             raise ValueError("tensor parallelism needs one process per rank: use_ray=True")
         self.spec, self.use_ray, self.log_level, self.wait_for_room = spec, use_ray, log_level, wait_for_room
+        self.membership = membership or Membership()
         self.owed: list[str] = []  # roles of instances to start once a node has room
         self.state = state or create_state(spec.redis_url, spec.cluster_name)
         self.instances: dict[str, Instance] = {}
@@ -54,9 +57,7 @@ class Controller(Adoption, RankSetup):
         self._started_ray = False
         self._next_id = {"prefill": 0, "decode": 0, "colocated": 0}
         self._nodes = nodes.PlacementManager()
-        self._plan: gpu_share.GpuPlan | None = None  # how ranks use the GPUs (on GPU, once Ray is up)
-        self._core_slots = (cpu_plan.CoreSlots(spec.cpus_per_rank, spec.reserved_cpus)
-                            if spec.cpus_per_rank is not None else None)  # each node's pinned cores
+        self.planner = RankPlanner(spec, self.multihost)  # GPU plan, engine configs, pinned cores of the ranks
         self._start_lock = threading.Lock()  # one instance starts at a time on shared GPUs
         self._dead_ids: list[str] = []  # dead instances, kept in the cluster state as such until shutdown
         self.supervise_errors = 0  # faults the supervisor survived (pdserve_controller_supervise_errors_total)
@@ -64,6 +65,7 @@ class Controller(Adoption, RankSetup):
         self._threads: list[threading.Thread] = []
         # not joined: a namespace of our own, so leftovers of another cluster on this Ray never collide
         self._namespace = spec.cluster_name if self.detached else f"pdserve-{secrets.token_hex(4)}"
+        self.adopter = Adopter(spec, self.state, self._namespace, self.planner, self._nodes, self._ray_client)
 
     @property
     def multihost(self) -> bool:
@@ -85,8 +87,8 @@ class Controller(Adoption, RankSetup):
             if self.use_ray:
                 ranks = sum(n * self.spec.tp_size(r) for r, n in self.spec.instance_counts.items())
                 self._started_ray = init_ray(self.spec, self.log_level, ranks)
-                if self._use_gpus():
-                    self._gpu_plan()  # refuses what the GPUs cannot hold before anything starts
+                if self.planner.use_gpus():
+                    self.planner.gpu_plan()  # refuses what the GPUs cannot hold before anything starts
             if self.multihost:
                 self._check_unique_addresses()
             if self.detached:
@@ -94,7 +96,7 @@ class Controller(Adoption, RankSetup):
             self._create_missing()
             if self.multihost:
                 nodes.check_network(list(self.instances.values()))
-            self._on_started()
+            self.membership.started()
         except BaseException:
             self.shutdown(stop_instances=True, adopted_too=False)
             raise
@@ -108,7 +110,8 @@ class Controller(Adoption, RankSetup):
         is set up (its KV pool sized) before the next starts; decode first on shared GPUs
         (gpu_share.GpuPlan.start_order says why)."""
         counts = self.spec.instance_counts
-        order = self._plan.start_order if self._plan is not None else tuple(counts)
+        plan = self.planner.plan
+        order = plan.start_order if plan is not None else tuple(counts)
         for role in order:
             for _ in range(counts[role] - sum(i.role == role for i in self.instances.values())):
                 try:
@@ -150,7 +153,7 @@ class Controller(Adoption, RankSetup):
         if self.autoscaler is not None:
             self.autoscaler.close()
         self._stop.set()
-        self._on_shutdown()
+        self.membership.stopping()
         for t in self._threads:
             t.join(timeout=5)
         if stop_instances:
@@ -164,29 +167,17 @@ class Controller(Adoption, RankSetup):
             ray.shutdown()
         self.state.close()
 
-    # -- hooks for a router in this process (cluster/control/cluster.py) ---------------------------------
-    def _on_started(self) -> None:
-        """Every initial instance is up."""
-
-    def _on_added(self, inst: Instance) -> None:
-        """An instance joined while serving."""
-
-    def _on_draining(self, instance_id: str) -> None:
-        """No new requests may go to the instance."""
-
-    def _on_removed(self, instance_id: str) -> None:
-        """The instance is leaving: whatever still runs there must be retried elsewhere."""
-
-    def _on_lost(self, instance_id: str, exc: Exception) -> None:
-        """The instance stopped answering (its requests must be retried elsewhere)."""
-        client = self.instances[instance_id].client
-        client.info.healthy = False
-
-    def _on_shutdown(self) -> None:
-        """Before the instances stop."""
+    def mark_lost(self, instance_id: str, exc: Exception) -> None:
+        """The instance stopped answering: a router in this process retries its requests; the
+        supervisor replaces it."""
+        self.membership.lost(instance_id, exc)  # first: a router retries only what runs on a healthy one
+        self.instances[instance_id].client.info.healthy = False
 
     def _is_drained(self, inst: Instance) -> bool:
-        """No request runs or waits on the instance (its own counters)."""
+        """No request runs or waits on the instance: none a router in this process holds there,
+        none in its own counters."""
+        if self.membership.busy(inst.instance_id):
+            return False
         load = inst.client.load()
         return not any(load.get(k, 0.0) for k in ("running", "waiting", "reserved", "queued_prefill_tokens"))
 
@@ -201,14 +192,14 @@ class Controller(Adoption, RankSetup):
                 self.instances.pop(inst.instance_id)
                 self._destroy(inst)
                 raise
-        self._on_added(inst)
+        self.membership.added(inst)
         return inst.instance_id
 
     def remove_instance(self, instance_id: str, dead: bool = False) -> None:
         """Take an instance out while serving: no new requests go there, its in-flight requests
         are retried elsewhere, then its ranks stop (`dead`: see `_destroy`)."""
         inst = self.instances.pop(instance_id)
-        self._on_removed(instance_id)
+        self.membership.removed(instance_id)
         self._destroy(inst, dead)
 
     def drain_instance(self, instance_id: str, timeout_s: float = 120.0) -> bool:
@@ -218,7 +209,7 @@ class Controller(Adoption, RankSetup):
         inst = self.instances[instance_id]
         inst.client.info.draining = True
         self._set_health(instance_id, "draining")
-        self._on_draining(instance_id)
+        self.membership.draining(instance_id)
         deadline = time.monotonic() + timeout_s
         if self.detached:
             time.sleep(DRAIN_GRACE_S)
@@ -270,7 +261,7 @@ class Controller(Adoption, RankSetup):
         # NOTE: additions may race (autoscaler, replacements); on shared GPUs they wait for each other,
         # so that two ranks' weight loading and CUDA graph capture (outside the per-rank memory
         # budgets: only the GPU's slack above gpu_memory_utilization holds them) never overlap.
-        shared = self._plan is not None and self._plan.shared
+        shared = self.planner.plan is not None and self.planner.plan.shared
         with self._start_lock if shared else contextlib.nullcontext():
             inst = self._create_ray(role, iid, tp) if self.use_ray else self._create_local(role, iid)
         self.instances[iid] = inst
@@ -288,7 +279,7 @@ class Controller(Adoption, RankSetup):
     def _create_local(self, role: str, iid: str) -> Instance:
         from cluster.ranks.rank import RankHost
         host = RankHost(self.spec.engine_config(role), role, iid, kv_timeout_s=self.spec.kv_transfer_timeout_s,
-                        client_ttl_s=self.spec.client_ttl_s, kv_same_device=self._kv_same_device(False),
+                        client_ttl_s=self.spec.client_ttl_s, kv_same_device=self.planner.kv_same_device(False),
                         kv_checksum=self.spec.kv_checksum, kv_transport=self.spec.kv_transport,
                         on_loop_death=lambda: self._loop_died(iid))
         ep = host.kv_endpoint()
@@ -304,13 +295,13 @@ class Controller(Adoption, RankSetup):
         """An in-process rank's step loop died (a Ray rank's process exits instead): the instance
         is lost, as if it stopped answering, so its requests are retried and it is replaced."""
         if iid in self.instances:
-            self._on_lost(iid, InstanceDeadError(iid, "its step loop died"))
+            self.mark_lost(iid, InstanceDeadError(iid, "its step loop died"))
 
     def _create_ray(self, role: str, iid: str, tp: int) -> Instance:
         """Chooses a node, reserves a STRICT_PACK placement group on it, starts the ranks there."""
         import ray
-        gpu = self._use_gpus()
-        per_rank = self._rank_resources(role, gpu)
+        gpu = self.planner.use_gpus()
+        per_rank = self.planner.rank_resources(role, gpu)
         pg_name = f"{self._namespace}/{iid}" if self.detached else ""
         node, pg = self._nodes.place(iid, role, tp, per_rank, pg_name)
         actors: list = []
@@ -320,7 +311,7 @@ class Controller(Adoption, RankSetup):
             for actor in actors:
                 ray.kill(actor, no_restart=True)
             self._nodes.release(iid, pg)
-            self._release_cores(iid)
+            self.planner.release_cores(iid)
             raise
 
     def _start_ranks(self, role: str, iid: str, tp: int, gpu: bool, node: nodes.NodeInfo, pg,
@@ -329,15 +320,16 @@ class Controller(Adoption, RankSetup):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         from cluster.ranks.actor import RankActor
-        config, num_gpus = self._engine_config(role, gpu, node), self._rank_resources(role, gpu).get("GPU", 0)
-        cpu_plans = self._rank_cpu_plans(iid, tp, node)
+        planner = self.planner
+        config, num_gpus = planner.engine_config(role, gpu, node), planner.rank_resources(role, gpu).get("GPU", 0)
+        cpu_plans = planner.rank_cpu_plans(iid, tp, node)
         for r in range(tp):
             actors.append(RankActor.options(
                 num_cpus=1, num_gpus=num_gpus, name=rank_actor_name(iid, r), namespace=self._namespace,
-                lifetime="detached" if self.detached else None, runtime_env=self._rank_runtime_env,
+                lifetime="detached" if self.detached else None, runtime_env=planner.rank_runtime_env,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote(
                 config, role, iid, r, tp, self.spec.kv_transfer_timeout_s, self.log_level, not self.multihost,
-                self.spec.client_ttl_s, self._kv_same_device(gpu), cpu_plans[r], kv_checksum=self.spec.kv_checksum,
+                self.spec.client_ttl_s, planner.kv_same_device(gpu), cpu_plans[r], kv_checksum=self.spec.kv_checksum,
                 kv_transport=self.spec.kv_transport))
         start = time.monotonic()
         placements = ray.get([a.placement.remote() for a in actors], timeout=300)
@@ -357,6 +349,16 @@ class Controller(Adoption, RankSetup):
                             block_size=ray.get(actors[0].block_size.remote()), engine=engine)
         return Instance(iid, role, tp, actors, self._ray_client(info, actors[0]), pg, placements=placements,
                         node_id=node.node_id)
+
+    def _adopt(self) -> None:
+        """The instances an earlier controller left in this namespace become this one's."""
+        found = self.adopter.adopt()
+        self.instances.update(found.instances)
+        self.adopted += list(found.instances)
+        for inst in found.unregistered:
+            self._register(inst)
+        for iid in found.seen_ids:
+            self._note_id(iid)
 
     def _ray_client(self, info: InstanceInfo, actor):
         cls = RayPrefillClient if info.role == "prefill" else RayDecodeClient
@@ -425,7 +427,7 @@ class Controller(Adoption, RankSetup):
                 continue
             if isinstance(answer, Exception):
                 logger.error("instance %s does not answer (%s)", iid, type(answer).__name__)
-                self._on_lost(iid, InstanceDeadError(iid, type(answer).__name__))
+                self.mark_lost(iid, InstanceDeadError(iid, type(answer).__name__))
                 continue
             inst = self.instances[iid]
             inst.client.info.load = answer
@@ -488,4 +490,4 @@ class Controller(Adoption, RankSetup):
         for actor in inst.ranks:
             ray.kill(actor, no_restart=True)
         self._nodes.release(inst.instance_id, inst.placement_group)
-        self._release_cores(inst.instance_id)
+        self.planner.release_cores(inst.instance_id)

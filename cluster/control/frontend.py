@@ -19,18 +19,17 @@ import threading
 import time
 
 from cluster.control.clients import RayDecodeClient, RayPrefillClient
+from cluster.control.serving import Serving
 from cluster.control.instance import Instance, init_ray, rank_actor_name
 from cluster.ranks.nodes import RankPlacement
 from cluster.spec import ClusterSpec
 from cluster.state import ClusterState, InstanceRecord
 from cluster.state_factory import create_state
 from engine.core.block_manager import block_hashes
-from engine.core.request import SamplingParams
 from kvtransfer.params import KVEndpoint
 from router.client import InstanceInfo
 from router.policy import create_routing_policy
 from router.router import Router
-from router.stream import RequestStream
 
 logger = logging.getLogger(__name__)
 SYNC_S = 0.5
@@ -67,49 +66,6 @@ def publish_stats(router: Router, state: ClusterState, stop: threading.Event, tt
             logger.warning("cannot publish %s's counters to the cluster state", router.client_id, exc_info=True)
 
 
-class Serving:
-    """What the gateway app calls on a cluster: through `self.router`, over `self.instances`."""
-    router: Router | None
-    instances: dict[str, Instance]
-    spec: ClusterSpec
-
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               listener=None) -> RequestStream:
-        return self.router.submit(request_id, prompt_token_ids, params, listener)
-
-    def abort(self, request_id: str) -> None:
-        """Stop a request on every instance it touches; its blocks are freed."""
-        self.router.abort(request_id)
-
-    def stop(self, request_id: str, index: int, num_tokens: int) -> None:
-        """The gateway found a stop string in choice `index`, completed by its token `num_tokens`."""
-        self.router.stop(request_id, index, num_tokens)
-
-    @property
-    def max_model_len(self) -> int:
-        """The longest prompt + output every instance holds (0 while none is known)."""
-        lens = [i.client.info.max_model_len for i in list(self.instances.values())]
-        return min(lens) if lens else 0
-
-    def ready(self) -> bool:
-        """At least one healthy decode instance and, when disaggregated, one healthy prefill."""
-        infos = [i.client.info for i in list(self.instances.values()) if i.client.info.healthy]
-        has = lambda *roles: any(i.role in roles for i in infos)  # noqa: E731
-        return self.router is not None and has("decode", "colocated") and (self.spec.mode == "colocated"
-                                                                           or has("prefill"))
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 timeout_s: float | None = 600.0) -> list[RequestStream]:
-        """All prompts at once through the router; returns their finished streams in order (a prompt
-        with n > 1 gives its n choices' in a row)."""
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        streams = []
-        for i, (p, sp) in enumerate(zip(prompts, plist)):
-            got = self.submit(f"gen-{time.monotonic_ns()}-{i}", p, sp)
-            streams += got if isinstance(got, list) else [got]
-        return [s.result(timeout=timeout_s) for s in streams]
-
-
 class Frontend(Serving):
     """A gateway's cluster over instances a controller owns. Needs a Ray cluster to join and a
     shared (Redis) cluster state."""
@@ -118,11 +74,10 @@ class Frontend(Serving):
         if spec.ray_address is None or (state is None and spec.redis_url is None):
             raise ValueError("a gateway without the controller needs --ray-address and --redis-url "
                              "(it finds the controller's instances through them)")
-        self.spec, self.log_level = spec, log_level
+        super().__init__(spec, {})
+        self.log_level = log_level
         self.state = state or create_state(spec.redis_url, spec.cluster_name)
-        self.instances: dict[str, Instance] = {}
         self.autoscaler = None  # the controller runs it
-        self.router: Router | None = None
         self._lost: dict[str, float] = {}  # ids this router found dead -> their record's updated_at then
         self._missing: set[str] = set()  # records without actors (logged once)
         self._absent: dict[str, float] = {}  # attached instances whose record vanished: since when

@@ -8,7 +8,8 @@ from prometheus_client import generate_latest
 
 from gateway.metrics import GatewayMetrics
 from router.policy import create_routing_policy
-from router.router import HANDLERS, Router
+from router.router import Router
+from router.tables import HANDLERS
 from tests.gateway.test_api_keys import metric
 from tests.router.test_router import FakeDecode, FakePrefill, _wait_until
 from tests.router.test_router_guards import PARAMS, raising_once

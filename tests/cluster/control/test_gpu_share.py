@@ -154,11 +154,11 @@ def test_controller_asks_ray_for_each_roles_share(controller_on):
     """Rank resources (placement bundle and actor) carry the plan's num_gpus per role; the engine
     config carries its gpu_memory_utilization (the rest of the config is the spec's)."""
     c = controller_on(1)
-    assert c._rank_resources("prefill", True) == {"CPU": 1.0, "GPU": 0.3333}
-    assert c._rank_resources("decode", True) == {"CPU": 1.0, "GPU": 0.6666}
-    assert nodes.pinned_bundles(c._rank_resources("decode", True), NODE, 1) == \
+    assert c.planner.rank_resources("prefill", True) == {"CPU": 1.0, "GPU": 0.3333}
+    assert c.planner.rank_resources("decode", True) == {"CPU": 1.0, "GPU": 0.6666}
+    assert nodes.pinned_bundles(c.planner.rank_resources("decode", True), NODE, 1) == \
         [{"CPU": 1.0, "GPU": 0.6666, "node:10.0.0.1": nodes.PIN}]
-    prefill, decode = c._engine_config("prefill", True, NODE), c._engine_config("decode", True, NODE)
+    prefill, decode = c.planner.engine_config("prefill", True, NODE), c.planner.engine_config("decode", True, NODE)
     assert prefill.cache.gpu_memory_utilization == pytest.approx(0.3)
     assert decode.cache.gpu_memory_utilization == pytest.approx(0.6)
     assert decode.cache.block_size == c.spec.engine_config("decode").cache.block_size
@@ -168,17 +168,17 @@ def test_controller_asks_ray_for_each_roles_share(controller_on):
 def test_controller_with_a_gpu_per_rank_is_unchanged(controller_on):
     """Enough GPUs: a whole GPU per rank and the spec's engine config, as before the plan."""
     c = controller_on(2)
-    assert c._rank_resources("prefill", True) == {"CPU": 1.0, "GPU": 1.0}
-    assert c._engine_config("decode", True, NODE) == c.spec.engine_config("decode")
-    assert c._rank_resources("decode", False) == {"CPU": 1.0}
+    assert c.planner.rank_resources("prefill", True) == {"CPU": 1.0, "GPU": 1.0}
+    assert c.planner.engine_config("decode", True, NODE) == c.spec.engine_config("decode")
+    assert c.planner.rank_resources("decode", False) == {"CPU": 1.0}
 
 
 def test_controller_adopts_only_what_it_would_start(controller_on):
     """Adoption compares an instance's config with the planned one: an instance started with
     the shared GPU's fraction is the spec's; one with the unshared fraction is not."""
     c = controller_on(1)
-    assert c._same_engine(c._engine_config("decode", True, NODE), "decode")
-    assert not c._same_engine(c.spec.engine_config("decode"), "decode")
+    assert c.adopter.same_engine(c.planner.engine_config("decode", True, NODE), "decode")
+    assert not c.adopter.same_engine(c.spec.engine_config("decode"), "decode")
 
 
 def test_controller_starts_decode_first_one_at_a_time(controller_on):
@@ -186,7 +186,7 @@ def test_controller_starts_decode_first_one_at_a_time(controller_on):
     no other addition overlaps it); with a GPU each, in the spec's order and without the lock."""
     for gpus, order, locked in ((1, ["decode", "decode", "prefill"], True), (3, ["prefill", "decode", "decode"], False)):
         c = controller_on(gpus, num_decode=2)
-        c._gpu_plan()
+        c.planner.gpu_plan()
         started = []
 
         def no_room(role, iid, tp, c=c, started=started):

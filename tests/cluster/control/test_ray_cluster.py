@@ -98,8 +98,8 @@ def test_pinned_rank_runs_on_its_own_core(ray_session, tiny_path):
         (inst,) = c.instances.values()
         cpu = inst.placements[0].cpu
         assert (cpu["cpus"], cpu["niceness"], cpu["intraop_threads"]) == (str(cpus[1]), 0, 1), cpu
-        assert c._core_slots._held == {inst.node_id: {inst.instance_id: [0]}}
-    assert c._core_slots._held[inst.node_id] == {}
+        assert c.controller.planner.core_slots._held == {inst.node_id: {inst.instance_id: [0]}}
+    assert c.controller.planner.core_slots._held[inst.node_id] == {}
     assert got == colocated_tokens(tiny_path, prompts)
 
 

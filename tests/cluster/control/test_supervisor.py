@@ -47,7 +47,7 @@ def test_supervisor_survives_a_state_store_timeout_and_replaces_the_dead(tiny_pa
     with Controller(spec, state=state, use_ray=False) as controller:
         for _ in range(2):
             (old,) = [i for i, inst in controller.instances.items() if inst.role == "decode"]
-            controller._on_lost(old, RuntimeError("lost (test)"))
+            controller.mark_lost(old, RuntimeError("lost (test)"))
             wait_replaced(controller, old, "decode")
         assert all(t.is_alive() for t in controller._threads)
         assert controller.supervise_errors == 0 and state.failures == 0
@@ -68,7 +68,7 @@ def test_a_fault_inside_the_supervisor_is_counted_and_the_loop_goes_on(tiny_path
             real(owed)
         monkeypatch.setattr(controller, "_replace_dead", flaky)
         (old,) = [i for i, inst in controller.instances.items() if inst.role == "decode"]
-        controller._on_lost(old, RuntimeError("lost (test)"))
+        controller.mark_lost(old, RuntimeError("lost (test)"))
         wait_replaced(controller, old, "decode")
         assert controller.supervise_errors == 1 and all(t.is_alive() for t in controller._threads)
 

@@ -1,0 +1,55 @@
+"""What a gateway serves through (gateway/app.py): a router over instances, whoever owns them: the
+controller in this process (cluster/control/cluster.py) or one elsewhere (cluster/control/frontend.py)."""
+from __future__ import annotations
+
+import time
+
+from cluster.control.instance import Instance
+from cluster.spec import ClusterSpec
+from engine.core.request import SamplingParams
+from router.router import Router
+from router.stream import RequestStream
+
+
+class Serving:
+    """What the gateway app calls on a cluster: a router (once started) over instances."""
+
+    def __init__(self, spec: ClusterSpec, instances: dict[str, Instance]):
+        self.spec, self.instances = spec, instances  # instances: the owner's table, shared
+        self.router: Router | None = None
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               listener=None) -> RequestStream:
+        return self.router.submit(request_id, prompt_token_ids, params, listener)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request on every instance it touches; its blocks are freed."""
+        self.router.abort(request_id)
+
+    def stop(self, request_id: str, index: int, num_tokens: int) -> None:
+        """The gateway found a stop string in choice `index`, completed by its token `num_tokens`."""
+        self.router.stop(request_id, index, num_tokens)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + output every instance holds (0 while none is known)."""
+        lens = [i.client.info.max_model_len for i in list(self.instances.values())]
+        return min(lens) if lens else 0
+
+    def ready(self) -> bool:
+        """At least one healthy decode instance and, when disaggregated, one healthy prefill."""
+        infos = [i.client.info for i in list(self.instances.values()) if i.client.info.healthy]
+        has = lambda *roles: any(i.role in roles for i in infos)  # noqa: E731
+        return self.router is not None and has("decode", "colocated") and (self.spec.mode == "colocated"
+                                                                           or has("prefill"))
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 timeout_s: float | None = 600.0) -> list[RequestStream]:
+        """All prompts at once through the router; returns their finished streams in order (a prompt
+        with n > 1 gives its n choices' in a row)."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        streams = []
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            got = self.submit(f"gen-{time.monotonic_ns()}-{i}", p, sp)
+            streams += got if isinstance(got, list) else [got]
+        return [s.result(timeout=timeout_s) for s in streams]
