@@ -42,6 +42,17 @@ class DecodeWorker(BaseWorker):
         self.num_steps, self.step_s, self.num_step_seqs = 0, 0.0, 0
         self.num_bad_handovers = 0  # requests failed for a malformed handover (engine/core/handover.py)
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def assert_no_leaks(self) -> None:
+        self.engine.kv.assert_no_leaks()
+
+    def describe(self) -> dict[str, str]:
+        spec = self.engine.speculator
+        return {} if spec is None else {"speculative": spec.describe()}
+
     # -- rank 0 API (thread-safe) ---------------------------------------------------------------
     def reserve(self, msg: RequestMessage, prefill_tp: int) -> bool:
         """Admission control: blocks for the prompt, or False. Registers the expected KV on all ranks."""

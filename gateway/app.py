@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -35,7 +34,6 @@ from gateway.metrics import GatewayMetrics
 from gateway.protocol import (MAX_PROMPT_CHARS_PER_TOKEN, APIError, ChatCompletionRequest, CompletionRequest,
                               make_id, now, parse_body)
 from gateway.session import Choice, Generation
-from router.client import InstanceDeadError
 from router.router import QueueFullError
 
 logger = logging.getLogger(__name__)
@@ -253,51 +251,18 @@ def _add_service_routes(app: FastAPI, gw: _Gateway) -> None:
     async def metrics():
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    expert_counts = ExpertCountCache()
-
     @app.get("/status")
     async def status():
-        instances = list(gw.cluster.instances.values())
-        experts = await asyncio.to_thread(expert_counts.get, instances)
-        return {"instances": [{"instance_id": i.instance_id, "role": i.role, "tp_size": i.tp_size,
-                               "healthy": i.client.info.healthy, "load": i.client.info.load,
-                               "engine": i.client.info.engine, "expert_counts": counts,
-                               "ranks": [p.status() for p in i.placements]}
-                              for i, counts in zip(instances, experts)]}
-
-
-class ExpertCountCache:
-    """Each instance's expert counts, asked of it at most once per `ttl_s` however often /status
-    is read (it used to be one Ray call per instance per read)."""
-
-    def __init__(self, ttl_s: float = 5.0):
-        self.ttl_s = ttl_s
-        self._seen: dict[str, tuple[float, dict | None]] = {}  # instance id -> (asked at, counts)
-
-    def get(self, instances: list) -> list[dict[str, list[int]] | None]:
-        now, ids = time.monotonic(), {i.instance_id for i in instances}
-        self._seen = {iid: seen for iid, seen in self._seen.items() if iid in ids}  # gone: forgotten
-        for i in instances:
-            if i.instance_id not in self._seen or now - self._seen[i.instance_id][0] >= self.ttl_s:
-                self._seen[i.instance_id] = (now, _expert_counts(i))
-        return [self._seen[i.instance_id][1] for i in instances]
-
-
-def _expert_counts(instance) -> dict[str, list[int]] | None:
-    """A mixture's tokens per expert per sparse layer ({}: dense), asked of the instance; None when
-    it does not answer (a dead one: /status still shows the rest)."""
-    try:
-        return {str(layer): counts for layer, counts in instance.client.expert_counts().items()}
-    except InstanceDeadError:
-        return None
+        return {"instances": await asyncio.to_thread(gw.cluster.instance_status)}  # asks instances: off the loop
 
 
 def create_app(cluster, tokenizer, model_name: str, max_model_len: int | None, api_key: str | None = None,
                tool_call_parser: str | None = None, reasoning_parser: str | None = None, *,
                api_keys: Sequence[APIKey] = (), max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                max_prompt_tokens: int | None = None) -> FastAPI:
-    """The gateway over a started `Cluster` or `Frontend` (anything with submit/abort/ready/
-    instances/router/max_model_len); `max_model_len` None: the cluster's, asked per request.
+    """The gateway over a started `Cluster` or `Frontend` (anything with submit/abort/stop/ready/
+    router/max_model_len and the typed view of router/view.py); `max_model_len` None: the cluster's,
+    asked per request.
     `tool_call_parser` / `reasoning_parser`: names in gateway/tool_parsers.py and gateway/reasoning.py.
     `api_keys` (gateway/api_keys.py) and `api_key` (one more, unlimited, named "default"): the
     keys `/v1/...` takes (none: open); `max_request_bytes` bounds every body (413 past it);

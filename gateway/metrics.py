@@ -111,13 +111,13 @@ class GatewayMetrics:
                     for prefix, (name, doc) in LAYER_GAUGES.items()}
         spec = {key: kind(name, doc, labels=["instance_id", "role", "method", "position"])
                 for key, (name, doc, kind) in SPEC_FIGURES.items()}
-        for inst in list(self.cluster.instances.values()):
-            info = inst.client.info
+        for info in self.cluster.instance_infos():
             healthy.add_metric([info.instance_id, info.role], 1.0 if info.healthy else 0.0)
+            figures = info.load.figures
             for key, fam in families.items():
-                if key in info.load:
-                    fam.add_metric([info.instance_id, info.role], info.load[key])
-            for key, value in info.load.items():
+                if key in figures:
+                    fam.add_metric([info.instance_id, info.role], figures[key])
+            for key, value in figures.items():
                 prefix, _, layer = key.rpartition("/")
                 if prefix + "/" in by_layer:
                     by_layer[prefix + "/"].add_metric([info.instance_id, info.role, layer], value)

@@ -78,6 +78,16 @@ class PrefillWorker(BaseWorker):
     def _report(self, result: PrefillResult) -> None:
         self.outbox.put(result.request_id, result)
 
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def assert_no_leaks(self) -> None:
+        self.scheduler.kv.assert_no_leaks()
+
+    def close(self) -> None:
+        self.connector.close()
+
     def load(self) -> dict[str, float]:
         s, sender = self.scheduler, self.connector.sender
         st = sender.stats

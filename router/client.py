@@ -3,6 +3,7 @@ in-process workers in tests); the router never imports Ray."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.core.request import RequestMessage
@@ -17,13 +18,37 @@ class InstanceDeadError(RuntimeError):
         self.instance_id = instance_id
 
 
+@dataclass(frozen=True)
+class InstanceLoad:
+    """An instance's load as its rank 0 last reported it (`load()`), typed: what placement, the
+    autoscaler and a drain read by name. `figures` keeps every figure reported, counters included
+    (the metrics export them by name: gateway/metrics.py)."""
+    running: float = 0.0  # sequences in the running batch
+    waiting: float = 0.0  # requests waiting to be scheduled
+    reserved: float = 0.0  # decode: requests whose KV is still arriving
+    queued_prefill_tokens: float = 0.0  # prefill: prompt tokens not yet computed
+    kv_usage: float = 0.0  # fraction of KV blocks in use
+    figures: Mapping[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, figures: Mapping[str, float]) -> InstanceLoad:
+        named = {k: float(figures.get(k, 0.0)) for k in ("running", "waiting", "reserved", "queued_prefill_tokens",
+                                                         "kv_usage")}
+        return cls(**named, figures={str(k): float(v) for k, v in figures.items()})
+
+    @property
+    def idle(self) -> bool:
+        """Nothing runs, waits, arrives or is queued there."""
+        return not (self.running or self.waiting or self.reserved or self.queued_prefill_tokens)
+
+
 @dataclass
 class InstanceInfo:
     instance_id: str
     role: str  # "prefill" | "decode" | "colocated"
     tp_size: int
     kv_endpoints: tuple[KVEndpoint, ...] = ()  # decode: one per rank
-    load: dict[str, float] = field(default_factory=dict)
+    load: InstanceLoad = field(default_factory=InstanceLoad)  # as last read (router or controller)
     healthy: bool = True
     draining: bool = False  # being taken out: no new requests, running ones finish
     max_model_len: int = 0  # longest sequence (prompt + output) the instance can hold

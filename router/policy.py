@@ -44,11 +44,11 @@ class LeastLoaded(BaseRoutingPolicy):
     name = "least_loaded"
 
     def pick_prefill(self, candidates, prompt_token_ids):
-        return min(candidates, key=lambda c: (c.load.get("queued_prefill_tokens", 0.0), c.instance_id))
+        return min(candidates, key=lambda c: (c.load.queued_prefill_tokens, c.instance_id))
 
     def pick_decode(self, candidates, prompt_token_ids):
-        return min(candidates, key=lambda c: (round(c.load.get("kv_usage", 0.0), 2),
-                                              c.load.get("running", 0.0) + c.load.get("reserved", 0.0),
+        return min(candidates, key=lambda c: (round(c.load.kv_usage, 2),
+                                              c.load.running + c.load.reserved,
                                               c.instance_id))
 
 
@@ -68,7 +68,7 @@ class PrefixAware(LeastLoaded):
     def pick_prefill(self, candidates, prompt_token_ids):
         hits = self.cached_prefix(prompt_token_ids) if self.cached_prefix else {}
         chosen = min(candidates, key=lambda c: (-hits.get(c.instance_id, 0),
-                                                c.load.get("queued_prefill_tokens", 0.0), c.instance_id))
+                                                c.load.queued_prefill_tokens, c.instance_id))
         if self.record is not None:
             self.record(chosen.instance_id, prompt_token_ids)
         return chosen

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 from engine.core.request import RequestMessage, SamplingParams, choice_id
 from kvtransfer.params import KVTransferParams
-from router.client import DecodeClient, InstanceDeadError, PrefillClient
+from router.client import DecodeClient, InstanceDeadError, InstanceLoad, PrefillClient
 from router.failpoints import Failpoints
 from router.failures import Failures
 from router.policy import BaseRoutingPolicy
@@ -455,7 +455,7 @@ class Router:
             for client in list(self.prefill.values()) + list(self.decode.values()):
                 if client.info.healthy:
                     try:
-                        client.info.load = client.load()
+                        client.info.load = InstanceLoad.of(client.load())
                     except InstanceDeadError as exc:
                         self.failures.mark_dead(client.info.instance_id, exc)
                     except Exception:  # the thread must go on (the policy reads these loads)

@@ -61,9 +61,12 @@ class RayActuator(Actuator):
     def __init__(self, cluster, drain_timeout_s: float = 120.0):
         self.cluster, self.drain_timeout_s = cluster, drain_timeout_s
 
+    def _serving(self, role: str) -> list:
+        """The InstanceInfos of `role` that take requests (healthy, not draining)."""
+        return [i for i in self.cluster.instance_infos() if i.role == role and i.healthy and not i.draining]
+
     def _ids(self, role: str) -> list[str]:
-        return [iid for iid, inst in self.cluster.instances.items()
-                if inst.role == role and inst.client.info.healthy and not inst.client.info.draining]
+        return [i.instance_id for i in self._serving(role)]
 
     def current(self) -> PoolSizes:
         return PoolSizes(len(self._ids("prefill")), len(self._ids("decode")))
@@ -82,7 +85,7 @@ class RayActuator(Actuator):
     def drain(self, role: str, count: int) -> None:
         """Drains and removes `count` instances of `role`, least loaded first, one at a time."""
         key = "queued_prefill_tokens" if role == "prefill" else "running"
-        ids = sorted(self._ids(role), key=lambda iid: self.cluster.instances[iid].client.info.load.get(key, 0.0))
+        ids = [i.instance_id for i in sorted(self._serving(role), key=lambda i: getattr(i.load, key))]
         for iid in ids[:count]:
             drained = self.cluster.drain_instance(iid, self.drain_timeout_s)
             logger.info("autoscaler: removed %s (%s)", iid, "drained" if drained else "drain timed out")

@@ -43,15 +43,15 @@ class LoadWindow:
             self.shape["uncached"] = max(1.0, (d["prompt_tokens"] - d["cached_prompt_tokens"]) / d["submitted"])
         if d["completed"]:
             self.shape["output"] = d["output_tokens"] / d["completed"]
-        infos = [i.client.info for i in list(self.cluster.instances.values()) if i.client.info.healthy]
+        infos = [i for i in self.cluster.instance_infos() if i.healthy]
         decode = [i.load for i in infos if i.role in ("decode", "colocated")]
         return Observation(
             now=now, sizes=sizes, arrival_rate=d["submitted"] / dt, mean_prompt_tokens=self.shape["prompt"],
             mean_uncached_tokens=self.shape["uncached"], mean_output_tokens=self.shape["output"],
-            queued_prefill_tokens=sum(i.load.get("queued_prefill_tokens", 0.0) for i in infos if i.role == "prefill"),
-            decode_running=sum(load.get("running", 0.0) for load in decode),
-            decode_waiting=sum(load.get("waiting", 0.0) for load in decode) + pending,
-            decode_kv_usage=sum(load.get("kv_usage", 0.0) for load in decode) / max(len(decode), 1))
+            queued_prefill_tokens=sum(i.load.queued_prefill_tokens for i in infos if i.role == "prefill"),
+            decode_running=sum(load.running for load in decode),
+            decode_waiting=sum(load.waiting for load in decode) + pending,
+            decode_kv_usage=sum(load.kv_usage for load in decode) / max(len(decode), 1))
 
 
 class OnlineProfile:
@@ -70,10 +70,10 @@ class OnlineProfile:
 
     def update(self, cluster) -> Profile | None:
         """Folds in the counters since the last call; None until both pools have been measured."""
-        for inst in list(cluster.instances.values()):
-            load, last = inst.client.info.load, self._last.get(inst.instance_id, {})
+        for info in cluster.instance_infos():
+            load, last = info.load.figures, self._last.get(info.instance_id, {})
             delta = {k: load.get(k, 0.0) - last.get(k, 0.0) for k in load}
-            self._last[inst.instance_id] = dict(load)
+            self._last[info.instance_id] = dict(load)
             self.kv_capacity_tokens = max(self.kv_capacity_tokens, int(load.get("kv_capacity_tokens", 0)))
             self._tokens += delta.get("prefill_tokens_computed", 0.0)
             self._busy += delta.get("prefill_busy_s", 0.0)

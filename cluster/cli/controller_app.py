@@ -25,9 +25,9 @@ class _Families:
         gauge = GaugeMetricFamily("pdserve_controller_instances", "instances the controller owns",
                                   labels=["role", "health"])
         counts: dict[tuple[str, str], int] = {}
-        for inst in list(self.controller.instances.values()):
-            health = "healthy" if inst.client.info.healthy else "dead"
-            key = (inst.role, "draining" if inst.client.info.draining else health)
+        for info in self.controller.instance_infos():
+            health = "healthy" if info.healthy else "dead"
+            key = (info.role, "draining" if info.draining else health)
             counts[key] = counts.get(key, 0) + 1
         for (role, health), n in sorted(counts.items()):
             gauge.add_metric([role, health], n)
@@ -61,13 +61,7 @@ def create_controller_app(controller) -> tuple[FastAPI, threading.Event]:
 
     @app.get("/status")
     async def status():
-        return {"instances": [{"instance_id": i.instance_id, "role": i.role, "tp_size": i.tp_size,
-                               "healthy": i.client.info.healthy, "draining": i.client.info.draining,
-                               "load": i.client.info.load, "adopted": i.instance_id in controller.adopted,
-                               "engine": i.client.info.engine,
-                               "kv_endpoints": [[e.host, e.port] for e in i.client.info.kv_endpoints],
-                               "ranks": [p.status() for p in i.placements]}
-                              for i in list(controller.instances.values())]}
+        return {"instances": controller.instance_status()}
 
     @app.get("/metrics")
     async def metrics():

@@ -31,8 +31,7 @@ class Cluster(Serving):
                                 lost=self._lost, stopping=self._stop_routing,
                                 busy=lambda iid: self.router is not None and not self.router.is_drained(iid))
         self.controller = Controller(spec, state, use_ray, log_level, wait_for_room, membership)
-        super().__init__(spec, self.controller.instances)
-        self.state = self.controller.state
+        super().__init__(spec, self.controller.instances, self.controller.state)
         self._stop = threading.Event()
 
     # -- the router follows the controller's membership ------------------------------------------
@@ -94,7 +93,3 @@ class Cluster(Serving):
 
     def assert_no_leaks(self, timeout_s: float = 15.0) -> None:
         self.controller.assert_no_leaks(timeout_s)
-
-    def router_stats(self) -> dict[str, dict[str, float]]:
-        """As published, with this process' router's counters as they are now."""
-        return {**self.controller.router_stats(), self.router.client_id: self.router.snapshot()}

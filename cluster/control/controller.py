@@ -33,7 +33,7 @@ from cluster.ranks import cpu_plan, nodes
 from cluster.spec import ClusterSpec
 from cluster.state import ClusterState, InstanceRecord
 from cluster.state_factory import create_state
-from router.client import InstanceDeadError, InstanceInfo
+from router.client import InstanceDeadError, InstanceInfo, InstanceLoad
 
 logger = logging.getLogger(__name__)
 DRAIN_GRACE_S = 1.5  # gateways see a draining instance within their sync interval (cluster/control/frontend.py)
@@ -176,10 +176,7 @@ class Controller:
     def _is_drained(self, inst: Instance) -> bool:
         """No request runs or waits on the instance: none a router in this process holds there,
         none in its own counters."""
-        if self.membership.busy(inst.instance_id):
-            return False
-        load = inst.client.load()
-        return not any(load.get(k, 0.0) for k in ("running", "waiting", "reserved", "queued_prefill_tokens"))
+        return not self.membership.busy(inst.instance_id) and InstanceLoad.of(inst.client.load()).idle
 
     # -- membership ------------------------------------------------------------------------------
     def add_instance(self, role: str) -> str:
@@ -248,6 +245,13 @@ class Controller:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.1)
+
+    # -- the view (router/view.py) ---------------------------------------------------------------
+    def instance_infos(self) -> list[InstanceInfo]:
+        return [i.info() for i in list(self.instances.values())]
+
+    def instance_status(self) -> list[dict]:
+        return [{**i.status(), "adopted": i.instance_id in self.adopted} for i in list(self.instances.values())]
 
     def router_stats(self) -> dict[str, dict[str, float]]:
         """Every live router's (gateway's) request counters, as published in the cluster state."""
@@ -430,7 +434,7 @@ class Controller:
                 self.mark_lost(iid, InstanceDeadError(iid, type(answer).__name__))
                 continue
             inst = self.instances[iid]
-            inst.client.info.load = answer
+            inst.client.info.load = InstanceLoad.of(answer)
             try:
                 try:
                     self.state.heartbeat(iid, ttl)
@@ -457,10 +461,7 @@ class Controller:
         if self.use_ray:
             import ray
             return ray.get(getattr(inst.ranks[0], method).remote(), timeout=30)
-        host = inst.ranks[0]
-        worker = host.worker
-        kv = worker.scheduler.kv if inst.role == "prefill" else worker.engine.kv
-        return kv.assert_no_leaks()
+        return getattr(inst.ranks[0], method)()  # an in-process RankHost: its worker's
 
     def _destroy(self, inst: Instance, dead: bool = False) -> None:
         """Stops the instance's ranks and frees its node. A `dead` one keeps its record in the

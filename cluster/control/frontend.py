@@ -74,9 +74,8 @@ class Frontend(Serving):
         if spec.ray_address is None or (state is None and spec.redis_url is None):
             raise ValueError("a gateway without the controller needs --ray-address and --redis-url "
                              "(it finds the controller's instances through them)")
-        super().__init__(spec, {})
+        super().__init__(spec, {}, state or create_state(spec.redis_url, spec.cluster_name))
         self.log_level = log_level
-        self.state = state or create_state(spec.redis_url, spec.cluster_name)
         self.autoscaler = None  # the controller runs it
         self._lost: dict[str, float] = {}  # ids this router found dead -> their record's updated_at then
         self._missing: set[str] = set()  # records without actors (logged once)

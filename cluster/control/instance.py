@@ -5,7 +5,7 @@ import logging
 import os
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cluster.ranks import nodes
 from cluster.spec import ClusterSpec
@@ -23,6 +23,23 @@ class Instance:
     extra: dict = field(default_factory=dict)
     placements: list[nodes.RankPlacement] = field(default_factory=list)  # rank order
     node_id: str | None = None  # the Ray node all its ranks run on (None in-process)
+
+    @property
+    def kv_endpoints(self) -> tuple:
+        """Decode: its ranks' KV endpoints (as its client knows them)."""
+        return self.client.info.kv_endpoints
+
+    def info(self):
+        """A copy of its client's InstanceInfo (router/client.py): what readers of the cluster get."""
+        return replace(self.client.info)
+
+    def status(self) -> dict:
+        """Its row of /status (gateway and controller alike): its info and its ranks' placements."""
+        info = self.client.info
+        return {"instance_id": self.instance_id, "role": self.role, "tp_size": self.tp_size,
+                "healthy": info.healthy, "draining": info.draining, "load": dict(info.load.figures),
+                "engine": info.engine, "kv_endpoints": [[e.host, e.port] for e in info.kv_endpoints],
+                "ranks": [p.status() for p in self.placements]}
 
 
 def rank_actor_name(instance_id: str, rank: int) -> str:

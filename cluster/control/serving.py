@@ -4,19 +4,41 @@ from __future__ import annotations
 
 import time
 
+from cluster.control.expert_counts import ExpertCountCache
 from cluster.control.instance import Instance
 from cluster.spec import ClusterSpec
+from cluster.state import ClusterState
 from engine.core.request import SamplingParams
+from router.client import InstanceInfo
 from router.router import Router
 from router.stream import RequestStream
 
 
 class Serving:
-    """What the gateway app calls on a cluster: a router (once started) over instances."""
+    """What the gateway app calls on a cluster: a router (once started) over instances; readers get
+    typed snapshots of them (router/view.py ClusterView)."""
 
-    def __init__(self, spec: ClusterSpec, instances: dict[str, Instance]):
-        self.spec, self.instances = spec, instances  # instances: the owner's table, shared
+    def __init__(self, spec: ClusterSpec, instances: dict[str, Instance], state: ClusterState):
+        self.spec, self.instances, self.state = spec, instances, state  # instances: the owner's table, shared
         self.router: Router | None = None
+        self._expert_counts = ExpertCountCache()
+
+    # -- the view (router/view.py) ---------------------------------------------------------------
+    def instance_infos(self) -> list[InstanceInfo]:
+        return [i.info() for i in list(self.instances.values())]
+
+    def instance_status(self) -> list[dict]:
+        """/status rows, each with the instance's expert counts (asked at most every few seconds)."""
+        instances = list(self.instances.values())
+        counts = self._expert_counts.get(instances)
+        return [{**i.status(), "expert_counts": c} for i, c in zip(instances, counts)]
+
+    def router_stats(self) -> dict[str, dict[str, float]]:
+        """As published in the cluster state, with this process' router's counters as they are now."""
+        own = {self.router.client_id: self.router.snapshot()} if self.router is not None else {}
+        return {**self.state.router_stats(), **own}
+
+    # -- requests --------------------------------------------------------------------------------
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                listener=None) -> RequestStream:

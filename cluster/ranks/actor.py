@@ -167,9 +167,7 @@ class RankActor:
 
     def assert_no_leaks(self) -> None:
         """Tests: every block of this rank's allocator is free (rank 0 owns the allocator)."""
-        worker = self.host.worker
-        kv = worker.scheduler.kv if hasattr(worker, "scheduler") and worker.scheduler else worker.engine.kv
-        kv.assert_no_leaks()
+        self.host.assert_no_leaks()
 
     def shutdown(self) -> None:
         if self.host is not None:

@@ -303,7 +303,7 @@ def check_network(instances: list, new=None, timeout_s: float = 3.0) -> None:
     """Joined Ray: no two nodes' ranks advertise one address, and every decode rank's KV endpoint
     accepts a TCP connection from every node that runs a prefill instance (only the pairs that
     involve `new` when given: cheap enough for each added instance). `instances`: the cluster's
-    Instance records (role, node_id, placements, ranks, client). Raises ValueError, one line
+    Instance records (role, node_id, placements, ranks, kv_endpoints). Raises ValueError, one line
     naming the prefill node and the decode endpoints it cannot reach."""
     import ray
     check_advertised((i.node_id, p.node_ip) for i in instances for p in i.placements)
@@ -311,8 +311,8 @@ def check_network(instances: list, new=None, timeout_s: float = 3.0) -> None:
     decode = [i for i in instances if i.role == "decode" and (new is None or new.role != "decode" or i is new)]
     probers = list({i.node_id: i for i in prefill}.values())  # one prefill instance per node
     owners = {f"{e.host}:{e.port}": f"{i.instance_id} rank {e.rank} on node {i.placements[e.rank].node_ip}"
-              for i in decode for e in i.client.info.kv_endpoints}
-    endpoints = [(e.host, e.port) for i in decode for e in i.client.info.kv_endpoints]
+              for i in decode for e in i.kv_endpoints}
+    endpoints = [(e.host, e.port) for i in decode for e in i.kv_endpoints]
     if not probers or not endpoints:
         return
     answers = ray.get([i.ranks[0].probe.remote(endpoints, timeout_s) for i in probers], timeout=60)

@@ -228,8 +228,7 @@ class RankHost:
 
     @property
     def max_model_len(self) -> int:
-        w = self.worker
-        return w.scheduler.max_model_len if self.role == "prefill" else w.engine.max_model_len
+        return self.worker.max_model_len
 
     @property
     def block_size(self) -> int:
@@ -241,11 +240,13 @@ class RankHost:
         """What this rank's engine chose at load, for /status: dtype, linear layers (method and
         kernels, with layer counts), attention backend and KV cache dtype; a decode rank's speculative decoding."""
         r = self.runner
-        out = {"dtype": str(r.dtype).removeprefix("torch."), "linear_layers": r.linear_layers,
-               "attention": r.backend.name, "kv_cache_dtype": str(r.kv_dtype).removeprefix("torch.")}
-        if self.role != "prefill" and (spec := self.worker.engine.speculator) is not None:
-            out["speculative"] = spec.describe()
-        return out
+        return {"dtype": str(r.dtype).removeprefix("torch."), "linear_layers": r.linear_layers,
+                "attention": r.backend.name, "kv_cache_dtype": str(r.kv_dtype).removeprefix("torch."),
+                **self.worker.describe()}
+
+    def assert_no_leaks(self) -> None:
+        """Tests: every block of this instance's KV allocator is free (rank 0 owns it)."""
+        self.worker.assert_no_leaks()
 
     def kv_endpoint(self) -> KVEndpoint | None:
         if self.receiver is None:
@@ -273,5 +274,4 @@ class RankHost:
         for end in (self.sender, self.receiver):
             if end is not None:
                 end.close()
-        if self.role == "prefill":
-            self.worker.connector.close()
+        self.worker.close()

@@ -57,6 +57,23 @@ class BaseWorker(ABC):
     def abort(self, request_id: str) -> None:
         """Rank 0 (thread-safe): ends the request here, wherever it is, and frees its blocks."""
 
+    # -- what differs by role, asked of the worker (cluster/ranks/rank.py never branches on the role) --
+    @property
+    @abstractmethod
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + output) this instance holds."""
+
+    @abstractmethod
+    def assert_no_leaks(self) -> None:
+        """Rank 0 (tests): every block of the instance's KV allocator is free."""
+
+    def describe(self) -> dict[str, str]:
+        """What this role adds to the engine's description for /status (a decode's speculation)."""
+        return {}
+
+    def close(self) -> None:
+        """Releases what the role holds beyond the runner (a prefill's transfer leases)."""
+
     def load(self) -> dict[str, float]:
         """Rank 0: figures for the router's policy, the autoscaler and /status; each role adds its own."""
         return {"orphans_aborted": float(self.num_orphans_aborted),

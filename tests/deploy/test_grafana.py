@@ -26,7 +26,7 @@ HISTOGRAMS = ("pdserve_time_to_first_token_seconds", "pdserve_inter_token_latenc
 def gateway_series() -> set[str]:
     """The series names a query uses for each metric family of a gateway with no instances yet:
     `_total` for counters, `_bucket` for histograms, the name itself for gauges."""
-    metrics = GatewayMetrics(SimpleNamespace(router=None, instances={}))
+    metrics = GatewayMetrics(SimpleNamespace(router=None, instance_infos=list))
     suffix = {"counter": "_total", "histogram": "_bucket", "gauge": ""}
     return {family.name + suffix[family.type] for family in metrics.registry.collect()}
 

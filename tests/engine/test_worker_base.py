@@ -51,6 +51,11 @@ class ScriptedWorker(BaseWorker):
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
+    max_model_len = 64
+
+    def assert_no_leaks(self) -> None:
+        pass
+
 
 def test_rank_0_steps_until_stopped_then_releases_the_followers(monkeypatch):
     """Every step runs; only a step that ran nothing is followed by a sleep; the followers get "stop" once, last."""

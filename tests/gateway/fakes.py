@@ -23,6 +23,14 @@ class FakeCluster:
         self.router = SimpleNamespace(num_queued=0, num_placed=0, stats={"retries": 2, "failed": 1,
                                                                          "instance_deaths": 1, "tokens_past_stop": 0})
         self.is_ready = True
+        self.status_rows: list[dict] = []  # what instance_status gives /status
+
+    # -- the view (router/view.py), empty unless a test fills it ------------------------------------
+    def instance_infos(self) -> list:
+        return []
+
+    def instance_status(self) -> list[dict]:
+        return list(self.status_rows)
 
     def ready(self) -> bool:
         return self.is_ready

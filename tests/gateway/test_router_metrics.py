@@ -24,7 +24,7 @@ def test_handler_errors_and_thread_restarts_are_on_metrics():
     r = Router([p], [d], create_routing_policy("round_robin"), poll_s=0.02)
     r._refresh_loads = raising_once(r._refresh_loads)
     r.start()
-    metrics = GatewayMetrics(SimpleNamespace(router=r, instances={}))
+    metrics = GatewayMetrics(SimpleNamespace(router=r, instance_infos=list))
     text = generate_latest(metrics.registry).decode()
     for handler in HANDLERS:
         assert metric(text, "pdserve_router_handler_errors_total", handler=handler) == 0, handler

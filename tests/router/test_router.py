@@ -12,7 +12,7 @@ from decode_worker.output import RequestOutput
 from engine.core.request import SamplingParams
 from kvtransfer.params import KVEndpoint
 from prefill_worker.worker import PrefillResult
-from router.client import DecodeClient, InstanceDeadError, InstanceInfo, PrefillClient
+from router.client import DecodeClient, InstanceDeadError, InstanceInfo, InstanceLoad, PrefillClient
 from router.policy import create_routing_policy
 from router.router import Router
 
@@ -42,12 +42,12 @@ class _FakeInstance:
 
     def load(self):
         self._check()
-        return self.info.load
+        return dict(self.info.load.figures)
 
 
 class FakePrefill(_FakeInstance, PrefillClient):
     def __init__(self, iid: str, load: float = 0.0):
-        super().__init__(InstanceInfo(iid, "prefill", 1, load={"queued_prefill_tokens": load}))
+        super().__init__(InstanceInfo(iid, "prefill", 1, load=InstanceLoad.of({"queued_prefill_tokens": load})))
         self.submitted, self.results = [], self.events
 
     def submit(self, msg, params):
@@ -60,7 +60,7 @@ class FakePrefill(_FakeInstance, PrefillClient):
 
 class FakeDecode(_FakeInstance, DecodeClient):
     def __init__(self, iid: str, capacity: int = 100, load: dict | None = None):
-        super().__init__(InstanceInfo(iid, "decode", 1, (KVEndpoint(iid, 0, "127.0.0.1", 1),), load=load or {}))
+        super().__init__(InstanceInfo(iid, "decode", 1, (KVEndpoint(iid, 0, "127.0.0.1", 1),), load=InstanceLoad.of(load or {})))
         self.capacity, self.reserved, self.local, self.outputs = capacity, [], [], self.events
 
     def reserve(self, msg, prefill_tp):
@@ -310,11 +310,11 @@ def test_full_decode_queues_until_capacity():
 
 
 def test_policies_pick_by_load_and_prefix():
-    infos = [InstanceInfo("p0", "prefill", 1, load={"queued_prefill_tokens": 50.0}),
-             InstanceInfo("p1", "prefill", 1, load={"queued_prefill_tokens": 5.0})]
+    infos = [InstanceInfo("p0", "prefill", 1, load=InstanceLoad.of({"queued_prefill_tokens": 50.0})),
+             InstanceInfo("p1", "prefill", 1, load=InstanceLoad.of({"queued_prefill_tokens": 5.0}))]
     assert create_routing_policy("least_loaded").pick_prefill(infos, [1]).instance_id == "p1"
-    decodes = [InstanceInfo("d0", "decode", 1, load={"kv_usage": 0.9, "running": 1.0}),
-               InstanceInfo("d1", "decode", 1, load={"kv_usage": 0.1, "running": 9.0})]
+    decodes = [InstanceInfo("d0", "decode", 1, load=InstanceLoad.of({"kv_usage": 0.9, "running": 1.0})),
+               InstanceInfo("d1", "decode", 1, load=InstanceLoad.of({"kv_usage": 0.1, "running": 9.0}))]
     assert create_routing_policy("least_loaded").pick_decode(decodes, [1]).instance_id == "d1"
     recorded = []
     pa = create_routing_policy("prefix_aware", cached_prefix=lambda ids: {"p0": 3},

@@ -11,6 +11,7 @@ import pytest
 from decode_worker.output import RequestOutput
 from engine.core.request import SamplingParams
 from prefill_worker.worker import PrefillResult
+from router.client import InstanceLoad
 from router.policy import create_routing_policy
 from router.router import Router
 from tests.router.test_router import FakeDecode, FakePrefill, _wait_until
@@ -107,8 +108,8 @@ def test_a_thread_that_dies_is_restarted_and_counted(thread):
     d.capacity, fed = 1, set()
     _wait_until(lambda: feed(p, d, fed) or stream.finished_at_s, timeout_s=10)
     assert stream.result(timeout=10).token_ids == [11, 12, 13]
-    _wait_until(lambda: d.info.load == {"running": 5.0}, timeout_s=10)
-    assert d.info.load == {"running": 5.0}
+    _wait_until(lambda: d.info.load.running == 5.0, timeout_s=10)
+    assert d.info.load == InstanceLoad.of({"running": 5.0})
     assert r.thread_restarts == {"place_pending": 0, "collect": 0, "refresh_loads": 0, thread: 1}
     assert all(t.is_alive() for t in r.threads)
     r.close()

@@ -9,6 +9,7 @@ import pytest
 from cluster.autoscale.actuators import DryRunActuator, PoolSizes
 from cluster.autoscale.autoscale_loop import OnlineProfile
 from cluster.autoscale.autoscaler import Observation, Profile, QueueThreshold, ScalingLimits, SLOPlanner, fit_line
+from router.client import InstanceInfo, InstanceLoad
 
 PROFILE = Profile(prefill_tokens_per_s=1000.0, decode_itl_base_s=0.02, decode_itl_per_seq_s=0.001,
                   max_num_seqs=128, kv_capacity_tokens=100_000)
@@ -99,9 +100,8 @@ def test_profile_file_round_trip_and_fit(tmp_path):
 
 def test_online_profile_from_instance_counters():
     """Prefill tokens per busy second and a step-time line through decode intervals."""
-    prefill = SimpleNamespace(instance_id="p", client=SimpleNamespace(info=SimpleNamespace(load={})))
-    decode = SimpleNamespace(instance_id="d", client=SimpleNamespace(info=SimpleNamespace(load={})))
-    cluster = SimpleNamespace(instances={"p": prefill, "d": decode})
+    infos = {"p": InstanceInfo("p", "prefill", 1), "d": InstanceInfo("d", "decode", 1)}
+    cluster = SimpleNamespace(instance_infos=lambda: list(infos.values()))  # a ClusterView's (router/view.py)
     online = OnlineProfile(max_num_seqs=64)
     assert online.update(cluster) is None
     loads = [({"prefill_tokens_computed": 2000.0, "prefill_busy_s": 2.0},
@@ -109,7 +109,7 @@ def test_online_profile_from_instance_counters():
              ({"prefill_tokens_computed": 4000.0, "prefill_busy_s": 4.0},
               {"decode_steps": 20.0, "decode_step_s": 1.5, "decode_step_seqs": 110.0, "kv_capacity_tokens": 5000.0})]
     for p_load, d_load in loads:
-        prefill.client.info.load, decode.client.info.load = p_load, d_load
+        infos["p"].load, infos["d"].load = InstanceLoad.of(p_load), InstanceLoad.of(d_load)
         profile = online.update(cluster)
     assert profile.prefill_tokens_per_s == pytest.approx(1000.0)
     assert profile.decode_itl_base_s == pytest.approx(0.02) and profile.decode_itl_per_seq_s == pytest.approx(0.01)

@@ -172,8 +172,9 @@ def test_load_window_sums_every_router():
     went away stops counting (no negative rates)."""
     state = MemoryState()
 
-    class Owner:  # what LoadWindow reads of a controller
-        instances: dict = {}
+    class Owner:  # what LoadWindow reads of a controller (router/view.py ClusterView)
+        def instance_infos(self):
+            return []
 
         def router_stats(self):
             return state.router_stats()

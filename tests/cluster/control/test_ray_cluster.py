@@ -175,7 +175,7 @@ def test_ray_actuator_1p1d_to_2p2d_and_back_under_load(ray_session, tiny_path):
         assert act.current() == PoolSizes(2, 2)
         new = {i.instance_id: i.client.info for i in c.instances.values() if i.instance_id.endswith("-1")}
         deadline = time.monotonic() + 60
-        while not (new["prefill-1"].load.get("prefill_tokens_computed") and new["decode-1"].load.get("decode_steps")):
+        while not (new["prefill-1"].load.figures.get("prefill_tokens_computed") and new["decode-1"].load.figures.get("decode_steps")):
             assert time.monotonic() < deadline, "the added instances never got work"
             time.sleep(0.1)
         act.apply(PoolSizes(1, 1))
