@@ -33,7 +33,7 @@ MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=
            num_key_value_heads=4)  # as many as the query heads: transformers repeats K/V by their ratio
 
 # name -> (family, the config switches its published checkpoints use); windows of at most 2
-# blocks of 16, prompts of at least 3 windows (tests/engine/test_families.py)
+# blocks of 16, prompts of at least 3 windows (tests/engine/models/test_families.py)
 FAMILIES = {
     "llama_biases": ("llama", dict(attention_bias=True, mlp_bias=True)),
     "qwen2": ("qwen2", dict(rope_theta=1000000.0, tie_word_embeddings=True)),

@@ -102,7 +102,7 @@ class VllmCpuAttentionBackend(BaseAttentionBackend):
     def kv_views(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Its writer's layout (vec and vec16 ISAs), read off the bytes it wrote: per block and
         head, 2 x block_size rows of head_dim, keys stored transposed (head_dim x block_size) in
-        the first half, values as rows in the second (tests/engine/test_vllm_cpu_backend.py)."""
+        the first half, values as rows in the second (tests/engine/attention/test_vllm_cpu_backend.py)."""
         _, num_blocks, block_size, heads, head_dim = layer.shape
         assert layer.is_contiguous() and self.isa in ("vec", "vec16"), (layer.shape, self.isa)
         block, head, start = heads * 2 * block_size * head_dim, 2 * block_size * head_dim, layer.storage_offset()
@@ -136,7 +136,7 @@ class VllmCpuAttentionBackend(BaseAttentionBackend):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # views of the qkv projection
         out, cache_dtype = torch.empty_like(q), "fp8_e4m3" if fp8 else "auto"
         # its window is ours, the query's own key included (vLLM passes it a model's sliding_window as
-        # is; flash-attn takes window - 1): tests/engine/test_sliding_window.py
+        # is; flash-attn takes window - 1): tests/engine/attention/test_sliding_window.py
         left = -1 if window is None else window
         s_aux = None if sinks is None else sinks.float().contiguous()  # (num_heads,): its sinks, in float32
         if fp8:

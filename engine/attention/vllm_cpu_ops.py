@@ -12,7 +12,7 @@ batch 1 those ops are much of a step's ~4,000 op calls. Which run is the backend
   (SmolLM2: logits 5x farther from fp32 than the torch ops', other greedy tokens);
 - SwiGLU not at all: its silu_and_mul ran slower than torch's two ops here (10 vs 6 µs at one
   token, 68 vs 26 at 32).
-tests/engine/test_vllm_cpu_ops.py checks each against the torch ops.
+tests/engine/attention/test_vllm_cpu_ops.py checks each against the torch ops.
 """
 from __future__ import annotations
 

@@ -261,7 +261,7 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 # int4 (group-wise Q4_1 weights) of float weights are opt-in lossy conversions at load (engine/quant).
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "w8a8", "int4")
 
-# How a mixture's experts are computed: engine/layers/expert_compute.py METHOD_CHOICES (tests/engine/test_moe.py
+# How a mixture's experts are computed: engine/layers/expert_compute.py METHOD_CHOICES (tests/engine/layers/test_moe.py
 # checks the two agree).
 EXPERT_METHOD_CHOICES = ("auto", "loop", "grouped_mm", "vllm_cpu")
 

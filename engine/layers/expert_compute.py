@@ -4,7 +4,7 @@ expert methods, chosen per batch size by measuring them at load (`select_method`
     pairs = sort_pairs(ids, weights, local)          # this rank's pairs, expert by expert
     out = METHODS["grouped_mm"](x, w13, w2, pairs)   # (num_tokens, hidden): the weighted sum
 
-Methods (each checked against a per-token reference in tests/engine/test_moe.py):
+Methods (each checked against a per-token reference in tests/engine/layers/test_moe.py):
 - `loop`: one GEMM pair (gate/up, then down) per expert that has pairs; the baseline.
 - `grouped_mm`: torch's grouped GEMM (`torch._grouped_mm`), both GEMMs of every expert in one call
   each, over the stacked weights as stored (transposed views); on a CPU torch's own loop in C++.

@@ -11,7 +11,7 @@ whose two planes, "keys" and "values", hold the entry's first and second halves 
 entry / 2). Block manager, prefix cache, fp8 option and KV transfer carry it unchanged; every TP
 rank holds the whole entry (it is not split by heads), as GQA replicates a KV head over ranks.
 
-Attention, in two forms with the same numbers up to rounding (tests/engine/test_mla.py):
+Attention, in two forms with the same numbers up to rounding (tests/engine/layers/test_mla.py):
 - expanded: kv_b_proj turns each context token's latent into per-head keys and values, then
   plain attention (keys qk_head_dim wide, values v_head_dim);
 - absorbed: W_UK folded into the query (`q_nope W_UK[h]`, kv_lora_rank wide), scores against the

@@ -5,7 +5,7 @@ their sum) and DeepSeek's routing (engine/layers/routing.py): softmax scores, "g
 "group_limited_greedy" over `n_group` groups, the weights times `routed_scaling_factor`.
 
 DeepSeek-V3 (engine/models/deepseek_v3.py) is this model with V3's router. transformers'
-`modeling_deepseek_v2.py` / `_v3.py` are the reference (tests/engine/test_families.py).
+`modeling_deepseek_v2.py` / `_v3.py` are the reference (tests/engine/models/test_families.py).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ inter) with gate and up columns interleaved and `down_proj` (E, inter, hidden), 
 OpenAI's published files ship them as MXFP4 (`*_blocks` and `*_scales`, (E, out, in) once decoded),
 dequantized here on load to the model's dtype and logged (engine/quant/mxfp4.py).
 
-transformers' `modeling_gpt_oss.py` is the reference (tests/engine/test_families.py).
+transformers' `modeling_gpt_oss.py` is the reference (tests/engine/models/test_families.py).
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ deterministic inference do the same on GPUs, with their own kernels):
   counted from position 0, queries in tiles of TILE_ROWS, each split's scores and weighted values a
   fixed-shape matmul, the splits summed one after another in position order.
 - RMSNorm, the elementwise ops, the softmax and log-softmax of sampling already reduce each row on
-  its own (tests/engine/test_batch_invariant.py checks them beside the above).
+  its own (tests/engine/quant/test_batch_invariant.py checks them beside the above).
 
 What it costs is measured in BENCHMARKS.md; docs/engine.md says what it guarantees.
 """

@@ -12,7 +12,7 @@ from engine.attention.flex_backend import flex_unavailable
 
 @pytest.mark.skipif(flex_unavailable(torch.device("cpu")) is not None, reason="flex cannot compile here")
 def test_rows_name_each_step_with_both_times(capsys, monkeypatch):
-    """The families' tiny heads (4 on 2, head_dim 32: a graph tests/engine/test_flex_backend.py
+    """The families' tiny heads (4 on 2, head_dim 32: a graph tests/engine/attention/test_flex_backend.py
     compiles too) on two steps of one padded shape: each row has both backends' times, the
     ratio and the padded shape. The inductor setting it changes is restored after (a monkeypatch
     of inductor's config deletes the key on undo: every later compile in the process failed)."""

@@ -36,7 +36,7 @@ def test_case_equals_colocated(case: Case, model, references, request):
     counts = {}
     assert mismatches(serve(case, model, counts=counts), references[case.kv_dtype]) == []
     # how often the small pool preempted depends on how the requests interleave (none, one at a
-    # time); tests/engine/test_batch_invariant.py forces preemptions and checks them bit for bit
+    # time); tests/engine/quant/test_batch_invariant.py forces preemptions and checks them bit for bit
     request.node.user_properties.append(("preemptions", counts["preemptions"]))
 
 

@@ -185,7 +185,7 @@ def test_reachability_error_is_one_line():
 def fake_instance(iid: str, role: str, node_id: str, actor, placements, endpoints=()):
     """Just what check_network reads of a cluster Instance."""
     return SimpleNamespace(instance_id=iid, role=role, node_id=node_id, ranks=[actor], placements=placements,
-                           client=SimpleNamespace(info=SimpleNamespace(kv_endpoints=tuple(endpoints))))
+                           kv_endpoints=tuple(endpoints))
 
 
 def test_rank_actor_placement_and_network_check(ray_session):

@@ -12,7 +12,7 @@ from engine.layers.expert_compute import loop_experts, sort_pairs
 from engine.layers.moe import route
 from engine.layers.quant_experts import FORMATS, OnBf16, candidates, q4_experts, quantize_experts
 from engine.quant.q4 import quantize_q4_1
-from tests.engine.test_moe import EXPERTS, _block
+from tests.engine.layers.test_moe import EXPERTS, _block
 
 KERNELS = [(scheme, k.name) for scheme in FORMATS for k in candidates(scheme)]
 # how far each scheme's experts move the block's output from the float experts' (relative norm):

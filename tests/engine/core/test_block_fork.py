@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from engine.core.block_manager import KVCacheManager
 from engine.core.request import Request
-from tests.engine.test_block_manager import BLOCK_SIZE, create_requests
+from tests.engine.core.test_block_manager import BLOCK_SIZE, create_requests
 
 
 def prompt_in(mgr: KVCacheManager, num_tokens: int, rid: str = "p") -> Request:

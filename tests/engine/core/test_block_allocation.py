@@ -9,7 +9,7 @@ from decode_worker.scheduler import Scheduler
 from engine.core.config import SchedulerConfig
 from engine.core.request import RequestStatus
 
-from tests.engine.test_block_manager import (BLOCK_SIZE, create_manager, create_requests, free_and_assert_no_leaks,
+from tests.engine.core.test_block_manager import (BLOCK_SIZE, create_manager, create_requests, free_and_assert_no_leaks,
                                              prefill)
 
 

@@ -17,7 +17,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.core.config import CacheConfig, resolve_kv_cache_dtype
 from engine.core.kv_cache import kv_block_bytes
 from engine.runner.model_runner import ModelRunner
-from tests.engine.test_flash_backend import (BATCHES, HEAD_DIM, RecordingFlash, _gather_paged, _ref_attend,
+from tests.engine.attention.test_flash_backend import (BATCHES, HEAD_DIM, RecordingFlash, _gather_paged, _ref_attend,
                                              build_metadata)
 from tests.helpers import engine_config, make_hf_tiny_llama, model_config_of
 
@@ -154,7 +154,7 @@ def test_flash3_fp8_backend_matches_torch_backend_through_a_stand_in():
 
 def test_backend_choice_with_an_fp8_cache(caplog):
     """fp8 KV: auto picks torch where vllm_cpu cannot read it (here: head_dim 16) and logs why
-    (tests/engine/test_vllm_cpu_backend.py: where it can); torch is torch; flash_attn without
+    (tests/engine/attention/test_vllm_cpu_backend.py: where it can); torch is torch; flash_attn without
     FlashAttention-3 on a Hopper GPU is refused in one line that names what is missing and what
     to use instead."""
     cpu = torch.device("cpu")

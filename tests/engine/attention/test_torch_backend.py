@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.attention.torch_backend import BMM_MIN_BATCH, BMM_MIN_KV, TorchAttentionBackend
-from tests.engine.test_flash_backend import _gather_paged, _ref_attend, build_metadata
+from tests.engine.attention.test_flash_backend import _gather_paged, _ref_attend, build_metadata
 
 HEAD_DIM = 64
 DECODES = {"batch_1": [(175, 1)], "batch_1_long": [(1000, 1)], "batch_2_ragged": [(40, 1), (600, 1)],
@@ -73,7 +73,7 @@ def test_decode_attends_each_kv_heads_group_without_repeating_it(knobs, monkeypa
     kernel, which does; at an 8B shape that was GiBs per layer). The outputs still equal a
     float64 reference, with a window and with soft-capping."""
     from engine.attention import torch_backend
-    from tests.engine.test_batch_invariant import reference_attention
+    from tests.engine.quant.test_batch_invariant import reference_attention
     monkeypatch.setattr(TorchAttentionBackend, "GROUPED_DECODE_DEVICES", ("cpu",))
     heads_seen = []
     sdpa, matmul = torch_backend.F.scaled_dot_product_attention, torch.Tensor.__matmul__

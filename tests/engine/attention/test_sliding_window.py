@@ -9,7 +9,7 @@ import torch
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.vllm_cpu_backend import VllmCpuAttentionBackend, vllm_cpu_unavailable
-from tests.engine.test_flash_backend import RecordingFlash, _gather_paged, _ref_attend, build_metadata
+from tests.engine.attention.test_flash_backend import RecordingFlash, _gather_paged, _ref_attend, build_metadata
 
 HEAD_DIM = 64
 # (cached tokens, new tokens): decodes (several windows back), a prefill chunk over cached

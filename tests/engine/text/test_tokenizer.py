@@ -175,7 +175,7 @@ def test_hf_folder_tokenizer_matches_transformers(ref, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # Chat templates with tools (templates in tests/gateway/chat_templates/, written after the models' own)
 
-TOOL_TEMPLATES = Path(__file__).parents[1] / "gateway" / "chat_templates"
+TOOL_TEMPLATES = Path(__file__).parents[2] / "gateway" / "chat_templates"
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -19,7 +19,7 @@ from engine.quant.gguf_file import open_gguf, read_gguf_metadata
 from engine.text.gguf_tokenizer import gguf_backend
 from engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
-GGUF = Path(__file__).parent / "gguf"
+GGUF = Path(__file__).parents[1] / "gguf"
 STRINGS = [
     "Hello, world!", "the tokenizer encodes text", "12345 and 3.14159", " leading space", "   three leading",
     "trailing  ", "a  b   c\t\td", "line one\nline two\n\n", "\n", " ", "", "ünïcödé façade naïve",

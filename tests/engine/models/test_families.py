@@ -57,7 +57,7 @@ def test_config_reads_the_switches(family):
         assert windows == [switches.get("sliding_window")] * cfg.num_layers
 
 
-# Families whose flex run is tests/engine/test_flex_backend.py's alone (flex against torch there, torch
+# Families whose flex run is tests/engine/attention/test_flex_backend.py's alone (flex against torch there, torch
 # against transformers here), to save its compile time: Gemma 3's attention is Gemma 2's without the cap
 FLEX_ELSEWHERE = ("gemma3",)
 
@@ -66,17 +66,17 @@ FLEX_ELSEWHERE = ("gemma3",)
 def test_logits_match_transformers(family, backend):
     """fp32 logits at every position of a 100-token prompt (over 3 windows) equal HF's, prefilled
     at once, in chunks of 7 over cached context, and one token at a time (decode steps); on every
-    backend that runs here (flex: compiled by inductor's C++ path, tests/engine/test_flex_backend.py)."""
+    backend that runs here (flex: compiled by inductor's C++ path, tests/engine/attention/test_flex_backend.py)."""
     name, hf, folder = family
     cfg = engine_config(model=str(folder))
     if backend != "torch" and hf_model_config(folder).mla is not None:
-        pytest.skip(f"{name}: latent attention runs on the torch backend alone (tests/engine/test_mla.py)")
+        pytest.skip(f"{name}: latent attention runs on the torch backend alone (tests/engine/layers/test_mla.py)")
     if backend == "vllm_cpu":
         from engine.attention.vllm_cpu_backend import HEAD_DIMS, vllm_cpu_unavailable
         if vllm_cpu_unavailable() or hf_model_config(folder).head_dim not in HEAD_DIMS:
             pytest.skip(f"vllm_cpu cannot run {name} here")
     if backend == "flex" and name in FLEX_ELSEWHERE:
-        pytest.skip(f"{name}: flex runs it in tests/engine/test_flex_backend.py")
+        pytest.skip(f"{name}: flex runs it in tests/engine/attention/test_flex_backend.py")
     if backend == "flex":
         from engine.attention.flex_backend import flex_unavailable
         if (why := flex_unavailable(torch.device("cpu"))) is not None:

@@ -24,7 +24,7 @@ from engine.attention.base import FP8
 from engine.attention.flex_backend import MIN_KEYS, MIN_QUERIES, FlexAttentionBackend, padded
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.runner.model_runner import ModelRunner
-from tests.engine.test_flash_backend import build_metadata
+from tests.engine.attention.test_flash_backend import build_metadata
 from tests.helpers import FAMILIES, engine_config, generate_steps, make_hf_tiny, random_prompts
 
 WHY = flex_backend.flex_unavailable(torch.device("cpu"))

@@ -1,7 +1,7 @@
 """gpt-oss's checkpoints as OpenAI ships them (engine/models/gpt_oss.py): MXFP4 expert weights
 decoded on load give transformers' logits over the same (decoded) weights; what its config asks
 for that pdserve does not run is refused by name. Its logits, greedy tokens and TP/EP against
-transformers are the "gpt_oss" family of tests/engine/test_families.py."""
+transformers are the "gpt_oss" family of tests/engine/models/test_families.py."""
 from __future__ import annotations
 
 import json

@@ -15,7 +15,7 @@ from engine.runner.model_runner import ModelRunner
 from tests.engine.gguf.make_fixtures import FAMILIES, VOCAB
 from tests.helpers import assert_logits_match_transformers, engine_config, make_hf_tiny, random_prompts
 
-HERE = Path(__file__).parent / "gguf"
+HERE = Path(__file__).parents[1] / "gguf"
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

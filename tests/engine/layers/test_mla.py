@@ -1,7 +1,7 @@
 """DeepSeek's latent attention (engine/layers/mla.py): the cache holds one entry per token (the latent and
 the rotary key, transformers' own cached values), the absorbed and expanded forms give
 transformers' logits, an fp8 cache stays within its rounding, and what cannot run it is refused.
-The families' logits and greedy tokens against transformers: tests/engine/test_families.py."""
+The families' logits and greedy tokens against transformers: tests/engine/models/test_families.py."""
 from __future__ import annotations
 
 from dataclasses import replace

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from engine.parallel.layers import TPGroup
 from engine.parallel.step import engine_types
 from engine.parallel.tp_wire import TPAuthError, WireCodec
-from tests.engine.test_tp_comm import STEP_TYPES, assert_equal_steps, make_step
+from tests.engine.parallel.test_tp_comm import STEP_TYPES, assert_equal_steps, make_step
 
 pytestmark = pytest.mark.timeout(400)  # spawned ranks: slow on a loaded 2-core box
 KEY = b"k" * 32

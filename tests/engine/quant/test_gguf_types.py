@@ -113,7 +113,7 @@ def test_a_mixture_whose_experts_are_not_all_q4_keeps_them_dequantized(tmp_path,
     from tests.engine.gguf.requantize import requantize
     from tests.helpers import all_logits, engine_config, random_prompts
     Q = gguf.GGMLQuantizationType
-    src = Path(__file__).parent / "gguf" / "qwen3_moe.gguf"
+    src = Path(__file__).parents[1] / "gguf" / "qwen3_moe.gguf"
     path = requantize(src, tmp_path / "mixed-experts.gguf", Q.Q4_0, {"ffn_down_exps": Q.Q8_0})
     plan = gguf_code_plan(path)
     assert not plan.experts and plan.codes and not any("_exps" in n for n in plan.codes)

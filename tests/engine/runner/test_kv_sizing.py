@@ -12,7 +12,7 @@ import torch
 from engine.core.config import CacheConfig
 from engine.core.kv_cache import kv_block_bytes
 from engine.runner.model_runner import ModelRunner
-from tests.engine.fake_gpu import GiB, MiB, FakeGpu
+from tests.engine.runner.fake_gpu import GiB, MiB, FakeGpu
 from tests.helpers import all_logits, engine_config, make_hf_tiny_llama, model_config_of, random_prompts
 
 

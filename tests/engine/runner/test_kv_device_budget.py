@@ -1,5 +1,5 @@
 """The KV budget of a GPU rank (engine/runner/kv_budget.py) from what a pretend device reports
-(tests/engine/fake_gpu.py): the CUDA context and other non-torch memory are this process's, the
+(tests/engine/runner/fake_gpu.py): the CUDA context and other non-torch memory are this process's, the
 larger of the prefill and decode profiles counts, CUDA graphs are reserved, a second process on
 the device takes what is free and never more than its share, and a budget short of one request at
 max_model_len is refused in one line. Every expected count is worked out by hand from the fake's
@@ -14,7 +14,7 @@ from engine.core.config import ModelConfig
 from engine.runner import device_memory
 from engine.runner.device_memory import TorchDeviceMemory
 from engine.runner.kv_budget import FREE_MARGIN, blocks_for_one_request, blocks_from_device
-from tests.engine.fake_gpu import GiB, MiB, FakeGpu, FakeRunner
+from tests.engine.runner.fake_gpu import GiB, MiB, FakeGpu, FakeRunner
 
 BLOCK = 2 * MiB
 PREFILL, DECODE = (1, 2048, 8192), (128, 1, 8192)  # the largest steps of the default scheduler at 8192

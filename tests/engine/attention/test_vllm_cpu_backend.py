@@ -17,7 +17,7 @@ from engine.attention.base import quantize_fp8
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.vllm_cpu_backend import vllm_cpu_unavailable
 from engine.runner.model_runner import ModelRunner
-from tests.engine.test_torch_backend import SINK_HEADS, sink_step
+from tests.engine.attention.test_torch_backend import SINK_HEADS, sink_step
 from tests.helpers import engine_config, generate_steps, hf_greedy, make_hf_tiny_llama, model_config_of, random_prompts
 
 WHY = vllm_cpu_unavailable()

@@ -15,7 +15,7 @@ from engine.core.block_manager import BlockPool, KVCacheManager, hash_block_toke
 from engine.core.request import Request
 
 BLOCK_SIZE = 16
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def create_manager(num_blocks: int = 128, block_size: int = BLOCK_SIZE,

@@ -1,4 +1,4 @@
-"""Gemma 3 beyond the per-family tests (logits and greedy tokens: tests/engine/test_families.py and
+"""Gemma 3 beyond the per-family tests (logits and greedy tokens: tests/engine/models/test_families.py and
 test_gguf_families.py): a config.json as published before transformers 5 reads as transformers
 reads it; a `gemma3` GGUF gets llama.cpp's layer types, rotary bases and query scale; Gemma 3's
 chat template renders through engine/text/tokenizer.py as transformers renders it."""
