@@ -22,8 +22,7 @@ class ColocatedEngine:
         self.config = config
         self.runner = runner or ModelRunner(config)
         if tokenizer is None and runner is None:
-            from engine.loading.loader import resolve_model_path
-            tokenizer = Tokenizer.from_path(resolve_model_path(config.model))
+            tokenizer = Tokenizer.from_path(config.model)
         self.tokenizer = tokenizer
         mc = self.runner.model_config
         block_size = self.runner.block_size

@@ -18,11 +18,16 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    extras: list[dict] = field(default_factory=list)  # one per token when asked (engine/core/extras.py)
     num_cached_tokens: int = 0
     arrival_s: float = 0.0
     first_token_s: float | None = None
     finished_s: float | None = None
+
+    @property
+    def logprobs(self) -> list[dict[int, float]]:
+        """One {token id: logprob} per token (the sampled token first), when the request asked."""
+        return [e["logprobs"] for e in self.extras]
 
     @property
     def ttft_s(self) -> float | None:
@@ -95,7 +100,7 @@ class LLM:
                     c.first_token_s = now
                 kept = len(o.new_token_ids) - (text.feed(o.new_token_ids) if text is not None else 0)
                 c.token_ids += o.new_token_ids[:kept]
-                c.logprobs += (o.new_logprobs or [])[:kept]
+                c.extras += (o.new_extras or [])[:kept]
                 stopped = text is not None and text.stop is not None
                 if text is not None:
                     c.text += text.take(o.finished)

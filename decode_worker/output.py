@@ -1,4 +1,5 @@
-"""What a decode instance streams per step: each request's new token ids and logprobs, no text.
+"""What a decode instance streams per step: each request's new token ids and their extras
+(engine/core/extras.py: logprobs), no text.
 
 Text (detokenization, stop strings) is the front end's (engine/text/detokenize.py): a stop string found there
 ends the request here by an abort. Every output says where its tokens stand in the request's output
@@ -23,7 +24,7 @@ class RequestOutput:
     finish_reason: str | None = None
     start: int = 0  # the position of new_token_ids[0] in the request's output (of the next token, if none)
     error: str | None = None
-    new_logprobs: list[dict[int, float]] | None = None  # one per new token, when the request asked
+    new_extras: list[dict] | None = None  # one per new token, when the request asked (carried unread)
     kv_load_failed: bool = False  # the error is a failed KV transfer (the router may recompute here)
 
 
@@ -53,13 +54,13 @@ class OutputProcessor:
             if start is None:
                 continue
             new_ids = req.output_token_ids[start:]
-            logprobs = None
-            if req.sampling_params.logprobs is not None:
-                logprobs = req.output_logprobs[start:]
-                assert len(logprobs) == len(new_ids), (req.request_id, len(logprobs), len(new_ids))
+            extras = None
+            if req.sampling_params.wants_extras:
+                extras = req.output_extras[start:]
+                assert len(extras) == len(new_ids), (req.request_id, len(extras), len(new_ids))
             self.num_sent[req.request_id] = req.num_output_tokens
             outputs.append(RequestOutput(req.request_id, new_ids, req.is_finished, req.status.finish_reason, start,
-                                         new_logprobs=logprobs))
+                                         new_extras=extras))
             if req.is_finished:
                 del self.num_sent[req.request_id]
         return outputs

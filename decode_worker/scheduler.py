@@ -77,11 +77,11 @@ class Scheduler:
         self.remote[req.request_id] = req
         return True
 
-    def remote_kv_ready(self, request_id: str, first_token: int, logprobs: dict[int, float] | None = None,
+    def remote_kv_ready(self, request_id: str, first_token: int, extras: dict | None = None,
                         more_choices: tuple = ()) -> list[Request]:
-        """The prompt's KV is in place and the prefill sampled `first_token` (with `logprobs`, when
-        the request asked for them; with n > 1, `more_choices` holds the other choices' (token,
-        logprobs)): join the batch.
+        """The prompt's KV is in place and the prefill sampled `first_token` (with its `extras`, when
+        the request asked for any; with n > 1, `more_choices` holds the other choices' (token,
+        extras)): join the batch.
 
         Returns the requests that got a token (the n choices, forked), [] if it is no longer known."""
         req = self.remote.pop(request_id, None)
@@ -89,19 +89,19 @@ class Scheduler:
             return []
         req.num_computed_tokens = req.num_prompt_tokens
         self.kv.cache_blocks(req, req.num_prompt_tokens)  # the KV is there now: cacheable
-        if req.sampling_params.logprobs is not None:
-            assert logprobs is not None, f"{request_id} asked for logprobs; its first token came without"
+        if req.sampling_params.wants_extras:
+            assert extras is not None, f"{request_id} asked for extras; its first token came without"
         if req.sampling_params.n > 1:
             assert len(more_choices) == req.sampling_params.n - 1, f"{request_id}: {len(more_choices) + 1} choices"
-            return self._fork(req, [(first_token, logprobs), *more_choices])
-        self._first_token(req, first_token, logprobs)
+            return self._fork(req, [(first_token, extras), *more_choices])
+        self._first_token(req, first_token, extras)
         return [req]
 
-    def _first_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> None:
+    def _first_token(self, req: Request, token: int, extras: dict | None) -> None:
         """A request whose prompt's KV is complete got its first token: it runs, or ends at once."""
         req.output_token_ids.append(token)
-        if req.sampling_params.logprobs is not None:
-            req.output_logprobs.append(logprobs)
+        if req.sampling_params.wants_extras:
+            req.output_extras.append(extras)
         status = self._check_stop(req, token)
         if status is not None:
             self.finish_request(req.request_id, status)
@@ -112,7 +112,7 @@ class Scheduler:
 
     def _fork(self, parent: Request, choices: list[tuple[int, dict | None]]) -> list[Request]:
         """n > 1: the prompt's KV, computed once, becomes each choice's (`choices`: its first token
-        and logprobs). Choice 0 takes the parent's blocks; the others share its full blocks and copy its
+        and extras). Choice 0 takes the parent's blocks; the others share its full blocks and copy its
         partial last one (KVCacheManager.fork; the runner copies before the next step). A choice that
         finds no free block for its copy waits, preempted (recomputed, from its prefix-cache hits)."""
         sp, pid = parent.sampling_params, parent.request_id
@@ -135,8 +135,8 @@ class Scheduler:
                 self.block_copies += copies
             else:
                 no_room.add(i)
-        for i, (child, (token, logprobs)) in enumerate(zip(children, choices)):
-            self._first_token(child, token, logprobs)
+        for i, (child, (token, extras)) in enumerate(zip(children, choices)):
+            self._first_token(child, token, extras)
             if i in no_room and child.status == RequestStatus.RUNNING:
                 self.running.remove(child)
                 self._preempt(child)
@@ -286,8 +286,8 @@ class Scheduler:
                 touched += self._fork(req, result.choices[r.request_id])
                 continue
             req.output_token_ids.append(token)
-            if r.request_id in result.logprobs:
-                req.output_logprobs.append(result.logprobs[r.request_id])
+            if r.request_id in result.extras:
+                req.output_extras.append(result.extras[r.request_id])
             status = self._check_stop(req, token)
             if status is not None:
                 self.finish_request(req.request_id, status)
@@ -297,13 +297,13 @@ class Scheduler:
     def _take_verified(self, req: Request, r: CachedRequestData, result: RunnerOutput) -> None:
         """A speculating request's step: its kept drafts and the token after them join its output,
         up to a stop; the blocks past its computed tokens are freed (the rejected drafts' slots)."""
-        tokens, logprobs = result.spec_token_ids[r.request_id], result.spec_logprobs.get(r.request_id)
+        tokens, extras = result.spec_token_ids[r.request_id], result.spec_extras.get(r.request_id)
         req.num_computed_tokens += len(r.token_ids) - r.num_draft_tokens + len(tokens) - 1
         self.speculator.record(r.num_draft_tokens, len(tokens) - 1)
         for i, token in enumerate(tokens):
             req.output_token_ids.append(token)
-            if logprobs is not None:
-                req.output_logprobs.append(logprobs[i])
+            if extras is not None:
+                req.output_extras.append(extras[i])
             status = self._check_stop(req, token)
             if status is not None:
                 self.finish_request(req.request_id, status)

@@ -181,10 +181,10 @@ class DecodeWorker(BaseWorker):
                 failed[rid] = f"the prefill's handover is malformed: {exc}"
                 continue
             req = self.engine.scheduler.remote.get(rid)
-            if req is not None and req.sampling_params.logprobs is not None and handover.logprobs is None:
-                failed[rid] = "the prefill sent the first token without the logprobs asked for"
+            if req is not None and req.sampling_params.wants_extras and handover.extras is None:
+                failed[rid] = "the prefill sent the first token without the extras (logprobs) asked for"
                 continue
-            touched += self.engine.scheduler.remote_kv_ready(rid, handover.first_token, handover.logprobs,
+            touched += self.engine.scheduler.remote_kv_ready(rid, handover.first_token, handover.extras,
                                                              handover.more_choices)
             proposer = self.engine.runner.draft
             if (handover.rows is not None and rid in self.engine.scheduler.requests

@@ -61,7 +61,8 @@ class Choice:
             kept = len(event.token_ids) - self.text.feed(event.token_ids)
             self.num_tokens += kept
             if self.logprobs is not None:
-                self.logprobs.add(event.token_ids[:kept], None if event.logprobs is None else event.logprobs[:kept])
+                self.logprobs.add(event.token_ids[:kept], None if event.extras is None else
+                                  [e["logprobs"] for e in event.extras[:kept]])
             self.stopped = self.text.stop is not None
         if event.finished or self.stopped:
             self.finished = True

@@ -34,10 +34,10 @@ class PrefillResult:
     request_id: str
     first_token: int | None  # None when the prefill failed
     error: str | None = None
-    logprobs: dict[int, float] | None = None  # the first token's, when the request asked for them
+    extras: dict | None = None  # the first token's (engine/core/extras.py), when the request asked for any
     num_cached_tokens: int = 0
     finished_at: float = field(default_factory=time.monotonic)
-    more_choices: tuple = ()  # n > 1: the other choices' (first token, logprobs or None)
+    more_choices: tuple = ()  # n > 1: the other choices' (first token, extras or None)
 
 
 class PrefillWorker(BaseWorker):
@@ -124,14 +124,14 @@ class PrefillWorker(BaseWorker):
         self.busy_s += time.monotonic() - start
         self.num_computed_tokens += sched.total_num_scheduled_tokens
         for req, token in self.scheduler.update(sched, result):
-            logprobs = result.logprobs.get(req.request_id)
+            extras = result.extras.get(req.request_id)
             more = tuple(result.choices.get(req.request_id, ())[1:])  # n > 1: sampled from the same logits
             rid = req.request_id
             rows = None if self.rows is None else \
                 self.rows.take(rid, self.scheduler.kv.get_block_ids(rid)[0], req.num_prompt_tokens)
-            self.connector.finish(rid, Handover(token, logprobs, more, rows).pack())
+            self.connector.finish(rid, Handover(token, extras, more, rows).pack())
             self._report(PrefillResult(req.request_id, token, num_cached_tokens=req.num_cached_tokens,
-                                       logprobs=logprobs, more_choices=more))
+                                       extras=extras, more_choices=more))
         return True
 
     def follow(self) -> bool:

@@ -398,10 +398,10 @@ class Router:
             return self.failures.fail(tracked, tracked.prefill_id, r.error or "prefill failed")
         if tracked.attempt == 0:
             self.stats["cached_prompt_tokens"] += r.num_cached_tokens
-        firsts = [(r.first_token, r.logprobs), *r.more_choices]
-        for t, (token, logprobs) in zip(tracked.choices or [tracked], firsts):
+        firsts = [(r.first_token, r.extras), *r.more_choices]
+        for t, (token, extras) in zip(tracked.choices or [tracked], firsts):
             if not t.done:  # the first token of the attempt: position 0
-                self._deliver(t, [token], None if logprobs is None else [logprobs])
+                self._deliver(t, [token], None if extras is None else [extras])
                 self._release_held(t)
 
     def _release_held(self, tracked: Tracked) -> None:
@@ -431,7 +431,7 @@ class Router:
             logger.error("request %s: %s sent tokens from position %d, %d are delivered; dropped",
                          tracked.request_id, tracked.decode_id, o.start, tracked.num_attempt_tokens)
             return
-        self._deliver(tracked, o.new_token_ids, o.new_logprobs)
+        self._deliver(tracked, o.new_token_ids, o.new_extras)
         if o.finished:
             del self._by_attempt[tracked.attempt_id]
             if tracked.prefill_id in self.prefill:
@@ -445,10 +445,10 @@ class Router:
         self.tables.finish(tracked, StreamEvent([], True, finish_reason))
         self._wake.notify_all()  # its blocks come free: queued requests may fit now
 
-    def _deliver(self, tracked: Tracked, token_ids: list[int], logprobs: list[dict] | None = None) -> None:
+    def _deliver(self, tracked: Tracked, token_ids: list[int], extras: list[dict] | None = None) -> None:
         if token_ids:
             tracked.delivered += token_ids
-            tracked.stream.put(StreamEvent(list(token_ids), logprobs=logprobs))
+            tracked.stream.put(StreamEvent(list(token_ids), extras=extras))
 
     def _refresh_loads(self) -> None:
         while not self._stop.wait(0.1):

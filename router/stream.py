@@ -15,7 +15,7 @@ class StreamEvent:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
-    logprobs: list[dict[int, float]] | None = None  # one {token_id: logprob} per token, when asked for
+    extras: list[dict] | None = None  # one per token, when asked for (engine/core/extras.py: logprobs)
     index: int = 0  # the choice (n > 1)
     bad_request: bool = False  # the error is the request's own (an instance refused it): HTTP 400
 
@@ -30,13 +30,18 @@ class RequestStream:
         self.request_id, self.listener = request_id, listener
         self._events: queue.Queue[StreamEvent] = queue.Queue()
         self.token_ids: list[int] = []
-        self.logprobs: list[dict[int, float]] = []  # one per token, when the request asked for them
+        self.extras: list[dict] = []  # one per token, when the request asked for any
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.arrival_s = time.monotonic()
         self.first_token_s: float | None = None  # when the router produced the first token
         self.finished_at_s: float | None = None  # when the router produced the end
         self.finished_s: float | None = None  # finished_at_s, once the consumer has read the end
+
+    @property
+    def logprobs(self) -> list[dict[int, float]]:
+        """One {token id: logprob} per token read so far (the sampled token first), when asked for."""
+        return [e["logprobs"] for e in self.extras]
 
     def put(self, event: StreamEvent) -> None:
         now = time.monotonic()  # stamped when produced, not when a (maybe busy) consumer reads it
@@ -53,7 +58,7 @@ class RequestStream:
         """The next event; raises queue.Empty after `timeout`."""
         event = self._events.get(timeout=timeout)
         self.token_ids += event.token_ids
-        self.logprobs += event.logprobs or []
+        self.extras += event.extras or []
         if event.finished:
             self.finish_reason, self.error, self.finished_s = event.finish_reason, event.error, self.finished_at_s
         return event

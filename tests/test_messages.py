@@ -15,8 +15,8 @@ from prefill_worker.worker import PrefillResult
 MESSAGES = [
     RequestMessage("r#0", [1, 2, 3], SamplingParams(max_tokens=4, logprobs=1), "router-1"),
     KVTransferParams("r#0", "decode-0", 1, (KVEndpoint("decode-0", 0, "127.0.0.1", 5000),)),
-    PrefillResult("r#0", 7, logprobs={7: -0.1}, num_cached_tokens=8, more_choices=((9, None),)),
-    RequestOutput("r#0", [8, 9], True, "length", start=1, new_logprobs=[{8: -0.2}, {9: -0.3}]),
+    PrefillResult("r#0", 7, extras={"logprobs": {7: -0.1}}, num_cached_tokens=8, more_choices=((9, None),)),
+    RequestOutput("r#0", [8, 9], True, "length", start=1, new_extras=[{"logprobs": {8: -0.2}}, {"logprobs": {9: -0.3}}]),
 ]
 
 

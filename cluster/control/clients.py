@@ -82,3 +82,16 @@ class RayDecodeClient(_RayClient, DecodeClient):
 
     def load(self):
         return self._call("load")
+
+
+# a role's client (cluster/ranks/roles.py: a colocated instance takes requests as a decode one does)
+LOCAL_CLIENTS = {"prefill": LocalPrefillClient, "decode": LocalDecodeClient, "colocated": LocalDecodeClient}
+RAY_CLIENTS = {"prefill": RayPrefillClient, "decode": RayDecodeClient, "colocated": RayDecodeClient}
+
+
+def local_client(info: InstanceInfo, worker) -> PrefillClient | DecodeClient:
+    return LOCAL_CLIENTS[info.role](info, worker)
+
+
+def ray_client(info: InstanceInfo, actor, liveness_s: float) -> PrefillClient | DecodeClient:
+    return RAY_CLIENTS[info.role](info, actor, liveness_s)

@@ -25,7 +25,7 @@ from dataclasses import replace
 
 from cluster.control import model_fit
 from cluster.control.adopter import Adopter
-from cluster.control.clients import LocalDecodeClient, LocalPrefillClient, RayDecodeClient, RayPrefillClient
+from cluster.control.clients import local_client, ray_client
 from cluster.control.instance import Instance, init_ray, rank_actor_name, setup_ray_auth  # noqa: F401 (re-exported)
 from cluster.control.membership import Membership
 from cluster.control.rank_planner import RankPlanner
@@ -289,7 +289,7 @@ class Controller:
         ep = host.kv_endpoint()
         info = InstanceInfo(iid, role, 1, (ep,) if ep else (), max_model_len=host.max_model_len,
                             block_size=host.block_size, engine=host.engine)
-        client = (LocalPrefillClient if role == "prefill" else LocalDecodeClient)(info, host.worker)
+        client = local_client(info, host.worker)
         runner = host.runner
         cpu = cpu_plan.cpu_state(host.step_thread_id, runner.intraop_threads, runner.team is not None)
         placement = nodes.RankPlacement(0, nodes.LOOPBACK, os.getpid(), cpu)
@@ -365,8 +365,7 @@ class Controller:
             self._note_id(iid)
 
     def _ray_client(self, info: InstanceInfo, actor):
-        cls = RayPrefillClient if info.role == "prefill" else RayDecodeClient
-        return cls(info, actor, self.spec.heartbeat_ttl_s)
+        return ray_client(info, actor, self.spec.heartbeat_ttl_s)
 
     def _note_id(self, iid: str) -> None:
         role, _, n = iid.rpartition("-")

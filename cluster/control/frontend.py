@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 
-from cluster.control.clients import RayDecodeClient, RayPrefillClient
+from cluster.control.clients import ray_client
 from cluster.control.serving import Serving
 from cluster.control.instance import Instance, init_ray, rank_actor_name
 from cluster.ranks.nodes import RankPlacement
@@ -162,8 +162,7 @@ class Frontend(Serving):
         endpoints = tuple(KVEndpoint(iid, rank, host, port) for rank, (host, port) in enumerate(record.kv_endpoints))
         info = InstanceInfo(iid, record.role, record.tp_size, endpoints, max_model_len=record.max_model_len,
                             block_size=record.block_size, engine=record.engine)
-        client = (RayPrefillClient if record.role == "prefill" else RayDecodeClient)(info, actor,
-                                                                                     self.spec.heartbeat_ttl_s)
+        client = ray_client(info, actor, self.spec.heartbeat_ttl_s)
         cpus = record.rank_cpus if len(record.rank_cpus) == len(record.ranks) else [{}] * len(record.ranks)
         placements = [RankPlacement(r, host, pid, cpu) for r, ((host, pid), cpu) in enumerate(zip(record.ranks, cpus))]
         self.instances[iid] = Instance(iid, record.role, record.tp_size, [actor], client, placements=placements)

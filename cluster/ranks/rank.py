@@ -6,8 +6,8 @@ through Ray (`TPRendezvous`); the group's control messages are MACed under a key
 cluster secret (`tp_group_key`, engine/parallel/tp_wire.py), so a process that reaches the store can spoil
 the group but cannot make a rank decode, let alone unpickle, anything it sends.
 
-`RankHost` builds the rank's model runner (joining its instance's tensor-parallel group),
-its KV transport end (prefill: sender; decode: receiver) and its worker on a thread of its own,
+`RankHost` builds the rank's model runner (joining its instance's tensor-parallel group), then its
+role's KV transport end and worker (roles.py: prefill, decode, colocated) on a thread of its own,
 then runs the worker's loop there: rank 0 drives, the other ranks follow the steps rank 0 broadcasts.
 """
 from __future__ import annotations
@@ -23,20 +23,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from decode_worker.engine import ColocatedEngine
-from decode_worker.worker import DecodeWorker
 from engine.core.config import EngineConfig
 from engine.core.handover import trailer_format
-from engine.loading.loader import resolve_model_path
 from engine.parallel.layers import TPGroup
 from engine.runner.model_runner import ModelRunner, select_device
+from cluster.ranks.roles import ROLES, RankSetting
 from engine.speculative.registry import rows_signature
-from engine.text.tokenizer import Tokenizer
 from kvtransfer.auth import cluster_secret
-from kvtransfer.connector import DecodeConnector, PrefillConnector, Shipment
-from kvtransfer.params import CompatRecord, KVEndpoint, KVTransferParams, kv_heads_of_rank
-from kvtransfer.registry import DEFAULT as DEFAULT_TRANSPORT, create_kv_transport
-from prefill_worker.worker import PrefillWorker
+from kvtransfer.connector import Shipment
+from kvtransfer.params import CompatRecord, KVEndpoint, KVTransferParams
+from kvtransfer.registry import DEFAULT as DEFAULT_TRANSPORT
 
 logger = logging.getLogger(__name__)
 
@@ -125,14 +121,6 @@ def join_tp_group(device: torch.device, rank: int, tp_size: int, address: TPRend
     return TPGroup(rank, tp_size, dist.group.WORLD, control, device, **wire)
 
 
-def load_tokenizer(model: str) -> Tokenizer | None:
-    try:
-        return Tokenizer.from_path(resolve_model_path(model))
-    except ValueError as exc:
-        logger.warning("no tokenizer for %s (%s): stop strings and text output are off", model, exc)
-        return None
-
-
 class RankHost:
     def __init__(self, config: EngineConfig, role: str, instance_id: str, rank: int = 0, tp_size: int = 1,
                  tp_address: TPRendezvous | str | None = None, host: str = "127.0.0.1", kv_timeout_s: float = 10.0,
@@ -146,6 +134,8 @@ class RankHost:
         `kv_checksum`: every KV part carries a checksum, checked on receipt (the spec's kv_checksum).
         `kv_transport`: the KV transport's name in kvtransfer/registry.py (the spec's).
         `tp_address`, `tp_listener`: the TP group's rendezvous, and rank 0's socket for it (open_rendezvous)."""
+        if role not in ROLES:
+            raise ValueError(f"unknown instance role {role!r}: one of {', '.join(ROLES)}")
         self.role, self.instance_id, self.rank, self.host = role, instance_id, rank, host
         self.on_loop_death = on_loop_death
         self.sender = self.receiver = None
@@ -192,9 +182,9 @@ class RankHost:
                               kv_layout=mc.kv_layout.signature, kv_checksum=kv_checksum, kv_format=mc.kv_format,
                               trailer_format=trailer_format(rows_signature(config.speculative or config.ship_proposer_rows,
                                                                            mc, self.runner.dtype, self.runner.kv_dtype)))
-        backend = self.runner.backend
+        backend, role_of = self.runner.backend, ROLES[role]
         kv_views = None
-        if backend.own_kv_layout and role in ("prefill", "decode"):  # the transfer reads and writes through them
+        if backend.own_kv_layout and role_of.moves_kv:  # the transfer reads and writes through them
             kv_views = backend.kv_views
             if kv_same_device:  # same-device writes copy torch's layout into the decode's blocks
                 self.kv_same_device_off = (f"the {backend.name} attention backend lays out its own KV blocks "
@@ -202,24 +192,10 @@ class RankHost:
                 logger.warning("KV same-device transport off: %s; KV goes over the data channel",
                                self.kv_same_device_off)
             kv_same_device = False
-        if role == "prefill":
-            self.sender = create_kv_transport(kv_transport).sender(compat, f"{instance_id}/{rank}", timeout_s=kv_timeout_s,
-                                                              host=host, same_device=kv_same_device)
-            # a request's blocks are leased to its transfer: freed on the decode side's ack, or after
-            # 3 transfer timeouts if no ack ever comes (a hung peer cannot pin them forever)
-            connector = PrefillConnector(self.sender, mc.num_kv_heads, rank, tp_size, lease_s=3 * kv_timeout_s,
-                                         kv_views=kv_views, kv_layout=mc.kv_layout)
-            self.worker = PrefillWorker(self.runner, connector, instance_id, client_ttl_s=client_ttl_s)
-        else:
-            if role == "decode":
-                heads = kv_heads_of_rank(mc.num_kv_heads, tp_size, rank)
-                self.receiver = create_kv_transport(kv_transport).receiver(
-                    compat, self.runner.kv_cache, heads.start, host=host, timeout_s=kv_timeout_s,
-                    share_cache=kv_same_device, kv_views=kv_views)
-            tokenizer = load_tokenizer(config.model) if rank == 0 and model_config is None else None
-            engine = ColocatedEngine(config, runner=self.runner, tokenizer=tokenizer)
-            connector = DecodeConnector(self.receiver, mc.num_kv_heads, rank, tp_size, mc.kv_layout.num_groups)
-            self.worker = DecodeWorker(engine, connector, instance_id, client_ttl_s=client_ttl_s)
+        built = role_of.build(self.runner, compat, kv_views, RankSetting(
+            config, instance_id, rank, tp_size, host, kv_timeout_s, kv_transport, kv_same_device, client_ttl_s,
+            text=rank == 0 and model_config is None))
+        self.worker, self.sender, self.receiver = built.worker, built.sender, built.receiver
 
     @property
     def step_thread_id(self) -> int:

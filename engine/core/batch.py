@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.core.extras import Extras
 from engine.core.request import SamplingParams
 
 
@@ -67,9 +68,10 @@ class SchedulerOutput:
 @dataclass
 class RunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> next token
-    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)  # only requests that asked
-    # n > 1 (a prompt's first tokens): every choice's (token, logprobs or None); choice 0 is the above
-    choices: dict[str, list[tuple[int, dict[int, float] | None]]] = field(default_factory=dict)
+    # each token's extras (engine/core/extras.py), carried unread: only requests that asked
+    extras: dict[str, Extras] = field(default_factory=dict)
+    # n > 1 (a prompt's first tokens): every choice's (token, extras or None); choice 0 is the above
+    choices: dict[str, list[tuple[int, Extras | None]]] = field(default_factory=dict)
     # speculative decoding: a verifying request's kept drafts and one more token (in place of the above)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    spec_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # only requests that asked
+    spec_extras: dict[str, list[Extras]] = field(default_factory=dict)  # only requests that asked

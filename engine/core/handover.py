@@ -1,18 +1,17 @@
 """What a prefill instance hands a decode instance with a request's KV: the first token and, when
-the request asked, its logprobs; with n > 1, the other choices' first tokens (each sampled from the
-same logits); and a speculative proposer's rows of the prompt (engine/speculative/rows.py), when
+the request asked, its extras (engine/core/extras.py: logprobs); with n > 1, the other choices'
+first tokens (each sampled from the same logits); and a speculative proposer's rows of the prompt (engine/speculative/rows.py), when
 the two instances ship them. One message, packed by the prefill's rank 0 into the KV transfer's
 trailer (kvtransfer/base.py: bytes the transport carries unread) and unpacked by the decode's rank
 0 as the request's KV is complete.
 
-Packed with msgpack as a map {t: first token, lp: logprobs, c: choices, rows: nil or [first
-position, width, dtype, bytes]}, logprobs as [[token id, logprob], ...] (the sampled token first).
-`Handover.unpack` checks every field's type and shape and raises HandoverError naming the first
-one wrong: a malformed trailer fails its request, never the instance.
+Packed with msgpack as a map {t: first token, x: extras or nil, c: choices as [[token, extras or
+nil], ...], rows: nil or [first position, width, dtype, bytes]}. `Handover.unpack` checks every
+field's type and shape (the extras' fields by engine/core/extras.py FIELDS) and raises HandoverError
+naming the first one wrong: a malformed trailer fails its request, never the instance.
 
-Adding a per-token field to what a prefill hands over is one field here, its producer
-(prefill_worker/worker.py) and its consumer (decode_worker/worker.py); the transport is not
-touched. Both ends name the format (`trailer_format`) in their KV compat record.
+A new per-token output field changes nothing here (it is one of the extras), nor the transport.
+Both ends name the format (`trailer_format`) in their KV compat record.
 """
 from __future__ import annotations
 
@@ -21,9 +20,11 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
-FORMAT = "handover-1"
+from engine.core.extras import Extras, misfit
+
+FORMAT = "handover-2"
 ROW_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
-_FIELDS = {"t", "lp", "c", "rows"}
+_FIELDS = {"t", "x", "c", "rows"}
 
 
 class HandoverError(ValueError):
@@ -39,8 +40,8 @@ def trailer_format(rows_signature: str) -> str:
 @dataclass(frozen=True)
 class Handover:
     first_token: int
-    logprobs: dict[int, float] | None = None  # the first token's, when asked for
-    more_choices: tuple = ()  # n > 1: the other choices' (first token, logprobs or None)
+    extras: Extras | None = None  # the first token's, when the request asked for any
+    more_choices: tuple = ()  # n > 1: the other choices' (first token, extras or None)
     rows: tuple[int, torch.Tensor] | None = None  # a proposer's rows of the prompt: (first position, (tokens, width))
 
     def pack(self) -> bytes:
@@ -50,14 +51,14 @@ class Handover:
             tensor = tensor.detach().to("cpu").contiguous()
             rows = [start, tensor.shape[1], str(tensor.dtype).removeprefix("torch."),
                     tensor.view(torch.uint8).numpy().tobytes()]
-        return msgpack.packb({"t": self.first_token, "lp": _pack_logprobs(self.logprobs),
-                              "c": [[token, _pack_logprobs(lp)] for token, lp in self.more_choices], "rows": rows})
+        return msgpack.packb({"t": self.first_token, "x": self.extras,
+                              "c": [[token, extras] for token, extras in self.more_choices], "rows": rows})
 
     @classmethod
     def unpack(cls, data: bytes) -> Handover:
         """Raises HandoverError (one line) for anything but what `pack` makes."""
         try:
-            msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
+            msg = msgpack.unpackb(data, raw=False, strict_map_key=False)  # extras map token ids
         except Exception as exc:  # msgpack's errors have no common base but Exception
             raise HandoverError(f"not msgpack: {type(exc).__name__}") from None
         if not isinstance(msg, dict) or set(msg) != _FIELDS:
@@ -66,21 +67,12 @@ class Handover:
         if type(msg["t"]) is not int or msg["t"] < 0:
             raise HandoverError("the first token is not a token id")
         if not isinstance(msg["c"], list) or not all(_is_choice(c) for c in msg["c"]):
-            raise HandoverError("the choices are not [token id, logprobs or nil] pairs")
-        return cls(msg["t"], _unpack_logprobs(msg["lp"]),
-                   tuple((token, _unpack_logprobs(lp)) for token, lp in msg["c"]), _unpack_rows(msg["rows"]))
-
-
-def _pack_logprobs(logprobs: dict[int, float] | None) -> list[list] | None:
-    return None if logprobs is None else [[int(t), float(lp)] for t, lp in logprobs.items()]
-
-
-def _unpack_logprobs(pairs) -> dict[int, float] | None:
-    if pairs is None:
-        return None
-    if not isinstance(pairs, list) or not all(map(_is_logprob_pair, pairs)):
-        raise HandoverError("logprobs are not [token id, logprob] pairs")
-    return {t: lp for t, lp in pairs}
+            raise HandoverError("the choices are not [token id, extras or nil] pairs")
+        for extras in [msg["x"], *(c[1] for c in msg["c"])]:
+            wrong = None if extras is None else misfit(extras)
+            if wrong is not None:
+                raise HandoverError(wrong)
+        return cls(msg["t"], msg["x"], tuple((token, extras) for token, extras in msg["c"]), _unpack_rows(msg["rows"]))
 
 
 def _unpack_rows(rows) -> tuple[int, torch.Tensor] | None:
@@ -96,9 +88,4 @@ def _unpack_rows(rows) -> tuple[int, torch.Tensor] | None:
 
 
 def _is_choice(choice) -> bool:
-    return (isinstance(choice, list) and len(choice) == 2 and type(choice[0]) is int and choice[0] >= 0
-            and (choice[1] is None or isinstance(choice[1], list)))
-
-
-def _is_logprob_pair(pair) -> bool:
-    return isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int and isinstance(pair[1], float)
+    return isinstance(choice, list) and len(choice) == 2 and type(choice[0]) is int and choice[0] >= 0

@@ -87,6 +87,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def wants_extras(self) -> bool:
+        """Whether each token comes with extras (engine/core/extras.py): a field asked for."""
+        return self.logprobs is not None
+
 
 def prompt_misfit(num_prompt_tokens: int, max_model_len: int) -> str | None:
     """Why a prompt cannot run in a context of `max_model_len` tokens (None: it can). The one length
@@ -179,7 +184,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()  # the model's: any of them ends generation
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    output_extras: list[dict] = field(default_factory=list)  # one per output token when `wants_extras`
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int = 0

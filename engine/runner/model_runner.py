@@ -277,8 +277,9 @@ class ModelRunner:
         return expert_counts(self.model)
 
     def expert_load_figures(self) -> dict[str, float]:
-        """The load report's expert figures (engine/layers/moe.py expert_load_figures; {}: a dense model)."""
-        return expert_load_figures(self.model)
+        """The load report's expert figures (engine/layers/moe.py expert_load_figures; {}: a dense model,
+        whose layers the 10 Hz load poll then does not walk)."""
+        return {} if self.model_config.moe is None else expert_load_figures(self.model)
 
     def _linear_method(self, path) -> BaseLinearMethod:
         """The quantization knob's linear method; with --batch-invariant, unquantized weights in its
@@ -455,10 +456,10 @@ class ModelRunner:
                 state.history.output.append(token)
             if state.grammar is not None:
                 state.grammar.accept(token)
-            if sampled.logprobs[first] is not None:
-                out.logprobs[rid] = sampled.logprobs[first]
+            if sampled.extras[first] is not None:
+                out.extras[rid] = sampled.extras[first]
             n = state.sampling_params.n
             if n > 1:
-                out.choices[rid] = list(zip(sampled.token_ids[first:first + n], sampled.logprobs[first:first + n]))
+                out.choices[rid] = list(zip(sampled.token_ids[first:first + n], sampled.extras[first:first + n]))
             first += n
         return out

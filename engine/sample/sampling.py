@@ -1,5 +1,6 @@
 """Token sampling: grammar masks (engine/sample/structured_output.py), logit processing
-(engine/sample/logits_processing.py), temperature, min-p, top-k, top-p, per-request seeds, logprobs.
+(engine/sample/logits_processing.py), temperature, min-p, top-k, top-p, per-request seeds, and each
+token's extras (engine/core/extras.py: logprobs).
 
 One `Sampler` call turns a batch of last-position logits into one token per
 sequence. Everything that can be batched is batched (temperature, top-k/top-p
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.core.batch import TokenHistory
+from engine.core.extras import Extras
 from engine.core.request import SamplingParams
 from engine.sample.logits_processing import apply_min_p, needs_processing, process_logits
 
@@ -30,9 +32,7 @@ class SamplerOutput:
     """Result of one sampling step, one entry per sequence in batch order."""
 
     token_ids: list[int]
-    # None where the request did not ask for logprobs; else {token_id: logprob} holding the
-    # sampled token plus the top-`logprobs` tokens (so 1..logprobs+1 entries).
-    logprobs: list[dict[int, float] | None]
+    extras: list[Extras | None]  # None where the request asked for none (`token_extras`)
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -71,7 +71,7 @@ class Sampler:
             grammars: per sequence, its structured-output state, None where it has none: its mask
                 applies first, before any other processing. The caller advances the states.
         Returns:
-            SamplerOutput with one token id and one logprobs entry per sequence.
+            SamplerOutput with one token id and its extras (or None) per sequence.
         Shape:
             logits: (num_seqs, vocab_size); len(params) == len(generators) == num_seqs.
         """
@@ -91,8 +91,7 @@ class Sampler:
             token_ids = logits.argmax(dim=-1)  # (num_seqs,)
         else:
             token_ids = self._sample_mixed(logits, params, generators, greedy)
-        return SamplerOutput(token_ids=token_ids.tolist(),
-                             logprobs=gather_logprobs(raw, token_ids, params))
+        return SamplerOutput(token_ids=token_ids.tolist(), extras=token_extras(raw, token_ids, params))
 
     def _sample_mixed(self, logits: torch.Tensor, params: list[SamplingParams],
                       generators: list[torch.Generator | None], greedy: list[bool]) -> torch.Tensor:
@@ -200,6 +199,20 @@ def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | No
     # NOTE: exponential_ can return exactly 0; 0/0 would be NaN, which argmax would pick.
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)
     return (probs / noise).argmax(dim=-1)
+
+
+def token_extras(logits: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]) -> list[Extras | None]:
+    """Each row's extras (engine/core/extras.py), None where its request asked for none: the
+    fields of the sampled tokens that the rows' params ask for, from the raw float32 logits.
+
+    Shape:
+        logits: (num_seqs, vocab_size); token_ids: (num_seqs,).
+    """
+    fields = [{} for _ in params]
+    for i, lp in enumerate(gather_logprobs(logits, token_ids, params)):
+        if lp is not None:
+            fields[i]["logprobs"] = lp
+    return [f or None for f in fields]
 
 
 def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,

@@ -17,7 +17,7 @@ import torch
 
 from engine.core.batch import TokenHistory
 from engine.sample.logits_processing import needs_processing, process_logits
-from engine.sample.sampling import gather_logprobs, is_greedy, keep_grammar_tokens, probabilities
+from engine.sample.sampling import is_greedy, keep_grammar_tokens, probabilities, token_extras
 from engine.speculative.rejection import rejection_sample
 
 if TYPE_CHECKING:
@@ -50,11 +50,11 @@ def split_rows(inp: ModelInput) -> tuple[list[int], list[str], list[Verifying]]:
 
 
 def verify(runner: TargetRunner, logits: torch.Tensor, verifying: list[Verifying], out: RunnerOutput) -> None:
-    """Fills `out.spec_token_ids` (and `out.spec_logprobs`) of each verifying request: its kept
+    """Fills `out.spec_token_ids` (and `out.spec_extras`) of each verifying request: its kept
     drafts and one more token; advances its history and grammar; trims its block tables."""
     states = [runner.requests[v.request_id] for v in verifying]
     index = torch.tensor([v.row + i for v in verifying for i in range(len(v.drafts) + 1)], device=logits.device)
-    raw = logits[index].float()  # (rows, vocab): the model's, for logprobs
+    raw = logits[index].float()  # (rows, vocab): the model's, for the extras
     params, histories, grammars = [], [], []
     for v, s in zip(verifying, states):
         for i in range(len(v.drafts) + 1):
@@ -72,9 +72,9 @@ def verify(runner: TargetRunner, logits: torch.Tensor, verifying: list[Verifying
         else:
             tokens = rejection_sample(probabilities(rows, [p] * n)[None], drafts, generator=s.generator)[0]
         out.spec_token_ids[v.request_id] = tokens
-        if p.logprobs is not None:
+        if p.wants_extras:
             kept = torch.tensor(tokens, device=raw.device)
-            out.spec_logprobs[v.request_id] = gather_logprobs(raw[first:first + len(tokens)], kept, [p] * len(tokens))
+            out.spec_extras[v.request_id] = token_extras(raw[first:first + len(tokens)], kept, [p] * len(tokens))
         _advance(runner, v, s, tokens)
         first += n
 

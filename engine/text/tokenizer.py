@@ -127,6 +127,16 @@ class Tokenizer:
         self._added_ids = set(backend.get_added_tokens_decoder())
 
     @classmethod
+    def if_any(cls, path: str | os.PathLike) -> Tokenizer | None:
+        """`from_path`, or None with a warning where the model has no tokenizer: a served instance
+        then streams token ids alone (stop strings and text output off)."""
+        try:
+            return cls.from_path(path)
+        except ValueError as exc:
+            logger.warning("no tokenizer for %s (%s): stop strings and text output are off", path, exc)
+            return None
+
+    @classmethod
     def from_path(cls, path: str | os.PathLike) -> Tokenizer:
         """Load from a GGUF, a built-in model name, or a folder holding `tokenizer.json`."""
         folder = Path(path).expanduser()

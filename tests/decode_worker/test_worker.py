@@ -49,7 +49,7 @@ def test_transferred_logprobs_lead_and_missing_ones_fail_the_request():
     for rid in ("ok", "bad"):
         assert worker.reserve(RequestMessage(rid, list(range(3, 20)), params), prefill_tp=1)
     assert rx.expected == {"ok": 1, "bad": 1}
-    rx.done = [CompletedTransfer("ok", Handover(5, {5: -0.5}).pack()),
+    rx.done = [CompletedTransfer("ok", Handover(5, {"logprobs": {5: -0.5}}).pack()),
                CompletedTransfer("bad", Handover(5).pack())]  # without the logprobs asked for
     outputs = []
     for _ in range(10):
@@ -59,7 +59,7 @@ def test_transferred_logprobs_lead_and_missing_ones_fail_the_request():
     (bad,) = [o for o in outputs if o.request_id == "bad"]
     assert bad.finished and bad.error and "logprobs" in bad.error and bad.new_token_ids == []
     tokens = [t for o in ok for t in o.new_token_ids]
-    logprobs = [lp for o in ok for lp in o.new_logprobs]
+    logprobs = [e["logprobs"] for o in ok for e in o.new_extras]
     # the first token (and its logprobs) is the prefill's to hand over: this instance's outputs begin after it
     assert ok[-1].finished and ok[0].start == 1 and len(tokens) == len(logprobs) == 2
     assert all(next(iter(lp)) == t and len(lp) in (1, 2) for t, lp in zip(tokens, logprobs))

@@ -42,8 +42,8 @@ class FakeCluster:
         def emit():  # each choice the same tokens (the events of n > 1 choices interleave)
             for i, t in enumerate(TOKENS[:n]):
                 for c in range(params.n):
-                    lp = None if params.logprobs is None else [fake_logprobs(i, t, params.logprobs)]
-                    listener(StreamEvent([t], logprobs=lp, index=c))
+                    extras = None if params.logprobs is None else [{"logprobs": fake_logprobs(i, t, params.logprobs)}]
+                    listener(StreamEvent([t], extras=extras, index=c))
             for c in range(params.n):
                 listener(StreamEvent([], True, "length" if n == params.max_tokens else "stop", index=c))
         threading.Thread(target=emit, daemon=True).start()

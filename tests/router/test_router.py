@@ -120,11 +120,11 @@ def test_logprobs_follow_their_tokens(decode_first):
     r = make_router([p], [d])
     stream = r.submit("a", [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0, logprobs=1))
     lp = {t: {t: -t / 10, 99: -5.0} for t in (11, 12, 13)}
-    first = PrefillResult("a#0", 11, logprobs=lp[11])
+    first = PrefillResult("a#0", 11, extras={"logprobs": lp[11]})
     if not decode_first:
         p.results.put(first)
-    d.outputs.put(RequestOutput("a#0", [12], False, start=1, new_logprobs=[lp[12]]))
-    d.outputs.put(RequestOutput("a#0", [13], True, "length", start=2, new_logprobs=[lp[13]]))
+    d.outputs.put(RequestOutput("a#0", [12], False, start=1, new_extras=[{"logprobs": lp[12]}]))
+    d.outputs.put(RequestOutput("a#0", [13], True, "length", start=2, new_extras=[{"logprobs": lp[13]}]))
     if decode_first:
         p.results.put(first)
     assert stream.result(timeout=5).token_ids == [11, 12, 13] and stream.logprobs == [lp[11], lp[12], lp[13]]

@@ -198,3 +198,27 @@ def test_smollm2_1p1d_and_2p2d_match_colocated(redis_url):
                 assert set(records) == {"prefill-0", "prefill-1", "decode-0", "decode-1"}
                 assert c.state.expired_instances() == [] and "kv_usage" in records["decode-0"].load
     assert out["colocated"] == out["1p1d"] == out["2p2d"] and all(len(t) == 8 for t in out["colocated"])
+
+
+def test_a_new_extras_field_crosses_unread(tiny_path, monkeypatch):
+    """A per-token field added where engine/core/extras.py says (its check, its producer) reaches the
+    router's stream through 1P1D, first token (handover trailer) and n > 1 choices included, with no
+    carrier between knowing it: here each token's extras echo the token id."""
+    import engine.core.extras as extras
+    import engine.sample.sampling as sampling
+    produce = sampling.token_extras
+
+    def with_echo(logits, token_ids, params):
+        out = produce(logits, token_ids, params)
+        return [{**e, "echo": t} if e is not None else None for e, t in zip(out, token_ids.tolist())]
+
+    monkeypatch.setitem(extras.FIELDS, "echo", lambda v: type(v) is int)
+    monkeypatch.setattr(sampling, "token_extras", with_echo)
+    prompts = random_prompts(3, [5, 40], seed=4)
+    with Cluster(spec_for(tiny_path), use_ray=False) as cluster:
+        streams = cluster.generate(prompts, SamplingParams(max_tokens=6, temperature=0.8, seed=1, n=2, logprobs=0),
+                                   timeout_s=60)
+        assert all(s.error is None for s in streams), [s.error for s in streams]
+        assert len(streams) == 6 and all(len(s.token_ids) == 6 for s in streams)
+        assert all([e["echo"] for e in s.extras] == s.token_ids for s in streams)
+        cluster.assert_no_leaks()

@@ -61,6 +61,16 @@ def test_a_failed_build_raises_in_the_caller(tmp_path):
     assert threading.active_count() == before
 
 
+def test_an_unknown_role_is_refused_before_any_load(tmp_path):
+    """A role outside cluster/ranks/roles.py ROLES is refused with one line naming it and the roles,
+    before a model (here none exists) is read; each role in ROLES builds its own KV end."""
+    from cluster.ranks.roles import ROLES
+    with pytest.raises(ValueError, match="unknown instance role 'router': one of prefill, decode, colocated"):
+        RankHost(_config(str(tmp_path / "no-such-model")), "router", "router-0")
+    assert {name: role.moves_kv for name, role in ROLES.items()} == {"prefill": True, "decode": True,
+                                                                      "colocated": False}
+
+
 def test_a_cuda_rank_joins_its_tp_group_on_an_indexed_device(monkeypatch):
     """On a GPU host `auto` names this process's current device with its index: torch's own
     set_device (its index check runs; only the driver call is faked) and init_process_group's

@@ -18,10 +18,11 @@ def test_the_largest_handover_round_trips():
     SamplingParams(logprobs=TOP)
     with pytest.raises(ValueError):
         SamplingParams(logprobs=TOP + 1)
-    logprobs = {49151 - k: -1e-7 - k * 1.234567890123 for k in range(TOP + 1)}
-    more = tuple((49151 - c, logprobs if c % 2 else None) for c in range(127))
-    got = Handover.unpack(Handover(49151, logprobs, more).pack())
-    assert got == Handover(49151, logprobs, more) and list(got.logprobs) == list(logprobs)  # order kept
+    extras = {"logprobs": {49151 - k: -1e-7 - k * 1.234567890123 for k in range(TOP + 1)}}
+    more = tuple((49151 - c, extras if c % 2 else None) for c in range(127))
+    got = Handover.unpack(Handover(49151, extras, more).pack())
+    assert got == Handover(49151, extras, more)
+    assert list(got.extras["logprobs"]) == list(extras["logprobs"])  # order kept: the sampled token first
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.uint8])
@@ -33,16 +34,20 @@ def test_proposer_rows_round_trip_bit_equal(dtype):
 
 
 def _packed(**fields) -> bytes:
-    return msgpack.packb({"t": 5, "lp": None, "c": [], "rows": None, **fields})
+    return msgpack.packb({"t": 5, "x": None, "c": [], "rows": None, **fields})
 
 
 @pytest.mark.parametrize("data,why", [
     (b"", "not msgpack"), (b"\xc1", "not msgpack"), (msgpack.packb([5]), "fields"),
     (msgpack.packb({"t": 5}), "fields"), (_packed(extra=1), "fields"),
     (_packed(t=-1), "first token"), (_packed(t=True), "first token"), (_packed(t="5"), "first token"),
-    (_packed(lp=[[1]]), "logprobs"), (_packed(lp=[[1, 2]]), "logprobs"), (_packed(lp=[["a", -1.0]]), "logprobs"),
-    (_packed(lp="x"), "logprobs"), (_packed(c=[[1]]), "choices"), (_packed(c=[["a", None]]), "choices"),
-    (_packed(c=[[True, None]]), "choices"), (_packed(c=[[1, [[2]]]]), "logprobs"), (_packed(c="x"), "choices"),
+    (_packed(x={"logprobs": {1: 2}}), "'logprobs' is malformed"), (_packed(x={"logprobs": {"a": -1.0}}), "malformed"),
+    (_packed(x={"logprobs": {-1: -1.0}}), "malformed"), (_packed(x={"logprobs": {}}), "malformed"),
+    (_packed(x={"logprobs": [[1, -1.0]]}), "malformed"), (_packed(x={"entropy": 1.0}), "unknown extras field"),
+    (_packed(x={}), "not a non-empty map"), (_packed(x="x"), "not a non-empty map"),
+    (_packed(c=[[1]]), "choices"), (_packed(c=[["a", None]]), "choices"), (_packed(c=[[True, None]]), "choices"),
+    (_packed(c=[[1, {"logprobs": {2: 1}}]]), "malformed"), (_packed(c=[[1, [[2]]]]), "non-empty map"),
+    (_packed(c="x"), "choices"), (_packed(x={1: 2}), "unknown extras field"),
     (_packed(rows=[0, 4, "float64", b"\0" * 32]), "rows"), (_packed(rows=[0, 0, "float32", b""]), "rows"),
     (_packed(rows=[0, 4, "float32", b"\0" * 15]), "bytes of rows"), (_packed(rows=[0, 4, "float32", b""]), "bytes"),
     (_packed(rows=[-1, 4, "float32", b"\0" * 16]), "rows"), (_packed(rows=[0, 4, "float32"]), "rows"),

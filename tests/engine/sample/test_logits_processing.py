@@ -72,4 +72,4 @@ def test_logprobs_are_the_models_own_and_greedy_follows_the_bias():
     logits = torch.tensor([[1.0, 2.0, 3.0]])
     out = Sampler()(logits, [SamplingParams(**GREEDY, logit_bias={0: 5.0}, logprobs=0)], [None], [None])
     assert out.token_ids == [0]
-    assert out.logprobs[0][0] == pytest.approx(torch.log_softmax(logits, -1)[0, 0].item())
+    assert out.extras[0]["logprobs"][0] == pytest.approx(torch.log_softmax(logits, -1)[0, 0].item())

@@ -38,7 +38,7 @@ def test_greedy_equals_argmax(dtype):
     logits = create_logits(8).to(dtype)
     out = sample(logits, [SamplingParams(temperature=0.0)] * 8)
     assert out.token_ids == logits.float().argmax(-1).tolist()
-    assert out.logprobs == [None] * 8
+    assert out.extras == [None] * 8
 
 
 def test_tiny_temperature_is_greedy():
@@ -166,14 +166,14 @@ def test_logprobs_match_log_softmax():
               SamplingParams(temperature=1.0, seed=1, logprobs=0), SamplingParams(temperature=1.0, logprobs=20)]
     out = sample(logits, params)
     ref = torch.log_softmax(logits.float(), dim=-1)
-    for row, (p, tok, entry) in enumerate(zip(params, out.token_ids, out.logprobs)):
+    for row, (p, tok, entry) in enumerate(zip(params, out.token_ids, [e["logprobs"] for e in out.extras])):
         top = ref[row].topk(p.logprobs)
         expected = {tok: ref[row, tok].item()}
         expected.update(zip(top.indices.tolist(), top.values.tolist()))
         assert entry.keys() == expected.keys()
         for t, lp in expected.items():
             assert entry[t] == pytest.approx(lp, abs=1e-6)
-    assert list(out.logprobs[2]) == [out.token_ids[2]]  # logprobs=0: only the sampled token
+    assert list(out.extras[2]["logprobs"]) == [out.token_ids[2]]  # logprobs=0: only the sampled token
 
 
 def test_no_logprobs_gives_none():
@@ -182,5 +182,5 @@ def test_no_logprobs_gives_none():
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0, logprobs=2),
               SamplingParams(temperature=0.0)]
     out = sample(create_logits(3), params)
-    assert out.logprobs[0] is None and out.logprobs[2] is None
-    assert len(out.logprobs[1]) == 2  # greedy token is the top-1, so no extra entry
+    assert out.extras[0] is None and out.extras[2] is None
+    assert list(out.extras[1]) == ["logprobs"] and len(out.extras[1]["logprobs"]) == 2  # greedy token is the top-1, so no extra entry

@@ -136,7 +136,7 @@ def test_sampler_masks_first_and_keeps_raw_logprobs(tokenizer, llt):
             assert bool(_allowed_by_matcher(s)[t]), (i, t)
     assert out.token_ids[5] == EOS and out.token_ids[6] == EOS
     raw = logits[0].log_softmax(-1)
-    assert out.logprobs[0][out.token_ids[0]] == pytest.approx(float(raw[out.token_ids[0]]), abs=1e-6)
+    assert out.extras[0]["logprobs"][out.token_ids[0]] == pytest.approx(float(raw[out.token_ids[0]]), abs=1e-6)
 
 
 @pytest.mark.parametrize("kind, spec, words", [
