@@ -65,7 +65,8 @@ def budget_gib(b: MemoryBudget) -> dict:
            "kv": b.kv_bytes}
     return {**{f"{k}_gib": round(v / GiB, 3) for k, v in gib.items()}, "kv_blocks": b.num_blocks,
             "limited_by": "share" if b.share <= b.headroom else "free", "profiled": {
-                "prefill_tokens": b.prefill_tokens, "decode_seqs": b.decode_seqs, "context_len": b.context_len}}
+                "prefill_tokens": b.prefill_tokens, "decode_seqs": b.decode_seqs, "context_len": b.context_len,
+                "decode_context": b.decode_context}}
 
 
 def decode_ladder(runner, batches: tuple[int, ...]) -> dict:

@@ -47,6 +47,10 @@ class Controller:
         `membership`: what a router in this process is told of the instances (cluster/control/cluster.py)."""
         if not use_ray and (spec.prefill_tp > 1 or spec.decode_tp > 1):
             raise ValueError("tensor parallelism needs one process per rank: use_ray=True")
+        if use_ray and (index := spec.device.partition("cuda:")[2]) not in ("", "0"):
+            raise ValueError(f"--device {spec.device}: under Ray each rank's actor sees only the GPU Ray gave it, "
+                             f"as cuda:0 (CUDA_VISIBLE_DEVICES), so cuda:{index} does not exist there; use --device "
+                             "cuda (or auto) and choose a node's GPUs with CUDA_VISIBLE_DEVICES where Ray starts")
         self.spec, self.use_ray, self.log_level, self.wait_for_room = spec, use_ray, log_level, wait_for_room
         self.membership = membership or Membership()
         self.owed: list[str] = []  # roles of instances to start once a node has room

@@ -9,6 +9,7 @@ May import: engine.quant, engine.core.
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 
@@ -16,16 +17,32 @@ from engine.attention.base import FP8, AttentionMetadata, BaseAttentionBackend
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AttentionMetadata", "BaseAttentionBackend", "create_attention_backend", "flash_attn_available"]
+__all__ = ["AttentionMetadata", "BaseAttentionBackend", "create_attention_backend", "flash_attn_available",
+           "flash_attn_unfit"]
 BACKENDS = ("auto", "torch", "flash_attn", "flex", "vllm_cpu")
+# flash_attn_with_kvcache with `block_table` and `cache_seqlens` as engine/attention/flash_backend.py calls it
+FLASH_ATTN_MIN = (2, 6)
+
+
+def flash_attn_unfit() -> str | None:
+    """Why the flash_attn backend cannot run here (None: it can): flash-attn missing, failing to
+    import (a build for another torch or CUDA), or older than FLASH_ATTN_MIN."""
+    try:
+        import flash_attn
+    except ImportError:
+        return "flash_attn is not installed"
+    except Exception as exc:  # a wheel built for another torch/CUDA fails with OSError, RuntimeError, ...
+        return f"flash_attn does not import ({type(exc).__name__}: {exc})"
+    version = str(getattr(flash_attn, "__version__", ""))
+    numbers = re.match(r"(\d+)\.(\d+)", version)
+    if numbers is None or tuple(map(int, numbers.groups())) < FLASH_ATTN_MIN:
+        return (f"flash-attn {version or '(no version)'} is older than {'.'.join(map(str, FLASH_ATTN_MIN))}, "
+                "whose paged-KV API the backend calls")
+    return None
 
 
 def flash_attn_available() -> bool:
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return flash_attn_unfit() is None
 
 
 def create_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
@@ -92,6 +109,8 @@ def _create(name: str, device: torch.device, dtype: torch.dtype, kv_cache_dtype:
         from engine.attention.flash3_backend import Flash3FP8Backend
         logger.info("attention backend: flash_attn (FlashAttention-3, fp8 KV cache)")
         return Flash3FP8Backend()
+    if (why := flash_attn_unfit()) is not None:
+        raise ValueError(f"attention backend flash_attn cannot run: {why}; use --attention-backend auto, flex or torch")
     from engine.attention.flash_backend import FlashAttentionBackend
     logger.info("attention backend: flash_attn")
     return FlashAttentionBackend()
@@ -101,10 +120,10 @@ def _auto_choice(device: torch.device, dtype: torch.dtype, head_dim: int | None,
     """`auto` without an fp8 cache; logs why whenever the first choice of the device is not taken."""
     if device.type == "cuda":
         half = dtype in (torch.float16, torch.bfloat16)
-        if half and flash_attn_available() and not sinks:
-            return "flash_attn"
         why = ("flash_attn takes no attention sinks" if sinks else "flash_attn needs fp16/bf16" if not half
-               else "flash_attn is not installed")
+               else flash_attn_unfit())
+        if why is None:
+            return "flash_attn"
         from engine.attention.flex_backend import flex_unavailable
         if (unfit := flex_unavailable(device)) is not None:
             logger.info("attention backend: torch (%s; flex cannot run: %s)", why, unfit)

@@ -11,9 +11,16 @@ the device has free, from what the device reports (engine/runner/device_memory.p
   on first use, NCCL), so another process's memory is never counted as this one's.
 - Peak reserved: the weights plus the larger activation peak of two profiled steps, each over a
   scratch pool of a few blocks: the largest prefill step (max_num_batched_tokens tokens at the end
-  of a max_model_len context) and the largest decode step (max_num_seqs sequences, one token each,
-  at max_model_len: the torch backend gathers every row's whole context). A colocated step that
-  mixes both is not profiled as such.
+  of a max_model_len context) and the largest decode step: max_num_seqs sequences, one token each,
+  whose contexts together are at most what the pool could ever hold (`decode_profile_context`: the
+  torch backend gathers every row's whole context, so its activations grow with the rows' total
+  context, which no step exceeds the pool's; at max_model_len x max_num_seqs, Llama-3.1-8B's 131,072
+  context x 256 rows would gather 128 GiB of one layer's keys and values). A colocated step that
+  mixes both is not profiled as such. A profile that still runs out of device memory is refused in
+  one line naming the knobs.
+- NCCL communicators, cuBLAS workspaces and kernels load during the profiled steps (their first
+  collective and matmul): what they take outside torch is in "other non-torch", what they take
+  through torch's allocator in the peak.
 - CUDA graphs (engine/runner/cuda_graphs.py) are captured after the pool (they bake in its address), so
   their memory is reserved here as an estimate: the activation peak of an eager step of the
   largest pair captured, plus the logits every graph keeps; the runner logs what capture took.
@@ -27,6 +34,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+
+import torch
 
 from engine.core.block_manager import first_read_block
 from engine.core.config import ModelConfig
@@ -54,8 +63,9 @@ class MemoryBudget:
     block_bytes: int
     prefill_tokens: int  # the profiled shapes, for the messages
     decode_seqs: int
-    context_len: int
+    context_len: int  # max_model_len
     margin: int = FREE_MARGIN
+    decode_context: int = 0  # each profiled decode row's context (decode_profile_context; 0: context_len)
 
     @property
     def peak(self) -> int:
@@ -100,7 +110,7 @@ class MemoryBudget:
                 f"{g(self.utilization * self.total)} GiB; used by this process {g(self.used)} GiB (weights "
                 f"{g(self.weights)}, activations {g(self.activations)} [prefill {g(self.prefill_peak - self.weights)} "
                 f"at {self.prefill_tokens} tokens, decode {g(self.decode_peak - self.weights)} at {self.decode_seqs} x "
-                f"{self.context_len}], CUDA context {g(self.context)}, other non-torch {g(self.non_torch)}, CUDA graphs "
+                f"{self.decode_context or self.context_len}], CUDA context {g(self.context)}, other non-torch {g(self.non_torch)}, CUDA graphs "
                 f"{g(self.graphs)}); free {g(self.free)} GiB (other processes hold {g(self.others)}); KV = min(share "
                 f"left {g(self.share)}, free less the peak to come {g(self.peak - self.reserved_after)}, graphs and "
                 f"{g(self.margin)} margin: {g(self.headroom)}) = {g(self.kv_bytes)} GiB = {self.num_blocks} blocks of "
@@ -128,8 +138,12 @@ def measure_budget(runner, block_bytes: int) -> MemoryBudget:
     decode_seqs = min(sched.max_num_seqs, sched.max_num_batched_tokens)
     mem.empty_cache()
     weights = mem.reserved()
-    prefill_peak = _profiled_peak(mem, runner, 1, prefill_tokens, length)
-    decode_peak = _profiled_peak(mem, runner, decode_seqs, 1, length)
+    # the most the pool could be: the share once context and weights are counted, or what is free
+    pool_bound = min(int(runner.config.cache.gpu_memory_utilization * mem.total()) - context - weights,
+                     mem.free() - FREE_MARGIN)
+    decode_context = decode_profile_context(pool_bound, block_bytes, runner.block_size, decode_seqs, length)
+    prefill_peak = _profiled_peak(mem, runner, 1, prefill_tokens, length, sched)
+    decode_peak = _profiled_peak(mem, runner, decode_seqs, 1, decode_context, sched)
     graphs = _graphs_estimate(mem, runner)
     reserved_after, free = mem.reserved(), mem.free()
     # the device's used memory grew by (start.free - free); torch's part of it is the reserved growth.
@@ -137,13 +151,35 @@ def measure_budget(runner, block_bytes: int) -> MemoryBudget:
     non_torch = max(0, (start.free - free) - (reserved_after - start.reserved))
     return MemoryBudget(str(runner.device), mem.total(), runner.config.cache.gpu_memory_utilization, context,
                         non_torch, weights, prefill_peak, decode_peak, graphs, reserved_after, free, block_bytes,
-                        prefill_tokens, decode_seqs, length)
+                        prefill_tokens, decode_seqs, length, decode_context=decode_context)
 
 
-def _profiled_peak(mem: DeviceMemory, runner, num_seqs: int, num_tokens: int, context_len: int) -> int:
-    """Peak reserved memory of one profiled step (the allocator's cache emptied after it)."""
+def decode_profile_context(pool_bound: int, block_bytes: int, block_size: int, num_seqs: int, length: int) -> int:
+    """Each row's context in the profiled decode step: `length` (max_model_len), or less where
+    `num_seqs` rows of it hold more tokens than a pool of `pool_bound` bytes ever could: that pool's
+    tokens split over the rows, in whole blocks, at least one block."""
+    pool_tokens = max(0, pool_bound) // block_bytes * block_size
+    per_row = pool_tokens // num_seqs // block_size * block_size
+    return min(length, max(block_size, per_row))
+
+
+def _profiled_peak(mem: DeviceMemory, runner, num_seqs: int, num_tokens: int, context_len: int, sched=None) -> int:
+    """Peak reserved memory of one profiled step (the allocator's cache emptied after it); a step
+    that runs out of device memory is refused in one line naming the knobs that shape it."""
     mem.reset_peak()
-    runner.profile_step(num_seqs, num_tokens, context_len)
+    try:
+        runner.profile_step(num_seqs, num_tokens, context_len)
+    except torch.OutOfMemoryError as exc:
+        mem.empty_cache()
+        what = "decode" if num_tokens == 1 else "prefill"
+        knobs = (f"max_num_seqs ({sched.max_num_seqs})" if what == "decode" else
+                 f"max_num_batched_tokens ({sched.max_num_batched_tokens})") if sched is not None else "the step's shape"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"KV budget: profiling a {what} step of {num_seqs} x {num_tokens} tokens at context "
+                         f"{context_len} ran out of device memory ({first}); lower max_model_len "
+                         f"({runner.configured_max_model_len}) or {knobs}, or lower gpu_memory_utilization "
+                         f"({runner.config.cache.gpu_memory_utilization:.2f}) if other processes share the device"
+                         ) from None
     peak = mem.peak()
     mem.empty_cache()
     return peak

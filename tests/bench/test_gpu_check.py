@@ -90,7 +90,7 @@ def test_dry_run_runs_every_section_with_only_what_the_gpu_machine_has(tmp_path)
     mem = s["memory"]
     assert mem["budget"]["kv_blocks"] == 983 and mem["budget"]["limited_by"] == "share"
     assert mem["budget"]["context_gib"] == round(64 / 1024, 3) and mem["budget"]["profiled"] == {
-        "prefill_tokens": 512, "decode_seqs": 4, "context_len": 512}
+        "prefill_tokens": 512, "decode_seqs": 4, "context_len": 512, "decode_context": 512}
     assert mem["backend"] == "torch" and mem["cuda_graphs"] is False and mem["max_model_len"] == 512
     assert mem["ladder"] == {b: {"ok": True, "peak_reserved_gib": 0.0, "reserved_before_gib": 0.0} for b in "14"}
     assert mem["largest_decode_batch_at_max_model_len"] == 4 and mem["reserved"]["within_budget"]

@@ -426,11 +426,20 @@ def test_gpu_values_request_gpus():
         assert (limits.get("nvidia.com/gpu", 0) >= 1) == is_worker, deployment["metadata"]["name"]
 
 
+def test_gpu_values_pass_the_model_fit_check():
+    """The GPU variant's spec, as the pods load it, is one `pdserve serve` would start: its TP sizes
+    split the model (cluster/control/model_fit.py, the check that refused TP 2 for SmolLM2's 9 heads)."""
+    from cluster.control import model_fit
+    model_fit.check(loaded_spec(manifests(GPU_VALUES)))
+    with pytest.raises(ValueError, match="--prefill-tp 2 cannot run"):
+        model_fit.check(loaded_spec(manifests({**GPU_VALUES, "spec": {**GPU_VALUES["spec"], "prefill_tp": 2}})))
+
+
 def test_gpu_values_give_each_tp_group_one_pod():
     """In the GPU variant a pod holds the GPUs of all the instances it hosts (instancesPerPod x TP),
     so no tensor-parallel group is split across pods."""
     spec = loaded_spec(manifests(GPU_VALUES))
-    assert spec.device == "cuda" and spec.dtype == "bfloat16" and spec.prefill_tp == 2
+    assert spec.device == "cuda" and spec.dtype == "bfloat16" and spec.prefill_tp > 1
     for role in ("prefill", "decode"):
         pool = GPU_VALUES[role]
         assert pool["gpu"] == pool["instancesPerPod"] * spec.tp_size(role), role

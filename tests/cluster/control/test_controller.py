@@ -15,6 +15,7 @@ from cluster.autoscale.autoscale_loop import LoadWindow
 from cluster.control.controller import Controller
 from cluster.control.frontend import Frontend
 from cluster.redis_state import RedisState
+from cluster.spec import ClusterSpec
 from cluster.state import MemoryState
 from tests.cluster.control.test_ray_cluster import GREEDY, checked, colocated_tokens, spec_for
 from tests.helpers import random_prompts
@@ -190,3 +191,14 @@ def test_load_window_sums_every_router():
     state.publish_router("b", {"submitted": 6, "prompt_tokens": 120}, ttl_s=60)
     obs = window.observe(PoolSizes(1, 1))
     assert obs.mean_prompt_tokens == 20 and obs.arrival_rate > 0
+
+
+@pytest.mark.parametrize("device", ["cuda:1", "cuda:7"])
+def test_a_cuda_index_under_ray_is_refused_before_anything_starts(device):
+    """Under Ray each actor sees its one GPU as cuda:0, so `cuda:N` (N >= 1) would fail in every
+    rank: refused in one line naming the flag, before Ray or any state starts; in-process it is kept."""
+    spec = ClusterSpec(model="smollm2", device=device)
+    with pytest.raises(ValueError, match=f"--device {device}: under Ray each rank's actor sees only the GPU"):
+        Controller(spec, use_ray=True)
+    assert Controller(spec, use_ray=False).spec.device == device
+    assert Controller(replace(spec, device="cuda:0"), use_ray=True).spec.device == "cuda:0"

@@ -11,6 +11,8 @@ query heads on 2 KV heads, head_dim 32, Gemma 2's scale and cap for the soft-cap
 whole file compiles 8 graphs (2 of them attention sinks')."""
 from __future__ import annotations
 
+import re
+
 from dataclasses import replace
 
 import pytest
@@ -237,7 +239,7 @@ def test_auto_on_cuda_without_flash_attn_picks_flex_and_says_why(monkeypatch, ca
     reason; where flex cannot compile either (no triton), it is torch, logged with both reasons."""
     import engine.attention as attention
     cuda = torch.device("cuda")
-    monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
+    monkeypatch.setattr(attention, "flash_attn_unfit", lambda: "flash_attn is not installed")
     monkeypatch.setattr(flex_backend, "flex_unavailable", lambda device: None)
     with caplog.at_level("INFO", logger="engine.attention"):
         assert create_attention_backend("auto", cuda, torch.bfloat16, None, 64).name == "flex"
@@ -253,11 +255,36 @@ def test_auto_on_cuda_without_flash_attn_picks_flex_and_says_why(monkeypatch, ca
         create_attention_backend("flex", cuda, torch.bfloat16)
 
 
+@pytest.mark.parametrize("version,why", [
+    ("2.5.9", "flash-attn 2.5.9 is older than 2.6"), (None, "flash-attn (no version) is older than 2.6"),
+    ("missing", "flash_attn is not installed"), ("2.6.3", None), ("2.7.4.post1", None), ("3.0.0b1", None)])
+def test_flash_attn_older_than_2_6_is_not_taken(monkeypatch, caplog, version, why):
+    """flash-attn below 2.6 (or without a version, or missing) is never what `auto` picks on a
+    (faked) CUDA device, logged with why, and refused by name when asked for; 2.6 and later is taken."""
+    import sys
+    import types
+
+    import engine.attention as attention
+    fake = None if version == "missing" else types.ModuleType("flash_attn")
+    if version not in (None, "missing"):
+        fake.__version__ = version
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)  # None: `import flash_attn` raises ImportError
+    monkeypatch.setattr(flex_backend, "flex_unavailable", lambda device: None)
+    assert attention.flash_attn_unfit() == why if why is None else why in attention.flash_attn_unfit()
+    if why is None:
+        return
+    with caplog.at_level("INFO", logger="engine.attention"):
+        assert create_attention_backend("auto", torch.device("cuda"), torch.bfloat16, None, 64).name == "flex"
+    assert f"attention backend: flex ({why}" in caplog.text
+    with pytest.raises(ValueError, match=f"attention backend flash_attn cannot run: {re.escape(why)}"):
+        create_attention_backend("flash_attn", torch.device("cuda"), torch.bfloat16, None, 64)
+
+
 def test_a_model_with_attention_sinks_gets_a_backend_that_takes_them(monkeypatch, caplog):
     """gpt-oss's sinks: `auto` on a (faked) CUDA device with flash-attn installed picks flex, saying
     why; a backend without sinks is refused by name (the batch-invariant one here)."""
     import engine.attention as attention
-    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
+    monkeypatch.setattr(attention, "flash_attn_unfit", lambda: None)
     monkeypatch.setattr(flex_backend, "flex_unavailable", lambda device: None)
     with caplog.at_level("INFO", logger="engine.attention"):
         backend = create_attention_backend("auto", torch.device("cuda"), torch.bfloat16, None, 64, sinks=True)

@@ -50,10 +50,12 @@ class FakeGpu:
         return self.context_bytes
 
     def allocate(self, n: int) -> None:
+        """Raises torch.OutOfMemoryError, as torch's allocator does, where the device has no room."""
+        if self.free() - max(0, self.in_use + n - self.reserved_bytes) < 0:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {n / GiB:.2f} GiB (fake device)")
         self.in_use += n
         self.reserved_bytes = max(self.reserved_bytes, self.in_use)
         self.peak_bytes = max(self.peak_bytes, self.reserved_bytes)
-        assert self.free() >= 0, "out of memory on the fake device"
 
     def release(self, n: int) -> None:
         self.in_use -= n
@@ -62,12 +64,14 @@ class FakeGpu:
 class FakeRunner:
     """What the KV budget reads of a ModelRunner, on a FakeGpu: its weights are allocated at
     construction, each profiled step holds the activations `steps` gives for its shape (num_seqs,
-    num_tokens, context_len) for the step's length (KeyError for a shape the test did not expect),
-    and its first step loads `first_step_non_torch` bytes outside torch (cuBLAS, kernels)."""
+    num_tokens, context_len) for the step's length (KeyError for a shape the test did not expect; a
+    key with context None stands for any context, which `profiled` records; `steps` may instead be a
+    function of the shape), and its first step loads `first_step_non_torch` bytes outside torch
+    (cuBLAS, kernels)."""
 
     def __init__(self, gpu: FakeGpu, weights: int, steps: dict[tuple[int, int, int], int], *,
                  utilization: float = 0.9, max_num_seqs: int = 128, max_num_batched_tokens: int = 2048,
-                 max_model_len: int = 8192, first_step_non_torch: int = 0, graph_sizes=()):
+                 max_model_len: int = 8192, first_step_non_torch: int = 0, graph_sizes=(), model_config=None):
         self.gpu = self.device_memory = gpu  # a test may read the gpu through torch.cuda instead
         self.memory_at_start = MemorySnapshot.of(gpu)  # the process starts here
         gpu.allocate(weights)
@@ -75,7 +79,7 @@ class FakeRunner:
         self.config = EngineConfig(cache=CacheConfig(gpu_memory_utilization=utilization),
                                    scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                                              max_num_batched_tokens=max_num_batched_tokens))
-        self.model_config, self.configured_max_model_len = LLAMA_8B, max_model_len
+        self.model_config, self.configured_max_model_len = model_config or LLAMA_8B, max_model_len
         self.block_size, self.dtype, self.tp, self.device = 16, torch.bfloat16, None, torch.device("cuda", 0)
         self._graph_sizes = set(graph_sizes)
 
@@ -86,6 +90,10 @@ class FakeRunner:
         if not self.profiled:
             self.gpu.non_torch += self.first_step_non_torch
         self.profiled.append((num_seqs, num_tokens, context_len))
-        activations = self.steps[(num_seqs, num_tokens, context_len)]
+        if callable(self.steps):
+            activations = self.steps(num_seqs, num_tokens, context_len)
+        else:
+            key = (num_seqs, num_tokens, context_len)
+            activations = self.steps[key if key in self.steps else (num_seqs, num_tokens, None)]
         self.gpu.allocate(activations)
         self.gpu.release(activations)

@@ -7,17 +7,22 @@ numbers: 8B-shaped blocks of 16 tokens are 2 MiB, 512 of them to the GiB; max_mo
 needs 512 blocks + the null block."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from engine.core.config import ModelConfig
+from engine.core.kv_cache import kv_block_bytes
 from engine.runner import device_memory
 from engine.runner.device_memory import TorchDeviceMemory
 from engine.runner.kv_budget import FREE_MARGIN, blocks_for_one_request, blocks_from_device
-from tests.engine.runner.fake_gpu import GiB, MiB, FakeGpu, FakeRunner
+from tests.engine.runner.fake_gpu import LLAMA_8B, GiB, MiB, FakeGpu, FakeRunner
 
 BLOCK = 2 * MiB
-PREFILL, DECODE = (1, 2048, 8192), (128, 1, 8192)  # the largest steps of the default scheduler at 8192
+# the largest steps of the default scheduler at 8192: the decode's contexts are what the pool could
+# hold split over its 128 rows (decode_profile_context; checked by hand where a test names it)
+PREFILL, DECODE = (1, 2048, 8192), (128, 1, None)
 
 
 def _runner(gpu: FakeGpu, prefill: float = 1, decode: float = 4, **knobs) -> FakeRunner:
@@ -37,12 +42,14 @@ def test_the_cuda_context_and_non_torch_memory_count_against_the_share():
 
 
 def test_the_larger_of_the_prefill_and_decode_profiles_counts():
-    """The decode step (128 sequences at 8192 tokens) is profiled beside the prefill (2048 tokens at
-    the end of 8192); whichever peaks higher is the activations: decode 4 GiB -> 26240 blocks (the
-    prefill's 1 GiB alone would leave 27776); prefill 6 GiB -> 72 - 22.75 = 49.25 GiB = 25216."""
+    """The decode step (128 sequences) is profiled beside the prefill (2048 tokens at the end of
+    8192); whichever peaks higher is the activations: decode 4 GiB -> 26240 blocks (the prefill's
+    1 GiB alone would leave 27776); prefill 6 GiB -> 72 - 22.75 = 49.25 GiB = 25216. The decode rows'
+    contexts hold what the pool could at most: 72 - 0.5 - 16 = 55.5 GiB = 28416 blocks = 454656
+    tokens, 3552 per row (128 x 8192 would be more than twice the pool)."""
     runner = _runner(FakeGpu(80 * GiB, context=GiB // 2), prefill=1, decode=4)
     assert blocks_from_device(runner, BLOCK)[0] == 26240
-    assert runner.profiled == [PREFILL, DECODE]
+    assert runner.profiled == [PREFILL, (128, 1, 3552)]
     assert blocks_from_device(_runner(FakeGpu(80 * GiB, context=GiB // 2), prefill=6, decode=4), BLOCK)[0] == 25216
 
 
@@ -118,3 +125,65 @@ def test_one_request_holds_a_sliding_group_s_window_and_one_chunk():
                      head_dim=32, sliding_window=4096, layer_types=("sliding_attention", "full_attention") * 2)
     assert blocks_for_one_request(mc, 8192, 16, 2048) == 1 + 512 + 384
     assert blocks_for_one_request(mc, 1024, 16, 2048) == 1 + 64 + 64
+
+
+# Real shapes at their real contexts (issue 50): Llama-3.1-8B (bf16, 131,072 positions) and
+# DeepSeek-V3 (its latent cache: 61 layers of one 576-wide entry per token, 163,840 positions; one
+# rank's share of its 671 GB of fp8 weights: TP 16 on 80 GiB devices, TP 8 on 141 GiB ones), on 80
+# GiB (H100) and 141 GiB (H200) devices.
+LLAMA_31_8B = replace(LLAMA_8B, max_position_embeddings=131072)
+DEEPSEEK_V3 = ModelConfig(vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_layers=61, num_heads=128,
+                          num_kv_heads=1, head_dim=288, max_position_embeddings=163840)
+SHAPES = {"llama-3.1-8b": (LLAMA_31_8B, lambda device_gib: 16 * GiB),
+          "deepseek-v3": (DEEPSEEK_V3, lambda device_gib: 671 * 10**9 // (16 if device_gib < 100 else 8))}
+
+
+def _gathered(mc: ModelConfig):
+    """The torch backend's decode step as the fake holds it: each row's whole context of one layer's
+    keys and values gathered at once (bf16), plus 1 GiB of everything else."""
+    per_token = 2 * mc.num_kv_heads * mc.head_dim * 2
+    return lambda num_seqs, num_tokens, context: num_seqs * context * per_token + GiB
+
+
+@pytest.mark.parametrize("device_gib", [80, 141])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_real_shapes_at_their_real_context_profile_within_the_device(shape, device_gib):
+    """256 rows at the model's whole context would gather 256 x 131,072 tokens of a layer for the 8B
+    (128 GiB of keys and values: more than either device); the profiled rows hold together what the pool could, so
+    the profile fits the device and the pool holds one request at the real context."""
+    mc, weights = SHAPES[shape][0], SHAPES[shape][1](device_gib)
+    block = kv_block_bytes(mc, mc.num_kv_heads, 16, torch.bfloat16)
+    length = mc.max_position_embeddings
+    gpu = FakeGpu(device_gib * GiB, context=GiB // 2)
+    runner = FakeRunner(gpu, weights, _gathered(mc), max_num_seqs=256, max_num_batched_tokens=8192,
+                        max_model_len=length, model_config=mc)
+    n, budget = blocks_from_device(runner, block)
+    (rows, _, context), = [p for p in runner.profiled if p[1] == 1]
+    assert rows == 256 and context < length
+    assert rows * context * block // 16 <= budget.utilization * budget.total - budget.weights  # no more than a pool
+    assert budget.used + n * block <= gpu.total()
+    assert n >= blocks_for_one_request(mc, length, 16, 8192)
+
+
+@pytest.mark.parametrize("device_gib", [80, 141])
+def test_the_8b_profile_at_max_model_len_rows_would_not_fit(device_gib):
+    """What the decode profile asked before: 256 rows at 131,072 tokens, 128 GiB of one layer's keys
+    and values gathered at once: more than either device."""
+    mc, weights = SHAPES["llama-3.1-8b"][0], SHAPES["llama-3.1-8b"][1](device_gib)
+    runner = FakeRunner(FakeGpu(device_gib * GiB, context=GiB // 2), weights, _gathered(mc), model_config=mc,
+                        max_model_len=131072)
+    with pytest.raises(torch.OutOfMemoryError):
+        runner.profile_step(256, 1, 131072)
+
+
+def test_a_profile_that_runs_out_of_memory_is_refused_in_one_line():
+    """A decode profile larger than the device: one line naming the step and the knobs, not torch's
+    OutOfMemoryError from deep in a layer."""
+    runner = _runner(FakeGpu(80 * GiB, context=GiB // 2), decode=70)
+    with pytest.raises(ValueError) as err:
+        blocks_from_device(runner, BLOCK)
+    msg = str(err.value)
+    assert "\n" not in msg
+    for part in ("profiling a decode step of 128 x 1 tokens at context 3552 ran out of device memory",
+                 "CUDA out of memory", "max_model_len (8192)", "max_num_seqs (128)", "gpu_memory_utilization (0.90)"):
+        assert part in msg, part
