@@ -59,6 +59,7 @@ class BaseAttentionBackend(ABC):
 
     name: str = "base"
     own_kv_layout = False  # True: the blocks are laid out for this backend's kernels (kv_views reads them)
+    has_static_decode = False  # True: `prepare_static_decode` plans a decode step from device tensors alone
     takes_sinks: bool = False  # True: forward applies `sinks` (attention sinks, module docstring)
 
     def block_size_for(self, requested: int) -> int:

@@ -116,6 +116,7 @@ def context_slots(block_table: torch.Tensor, num_positions: int, block_size: int
 class TorchAttentionBackend(BaseAttentionBackend):
     name = "torch"
     takes_sinks = True
+    has_static_decode = True
     GROUPED_DECODE_DEVICES = ("cuda",)  # device types whose decode SDPA views query heads per KV head (decode_sdpa)
 
     def __init__(self):

@@ -10,9 +10,12 @@ B >= n and M >= m, among the pairs whose B x M x block_size context tokens stay 
 `max_context_tokens` (the torch backend gathers every row's M blocks, so the pair's memory grows
 with that product); a longer step runs eagerly. Padded rows compute token 0 at position 0 into
 slot 0: block 0 is the null block, which no real request reads with any weight (positions past a
-row's length get -inf), so their writes there are harmless and their logits are dropped. Only
-the torch attention backend on one rank (no collective inside a graph); a step that does not fit
-runs eagerly. The graphs' own memory (the largest pair's activations, and every graph's logits)
+row's length get -inf), so their writes there are harmless and their logits are dropped. The
+graphs run the torch attention backend's static decode (`graph_backend`): the main backend's own
+where it is torch, else the torch backend over the same blocks, where the main backend keeps
+torch's block layout (flex, flash_attn: their pure-decode steps replay from graphs too, issue 50;
+their prefills and mixed steps stay theirs); a backend with its own layout (vllm_cpu) has none.
+One rank only (no collective inside a graph); a step that does not fit runs eagerly. The graphs' own memory (the largest pair's activations, and every graph's logits)
 is reserved by the KV budget before the pool is sized (engine/runner/kv_budget.py: an eager step of the
 largest pair is profiled), and what capture took is logged beside it. With
 `capture=False` (any device) the same static step runs eagerly: the CPU tests check it against the
@@ -25,7 +28,8 @@ import time
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, BaseAttentionBackend
+from engine.attention.torch_backend import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -55,10 +59,21 @@ def capture_sizes(max_batch: int, max_blocks: int, block_size: int,
             if b * m * block_size <= max_context_tokens}
 
 
+def graph_backend(backend: BaseAttentionBackend) -> BaseAttentionBackend | None:
+    """The backend whose static decode step the graphs capture: `backend` if it has one (torch),
+    else a torch backend over the same blocks where `backend` keeps torch's layout; None where its
+    blocks are laid out for its own kernels."""
+    if backend.has_static_decode:
+        return backend
+    return None if backend.own_kv_layout else TorchAttentionBackend()
+
+
 class DecodeGraphs:
     def __init__(self, runner, max_batch: int, max_blocks: int, capture: bool = True,
                  max_context_tokens: int = MAX_CONTEXT_TOKENS):
         self.runner, self.capture = runner, capture
+        self.backend = graph_backend(runner.backend)
+        assert self.backend is not None, f"the {runner.backend.name} backend's blocks are its own: no decode graphs"
         self.batch_sizes = batch_sizes(max_batch)
         self.buckets = block_buckets(max_blocks)
         self.sizes = capture_sizes(max_batch, max_blocks, runner.block_size, max_context_tokens)
@@ -112,8 +127,8 @@ class DecodeGraphs:
         meta = AttentionMetadata(num_decodes=b, query_lens=[1] * b, seq_lens_cpu=[m * r.block_size] * b,
                                  query_start_loc=self.starts[:b + 1], seq_lens=self.seq_lens[:b],
                                  block_tables=self.tables[:b, :m], slot_mapping=self.slots[:b], block_size=r.block_size)
-        r.backend.prepare_static_decode(meta, m)
-        hidden = r.model(self.input_ids[:b], self.positions[:b], r.kv_cache, meta, r.backend)
+        self.backend.prepare_static_decode(meta, m)
+        hidden = r.model(self.input_ids[:b], self.positions[:b], r.kv_cache, meta, self.backend)
         return r.model.compute_logits(hidden)
 
     def _capture_all(self) -> None:
@@ -131,5 +146,8 @@ class DecodeGraphs:
             self.graphs[(b, m)] = (graph, logits)
         torch.cuda.synchronize()
         logger.info("CUDA graphs: %d decode graphs (batch %s x context blocks %s, at most %d context tokens "
-                    "each) captured in %.1f s", len(self.graphs), self.batch_sizes, self.buckets,
-                    max(b * m for b, m in self.sizes) * self.runner.block_size, time.monotonic() - start)
+                    "each, %s attention%s) captured in %.1f s", len(self.graphs), self.batch_sizes, self.buckets,
+                    max(b * m for b, m in self.sizes) * self.runner.block_size, self.backend.name,
+                    "" if self.backend is self.runner.backend else
+                    f" over the {self.runner.backend.name} backend's blocks; its prefills and mixed steps stay its own",
+                    time.monotonic() - start)

@@ -126,8 +126,8 @@ def measure_budget(runner, block_bytes: int) -> MemoryBudget:
 
     Args:
         runner: a ModelRunner (or a stand-in) with `device_memory`, `memory_at_start`, `config`,
-            `configured_max_model_len`, `block_size`, `dtype`, `model_config`, `graph_sizes()` and
-            `profile_step(num_seqs, num_tokens, context_len)`.
+            `configured_max_model_len`, `block_size`, `dtype`, `model_config`, `graph_sizes()`,
+            `graph_gather_bytes(batch, blocks)` and `profile_step(num_seqs, num_tokens, context_len)`.
         block_bytes: one KV block's bytes (engine/core/kv_cache.py kv_block_bytes).
     """
     mem: DeviceMemory = runner.device_memory
@@ -195,6 +195,7 @@ def _graphs_estimate(mem: DeviceMemory, runner) -> int:
     b, m = max(sizes, key=lambda s: (s[0] * s[1], s[0]))
     before = mem.reserved()
     activations = _profiled_peak(mem, runner, b, 1, m * runner.block_size) - before
+    activations += runner.graph_gather_bytes(b, m)  # graphs over another backend's blocks gather more
     logits = sum(b for b, _ in sizes) * runner.model_config.vocab_size * runner.dtype.itemsize
     return activations + logits
 

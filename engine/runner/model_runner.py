@@ -23,7 +23,7 @@ from engine.core.kv_cache import allocate_kv_cache, kv_block_bytes, num_blocks_f
 from engine.loading.loader import load_model_config, load_weights, resolve_model_path
 from engine.models import model_class
 from engine.quant.batch_invariant import BatchInvariantLinearMethod
-from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, graph_backend
 from engine.runner.device_memory import DeviceMemory, MemorySnapshot, TorchDeviceMemory
 from engine.runner.kv_budget import MemoryBudget, blocks_from_device
 from engine.layers.moe import (describe_experts, expert_counts, expert_load_figures, quantize_model_experts,
@@ -162,7 +162,8 @@ class ModelRunner:
         return ("--enforce-eager" if self.config.enforce_eager else
                 "--batch-invariant (its attention is one call per sequence)" if self.config.batch_invariant else
                 f"device {self.device.type}" if self.device.type != "cuda" else
-                f"the {self.backend.name} attention backend" if self.backend.name != "torch" else
+                f"the {self.backend.name} attention backend lays out its own KV blocks"
+                if graph_backend(self.backend) is None else
                 "tensor-parallel ranks (a collective cannot be captured)" if self.tp is not None and self.tp.size > 1
                 else "latent attention (engine/layers/mla.py reads the context lengths on the host)"
                 if self.model_config.mla is not None
@@ -177,6 +178,14 @@ class ModelRunner:
             return set()
         return capture_sizes(self.config.scheduler.max_num_seqs, -(-self.configured_max_model_len // self.block_size),
                              self.block_size)
+
+    def graph_gather_bytes(self, batch: int, blocks: int) -> int:
+        """What a decode graph of `batch` x `blocks` holds beyond an eager step of the main backend
+        (the KV budget profiles that): with the torch backend over another backend's blocks
+        (cuda_graphs.graph_backend), one layer's keys and values of every row's context, gathered."""
+        if graph_backend(self.backend) in (None, self.backend):
+            return 0
+        return 2 * batch * blocks * self.block_size * self.num_kv_heads * self.model_config.head_dim * self.dtype.itemsize
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for decode steps where they can run; says which path runs and why, and what

@@ -86,6 +86,9 @@ class FakeRunner:
     def graph_sizes(self) -> set[tuple[int, int]]:
         return self._graph_sizes
 
+    def graph_gather_bytes(self, batch: int, blocks: int) -> int:
+        return 0  # the graphs run this runner's own backend (torch): its profile holds them
+
     def profile_step(self, num_seqs: int, num_tokens: int, context_len: int) -> None:
         if not self.profiled:
             self.gpu.non_torch += self.first_step_non_torch

@@ -18,11 +18,18 @@ def test_buckets_double_up_to_the_longest():
     assert block_buckets(40) == [4, 8, 16, 32, 40] and block_buckets(3) == [3] and block_buckets(8) == [4, 8]
 
 
-@pytest.mark.parametrize("num_requests", [1, 3, 6])
-def test_static_decode_step_equals_the_plain_one(num_requests):
-    engine = tiny_engine(make_hf_tiny_llama(seed=4), num_blocks=96, block_size=4)
+@pytest.mark.parametrize("num_requests,backend", [(1, "torch"), (3, "torch"), (6, "torch"), (6, "flex")])
+def test_static_decode_step_equals_the_plain_one(num_requests, backend):
+    """With flex as the instance's backend, its pure-decode steps replay the torch backend's static
+    decode over flex's blocks (graph_backend): equal to flex's own eager steps within float32 noise."""
+    engine = tiny_engine(make_hf_tiny_llama(seed=4), num_blocks=96, block_size=4, attention_backend=backend)
     runner, sched_of = engine.runner, engine.scheduler
     graphs = DecodeGraphs(runner, max_batch=8, max_blocks=64, capture=False, max_context_tokens=8 * 16 * 4)
+    assert runner.backend.name == backend and graphs.backend.name == "torch"
+    assert (graphs.backend is runner.backend) == (backend == "torch")
+    # what the KV budget reserves beyond the main backend's eager step: flex's graphs gather K and V
+    kv_row = runner.num_kv_heads * runner.model_config.head_dim * 4  # float32
+    assert runner.graph_gather_bytes(8, 16) == (0 if backend == "torch" else 2 * 8 * 16 * 4 * kv_row)
     for i, p in enumerate(random_prompts(num_requests, [5, 17, 30], seed=num_requests)):
         engine.add_request(f"r{i}", p, GREEDY)
     decode_steps = refused = 0
@@ -38,6 +45,21 @@ def test_static_decode_step_equals_the_plain_one(num_requests):
             decode_steps += 1
             b, m = size
             assert b >= inp.meta.num_seqs and m * 4 >= max(inp.meta.seq_lens_cpu) and b * m * 4 <= 8 * 16 * 4
-            torch.testing.assert_close(graphs.run(inp, size), eager, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(graphs.run(inp, size), eager, rtol=1e-5, atol=1e-5 if backend == "torch" else 1e-4)
         engine.output.process(sched_of.update(sched, runner.sample(inp, eager)))
     assert decode_steps >= 30 and refused >= 1  # prefills, and contexts past the largest allowed bucket
+
+
+def test_graphs_run_torch_decode_over_every_backend_that_keeps_torchs_blocks():
+    """Which static decode the graphs capture: the torch backend's own; for flash_attn (and flex,
+    above) a torch backend over the same blocks; none for a backend whose blocks are its own
+    (vllm_cpu), which the runner logs as the reason decode runs eagerly."""
+    from engine.attention.flash_backend import FlashAttentionBackend
+    from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.runner.cuda_graphs import graph_backend
+    torch_backend = TorchAttentionBackend()
+    assert graph_backend(torch_backend) is torch_backend
+    flash = FlashAttentionBackend(varlen_fn=lambda *a, **k: None, kvcache_fn=lambda *a, **k: None)
+    assert graph_backend(flash).name == "torch"
+    own = type("OwnBlocks", (TorchAttentionBackend,), {"own_kv_layout": True, "has_static_decode": False})()
+    assert graph_backend(own) is None
