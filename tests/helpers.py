@@ -274,4 +274,5 @@ def generate_steps(engine, prompts, max_tokens: int) -> list[tuple[list[int], li
     reqs = {rid: engine.scheduler.requests[rid] for rid in ids}
     while engine.has_unfinished():
         engine.step()
-    return [(reqs[rid].output_token_ids, reqs[rid].output_extras, reqs[rid].num_cached_tokens) for rid in ids]
+    return [(reqs[rid].output_token_ids, [e["logprobs"] for e in reqs[rid].output_extras], reqs[rid].num_cached_tokens)
+            for rid in ids]
