@@ -63,3 +63,38 @@ def test_graphs_run_torch_decode_over_every_backend_that_keeps_torchs_blocks():
     assert graph_backend(flash).name == "torch"
     own = type("OwnBlocks", (TorchAttentionBackend,), {"own_kv_layout": True, "has_static_decode": False})()
     assert graph_backend(own) is None
+
+
+@pytest.mark.parametrize("what,why", [
+    ({}, None),
+    ({"backend": "flex"}, None), ({"backend": "flash_attn"}, None),
+    ({"backend": "vllm_cpu"}, "the vllm_cpu attention backend lays out its own KV blocks"),
+    ({"device": "cpu"}, "device cpu"), ({"enforce_eager": True}, "--enforce-eager"),
+    ({"batch_invariant": True}, "--batch-invariant"), ({"tp": 2}, "tensor-parallel ranks"),
+    ({"family": "mla"}, "latent attention"), ({"family": "moe"}, "mixture of experts"),
+    ({"groups": 2}, "2 KV groups"), ({"head": True}, "a speculative head reads each step's hidden states"),
+])
+def test_the_graph_plan_on_a_gpu_per_backend_and_family(what, why):
+    """What a CUDA runner would capture (None: graphs) or why its decode steps stay eager, for each
+    backend and each model family's trait, read off a stand-in of the runner's attributes."""
+    from types import SimpleNamespace
+
+    from engine.attention.flash_backend import FlashAttentionBackend
+    from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.runner.model_runner import ModelRunner
+    own = type("VllmCpu", (TorchAttentionBackend,), {"name": "vllm_cpu", "own_kv_layout": True,
+                                                      "has_static_decode": False})
+    backends = {"torch": TorchAttentionBackend, "flex": type("Flex", (TorchAttentionBackend,), {
+                    "name": "flex", "has_static_decode": False}),
+                "flash_attn": lambda: FlashAttentionBackend(varlen_fn=print, kvcache_fn=print), "vllm_cpu": own}
+    backend = backends[what.get("backend", "torch")]()
+    runner = SimpleNamespace(
+        config=SimpleNamespace(enforce_eager=what.get("enforce_eager", False),
+                               batch_invariant=what.get("batch_invariant", False)),
+        device=torch.device(what.get("device", "cuda")), backend=backend, backends=[backend] * what.get("groups", 1),
+        tp=SimpleNamespace(size=what.get("tp", 1)),
+        model_config=SimpleNamespace(mla=object() if what.get("family") == "mla" else None,
+                                     moe=object() if what.get("family") == "moe" else None),
+        draft=SimpleNamespace(reads_target_hidden=True) if what.get("head") else None)
+    got = ModelRunner._graphs_off(runner)
+    assert got == why if why is None else got.startswith(why), got
