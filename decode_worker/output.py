@@ -25,6 +25,8 @@ class RequestOutput:
     start: int = 0  # the position of new_token_ids[0] in the request's output (of the next token, if none)
     error: str | None = None
     new_extras: list[dict] | None = None  # one per new token, when the request asked (carried unread)
+    # with the first token of a prompt computed here (start 0): its tokens served from the prefix cache
+    num_cached_tokens: int | None = None
     kv_load_failed: bool = False  # the error is a failed KV transfer (the router may recompute here)
 
 
@@ -59,8 +61,9 @@ class OutputProcessor:
                 extras = req.output_extras[start:]
                 assert len(extras) == len(new_ids), (req.request_id, len(extras), len(new_ids))
             self.num_sent[req.request_id] = req.num_output_tokens
+            cached = req.num_cached_tokens if start == 0 and new_ids else None
             outputs.append(RequestOutput(req.request_id, new_ids, req.is_finished, req.status.finish_reason, start,
-                                         new_extras=extras))
+                                         new_extras=extras, num_cached_tokens=cached))
             if req.is_finished:
                 del self.num_sent[req.request_id]
         return outputs

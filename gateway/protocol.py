@@ -421,12 +421,6 @@ class CompletionRequest(_Sampling):
         return None if self.logprobs is None else self._check_top("logprobs", self.logprobs)
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
 def make_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

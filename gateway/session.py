@@ -93,6 +93,7 @@ class Generation:
         self.timeout_s = timeout_s if timeout_s is not None else request_timeout_s(cluster)  # None: no deadline
         self.request_id, self.kind, self.model, self.choices, self.metrics = request_id, kind, model, choices, metrics
         self.num_prompt_tokens = len(prompt_ids)
+        self.num_cached_tokens = 0  # of the prompt, served from a prefix cache (the latest attempt's)
         self.queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self.listener = lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, event)
         self.created, self.arrival_s = now(), time.monotonic()
@@ -148,6 +149,8 @@ class Generation:
                 self.metrics.itl.observe(t - self.last_token_s)
             self.last_token_s = t
             self.metrics.generation_tokens.inc(len(event.token_ids))
+        if event.num_cached_tokens is not None:  # a retry's prompt holds earlier output: capped at the prompt's
+            self.num_cached_tokens = min(event.num_cached_tokens, self.num_prompt_tokens)
         choice = self.choices[event.index]
         stopped = choice.stopped
         text = choice.consume(event)
@@ -186,10 +189,12 @@ class Generation:
 
     @property
     def usage(self) -> dict:
-        """The prompt counts once, however many choices it has (it was prefilled once)."""
+        """The prompt counts once, however many choices it has (it was prefilled once); its tokens
+        served from a prefix cache are OpenAI's `prompt_tokens_details.cached_tokens`."""
         completion = sum(c.num_tokens for c in self.choices)
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.num_prompt_tokens + completion}
+                "total_tokens": self.num_prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
 
     def _head(self, object_: str) -> dict:
         return {"id": self.request_id, "object": object_, "created": self.created, "model": self.model}

@@ -401,7 +401,7 @@ class Router:
         firsts = [(r.first_token, r.extras), *r.more_choices]
         for t, (token, extras) in zip(tracked.choices or [tracked], firsts):
             if not t.done:  # the first token of the attempt: position 0
-                self._deliver(t, [token], None if extras is None else [extras])
+                self._deliver(t, [token], None if extras is None else [extras], r.num_cached_tokens)
                 self._release_held(t)
 
     def _release_held(self, tracked: Tracked) -> None:
@@ -431,7 +431,7 @@ class Router:
             logger.error("request %s: %s sent tokens from position %d, %d are delivered; dropped",
                          tracked.request_id, tracked.decode_id, o.start, tracked.num_attempt_tokens)
             return
-        self._deliver(tracked, o.new_token_ids, o.new_extras)
+        self._deliver(tracked, o.new_token_ids, o.new_extras, o.num_cached_tokens)
         if o.finished:
             del self._by_attempt[tracked.attempt_id]
             if tracked.prefill_id in self.prefill:
@@ -445,10 +445,12 @@ class Router:
         self.tables.finish(tracked, StreamEvent([], True, finish_reason))
         self._wake.notify_all()  # its blocks come free: queued requests may fit now
 
-    def _deliver(self, tracked: Tracked, token_ids: list[int], extras: list[dict] | None = None) -> None:
+    def _deliver(self, tracked: Tracked, token_ids: list[int], extras: list[dict] | None = None,
+                 num_cached_tokens: int | None = None) -> None:
+        """`num_cached_tokens`: with an attempt's first token, its prompt tokens the prefix cache served."""
         if token_ids:
             tracked.delivered += token_ids
-            tracked.stream.put(StreamEvent(list(token_ids), extras=extras))
+            tracked.stream.put(StreamEvent(list(token_ids), extras=extras, num_cached_tokens=num_cached_tokens))
 
     def _refresh_loads(self) -> None:
         while not self._stop.wait(0.1):

@@ -18,6 +18,8 @@ class StreamEvent:
     extras: list[dict] | None = None  # one per token, when asked for (engine/core/extras.py: logprobs)
     index: int = 0  # the choice (n > 1)
     bad_request: bool = False  # the error is the request's own (an instance refused it): HTTP 400
+    # with an attempt's first token: its prompt tokens served from a prefix cache (usage's cached_tokens)
+    num_cached_tokens: int | None = None
 
 
 class RequestStream:
@@ -31,6 +33,7 @@ class RequestStream:
         self._events: queue.Queue[StreamEvent] = queue.Queue()
         self.token_ids: list[int] = []
         self.extras: list[dict] = []  # one per token, when the request asked for any
+        self.num_cached_tokens = 0  # the latest attempt's prompt tokens served from a prefix cache
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.arrival_s = time.monotonic()
@@ -59,6 +62,8 @@ class RequestStream:
         event = self._events.get(timeout=timeout)
         self.token_ids += event.token_ids
         self.extras += event.extras or []
+        if event.num_cached_tokens is not None:
+            self.num_cached_tokens = event.num_cached_tokens
         if event.finished:
             self.finish_reason, self.error, self.finished_s = event.finish_reason, event.error, self.finished_at_s
         return event

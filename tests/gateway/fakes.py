@@ -24,6 +24,7 @@ class FakeCluster:
                                                                          "instance_deaths": 1, "tokens_past_stop": 0})
         self.is_ready = True
         self.status_rows: list[dict] = []  # what instance_status gives /status
+        self.cached_tokens = 0  # what each choice's first event says the prefix cache served
 
     # -- the view (router/view.py), empty unless a test fills it ------------------------------------
     def instance_infos(self) -> list:
@@ -43,7 +44,8 @@ class FakeCluster:
             for i, t in enumerate(TOKENS[:n]):
                 for c in range(params.n):
                     extras = None if params.logprobs is None else [{"logprobs": fake_logprobs(i, t, params.logprobs)}]
-                    listener(StreamEvent([t], extras=extras, index=c))
+                    listener(StreamEvent([t], extras=extras, index=c,
+                                         num_cached_tokens=self.cached_tokens if i == 0 else None))
             for c in range(params.n):
                 listener(StreamEvent([], True, "length" if n == params.max_tokens else "stop", index=c))
         threading.Thread(target=emit, daemon=True).start()

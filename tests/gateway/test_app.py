@@ -27,13 +27,20 @@ def chat(**kw):
 
 
 def test_chat_completion_body_and_usage(client, cluster):
+    """Usage counts the prompt, the completion and the prompt tokens a prefix cache served (OpenAI's
+    `prompt_tokens_details.cached_tokens`, never more than the prompt: a retry's prompt is longer)."""
+    cluster.cached_tokens = 16
     r = client.post("/v1/chat/completions", json=chat(max_tokens=3, temperature=0))
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == "The capital of"
     assert body["choices"][0]["finish_reason"] == "length"
     prompt_len = len(cluster.submitted[0][1])
-    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 3, "total_tokens": prompt_len + 3}
+    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 3, "total_tokens": prompt_len + 3,
+                             "prompt_tokens_details": {"cached_tokens": 16}}
+    cluster.cached_tokens = 10_000
+    r = client.post("/v1/chat/completions", json=chat(max_tokens=3, temperature=0))
+    assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": prompt_len}
 
 
 def test_completion_stream_chunks_usage_and_done(client):
@@ -54,7 +61,8 @@ def test_n_choices_each_with_its_index_and_the_prompt_counted_once(client, clust
     body, prompt_len = r.json(), len(cluster.submitted[0][1])
     assert [c["index"] for c in body["choices"]] == [0, 1, 2] and cluster.submitted[0][2].n == 3
     assert all(c["message"]["content"] == "The capital of" for c in body["choices"])
-    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 9, "total_tokens": prompt_len + 9}
+    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 9, "total_tokens": prompt_len + 9,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     with client.stream("POST", "/v1/chat/completions", json=chat(max_tokens=3, n=2, stream=True)) as r:
         chunks = [json.loads(ln[len("data: "):]) for ln in r.iter_lines() if ln and ln != "data: [DONE]"]
     for index in (0, 1):

@@ -222,3 +222,18 @@ def test_a_new_extras_field_crosses_unread(tiny_path, monkeypatch):
         assert len(streams) == 6 and all(len(s.token_ids) == 6 for s in streams)
         assert all([e["echo"] for e in s.extras] == s.token_ids for s in streams)
         cluster.assert_no_leaks()
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_a_repeated_prompt_reports_the_tokens_its_prefix_cache_served(tiny_path, mode):
+    """The prompt's tokens a prefix cache served reach the stream (the gateway's usage
+    `prompt_tokens_details.cached_tokens`): none the first time; the second time its full blocks
+    but the one holding its last token (computed again, for its logits), 32 of 40 in blocks of 8."""
+    prompt = random_prompts(1, [40], seed=5)[0]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with Cluster(spec_for(tiny_path, mode=mode), use_ray=False) as cluster:
+        (first,) = cluster.generate([prompt], params, timeout_s=60)
+        (second,) = cluster.generate([prompt], params, timeout_s=60)
+        cluster.assert_no_leaks()
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 32)
+    assert second.token_ids == first.token_ids
