@@ -56,6 +56,11 @@ ROUTER_COUNTERS = {
     "instance_deaths": ("pdserve_router_instance_deaths", "instances found dead (their requests were retried)"),
     "tokens_past_stop": ("pdserve_router_tokens_past_stop", "tokens generated after the gateway matched a stop "
                                                               "string, before the abort reached the instance"),
+    "kv_recomputes": ("pdserve_router_kv_recomputes", "remote requests whose KV a decode instance expected from a "
+                                                      "prefill instance and recomputed instead (the transfer failed)"),
+    "prompt_tokens": ("pdserve_router_prompt_tokens", "prompt tokens of the requests placed (first attempts)"),
+    "cached_prompt_tokens": ("pdserve_router_cached_prompt_tokens", "of those, the tokens an instance's prefix "
+                                                                    "cache served (first attempts)"),
 }
 
 

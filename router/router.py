@@ -431,6 +431,8 @@ class Router:
             logger.error("request %s: %s sent tokens from position %d, %d are delivered; dropped",
                          tracked.request_id, tracked.decode_id, o.start, tracked.num_attempt_tokens)
             return
+        if o.num_cached_tokens is not None and tracked.attempt == 0:  # a prompt computed here (colocated)
+            self.stats["cached_prompt_tokens"] += o.num_cached_tokens
         self._deliver(tracked, o.new_token_ids, o.new_extras, o.num_cached_tokens)
         if o.finished:
             del self._by_attempt[tracked.attempt_id]

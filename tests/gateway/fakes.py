@@ -20,8 +20,9 @@ class FakeCluster:
 
     def __init__(self):
         self.instances, self.aborted, self.submitted, self.stopped = {}, [], [], []
-        self.router = SimpleNamespace(num_queued=0, num_placed=0, stats={"retries": 2, "failed": 1,
-                                                                         "instance_deaths": 1, "tokens_past_stop": 0})
+        self.router = SimpleNamespace(num_queued=0, num_placed=0, stats={
+            "retries": 2, "failed": 1, "instance_deaths": 1, "tokens_past_stop": 0, "kv_recomputes": 3,
+            "prompt_tokens": 100, "cached_prompt_tokens": 64})
         self.is_ready = True
         self.status_rows: list[dict] = []  # what instance_status gives /status
         self.cached_tokens = 0  # what each choice's first event says the prefix cache served

@@ -172,6 +172,8 @@ def test_metrics_health_models(client):
         assert name in text, name
     assert 'pdserve_requests_total{endpoint="chat",status="ok"} 1.0' in text
     assert "pdserve_router_retries_total 2.0" in text and "pdserve_router_instance_deaths_total 1.0" in text
+    assert "pdserve_router_kv_recomputes_total 3.0" in text  # KV expected from a prefill, recomputed
+    assert "pdserve_router_prompt_tokens_total 100.0" in text and "pdserve_router_cached_prompt_tokens_total 64.0" in text
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/nope").status_code == 404 and "error" in client.get("/nope").json()
 

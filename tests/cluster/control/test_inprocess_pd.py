@@ -235,5 +235,7 @@ def test_a_repeated_prompt_reports_the_tokens_its_prefix_cache_served(tiny_path,
         (first,) = cluster.generate([prompt], params, timeout_s=60)
         (second,) = cluster.generate([prompt], params, timeout_s=60)
         cluster.assert_no_leaks()
+        stats = cluster.router.stats  # /metrics' pdserve_router_(cached_)prompt_tokens_total
+        assert (stats["prompt_tokens"], stats["cached_prompt_tokens"]) == (80, 32)
     assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 32)
     assert second.token_ids == first.token_ids
