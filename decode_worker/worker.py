@@ -46,8 +46,9 @@ class DecodeWorker(BaseWorker):
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def assert_no_leaks(self) -> None:
-        self.engine.kv.assert_no_leaks()
+    @property
+    def kv(self):
+        return self.engine.kv
 
     def describe(self) -> dict[str, str]:
         spec = self.engine.speculator

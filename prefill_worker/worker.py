@@ -82,8 +82,9 @@ class PrefillWorker(BaseWorker):
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 
-    def assert_no_leaks(self) -> None:
-        self.scheduler.kv.assert_no_leaks()
+    @property
+    def kv(self):
+        return self.scheduler.kv
 
     def close(self) -> None:
         self.connector.close()

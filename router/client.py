@@ -79,6 +79,12 @@ class PrefillClient(ABC):
         /status and `pdserve expert-plan`; {} for a dense model or a client that cannot ask."""
         return {}
 
+    def kv_events(self, since: int) -> dict | None:
+        """What the instance's prefix cache stored and evicted after event `since`, or a snapshot
+        (engine/core/kv_events.py); None for a client that cannot ask (a prefix index then knows
+        nothing of the instance)."""
+        return None
+
 
 class DecodeClient(ABC):
     info: InstanceInfo

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from typing import Callable
 
 from cluster.spec import spec_registry
-from router.client import InstanceInfo
+from router.client import InstanceInfo, PrefillClient
+from router.prefix_index import PrefixIndex
 
 
 class BaseRoutingPolicy(ABC):
@@ -23,6 +23,12 @@ class BaseRoutingPolicy(ABC):
     @abstractmethod
     def pick_decode(self, candidates: list[InstanceInfo], prompt_token_ids: list[int]) -> InstanceInfo:
         """One of `candidates` (non-empty, healthy) to decode the request."""
+
+    def observe(self, client: PrefillClient) -> None:
+        """Called for each healthy prefill instance on the router's load thread (every 0.1 s)."""
+
+    def forget(self, instance_id: str) -> None:
+        """The instance left the router."""
 
 
 class RoundRobin(BaseRoutingPolicy):
@@ -53,25 +59,26 @@ class LeastLoaded(BaseRoutingPolicy):
 
 
 class PrefixAware(LeastLoaded):
-    """Prefill where the longest prefix of the prompt is cached (from the cluster's prefix index),
-    ties broken by load; decode as LeastLoaded.
-
-    The index is approximate, as llm-d's: `record` notes each prompt's blocks on the instance it
-    was sent to (that instance's prefix cache keeps them until evicted)."""
+    """Prefill where the longest prefix of the prompt is cached, ties broken by load; decode as
+    LeastLoaded. What each prefill instance caches is what its engine says it stored and evicted
+    (router/prefix_index.py, followed on the router's load thread: llm-d's precise index), never a
+    guess at routing time."""
 
     name = "prefix_aware"
 
-    def __init__(self, cached_prefix: Callable[[list[int]], dict[str, int]] | None = None,
-                 record: Callable[[str, list[int]], None] | None = None):
-        self.cached_prefix, self.record = cached_prefix, record
+    def __init__(self, index: PrefixIndex | None = None):
+        self.index = index or PrefixIndex()
+
+    def observe(self, client):
+        self.index.follow(client)
+
+    def forget(self, instance_id):
+        self.index.forget(instance_id)
 
     def pick_prefill(self, candidates, prompt_token_ids):
-        hits = self.cached_prefix(prompt_token_ids) if self.cached_prefix else {}
-        chosen = min(candidates, key=lambda c: (-hits.get(c.instance_id, 0),
-                                                c.load.queued_prefill_tokens, c.instance_id))
-        if self.record is not None:
-            self.record(chosen.instance_id, prompt_token_ids)
-        return chosen
+        hits = self.index.longest_prefix(prompt_token_ids, candidates)
+        return min(candidates, key=lambda c: (-hits.get(c.instance_id, 0), c.load.queued_prefill_tokens,
+                                              c.instance_id))
 
 
 ROUTING_POLICIES = spec_registry("router_policy", {p.name: p for p in (RoundRobin, LeastLoaded, PrefixAware)})

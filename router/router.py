@@ -141,6 +141,7 @@ class Router:
         with self._locked():
             self.prefill.pop(instance_id, None)
             self.decode.pop(instance_id, None)
+        self.policy.forget(instance_id)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                listener=None) -> RequestStream | list[RequestStream]:
@@ -460,6 +461,8 @@ class Router:
                 if client.info.healthy:
                     try:
                         client.info.load = InstanceLoad.of(client.load())
+                        if client.info.role == "prefill":
+                            self.policy.observe(client)  # a prefix-aware policy follows its cache
                     except InstanceDeadError as exc:
                         self.failures.mark_dead(client.info.instance_id, exc)
                     except Exception:  # the thread must go on (the policy reads these loads)

@@ -25,6 +25,9 @@ class _LocalClient:
     def expert_counts(self):
         return self.worker.expert_counts()
 
+    def kv_events(self, since):
+        return self.worker.kv_events(since)
+
 
 class LocalPrefillClient(_LocalClient, PrefillClient):
     def submit(self, msg, params):
@@ -57,6 +60,9 @@ class _RayClient:
 
     def expert_counts(self):
         return self._call("expert_counts")
+
+    def kv_events(self, since):
+        return self._call("kv_events", since)
 
 
 class RayPrefillClient(_RayClient, PrefillClient):

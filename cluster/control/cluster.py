@@ -37,7 +37,7 @@ class Cluster(Serving):
     # -- the router follows the controller's membership ------------------------------------------
     def _route(self) -> None:
         by_role = lambda *roles: [i.client for i in self.instances.values() if i.role in roles]  # noqa: E731
-        self.router = create_router(self.spec, self.state, by_role("prefill"), by_role("decode", "colocated"))
+        self.router = create_router(self.spec, by_role("prefill"), by_role("decode", "colocated"))
         self.router.start()
         ttl = 3 * self.spec.heartbeat_ttl_s
         threading.Thread(target=publish_stats, args=(self.router, self.state, self._stop, ttl),

@@ -25,7 +25,6 @@ from cluster.ranks.nodes import RankPlacement
 from cluster.spec import ClusterSpec
 from cluster.state import ClusterState, InstanceRecord
 from cluster.state_factory import create_state
-from engine.core.block_manager import block_hashes
 from kvtransfer.params import KVEndpoint
 from router.client import InstanceInfo
 from router.policy import create_routing_policy
@@ -36,25 +35,12 @@ SYNC_S = 0.5
 STATS_S = 1.0
 
 
-def create_router(spec: ClusterSpec, state: ClusterState, prefill: list, decode: list) -> Router:
-    """The router the spec asks for (its policy reads the prefix index in `state`, in blocks of the
-    size the prefill instances' engines use: the attention backend may round the spec's)."""
-    policy_kw, router = {}, None
-    if spec.router_policy == "prefix_aware":
-        def block_size() -> int:
-            sizes = [c.info.block_size for c in router.prefill.values() if c.info.block_size] if router else []
-            return min(sizes) if sizes else spec.block_size  # a pool runs one engine config
-
-        def cached(prompt: list[int]) -> dict[str, int]:
-            return state.longest_prefix(block_hashes(prompt, block_size()), role="prefill")
-
-        def record(instance_id: str, prompt: list[int]) -> None:
-            state.add_block_hashes(instance_id, block_hashes(prompt, block_size()))
-        policy_kw = {"cached_prefix": cached, "record": record}
+def create_router(spec: ClusterSpec, prefill: list, decode: list) -> Router:
+    """The router the spec asks for (a prefix-aware policy keeps its own index, fed by the prefill
+    engines' KV events: router/prefix_index.py)."""
     recompute = spec.kv_recompute_max_tokens if spec.kv_load_failure_policy == "recompute" else 0
-    router = Router(prefill, decode, create_routing_policy(spec.router_policy, **policy_kw), mode=spec.mode,
-                    disagg_threshold_tokens=spec.disagg_threshold_tokens, kv_recompute_max_tokens=recompute)
-    return router
+    return Router(prefill, decode, create_routing_policy(spec.router_policy), mode=spec.mode,
+                  disagg_threshold_tokens=spec.disagg_threshold_tokens, kv_recompute_max_tokens=recompute)
 
 
 def publish_stats(router: Router, state: ClusterState, stop: threading.Event, ttl_s: float) -> None:
@@ -85,7 +71,7 @@ class Frontend(Serving):
 
     def start(self) -> Frontend:
         init_ray(self.spec, self.log_level)
-        self.router = create_router(self.spec, self.state, [], [])
+        self.router = create_router(self.spec, [], [])
         self.router.start()
         self.sync()
         for target, args in ((self._sync_loop, ()),

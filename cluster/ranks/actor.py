@@ -161,6 +161,9 @@ class RankActor:
     def expert_counts(self) -> dict[int, list[int]]:
         return self.host.worker.expert_counts()
 
+    def kv_events(self, since: int) -> dict:
+        return self.host.worker.kv_events(since)
+
     def kv_transfer_log(self) -> list[dict]:
         """Prefill ranks: the recent acknowledged transfers, with monotonic timestamps."""
         return list(self.host.sender.recent_transfers) if self.host.sender is not None else []

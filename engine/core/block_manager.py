@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.core.kv_events import KVEventLog
 from engine.core.request import Request
 
 
@@ -59,6 +60,7 @@ class BlockPool:
         self._free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self._is_free = bytearray([0] + [1] * (num_blocks - 1))  # 1 where the block is in the free queue
         self._cached: dict[int, Block] = {}
+        self.events = KVEventLog(capacity=max(1024, 2 * num_blocks))  # what the cache stores and evicts
 
     @property
     def num_free_blocks(self) -> int:
@@ -97,6 +99,7 @@ class BlockPool:
             if block.block_hash is not None:  # evict it from the prefix cache
                 evicted = self._cached.pop(block.block_hash)
                 assert evicted is block
+                self.events.removed(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
         return blocks
@@ -163,6 +166,7 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        self.events.stored(block_hash)
         return True
 
     def get_cached_block(self, block_hash: int) -> Block | None:
@@ -180,6 +184,7 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        self.events.cleared()
         return True
 
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from engine.core.outbox import Outbox
 
 if TYPE_CHECKING:
+    from engine.core.block_manager import KVCacheManager
     from engine.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -63,9 +64,19 @@ class BaseWorker(ABC):
     def max_model_len(self) -> int:
         """The longest sequence (prompt + output) this instance holds."""
 
+    @property
     @abstractmethod
+    def kv(self) -> KVCacheManager:
+        """Rank 0: the instance's KV block allocator, its prefix cache included."""
+
     def assert_no_leaks(self) -> None:
         """Rank 0 (tests): every block of the instance's KV allocator is free."""
+        self.kv.assert_no_leaks()
+
+    def kv_events(self, since: int) -> dict:
+        """Rank 0 (thread-safe): what its prefix cache stored and evicted after event `since`, or a
+        snapshot of what it holds (engine/core/kv_events.py): a router's prefix index follows it."""
+        return self.kv.block_pool.events.since(since)
 
     def describe(self) -> dict[str, str]:
         """What this role adds to the engine's description for /status (a decode's speculation)."""

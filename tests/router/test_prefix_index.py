@@ -1,0 +1,100 @@
+"""A router's prefix index fed by the prefill engines' KV events (router/prefix_index.py): it holds
+what each instance's cache stored until the instance evicts it, counts blocks in each engine's
+block size, and a new router (a restarted gateway) rebuilds it from the instances' snapshots."""
+from __future__ import annotations
+
+import threading
+import time
+
+from engine.core.block_manager import KVCacheManager
+from engine.core.request import Request
+from router.client import InstanceInfo
+from router.policy import create_routing_policy
+from router.prefix_index import PrefixIndex
+from router.router import Router
+from tests.engine.core.test_block_manager import prefill
+from tests.router.test_router import PARAMS, FakeDecode, FakePrefill
+
+PROMPT = list(range(10, 30))  # 20 tokens: 5 full blocks of 4
+
+
+class CachingPrefill(FakePrefill):
+    """A fake prefill instance whose KV events are a real allocator's (blocks of 4 tokens)."""
+
+    def __init__(self, iid: str, load: float = 0.0, block_size: int = 4):
+        super().__init__(iid, load)
+        self.info.block_size = block_size
+        self.kv = KVCacheManager(num_blocks=9, block_size=4)
+
+    def kv_events(self, since):
+        self._check()
+        return self.kv.block_pool.events.since(since)
+
+    def cache(self, rid: str, tokens: list[int]) -> None:
+        req = Request(rid, tokens)
+        prefill(self.kv, req)
+        self.kv.cache_blocks(req, len(tokens))
+        self.kv.free(req)
+
+
+def test_the_index_holds_what_an_engine_stored_until_it_evicts_it():
+    p0, p1 = CachingPrefill("p0", load=0.0), CachingPrefill("p1", load=50.0)
+    p1.cache("a", PROMPT)
+    index = PrefixIndex()
+    policy = create_routing_policy("prefix_aware", index=index)
+    for p in (p0, p1):
+        policy.observe(p)
+    infos = [p0.info, p1.info]
+    assert index.longest_prefix(PROMPT, infos) == {"p0": 0, "p1": 5}
+    assert policy.pick_prefill(infos, PROMPT).instance_id == "p1"  # the prefix outweighs the load
+    assert index.longest_prefix(PROMPT[:10] + [7] * 10, infos) == {"p0": 0, "p1": 2}  # leading blocks only
+    p1.cache("b", list(range(100, 132)))  # 8 blocks: evicts every block of PROMPT's
+    policy.observe(p1)
+    assert index.longest_prefix(PROMPT, infos) == {"p0": 0, "p1": 0}
+    assert policy.pick_prefill(infos, PROMPT).instance_id == "p0"  # by load again
+    assert index.num_snapshots == 2 and index.num_events > 0
+
+
+def test_a_new_router_rebuilds_the_index_from_the_instances():
+    p1 = CachingPrefill("p1")
+    p1.cache("a", PROMPT)
+    old, new = PrefixIndex(), PrefixIndex()
+    old.follow(p1)
+    p1.cache("c", PROMPT[:8] + [5] * 12)  # 2 blocks shared, 3 more stored (room: none evicted)
+    old.follow(p1)
+    new.follow(p1)  # a restarted gateway: one snapshot
+    assert new.longest_prefix(PROMPT, [p1.info]) == old.longest_prefix(PROMPT, [p1.info]) == {"p1": 5}
+    assert new.num_snapshots == 1 and old.num_snapshots == 1 and old.num_events == 3
+
+
+def test_blocks_are_counted_in_each_engines_block_size():
+    p = CachingPrefill("p", block_size=4)
+    p.cache("a", PROMPT)
+    index = PrefixIndex()
+    index.follow(p)
+    assert index.longest_prefix(PROMPT, [p.info]) == {"p": 5}
+    other = InstanceInfo("p", "prefill", 1, block_size=8)  # hashed in blocks of 8, the engine's are 4
+    assert index.longest_prefix(PROMPT, [other]) == {"p": 0}
+    assert index.longest_prefix(PROMPT, [InstanceInfo("q", "prefill", 1, block_size=4)]) == {"q": 0}
+
+
+def test_the_router_follows_its_prefill_instances_and_routes_by_what_they_hold():
+    p0, p1 = CachingPrefill("p0", load=0.0), CachingPrefill("p1", load=50.0)
+    p1.cache("a", PROMPT)
+    r = Router([p0, p1], [FakeDecode("d0")], create_routing_policy("prefix_aware"))
+    r.start()
+    try:
+        deadline = time.monotonic() + 10
+        while r.policy.index.num_snapshots < 2:  # the load thread's first round (every 0.1 s)
+            assert time.monotonic() < deadline, "the router did not follow its prefill instances"
+            threading.Event().wait(0.02)
+        r.submit("x", PROMPT, PARAMS)
+        deadline = time.monotonic() + 10
+        while not (p0.submitted or p1.submitted):
+            assert time.monotonic() < deadline
+            threading.Event().wait(0.01)
+        assert p1.submitted and not p0.submitted
+        r.remove_instance("p1")
+        assert r.policy.index.longest_prefix(PROMPT, [p1.info]) == {"p1": 0}
+    finally:
+        r.close()
