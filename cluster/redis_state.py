@@ -10,7 +10,7 @@ import time
 import msgpack
 
 from cluster.redis_client import connect
-from cluster.state import ClusterState, InstanceRecord, _check_hashes, _check_health, _found, _leading_run
+from cluster.state import ClusterState, InstanceRecord, _check_health, _found
 
 
 def _pack(value) -> bytes:
@@ -33,13 +33,6 @@ redis.call('SET', KEYS[2], '1', 'PX', ARGV[1])
 redis.call('HSET', KEYS[1], 'heartbeat', ARGV[2], 'updated_at', ARGV[3])
 return 1
 """
-_SADD_IF_EXISTS = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-for i = 1, #ARGV, 1000 do
-  redis.call('SADD', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
-end
-return 1
-"""
 _LOAD_PREFIX = "load:"
 logger = logging.getLogger(__name__)
 
@@ -52,7 +45,6 @@ class RedisState(ClusterState):
         {ns}:inst:{id}          hash: role, tp_size, kv_endpoints, health, updated_at,
                                 heartbeat (armed flag), load:{name}; each value msgpack
         {ns}:hb:{id}            heartbeat key with PX expiry
-        {ns}:hashes:{id}        set of msgpack-encoded block hashes
         {ns}:metric:{name}      sorted set scored by timestamp; members msgpack [ts, value, nonce]
         {ns}:router:{id}        a router's counters (msgpack map) with PX expiry
 
@@ -71,7 +63,6 @@ class RedisState(ClusterState):
         self._redis = connect(url, decode_responses=False)
         self._hset_if_exists = self._redis.register_script(_HSET_IF_EXISTS)
         self._heartbeat = self._redis.register_script(_HEARTBEAT)
-        self._sadd_if_exists = self._redis.register_script(_SADD_IF_EXISTS)
         self.malformed_records = 0  # records skipped as unreadable (_decode)
         self._malformed_ids: set[str] = set()
 
@@ -113,7 +104,7 @@ class RedisState(ClusterState):
                   "rank_cpus": [dict(c) for c in record.rank_cpus],
                   **{_LOAD_PREFIX + k: float(v) for k, v in record.load.items()}}
         with self._redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self._key("inst", i), self._key("hb", i), self._key("hashes", i))
+            pipe.delete(self._key("inst", i), self._key("hb", i))
             pipe.hset(self._key("inst", i), mapping={k: _pack(v) for k, v in fields.items()})
             pipe.sadd(self._key("instances"), i)
             pipe.execute()
@@ -156,8 +147,7 @@ class RedisState(ClusterState):
 
     def remove(self, instance_id: str) -> None:
         with self._redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self._key("inst", instance_id), self._key("hb", instance_id),
-                        self._key("hashes", instance_id))
+            pipe.delete(self._key("inst", instance_id), self._key("hb", instance_id))
             pipe.srem(self._key("instances"), instance_id)
             pipe.execute()
 
@@ -170,32 +160,6 @@ class RedisState(ClusterState):
 
     def expired_instances(self) -> list[str]:
         return [r.instance_id for r, expired in self._fetch(self._ids()) if expired]
-
-    def add_block_hashes(self, instance_id: str, hashes: list[int]) -> None:
-        members = [_pack(h) for h in _check_hashes(hashes)]
-        keys = [self._key("inst", instance_id), self._key("hashes", instance_id)]
-        _found(self._sadd_if_exists(keys=keys, args=members), instance_id)
-
-    def remove_block_hashes(self, instance_id: str, hashes: list[int]) -> None:
-        members = [_pack(h) for h in _check_hashes(hashes)]
-        if members:
-            self._redis.srem(self._key("hashes", instance_id), *members)
-
-    def longest_prefix(self, hashes: list[int], role: str | None = None) -> dict[str, int]:
-        members = [_pack(h) for h in _check_hashes(hashes)]
-        if not members:
-            return {r.instance_id: 0 for r in self.list_instances(role)}
-        ids = self._ids()
-        with self._redis.pipeline(transaction=False) as pipe:
-            for i in ids:  # one round trip: each instance's role and membership of every hash
-                pipe.hget(self._key("inst", i), "role")
-                pipe.smismember(self._key("hashes", i), members)
-            replies = pipe.execute()
-        return {i: _leading_run(held) for i, raw_role, held in zip(ids, replies[0::2], replies[1::2])
-                if raw_role is not None and (role is None or _unpack(raw_role) == role)}
-
-    def drop_instance_hashes(self, instance_id: str) -> None:
-        self._redis.delete(self._key("hashes", instance_id))
 
     def record_metric(self, name: str, value: float, ts: float | None = None) -> None:
         ts = time.time() if ts is None else float(ts)

@@ -1,4 +1,7 @@
-"""Cluster state: instance records, heartbeats, the prefix-hash index and autoscaler metrics.
+"""Cluster state: instance records, heartbeats, routers' counters and autoscaler metrics.
+
+What each instance's prefix cache holds is not here: a router follows the engines' KV events
+(router/prefix_index.py).
 
 One interface (`ClusterState`), two backends: `MemoryState` (default, in-process, thread-safe)
 and `RedisState` (cluster/redis_state.py: shared by every process of the cluster; values are
@@ -12,7 +15,6 @@ backend tracks them with `time.monotonic()` and Redis with key expiry.
 from __future__ import annotations
 
 import bisect
-import itertools
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -21,7 +23,6 @@ from dataclasses import dataclass, field, replace
 
 ROLES = ("prefill", "decode", "colocated")
 HEALTH_STATES = ("healthy", "draining", "dead")
-MAX_HASH = 2**64 - 1
 
 
 @dataclass
@@ -90,33 +91,19 @@ def _found(ok: int, instance_id: str) -> None:
         raise KeyError(f"unknown instance {instance_id!r}")
 
 
-def _check_hashes(hashes: list[int]) -> list[int]:
-    out = [int(h) for h in hashes]
-    for h in out:
-        if not 0 <= h <= MAX_HASH:
-            raise ValueError(f"block hash {h} is not an unsigned 64-bit int")
-    return out
-
-
-def _leading_run(held: list[bool]) -> int:
-    """Number of leading True values."""
-    return sum(1 for _ in itertools.takewhile(bool, held))
-
-
 class ClusterState(ABC):
     """Shared view of the cluster. Every method is safe to call from several threads.
 
     Routers also publish their request counters here (`publish_router`), for the autoscaler.
 
-    Mutations of an unknown instance (`update_load`, `set_health`, `heartbeat`,
-    `add_block_hashes`) raise KeyError; `remove`, `remove_block_hashes` and
-    `drop_instance_hashes` of an unknown instance are no-ops.
+    Mutations of an unknown instance (`update_load`, `set_health`, `heartbeat`) raise KeyError;
+    `remove` of an unknown instance is a no-op.
     """
 
     @abstractmethod
     def register(self, record: InstanceRecord) -> None:
         """Adds an instance, replacing any previous record with the same id together with
-        its heartbeat and block hashes (a restarted instance starts with an empty cache).
+        its heartbeat.
 
         Args:
             record: the instance; its `updated_at` is stamped with the current time.
@@ -150,7 +137,7 @@ class ClusterState(ABC):
 
     @abstractmethod
     def remove(self, instance_id: str) -> None:
-        """Forgets the instance: its record, heartbeat and block hashes."""
+        """Forgets the instance: its record and heartbeat."""
 
     @abstractmethod
     def heartbeat(self, instance_id: str, ttl_s: float) -> None:
@@ -166,35 +153,6 @@ class ClusterState(ABC):
     @abstractmethod
     def expired_instances(self) -> list[str]:
         """Returns the sorted ids of registered instances whose last heartbeat has expired."""
-
-    @abstractmethod
-    def add_block_hashes(self, instance_id: str, hashes: list[int]) -> None:
-        """Records that the instance holds these cached blocks.
-
-        Args:
-            instance_id: a registered instance.
-            hashes: chained block hashes, unsigned 64-bit ints.
-        """
-
-    @abstractmethod
-    def remove_block_hashes(self, instance_id: str, hashes: list[int]) -> None:
-        """Records that the instance evicted these blocks; unknown hashes are ignored."""
-
-    @abstractmethod
-    def longest_prefix(self, hashes: list[int], role: str | None = None) -> dict[str, int]:
-        """How much of a prompt each instance already caches.
-
-        Args:
-            hashes: the prompt's chained block hashes, in order.
-            role: only instances of this role; None = all.
-        Returns:
-            instance_id -> number of LEADING hashes of `hashes` the instance holds
-            (0 included); a hash held after a miss does not count.
-        """
-
-    @abstractmethod
-    def drop_instance_hashes(self, instance_id: str) -> None:
-        """Forgets every block hash of the instance (e.g. after it reset its cache)."""
 
     @abstractmethod
     def record_metric(self, name: str, value: float, ts: float | None = None) -> None:
@@ -235,7 +193,6 @@ class MemoryState(ClusterState):
         self._lock = threading.Lock()
         self._records: dict[str, InstanceRecord] = {}
         self._deadlines: dict[str, float] = {}  # instance_id -> time.monotonic() deadline
-        self._hashes: dict[str, set[int]] = {}
         self._metrics: dict[str, list[tuple[float, float]]] = {}  # sorted by ts
         self._routers: dict[str, tuple[float, dict[str, float]]] = {}  # id -> (monotonic deadline, stats)
 
@@ -250,7 +207,6 @@ class MemoryState(ClusterState):
         with self._lock:
             self._records[record.instance_id] = record
             self._deadlines.pop(record.instance_id, None)
-            self._hashes[record.instance_id] = set()
 
     def update_load(self, instance_id: str, load: dict[str, float]) -> None:
         with self._lock:
@@ -282,7 +238,6 @@ class MemoryState(ClusterState):
         with self._lock:
             self._records.pop(instance_id, None)
             self._deadlines.pop(instance_id, None)
-            self._hashes.pop(instance_id, None)
 
     def _expired(self, instance_id: str, now: float) -> bool:
         deadline = self._deadlines.get(instance_id)
@@ -300,28 +255,6 @@ class MemoryState(ClusterState):
         with self._lock:
             now = time.monotonic()
             return sorted(i for i in self._records if self._expired(i, now))
-
-    def add_block_hashes(self, instance_id: str, hashes: list[int]) -> None:
-        hashes = _check_hashes(hashes)
-        with self._lock:
-            self._record(instance_id)
-            self._hashes[instance_id].update(hashes)
-
-    def remove_block_hashes(self, instance_id: str, hashes: list[int]) -> None:
-        hashes = _check_hashes(hashes)
-        with self._lock:
-            self._hashes.get(instance_id, set()).difference_update(hashes)
-
-    def longest_prefix(self, hashes: list[int], role: str | None = None) -> dict[str, int]:
-        hashes = _check_hashes(hashes)
-        with self._lock:
-            return {i: _leading_run([h in self._hashes[i] for h in hashes])
-                    for i, r in self._records.items() if role is None or r.role == role}
-
-    def drop_instance_hashes(self, instance_id: str) -> None:
-        with self._lock:
-            if instance_id in self._hashes:
-                self._hashes[instance_id] = set()
 
     def record_metric(self, name: str, value: float, ts: float | None = None) -> None:
         ts = time.time() if ts is None else float(ts)

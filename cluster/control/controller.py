@@ -472,7 +472,6 @@ class Controller:
         if dead:
             self._dead_ids.append(inst.instance_id)
         try:
-            self.state.drop_instance_hashes(inst.instance_id)
             if dead:
                 self.state.set_health(inst.instance_id, "dead")
             else:

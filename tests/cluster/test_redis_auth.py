@@ -67,15 +67,11 @@ def exercise_state(state: RedisState) -> None:
     state.heartbeat("auth-0", 5.0)
     state.update_load("auth-0", {"running": 2.0})
     state.set_health("auth-0", "draining")
-    state.add_block_hashes("auth-0", [1, 2, 3])
-    assert state.longest_prefix([1, 2, 9], role="decode") == {"auth-0": 2}
-    state.remove_block_hashes("auth-0", [3])
     assert [r.load["running"] for r in state.list_instances()] == [2.0] and not state.expired_instances()
     state.record_metric("ttft", 0.5)
     assert [v for _, v in state.recent_metrics("ttft", 60)] == [0.5]
     state.publish_router("gw", {"queued": 1.0}, ttl_s=5.0)
     assert state.router_stats() == {"gw": {"queued": 1.0}}
-    state.drop_instance_hashes("auth-0")
     state.remove("auth-0")
     assert state.get("auth-0") is None
 

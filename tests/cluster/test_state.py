@@ -10,7 +10,6 @@ from cluster.redis_state import RedisState
 from cluster.state import ClusterState, InstanceRecord, MemoryState
 from cluster.state_factory import create_state
 
-BIG = 2**64 - 1
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -115,30 +114,25 @@ def test_rank_cpus_round_trip_and_default_to_empty(state):
         assert state.get("d0").rank_cpus == []
 
 
-def test_register_replaces_record_heartbeat_and_hashes(state):
-    """Re-registering an id (a restarted instance) starts it clean: no hashes, no armed TTL."""
+def test_register_replaces_record_and_heartbeat(state):
+    """Re-registering an id (a restarted instance) starts it clean: no load, no armed TTL."""
     state.register(create_record("d0", load={"running": 2}))
-    state.add_block_hashes("d0", [1, 2])
     state.heartbeat("d0", 0.05)
     time.sleep(0.15)
     assert state.expired_instances() == ["d0"]
     state.register(create_record("d0", tp_size=2))
     assert state.get("d0").tp_size == 2 and state.get("d0").load == {}
-    assert state.longest_prefix([1, 2]) == {"d0": 0}
     assert state.expired_instances() == [] and ids(state.list_instances(healthy_only=True)) == ["d0"]
 
 
 def test_unknown_instance(state):
     """Writes to an unknown instance raise KeyError; removals of one are no-ops."""
     for call in (lambda: state.update_load("x", {"running": 1}), lambda: state.set_health("x", "dead"),
-                 lambda: state.heartbeat("x", 1.0), lambda: state.add_block_hashes("x", [1]),
-                 lambda: state.add_block_hashes("x", [])):
+                 lambda: state.heartbeat("x", 1.0)):
         with pytest.raises(KeyError):
             call()
     state.remove("x")
-    state.remove_block_hashes("x", [1])
-    state.drop_instance_hashes("x")
-    assert state.list_instances() == [] and state.longest_prefix([1]) == {}
+    assert state.list_instances() == []
 
 
 def test_role_and_health_filters(state):
@@ -177,43 +171,6 @@ def test_heartbeat_ttl_expiry(state):
         state.heartbeat("a", 0)
 
 
-def test_longest_prefix_counts_leading_run(state):
-    """longest_prefix counts only the LEADING hashes each instance holds, per role."""
-    prompt = [BIG, BIG - 1, 2**63, 0, 12345]
-    state.register(create_record("p_three", "prefill"))
-    state.register(create_record("p_gap", "prefill"))
-    state.register(create_record("p_none", "prefill"))
-    state.register(create_record("d_all", "decode"))
-    state.add_block_hashes("p_three", prompt[:3])
-    state.add_block_hashes("p_gap", [prompt[0], prompt[2], prompt[3]])  # misses prompt[1]
-    state.add_block_hashes("p_none", prompt[1:])  # misses the first block
-    state.add_block_hashes("d_all", prompt)
-    assert state.longest_prefix(prompt) == {"p_three": 3, "p_gap": 1, "p_none": 0, "d_all": 5}
-    assert state.longest_prefix(prompt, role="prefill") == {"p_three": 3, "p_gap": 1, "p_none": 0}
-    assert state.longest_prefix(prompt[:2], role="decode") == {"d_all": 2}
-    assert state.longest_prefix([], role="decode") == {"d_all": 0}
-
-    state.remove_block_hashes("d_all", [prompt[2], 777])
-    assert state.longest_prefix(prompt, role="decode") == {"d_all": 2}
-    state.drop_instance_hashes("d_all")
-    assert state.longest_prefix(prompt, role="decode") == {"d_all": 0}
-    state.remove("p_three")
-    assert "p_three" not in state.longest_prefix(prompt)
-
-
-def test_hashes_are_unsigned_64_bit(state):
-    """Hashes near 2**64-1 round-trip exactly (neighbours stay distinct); others are rejected."""
-    state.register(create_record("d0"))
-    state.add_block_hashes("d0", [BIG, 2**63])
-    assert state.longest_prefix([BIG]) == {"d0": 1}
-    assert state.longest_prefix([BIG - 1]) == {"d0": 0}
-    assert state.longest_prefix([2**63 - 1]) == {"d0": 0}
-    assert state.longest_prefix([2**63, BIG]) == {"d0": 2}
-    for bad in (-1, 2**64):
-        with pytest.raises(ValueError, match="64-bit"):
-            state.add_block_hashes("d0", [bad])
-
-
 def test_metrics_window(make_state):
     """recent_metrics returns the samples inside the window, oldest first; equal samples are
     all kept; samples older than the retention are trimmed."""
@@ -233,7 +190,7 @@ def test_metrics_window(make_state):
 
 
 def test_concurrent_updates_from_threads(state):
-    """Threads writing load figures, hashes, heartbeats and health of one instance lose no write."""
+    """Threads writing load figures, heartbeats and health of one instance lose no write."""
     num_threads, num_iters = 6, 40
     state.register(create_record("d0"))
     errors: list[BaseException] = []
@@ -242,7 +199,6 @@ def test_concurrent_updates_from_threads(state):
         try:
             for k in range(num_iters):
                 state.update_load("d0", {f"t{t}": k})
-                state.add_block_hashes("d0", [BIG - (t * num_iters + k)])
                 state.heartbeat("d0", 30.0)
                 state.set_health("d0", "healthy" if k % 2 else "draining")
                 state.register(create_record(f"x{t}-{k}", "prefill"))
@@ -258,8 +214,6 @@ def test_concurrent_updates_from_threads(state):
     record = state.get("d0")
     assert record.load == {f"t{t}": float(num_iters - 1) for t in range(num_threads)}
     assert record.health == "healthy"  # every thread's last write
-    hashes = [BIG - i for i in range(num_threads * num_iters)]
-    assert state.longest_prefix(hashes, role="decode") == {"d0": len(hashes)}
     assert len(state.list_instances(role="prefill")) == num_threads * num_iters
 
 
@@ -295,10 +249,8 @@ def test_redis_states_share_one_namespace(redis_url):
         a.remove("d0")
         other.remove("d0")
         a.register(create_record("d0"))
-        a.add_block_hashes("d0", [BIG])
         b.update_load("d0", {"running": 2})
         assert a.get("d0").load == {"running": 2.0}
-        assert b.longest_prefix([BIG]) == {"d0": 1}
         assert other.get("d0") is None and other.list_instances() == []
     finally:
         for s in (a, b, other):

@@ -24,11 +24,11 @@ class FlakyState(MemoryState):
         super().__init__()
         self.failures = failures
 
-    def drop_instance_hashes(self, instance_id: str) -> None:
-        if self.failures > 0:
+    def set_health(self, instance_id: str, health: str) -> None:
+        if self.failures > 0 and health == "dead":
             self.failures -= 1
-            raise redis.exceptions.TimeoutError(f"Timeout reading from redis (dropping {instance_id})")
-        super().drop_instance_hashes(instance_id)
+            raise redis.exceptions.TimeoutError(f"Timeout reading from redis (marking {instance_id} dead)")
+        super().set_health(instance_id, health)
 
 
 def wait_replaced(controller, old: str, role: str, timeout_s: float = 60.0) -> None:
