@@ -207,9 +207,10 @@ def _place(prefill: _Rank, decode: _Rank, rid: str, prompt: list[int], params) -
     """What the router does: blocks on the decode first, then the prompt to the prefill with the
     decode's KV endpoint."""
     msg = RequestMessage(rid, prompt, params, CLIENT)
-    if not decode.call(Reserve(msg)):
+    reservation = decode.call(Reserve(msg))
+    if reservation is None:
         raise RuntimeError(f"the decode rank has no room for {rid}")
-    kv = KVTransferParams(rid, decode.instance_id, 1, (decode.endpoint,))
+    kv = KVTransferParams(rid, decode.instance_id, 1, (decode.endpoint,), reservation.cached_tokens)
     stream = _Stream(time.monotonic())
     prefill.call(Submit(msg, kv))
     return stream

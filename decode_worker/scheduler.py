@@ -60,18 +60,25 @@ class Scheduler:
 
     def reserve(self, req: Request) -> bool:
         """Allocates blocks for a remote-prefilled prompt; False (and no change) if they don't fit,
-        ValueError if it cannot be taken at all (as `add_request`)."""
+        ValueError if it cannot be taken at all (as `add_request`). The leading blocks this
+        instance's prefix cache holds are taken from it (`req.num_cached_tokens`: the prefill
+        instance ships only the tokens after them; delta transfer)."""
         check_admission(req, self.max_model_len, self.requests, max_num_choices=self.config.max_num_seqs)
         waiting = sum(r.sampling_params.n for r in self.remote.values())  # choices run side by side once forked
         if len(self.running) + waiting + req.sampling_params.n > self.config.max_num_seqs:
             return False
-        # No prefix caching of these blocks until their KV has arrived (see remote_kv_ready). With
+        n = req.num_prompt_tokens
+        hits, num_hit = self.kv.get_computed_blocks(req)
+        if any(window_start(n, w) > num_hit for w in self.kv.windows):  # a window starts after the hits:
+            hits, num_hit = None, 0  # its blocks before it would never be written (the window's nulls instead)
+        # No prefix caching of the new blocks until their KV has arrived (see remote_kv_ready). With
         # a sliding window, none for the blocks before it: the prefill ships only what is read.
-        num_null = [window_start(req.num_prompt_tokens, w) // self.kv.block_size for w in self.kv.windows]
-        if self.kv.allocate_slots(req, req.num_prompt_tokens, num_tokens_to_cache=0, contiguous=True,
+        num_null = None if num_hit else [window_start(n, w) // self.kv.block_size for w in self.kv.windows]
+        if self.kv.allocate_slots(req, n - num_hit, hits, num_tokens_to_cache=num_hit, contiguous=True,
                                   num_null_blocks=num_null) is None:
             self.kv.free(req)  # forget hashes it may have computed
             return False
+        req.num_cached_tokens = num_hit
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.requests[req.request_id] = req
         self.remote[req.request_id] = req
@@ -87,8 +94,9 @@ class Scheduler:
         req = self.remote.pop(request_id, None)
         if req is None:
             return []
-        req.num_computed_tokens = req.num_prompt_tokens
-        self.kv.cache_blocks(req, req.num_prompt_tokens)  # the KV is there now: cacheable
+        n = req.num_computed_tokens = req.num_prompt_tokens
+        # the KV is there now: cacheable, but for the block a window's cut starts inside (never filled before it)
+        self.kv.cache_blocks(req, n, valid_from=[window_start(n, w) for w in self.kv.windows])
         if req.sampling_params.wants_extras:
             assert extras is not None, f"{request_id} asked for extras; its first token came without"
         if req.sampling_params.n > 1:

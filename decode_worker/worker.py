@@ -24,6 +24,7 @@ from engine.core.handover import Handover, HandoverError
 from engine.core.request import Request, RequestMessage, RequestStatus
 from engine.runner.worker_base import BaseWorker
 from kvtransfer.connector import DecodeConnector, prompt_slots
+from kvtransfer.params import Reservation
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class DecodeWorker(BaseWorker):
         # cumulative, for the autoscaler's online profile: steps, their seconds, sequences in them
         self.num_steps, self.step_s, self.num_step_seqs = 0, 0.0, 0
         self.num_bad_handovers = 0  # requests failed for a malformed handover (engine/core/handover.py)
+        self.num_reused_tokens = 0  # remote prompts' tokens its prefix cache held: not shipped (reserve)
 
     @property
     def max_model_len(self) -> int:
@@ -55,20 +57,22 @@ class DecodeWorker(BaseWorker):
         return {} if spec is None else {"speculative": spec.describe()}
 
     # -- rank 0 API (thread-safe) ---------------------------------------------------------------
-    def reserve(self, msg: RequestMessage, prefill_tp: int) -> bool:
-        """Admission control: blocks for the prompt, or False. Registers the expected KV on all ranks."""
+    def reserve(self, msg: RequestMessage, prefill_tp: int) -> Reservation | None:
+        """Admission control: blocks for the prompt, or None. Registers the expected KV on all ranks:
+        the prompt's tokens after those this instance's prefix cache holds (Reservation)."""
         req = Request.from_message(msg, self.engine.eos_token_ids)
         with self._lock:
             if not self.engine.scheduler.reserve(req):
-                return False
+                return None
             self.outbox.add(req.request_id, req.client_id)
             self.engine.output.add_request(req.request_id, num_handed_over=1)  # the prefill streams the first token
             # the tokens a decode step can still read: blocks wholly before them are null (reserve)
-            n, kv = req.num_prompt_tokens, self.engine.kv
-            slots = [prompt_slots(table, self.engine.runner.block_size, n, start=window_start(n, window))
+            n, kv, cached = req.num_prompt_tokens, self.engine.kv, req.num_cached_tokens
+            slots = [prompt_slots(table, self.engine.runner.block_size, n, start=max(window_start(n, window), cached))
                      for table, window in zip(kv.get_block_ids(req.request_id), kv.windows)]
             self.connector.reserve(req.request_id, slots, prefill_tp)
-        return True
+            self.num_reused_tokens += cached
+        return Reservation(cached)
 
     def add_request(self, msg: RequestMessage) -> None:
         """Colocated: prefill here too."""
@@ -94,6 +98,7 @@ class DecodeWorker(BaseWorker):
         return {"running": float(len(s.running)), "waiting": float(len(s.waiting)),
                 "reserved": float(len(s.remote)), "kv_usage": self.engine.kv.usage,
                 "num_preemptions": float(s.num_preemptions), "kv_bytes_received": float(st.get("bytes_received", 0)),
+                "kv_reused_prompt_tokens": float(self.num_reused_tokens),
                 "kv_transfer_failures": float(st.get("failed", 0)),
                 "kv_messages_dropped": float(st.get("garbage_messages", 0) + st.get("unknown_requests", 0)
                                              + self.num_bad_handovers),

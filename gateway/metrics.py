@@ -17,6 +17,8 @@ INSTANCE_GAUGES = {
     "num_preemptions": ("pdserve_instance_recomputes_total", "preemptions by recompute, since start"),
     "kv_bytes_sent": ("pdserve_kv_transfer_sent_bytes_total", "KV bytes sent, since start"),
     "kv_bytes_received": ("pdserve_kv_transfer_received_bytes_total", "KV bytes received, since start"),
+    "kv_reused_prompt_tokens": ("pdserve_kv_reused_prompt_tokens_total",
+                                "decode: remote prompts' tokens its prefix cache held, so not shipped (delta transfer)"),
     "kv_transfer_seconds": ("pdserve_kv_transfer_seconds_total", "seconds spent in acknowledged KV transfers"),
     "kv_transfer_failures": ("pdserve_kv_transfer_failures_total", "failed or rejected KV transfers"),
     "kv_messages_dropped": ("pdserve_kv_messages_dropped_total", "malformed KV control messages or parts for unknown requests"),

@@ -94,17 +94,21 @@ class PrefillConnector:
 
     def shipments(self, sched, block_ids_of, block_size: int, device) -> list[Shipment]:
         """The requests whose prompt completes in step `sched` (they sample: their KV is whole),
-        one shipment per KV group, each with the prompt tokens from its `window_start` on.
-        `block_ids_of(request_id)`: the request's block table per group."""
+        one shipment per KV group, each with the prompt tokens from its `window_start` on, or from
+        the first the decode instance's cache lacks (`decode_cached_tokens`, after the window's
+        start: the decode side takes its hits only then). `block_ids_of(request_id)`: the request's
+        block table per group."""
         windows = (None,) if self.kv_layout is None else self.kv_layout.windows
         out = []
         for r in sched.new_requests + sched.cached_requests:
             if r.sample:
                 n = r.num_computed_tokens + len(r.token_ids)
+                params = self._params[r.request_id]
+                assert params.decode_cached_tokens < n, (r.request_id, params.decode_cached_tokens, n)
                 for group, (window, table) in enumerate(zip(windows, block_ids_of(r.request_id))):
-                    start = window_start(n, window)
+                    start = max(window_start(n, window), params.decode_cached_tokens)
                     slots = prompt_slots(table, block_size, n, device, start)
-                    out.append(Shipment(r.request_id, self._params[r.request_id], n - start, slots, group,
+                    out.append(Shipment(r.request_id, params, n - start, slots, group,
                                         transfer_id(r.request_id, group, len(windows))))
         return out
 

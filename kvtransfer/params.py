@@ -95,16 +95,27 @@ class KVEndpoint:
 
 
 @dataclass(frozen=True)
+class Reservation:
+    """A decode instance's yes to a remote request (DecodeClient.reserve): its prompt's blocks are
+    reserved, and its prefix cache already holds the first `cached_tokens` prompt tokens (a multiple
+    of its block size, fewer than the prompt), so only the tokens after them are shipped."""
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class KVTransferParams:
-    """Travels with a request from the router to its prefill instance: where its KV goes."""
+    """Travels with a request from the router to its prefill instance: where its KV goes, and from
+    which prompt token (`decode_cached_tokens`: what the decode instance's cache holds, Reservation)."""
     request_id: str
     decode_instance_id: str
     decode_tp_size: int
     endpoints: tuple[KVEndpoint, ...]  # one per decode rank, in rank order
+    decode_cached_tokens: int = 0
 
     def __post_init__(self):
         assert len(self.endpoints) == self.decode_tp_size, self
         assert [e.rank for e in self.endpoints] == list(range(self.decode_tp_size)), self
+        assert self.decode_cached_tokens >= 0, self
 
 
 def kv_heads_of_rank(num_kv_heads: int, tp_size: int, rank: int) -> range:

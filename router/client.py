@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.core.request import RequestMessage
-from kvtransfer.params import KVEndpoint, KVTransferParams
+from kvtransfer.params import KVEndpoint, KVTransferParams, Reservation
 
 
 class InstanceDeadError(RuntimeError):
@@ -90,8 +90,9 @@ class DecodeClient(ABC):
     info: InstanceInfo
 
     @abstractmethod
-    def reserve(self, msg: RequestMessage, prefill_tp: int) -> bool:
-        """Reserve KV blocks for `msg`'s prompt (admission control); False if they don't fit now."""
+    def reserve(self, msg: RequestMessage, prefill_tp: int) -> Reservation | None:
+        """Reserve KV blocks for `msg`'s prompt (admission control); None if they don't fit now. The
+        reservation says how much of the prompt the instance's prefix cache holds: not shipped."""
 
     @abstractmethod
     def add_request(self, msg: RequestMessage) -> None:

@@ -294,9 +294,11 @@ class Router:
                 d.add_request(msg)
                 return _Outcome(d)
             for candidate in plan.decodes:
-                if candidate.reserve(msg, p.info.tp_size):
+                reservation = candidate.reserve(msg, p.info.tp_size)
+                if reservation is not None:
                     d = candidate
-                    kv = KVTransferParams(msg.request_id, d.info.instance_id, d.info.tp_size, d.info.kv_endpoints)
+                    kv = KVTransferParams(msg.request_id, d.info.instance_id, d.info.tp_size, d.info.kv_endpoints,
+                                          decode_cached_tokens=reservation.cached_tokens)
                     p.submit(msg, kv)
                     return _Outcome(d)
             return _Outcome(None)

@@ -18,7 +18,7 @@ from cluster.ranks.nodes import RankPlacement, node_address, set_socket_ifnames,
 from cluster.ranks.rank import RankHost, TPRendezvous, open_rendezvous
 from engine.core.config import EngineConfig
 from engine.core.request import RequestMessage
-from kvtransfer.params import KVEndpoint, KVTransferParams
+from kvtransfer.params import KVEndpoint, KVTransferParams, Reservation
 from kvtransfer.registry import DEFAULT as DEFAULT_TRANSPORT
 
 
@@ -136,7 +136,7 @@ class RankActor:
         self.host.worker.submit(msg, params)
 
     # decode
-    def reserve(self, msg: RequestMessage, prefill_tp: int) -> bool:
+    def reserve(self, msg: RequestMessage, prefill_tp: int) -> Reservation | None:
         return self.host.worker.reserve(msg, prefill_tp)
 
     def expect(self, request_id: str, slots: list[torch.Tensor], prefill_tp: int) -> None:

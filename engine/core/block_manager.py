@@ -324,10 +324,12 @@ class KVCacheManager:
         self._cache_full_blocks(request, num_tokens_needed if num_tokens_to_cache is None else num_tokens_to_cache)
         return new_blocks
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int, valid_from: Sequence[int] = ()) -> None:
         """The first `num_tokens` tokens of the request now hold valid KV: offer their full
-        blocks to the prefix cache (after `allocate_slots(..., num_tokens_to_cache=...)`)."""
-        self._cache_full_blocks(request, num_tokens)
+        blocks to the prefix cache (after `allocate_slots(..., num_tokens_to_cache=...)`).
+        `valid_from`, per group: the first token whose KV is there (a transfer cut to a sliding
+        window): a block holding any token before it stays out of the cache for good."""
+        self._cache_full_blocks(request, num_tokens, valid_from)
 
     def _check_allocate_args(self, request: Request, num_new_tokens: int, hits: list[list[Block]]) -> None:
         if num_new_tokens < 0:
@@ -339,8 +341,9 @@ class KVCacheManager:
         assert all(self.block_pool.get_cached_block(b.block_hash) is b
                    for h in hits for b in h if b is not self.block_pool.null_block), "hit evicted"
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Offer to the hash map the tables' full blocks within the first `num_tokens`."""
+    def _cache_full_blocks(self, request: Request, num_tokens: int, valid_from: Sequence[int] = ()) -> None:
+        """Offer to the hash map the tables' full blocks within the first `num_tokens` (per group,
+        none that holds a token before its `valid_from`)."""
         req_id, tables = request.request_id, self.req_to_blocks[request.request_id]
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         num_done = self.num_cached_block[req_id]
@@ -349,7 +352,8 @@ class KVCacheManager:
         hashes = self._update_block_hashes(request)
         assert len(hashes) >= num_full and all(len(t) >= num_full for t in tables)
         for g, blocks in enumerate(tables):
-            for i in range(num_done, num_full):
+            first = -(-valid_from[g] // self.block_size) if valid_from else 0  # the first block wholly valid
+            for i in range(max(num_done, first), num_full):
                 if blocks[i] is not self.block_pool.null_block:  # never received: nothing to cache
                     self.block_pool.cache_block(blocks[i], self._key(g, hashes[i]))
         self.num_cached_block[req_id] = num_full

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from decode_worker.scheduler import Scheduler
 from engine.core.batch import RunnerOutput
-from engine.core.block_manager import KVCacheManager
+from engine.core.block_manager import KVCacheManager, block_hashes
 from engine.core.config import SchedulerConfig
 from engine.core.request import Request, RequestStatus, SamplingParams
 
@@ -64,3 +64,16 @@ def test_preempted_remote_request_recomputes_locally():
         step(s)
     assert rem.output_token_ids == [50, 7, 7, 7]
     s.kv.assert_no_leaks()
+
+
+def test_a_window_cut_block_is_never_offered_to_the_prefix_cache():
+    """Window 8, an 18-token prompt: the prefill ships tokens 11.. (the first query sees 11-18), so
+    blocks 0-1 are null, block 2 (tokens 8-11) holds only token 11's KV and must not be cached (a
+    later prompt sharing it would read garbage for 8-10), block 3 (12-15) is whole and cached."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                  KVCacheManager(16, BLOCK, windows=(8,)), max_model_len=100)
+    req = create_request("w", num_tokens=18)
+    assert s.reserve(req)
+    s.remote_kv_ready("w", 50)
+    hashes = block_hashes(req.prompt_token_ids, BLOCK)
+    assert [s.kv.block_pool.get_cached_block(h) is not None for h in hashes] == [False, False, False, True]

@@ -33,7 +33,7 @@ def _in_thread(fn) -> threading.Thread:
 
 def _reserve(worker: DecodeWorker, rid: str, prompt_len: int = 17) -> bool:
     return worker.reserve(RequestMessage(rid, list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=2)),
-                          prefill_tp=1)
+                          prefill_tp=1) is not None
 
 
 def test_reserve_does_not_wait_for_a_new_requests_grammar():

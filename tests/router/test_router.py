@@ -10,7 +10,7 @@ import pytest
 
 from decode_worker.output import RequestOutput
 from engine.core.request import SamplingParams
-from kvtransfer.params import KVEndpoint
+from kvtransfer.params import KVEndpoint, Reservation
 from prefill_worker.worker import PrefillResult
 from router.client import DecodeClient, InstanceDeadError, InstanceInfo, InstanceLoad, PrefillClient
 from router.policy import create_routing_policy
@@ -62,13 +62,14 @@ class FakeDecode(_FakeInstance, DecodeClient):
     def __init__(self, iid: str, capacity: int = 100, load: dict | None = None):
         super().__init__(InstanceInfo(iid, "decode", 1, (KVEndpoint(iid, 0, "127.0.0.1", 1),), load=InstanceLoad.of(load or {})))
         self.capacity, self.reserved, self.local, self.outputs = capacity, [], [], self.events
+        self.cached_tokens = 0  # what its prefix cache holds of every prompt (a Reservation's)
 
     def reserve(self, msg, prefill_tp):
         self._check()
         if len(self.reserved) >= self.capacity:
-            return False
+            return None
         self.reserved.append(msg)
-        return True
+        return Reservation(self.cached_tokens)
 
     def add_request(self, msg):
         self._check()
@@ -110,6 +111,18 @@ def test_disaggregated_streams_join_by_position(decode_first):
         assert stream._events.qsize() == 0  # held: position 0 has not come
         p.results.put(PrefillResult("a#0", 11))
     assert stream.result(timeout=5).token_ids == [11, 12, 13] and stream.finish_reason == "length"
+    r.close()
+
+
+def test_the_prefill_ships_only_what_the_decode_instances_cache_lacks():
+    """The decode instance's reservation says how much of the prompt its prefix cache holds; the
+    prefill instance is told to ship the KV from there (delta transfer), on a retry too."""
+    p, d = FakePrefill("p0"), FakeDecode("d0")
+    d.cached_tokens = 8
+    r = make_router([p], [d])
+    r.submit("a", list(range(1, 20)), PARAMS)
+    (_, kv), = p.submitted
+    assert kv.decode_cached_tokens == 8
     r.close()
 
 

@@ -1,0 +1,78 @@
+"""Delta transfer (issue 51): the second turn of a conversation whose first turn's KV the decode
+instance's prefix cache holds ships only the KV after it, and its output equals colocated serving's
+bit for bit (the batch-invariant mode), whatever the layout and block size.
+
+The first turn ships its whole prompt: the KV bytes per prompt token it received are the unit.
+The decode instance computed the first turn's output tokens but the last, so it holds the full
+blocks of those (len(turn 1) + MAX_TOKENS - 1) tokens; the second turn ships exactly the rest."""
+from __future__ import annotations
+
+import pytest
+
+from cluster.control.cluster import Cluster
+from engine.core.request import SamplingParams
+from tests.exactness.matrix import Case, mismatches, spec_of
+from tests.helpers import random_prompts
+
+pytestmark = pytest.mark.timeout(300)
+TURN1 = random_prompts(1, [40], seed=21)[0]
+NEW = random_prompts(1, [13], seed=22)[0]  # the second turn's new user message
+MAX_TOKENS = 10
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+def _generate(cluster: Cluster, prompt: list[int]):
+    (stream,) = cluster.generate([prompt], GREEDY, timeout_s=120)
+    assert stream.error is None, stream.error
+    return stream
+
+
+def _decode_load(cluster: Cluster) -> dict:
+    (decode,) = [i for i in cluster.instances.values() if i.role != "prefill"]
+    return decode.client.load()
+
+
+def conversation(case: Case, model: str, counts: dict | None = None, **overrides):
+    """Two turns through a cluster of the case's spec: {"turn1": ..., "turn2": ...} as the matrix's
+    outputs, and in `counts` the decode instance's KV bytes received and prompt tokens reused per turn."""
+    cluster = Cluster(spec_of(case, model, **overrides), use_ray=case.needs_ray).start()
+    try:
+        first = _generate(cluster, TURN1)
+        after1 = _decode_load(cluster)
+        second = _generate(cluster, TURN1 + first.token_ids + NEW)
+        after2 = _decode_load(cluster)
+        cluster.assert_no_leaks()
+    finally:
+        cluster.shutdown()
+    if counts is not None:
+        for key in ("kv_bytes_received", "kv_reused_prompt_tokens"):
+            counts[key] = (after1.get(key, 0), after2.get(key, 0) - after1.get(key, 0))
+    return {"turn1": [(first.token_ids, first.logprobs)], "turn2": [(second.token_ids, second.logprobs)]}
+
+
+@pytest.fixture(scope="module")
+def colocated(model):
+    return conversation(Case(), model)
+
+
+@pytest.mark.parametrize("layout,block_size", [("1P1D", 8), ("P1-D3", 16)])
+def test_the_second_turn_ships_only_what_the_decode_instance_lacks(model, colocated, layout, block_size, request):
+    case = Case(layout=layout, block_size=block_size, prefix="hit", n3=False, structured=False)
+    if case.needs_ray:
+        request.getfixturevalue("ray_session")
+    counts = {}
+    assert mismatches(conversation(case, model, counts), colocated) == []
+    (bytes1, bytes2), (reused1, reused2) = counts["kv_bytes_received"], counts["kv_reused_prompt_tokens"]
+    held = (len(TURN1) + MAX_TOKENS - 1) // block_size * block_size
+    assert reused1 == 0 and reused2 == held > 0
+    per_token = bytes1 / len(TURN1)
+    assert bytes2 == per_token * (len(TURN1) + MAX_TOKENS + len(NEW) - held), (bytes1, bytes2, held)
+
+
+def test_without_a_decode_prefix_cache_the_whole_prompt_ships(model, colocated):
+    """The control: prefix caching off, the second turn ships every prompt token."""
+    case = Case(layout="1P1D", block_size=8, n3=False, structured=False)
+    counts = {}
+    assert mismatches(conversation(case, model, counts), colocated) == []
+    (bytes1, bytes2), (_, reused2) = counts["kv_bytes_received"], counts["kv_reused_prompt_tokens"]
+    assert reused2 == 0 and bytes2 == bytes1 / len(TURN1) * (len(TURN1) + MAX_TOKENS + len(NEW))
