@@ -89,6 +89,11 @@ class PrefillClient(ABC):
 class DecodeClient(ABC):
     info: InstanceInfo
 
+    def kv_events(self, since: int) -> dict | None:
+        """As PrefillClient.kv_events: what the instance's prefix cache holds (a delta transfer ships
+        the rest; a colocated instance computes the rest)."""
+        return None
+
     @abstractmethod
     def reserve(self, msg: RequestMessage, prefill_tp: int) -> Reservation | None:
         """Reserve KV blocks for `msg`'s prompt (admission control); None if they don't fit now. The

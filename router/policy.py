@@ -9,7 +9,7 @@ import itertools
 from abc import ABC, abstractmethod
 
 from cluster.spec import spec_registry
-from router.client import InstanceInfo, PrefillClient
+from router.client import DecodeClient, InstanceInfo, PrefillClient
 from router.prefix_index import PrefixIndex
 
 
@@ -24,8 +24,8 @@ class BaseRoutingPolicy(ABC):
     def pick_decode(self, candidates: list[InstanceInfo], prompt_token_ids: list[int]) -> InstanceInfo:
         """One of `candidates` (non-empty, healthy) to decode the request."""
 
-    def observe(self, client: PrefillClient) -> None:
-        """Called for each healthy prefill instance on the router's load thread (every 0.1 s)."""
+    def observe(self, client: PrefillClient | DecodeClient) -> None:
+        """Called for each healthy instance on the router's load thread (every 0.1 s)."""
 
     def forget(self, instance_id: str) -> None:
         """The instance left the router."""
@@ -59,10 +59,12 @@ class LeastLoaded(BaseRoutingPolicy):
 
 
 class PrefixAware(LeastLoaded):
-    """Prefill where the longest prefix of the prompt is cached, ties broken by load; decode as
-    LeastLoaded. What each prefill instance caches is what its engine says it stored and evicted
-    (router/prefix_index.py, followed on the router's load thread: llm-d's precise index), never a
-    guess at routing time."""
+    """Prefill where the longest prefix of the prompt is cached, ties broken by load. Decode (and
+    colocated) where the share of the prompt its cache holds (a delta transfer ships only the rest,
+    a colocated instance computes only the rest) minus the share of its KV in use is highest, so a
+    prefix every session shares (a system prompt) does not herd them all onto one instance. What
+    each instance caches is what its engine says it stored and evicted (router/prefix_index.py,
+    followed on the router's load thread: llm-d's precise index), never a guess at routing time."""
 
     name = "prefix_aware"
 
@@ -79,6 +81,12 @@ class PrefixAware(LeastLoaded):
         hits = self.index.longest_prefix(prompt_token_ids, candidates)
         return min(candidates, key=lambda c: (-hits.get(c.instance_id, 0), c.load.queued_prefill_tokens,
                                               c.instance_id))
+
+    def pick_decode(self, candidates, prompt_token_ids):
+        hits = self.index.longest_prefix(prompt_token_ids, candidates)
+        n = max(1, len(prompt_token_ids))
+        return min(candidates, key=lambda c: (round(c.load.kv_usage - hits[c.instance_id] * c.block_size / n, 2),
+                                              c.load.running + c.load.reserved, c.instance_id))
 
 
 ROUTING_POLICIES = spec_registry("router_policy", {p.name: p for p in (RoundRobin, LeastLoaded, PrefixAware)})

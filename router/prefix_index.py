@@ -1,6 +1,6 @@
-"""A router's prefix index, fed by the engines: per prefill instance, the block hashes its prefix
-cache holds, kept by following each instance's KV event log (engine/core/kv_events.py) from the
-router's load thread (every 0.1 s, beside its load).
+"""A router's prefix index, fed by the engines: per instance (prefill, decode, colocated), the
+block hashes its prefix cache holds, kept by following each instance's KV event log
+(engine/core/kv_events.py) from the router's load thread (every 0.1 s, beside its load).
 
 Nothing is guessed at routing time (the index before issue 51 noted each prompt's blocks on the
 instance it was sent to, and kept them after the instance evicted them): what an instance stored
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from engine.core.block_manager import block_hashes
 from engine.core.kv_events import CLEARED, REMOVED, STORED
-from router.client import InstanceInfo, PrefillClient
+from router.client import DecodeClient, InstanceInfo, PrefillClient
 
 
 class PrefixIndex:
@@ -25,7 +25,7 @@ class PrefixIndex:
         self._cursor: dict[str, tuple[str, int]] = {}  # instance id -> (its log's epoch, the last event read)
         self.num_snapshots = self.num_events = 0
 
-    def follow(self, client: PrefillClient) -> None:
+    def follow(self, client: PrefillClient | DecodeClient) -> None:
         """Reads what the instance's prefix cache stored and evicted since the last call (a
         snapshot on the first, or when the events are gone from its log or from another life)."""
         iid = client.info.instance_id

@@ -463,8 +463,7 @@ class Router:
                 if client.info.healthy:
                     try:
                         client.info.load = InstanceLoad.of(client.load())
-                        if client.info.role == "prefill":
-                            self.policy.observe(client)  # a prefix-aware policy follows its cache
+                        self.policy.observe(client)  # a prefix-aware policy follows its cache
                     except InstanceDeadError as exc:
                         self.failures.mark_dead(client.info.instance_id, exc)
                     except Exception:  # the thread must go on (the policy reads these loads)

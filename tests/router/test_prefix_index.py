@@ -98,3 +98,32 @@ def test_the_router_follows_its_prefill_instances_and_routes_by_what_they_hold()
         assert r.policy.index.longest_prefix(PROMPT, [p1.info]) == {"p1": 0}
     finally:
         r.close()
+
+
+class CachingDecode(FakeDecode):
+    """A fake decode instance whose KV events are a real allocator's (blocks of 4 tokens)."""
+
+    def __init__(self, iid: str, kv_usage: float = 0.0):
+        super().__init__(iid, load={"kv_usage": kv_usage})
+        self.info.block_size = 4
+        self.kv = KVCacheManager(num_blocks=9, block_size=4)
+
+    def kv_events(self, since):
+        self._check()
+        return self.kv.block_pool.events.since(since)
+
+    cache = CachingPrefill.cache
+
+
+def test_decode_goes_where_the_conversation_is_cached_unless_that_instance_is_much_fuller():
+    """The share of the prompt held minus the share of KV in use: 5 of 5 blocks held outweighs 40
+    points more KV in use, 1 held block of 5 (a shared system prompt) does not."""
+    d0, d1 = CachingDecode("d0", kv_usage=0.1), CachingDecode("d1", kv_usage=0.5)
+    d1.cache("a", PROMPT)
+    policy = create_routing_policy("prefix_aware")
+    for d in (d0, d1):
+        policy.observe(d)
+    infos = [d0.info, d1.info]
+    assert policy.pick_decode(infos, PROMPT + [1, 2, 3]).instance_id == "d1"  # 20 of 23 tokens held
+    assert policy.pick_decode(infos, PROMPT[:4] + [9] * 19).instance_id == "d0"  # 4 of 23 held
+    assert create_routing_policy("least_loaded").pick_decode(infos, PROMPT).instance_id == "d0"
