@@ -128,6 +128,8 @@ class ClusterSpec:
     kv_transfer_timeout_s: float = 10.0
     kv_transport: str = "auto"
     kv_checksum: bool = False  # kvtransfer/checksum.py: a checksum per part, checked on receipt
+    kv_delta: bool = True  # decode_worker/scheduler.py reserve: ship only what the decode's prefix cache lacks
+    kv_host_tier_gib: float = 0.0  # engine/core/host_tier.py: evicted blocks' KV kept in host memory; 0: none
     kv_load_failure_policy: str = "recompute"
     kv_recompute_max_tokens: int = 512
     heartbeat_ttl_s: float = 5.0
@@ -219,7 +221,8 @@ class ClusterSpec:
                      "ttft_slo_s", "tbt_slo_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("scale_headroom", "scale_up_cooldown_s", "scale_down_cooldown_s", "drain_timeout_s"):
+        for name in ("scale_headroom", "scale_up_cooldown_s", "scale_down_cooldown_s", "drain_timeout_s",
+                     "kv_host_tier_gib"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("gpu_memory_utilization", "prefill_gpu_memory_utilization", "decode_gpu_memory_utilization"):
@@ -279,7 +282,8 @@ class ClusterSpec:
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=self.num_kv_blocks, memory_gib=self.kv_memory_gib,
                            gpu_memory_utilization=self.gpu_memory_utilization,
-                           enable_prefix_caching=self.enable_prefix_caching, kv_cache_dtype=self.kv_cache_dtype)
+                           enable_prefix_caching=self.enable_prefix_caching, kv_cache_dtype=self.kv_cache_dtype,
+                           kv_delta=self.kv_delta, host_tier_gib=self.kv_host_tier_gib)
 
     @property
     def scheduler_config(self) -> SchedulerConfig:

@@ -8,6 +8,7 @@ import time
 from engine.core.block_manager import KVCacheManager
 from engine.core.config import EngineConfig
 from engine.core.request import Request, RequestStatus, SamplingParams
+from engine.runner.host_arena import attach_tier
 from engine.runner.model_runner import ModelRunner
 from engine.speculative.speculator import Speculator
 from engine.text.tokenizer import Tokenizer
@@ -27,13 +28,14 @@ class ColocatedEngine:
         mc = self.runner.model_config
         block_size = self.runner.block_size
         # a sliding KV group frees the blocks its window left behind (KVCacheManager)
-        self.kv = KVCacheManager(self.runner.num_blocks, block_size, config.cache.enable_prefix_caching,
-                                 mc.kv_layout.windows)
+        self.kv = attach_tier(KVCacheManager(self.runner.num_blocks, block_size, config.cache.enable_prefix_caching,
+                                             mc.kv_layout.windows), self.runner)
         self.max_model_len = self.runner.max_model_len
         # rank 0's: the draft runs there alone (the other ranks' runners took part in the profile)
         self.speculator = None if config.speculative is None or self.runner.tp.rank > 0 else \
             Speculator.build(config.speculative, self.runner)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.speculator)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.speculator,
+                                   kv_delta=config.cache.kv_delta)
         self.output = OutputProcessor()  # token ids only: text is the front end's (engine/text/detokenize.py)
         self.eos_token_ids = frozenset(mc.eos_token_ids)  # the model's one EOS set (ModelConfig)
 

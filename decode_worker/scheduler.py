@@ -14,6 +14,7 @@ admitted running request is preempted: its blocks are freed and it is recomputed
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 from typing import TYPE_CHECKING
@@ -33,10 +34,11 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 speculator: Speculator | None = None):
+                 speculator: Speculator | None = None, kv_delta: bool = True):
         """`speculator`: speculative decoding (engine/speculative): decoding sequences compute their
-        last token and its drafts in one step, and keep the drafts the target agrees with."""
-        self.config, self.speculator = config, speculator
+        last token and its drafts in one step, and keep the drafts the target agrees with. `kv_delta`:
+        `reserve` takes a remote prompt's leading blocks from the prefix cache (CacheConfig.kv_delta)."""
+        self.config, self.speculator, self.kv_delta = config, speculator, kv_delta
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -62,20 +64,23 @@ class Scheduler:
         """Allocates blocks for a remote-prefilled prompt; False (and no change) if they don't fit,
         ValueError if it cannot be taken at all (as `add_request`). The leading blocks this
         instance's prefix cache holds are taken from it (`req.num_cached_tokens`: the prefill
-        instance ships only the tokens after them; delta transfer)."""
+        instance ships only the tokens after them; delta transfer), unless `kv_delta` is off."""
         check_admission(req, self.max_model_len, self.requests, max_num_choices=self.config.max_num_seqs)
         waiting = sum(r.sampling_params.n for r in self.remote.values())  # choices run side by side once forked
         if len(self.running) + waiting + req.sampling_params.n > self.config.max_num_seqs:
             return False
         n = req.num_prompt_tokens
-        hits, num_hit = self.kv.get_computed_blocks(req)
+        hits, num_hit = self.kv.get_computed_blocks(req) if self.kv_delta else (None, 0)
         if any(window_start(n, w) > num_hit for w in self.kv.windows):  # a window starts after the hits:
             hits, num_hit = None, 0  # its blocks before it would never be written (the window's nulls instead)
         # No prefix caching of the new blocks until their KV has arrived (see remote_kv_ready). With
         # a sliding window, none for the blocks before it: the prefill ships only what is read.
         num_null = None if num_hit else [window_start(n, w) // self.kv.block_size for w in self.kv.windows]
-        if self.kv.allocate_slots(req, n - num_hit, hits, num_tokens_to_cache=num_hit, contiguous=True,
-                                  num_null_blocks=num_null) is None:
+        with self.kv.tier.paused() if self.kv.tier is not None else contextlib.nullcontext():
+            # what it evicts is not offloaded: the KV transfer may write those blocks before the next step
+            got = self.kv.allocate_slots(req, n - num_hit, hits, num_tokens_to_cache=num_hit, contiguous=True,
+                                         num_null_blocks=num_null)
+        if got is None:
             self.kv.free(req)  # forget hashes it may have computed
             return False
         req.num_cached_tokens = num_hit
@@ -186,6 +191,8 @@ class Scheduler:
         if self._speculating:
             budget += self._propose()
         self._schedule_waiting(out, budget)
+        if self.kv.tier is not None:  # the host tier's copies, before the forward (engine/core/host_tier.py)
+            out.kv_offloads, out.kv_reloads = self.kv.tier.take()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, ks: dict[str, int]) -> int:
@@ -256,10 +263,17 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            tier = self.kv.tier
+            reloaded = tier.claim_for(self.kv, req, num_hit) if tier is not None else []  # then from host memory
+            num_pool_hit, num_hit = num_hit, num_hit + len(reloaded) * self.kv.block_size
             num_new = min(req.num_tokens - num_hit, budget)
-            new_blocks = self.kv.allocate_slots(req, num_new, hit_blocks)
+            new_blocks = self.kv.allocate_slots(req, num_hit - num_pool_hit + num_new, hit_blocks)
             if new_blocks is None:
+                if reloaded:
+                    tier.release(reloaded)
                 break
+            if reloaded:
+                tier.reload_for(self.kv, req, reloaded, num_pool_hit)
             self.waiting.popleft()
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_hit

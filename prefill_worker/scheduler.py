@@ -90,16 +90,26 @@ class PrefillScheduler:
                 break
             budget -= len(out.new_requests[-1].token_ids)
             self.waiting.popleft()
+        if self.kv.tier is not None:  # the host tier's copies, before the forward (engine/core/host_tier.py)
+            out.kv_offloads, out.kv_reloads = self.kv.tier.take()
         return out
 
     def _admit(self, req: Request, out: SchedulerOutput, budget: int) -> bool:
         hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+        tier = self.kv.tier
+        reloaded = tier.claim_for(self.kv, req, num_hit) if tier is not None else []  # then from host memory
+        num_pool_hit, num_hit = num_hit, num_hit + len(reloaded) * self.kv.block_size
         n = min(req.num_tokens - num_hit, budget)
         # Blocks enter the prefix cache chunk by chunk, as their KV gets computed: an abort
         # mid-prompt must not leave hashed blocks holding no KV.
-        if self.kv.allocate_slots(req, req.num_tokens - num_hit, hit_blocks, num_tokens_to_cache=num_hit + n) is None:
+        if self.kv.allocate_slots(req, req.num_tokens - num_pool_hit, hit_blocks,
+                                  num_tokens_to_cache=num_hit + n) is None:
             self.kv.free(req)  # forget the hashes get_computed_blocks computed
+            if reloaded:
+                tier.release(reloaded)
             return False
+        if reloaded:
+            tier.reload_for(self.kv, req, reloaded, num_pool_hit)
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = req.num_cached_tokens = num_hit
         out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids[num_hit:num_hit + n], num_hit,

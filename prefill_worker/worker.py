@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from engine.core.block_manager import KVCacheManager
 from engine.core.handover import Handover
 from engine.core.request import Request, RequestMessage
+from engine.runner.host_arena import attach_tier
 from engine.runner.model_runner import ModelRunner
 from engine.runner.worker_base import BaseWorker
 from engine.speculative.rows import DraftKVRecorder, RowRecorder
@@ -57,8 +58,9 @@ class PrefillWorker(BaseWorker):
         mc = runner.model_config
         self.scheduler: PrefillScheduler | None = None
         if self.tp.rank == 0:
-            kv = KVCacheManager(runner.num_blocks, runner.block_size, runner.config.cache.enable_prefix_caching,
-                                runner.model_config.kv_layout.windows)
+            kv = attach_tier(KVCacheManager(runner.num_blocks, runner.block_size,
+                                            runner.config.cache.enable_prefix_caching, runner.model_config.kv_layout.windows),
+                             runner)
             self.scheduler = PrefillScheduler(runner.config.scheduler, kv, runner.max_model_len)
         self._inbox: queue.Queue = queue.Queue()
         # cumulative, for the autoscaler's online profile: tokens computed and seconds spent doing it

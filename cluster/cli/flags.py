@@ -18,11 +18,11 @@ _GENERATE = {
     # one instance's engine: what `ClusterSpec.engine_config` reads (the in-process engine honours them)
     "engine": ("model", "dtype", "device", "quantization", "block_size", "kv_memory_gib", "gpu_memory_utilization",
                "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-               "kv_cache_dtype", "attention_backend", "expert_method", "speculative_method", "speculative_model",
+               "kv_cache_dtype", "kv_host_tier_gib", "attention_backend", "expert_method", "speculative_method", "speculative_model",
                "num_speculative_tokens", "speculative_max_batch_size", "enforce_eager", "batch_invariant",
                "num_threads"),
     # KV between a prefill and a decode instance
-    "kv_transfer": ("kv_transport", "kv_checksum", "kv_transfer_timeout_s", "kv_load_failure_policy",
+    "kv_transfer": ("kv_transport", "kv_checksum", "kv_delta", "kv_transfer_timeout_s", "kv_load_failure_policy",
                     "kv_recompute_max_tokens", "disagg_threshold_tokens"),
     # the instances, their ranks and how requests and ranks are placed
     "layout": ("mode", "num_prefill", "num_decode", "prefill_tp", "decode_tp", "prefill_gpu_memory_utilization",
@@ -122,6 +122,12 @@ _HELP = {
     "kv_checksum": "every KV part carries a checksum (xxh3_64) of its payloads, checked on receipt; a mismatch "
                    "fails the transfer like a lost peer (the request is retried) and is counted on /metrics. "
                    "A prefill and a decode instance must agree",
+    "kv_host_tier_gib": "GiB of host memory per instance rank holding the KV blocks its prefix cache evicts "
+                        "(least recently used dropped first); a prompt whose next blocks are there copies them "
+                        "back instead of computing them. 0: no tier. One KV group and no speculative decoding",
+    "kv_delta": "a decode instance takes a remote prompt's leading blocks from its own prefix cache (the last "
+                "turn's prompt and output) and the prefill instance ships only the KV after them; "
+                "--no-kv-delta ships every prompt token",
     "kv_load_failure_policy": "when a decode instance's KV load fails: recompute the prompt there (prompts up to "
                               "kv_recompute_max_tokens) or retry on another pair",
     "kv_recompute_max_tokens": "longest prompt (with tokens already streamed) recomputed on the decode instance",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +61,7 @@ class BlockPool:
         self._is_free = bytearray([0] + [1] * (num_blocks - 1))  # 1 where the block is in the free queue
         self._cached: dict[int, Block] = {}
         self.events = KVEventLog(capacity=max(1024, 2 * num_blocks))  # what the cache stores and evicts
+        self.on_evict: Callable[[Block], bool] | None = None  # a host tier's: True when it keeps the block's KV
 
     @property
     def num_free_blocks(self) -> int:
@@ -99,7 +100,8 @@ class BlockPool:
             if block.block_hash is not None:  # evict it from the prefix cache
                 evicted = self._cached.pop(block.block_hash)
                 assert evicted is block
-                self.events.removed(block.block_hash)
+                if self.on_evict is None or not self.on_evict(block):  # else it is held in a tier still
+                    self.events.removed(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
         return blocks
@@ -217,6 +219,7 @@ class KVCacheManager:
         # Per request: hashes of its full known blocks; how many table blocks went to the map.
         self.req_to_block_hashes: dict[str, list[int]] = {}
         self.num_cached_block: dict[str, int] = {}
+        self.tier = None  # a HostTier (engine/core/host_tier.py; attach_tier sets it): evicted blocks' KV in host memory
 
     @property
     def num_free_blocks(self) -> int:
@@ -459,8 +462,12 @@ class KVCacheManager:
         return self.req_to_block_hashes.get(request_id, [])[:self.num_cached_block[request_id]]
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; False (no change) if some block is in use."""
-        return self.block_pool.reset_prefix_cache()
+        """Forget every cached hash, a host tier's too; False (no change) if some block is in use."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.tier is not None:
+            self.tier.clear()
+        return True
 
     def assert_no_leaks(self) -> None:
         """Raise AssertionError unless all requests are freed and all blocks free."""

@@ -314,6 +314,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # see resolve_kv_cache_dtype
+    kv_delta: bool = True  # a decode instance takes a remote prompt's leading blocks from its prefix cache
+    host_tier_gib: float = 0.0  # a host-memory tier under the pool (engine/core/host_tier.py); 0: none
 
 
 @dataclass(frozen=True)

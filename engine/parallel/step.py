@@ -27,6 +27,8 @@ class ModelInput:
     # of its positions, for a sequence with drafts)
     sample_req_ids: list[str]
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, before the forward
+    kv_offloads: list[tuple[int, int]] = field(default_factory=list)  # (block, host slot), first of all
+    kv_reloads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, block), then
     # speculative decoding: request id -> (position of its first token, its drafts); every position sampled
     drafts: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     spans: list[tuple[str, int, int]] = field(default_factory=list)  # per request: (id, first position, tokens)

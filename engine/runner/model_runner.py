@@ -25,6 +25,7 @@ from engine.models import model_class
 from engine.quant.batch_invariant import BatchInvariantLinearMethod
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, graph_backend
 from engine.runner.device_memory import DeviceMemory, MemorySnapshot, TorchDeviceMemory
+from engine.runner.host_arena import HostArena, host_tier_unfit
 from engine.runner.kv_budget import MemoryBudget, blocks_from_device
 from engine.layers.moe import (describe_experts, expert_counts, expert_load_figures, quantize_model_experts,
                                reset_expert_counts, select_expert_methods)
@@ -122,6 +123,9 @@ class ModelRunner:
                                           self.kv_dtype, self.device)
         if self.draft is not None:
             self.draft.give_pool(self.num_blocks)
+        self.host_arena = HostArena.build(self.kv_cache, self.backend.kv_views, kv_block_bytes(
+            model_config, self.num_kv_heads, self.block_size, self.kv_dtype), config.cache.host_tier_gib,
+            host_tier_unfit(self))
         self.graphs = self._decode_graphs()
         # where speculation pays: every rank profiles, in step (engine/speculative)
         spec = config.speculative
@@ -369,6 +373,7 @@ class ModelRunner:
         inp = self.model_input(input_ids, positions, slots, query_lens, seq_lens, tables,
                                    sample_indices, sample_req_ids)
         inp.block_copies, inp.drafts, inp.spans = list(sched.block_copies), drafts, spans
+        inp.kv_offloads, inp.kv_reloads = list(sched.kv_offloads), list(sched.kv_reloads)
         return inp
 
     def model_input(self, input_ids, positions, slots, query_lens, seq_lens, tables,
@@ -403,6 +408,8 @@ class ModelRunner:
         """Runs the forward on this rank; returns logits (num_sampled, vocab) on rank 0, else None."""
         if self.team is not None:
             self.intraop_threads = self.team.maybe_resize()
+        if inp.kv_offloads or inp.kv_reloads:  # a host tier's (engine/core/host_tier.py), first
+            self.host_arena.copy(inp.kv_offloads, inp.kv_reloads)
         if inp.block_copies:
             self._copy_blocks(inp.block_copies)
         if self.graphs is not None and after_layer is None and (size := self.graphs.size_for(inp)) is not None:

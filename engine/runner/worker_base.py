@@ -87,9 +87,11 @@ class BaseWorker(ABC):
 
     def load(self) -> dict[str, float]:
         """Rank 0: figures for the router's policy, the autoscaler and /status; each role adds its own."""
+        tier = getattr(self.kv, "tier", None)
         return {"orphans_aborted": float(self.num_orphans_aborted),
                 "intraop_threads": float(self.runner.intraop_threads),  # rank 0's, now (engine/core/threads.py)
-                **self.runner.expert_load_figures()}  # a mixture's, per sparse layer (engine/layers/moe.py)
+                **self.runner.expert_load_figures(),  # a mixture's, per sparse layer (engine/layers/moe.py)
+                **(tier.figures() if tier is not None else {})}  # a host tier's (engine/core/host_tier.py)
 
     def expert_counts(self) -> dict[int, list[int]]:
         """Rank 0: per sparse layer, the tokens routed to each expert since start ({}: a dense

@@ -32,21 +32,27 @@ def _decode_load(cluster: Cluster) -> dict:
     return decode.client.load()
 
 
-def conversation(case: Case, model: str, counts: dict | None = None, **overrides):
-    """Two turns through a cluster of the case's spec: {"turn1": ..., "turn2": ...} as the matrix's
-    outputs, and in `counts` the decode instance's KV bytes received and prompt tokens reused per turn."""
+def conversation(case: Case, model: str, counts: dict | None = None, between: tuple = (), **overrides):
+    """Two turns through a cluster of the case's spec, the prompts `between` them served in between:
+    {"turn1": ..., "turn2": ...} as the matrix's outputs, and in `counts` the decode instance's KV
+    bytes received and prompt tokens reused per turn, and the blocks every host tier reloaded."""
     cluster = Cluster(spec_of(case, model, **overrides), use_ray=case.needs_ray).start()
     try:
         first = _generate(cluster, TURN1)
         after1 = _decode_load(cluster)
+        for prompt in between:
+            _generate(cluster, prompt)
+        before2 = _decode_load(cluster)
         second = _generate(cluster, TURN1 + first.token_ids + NEW)
         after2 = _decode_load(cluster)
+        reloaded = sum(i.client.load().get("kv_host_tier_reloaded_blocks", 0) for i in cluster.instances.values())
         cluster.assert_no_leaks()
     finally:
         cluster.shutdown()
     if counts is not None:
         for key in ("kv_bytes_received", "kv_reused_prompt_tokens"):
-            counts[key] = (after1.get(key, 0), after2.get(key, 0) - after1.get(key, 0))
+            counts[key] = (after1.get(key, 0), after2.get(key, 0) - before2.get(key, 0))
+        counts["tier_reloaded_blocks"] = reloaded
     return {"turn1": [(first.token_ids, first.logprobs)], "turn2": [(second.token_ids, second.logprobs)]}
 
 
@@ -69,10 +75,23 @@ def test_the_second_turn_ships_only_what_the_decode_instance_lacks(model, coloca
     assert bytes2 == per_token * (len(TURN1) + MAX_TOKENS + len(NEW) - held), (bytes1, bytes2, held)
 
 
-def test_without_a_decode_prefix_cache_the_whole_prompt_ships(model, colocated):
-    """The control: prefix caching off, the second turn ships every prompt token."""
-    case = Case(layout="1P1D", block_size=8, n3=False, structured=False)
+@pytest.mark.parametrize("prefix,kv_delta", [("miss", True), ("hit", False)], ids=["no-prefix-cache", "no-kv-delta"])
+def test_without_delta_the_whole_prompt_ships(model, colocated, prefix, kv_delta):
+    """The controls: prefix caching off, or on with --no-kv-delta: the second turn ships every prompt token."""
+    case = Case(layout="1P1D", block_size=8, prefix=prefix, n3=False, structured=False)
     counts = {}
-    assert mismatches(conversation(case, model, counts), colocated) == []
+    assert mismatches(conversation(case, model, counts, kv_delta=kv_delta), colocated) == []
     (bytes1, bytes2), (_, reused2) = counts["kv_bytes_received"], counts["kv_reused_prompt_tokens"]
     assert reused2 == 0 and bytes2 == bytes1 / len(TURN1) * (len(TURN1) + MAX_TOKENS + len(NEW))
+
+
+def test_the_prefills_host_tier_serves_the_second_turn_after_other_prompts_evicted_it(model, colocated):
+    """Pools of 11 blocks of 8 tokens: two other prompts between the turns evict the first turn's
+    blocks everywhere; the prefill instance reloads them from its host tier (the decode instance's
+    pool lost them: the whole prompt ships), and the output equals colocated bit for bit."""
+    case = Case(layout="1P1D", block_size=8, prefix="hit", n3=False, structured=False)
+    counts = {}
+    between = tuple(random_prompts(2, [80], seed=23))
+    got = conversation(case, model, counts, between, num_kv_blocks=12, kv_host_tier_gib=0.01)
+    assert mismatches(got, colocated) == []
+    assert counts["tier_reloaded_blocks"] >= len(TURN1) // 8, counts

@@ -1,0 +1,139 @@
+"""A host-memory tier under an instance's KV pool (issue 51; vLLM's offloading connector, SGLang's
+HiCache L2): a full block the prefix cache evicts is copied to a slot of a host arena first, and a
+later prompt whose next blocks are there has them copied back instead of computed.
+
+The bookkeeping is rank 0's (here, beside the block allocator); the copies are every rank's, each
+of its own heads (engine/runner/host_arena.py), made at the start of the step the scheduler builds,
+before its forward pass writes anything:
+
+    schedule():  pool eviction -> on_evict -> an offload (block -> slot) queued
+                 admission     -> claim(hashes) ... reload(keys, block ids): a reload (slot -> block)
+    take() -> (offloads, reloads) -> SchedulerOutput -> ModelInput -> runner: offloads, then reloads
+
+Offloads go first: a block a reload overwrites may be one this step evicted (its old contents
+leave first). A slot a reload reads is pinned until `take`, so no offload of the same step takes
+it. The arena keeps a block after reloading it (as vLLM's CPU tier does): evicted again, it costs
+no copy. Least recently used slots go first when the arena is full. Only group 0's keys (plain
+ints) are taken: the tier runs with one KV group (engine/core/block_manager.py keys).
+
+Events (engine/core/kv_events.py): a block the pool evicts into the tier stays held for the
+router's index; it is `removed` when the tier drops it (and the pool does not hold it again).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.core.block_manager import Block, BlockPool, KVCacheManager
+    from engine.core.request import Request
+
+
+class HostTier:
+    def __init__(self, num_slots: int, pool: BlockPool):
+        assert num_slots > 0
+        self.num_slots, self.pool = num_slots, pool
+        self._slots: OrderedDict[int, int] = OrderedDict()  # block hash -> slot, least recently used first
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._pinned: set[int] = set()  # slots a queued reload reads
+        self._offloads: list[tuple[int, int]] = []  # (block id, slot), this step's
+        self._reloads: list[tuple[int, int]] = []  # (slot, block id), this step's
+        self._paused = False
+        self.stats = {"offloaded_blocks": 0, "reloaded_blocks": 0, "dropped_blocks": 0}
+        pool.on_evict = self._offload
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._slots)
+
+    def figures(self) -> dict[str, float]:
+        """For the instance's load report (gateway/metrics.py)."""
+        return {"kv_host_tier_blocks": float(self.num_blocks), "kv_host_tier_slots": float(self.num_slots),
+                **{f"kv_host_tier_{k}": float(v) for k, v in self.stats.items()}}
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Evictions meanwhile are not offloaded: their blocks may be written before the next step
+        (a decode instance's reservation: the KV transfer writes them at once)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
+    def _offload(self, block: Block) -> bool:
+        """The pool evicts `block`: True when the tier holds (or from this step will hold) its KV."""
+        key = block.block_hash
+        if key in self._slots:  # reloaded earlier and kept: nothing to copy
+            self._slots.move_to_end(key)
+            return True
+        if type(key) is not int or self._paused:
+            return False
+        slot = self._take_slot()
+        if slot is None:
+            return False
+        self._slots[key] = slot
+        self._offloads.append((block.block_id, slot))
+        self.stats["offloaded_blocks"] += 1
+        return True
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for key, slot in self._slots.items():  # least recently used first
+            if slot not in self._pinned:
+                del self._slots[key]
+                self.stats["dropped_blocks"] += 1
+                if self.pool.get_cached_block(key) is None:
+                    self.pool.events.removed(key)
+                return slot
+        return None
+
+    def claim(self, hashes: list[int]) -> list[int]:
+        """The leading `hashes` (a prompt's next full blocks after its pool hits) the tier holds,
+        pinned until `take` (or `release`): pass them to `reload` once their blocks are allocated."""
+        keys = []
+        for key in hashes:
+            slot = self._slots.get(key)
+            if slot is None:
+                break
+            self._slots.move_to_end(key)
+            self._pinned.add(slot)
+            keys.append(key)
+        return keys
+
+    def release(self, keys: list[int]) -> None:
+        """The claim was not used (the request did not fit)."""
+        for key in keys:
+            self._pinned.discard(self._slots[key])
+
+    def reload(self, keys: list[int], block_ids: list[int]) -> None:
+        """Copy the claimed `keys` into the blocks `block_ids` at the start of this step."""
+        assert len(keys) == len(block_ids)
+        self._reloads += [(self._slots[key], block_id) for key, block_id in zip(keys, block_ids)]
+        self.stats["reloaded_blocks"] += len(keys)
+
+    def take(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's (offloads, reloads); the pins end."""
+        out, self._offloads, self._reloads = (self._offloads, self._reloads), [], []
+        self._pinned.clear()
+        return out
+
+    def clear(self) -> None:
+        """Forget every block (the pool's prefix cache was reset)."""
+        self._slots.clear()
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._pinned.clear()
+
+    # -- a scheduler's admission ------------------------------------------------------------------
+    def claim_for(self, kv: KVCacheManager, request: Request, num_hit: int) -> list[int]:
+        """The request's full prompt blocks after its `num_hit` pool-hit tokens that the tier holds,
+        leading ones only and leaving its last token to compute (as get_computed_blocks)."""
+        hashes = kv.req_to_block_hashes.get(request.request_id, [])[:(request.num_tokens - 1) // kv.block_size]
+        return self.claim(hashes[num_hit // kv.block_size:])
+
+    def reload_for(self, kv: KVCacheManager, request: Request, keys: list[int], num_hit: int) -> None:
+        """After the request's blocks are allocated: its claimed blocks come back from the tier."""
+        first = num_hit // kv.block_size
+        self.reload(keys, kv.get_block_ids(request.request_id)[0][first:first + len(keys)])
