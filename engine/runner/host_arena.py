@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.core.host_tier import HostTier
+from engine.core.kv_cache import kv_block_bytes
 
 if TYPE_CHECKING:
     from engine.core.block_manager import KVCacheManager
@@ -35,19 +36,22 @@ class HostArena:
         return view.view(torch.uint8) if view.dtype == torch.float8_e4m3fn else view  # no fp8 index_put
 
     @classmethod
-    def build(cls, kv_cache: torch.Tensor, kv_views, block_bytes: int, gib: float, why_not: str | None) -> HostArena | None:
-        """The arena `gib` holds (blocks of `block_bytes`), or None: off (gib 0), or `why_not` (logged)."""
+    def for_runner(cls, runner) -> HostArena | None:
+        """The arena --kv-host-tier-gib holds under the runner's pool, or None: off (0), or unfit (logged)."""
+        gib = runner.config.cache.host_tier_gib
         if gib <= 0:
             return None
-        if why_not is not None:
+        if (why_not := host_tier_unfit(runner)) is not None:
             logger.warning("KV host tier off: %s", why_not)
             return None
+        kv_cache = runner.kv_cache
+        block_bytes = kv_block_bytes(runner.model_config, runner.num_kv_heads, runner.block_size, runner.kv_dtype)
         num_slots = int(gib * 2**30) // block_bytes
         if num_slots < 1:
             raise ValueError(f"--kv-host-tier-gib {gib:g} holds no KV block of {block_bytes} bytes")
         logger.info("KV host tier: %d blocks (%.2f GiB) under the pool's %d", num_slots, num_slots * block_bytes / 2**30,
                     kv_cache.shape[2] - 1)
-        return cls(kv_cache, kv_views, num_slots)
+        return cls(kv_cache, runner.backend.kv_views, num_slots)
 
     def copy(self, offloads: list[tuple[int, int]], reloads: list[tuple[int, int]]) -> None:
         for pairs, out in ((offloads, True), (reloads, False)):

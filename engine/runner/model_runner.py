@@ -25,7 +25,7 @@ from engine.models import model_class
 from engine.quant.batch_invariant import BatchInvariantLinearMethod
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, graph_backend
 from engine.runner.device_memory import DeviceMemory, MemorySnapshot, TorchDeviceMemory
-from engine.runner.host_arena import HostArena, host_tier_unfit
+from engine.runner.host_arena import HostArena
 from engine.runner.kv_budget import MemoryBudget, blocks_from_device
 from engine.layers.moe import (describe_experts, expert_counts, expert_load_figures, quantize_model_experts,
                                reset_expert_counts, select_expert_methods)
@@ -80,9 +80,8 @@ class ModelRunner:
         stand-in given here sizes a CPU runner's pool the same way (tests, dry runs)."""
         self.config, self.tp = config, tp
         self.device = select_device(config.device)
-        if device_memory is None and self.device.type == "cuda":
-            device_memory = TorchDeviceMemory(self.device)
-        self.device_memory = device_memory
+        self.device_memory = device_memory = device_memory if device_memory is not None else (
+            TorchDeviceMemory(self.device) if self.device.type == "cuda" else None)
         # before the weights: what the process adds outside torch from here on is its own
         self.memory_at_start = MemorySnapshot.of(device_memory) if device_memory is not None else None
         self.memory_budget: MemoryBudget | None = None  # set when the pool is sized from the device
@@ -123,9 +122,7 @@ class ModelRunner:
                                           self.kv_dtype, self.device)
         if self.draft is not None:
             self.draft.give_pool(self.num_blocks)
-        self.host_arena = HostArena.build(self.kv_cache, self.backend.kv_views, kv_block_bytes(
-            model_config, self.num_kv_heads, self.block_size, self.kv_dtype), config.cache.host_tier_gib,
-            host_tier_unfit(self))
+        self.host_arena = HostArena.for_runner(self)
         self.graphs = self._decode_graphs()
         # where speculation pays: every rank profiles, in step (engine/speculative)
         spec = config.speculative
