@@ -18,7 +18,7 @@ Kinds (FAULT_KINDS) and how each heals:
   start (the Service drops a terminating pod); then the kubelet starts it again (the new pod).
   Exiting only at SIGKILL is a violation: the drain must end within the grace period.
 - router_fault: SIGUSR2 to a gateway (its pods run with PDSERVE_FAILPOINTS=sigusr2,
-  router/failpoints.py): the next event one of its router handlers takes raises; the guard must
+  router/failures.py): the next event one of its router handlers takes raises; the guard must
   fail that request alone (an explicit error) and count it. Injected once its count rose.
 Not injected: cut gateway links (a client cut off from its gateway cannot be told anything:
 nothing to check).

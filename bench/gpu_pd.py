@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 
 from bench.gpu_sections import TINY, Plan, _greedy, _hf_llama, _llm, _prompts, engine_config, model_config_of
 from engine.core.request import RequestMessage
-from kvtransfer.auth import cluster_secret
+from kvtransfer.wire import cluster_secret
 from kvtransfer.params import KVTransferParams
 
 logger = logging.getLogger("bench.gpu_pd")

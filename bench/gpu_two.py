@@ -122,7 +122,7 @@ def two_gpu(plan: Plan) -> dict:
     prompts = _prompts(NUM_PROMPTS, plan.prompt_len, mc.vocab_size, 40)
     store_port = int(free_address().rpartition(":")[2])
     store = dist.TCPStore("127.0.0.1", store_port, world_size=3, is_master=True, wait_for_workers=False)
-    from kvtransfer.auth import cluster_secret
+    from kvtransfer.wire import cluster_secret
     cluster_secret()  # made here if none is set, into the environment the two ranks inherit: one TP key
     ctx = mp.get_context("spawn")
     addresses = (free_address(), free_address())

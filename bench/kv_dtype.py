@@ -25,9 +25,8 @@ import time
 import torch
 
 from decode_worker.llm import LLM
-from engine.core.batch import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.core.request import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from engine.core.kv_cache import kv_block_bytes
-from engine.core.request import SamplingParams
 from engine.loading.loader import load_model_config, resolve_model_path
 
 logger = logging.getLogger("bench.kv_dtype")

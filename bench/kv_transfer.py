@@ -19,13 +19,13 @@ receiver takes each layer into a buffer and scatters it) or consecutive blocks (
 it receives K and V straight into the cache). "same device" is the transport between two ranks
 on one device (here one CPU): the sender writes into the receiver's cache, shared with it
 (shared_cache.py), against a plain copy of the same bytes within one process. `--kv-checksum`
-adds both transports with checksums (kvtransfer/checksum.py) to every round, each pair of a
+adds both transports with checksums (kvtransfer/wire.py) to every round, each pair of a
 transport with and without them timed back to back, in alternating order, and reports their
 ratio per round (the median): what checksums cost on a shared machine, drift cancelled.
 `--control-auth-off` does the same with both transports' control channel unauthenticated
 (kvtransfer/control.py `authenticate=False`, which exists for this comparison only): the ratio
 authenticated / unauthenticated is what the handshake-free steady state pays for per-message MACs.
-`--payload-mac-off` adds the data-channel transport without payload MACs (checksum.py PartMac;
+`--payload-mac-off` adds the data-channel transport without payload MACs (wire.py PartMac;
 `payload_mac=False`, for this comparison only; same-device writes carry none): the ratio with /
 without is what the keyed BLAKE3 over every payload byte costs. The unauthenticated transport
 has no payload MACs either.
@@ -43,8 +43,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.core.handover import Handover
-from kvtransfer.auth import cluster_secret
+from engine.core.request import Handover
+from kvtransfer.wire import cluster_secret
 from kvtransfer.channel import RECEIVER, SENDER, GlooChannel
 from kvtransfer.params import CompatRecord, KVEndpoint
 from kvtransfer.receiver import TorchDistReceiver
@@ -156,7 +156,7 @@ def _time_pdserve(tx, dest, args, tokens: int, prefix: str) -> float:
         t = tx.begin(rid, dest, 0, args.kv_heads, tokens)
         for layer in range(args.layers):
             t.send_layer(layer, kv[layer])
-        t.finish(Handover(1).pack())  # what a prefill hands over with a request (engine/core/handover.py)
+        t.finish(Handover(1).pack())  # what a prefill hands over with a request (engine/core/request.py)
         return t
 
     one(f"{prefix}-{args.reps}").wait(60)  # warm-up: the first transfer of a size

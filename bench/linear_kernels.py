@@ -22,9 +22,9 @@ import torch.nn.functional as F
 
 from engine.core.config import cpu_has_native_bf16
 from engine.loading.loader import load_model_config, resolve_model_path
-from engine.quant.kernels import (FbgemmKernel, LinearKernel, Int8PackKernel, ReferenceKernel, UnquantizedBaseline,
+from engine.quant.base import (FbgemmKernel, LinearKernel, Int8PackKernel, ReferenceKernel, UnquantizedBaseline,
                                   dequantize)
-from engine.quant.int4 import DequantizedKernel, Int4PackKernel
+from engine.quant.integer import DequantizedKernel, Int4PackKernel
 from engine.quant.q4 import random_q4
 from engine.quant.selection import measuring_time_fn, processor_name
 

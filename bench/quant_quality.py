@@ -18,8 +18,7 @@ import sys
 
 import torch
 
-from engine.core.batch import NewRequestData, SchedulerOutput
-from engine.core.request import SamplingParams
+from engine.core.request import NewRequestData, SamplingParams, SchedulerOutput
 
 CHATS = [
     "What is the capital of France?", "Explain photosynthesis to a child in two sentences.",

@@ -127,7 +127,7 @@ class ClusterSpec:
     disagg_threshold_tokens: int = 0
     kv_transfer_timeout_s: float = 10.0
     kv_transport: str = "auto"
-    kv_checksum: bool = False  # kvtransfer/checksum.py: a checksum per part, checked on receipt
+    kv_checksum: bool = False  # kvtransfer/wire.py: a checksum per part, checked on receipt
     kv_delta: bool = True  # decode_worker/scheduler.py reserve: ship only what the decode's prefix cache lacks
     kv_host_tier_gib: float = 0.0  # engine/core/host_tier.py: evicted blocks' KV kept in host memory; 0: none
     kv_load_failure_policy: str = "recompute"

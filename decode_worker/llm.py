@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.request import RequestStatus, SamplingParams, choice_id
-from engine.text.detokenize import TextState
+from engine.text.tokenizer import TextState
 from decode_worker.engine import ColocatedEngine
 
 
@@ -44,7 +44,7 @@ class CompletionOutput:
 class LLM:
     """`LLM(model="smollm2").generate(["Hello"], SamplingParams(max_tokens=32))`.
 
-    The offline front end: it decides the text (engine/text/detokenize.py) and ends a request at a stop string,
+    The offline front end: it decides the text (engine/text/tokenizer.py) and ends a request at a stop string,
     as the gateway does for served requests."""
 
     def __init__(self, model: str = "smollm2", dtype: str = "auto", engine: ColocatedEngine | None = None,

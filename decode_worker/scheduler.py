@@ -19,11 +19,11 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING
 
-from engine.core.batch import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
+from engine.core.request import (CachedRequestData, NewRequestData, Request, RequestStatus, RunnerOutput,
+                                 SchedulerOutput, check_admission, choice_id)
 from engine.core.block_manager import KVCacheManager
 from engine.core.config import SchedulerConfig, window_start
-from engine.core.request import Request, RequestStatus, check_admission, choice_id
-from engine.sample.logits_processing import history_of
+from engine.sample.sampling import history_of
 from engine.speculative.base import SpecSequence
 
 if TYPE_CHECKING:

@@ -8,7 +8,8 @@ The keys file (`--api-keys-file`, docs/gateway.md "API keys and limits"):
 
 Only hashes are stored, so the file (a ConfigMap, a repository) does not leak the keys; a
 presented bearer token is hashed and compared with every stored hash in constant time. The limits
-are held per gateway process: N gateways admit N times a key's rate and concurrency.
+are held per gateway process: N gateways admit N times a key's rate and concurrency. Who a request is
+and whether its key may start it are decided at the door (gateway/guard.py `APIKeyManager`).
 
 The file is re-read when it changes (`KeysFileWatcher`: its inode, mtime or size, polled; or at once
 on SIGHUP), so keys rotate without a restart: a Kubernetes Secret volume swaps a symlink to a new
@@ -17,19 +18,15 @@ copy, which is a new inode. A new file that does not parse keeps the keys in use
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import logging
 import math
 import os
 import re
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
-
-from gateway.protocol import APIError
+from typing import Iterable, Protocol
 
 logger = logging.getLogger(__name__)
 DEFAULT_KEY_NAME = "default"  # the name of the single `--api-key` / $PDSERVE_API_KEY
@@ -126,13 +123,13 @@ def load_api_keys(path: str | Path) -> list[APIKey]:
         if not data["keys"]:
             raise ValueError("keys is empty: give at least one key (without keys the API is open)")
         keys = [_parse_entry(entry, f"keys[{i}]") for i, entry in enumerate(data["keys"])]
-        _check_unique(keys)
+        check_unique_keys(keys)
     except ValueError as exc:
         raise ValueError(f"api_keys_file {path}: {exc}") from None
     return keys
 
 
-def _check_unique(keys: Iterable[APIKey]) -> None:
+def check_unique_keys(keys: Iterable[APIKey]) -> None:
     names, hashes = set(), set()
     for key in keys:
         if key.name in names:
@@ -154,112 +151,17 @@ def _with_file(api_keys_file: str, fixed: Iterable[APIKey]) -> list[APIKey]:
     """The file's keys, then `fixed` (the "default" key); ValueError (one line) as configured_keys."""
     keys = [*load_api_keys(api_keys_file), *fixed]
     try:
-        _check_unique(keys)
+        check_unique_keys(keys)
     except ValueError as exc:
         raise ValueError(f"api_keys_file {api_keys_file} and --api-key/$PDSERVE_API_KEY: {exc}") from None
     return keys
 
 
-class KeyLimitError(APIError):
-    """A 429 of a key's own limits; `outcome` ("rate_limited", "concurrency_limited") labels the metrics."""
+class KeyHolder(Protocol):
+    """What a KeysFileWatcher reads and replaces the keys of (gateway/guard.py APIKeyManager)."""
+    keys: tuple[APIKey, ...]
 
-    def __init__(self, outcome: str, message: str, retry_after_s: int):
-        super().__init__(429, message, "requests", code="rate_limit_exceeded",  # OpenAI's body for its own limits
-                         headers={"Retry-After": str(retry_after_s)})
-        self.outcome = outcome
-
-
-class TokenBucket:
-    """`rate` tokens a second, up to `size` of them; a request takes one. Starts full."""
-
-    def __init__(self, rate: float, size: int, now: float):
-        self.rate, self.size = rate, size
-        self.tokens, self.updated = float(size), now
-
-    def take(self, now: float) -> float:
-        """Takes a token: 0.0; or, with none there, the seconds until one is (nothing taken)."""
-        self.tokens = min(self.size, self.tokens + (now - self.updated) * self.rate)
-        self.updated = now
-        if self.tokens >= 1:
-            self.tokens -= 1
-            return 0.0
-        return (1 - self.tokens) / self.rate
-
-
-class APIKeyManager:
-    """Who a request is and whether its key may start another request now. Requests use it on the
-    event loop; `replace` may come from another thread (KeysFileWatcher), so the counters change
-    under a lock, held for a few dict operations and never across I/O."""
-
-    def __init__(self, keys: Iterable[APIKey], clock: Callable[[], float] = time.monotonic):
-        self.clock = clock
-        self._lock = threading.Lock()
-        self.keys: tuple[APIKey, ...] = ()
-        self.buckets: dict[str, TokenBucket] = {}
-        self.in_flight: dict[str, int] = {}
-        self.replace(keys)
-
-    def replace(self, keys: Iterable[APIKey]) -> None:
-        """Puts `keys` in place of the current ones in one step (ValueError for a duplicate name or
-        hash: nothing changes). A key that keeps its name and rate keeps its bucket, so a reload
-        refills no one; requests in flight stay counted under their key's name until they end."""
-        keys = tuple(keys)
-        _check_unique(keys)
-        with self._lock:
-            old = {k.name: k for k in self.keys}
-            self.buckets = {k.name: self.buckets[k.name] if _same_bucket(old.get(k.name), k)
-                            else TokenBucket(k.requests_per_second, k.bucket_size, self.clock())
-                            for k in keys if k.requests_per_second is not None}
-            self.in_flight = {**{k.name: 0 for k in keys}, **{n: c for n, c in self.in_flight.items() if c > 0}}
-            self.keys = keys
-
-    @property
-    def required(self) -> bool:
-        """Whether requests must present a key (any is configured)."""
-        return bool(self.keys)
-
-    def identify(self, authorization: str | None) -> APIKey | None:
-        """The key an `Authorization: Bearer <key>` header presents; None: none, or a wrong one.
-        Every stored hash is compared (constant time), so timing tells nothing of which matched."""
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            return None
-        digest = hash_api_key(token.strip()).encode()
-        found = None
-        for key in self.keys:  # one snapshot: a replace meanwhile does not change what is compared
-            if hmac.compare_digest(digest, key.sha256.encode()):
-                found = key
-        return found
-
-    def admit(self, key: APIKey) -> None:
-        """Counts a new request of `key` in flight; `release` it when its response ends.
-
-        Raises:
-            KeyLimitError (429): its concurrency limit is reached (Retry-After 1: a slot frees when a
-                request ends, which cannot be foreseen) or its bucket is empty (Retry-After: the
-                whole seconds until a token is there). A refused request takes nothing.
-        """
-        with self._lock:
-            if key.max_concurrent is not None and self.in_flight.get(key.name, 0) >= key.max_concurrent:
-                raise KeyLimitError("concurrency_limited", f"concurrency limit reached for API key {key.name!r}: "
-                                    f"{key.max_concurrent} requests in flight; retry when one of them ends", 1)
-            bucket = self.buckets.get(key.name)
-            wait_s = 0.0 if bucket is None else bucket.take(self.clock())
-            if wait_s > 0:
-                retry = max(1, math.ceil(wait_s))
-                raise KeyLimitError("rate_limited", f"rate limit reached for API key {key.name!r}: "
-                                    f"{key.requests_per_second:g} requests per second (burst {key.bucket_size}); "
-                                    f"try again in {retry}s", retry)
-            self.in_flight[key.name] = self.in_flight.get(key.name, 0) + 1
-
-    def release(self, key: APIKey) -> None:
-        with self._lock:
-            assert self.in_flight.get(key.name, 0) > 0, key.name
-            self.in_flight[key.name] -= 1
-
-
-def _same_bucket(old: APIKey | None, new: APIKey) -> bool:
-    return old is not None and (old.requests_per_second, old.bucket_size) == (new.requests_per_second, new.bucket_size)
+    def replace(self, keys: Iterable[APIKey]) -> None: ...
 
 
 class KeysFileWatcher:
@@ -272,7 +174,7 @@ class KeysFileWatcher:
     parsed, or clashes with `fixed`, changes nothing and is logged once per version of the file.
     """
 
-    def __init__(self, path: str | Path, manager: APIKeyManager, fixed: Iterable[APIKey] = (),
+    def __init__(self, path: str | Path, manager: KeyHolder, fixed: Iterable[APIKey] = (),
                  interval_s: float = KEYS_POLL_S):
         self.path, self.manager, self.fixed, self.interval_s = str(path), manager, tuple(fixed), interval_s
         self._version = self._stat()

@@ -22,18 +22,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.core.request import SamplingParams
 from engine.sample import structured_output
-from engine.text.detokenize import TextState
-from gateway.chat_output import ChatOutput
+from engine.text.tokenizer import TextState
+from gateway.session import ChatOutput, Choice, Generation
 from gateway.logprobs import LogprobsFormatter
 from gateway.reasoning import get_reasoning_parser
 from gateway.tool_parsers import get_tool_parser
 from gateway import openapi
-from gateway.api_keys import NO_KEY, APIKey, APIKeyManager, configured_keys
-from gateway.guard import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
+from gateway.api_keys import NO_KEY, APIKey, configured_keys
+from gateway.guard import DEFAULT_MAX_REQUEST_BYTES, APIKeyManager, RequestGuard
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import (MAX_PROMPT_CHARS_PER_TOKEN, APIError, ChatCompletionRequest, CompletionRequest,
                               make_id, now, parse_body)
-from gateway.session import Choice, Generation
 from router.router import QueueFullError
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,7 @@
 """The gateway's front door: a pure ASGI middleware ahead of FastAPI that bounds every request body
-and, on the API (`/v1/...`), checks the API key and applies the key's limits.
+and, on the API (`/v1/...`), checks the API key and applies the key's limits (`APIKeyManager`: who a
+request is, its key's token bucket and requests in flight; the keys themselves, their file and its
+watcher: api_keys.py).
 
 Pure ASGI rather than a FastAPI dependency for two reasons. The body bound must hold before
 anything parses the body: a Content-Length over it is answered 413 unread, and a chunked body is
@@ -16,12 +18,17 @@ The presented key is hashed and dropped here; only its name travels on (`request
 """
 from __future__ import annotations
 
+import hmac
 import logging
+import math
+import threading
+import time
+from typing import Callable, Iterable
 
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
-from gateway.api_keys import NO_KEY, APIKey, APIKeyManager, KeyLimitError
+from gateway.api_keys import NO_KEY, APIKey, check_unique_keys, hash_api_key
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import APIError
 
@@ -29,6 +36,108 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 API_PREFIX = "/v1/"  # what needs a key: the OpenAI routes
 STATUS_PATH = "/status"  # needs a key too (rank addresses and pids), without the key's limits
+
+
+class KeyLimitError(APIError):
+    """A 429 of a key's own limits; `outcome` ("rate_limited", "concurrency_limited") labels the metrics."""
+
+    def __init__(self, outcome: str, message: str, retry_after_s: int):
+        super().__init__(429, message, "requests", code="rate_limit_exceeded",  # OpenAI's body for its own limits
+                         headers={"Retry-After": str(retry_after_s)})
+        self.outcome = outcome
+
+
+class TokenBucket:
+    """`rate` tokens a second, up to `size` of them; a request takes one. Starts full."""
+
+    def __init__(self, rate: float, size: int, now: float):
+        self.rate, self.size = rate, size
+        self.tokens, self.updated = float(size), now
+
+    def take(self, now: float) -> float:
+        """Takes a token: 0.0; or, with none there, the seconds until one is (nothing taken)."""
+        self.tokens = min(self.size, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        return (1 - self.tokens) / self.rate
+
+
+class APIKeyManager:
+    """Who a request is and whether its key may start another request now. Requests use it on the
+    event loop; `replace` may come from another thread (KeysFileWatcher), so the counters change
+    under a lock, held for a few dict operations and never across I/O."""
+
+    def __init__(self, keys: Iterable[APIKey], clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._lock = threading.Lock()
+        self.keys: tuple[APIKey, ...] = ()
+        self.buckets: dict[str, TokenBucket] = {}
+        self.in_flight: dict[str, int] = {}
+        self.replace(keys)
+
+    def replace(self, keys: Iterable[APIKey]) -> None:
+        """Puts `keys` in place of the current ones in one step (ValueError for a duplicate name or
+        hash: nothing changes). A key that keeps its name and rate keeps its bucket, so a reload
+        refills no one; requests in flight stay counted under their key's name until they end."""
+        keys = tuple(keys)
+        check_unique_keys(keys)
+        with self._lock:
+            old = {k.name: k for k in self.keys}
+            self.buckets = {k.name: self.buckets[k.name] if _same_bucket(old.get(k.name), k)
+                            else TokenBucket(k.requests_per_second, k.bucket_size, self.clock())
+                            for k in keys if k.requests_per_second is not None}
+            self.in_flight = {**{k.name: 0 for k in keys}, **{n: c for n, c in self.in_flight.items() if c > 0}}
+            self.keys = keys
+
+    @property
+    def required(self) -> bool:
+        """Whether requests must present a key (any is configured)."""
+        return bool(self.keys)
+
+    def identify(self, authorization: str | None) -> APIKey | None:
+        """The key an `Authorization: Bearer <key>` header presents; None: none, or a wrong one.
+        Every stored hash is compared (constant time), so timing tells nothing of which matched."""
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return None
+        digest = hash_api_key(token.strip()).encode()
+        found = None
+        for key in self.keys:  # one snapshot: a replace meanwhile does not change what is compared
+            if hmac.compare_digest(digest, key.sha256.encode()):
+                found = key
+        return found
+
+    def admit(self, key: APIKey) -> None:
+        """Counts a new request of `key` in flight; `release` it when its response ends.
+
+        Raises:
+            KeyLimitError (429): its concurrency limit is reached (Retry-After 1: a slot frees when a
+                request ends, which cannot be foreseen) or its bucket is empty (Retry-After: the
+                whole seconds until a token is there). A refused request takes nothing.
+        """
+        with self._lock:
+            if key.max_concurrent is not None and self.in_flight.get(key.name, 0) >= key.max_concurrent:
+                raise KeyLimitError("concurrency_limited", f"concurrency limit reached for API key {key.name!r}: "
+                                    f"{key.max_concurrent} requests in flight; retry when one of them ends", 1)
+            bucket = self.buckets.get(key.name)
+            wait_s = 0.0 if bucket is None else bucket.take(self.clock())
+            if wait_s > 0:
+                retry = max(1, math.ceil(wait_s))
+                raise KeyLimitError("rate_limited", f"rate limit reached for API key {key.name!r}: "
+                                    f"{key.requests_per_second:g} requests per second (burst {key.bucket_size}); "
+                                    f"try again in {retry}s", retry)
+            self.in_flight[key.name] = self.in_flight.get(key.name, 0) + 1
+
+    def release(self, key: APIKey) -> None:
+        with self._lock:
+            assert self.in_flight.get(key.name, 0) > 0, key.name
+            self.in_flight[key.name] -= 1
+
+
+def _same_bucket(old: APIKey | None, new: APIKey) -> bool:
+    return old is not None and (old.requests_per_second, old.bucket_size) == (new.requests_per_second, new.bucket_size)
 
 
 class RequestGuard:

@@ -5,7 +5,7 @@ NIXL or Mooncake would be others behind the same calls, each an entry of registr
 A request's transfer to one decode rank is one *part*: the KV heads [head_start, head_end) of
 all layers for all of its prompt tokens, in logical token order, then a *trailer*: bytes the
 transport carries, authenticated like its control messages, without reading them (what a
-request's KV comes with is the instance layer's: engine/core/handover.py). A decode rank may receive
+request's KV comes with is the instance layer's: engine/core/request.py). A decode rank may receive
 several parts of one request (one per prefill rank holding some of its heads); it reports the
 request complete when all of them arrived, with the trailer one of them carried (b"" if none did).
 """

@@ -11,7 +11,7 @@ Prefill instance                                  Decode instance
 
 Transport details stay below it (`KVSender` / `KVReceiver`): the router sees request outcomes,
 a prefill result or a decode output with `kv_load_failed`. What the KV comes with (the instance
-layer's trailer, engine/core/handover.py) rides on the part from prefill rank 0 to decode rank 0 of KV
+layer's trailer, engine/core/request.py) rides on the part from prefill rank 0 to decode rank 0 of KV
 group 0, and stays on decode rank 0: the ranks' polls, which cross the TP group every step,
 carry request ids only.
 
@@ -32,8 +32,7 @@ import torch
 
 from engine.core.config import KVLayout, window_start
 from kvtransfer.base import CompletedTransfer, KVReceiver, KVSender, Transfer
-from kvtransfer.params import KVTransferParams, kv_heads_of_rank
-from kvtransfer.plan import expected_parts, plan_head_slices
+from kvtransfer.params import KVTransferParams, expected_parts, kv_heads_of_rank, plan_head_slices
 from kvtransfer.scatter import as_bytes, gather_tokens
 
 logger = logging.getLogger(__name__)

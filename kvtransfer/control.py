@@ -12,10 +12,10 @@ be resynchronized) and counted; the server goes on serving every other connectio
 its deadline closes its connection too (a late reply must not answer the next call); the next
 call connects again.
 
-Authentication (auth.py: the cluster secret and the key K derived from it). Before any message
+Authentication (wire.py: the cluster secret and the key K derived from it). Before any message
 of the schema, both ends prove K (msgpack arrays; sn, cn: 32-byte random nonces):
 
-    server -> client   [auth.HANDSHAKE, sn]                  on accept
+    server -> client   [wire.HANDSHAKE, sn]                  on accept
     client -> server   [cn, HMAC(K, "client" | sn | cn)]      the server checks it (compare_digest)
     server -> client   [true, HMAC(K, "server" | sn | cn)]    the client checks it: a fake receiver
                        or [false, b""]: refused                gets no message either
@@ -45,7 +45,7 @@ from collections import Counter
 
 import msgpack
 
-from kvtransfer import auth
+from kvtransfer import wire
 from kvtransfer.wire import WireError, check_message
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class _Connection:
     def __init__(self, sock: socket.socket, peer: tuple = ("?", 0)):
         self.sock, self.peer = sock, tuple(peer[:2])
         self.unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_MESSAGE_BYTES + FRAME_OVERHEAD)
-        self.macs: auth.MessageMacs | None = None
+        self.macs: wire.MessageMacs | None = None
 
     def send(self, msg, deadline: float | None = None) -> None:
         data = msgpack.packb(msg)
@@ -111,7 +111,7 @@ class _Connection:
             return obj
         try:
             body = self.macs.open(obj)
-        except auth.AuthError as exc:
+        except wire.AuthError as exc:
             raise ControlAuthError(str(exc)) from None
         if len(body) > MAX_MESSAGE_BYTES:
             raise ControlGarbage(f"message over {MAX_MESSAGE_BYTES} bytes")
@@ -167,8 +167,8 @@ class _Connection:
 def _key(authenticate: bool, what: str) -> bytes | None:
     if authenticate:
         if what == "server":
-            auth.require_strong_secret()
-        return auth.kv_control_key()
+            wire.require_strong_secret()
+        return wire.kv_control_key()
     logger.warning("KV control %s without authentication: for a benchmark's comparison only", what)
     return None
 
@@ -181,7 +181,7 @@ class ControlServer:
     messages, garbage and refused peers (auth_refused); a session that raises ControlGarbage
     counts as garbage too. `authenticate=False`: bench/kv_transfer.py's comparison only.
     `session_keys`: `open_session(drop, session_key)` instead, the connection's session key
-    (None without authentication), from which its payload MACs' key derives (auth.payload_key)."""
+    (None without authentication), from which its payload MACs' key derives (wire.payload_key)."""
 
     def __init__(self, host: str, open_session, schema: dict, backlog: int = 64, *, authenticate: bool = True,
                  max_pending: int = MAX_PENDING, session_keys: bool = False):
@@ -286,8 +286,8 @@ class ControlServer:
         nothing within HANDSHAKE_TIMEOUT_S); ControlError, not a refusal, when it closed."""
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         try:
-            conn.macs = auth.challenge(conn, self._key, deadline)
-        except auth.AuthError as exc:
+            conn.macs = wire.challenge(conn, self._key, deadline)
+        except wire.AuthError as exc:
             if exc.reply is not None:  # so a sender holding another secret can say why it was refused
                 try:
                     conn.send(exc.reply, deadline)
@@ -383,8 +383,8 @@ class ControlClient:
     def _prove(self, deadline: float) -> None:
         """The client's side of the handshake, before anything of the schema is sent."""
         try:
-            self._conn.macs = auth.prove(self._conn, self._key, deadline)
-        except (auth.AuthError, ControlGarbage) as exc:
+            self._conn.macs = wire.prove(self._conn, self._key, deadline)
+        except (wire.AuthError, ControlGarbage) as exc:
             raise ControlAuthError(f"KV control handshake with {self.address[0]}:{self.address[1]}: {exc}") from None
 
     def _connect(self, deadline: float) -> socket.socket:

@@ -1,5 +1,15 @@
 """Typed data that crosses process boundaries for KV transfer: who talks to whom, and whether
-their KV layouts agree. No block ids: the receiver owns the mapping from request to slots."""
+their KV layouts agree. No block ids: the receiver owns the mapping from request to slots.
+
+The plan (`plan_head_slices`, `expected_parts`): which prefill rank sends which KV heads to which decode
+rank (heterogeneous TP).
+
+Example: 4 KV heads, prefill tp=1, decode tp=2      prefill tp=2, decode tp=1
+    P0 [h0 h1 h2 h3]                                   P0 [h0 h1]   P1 [h2 h3]
+        |  |   \\  \\                                      \\  /         \\  /
+    D0 [h0 h1]  D1 [h2 h3]                                 D0 [h0 h1 h2 h3]
+Each decode rank's heads come from the lowest prefill rank holding them (a replicated head is
+sent once). Decode rank 0 always gets a part from prefill rank 0, which carries the trailer (base.py)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
@@ -7,7 +17,7 @@ from dataclasses import asdict, dataclass, fields
 PROTOCOL_VERSION = 17  # 3: control messages on TCP, payloads alone on the data channel; 4: runs; 5: shared caches;
 # 6: kv_window (a sliding-window model ships only the tokens its decode can still read); 7: kv_layout (a
 # transfer per KV group, num_layers its slabs); 8: done.more_choices (n > 1: every choice's first token);
-# 9: kv_checksum (done.checksum, kvtransfer/checksum.py); 10: a shared part's `ready` grants its slots until
+# 9: kv_checksum (done.checksum, kvtransfer/wire.py); 10: a shared part's `ready` grants its slots until
 # `done` (no layer/grant/wrote per span), welcome.data_channel and no_cache_reason (no NCCL on one GPU);
 # 11: kv_format (what a KV head holds: per-head K/V, or DeepSeek's latent entry); 12: speculative (informational);
 # 13: proposer_rows (a speculative proposer's state of the prompt, `rows` messages before `done`); 14: the control
@@ -27,13 +37,13 @@ class CompatRecord:
     `dtype` is the KV cache's element type ("float8_e4m3fn" for an fp8 cache), which may differ
     from the model's. `num_layers` is the layers one transfer carries: a KV group's (its slabs;
     every layer, with one group), and `kv_layout` the groups' windows and sizes (KVLayout.signature).
-    `kv_checksum`: every part carries a checksum of its payloads, checked on receipt (checksum.py);
+    `kv_checksum`: every part carries a checksum of its payloads, checked on receipt (wire.py);
     both ends must agree, since a receiver that checks needs one in every `done`. `kv_format` names
     what a KV head's two planes hold: "kv" (a head's keys and values), or for DeepSeek's latent
     attention "mla:<kv_lora_rank>+<qk_rope_head_dim>" (one head, a token's entry in two halves:
     engine/layers/mla.py), which every decode rank receives whole.
     `trailer_format` names what a part's trailer holds (base.py: bytes carried unread); the
-    instance layer that packs and unpacks it names it (engine/core/handover.py), so both ends must agree.
+    instance layer that packs and unpacks it names it (engine/core/request.py), so both ends must agree.
     NOTE: fp8 scales are not here because they are 1.0 on every instance (engine/models/llama.py); a
     change that loads them from checkpoints must add them to MUST_MATCH.
     """
@@ -135,3 +145,37 @@ def kv_heads_of_rank(num_kv_heads: int, tp_size: int, rank: int) -> range:
         raise ValueError(f"{num_kv_heads} KV heads do not split over tp {tp_size}")
     per = num_kv_heads // tp_size
     return range(rank * per, (rank + 1) * per)
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    prefill_rank: int
+    decode_rank: int
+    head_start: int  # global KV head index, inclusive
+    head_end: int    # exclusive
+
+    def __post_init__(self):
+        assert 0 <= self.head_start < self.head_end, self
+
+
+def _holder(head: int, num_kv_heads: int, prefill_tp: int) -> int:
+    return next(p for p in range(prefill_tp) if head in kv_heads_of_rank(num_kv_heads, prefill_tp, p))
+
+
+def plan_head_slices(num_kv_heads: int, prefill_tp: int, decode_tp: int) -> list[HeadSlice]:
+    """Every (prefill rank, decode rank, contiguous head range) part of one request's transfer."""
+    out: list[HeadSlice] = []
+    for d in range(decode_tp):
+        heads = kv_heads_of_rank(num_kv_heads, decode_tp, d)
+        start = heads.start
+        for h in heads:
+            if h + 1 == heads.stop or _holder(h + 1, num_kv_heads, prefill_tp) != _holder(h, num_kv_heads, prefill_tp):
+                out.append(HeadSlice(_holder(h, num_kv_heads, prefill_tp), d, start, h + 1))
+                start = h + 1
+    assert any(s.prefill_rank == 0 and s.decode_rank == 0 for s in out)
+    return out
+
+
+def expected_parts(num_kv_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int) -> int:
+    """How many parts decode rank `decode_rank` receives for one request."""
+    return sum(s.decode_rank == decode_rank for s in plan_head_slices(num_kv_heads, prefill_tp, decode_tp))

@@ -26,7 +26,7 @@ within timeout_s drops the connection. A sender on this device that is not offer
 (why is in the welcome, and logged here) gets the host data channel, never NCCL
 (channel.py: data_channel_kind).
 
-Authentication (control.py, auth.py): a connection gets a `Session` only once its peer proved
+Authentication (control.py, wire.py): a connection gets a `Session` only once its peer proved
 the cluster secret; one that does not, or whose message's MAC is wrong, is closed and counted
 (`auth_refused` in stats), and nothing it sent reaches a session or the cache.
 
@@ -36,13 +36,13 @@ it at `join` and the store stops at the sender's first `begin`, once both ends a
 bootstraps at its first operation: when the channel closes). No store of this rank listens beyond
 that, nor on another address.
 
-Payload MACs (checksum.py PartMac): on an authenticated connection with a data channel, `done`
+Payload MACs (wire.py PartMac): on an authenticated connection with a data channel, `done`
 carries the sender's MAC of the part's payloads, keyed from the connection's session key; the
 session's own over what arrived must equal it before the request can be reported complete (so
 before it becomes runnable), or the part fails like a checksum mismatch (the request reported
 failed, its blocks freed by the instance), logged and counted (`kv_mac_mismatches`).
 
-Checksums (`compat.kv_checksum`, checksum.py): `done` carries the sender's checksum of the part;
+Checksums (`compat.kv_checksum`, wire.py): `done` carries the sender's checksum of the part;
 the session's own over what arrived must equal it, or the part fails like one from a lost peer
 (ack {ok: false}, the request reported failed), logged and counted (`kv_checksum_mismatches`).
 """
@@ -56,11 +56,11 @@ from collections import Counter
 import torch
 
 from engine.core.threads import run_serially
-from kvtransfer import auth, wire
+from kvtransfer import wire
 from kvtransfer.base import CompletedTransfer, KVReceiver
 from kvtransfer.channel import RECEIVER, DataChannel, data_channel_kind
 from kvtransfer.channel_factory import open_channel
-from kvtransfer.checksum import PartChecksum
+from kvtransfer.wire import PartChecksum
 from kvtransfer.control import ControlGarbage, ControlServer
 from kvtransfer.params import CompatRecord
 from kvtransfer.rendezvous import Rendezvous
@@ -127,7 +127,7 @@ class TorchDistReceiver(KVReceiver):
         """On the connection's own thread, which scatters what arrives: its tensor ops run
         serially, so it starts no OpenMP team beside the step thread's (engine/core/threads.py)."""
         run_serially()
-        return Session(self, drop, auth.payload_key(session_key) if self.payload_mac and session_key else None)
+        return Session(self, drop, wire.payload_key(session_key) if self.payload_mac and session_key else None)
 
     @property
     def endpoint_address(self) -> tuple[str, int]:

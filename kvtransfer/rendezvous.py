@@ -18,7 +18,7 @@ libuv backend, torch's default); it exists for one rendezvous (milliseconds) and
 pair; its key names are 24 random bytes that cross only the MAC'd control channel, so keys set
 in advance under guessable names ("pg/<channel>/", before protocol 15) meet nobody. A stranger
 who connects during that window could still list keys and race the sender: the payload MAC
-(checksum.py PartMac) makes anything it then sends fail its part.
+(wire.py PartMac) makes anything it then sends fail its part.
 """
 from __future__ import annotations
 

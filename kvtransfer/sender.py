@@ -14,7 +14,7 @@ pool at once, with its channel and the receiver's cache it opened, instead of ho
 
 A receiver on this rank's device (shared_cache.device_key) offers its cache at the handshake:
 the peer opens it and, from `ready` on, writes the part's layers into its slots itself, one copy
-and no data channel, no message per layer (shared_writer.py; docs/disaggregation.md, "Same
+and no data channel, no message per layer (scatter.py; docs/disaggregation.md, "Same
 device"). Before `done` it waits for one event after every copy queued so far, so a step's parts
 cost one event. The mapping lives as long as the peer, and longer if its copies stall (the
 writer is parked until they complete). A welcome from the same address offering the cache of
@@ -23,15 +23,15 @@ cache cannot be opened, the peer says so in the log and joins the data channel i
 data channel (gloo, NCCL, or gloo through host memory for two ranks of one GPU) the receiver
 names in its welcome (channel.py: data_channel_kind).
 
-With `compat.kv_checksum` each part's `done` carries a checksum of its payloads (checksum.py),
+With `compat.kv_checksum` each part's `done` carries a checksum of its payloads (wire.py),
 taken from the tensors handed to the channel (or written into the shared cache) before they go.
-Over a data channel it also carries their MAC (checksum.py PartMac), keyed from the control
+Over a data channel it also carries their MAC (wire.py PartMac), keyed from the control
 connection's session key, so the receiver refuses bytes that someone else put on the channel.
 The channel rendezvouses in a store the receiver made for this connection, under the random
 prefix its welcome names (rendezvous.py).
 
 The control connection proves the cluster secret both ways before the hello, and every message
-carries a MAC (control.py, auth.py): a receiver that refuses this rank's secret, or cannot prove
+carries a MAC (control.py, wire.py): a receiver that refuses this rank's secret, or cannot prove
 its own, fails the peer like any broken connection (logged, `groups_failed`), before anything of
 the transfer is sent to it.
 """
@@ -47,16 +47,16 @@ from collections import Counter, OrderedDict, deque
 import torch
 
 from engine.core.threads import run_serially
-from kvtransfer import auth, wire
+from kvtransfer import wire
 from kvtransfer.base import MAX_TRAILER_BYTES, IncompatiblePeerError, KVSender, Transfer, TransferError
 from kvtransfer.channel import DATA_CHANNELS, SENDER, DataChannel
 from kvtransfer.channel_factory import open_channel
-from kvtransfer.checksum import PartChecksum, PartMac
+from kvtransfer.wire import PartChecksum, PartMac
 from kvtransfer.control import ControlClient
 from kvtransfer.params import CompatRecord, KVEndpoint
 from kvtransfer.rendezvous import join
 from kvtransfer.shared_cache import device_key, export_event, open_cache
-from kvtransfer.shared_writer import SharedCacheManager, SharedCacheWriter
+from kvtransfer.scatter import SharedCacheManager, SharedCacheWriter
 
 logger = logging.getLogger(__name__)
 MAX_INFLIGHT = 8  # payload messages posted and not yet complete, per connection
@@ -378,7 +378,7 @@ class _Peer:
             raise TransferError(f"building the data channel to {self.name} failed: {exc}") from None
         o.count("groups_created")
         if o.payload_mac and (key := self.control.session_key) is not None:
-            self.payload_key = auth.payload_key(key)
+            self.payload_key = wire.payload_key(key)
 
     def _open_shared(self, desc: dict) -> str | None:
         """Opens the receiver's cache (same device), after its export event on the writer's

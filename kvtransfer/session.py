@@ -7,7 +7,7 @@ device) has no data channel: its sender writes granted layers into the cache its
 With checksums (`compat.kv_checksum`) each part hashes what arrived in the order it crossed: a
 scattered layer's buffer, or, for layers received straight into the cache, the runs' slots read
 back once they landed; for layers a same-device sender wrote, the part's slots read back at
-`done`, K then V of every token. `done` compares (receiver.py). A payload MAC (checksum.py
+`done`, K then V of every token. `done` compares (receiver.py). A payload MAC (wire.py
 PartMac, keyed by this connection's `payload_key`) covers the same bytes on a data channel: a
 part's `done` must carry one exactly when the session has a key and is not shared."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from kvtransfer import wire
 from kvtransfer.base import MAX_TRAILER_BYTES
 from kvtransfer.channel import ChannelError, DataChannel
-from kvtransfer.checksum import PartChecksum, PartMac
+from kvtransfer.wire import PartChecksum, PartMac
 from kvtransfer.control import ControlError, ControlGarbage
 from kvtransfer.rendezvous import Rendezvous
 from kvtransfer.scatter import as_bytes

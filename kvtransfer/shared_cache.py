@@ -11,7 +11,7 @@ straight into the decode's blocks, with no data channel and no second copy.
 The description is a plain map (msgpack): handles are bytes, nothing is unpickled. Whether two
 ranks share a device is `device_key()`: the boot id, the network namespace (pods and the test
 beds' hosts are network namespaces; their /dev/shm may differ) and the CUDA device's UUID.
-Writing into an opened cache, and the lifetime of the mapping: shared_writer.py.
+Writing into an opened cache, and the lifetime of the mapping: scatter.py.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The KV transport of torch.distributed groups: control messages over TCP (control.py, wire.py),
 payloads over a two-rank data channel per connection (channel.py: gloo for CPU caches, nccl.py
 between two GPUs, host_staged.py between two ranks of one GPU; the receiver names it), or, on
-one device, written straight into the decode cache (shared_cache.py, shared_writer.py).
+one device, written straight into the decode cache (shared_cache.py, scatter.py).
 
     decode rank                                        prefill rank
     ControlServer (port 0) + TCPStore (port 0)  <---   ControlClient

@@ -33,12 +33,10 @@ from dataclasses import dataclass, replace
 from engine.core.request import RequestMessage, SamplingParams, choice_id
 from kvtransfer.params import KVTransferParams
 from router.client import DecodeClient, InstanceDeadError, InstanceLoad, PrefillClient
-from router.failpoints import Failpoints
-from router.failures import Failures
+from router.failures import Failpoints, Failures
 from router.policy import BaseRoutingPolicy
-from router.stream import RequestStream, StreamEvent, Tracked, indexed
+from router.tables import RequestStream, RouterTables, StreamEvent, Tracked, indexed
 from router.supervisor import ThreadSupervisor
-from router.tables import RouterTables
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +69,7 @@ class Router:
         self.client_id = f"router-{uuid.uuid4().hex[:12]}"  # instances send this router only its own requests' outputs
         self.policy, self.mode = policy, mode
         self.disagg_threshold_tokens, self.max_queued, self.poll_s = disagg_threshold_tokens, max_queued, poll_s
-        self.failpoints = Failpoints.from_env()  # off unless PDSERVE_FAILPOINTS (router/failpoints.py)
+        self.failpoints = Failpoints.from_env()  # off unless PDSERVE_FAILPOINTS (router/failures.py)
         self.tables = t = RouterTables(prefill, decode)
         self.failures = Failures(t, max_attempts, kv_recompute_max_tokens, self.failpoints)
         # the tables under the names this class reads them by (the same objects)

@@ -1,15 +1,23 @@
-"""The router's tables and their lock: what the router (router/router.py) and its failure policy
+"""The router's tables, and the request streams they hold.
+
+The tables (`RouterTables`) and their lock: what the router (router/router.py) and its failure policy
 (router/failures.py) both read and change. Everything here is guarded by `lock`; calls to instances
-wanted under it (aborts) go to `deferred` and run once the outermost holder releases it."""
+wanted under it (aborts) go to `deferred` and run once the outermost holder releases it.
+
+`RequestStream`: what a caller gets back from the router: a stream of token batches for one request."""
 from __future__ import annotations
 
 import logging
+import queue
 import threading
+import time
 from collections import deque
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable
 
+from engine.core.request import SamplingParams, choice_id
 from router.client import DecodeClient, InstanceDeadError, PrefillClient
-from router.stream import StreamEvent, Tracked
 
 logger = logging.getLogger(__name__)
 
@@ -86,3 +94,127 @@ class RouterTables:
             tracked.stream.put(event)
             if tracked.parent is not None and all(c.done for c in tracked.parent.choices):
                 self.finish(tracked.parent, event)
+
+
+@dataclass
+class StreamEvent:
+    token_ids: list[int]  # new output tokens, in order, never repeated
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    extras: list[dict] | None = None  # one per token, when asked for (engine/core/extras.py: logprobs)
+    index: int = 0  # the choice (n > 1)
+    bad_request: bool = False  # the error is the request's own (an instance refused it): HTTP 400
+    # with an attempt's first token: its prompt tokens served from a prefix cache (usage's cached_tokens)
+    num_cached_tokens: int | None = None
+
+
+class RequestStream:
+    """Iterate for events; `result()` waits for the end. Thread-safe producer side (`put`).
+
+    With a `listener`, events go to it instead (called on the router's threads: an asyncio
+    consumer passes `lambda e: loop.call_soon_threadsafe(queue.put_nowait, e)`)."""
+
+    def __init__(self, request_id: str, listener: Callable[[StreamEvent], None] | None = None):
+        self.request_id, self.listener = request_id, listener
+        self._events: queue.Queue[StreamEvent] = queue.Queue()
+        self.token_ids: list[int] = []
+        self.extras: list[dict] = []  # one per token, when the request asked for any
+        self.num_cached_tokens = 0  # the latest attempt's prompt tokens served from a prefix cache
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.arrival_s = time.monotonic()
+        self.first_token_s: float | None = None  # when the router produced the first token
+        self.finished_at_s: float | None = None  # when the router produced the end
+        self.finished_s: float | None = None  # finished_at_s, once the consumer has read the end
+
+    @property
+    def logprobs(self) -> list[dict[int, float]]:
+        """One {token id: logprob} per token read so far (the sampled token first), when asked for."""
+        return [e["logprobs"] for e in self.extras]
+
+    def put(self, event: StreamEvent) -> None:
+        now = time.monotonic()  # stamped when produced, not when a (maybe busy) consumer reads it
+        if event.token_ids and self.first_token_s is None:
+            self.first_token_s = now
+        if event.finished:
+            self.finished_at_s = now
+        if self.listener is not None:
+            self.listener(event)
+        else:
+            self._events.put(event)
+
+    def get(self, timeout: float | None = None) -> StreamEvent:
+        """The next event; raises queue.Empty after `timeout`."""
+        event = self._events.get(timeout=timeout)
+        self.token_ids += event.token_ids
+        self.extras += event.extras or []
+        if event.num_cached_tokens is not None:
+            self.num_cached_tokens = event.num_cached_tokens
+        if event.finished:
+            self.finish_reason, self.error, self.finished_s = event.finish_reason, event.error, self.finished_at_s
+        return event
+
+    def __iter__(self):
+        while True:
+            event = self.get()
+            yield event
+            if event.finished:
+                return
+
+    def result(self, timeout: float | None = None) -> "RequestStream":
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.finished_s is None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self.get(timeout=left)
+        return self
+
+
+def indexed(listener: Callable[[StreamEvent], None] | None, index: int):
+    """`listener` with the choice's index set on each event (n > 1)."""
+    if listener is None:
+        return None
+
+    def put(event: StreamEvent) -> None:
+        event.index = index
+        listener(event)
+    return put
+
+
+@dataclass
+class Tracked:
+    """The router's record of one request across attempts (a failed pair is retried elsewhere)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: RequestStream
+    delivered: list[int] = field(default_factory=list)  # output tokens the client has
+    attempt: int = 0
+    base: int = 0  # len(delivered) when this attempt started
+    prefill_id: str | None = None
+    decode_id: str | None = None
+    excluded: set[str] = field(default_factory=set)  # instances that failed this request
+    decoding: bool = False  # this attempt's decode instance has its KV (it reported tokens)
+    held: list = field(default_factory=list)  # outputs that came before the tokens ahead of them (RequestOutput)
+    placing: tuple[str, ...] = ()  # while a placement's calls are out: the instances it may start on
+    recompute_on: str | None = None  # the next attempt prefills on this decode instance (its KV load failed)
+    done: bool = False
+    # n > 1: a parent is placed once for its choices (it has no stream of its own); a choice follows its
+    # parent's placement (`grouped`) until that fails, then goes on as a request of its own
+    choices: list["Tracked"] = field(default_factory=list, compare=False, repr=False)
+    parent: "Tracked | None" = field(default=None, compare=False, repr=False)
+    index: int = 0
+    grouped: bool = False
+
+    @property
+    def num_attempt_tokens(self) -> int:
+        """Output tokens this attempt has delivered: the position its next token takes."""
+        return len(self.delivered) - self.base
+
+    @property
+    def attempt_id(self) -> str:
+        """The id the instances see: a late message from an earlier attempt can't be mistaken."""
+        if self.grouped:  # the id the decode instance gives the choice when it forks
+            return choice_id(self.parent.attempt_id, self.index)
+        return f"{self.request_id}#{self.attempt}"

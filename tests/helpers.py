@@ -8,9 +8,8 @@ from pathlib import Path
 
 import torch
 
-from engine.core.batch import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.core.request import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from engine.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.core.request import SamplingParams
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

@@ -7,7 +7,7 @@ from dataclasses import FrozenInstanceError, fields
 
 import pytest
 
-from decode_worker.output import RequestOutput
+from decode_worker.engine import RequestOutput
 from engine.core.request import RequestMessage, SamplingParams
 from kvtransfer.params import KVEndpoint, KVTransferParams
 from prefill_worker.worker import PrefillResult

@@ -25,7 +25,7 @@ from dataclasses import replace
 
 from cluster.control import model_fit
 from cluster.control.adopter import Adopter
-from cluster.control.clients import local_client, ray_client
+from cluster.control.serving import local_client, ray_client
 from cluster.control.instance import Instance, init_ray, rank_actor_name, setup_ray_auth  # noqa: F401 (re-exported)
 from cluster.control.membership import Membership
 from cluster.control.rank_planner import RankPlanner

@@ -1,7 +1,7 @@
 """A gateway's cluster when a controller elsewhere owns the instances (`pdserve gateway`): a
 router over the instances it finds in the cluster state, and nothing else. Any number of these
 run side by side; each gets exactly its own requests' tokens (outputs are addressed to its
-router's id, engine/core/outbox.py) and publishes its request counters for the controller's autoscaler.
+router's id, engine/runner/worker_base.py) and publishes its request counters for the controller's autoscaler.
 
     every SYNC_S:  cluster state records  ->  healthy and new: attach (its rank-0 actor, by name)
                                               draining: no new requests
@@ -18,8 +18,7 @@ import logging
 import threading
 import time
 
-from cluster.control.clients import ray_client
-from cluster.control.serving import Serving
+from cluster.control.serving import Serving, ray_client
 from cluster.control.instance import Instance, init_ray, rank_actor_name
 from cluster.ranks.nodes import RankPlacement
 from cluster.spec import ClusterSpec

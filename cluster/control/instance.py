@@ -51,7 +51,7 @@ def setup_ray_auth() -> None:
     """Token authentication for a local Ray cluster: on, with a fresh per-cluster token unless the
     operator provided one (RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH), and a KV cluster secret of its
     own (PDSERVE_CLUSTER_SECRET, unless given), which the rank actors inherit: the Ray token is
-    not the KV key (kvtransfer/auth.py). Nothing is written to ~/.ray."""
+    not the KV key (kvtransfer/wire.py). Nothing is written to ~/.ray."""
     os.environ.setdefault("PDSERVE_CLUSTER_SECRET", secrets.token_hex(32))
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     if os.environ["RAY_AUTH_MODE"] == "token" and not (os.environ.get("RAY_AUTH_TOKEN")

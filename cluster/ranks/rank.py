@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 
 from engine.core.config import EngineConfig
-from engine.core.handover import trailer_format
+from engine.core.request import trailer_format
 from engine.parallel.layers import TPGroup
 from engine.runner.model_runner import ModelRunner, select_device
 from cluster.ranks.roles import ROLES, RankSetting
 from engine.speculative.registry import rows_signature
-from kvtransfer.auth import cluster_secret
+from kvtransfer.wire import cluster_secret
 from kvtransfer.connector import Shipment
 from kvtransfer.params import CompatRecord, KVEndpoint, KVTransferParams
 from kvtransfer.registry import DEFAULT as DEFAULT_TRANSPORT

@@ -13,8 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
-from decode_worker.engine import ColocatedEngine
-from decode_worker.worker import DecodeWorker
+from decode_worker.engine import ColocatedEngine, DecodeWorker
 from engine.core.config import EngineConfig
 from engine.runner.model_runner import ModelRunner
 from engine.runner.worker_base import BaseWorker

@@ -3,8 +3,8 @@
 
 The sampler fills them (engine/sample/sampling.py `token_extras`) and the front ends read them
 (gateway/session.py, decode_worker/llm.py). Everything between carries them unread: the runner's
-output (engine/core/batch.py), the decode scheduler's `Request.output_extras`, the handover trailer
-(engine/core/handover.py), a decode step's output and the router's stream. So a new per-token output
+output (engine/core/request.py), the decode scheduler's `Request.output_extras`, the handover trailer
+(engine/core/request.py), a decode step's output and the router's stream. So a new per-token output
 is one entry in FIELDS here, its request parameter (engine/core/request.py `wants_extras`), its
 producer and its readers; no carrier changes (docs/architecture.md, "A per-token output field").
 

@@ -1,10 +1,32 @@
-"""Shared request types: SamplingParams, RequestMessage, RequestStatus, Request, and the one admission check.
+"""Shared request types: SamplingParams, RequestMessage, RequestStatus, Request, and the one admission check;
+a step's input and output (SchedulerOutput, RunnerOutput); the prefill-to-decode Handover.
 
 What crosses a process is immutable: a `RequestMessage` (a request to place, from the router or a
 front end to an instance) and its `SamplingParams`. What an instance's scheduler changes is its own
 `Request`, made from the message on arrival: its token history is `prompt_token_ids + output_token_ids`;
 `num_computed_tokens` says how much of that history already has K/V in the paged cache.
-"""
+
+The step's interface (`SchedulerOutput`, `RunnerOutput`): what the scheduler asks one step to compute,
+and what the runner gives back.
+
+New requests (first step, or resumed after preemption) carry full data; requests the runner
+already holds carry only what changed. The runner keeps each request's block table between
+steps and drops it when the request appears in `finished_req_ids`.
+
+`Handover`: what a prefill instance hands a decode instance with a request's KV: the first token and,
+when the request asked, its extras (engine/core/extras.py: logprobs); with n > 1, the other choices'
+first tokens (each sampled from the same logits); and a speculative proposer's rows of the prompt
+(engine/speculative/rows.py), when the two instances ship them. One message, packed by the prefill's
+rank 0 into the KV transfer's trailer (kvtransfer/base.py: bytes the transport carries unread) and
+unpacked by the decode's rank 0 as the request's KV is complete.
+
+Packed with msgpack as a map {t: first token, x: extras or nil, c: choices as [[token, extras or
+nil], ...], rows: nil or [first position, width, dtype, bytes]}. `Handover.unpack` checks every
+field's type and shape (the extras' fields by engine/core/extras.py FIELDS) and raises HandoverError
+naming the first one wrong: a malformed trailer fails its request, never the instance.
+
+A new per-token output field changes nothing here (it is one of the extras), nor the transport.
+Both ends name the format (`trailer_format`) in their KV compat record."""
 from __future__ import annotations
 
 import enum
@@ -12,6 +34,12 @@ import functools
 import time
 from collections.abc import Container
 from dataclasses import dataclass, field, replace
+from typing import Any
+
+import msgpack
+import torch
+
+from engine.core.extras import Extras, misfit
 
 
 @dataclass(frozen=True)
@@ -221,3 +249,139 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+
+@dataclass
+class TokenHistory:
+    """A request's tokens as the sampler needs them (runner state, one per request)."""
+    prompt: frozenset[int] | list[int] = frozenset()  # its distinct tokens are what counts
+    output: list[int] = field(default_factory=list)
+    stop_ids: frozenset[int] = frozenset()  # what min_tokens holds back: EOS (unless ignored), stop_token_ids
+    num_resumed: int = 0  # the first tokens of `output` came in the prompt (a retry: SamplingParams.num_resumed_tokens)
+
+
+@dataclass
+class NewRequestData:
+    request_id: str
+    token_ids: list[int]  # tokens to compute this step, starting at position num_computed_tokens
+    num_computed_tokens: int  # tokens whose K/V are already in the cache (prefix hits)
+    block_ids: tuple[list[int], ...]  # the whole block table of each KV group (ModelConfig.kv_layout)
+    sampling_params: SamplingParams
+    sample: bool  # True when this step reaches the end of the known tokens: sample the next one
+    history: TokenHistory | None = None  # its tokens, where its sampling controls read them (history_of)
+    num_draft_tokens: int = 0  # as CachedRequestData's (a load-time profile's verify steps)
+
+
+@dataclass
+class CachedRequestData:
+    request_id: str
+    token_ids: list[int]  # tokens to compute this step (a decode: the last sampled token)
+    num_computed_tokens: int
+    new_block_ids: tuple[list[int], ...]  # per KV group, appended to the block table the runner holds; () none
+    sample: bool
+    num_null_blocks: tuple[int, ...] = ()  # per KV group, leading entries now the null block (freed
+    # outside a sliding window); () for none
+    num_draft_tokens: int = 0  # speculative decoding: token_ids ends with this many drafts, each
+    # position sampled and verified (engine/speculative/verify.py)
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # the runner forgets these
+    kv_transfer_meta: Any = None  # opaque to the runner; read by the KV connector
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks to copy first
+    # (the partial last prompt block of a forked choice: KVCacheManager.fork)
+    # a host tier's (engine/core/host_tier.py), before the block copies: offloads, then reloads
+    kv_offloads: list[tuple[int, int]] = field(default_factory=list)  # (block, host slot)
+    kv_reloads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, block)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.new_requests) + sum(len(r.token_ids) for r in self.cached_requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.new_requests and not self.cached_requests
+
+
+@dataclass
+class RunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> next token
+    # each token's extras (engine/core/extras.py), carried unread: only requests that asked
+    extras: dict[str, Extras] = field(default_factory=dict)
+    # n > 1 (a prompt's first tokens): every choice's (token, extras or None); choice 0 is the above
+    choices: dict[str, list[tuple[int, Extras | None]]] = field(default_factory=dict)
+    # speculative decoding: a verifying request's kept drafts and one more token (in place of the above)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_extras: dict[str, list[Extras]] = field(default_factory=dict)  # only requests that asked
+
+
+FORMAT = "handover-2"
+ROW_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
+_FIELDS = {"t", "x", "c", "rows"}
+
+
+class HandoverError(ValueError):
+    """A trailer that is not a well-formed handover."""
+
+
+def trailer_format(rows_signature: str) -> str:
+    """The compat record's name of what the trailers hold: this format, and the proposer rows they
+    carry (engine/speculative/registry.py rows_signature; "" none), on which both ends must agree."""
+    return FORMAT + (f"+rows:{rows_signature}" if rows_signature else "")
+
+
+@dataclass(frozen=True)
+class Handover:
+    first_token: int
+    extras: Extras | None = None  # the first token's, when the request asked for any
+    more_choices: tuple = ()  # n > 1: the other choices' (first token, extras or None)
+    rows: tuple[int, torch.Tensor] | None = None  # a proposer's rows of the prompt: (first position, (tokens, width))
+
+    def pack(self) -> bytes:
+        rows = None
+        if self.rows is not None:
+            start, tensor = self.rows
+            tensor = tensor.detach().to("cpu").contiguous()
+            rows = [start, tensor.shape[1], str(tensor.dtype).removeprefix("torch."),
+                    tensor.view(torch.uint8).numpy().tobytes()]
+        return msgpack.packb({"t": self.first_token, "x": self.extras,
+                              "c": [[token, extras] for token, extras in self.more_choices], "rows": rows})
+
+    @classmethod
+    def unpack(cls, data: bytes) -> Handover:
+        """Raises HandoverError (one line) for anything but what `pack` makes."""
+        try:
+            msg = msgpack.unpackb(data, raw=False, strict_map_key=False)  # extras map token ids
+        except Exception as exc:  # msgpack's errors have no common base but Exception
+            raise HandoverError(f"not msgpack: {type(exc).__name__}") from None
+        if not isinstance(msg, dict) or set(msg) != _FIELDS:
+            raise HandoverError(f"fields {sorted(msg) if isinstance(msg, dict) else type(msg).__name__}, "
+                                f"want {sorted(_FIELDS)}")
+        if type(msg["t"]) is not int or msg["t"] < 0:
+            raise HandoverError("the first token is not a token id")
+        if not isinstance(msg["c"], list) or not all(_is_choice(c) for c in msg["c"]):
+            raise HandoverError("the choices are not [token id, extras or nil] pairs")
+        for extras in [msg["x"], *(c[1] for c in msg["c"])]:
+            wrong = None if extras is None else misfit(extras)
+            if wrong is not None:
+                raise HandoverError(wrong)
+        return cls(msg["t"], msg["x"], tuple((token, extras) for token, extras in msg["c"]), _unpack_rows(msg["rows"]))
+
+
+def _unpack_rows(rows) -> tuple[int, torch.Tensor] | None:
+    if rows is None:
+        return None
+    if not (isinstance(rows, list) and len(rows) == 4 and type(rows[0]) is int and rows[0] >= 0
+            and type(rows[1]) is int and rows[1] > 0 and rows[2] in ROW_DTYPES and isinstance(rows[3], bytes)):
+        raise HandoverError("rows are not [first position, width, dtype, bytes]")
+    start, width, dtype, data = rows[0], rows[1], ROW_DTYPES[rows[2]], rows[3]
+    if not data or len(data) % (width * dtype.itemsize):
+        raise HandoverError(f"{len(data)} bytes of rows {width} {rows[2]} wide")
+    return start, torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(-1, width)
+
+
+def _is_choice(choice) -> bool:
+    return isinstance(choice, list) and len(choice) == 2 and type(choice[0]) is int and choice[0] >= 0

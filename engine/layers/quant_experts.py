@@ -1,5 +1,5 @@
 """Quantized experts: a mixture's expert weights in int8 or int4, each expert's two GEMMs through one
-linear kernel (engine/quant/kernels.py, engine/quant/int4.py), the fastest of those that run here,
+linear kernel (engine/quant/base.py, engine/quant/integer.py), the fastest of those that run here,
 timed at load on the first expert pair.
 
     quant = quantize_experts("int8", w13, w2)          # --quantization int8 / w8a8: per output channel
@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.expert_compute import ACTIVATIONS, Pairs, best_ms, by_expert
-from engine.quant.int4 import Int4PackKernel, ReferenceInt4Kernel
-from engine.quant.kernels import Int8PackKernel, LinearKernel, ReferenceKernel, dequantize, quantize_per_channel
+from engine.quant.integer import Int4PackKernel, ReferenceInt4Kernel
+from engine.quant.base import Int8PackKernel, LinearKernel, ReferenceKernel, dequantize, quantize_per_channel
 from engine.quant.q4 import GROUP_SIZE, dequantize_q4, quantize_q4_1
 
 logger = logging.getLogger(__name__)

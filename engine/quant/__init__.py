@@ -27,8 +27,7 @@ from torch import nn
 
 from engine.core.config import ModelConfig
 from engine.quant.base import BaseLinearMethod, UnquantizedLinearMethod, mkldnn_packing_available
-from engine.quant.int4 import Int4LinearMethod
-from engine.quant.int8 import Int8LinearMethod, W8A8LinearMethod
+from engine.quant.integer import Int4LinearMethod, Int8LinearMethod, W8A8LinearMethod
 from engine.quant.q4 import GROUP_SIZE
 
 logger = logging.getLogger(__name__)

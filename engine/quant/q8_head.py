@@ -24,10 +24,8 @@ import os
 import numpy as np
 import torch
 
-from engine.quant.base import BaseLinearMethod
-from engine.quant.int4 import Int4PackKernel
-from engine.quant.int8 import skip_kernel
-from engine.quant.kernels import LinearKernel, UnquantizedBaseline
+from engine.quant.base import BaseLinearMethod, LinearKernel, UnquantizedBaseline
+from engine.quant.integer import Int4PackKernel, skip_kernel
 from engine.quant.q4 import GROUP_SIZE
 from engine.quant.selection import KernelChoice, choose_kernels
 

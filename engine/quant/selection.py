@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from engine.quant.kernels import BASELINE, quantize_per_channel
+from engine.quant.base import BASELINE, quantize_per_channel
 
 logger = logging.getLogger(__name__)
 

@@ -8,37 +8,25 @@ other ranks of a tensor-parallel instance need to run the same step.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention import AttentionMetadata, create_attention_backend
-from engine.core.batch import NewRequestData, RunnerOutput, SchedulerOutput
-from engine.core.batch import TokenHistory
+from engine.core.request import NewRequestData, RunnerOutput, SamplingParams, SchedulerOutput, TokenHistory
 from engine.core.config import EngineConfig, ModelConfig, cpu_has_native_bf16, resolve_dtype, resolve_kv_cache_dtype
-from engine.core.expert_placement import placement_for
 from engine.core.kv_cache import allocate_kv_cache, kv_block_bytes, num_blocks_for
-from engine.loading.loader import load_model_config, load_weights, resolve_model_path
-from engine.models import model_class
-from engine.quant.batch_invariant import BatchInvariantLinearMethod
+from engine.loading.loader import load_model_config, resolve_model_path
 from engine.runner.cuda_graphs import DecodeGraphs, capture_sizes, graph_backend
 from engine.runner.device_memory import DeviceMemory, MemorySnapshot, TorchDeviceMemory
 from engine.runner.host_arena import HostArena
 from engine.runner.kv_budget import MemoryBudget, blocks_from_device
-from engine.layers.moe import (describe_experts, expert_counts, expert_load_figures, quantize_model_experts,
-                               reset_expert_counts, select_expert_methods)
-from engine.layers.mla import select_prefill_forms
+from engine.runner.model_loading import load_model
+from engine.layers.moe import expert_counts, expert_load_figures, reset_expert_counts
 from engine.parallel.layers import TPGroup
 from engine.parallel.step import ModelInput
-from engine.quant import (create_linear_method, expert_scheme, method_reads_q4_codes, process_weights_after_loading,
-                          resolve_quantization)
-from engine.core.request import SamplingParams
 from engine.core.threads import TeamSizer, use_intraop_threads
-from engine.quant.base import BaseLinearMethod
-from engine.quant.q8_head import q8_head_method
-from engine.runner.runner_grammars import RunnerGrammars
 from engine.sample.sampling import Sampler, make_generator
 from engine.speculative import load_proposer_model, measure_verify, split_rows, verify
 
@@ -69,6 +57,41 @@ class _RequestState:
     generator: torch.Generator | None
     history: TokenHistory | None = None  # grows by each token sampled here
     grammar: GrammarState | None = None  # structured output: advanced by each token sampled here
+
+
+class RunnerGrammars:
+    """The structured-output grammars the runner starts its requests with (engine/sample/structured_output.py
+    runs them): llguidance's tokenizer for the model, built for the first structured request, and each
+    new request's grammar state."""
+
+    def __init__(self, model: str, model_config: ModelConfig, device: torch.device):
+        self.model, self.model_config, self.device = model, model_config, device
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+
+    def grammar_for(self, r: NewRequestData, old: GrammarState | None) -> GrammarState | None:
+        """A new request's grammar state, fed the tokens it has output so far (a remote prefill's first
+        token, a retry's); a resumed one (preempted: `old`, its state before) keeps its own."""
+        if r.sampling_params.structured_output is None:
+            return None
+        output = r.history.output if r.history is not None else []
+        if old is not None and old.num_tokens == len(output):
+            return old
+        from engine.sample.structured_output import GrammarState
+        kind, spec = r.sampling_params.structured_output
+        return GrammarState(kind, spec, self.tokenizer(), output, r.request_id)
+
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's tokenizer for this model (`engine.sample.structured_output.ll_tokenizer`), from the
+        model's own tokenizer, over the logits' width, with the model's EOS ids; built once."""
+        if self._ll_tokenizer is None:
+            from engine.sample.structured_output import ll_tokenizer
+            from engine.text.tokenizer import Tokenizer
+            mc = self.model_config
+            logger.info("structured output: first request; grammar tokenizer from %s, masks unpacked on %s",
+                        self.model, "the CPU with numpy" if self.device.type == "cpu" else self.device)
+            self._ll_tokenizer = ll_tokenizer(Tokenizer.from_path(self.model), mc.vocab_size,
+                                              tuple(sorted(mc.eos_token_ids)))
+        return self._ll_tokenizer
 
 
 class ModelRunner:
@@ -109,7 +132,8 @@ class ModelRunner:
                          for _ in range(model_config.kv_layout.num_groups)]
         self.backend = self.backends[0]
         self.backend.check_head_dim(model_config.head_dim)
-        self.model = self._load_model(path, weights)
+        self.model, self.linear_layers = load_model(config, model_config, self.tp, self.device, self.dtype,
+                                                    self.backend.fused_ops(self.dtype), path, weights)
         self.block_size = self.backend.block_size_for(config.cache.block_size)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.sampler = Sampler()
@@ -244,44 +268,6 @@ class ModelRunner:
         n = -(-num_tokens // self.block_size)
         return tuple(list(range(1 + g * n, 1 + (g + 1) * n)) for g in range(len(self.backends)))
 
-    def _load_model(self, path, weights) -> torch.nn.Module:
-        start = time.perf_counter()
-        method = self._linear_method(path if weights is None else None)
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                model = model_class(self.model_config)(self.model_config, self.tp, linear_method=method,
-                                                       fused=self.backend.fused_ops(self.dtype),
-                                                       expert_placement=placement_for(
-                                                           self.config, self.model_config, self.tp))
-        finally:
-            torch.set_default_dtype(torch.float32)
-        weights_from_file = weights is None
-        if weights is None:
-            weights = load_weights(path, self.dtype, q4_codes=method_reads_q4_codes(method))
-        # each parameter's copy_ casts to its own dtype (int4 codes stay uint8, their scales fp32)
-        loaded = model.load_weights((n, w.to(self.device)) for n, w in weights)
-        missing = {n for n, _ in model.named_parameters()} - loaded
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-        logger.info("loaded weights in %.2f s", time.perf_counter() - start)
-        start = time.perf_counter()
-        if self.config.batch_invariant:
-            model.lm_head.linear_method = method
-        elif weights_from_file and (head := q8_head_method(path, method, self.dtype, self.device,
-                                                            self.tp.size)) is not None:
-            model.lm_head.linear_method = head
-        # after every shard is in, so a quantizing method sees exactly this rank's slice
-        described = self.linear_layers = process_weights_after_loading(model)
-        logger.info("linear layers: %s; prepared in %.2f s", described, time.perf_counter() - start)
-        quantize_model_experts(model, expert_scheme(method), self.dtype)
-        select_expert_methods(model, self.config.expert_method)
-        if (experts := describe_experts(model)) is not None:
-            logger.info("experts: %s", experts)
-        if (latent := select_prefill_forms(model, self.tp)) is not None:
-            logger.info("%s", latent)
-        return model.eval()
-
     def expert_counts(self) -> dict[int, list[int]]:
         """A mixture's tokens per expert per sparse layer since start ({}: a dense model)."""
         return expert_counts(self.model)
@@ -290,24 +276,6 @@ class ModelRunner:
         """The load report's expert figures (engine/layers/moe.py expert_load_figures; {}: a dense model,
         whose layers the 10 Hz load poll then does not walk)."""
         return {} if self.model_config.moe is None else expert_load_figures(self.model)
-
-    def _linear_method(self, path) -> BaseLinearMethod:
-        """The quantization knob's linear method; with --batch-invariant, unquantized weights in its
-        tiled matmul (a quantized checkpoint dequantized at load), and an explicit int8/w8a8/int4
-        refused."""
-        if not self.config.batch_invariant:
-            name = resolve_quantization(self.config.quantization, path, self.model_config, self.tp.size,
-                                        self.config.expert_parallel)
-            return create_linear_method(name, path)
-        if self.model_config.moe is not None:
-            raise ValueError(f"--batch-invariant does not run mixture-of-experts models yet ({self.model_config.name}: "
-                             "its expert GEMMs take as many rows as the batch routes to each expert)")
-        if self.config.quantization not in ("auto", "none"):
-            raise ValueError(f"--batch-invariant runs unquantized weights; --quantization {self.config.quantization} "
-                             "cannot run with it (use auto or none)")
-        logger.info("batch-invariant mode: weights unquantized (dequantized at load), fixed-tile matmuls, "
-                    "fixed-split attention")
-        return BatchInvariantLinearMethod()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, after_layer=None) -> RunnerOutput:
@@ -340,7 +308,7 @@ class ModelRunner:
                     table.extend(r.new_block_ids[g])
 
     def grammar_tokenizer(self) -> llguidance.LLTokenizer:
-        """llguidance's tokenizer for this model (engine/runner/runner_grammars.py)."""
+        """llguidance's tokenizer for this model (RunnerGrammars)."""
         return self.grammars.tokenizer()
 
     def prepare_inputs(self, sched: SchedulerOutput) -> ModelInput:

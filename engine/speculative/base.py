@@ -15,7 +15,7 @@ from engine.core.timing import best_seconds
 if TYPE_CHECKING:
     from torch import nn
 
-    from engine.core.batch import SchedulerOutput
+    from engine.core.request import SchedulerOutput
     from engine.core.config import EngineConfig, ModelConfig
     from engine.core.speculative_config import SpeculativeConfig
     from engine.parallel.layers import TPGroup

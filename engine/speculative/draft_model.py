@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.core.batch import NewRequestData, SchedulerOutput
-from engine.core.request import SamplingParams
+from engine.core.request import NewRequestData, SamplingParams, SchedulerOutput
 from engine.speculative.base import PROFILE_CONTEXT, Proposer, SpecSequence
 
 if TYPE_CHECKING:

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.core.batch import TokenHistory
-from engine.sample.logits_processing import needs_processing, process_logits
-from engine.sample.sampling import is_greedy, keep_grammar_tokens, probabilities, token_extras
+from engine.core.request import TokenHistory
+from engine.sample.sampling import (is_greedy, keep_grammar_tokens, needs_processing, probabilities, process_logits,
+                                    token_extras)
 from engine.speculative.rejection import rejection_sample
 
 if TYPE_CHECKING:
-    from engine.core.batch import RunnerOutput
+    from engine.core.request import RunnerOutput
     from engine.parallel.step import ModelInput
     from engine.speculative.base import TargetRunner
 

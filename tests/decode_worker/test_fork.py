@@ -6,11 +6,9 @@ from __future__ import annotations
 import pytest
 
 from decode_worker.scheduler import Scheduler
-from engine.core.batch import RunnerOutput
+from engine.core.request import Request, RequestStatus, RunnerOutput, SamplingParams, choice_id
 from engine.core.block_manager import KVCacheManager
 from engine.core.config import SchedulerConfig
-from engine.core.request import choice_id
-from engine.core.request import Request, RequestStatus, SamplingParams
 
 BLOCK = 4
 EOS = 2

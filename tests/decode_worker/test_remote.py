@@ -4,10 +4,9 @@ locally from prompt + generated tokens."""
 from __future__ import annotations
 
 from decode_worker.scheduler import Scheduler
-from engine.core.batch import RunnerOutput
+from engine.core.request import Request, RequestStatus, RunnerOutput, SamplingParams
 from engine.core.block_manager import KVCacheManager, block_hashes
 from engine.core.config import SchedulerConfig
-from engine.core.request import Request, RequestStatus, SamplingParams
 
 BLOCK = 4
 

@@ -4,10 +4,9 @@ however many ids the request gave (it runs for every token of every choice, unde
 from __future__ import annotations
 
 from decode_worker.scheduler import Scheduler
-from engine.core.batch import RunnerOutput
+from engine.core.request import Request, RequestStatus, RunnerOutput, SamplingParams
 from engine.core.block_manager import KVCacheManager
 from engine.core.config import SchedulerConfig
-from engine.core.request import Request, RequestStatus, SamplingParams
 
 BLOCK = 4
 NUM_BLOCKS = 16

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from decode_worker.worker import DecodeWorker
-from engine.core.handover import Handover
-from engine.core.request import RequestMessage, SamplingParams
+from decode_worker.engine import DecodeWorker
+from engine.core.request import Handover, RequestMessage, SamplingParams
 from kvtransfer.base import CompletedTransfer, KVReceiver
 from kvtransfer.connector import DecodeConnector
 from tests.helpers import make_hf_tiny_llama, tiny_engine
@@ -142,7 +141,7 @@ def test_an_idle_decode_instance_makes_no_collective_call():
 
 
 def test_a_malformed_handover_fails_its_request_only():
-    """A trailer that is no handover (engine/core/handover.py): that request ends with an error flagged
+    """A trailer that is no handover (engine/core/request.py): that request ends with an error flagged
     `kv_load_failed`, its blocks freed, counted among the dropped KV messages; another decodes on."""
     engine, rx, worker = reserved_pair("ok", "bad")
     rx.done = [CompletedTransfer("ok", Handover(5).pack()), CompletedTransfer("bad", b"\x93\x01\x02\x03")]

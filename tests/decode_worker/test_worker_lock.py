@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from decode_worker.engine import ColocatedEngine
-from decode_worker.worker import DecodeWorker
+from decode_worker.engine import ColocatedEngine, DecodeWorker
 from engine.core.request import RequestMessage, SamplingParams
 from gateway import protocol
 from kvtransfer.connector import DecodeConnector

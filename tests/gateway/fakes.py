@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
-from router.stream import StreamEvent
+from router.tables import StreamEvent
 
 TOKENS = [504, 3575, 282, 4649, 314, 7042, 30]  # "The capital of France is Paris."
 

@@ -16,10 +16,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from cluster.cli.serve import serve_in_thread
-from gateway.api_keys import (APIKey, APIKeyManager, KeyLimitError, configured_keys, hash_api_key,
-                              load_api_keys)
+from gateway.api_keys import APIKey, configured_keys, hash_api_key, load_api_keys
 from gateway.app import create_app
-from router.stream import StreamEvent
+from gateway.guard import APIKeyManager, KeyLimitError
+from router.tables import StreamEvent
 from tests.gateway.fakes import TOKENS, FakeCluster
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,7 +16,8 @@ import pytest
 
 from cluster.cli.serve import serve_in_thread, watch_keys
 from cluster.spec import ClusterSpec
-from gateway.api_keys import APIKey, APIKeyManager, KeysFileWatcher, check_key_strength, hash_api_key, load_api_keys
+from gateway.api_keys import APIKey, KeysFileWatcher, check_key_strength, hash_api_key, load_api_keys
+from gateway.guard import APIKeyManager
 from gateway.app import create_app
 
 pytestmark = pytest.mark.timeout(120)

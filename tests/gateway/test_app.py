@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from engine.loading.loader import resolve_model_path
 from engine.text.tokenizer import Tokenizer
 from gateway.app import create_app
-from router.stream import StreamEvent
+from router.tables import StreamEvent
 from tests.gateway.fakes import TOKENS, FakeCluster, fake_logprobs
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,7 +16,7 @@ import pytest
 from cluster.cli.serve import serve_in_thread
 from cluster.spec import ClusterSpec
 from gateway.app import create_app
-from router.stream import StreamEvent
+from router.tables import StreamEvent
 from tests.gateway.fakes import TOKENS, FakeCluster
 from tests.gateway.test_api_keys import A, KEY_A, chat, keys, metric, wait_in_flight
 

@@ -18,7 +18,7 @@ from cluster.cli.serve import serve_in_thread
 from gateway.api_keys import APIKey, hash_api_key
 from gateway.app import create_app
 from gateway.drain import ERROR_CODE, Drain
-from router.stream import StreamEvent
+from router.tables import StreamEvent
 from tests.gateway.fakes import TOKENS, FakeCluster
 
 pytestmark = pytest.mark.timeout(120)

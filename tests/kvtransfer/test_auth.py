@@ -1,4 +1,4 @@
-"""Authentication of the KV control channel (kvtransfer/auth.py, control.py): where the cluster
+"""Authentication of the KV control channel (kvtransfer/wire.py, control.py): where the cluster
 secret comes from; a sender holding it transfers, any other peer (another secret, no handshake,
 a fake receiver, a tampered, replayed, reordered or reflected frame, silence) is refused,
 counted, logged by address and never the secret, and writes nothing into the cache."""
@@ -14,8 +14,8 @@ import msgpack
 import pytest
 import torch
 
-from kvtransfer import auth, control
-from kvtransfer.auth import SECRET_ENV, MessageMacs
+from kvtransfer import control, wire
+from kvtransfer.wire import SECRET_ENV, MessageMacs
 from kvtransfer.base import TransferError
 from kvtransfer.registry import create_kv_transport
 from kvtransfer.control import ControlAuthError, ControlClient, ControlError, ControlServer
@@ -59,30 +59,30 @@ def test_the_secret_comes_from_the_cluster_env_then_the_ray_token_then_its_file(
     token_file.write_text("from-the-file\n")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token_file))
     monkeypatch.setenv("RAY_AUTH_TOKEN", "ray-token")
-    assert auth.cluster_secret() == b"kvtransfer-tests-secret-0123456789abcdef"
+    assert wire.cluster_secret() == b"kvtransfer-tests-secret-0123456789abcdef"
     monkeypatch.delenv(SECRET_ENV)
-    assert auth.cluster_secret() == b"ray-token"
+    assert wire.cluster_secret() == b"ray-token"
     monkeypatch.setenv("RAY_AUTH_TOKEN", "")  # Ray with auth disabled
-    assert auth.cluster_secret() == b"from-the-file"
+    assert wire.cluster_secret() == b"from-the-file"
     token_file.unlink()
     with pytest.raises(OSError):  # a node whose token file is gone is misconfigured: no made-up secret
-        auth.cluster_secret()
+        wire.cluster_secret()
 
 
 def test_without_any_secret_one_is_generated_for_the_process_and_logged_once(monkeypatch, caplog):
     for name in (SECRET_ENV, "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
         monkeypatch.delenv(name, raising=False)
-    with caplog.at_level(logging.INFO, logger="kvtransfer.auth"):
-        first, second = auth.cluster_secret(), auth.cluster_secret()
-    assert first == second and len(first) == 64 and auth.os.environ[SECRET_ENV] == first.decode()
+    with caplog.at_level(logging.INFO, logger="kvtransfer.wire"):
+        first, second = wire.cluster_secret(), wire.cluster_secret()
+    assert first == second and len(first) == 64 and wire.os.environ[SECRET_ENV] == first.decode()
     assert [r.levelname for r in caplog.records] == ["INFO"] and "per-process" in caplog.text
     assert first.decode() not in caplog.text
 
 
 def test_the_kv_key_is_derived_from_the_secret_never_the_secret_itself():
-    key = auth.kv_control_key(b"ray-token")
+    key = wire.kv_control_key(b"ray-token")
     assert key == hmac.digest(b"ray-token", b"pdserve-kv-control-v1", "sha256") and b"ray-token" not in key
-    assert auth.kv_control_key(b"another") != key and auth.kv_control_key() == auth.kv_control_key()
+    assert wire.kv_control_key(b"another") != key and wire.kv_control_key() == wire.kv_control_key()
 
 
 def test_a_sender_holding_the_cluster_secret_transfers():
@@ -140,7 +140,7 @@ def _fake_receiver(received: list) -> tuple[socket.socket, threading.Thread]:
 
     def serve():
         sock, _ = listener.accept()
-        sock.sendall(msgpack.packb([auth.HANDSHAKE, auth.new_nonce()]))
+        sock.sendall(msgpack.packb([wire.HANDSHAKE, wire.new_nonce()]))
         unpacker = msgpack.Unpacker(raw=False)
         while data := sock.recv(65536):
             unpacker.feed(data)

@@ -18,11 +18,11 @@ import xxhash
 from kvtransfer import sender as sender_module
 from kvtransfer.base import IncompatiblePeerError, TransferError
 from kvtransfer.registry import create_kv_transport
-from kvtransfer.checksum import PartChecksum, checksum_of
+from kvtransfer.wire import PartChecksum, checksum_of
 from kvtransfer.params import KVEndpoint
 from kvtransfer.receiver import MAX_DIRECT_RUNS, TorchDistReceiver
 from kvtransfer.sender import TorchDistSender
-from kvtransfer.shared_writer import SharedCacheWriter
+from kvtransfer.scatter import SharedCacheWriter
 from tests.kvtransfer.faults import OFFSET, corrupt_in_flight
 from tests.kvtransfer.test_receive_direct import _slots
 from tests.kvtransfer.test_torch_dist import (COMPAT, HEADS, LAYERS, TRAILER, _wait_for, flat, make_cache,

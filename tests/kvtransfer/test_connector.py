@@ -8,8 +8,7 @@ import time
 import pytest
 import torch
 
-from engine.core.handover import Handover
-from engine.core.request import RequestMessage, SamplingParams
+from engine.core.request import Handover, RequestMessage, SamplingParams
 from engine.runner.model_runner import ModelRunner
 from kvtransfer.base import CompletedTransfer, KVSender, Transfer, TransferError
 from kvtransfer.connector import DecodeConnector, PrefillConnector

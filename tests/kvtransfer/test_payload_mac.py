@@ -1,4 +1,4 @@
-"""Payload MACs (kvtransfer/checksum.py PartMac): with checksums off, one element altered on the
+"""Payload MACs (kvtransfer/wire.py PartMac): with checksums off, one element altered on the
 data channel fails the part's MAC: the request is reported failed to the instance (which frees
 its blocks), counted and logged, nothing of it is reported complete, and the pair serves on."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtransfer.registry import create_kv_transport
-from kvtransfer.checksum import PartMac
+from kvtransfer.wire import PartMac
 from tests.kvtransfer.faults import corrupt_in_flight
 from tests.kvtransfer.test_checksum import ship
 from tests.kvtransfer.test_torch_dist import COMPAT, HEADS, make_cache, make_receiver, poll_until, send_part

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtransfer.params import CompatRecord, KVEndpoint, KVTransferParams, kv_heads_of_rank
-from kvtransfer.plan import expected_parts, plan_head_slices
+from kvtransfer.params import (CompatRecord, KVEndpoint, KVTransferParams, expected_parts, kv_heads_of_rank,
+                               plan_head_slices)
 
 CASES = [(4, 1, 1), (4, 1, 2), (4, 2, 1), (4, 2, 2), (4, 4, 2), (4, 1, 4), (2, 1, 4), (2, 4, 1), (2, 4, 4),
          (3, 3, 1), (3, 1, 3), (2, 2, 4), (8, 2, 4), (8, 4, 2)]

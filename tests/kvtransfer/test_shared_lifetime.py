@@ -16,7 +16,7 @@ import torch
 from kvtransfer import sender as sender_module
 from kvtransfer.base import TransferError
 from kvtransfer.registry import create_kv_transport
-from kvtransfer.shared_writer import SharedCacheWriter
+from kvtransfer.scatter import SharedCacheWriter
 from tests.kvtransfer.fake_cuda import FakeStream
 from tests.kvtransfer.test_shared_cache import make_shared_receiver, shared_sender
 from tests.kvtransfer.test_torch_dist import (BLOCK, COMPAT, HEADS, LAYERS, _wait_for, flat, make_cache, poll_until,

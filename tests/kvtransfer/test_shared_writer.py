@@ -1,4 +1,4 @@
-"""The same-device writer's order and lifetime rules (kvtransfer/shared_writer.py), on a CPU with
+"""The same-device writer's order and lifetime rules (kvtransfer/scatter.py), on a CPU with
 fake CUDA streams and events (tests/kvtransfer/fake_cuda.py): the side stream waits on the
 cache's export event before any copy, and on each layer's ready event before that layer's copy;
 a step's copies cost one event; a payload lives until an event after its copy completed; copies
@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from kvtransfer.shared_writer import SharedCacheManager, SharedCacheWriter, StalledWrites
+from kvtransfer.scatter import SharedCacheManager, SharedCacheWriter, StalledWrites
 from tests.kvtransfer.fake_cuda import CacheWrites, FakeEvent, FakeStream
 from tests.kvtransfer.test_torch_dist import BLOCK, LAYERS, flat, make_cache
 

@@ -12,8 +12,7 @@ import torch
 from kvtransfer import wire
 from kvtransfer.base import IncompatiblePeerError, TransferError
 from kvtransfer.registry import create_kv_transport
-from kvtransfer.params import CompatRecord, KVEndpoint, kv_heads_of_rank
-from kvtransfer.plan import expected_parts, plan_head_slices
+from kvtransfer.params import CompatRecord, KVEndpoint, expected_parts, kv_heads_of_rank, plan_head_slices
 from kvtransfer.channel import SENDER, GlooChannel
 from kvtransfer.rendezvous import join
 from kvtransfer.control import ControlClient

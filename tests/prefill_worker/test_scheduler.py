@@ -3,11 +3,10 @@ enter the prefix cache only once their KV exists, and every block ends free."""
 from __future__ import annotations
 
 from decode_worker.scheduler import Scheduler
-from engine.core.batch import RunnerOutput
+from engine.core.request import Request, RunnerOutput, SamplingParams
 from engine.core.block_manager import KVCacheManager
 from engine.core.config import SchedulerConfig
-from engine.core.request import Request, SamplingParams
-from prefill_worker.scheduler import PrefillScheduler
+from prefill_worker.worker import PrefillScheduler
 
 BLOCK = 4
 

@@ -1,4 +1,4 @@
-"""The router's failpoint (router/failpoints.py), the chaos run's `router_fault`: armed by
+"""The router's failpoint (router/failures.py), the chaos run's `router_fault`: armed by
 SIGUSR2 where PDSERVE_FAILPOINTS=sigusr2, it makes the next router handler raise once, and the
 guards fail that one request alone; unset, SIGUSR2 is not taken; another value is refused."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from router.failpoints import ENV, Failpoints, InjectedFault
+from router.failures import ENV, Failpoints, InjectedFault
 from tests.router.test_router import FakeDecode, FakePrefill, _wait_until
 from tests.router.test_router_guards import PARAMS, feed, new_router
 

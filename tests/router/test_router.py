@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from decode_worker.output import RequestOutput
+from decode_worker.engine import RequestOutput
 from engine.core.request import SamplingParams
 from kvtransfer.params import KVEndpoint, Reservation
 from prefill_worker.worker import PrefillResult

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from decode_worker.output import RequestOutput
+from decode_worker.engine import RequestOutput
 from engine.core.request import SamplingParams
 from prefill_worker.worker import PrefillResult
 from router.client import InstanceLoad

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from decode_worker.output import RequestOutput
+from decode_worker.engine import RequestOutput
 from engine.core.request import SamplingParams
 from prefill_worker.worker import PrefillResult
 from tests.router.test_router import FakeDecode, FakePrefill, make_router

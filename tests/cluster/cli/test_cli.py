@@ -94,7 +94,8 @@ def test_hash_api_key_prints_the_sha256_a_keys_file_takes(tmp_path, monkeypatch,
     import io
 
     from cluster.cli.cli import main
-    from gateway.api_keys import APIKeyManager, load_api_keys
+    from gateway.api_keys import load_api_keys
+    from gateway.guard import APIKeyManager
     out = subprocess.run([sys.executable, "-m", "cluster.cli.cli", "hash-api-key"], input="sk-team-a-12345678\n",
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout == hashlib.sha256(b"sk-team-a-12345678").hexdigest() + "\n", out.stderr

@@ -23,7 +23,7 @@ from engine.loading.loader import resolve_model_path
 from engine.text.tokenizer import Tokenizer
 from gateway.app import create_app
 from router.router import QueueFullError
-from router.stream import StreamEvent
+from router.tables import StreamEvent
 from tests.gateway.fakes import TOKENS, FakeCluster
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""What a prefill hands a decode with a request's KV (engine/core/handover.py): every field round-trips
+"""What a prefill hands a decode with a request's KV (engine/core/request.py): every field round-trips
 exactly (the most logprobs, 128 choices, proposer rows of each dtype); anything else is refused
 with one line, never half-read."""
 from __future__ import annotations
@@ -7,8 +7,7 @@ import msgpack
 import pytest
 import torch
 
-from engine.core.handover import FORMAT, Handover, HandoverError, trailer_format
-from engine.core.request import SamplingParams
+from engine.core.request import FORMAT, Handover, HandoverError, SamplingParams, trailer_format
 
 TOP = 20  # the most logprobs a request may ask for (the engine's bound, checked below)
 

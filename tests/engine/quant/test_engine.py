@@ -10,8 +10,7 @@ import torch
 import torch.distributed as dist
 
 from decode_worker.llm import LLM
-from engine.core.batch import NewRequestData, SchedulerOutput
-from engine.core.request import SamplingParams
+from engine.core.request import NewRequestData, SamplingParams, SchedulerOutput
 from engine.parallel.layers import TPGroup
 from engine.runner.model_runner import ModelRunner
 from tests.helpers import (all_logits, engine_config, make_hf_tiny_llama, random_prompts, run_gloo_ranks,
@@ -134,7 +133,7 @@ def test_quantization_quantizes_a_mixtures_experts(tmp_path, caplog, quantizatio
     kind, switches = FAMILIES["mixtral"]
     folder = str(save_tiny(tmp_path / "mixtral", kind, seed=2, **switches))
     prompt = random_prompts(1, [60], seed=6)[0]
-    with caplog.at_level("INFO", logger="engine.runner.model_runner"):
+    with caplog.at_level("INFO", logger="engine.runner"):
         quant = ModelRunner(engine_config(model=folder, quantization=quantization))
     blocks = [b.experts for _, b in moe_blocks(quant.model)]
     assert all(e.quant.scheme == quantization and e.w13_weight is None for e in blocks)

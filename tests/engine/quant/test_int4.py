@@ -10,7 +10,7 @@ import torch
 from engine.core.config import ModelConfig
 from engine.loading.loader import load_weights, resolve_model_path
 from engine.quant import create_linear_method, int4_misfit, resolve_quantization
-from engine.quant.int4 import DequantizedKernel, Int4PackKernel, ReferenceInt4Kernel
+from engine.quant.integer import DequantizedKernel, Int4PackKernel, ReferenceInt4Kernel
 from engine.quant.q4 import GROUP_SIZE, decode_q4_blocks, dequantize_q4, quantize_q4_1
 
 Q4_0, Q4_1 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1

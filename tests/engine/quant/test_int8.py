@@ -9,10 +9,9 @@ import torch.nn.functional as F
 from engine.parallel.layers import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                     TPGroup)
 from engine.quant import create_linear_method, linear_layers, process_weights_after_loading, resolve_quantization
-from engine.quant.int8 import Int8LinearMethod, W8A8LinearMethod
-from engine.quant.kernels import cpu_has_vnni
-from engine.quant.kernels import (FbgemmKernel, Int8PackKernel, ReferenceKernel, ReferenceW8A8Kernel, dequantize,
-                                  quantize_per_channel)
+from engine.quant.integer import Int8LinearMethod, W8A8LinearMethod
+from engine.quant.base import (FbgemmKernel, Int8PackKernel, ReferenceKernel, ReferenceW8A8Kernel, cpu_has_vnni,
+                               dequantize, quantize_per_channel)
 
 SHAPES = [(960, 576), (576, 1536), (48, 40)]  # SmolLM2's qkv and down_proj, and an odd small one
 
@@ -75,7 +74,7 @@ def test_fbgemm_matches_reference(shape, m, reduce_range):
     activations the output is bf16 and within bf16 rounding of the same reference."""
     if not reduce_range and not cpu_has_vnni():
         pytest.skip("8-bit activations need VNNI (without it fbgemm's u8*s8 pair sums saturate, so the "
-                    "kernel runs reduce_range there: engine/quant/kernels.py)")
+                    "kernel runs reduce_range there: engine/quant/base.py)")
     q, scale = quantize_per_channel(_weight(shape))
     x = _input(m, shape[1])
     kernel = FbgemmKernel(reduce_range=reduce_range)

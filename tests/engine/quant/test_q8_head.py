@@ -12,7 +12,7 @@ import torch
 
 from engine.loading.loader import resolve_model_path
 from engine.quant import create_linear_method
-from engine.quant.int4 import Int4PackKernel
+from engine.quant.integer import Int4PackKernel
 from engine.quant.q4 import dequantize_q4
 from engine.quant.q8_head import (DequantizedQ8Kernel, Q8HeadMethod, Q8Int4PlanesKernel, decode_q8_0_blocks,
                                   dequantize_q8_0, int4_planes, q8_head_method, random_q8_0)

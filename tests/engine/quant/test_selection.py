@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from engine.quant.int8 import Int8LinearMethod
-from engine.quant.kernels import BASELINE, KERNELS, ReferenceKernel, UnquantizedBaseline
+from engine.quant.integer import Int8LinearMethod
+from engine.quant.base import BASELINE, KERNELS, ReferenceKernel, UnquantizedBaseline
 from engine.quant.selection import BUCKETS, DROP_AFTER, ROUNDS, choose_kernels
 
 CPU = torch.device("cpu")

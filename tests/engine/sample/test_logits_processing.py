@@ -8,10 +8,8 @@ import math
 import pytest
 import torch
 
-from engine.core.batch import TokenHistory
-from engine.core.request import Request, SamplingParams
-from engine.sample.logits_processing import history_of, process_logits
-from engine.sample.sampling import Sampler
+from engine.core.request import Request, SamplingParams, TokenHistory
+from engine.sample.sampling import Sampler, history_of, process_logits
 
 GREEDY = dict(temperature=0.0, max_tokens=8)
 

@@ -10,11 +10,8 @@ import pytest
 import torch
 
 from decode_worker.llm import LLM
-from engine.core.batch import NewRequestData, SchedulerOutput
-from engine.core.batch import TokenHistory
-from engine.core.request import Request, SamplingParams
-from engine.sample.logits_processing import history_of, needs_processing
-from engine.sample.sampling import Sampler
+from engine.core.request import NewRequestData, Request, SamplingParams, SchedulerOutput, TokenHistory
+from engine.sample.sampling import Sampler, history_of, needs_processing
 from engine.sample.structured_output import (GrammarState, _unpack_numpy, _unpack_torch, apply_grammar_masks, check,
                                              grammar_of, ll_tokenizer)
 from engine.text.tokenizer import Tokenizer

@@ -78,7 +78,7 @@ def test_a_prefills_rows_give_the_decode_head_the_colocated_drafts(target, head)
     a colocated engine's head proposes after computing the prompt itself."""
     from dataclasses import replace
 
-    from engine.core.batch import NewRequestData, SchedulerOutput
+    from engine.core.request import NewRequestData, SchedulerOutput
     from engine.runner.model_runner import ModelRunner
     from engine.speculative.base import SpecSequence
     from engine.speculative.rows import RowRecorder

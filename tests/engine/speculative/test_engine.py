@@ -191,7 +191,7 @@ def test_a_prefills_draft_kv_gives_the_decode_draft_the_colocated_drafts(models)
     """A prefill runner with the draft beside it (the decode's spec as ship_proposer_rows) computes
     the prompt's draft KV; a decode engine's draft given it in other blocks, with the prompt's first
     token, proposes what a colocated engine's draft proposes after computing the prompt itself."""
-    from engine.core.batch import NewRequestData, SchedulerOutput
+    from engine.core.request import NewRequestData, SchedulerOutput
     from engine.speculative.base import SpecSequence
     from engine.speculative.rows import DraftKVRecorder
     target, draft = models

@@ -1,12 +1,11 @@
-"""engine/text/detokenize.py: a request's text decided once: detokenized, cut at a stop string, held back
+"""engine/text/tokenizer.py: a request's text decided once: detokenized, cut at a stop string, held back
 while a stop string may still be forming; tokens past the stop are counted, not added."""
 from __future__ import annotations
 
 import pytest
 
 from engine.loading.loader import resolve_model_path
-from engine.text.detokenize import TextState
-from engine.text.tokenizer import Tokenizer
+from engine.text.tokenizer import TextState, Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -72,7 +72,7 @@ helm.sh/chart: {{ include "pdserve.chart" .root }}
 
 {{/*
 Env of every Ray pod: token authentication with the release's token, the KV transfer's cluster
-secret (a key of the same Secret, optional: kvtransfer/auth.py falls back to the token), and the pod's own address
+secret (a key of the same Secret, optional: kvtransfer/wire.py falls back to the token), and the pod's own address
 (PDSERVE_NODE_IP), which `ray start --node-ip-address=$(PDSERVE_NODE_IP)` and the ranks bind.
 */}}
 {{- define "pdserve.rayEnv" -}}
