@@ -14,7 +14,8 @@ tier: every turn ships its whole prompt's KV, and what the pool evicted is compu
 --system-words words, each user message uniform in [--user-words-min, --user-words-max] words of a
 fixed list, every reply exactly --output-tokens tokens (greedy, ignore_eos). Each pdserve instance's
 KV pool holds about --pool-fraction of the working set (every session's last prompt, counted with
-the model's tokenizer), and never less than C of the longest prompts plus their replies.
+the model's tokenizer), and never less than C of the longest prompts plus their replies. With
+--session-header each conversation names itself (x-session-id: the router's session affinity).
 """
 from __future__ import annotations
 
@@ -102,13 +103,15 @@ def counters(url: str) -> dict[str, float]:
 
 
 async def _turn(http: httpx.AsyncClient, model: str, conversation: list[dict], wl: Workload,
-                record: RequestRecord, clock) -> tuple[str, int]:
-    """One streamed chat turn into `record`; returns the reply's text and the usage's cached tokens."""
+                record: RequestRecord, clock, session: str | None = None) -> tuple[str, int]:
+    """One streamed chat turn into `record` (with `session`, its x-session-id header); returns the
+    reply's text and the usage's cached tokens."""
     body = {"model": model, "messages": conversation, "max_tokens": wl.output_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     record.send_s, text, cached = clock(), [], 0
     try:
-        async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        headers = {"x-session-id": session} if session else None
+        async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as resp:
             record.status = resp.status_code
             if resp.status_code != 200:
                 record.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
@@ -131,7 +134,7 @@ async def _turn(http: httpx.AsyncClient, model: str, conversation: list[dict], w
     return "".join(text), cached
 
 
-async def run_waves(url: str, wl: Workload) -> dict:
+async def run_waves(url: str, wl: Workload, session_header: bool = False) -> dict:
     system, users = wl.messages()
     conversations = [[{"role": "system", "content": system}] for _ in users]
     limit = asyncio.Semaphore(wl.concurrency)
@@ -148,7 +151,8 @@ async def run_waves(url: str, wl: Workload) -> dict:
                     conversations[i].append({"role": "user", "content": users[i][t]})
                     record = RequestRecord(len(records) + i, wl.output_tokens, None, clock())
                     wave.append(record)
-                    reply, cached = await _turn(http, model, conversations[i], wl, record, clock)
+                    reply, cached = await _turn(http, model, conversations[i], wl, record, clock,
+                                                f"session-{i}" if session_header else None)
                     conversations[i].append({"role": "assistant", "content": reply})
                     return cached
             cached = await asyncio.gather(*(one(i) for i in range(wl.num_sessions)))
@@ -194,11 +198,11 @@ def run(args: argparse.Namespace) -> dict:
         server = Server(target, argv, env, f"http://127.0.0.1:{port}", log_dir / f"{target}.log")
         try:
             server.wait_ready(ready, args.start_timeout)
-            rows[target] = asyncio.run(run_waves(server.url, wl))
+            rows[target] = asyncio.run(run_waves(server.url, wl, args.session_header))
         finally:
             server.stop()
     return {"workload": {**asdict(wl), "block_size": args.block_size, "pool_fraction": args.pool_fraction,
-                         "tier_gib": args.tier_gib,
+                         "tier_gib": args.tier_gib, "session_header": args.session_header,
                          "num_kv_blocks": args.num_kv_blocks, "working_set_tokens": working_set, "dtype": args.dtype},
             "targets": rows}
 
@@ -233,6 +237,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tier-gib", type=float, default=1.0, help="the targets' host tier per rank (not the -off ones)")
     for name, default in asdict(Workload()).items():
         p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+    p.add_argument("--session-header", action="store_true",
+                   help="each conversation's turns carry an x-session-id header (the server's session affinity)")
     p.add_argument("--pool-fraction", type=float, default=0.2, help="each instance's KV pool, of the working set")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

@@ -42,6 +42,7 @@ KV_TRANSPORTS = ("auto", "torch")  # kvtransfer/registry.py TRANSPORTS (auto: sa
 # Names with no registry of their own: the code that reads them imports them from here.
 KV_LOAD_FAILURE_POLICIES = ("recompute", "retry")  # cluster/control/frontend.py: a decode instance's failed KV load
 WAIT_POLICIES = ("passive", "active", "inherit")  # cluster/ranks/cpu_plan.py: OMP_WAIT_POLICY of rank processes
+SESSION_AFFINITY = ("header", "user", "off")  # gateway/app.py: what names a request's session (router/policy.py)
 
 STATE_URL_SCHEMES = ("memory://", "redis://", "rediss://", "unix://")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -53,6 +54,7 @@ CHOICES = MappingProxyType({
     "kv_cache_dtype": KV_CACHE_DTYPE_CHOICES, "quantization": QUANTIZATION_CHOICES, "omp_wait_policy": WAIT_POLICIES,
     "expert_method": EXPERT_METHOD_CHOICES, "speculative_method": SPECULATIVE_METHODS,
     "tool_call_parser": TOOL_CALL_PARSERS, "reasoning_parser": REASONING_PARSERS,
+    "session_affinity": SESSION_AFFINITY,
 })
 _Entry = TypeVar("_Entry")
 
@@ -124,6 +126,7 @@ class ClusterSpec:
     reserved_cpus: int = 1
     # routing, transfer, health
     router_policy: str = "least_loaded"
+    session_affinity: str = "header"  # a session's next request where its last ran: x-session-id, or also `user`
     disagg_threshold_tokens: int = 0
     kv_transfer_timeout_s: float = 10.0
     kv_transport: str = "auto"

@@ -37,6 +37,8 @@ from router.router import QueueFullError
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = "1"
+SESSION_HEADER = "x-session-id"  # a request of a session goes where its last one ran (router/policy.py)
+MAX_SESSION_CHARS = 256  # what the router keeps of a session's name
 _TEMPLATE_OWN = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}  # set by the gateway
 
 
@@ -72,8 +74,9 @@ class _Gateway:
 
     def __init__(self, cluster, tokenizer, model_name: str, max_model_len: int | None,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 max_prompt_tokens: int | None = None):
+                 max_prompt_tokens: int | None = None, session_affinity: str = "header"):
         self.cluster, self.tokenizer, self.model_name = cluster, tokenizer, model_name
+        self.session_affinity = session_affinity
         self._max_model_len, self.max_prompt_tokens = max_model_len, max_prompt_tokens
         self.tool_parser = None if tool_call_parser is None else get_tool_parser(tool_call_parser)
         self.reasoning = None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
@@ -155,7 +158,17 @@ class _Gateway:
         """The request's body parsed, checked and tokenized on a worker thread (each may take a second
         for a large body; the event loop goes on serving meanwhile)."""
         raw = await request.body()
-        return await run_in_threadpool(self._prepare, raw, request.headers.get("content-type"), model)
+        prep = await run_in_threadpool(self._prepare, raw, request.headers.get("content-type"), model)
+        prep.session = self.session_of(request, prep.body)
+        return prep
+
+    def session_of(self, request: Request, body) -> str | None:
+        """What names the request's session for the router (router/policy.py SessionAffinity): its
+        SESSION_HEADER; with session_affinity "user", else the body's `user`; None: none, or "off"."""
+        if self.session_affinity == "off":
+            return None
+        session = request.headers.get(SESSION_HEADER) or (body.user if self.session_affinity == "user" else None)
+        return session[:MAX_SESSION_CHARS] if session else None
 
     def _prepare(self, raw: bytes, content_type: str | None, model) -> _Prepared:
         """Blocking: every check that can refuse the request (APIError, RequestValidationError) in the
@@ -194,7 +207,7 @@ class _Gateway:
         gen = Generation(self.cluster, rid, kind, prep.body.model, prompt_ids, choices, self.metrics,
                          asyncio.get_running_loop())
         try:
-            await asyncio.to_thread(self.cluster.submit, rid, prompt_ids, params, gen.listener)
+            await asyncio.to_thread(self.cluster.submit, rid, prompt_ids, params, gen.listener, prep.session)
         except QueueFullError as exc:
             raise APIError(429, f"too many requests queued: {exc}", "rate_limit_exceeded",
                            headers={"Retry-After": RETRY_AFTER_S}) from None
@@ -215,6 +228,7 @@ class _Prepared:
     prompt_ids: list[int]
     params: SamplingParams
     shaping: Callable[[], ChatOutput] | None
+    session: str | None = None  # what names its session (x-session-id; `user`), set by `prepare`
 
 
 def _add_generation_routes(app: FastAPI, gw: _Gateway) -> None:
@@ -258,18 +272,19 @@ def _add_service_routes(app: FastAPI, gw: _Gateway) -> None:
 def create_app(cluster, tokenizer, model_name: str, max_model_len: int | None, api_key: str | None = None,
                tool_call_parser: str | None = None, reasoning_parser: str | None = None, *,
                api_keys: Sequence[APIKey] = (), max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               max_prompt_tokens: int | None = None) -> FastAPI:
+               max_prompt_tokens: int | None = None, session_affinity: str = "header") -> FastAPI:
     """The gateway over a started `Cluster` or `Frontend` (anything with submit/abort/stop/ready/
     router/max_model_len and the typed view of router/view.py); `max_model_len` None: the cluster's,
     asked per request.
     `tool_call_parser` / `reasoning_parser`: names in gateway/tool_parsers.py and gateway/reasoning.py.
     `api_keys` (gateway/api_keys.py) and `api_key` (one more, unlimited, named "default"): the
     keys `/v1/...` takes (none: open); `max_request_bytes` bounds every body (413 past it);
-    `max_prompt_tokens` bounds prompts below the context (400 past it)."""
+    `max_prompt_tokens` bounds prompts below the context (400 past it); `session_affinity` (the spec's)
+    what names a request's session for the router (SESSION_HEADER; "user": else the body's `user`)."""
     keys = [*api_keys, *configured_keys(api_key, None)]
     app = FastAPI(title="pdserve", version="0.1.0")
     gw = _Gateway(cluster, tokenizer, model_name, max_model_len, tool_call_parser, reasoning_parser,
-                  max_prompt_tokens)
+                  max_prompt_tokens, session_affinity)
     gw.metrics.add_api_keys([k.name for k in keys] or [NO_KEY])
     app.state.api_keys = APIKeyManager(keys)  # replaced in place when the keys file changes (serve.py)
     app.add_middleware(RequestGuard, keys=app.state.api_keys, metrics=gw.metrics, max_request_bytes=max_request_bytes)

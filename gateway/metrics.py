@@ -71,6 +71,8 @@ ROUTER_COUNTERS = {
     "prompt_tokens": ("pdserve_router_prompt_tokens", "prompt tokens of the requests placed (first attempts)"),
     "cached_prompt_tokens": ("pdserve_router_cached_prompt_tokens", "of those, the tokens an instance's prefix "
                                                                     "cache served (first attempts)"),
+    "session_placements": ("pdserve_router_session_placements", "requests placed on the instances their session's "
+                                                                "last request ran on (x-session-id, user)"),
 }
 
 

@@ -6,7 +6,10 @@ Each is a `BaseRoutingPolicy`; `ROUTING_POLICIES` is the registry (its names are
 from __future__ import annotations
 
 import itertools
+import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
+from typing import Callable
 
 from cluster.spec import spec_registry
 from router.client import DecodeClient, InstanceInfo, PrefillClient
@@ -87,6 +90,53 @@ class PrefixAware(LeastLoaded):
         n = max(1, len(prompt_token_ids))
         return min(candidates, key=lambda c: (round(c.load.kv_usage - hits[c.instance_id] * c.block_size / n, 2),
                                               c.load.running + c.load.reserved, c.instance_id))
+
+
+class SessionAffinity:
+    """Which instances served a session's last request (its `x-session-id` header, or the request's
+    `user` field: the spec's `session_affinity`): its next request prefers them, whatever the policy,
+    while they are healthy (a decode instance without room passes the request on as any first pick
+    does). A conversation's next turn then finds its earlier turns' KV where it left it, in the
+    prefill instance's prefix cache and the decode instance's (a delta transfer ships only the new
+    turn). Kept per router (per gateway), least recently used first out past `max_sessions`, and
+    forgotten `ttl_s` after a session's last request."""
+
+    def __init__(self, max_sessions: int = 100_000, ttl_s: float = 1800.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.max_sessions, self.ttl_s, self.clock = max_sessions, ttl_s, clock
+        self._last: OrderedDict[str, tuple[float, str | None, str]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def served(self, session: str) -> tuple[str | None, str] | None:
+        """(prefill instance id or None, decode instance id) of the session's last request; None:
+        unknown, or idle past the TTL."""
+        entry = self._last.get(session)
+        if entry is None:
+            return None
+        if self.clock() - entry[0] > self.ttl_s:
+            del self._last[session]
+            return None
+        return entry[1], entry[2]
+
+    def last(self, session: str | None, prefills: list[InstanceInfo], decodes: list[InstanceInfo]) -> tuple:
+        """Of the candidates, the prefill and the decode instance (InstanceInfo, or None) the
+        session's last request ran on."""
+        served = self.served(session) if session else None
+        if served is None:
+            return None, None
+        return (next((i for i in prefills if i.instance_id == served[0]), None),
+                next((i for i in decodes if i.instance_id == served[1]), None))
+
+    def placed(self, session: str, prefill_id: str | None, decode_id: str) -> bool:
+        """Records where the session's request runs; whether that is where its last one ran."""
+        same = self.served(session) == (prefill_id, decode_id)
+        self._last[session] = (self.clock(), prefill_id, decode_id)
+        self._last.move_to_end(session)
+        while len(self._last) > self.max_sessions:
+            self._last.popitem(last=False)
+        return same
 
 
 ROUTING_POLICIES = spec_registry("router_policy", {p.name: p for p in (RoundRobin, LeastLoaded, PrefixAware)})

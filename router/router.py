@@ -34,7 +34,7 @@ from engine.core.request import RequestMessage, SamplingParams, choice_id
 from kvtransfer.params import KVTransferParams
 from router.client import DecodeClient, InstanceDeadError, InstanceLoad, PrefillClient
 from router.failures import Failpoints, Failures
-from router.policy import BaseRoutingPolicy
+from router.policy import BaseRoutingPolicy, SessionAffinity
 from router.tables import RequestStream, RouterTables, StreamEvent, Tracked, indexed
 from router.supervisor import ThreadSupervisor
 
@@ -68,6 +68,7 @@ class Router:
                  max_queued: int = 4096, poll_s: float = 0.2, kv_recompute_max_tokens: int = 0):
         self.client_id = f"router-{uuid.uuid4().hex[:12]}"  # instances send this router only its own requests' outputs
         self.policy, self.mode = policy, mode
+        self.sessions = SessionAffinity()
         self.disagg_threshold_tokens, self.max_queued, self.poll_s = disagg_threshold_tokens, max_queued, poll_s
         self.failpoints = Failpoints.from_env()  # off unless PDSERVE_FAILPOINTS (router/failures.py)
         self.tables = t = RouterTables(prefill, decode)
@@ -142,13 +143,14 @@ class Router:
         self.policy.forget(instance_id)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               listener=None) -> RequestStream | list[RequestStream]:
+               listener=None, session: str | None = None) -> RequestStream | list[RequestStream]:
         """Starts a request; its tokens arrive on the returned stream (or at `listener`). With n > 1,
         a list of n streams, one per choice (events carry their `index`): the prompt is placed once,
-        and each choice goes on by itself if that placement fails. Calls the chosen instances from the
+        and each choice goes on by itself if that placement fails. A `session`'s request prefers the
+        instances its last one ran on (SessionAffinity). Calls the chosen instances from the
         caller's thread (an event loop should call this from a worker)."""
         tracked = Tracked(request_id, list(prompt_token_ids), params,
-                          RequestStream(request_id, None if params.n > 1 else listener))
+                          RequestStream(request_id, None if params.n > 1 else listener), session=session)
         if params.n > 1:
             tracked.choices = [Tracked(choice_id(request_id, i), tracked.prompt_token_ids,
                                        params.choice(i),
@@ -269,9 +271,11 @@ class Router:
         local = self.mode == "colocated" or not prefills or len(prompt) < self.disagg_threshold_tokens
         first = next((d for d in decodes if d.instance_id == tracked.recompute_on), None)
         local, tracked.recompute_on = local or first is not None, None
-        first = first or self.policy.pick_decode(decodes, prompt)  # once: a policy may keep state (round robin)
+        sticky_p, sticky_d = self.sessions.last(None if tracked.attempt else tracked.session, prefills, decodes)
+        first = first or sticky_d or self.policy.pick_decode(decodes, prompt)  # once: a policy may keep state
         ordered = [self.decode[i.instance_id] for i in [first] + [d for d in decodes if d is not first]]
-        prefill = None if local else self.prefill[self.policy.pick_prefill(prefills, prompt).instance_id]
+        picked = None if local else sticky_p or self.policy.pick_prefill(prefills, prompt)
+        prefill = None if picked is None else self.prefill[picked.instance_id]
         tracked.prefill_id = None if prefill is None else prefill.info.instance_id
         tracked.decode_id = None
         tracked.placing = tuple(c.info.instance_id for c in ([prefill] if prefill else []) + ordered)
@@ -333,6 +337,8 @@ class Router:
             tracked.prefill_id = None
             return False
         else:
+            if tracked.session and self.sessions.placed(tracked.session, tracked.prefill_id, tracked.decode_id):
+                self.stats["session_placements"] += 1
             for client in (plan.prefill, outcome.decode):
                 if client is not None and not client.info.healthy:  # died while the calls were out
                     self.failures.fail(tracked, client.info.instance_id, f"instance {client.info.instance_id} died")

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 HANDLERS = ("place", "prefill_result", "decode_output", "deferred", "load")
 # cumulative counters (the autoscaler's arrival rate and request shape come from these)
 STATS = ("retries", "failed", "completed", "submitted", "prompt_tokens", "cached_prompt_tokens", "output_tokens",
-         "instance_deaths", "kv_recomputes", "tokens_past_stop")
+         "instance_deaths", "kv_recomputes", "tokens_past_stop", "session_placements")
 
 
 class RouterTables:
@@ -199,6 +199,7 @@ class Tracked:
     held: list = field(default_factory=list)  # outputs that came before the tokens ahead of them (RequestOutput)
     placing: tuple[str, ...] = ()  # while a placement's calls are out: the instances it may start on
     recompute_on: str | None = None  # the next attempt prefills on this decode instance (its KV load failed)
+    session: str | None = None  # its session (x-session-id or user): placed where the session's last request was
     done: bool = False
     # n > 1: a parent is placed once for its choices (it has no stream of its own); a choice follows its
     # parent's placement (`grouped`) until that fails, then goes on as a request of its own

@@ -112,6 +112,9 @@ _HELP = {
                      "reserved_cpus cores for the gateway and router",
     "reserved_cpus": "with cpus_per_rank: the first cores of each node, kept off the ranks (gateway, router, Ray)",
     "router_policy": "how the router picks instances",
+    "session_affinity": "a request of a session goes where the session's last request ran, while that instance is "
+                        "healthy: header names the session by the x-session-id header, user by that header or else "
+                        "the body's user field, off never",
     "disagg_threshold_tokens": "prompts shorter than this are prefilled on the decode instance "
                                "(0 = always disaggregate)",
     "kv_transfer_timeout_s": "deadline, seconds, of each step of a KV transfer (set-up, reservation, each layer, "

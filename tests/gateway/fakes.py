@@ -19,10 +19,11 @@ class FakeCluster:
     max_model_len = 256
 
     def __init__(self):
-        self.instances, self.aborted, self.submitted, self.stopped = {}, [], [], []
+        self.instances, self.aborted, self.submitted, self.stopped, self.sessions = {}, [], [], [], []
         self.router = SimpleNamespace(num_queued=0, num_placed=0, stats={
             "retries": 2, "failed": 1, "instance_deaths": 1, "tokens_past_stop": 0, "kv_recomputes": 3,
-            "prompt_tokens": 100, "cached_prompt_tokens": 64})
+            "prompt_tokens": 100, "cached_prompt_tokens": 64,
+            "session_placements": 5})
         self.is_ready = True
         self.status_rows: list[dict] = []  # what instance_status gives /status
         self.cached_tokens = 0  # what each choice's first event says the prefix cache served
@@ -37,8 +38,9 @@ class FakeCluster:
     def ready(self) -> bool:
         return self.is_ready
 
-    def submit(self, request_id, prompt_token_ids, params, listener=None):
+    def submit(self, request_id, prompt_token_ids, params, listener=None, session=None):
         self.submitted.append((request_id, prompt_token_ids, params))
+        self.sessions.append(session)
         n = min(params.max_tokens, len(TOKENS))
 
         def emit():  # each choice the same tokens (the events of n > 1 choices interleave)
