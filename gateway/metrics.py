@@ -71,6 +71,11 @@ ROUTER_COUNTERS = {
     "prompt_tokens": ("pdserve_router_prompt_tokens", "prompt tokens of the requests placed (first attempts)"),
     "cached_prompt_tokens": ("pdserve_router_cached_prompt_tokens", "of those, the tokens an instance's prefix "
                                                                     "cache served (first attempts)"),
+    "prefix_available_tokens": ("pdserve_router_prefix_available_tokens",
+                                "prompt tokens the prefix cache of any instance that could compute the prompt "
+                                "held (first attempts; prefix_aware: its index)"),
+    "prefix_routed_tokens": ("pdserve_router_prefix_routed_tokens",
+                             "of those, the tokens the instance chosen held (prefix_aware)"),
     "session_placements": ("pdserve_router_session_placements", "requests placed on the instances their session's "
                                                                 "last request ran on (x-session-id, user)"),
 }

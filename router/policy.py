@@ -33,6 +33,12 @@ class BaseRoutingPolicy(ABC):
     def forget(self, instance_id: str) -> None:
         """The instance left the router."""
 
+    def prefix_reuse(self, prompt_token_ids: list[int], candidates: list[InstanceInfo],
+                     chosen: InstanceInfo) -> tuple[int, int] | None:
+        """(available, routed): the most prompt tokens any candidate's prefix cache holds that its
+        engine could reuse, and those `chosen` holds; None: the policy keeps no index."""
+        return None
+
 
 class RoundRobin(BaseRoutingPolicy):
     name = "round_robin"
@@ -79,6 +85,13 @@ class PrefixAware(LeastLoaded):
 
     def forget(self, instance_id):
         self.index.forget(instance_id)
+
+    def prefix_reuse(self, prompt_token_ids, candidates, chosen):
+        hits = self.index.longest_prefix(prompt_token_ids, candidates)
+        last = len(prompt_token_ids) - 1  # an engine computes a prompt's last token whatever it holds
+        held = {c.instance_id: min(hits[c.instance_id], last // c.block_size) * c.block_size if c.block_size else 0
+                for c in candidates}
+        return max(held.values(), default=0), held.get(chosen.instance_id, 0)
 
     def pick_prefill(self, candidates, prompt_token_ids):
         hits = self.index.longest_prefix(prompt_token_ids, candidates)

@@ -276,6 +276,10 @@ class Router:
         ordered = [self.decode[i.instance_id] for i in [first] + [d for d in decodes if d is not first]]
         picked = None if local else sticky_p or self.policy.pick_prefill(prefills, prompt)
         prefill = None if picked is None else self.prefill[picked.instance_id]
+        if not tracked.attempt and (reuse := self.policy.prefix_reuse(prompt, prefills if picked else decodes,
+                                                                         picked or first)) is not None:
+            self.stats["prefix_available_tokens"] += reuse[0]  # what computes the prompt: available, routed
+            self.stats["prefix_routed_tokens"] += reuse[1]
         tracked.prefill_id = None if prefill is None else prefill.info.instance_id
         tracked.decode_id = None
         tracked.placing = tuple(c.info.instance_id for c in ([prefill] if prefill else []) + ordered)

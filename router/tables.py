@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 HANDLERS = ("place", "prefill_result", "decode_output", "deferred", "load")
 # cumulative counters (the autoscaler's arrival rate and request shape come from these)
 STATS = ("retries", "failed", "completed", "submitted", "prompt_tokens", "cached_prompt_tokens", "output_tokens",
-         "instance_deaths", "kv_recomputes", "tokens_past_stop", "session_placements")
+         "instance_deaths", "kv_recomputes", "tokens_past_stop", "session_placements",
+         "prefix_available_tokens", "prefix_routed_tokens")
 
 
 class RouterTables:

@@ -23,7 +23,7 @@ class FakeCluster:
         self.router = SimpleNamespace(num_queued=0, num_placed=0, stats={
             "retries": 2, "failed": 1, "instance_deaths": 1, "tokens_past_stop": 0, "kv_recomputes": 3,
             "prompt_tokens": 100, "cached_prompt_tokens": 64,
-            "session_placements": 5})
+            "session_placements": 5, "prefix_available_tokens": 80, "prefix_routed_tokens": 72})
         self.is_ready = True
         self.status_rows: list[dict] = []  # what instance_status gives /status
         self.cached_tokens = 0  # what each choice's first event says the prefix cache served

@@ -127,3 +127,32 @@ def test_decode_goes_where_the_conversation_is_cached_unless_that_instance_is_mu
     assert policy.pick_decode(infos, PROMPT + [1, 2, 3]).instance_id == "d1"  # 20 of 23 tokens held
     assert policy.pick_decode(infos, PROMPT[:4] + [9] * 19).instance_id == "d0"  # 4 of 23 held
     assert create_routing_policy("least_loaded").pick_decode(infos, PROMPT).instance_id == "d0"
+
+
+def test_available_routed_and_delivered_split_what_routing_left_on_the_table():
+    """p0 holds a first prompt whole and 2 blocks of a second; p1 holds the second whole. A session's
+    first request goes to p0 (it holds the most): available = routed. Its next request, the second
+    prompt, stays on p0 by the session: 20 tokens available, 8 routed."""
+    y = list(range(50, 70))
+    p0, p1 = CachingPrefill("p0"), CachingPrefill("p1")
+    p0.cache("y", y)
+    p0.cache("p", PROMPT[:8])
+    p1.cache("a", PROMPT)
+    r = Router([p0, p1], [FakeDecode("d0")], create_routing_policy("prefix_aware"))
+    r.start()
+    try:
+        deadline = time.monotonic() + 10
+        while r.policy.index.num_snapshots < 2:  # the load thread's first round (every 0.1 s)
+            assert time.monotonic() < deadline, "the router did not follow its prefill instances"
+            threading.Event().wait(0.02)
+        r.submit("first", y + [1, 2, 3], PARAMS, session="s")
+        assert [m.request_id for m, _ in p0.submitted] == ["first#0"]
+        assert (r.stats["prefix_available_tokens"], r.stats["prefix_routed_tokens"]) == (20, 20)
+        r.submit("next", PROMPT + [1, 2, 3], PARAMS, session="s")
+        assert [m.request_id for m, _ in p0.submitted] == ["first#0", "next#0"]
+        assert (r.stats["prefix_available_tokens"], r.stats["prefix_routed_tokens"]) == (40, 28)
+        r.submit("alone", PROMPT, PARAMS)  # no session: p1; its last block is computed whatever is held
+        assert [m.request_id for m, _ in p1.submitted] == ["alone#0"]
+        assert (r.stats["prefix_available_tokens"], r.stats["prefix_routed_tokens"]) == (56, 44)
+    finally:
+        r.close()
