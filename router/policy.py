@@ -79,27 +79,40 @@ class PrefixAware(LeastLoaded):
 
     def __init__(self, index: PrefixIndex | None = None):
         self.index = index or PrefixIndex()
+        self._last: tuple = ()  # (prompt, candidates' ids, hits): a placement asks for the same one twice
+
+    def _hits(self, prompt_token_ids, candidates) -> dict[str, int]:
+        """The index's hits per candidate, hashed once per prompt and candidate set: a placement's
+        pick and its `prefix_reuse` ask for the same (the router holds its lock across both)."""
+        ids = [c.instance_id for c in candidates]
+        if self._last and self._last[0] is prompt_token_ids and self._last[1] == ids:
+            return self._last[2]
+        hits = self.index.longest_prefix(prompt_token_ids, candidates)
+        self._last = (prompt_token_ids, ids, hits)
+        return hits
 
     def observe(self, client):
         self.index.follow(client)
+        self._last = ()  # the index may have changed
 
     def forget(self, instance_id):
         self.index.forget(instance_id)
+        self._last = ()
 
     def prefix_reuse(self, prompt_token_ids, candidates, chosen):
-        hits = self.index.longest_prefix(prompt_token_ids, candidates)
+        hits = self._hits(prompt_token_ids, candidates)
         last = len(prompt_token_ids) - 1  # an engine computes a prompt's last token whatever it holds
         held = {c.instance_id: min(hits[c.instance_id], last // c.block_size) * c.block_size if c.block_size else 0
                 for c in candidates}
         return max(held.values(), default=0), held.get(chosen.instance_id, 0)
 
     def pick_prefill(self, candidates, prompt_token_ids):
-        hits = self.index.longest_prefix(prompt_token_ids, candidates)
+        hits = self._hits(prompt_token_ids, candidates)
         return min(candidates, key=lambda c: (-hits.get(c.instance_id, 0), c.load.queued_prefill_tokens,
                                               c.instance_id))
 
     def pick_decode(self, candidates, prompt_token_ids):
-        hits = self.index.longest_prefix(prompt_token_ids, candidates)
+        hits = self._hits(prompt_token_ids, candidates)
         n = max(1, len(prompt_token_ids))
         return min(candidates, key=lambda c: (round(c.load.kv_usage - hits[c.instance_id] * c.block_size / n, 2),
                                               c.load.running + c.load.reserved, c.instance_id))

@@ -29,6 +29,8 @@ def load_model(config: EngineConfig, model_config: ModelConfig, tp: TPGroup, dev
                dtype: torch.dtype, fused, path, weights) -> tuple[torch.nn.Module, str]:
     """The model with this rank's weights (from `path`, or the given (name, tensor) pairs), in eval
     mode, and a description of its linear layers."""
+    if config.expert_parallel and model_config.moe is None:
+        raise ValueError(f"--enable-expert-parallel: {model_config.name} has no experts to partition")
     start = time.perf_counter()
     method = linear_method(config, model_config, tp.size, path if weights is None else None)
     torch.set_default_dtype(dtype)

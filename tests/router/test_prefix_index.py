@@ -78,16 +78,21 @@ def test_blocks_are_counted_in_each_engines_block_size():
     assert index.longest_prefix(PROMPT, [InstanceInfo("q", "prefill", 1, block_size=4)]) == {"q": 0}
 
 
+def _wait_followed(r: Router) -> None:
+    """Until the router's load thread has read both prefill instances' snapshots (every 0.1 s)."""
+    deadline = time.monotonic() + 10
+    while r.policy.index.num_snapshots < 2:
+        assert time.monotonic() < deadline, "the router did not follow its prefill instances"
+        threading.Event().wait(0.02)
+
+
 def test_the_router_follows_its_prefill_instances_and_routes_by_what_they_hold():
     p0, p1 = CachingPrefill("p0", load=0.0), CachingPrefill("p1", load=50.0)
     p1.cache("a", PROMPT)
     r = Router([p0, p1], [FakeDecode("d0")], create_routing_policy("prefix_aware"))
     r.start()
     try:
-        deadline = time.monotonic() + 10
-        while r.policy.index.num_snapshots < 2:  # the load thread's first round (every 0.1 s)
-            assert time.monotonic() < deadline, "the router did not follow its prefill instances"
-            threading.Event().wait(0.02)
+        _wait_followed(r)
         r.submit("x", PROMPT, PARAMS)
         deadline = time.monotonic() + 10
         while not (p0.submitted or p1.submitted):
@@ -141,10 +146,7 @@ def test_available_routed_and_delivered_split_what_routing_left_on_the_table():
     r = Router([p0, p1], [FakeDecode("d0")], create_routing_policy("prefix_aware"))
     r.start()
     try:
-        deadline = time.monotonic() + 10
-        while r.policy.index.num_snapshots < 2:  # the load thread's first round (every 0.1 s)
-            assert time.monotonic() < deadline, "the router did not follow its prefill instances"
-            threading.Event().wait(0.02)
+        _wait_followed(r)
         r.submit("first", y + [1, 2, 3], PARAMS, session="s")
         assert [m.request_id for m, _ in p0.submitted] == ["first#0"]
         assert (r.stats["prefix_available_tokens"], r.stats["prefix_routed_tokens"]) == (20, 20)
