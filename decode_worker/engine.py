@@ -162,6 +162,8 @@ class DecodeWorker(BaseWorker):
         requests are aborted."""
         super().__init__(engine.runner, instance_id, client_ttl_s)
         self.engine, self.connector = engine, connector
+        if engine.kv.tier is not None:  # reservations evict what the transfer writes at once (engine/core/host_tier.py)
+            engine.kv.tier.write_through()
         self._lock = threading.Lock()
         # while a step is in flight its requests' blocks stay theirs: an abort then frees them after it
         self._stepping, self._deferred_aborts = False, []
@@ -281,8 +283,11 @@ class DecodeWorker(BaseWorker):
         return inp is not None
 
     def _end_step(self) -> None:
-        """The step's writes are done: the aborts that came during it free their blocks now."""
+        """The step's writes are done: the aborts that came during it free their blocks now, and the
+        blocks the host tier copied out in it are released (engine/core/host_tier.py)."""
         self._stepping = False
+        if self.engine.kv.tier is not None:
+            self.engine.kv.tier.release_copied()
         for request_id in self._deferred_aborts:
             self.engine.abort_request(request_id)
         self._deferred_aborts = []

@@ -69,20 +69,28 @@ class Scheduler:
         waiting = sum(r.sampling_params.n for r in self.remote.values())  # choices run side by side once forked
         if len(self.running) + waiting + req.sampling_params.n > self.config.max_num_seqs:
             return False
-        n = req.num_prompt_tokens
+        n, tier = req.num_prompt_tokens, self.kv.tier
         hits, num_hit = self.kv.get_computed_blocks(req) if self.kv_delta else (None, 0)
         if any(window_start(n, w) > num_hit for w in self.kv.windows):  # a window starts after the hits:
             hits, num_hit = None, 0  # its blocks before it would never be written (the window's nulls instead)
+        # then the blocks the host tier holds, reloaded by the next step (before the request can join)
+        reloaded = tier.claim_for(self.kv, req, num_hit) if tier is not None and self.kv_delta else []
+        num_pool_hit, num_hit = num_hit, num_hit + len(reloaded) * self.kv.block_size
         # No prefix caching of the new blocks until their KV has arrived (see remote_kv_ready). With
         # a sliding window, none for the blocks before it: the prefill ships only what is read.
         num_null = None if num_hit else [window_start(n, w) // self.kv.block_size for w in self.kv.windows]
-        with self.kv.tier.paused() if self.kv.tier is not None else contextlib.nullcontext():
-            # what it evicts is not offloaded: the KV transfer may write those blocks before the next step
-            got = self.kv.allocate_slots(req, n - num_hit, hits, num_tokens_to_cache=num_hit, contiguous=True,
+        with tier.paused() if tier is not None else contextlib.nullcontext():
+            # what it evicts is not offloaded: the KV transfer may write those blocks before the next
+            # step (a decode instance's tier writes through: they are in it already, or dropped)
+            got = self.kv.allocate_slots(req, n - num_pool_hit, hits, num_tokens_to_cache=num_hit, contiguous=True,
                                          num_null_blocks=num_null)
         if got is None:
+            if reloaded:
+                tier.release(reloaded)
             self.kv.free(req)  # forget hashes it may have computed
             return False
+        if reloaded:
+            tier.reload_for(self.kv, req, reloaded, num_pool_hit)
         req.num_cached_tokens = num_hit
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.requests[req.request_id] = req
@@ -185,14 +193,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_ids, block_copies=self.block_copies)
         self._finished_ids, self.block_copies = [], []
+        if self.kv.tier is not None:  # the last step has ended: the blocks its copies held go
+            self.kv.tier.release_copied()
         ks = {} if self.speculator is None else \
             self.speculator.plan(self.running, self._unknown_to_runner, self.max_model_len)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens, ks)
         if self._speculating:
             budget += self._propose()
         self._schedule_waiting(out, budget)
-        if self.kv.tier is not None:  # the host tier's copies, before the forward (engine/core/host_tier.py)
-            out.kv_offloads, out.kv_reloads = self.kv.tier.take()
+        if self.kv.tier is not None and not out.is_empty:  # the host tier's copies, before the forward
+            out.kv_offloads, out.kv_reloads = self.kv.tier.take()  # (engine/core/host_tier.py; none runs empty)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, ks: dict[str, int]) -> int:

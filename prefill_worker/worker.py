@@ -254,6 +254,8 @@ class PrefillScheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
+        if self.kv.tier is not None:  # the last step has ended: the blocks it reloaded are the requests' alone
+            self.kv.tier.release_copied()
         budget = self.config.max_num_batched_tokens
         for req in self.running:
             if budget <= 0:
@@ -269,8 +271,8 @@ class PrefillScheduler:
                 break
             budget -= len(out.new_requests[-1].token_ids)
             self.waiting.popleft()
-        if self.kv.tier is not None:  # the host tier's copies, before the forward (engine/core/host_tier.py)
-            out.kv_offloads, out.kv_reloads = self.kv.tier.take()
+        if self.kv.tier is not None and not out.is_empty:  # the host tier's copies, before the forward
+            out.kv_offloads, out.kv_reloads = self.kv.tier.take()  # (engine/core/host_tier.py; none runs empty)
         return out
 
     def _admit(self, req: Request, out: SchedulerOutput, budget: int) -> bool:

@@ -62,6 +62,7 @@ class BlockPool:
         self._cached: dict[int, Block] = {}
         self.events = KVEventLog(capacity=max(1024, 2 * num_blocks))  # what the cache stores and evicts
         self.on_evict: Callable[[Block], bool] | None = None  # a host tier's: True when it keeps the block's KV
+        self.on_store: Callable[[Block], None] | None = None  # a write-through tier's: told of each block cached
 
     @property
     def num_free_blocks(self) -> int:
@@ -169,6 +170,8 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash] = block
         self.events.stored(block_hash)
+        if self.on_store is not None:
+            self.on_store(block)
         return True
 
     def get_cached_block(self, block_hash: int) -> Block | None:
@@ -316,7 +319,8 @@ class KVCacheManager:
         # Touching an unreferenced hit takes it out of the free queue.
         null = self.block_pool.null_block
         shared = [b for h in hits for b in h if b is not null]
-        if sum(num_new) > self.block_pool.num_free_blocks - sum(b.ref_cnt == 0 for b in shared):
+        if sum(num_new) > self._num_free_beside(shared) and not (
+                self.tier is not None and self.tier.drop_uncopied() and sum(num_new) <= self._num_free_beside(shared)):
             return None
         self.block_pool.touch(shared)
         new_blocks = tuple(self.block_pool.get_new_blocks(n, contiguous) for n in num_new)
@@ -326,6 +330,10 @@ class KVCacheManager:
         self.num_cached_block.setdefault(req_id, len(hits[0]))
         self._cache_full_blocks(request, num_tokens_needed if num_tokens_to_cache is None else num_tokens_to_cache)
         return new_blocks
+
+    def _num_free_beside(self, shared: list[Block]) -> int:
+        """Free blocks left once the unreferenced ones of `shared` (hits) are touched."""
+        return self.block_pool.num_free_blocks - sum(b.ref_cnt == 0 for b in shared)
 
     def cache_blocks(self, request: Request, num_tokens: int, valid_from: Sequence[int] = ()) -> None:
         """The first `num_tokens` tokens of the request now hold valid KV: offer their full
@@ -463,6 +471,8 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash, a host tier's too; False (no change) if some block is in use."""
+        if self.tier is not None:
+            self.tier.drop_pending()  # its write-through copies hold their blocks
         if not self.block_pool.reset_prefix_cache():
             return False
         if self.tier is not None:
@@ -470,9 +480,11 @@ class KVCacheManager:
         return True
 
     def assert_no_leaks(self) -> None:
-        """Raise AssertionError unless all requests are freed and all blocks free."""
+        """Raise AssertionError unless all requests are freed and all blocks free (but those a host
+        tier holds for their write-through copies, engine/core/host_tier.py)."""
         left = self.req_to_blocks.keys() | self.req_to_block_hashes.keys() | self.num_cached_block.keys()
-        held = [b.block_id for b in self.block_pool.blocks if b.ref_cnt != 0]
-        num_free, num_usable = self.num_free_blocks, self.block_pool.num_blocks - 1
+        tier_held = self.tier.held_block_ids if self.tier is not None else set()
+        held = [b.block_id for b in self.block_pool.blocks if b.ref_cnt != (b.block_id in tier_held)]
+        num_free, num_usable = self.num_free_blocks, self.block_pool.num_blocks - 1 - len(tier_held)
         if left or held or num_free != num_usable:
             raise AssertionError(f"leak: requests {sorted(left)}, held {held}, {num_free}/{num_usable} free")

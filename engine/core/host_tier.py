@@ -16,6 +16,18 @@ it. The arena keeps a block after reloading it (as vLLM's CPU tier does): evicte
 no copy. Least recently used slots go first when the arena is full. Only group 0's keys (plain
 ints) are taken: the tier runs with one KV group (engine/core/block_manager.py keys).
 
+Write-through (`write_through()`, a decode instance's tier): every full block the pool caches is
+copied to the tier as well, once its KV is complete, so an eviction later costs no copy. A decode
+instance needs it: its reservations evict blocks that the KV transfer writes at once, before any
+step could offload them, so without it the tier would hold only what its steps evicted. A block
+cached during a step's scheduling is computed by that step: its copy is queued one step later (the
+second `take` after it was cached), and the pool keeps it (a reference of the tier's) until the step
+that copies it has ended (`release_copied`), so no reservation takes it meanwhile (so is a reload's
+block, which a reservation may queue long before a step runs: its request aborted meanwhile, the
+block must not be handed out, and written, before the reload lands in it). A block whose
+copy is still to be queued is given up when the pool is short (`drop_uncopied`, from an allocation
+that would fail otherwise): an idle instance (no step, so no copy) never refuses for them.
+
 Events (engine/core/kv_events.py): a block the pool evicts into the tier stays held for the
 router's index; it is `removed` when the tier drops it (and the pool does not hold it again).
 """
@@ -40,8 +52,18 @@ class HostTier:
         self._offloads: list[tuple[int, int]] = []  # (block id, slot), this step's
         self._reloads: list[tuple[int, int]] = []  # (slot, block id), this step's
         self._paused = False
-        self.stats = {"offloaded_blocks": 0, "reloaded_blocks": 0, "dropped_blocks": 0}
+        # write-through: blocks cached since the last take; cached before it (copied at the next);
+        # being copied by the step in flight. Each holds a reference until that step has ended.
+        self._stored: list[Block] = []
+        self._ready: list[Block] = []
+        self._reloading: list[Block] = []  # the blocks of the reloads queued (any tier), held likewise
+        self._copying: list[Block] = []  # the step in flight's: both kinds
+        self.stats = {"offloaded_blocks": 0, "reloaded_blocks": 0, "dropped_blocks": 0, "write_through_skipped": 0}
         pool.on_evict = self._offload
+
+    def write_through(self) -> None:
+        """From now on every block the pool caches is copied here too (the module's docstring)."""
+        self.pool.on_store = self._store
 
     @property
     def num_blocks(self) -> int:
@@ -78,6 +100,55 @@ class HostTier:
         self.stats["offloaded_blocks"] += 1
         return True
 
+    def _store(self, block: Block) -> None:
+        """The pool cached `block` (write-through): its copy is queued by the take after next."""
+        key = block.block_hash
+        if key in self._slots:  # the tier has it already (it was reloaded from here)
+            self._slots.move_to_end(key)
+        elif type(key) is int:
+            self.pool.touch([block])
+            self._stored.append(block)
+
+    def _write_through(self) -> None:
+        """Queue the copies of the blocks cached before the last take; hold them through this step."""
+        for block in self._ready:
+            key = block.block_hash
+            if key in self._slots:
+                self._slots.move_to_end(key)
+            elif (slot := self._take_slot()) is not None:
+                self._slots[key] = slot
+                self._offloads.append((block.block_id, slot))
+                self.stats["offloaded_blocks"] += 1
+        self._copying, self._ready, self._stored = self._ready + self._reloading, self._stored, []
+        self._reloading = []
+
+    @property
+    def held_block_ids(self) -> set[int]:
+        """Blocks the tier keeps in the pool for their write-through copies (each one reference)."""
+        return {b.block_id for b in self._stored + self._ready + self._reloading + self._copying}
+
+    def release_copied(self) -> None:
+        """The step that took the last write-through copies has ended, on every rank: their blocks go."""
+        self.pool.free_blocks(self._copying)
+        self._copying = []
+
+    def drop_uncopied(self) -> bool:
+        """The pool is short: the blocks whose write-through copy no step has taken yet are released,
+        their copies forgotten (a step in flight never reads them). Returns whether any was."""
+        dropped, self._ready, self._stored = self._ready + self._stored, [], []
+        self.pool.free_blocks(dropped)
+        self.stats["write_through_skipped"] += len(dropped)
+        return bool(dropped)
+
+    def drop_pending(self) -> None:
+        """Forget every copy not made yet and release its block (a prefix cache reset when no step is
+        in flight and no request holds a block: no block may stay referenced)."""
+        self.release_copied()
+        self.drop_uncopied()
+        self.pool.free_blocks(self._reloading)
+        self._reloading, self._reloads = [], []
+        self._pinned.clear()
+
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()
@@ -112,10 +183,17 @@ class HostTier:
         """Copy the claimed `keys` into the blocks `block_ids` at the start of this step."""
         assert len(keys) == len(block_ids)
         self._reloads += [(self._slots[key], block_id) for key, block_id in zip(keys, block_ids)]
+        blocks = [self.pool.blocks[i] for i in block_ids]
+        self.pool.touch(blocks)  # held until the step that reloads them has ended
+        self._reloading += blocks
         self.stats["reloaded_blocks"] += len(keys)
 
     def take(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """This step's (offloads, reloads); the pins end."""
+        """This step's (offloads, reloads); the pins end. Called as a step that runs (one with
+        requests: an empty one makes no copy) is scheduled, so the previous one has ended: its
+        write-through copies are made and their blocks released."""
+        self.release_copied()  # if the worker did not say so as the step ended
+        self._write_through()
         out, self._offloads, self._reloads = (self._offloads, self._reloads), [], []
         self._pinned.clear()
         return out

@@ -85,13 +85,21 @@ def test_without_delta_the_whole_prompt_ships(model, colocated, prefix, kv_delta
     assert reused2 == 0 and bytes2 == bytes1 / len(TURN1) * (len(TURN1) + MAX_TOKENS + len(NEW))
 
 
-def test_the_prefills_host_tier_serves_the_second_turn_after_other_prompts_evicted_it(model, colocated):
+@pytest.mark.parametrize("layout", ["1P1D", "P1-D3"])
+def test_the_host_tiers_serve_the_second_turn_after_other_prompts_evicted_it(model, colocated, layout, request):
     """Pools of 11 blocks of 8 tokens: two other prompts between the turns evict the first turn's
-    blocks everywhere; the prefill instance reloads them from its host tier (the decode instance's
-    pool lost them: the whole prompt ships), and the output equals colocated bit for bit."""
-    case = Case(layout="1P1D", block_size=8, prefix="hit", n3=False, structured=False)
+    blocks from both pools. The prefill instance reloads them from its host tier; the decode
+    instance, whose tier writes through (its reservations evict what a transfer writes at once),
+    reloads them from its own (each of its TP ranks, its heads), so only what it never held ships,
+    as when its pool kept them; the output equals colocated bit for bit."""
+    case = Case(layout=layout, block_size=8, prefix="hit", n3=False, structured=False)
+    if case.needs_ray:
+        request.getfixturevalue("ray_session")
     counts = {}
     between = tuple(random_prompts(2, [80], seed=23))
-    got = conversation(case, model, counts, between, num_kv_blocks=12, kv_host_tier_gib=0.01)
+    got = conversation(case, model, counts, between, num_kv_blocks=12, kv_host_tier_gib=0.02)
     assert mismatches(got, colocated) == []
-    assert counts["tier_reloaded_blocks"] >= len(TURN1) // 8, counts
+    (bytes1, bytes2), (_, reused2) = counts["kv_bytes_received"], counts["kv_reused_prompt_tokens"]
+    held = (len(TURN1) + MAX_TOKENS - 1) // 8 * 8
+    assert reused2 == held and bytes2 == bytes1 / len(TURN1) * (len(TURN1) + MAX_TOKENS + len(NEW) - held), counts
+    assert counts["tier_reloaded_blocks"] >= 2 * (len(TURN1) // 8), counts  # on each side

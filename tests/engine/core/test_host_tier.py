@@ -57,7 +57,7 @@ def test_a_full_tier_drops_its_least_recently_used_block_and_the_index_hears_of_
     a_hashes = block_hashes(A, 4)
     removed = [h for op, h in events if op == "-"]
     assert len(removed) == 2 and set(removed) < set(a_hashes) and tier.num_blocks == 2
-    assert tier.stats == {"offloaded_blocks": 4, "reloaded_blocks": 0, "dropped_blocks": 2}
+    assert tier.stats == {"offloaded_blocks": 4, "reloaded_blocks": 0, "dropped_blocks": 2, "write_through_skipped": 0}
     held = set(log.since(-1)["snapshot"])
     assert set(a_hashes) - set(removed) <= held  # in the tier: still held for the index
 
@@ -86,3 +86,85 @@ def test_a_paused_tier_offloads_nothing():
     with tier.paused():
         cached(mgr, "b", B)
     assert tier.take() == ([], []) and tier.num_blocks == 0
+
+
+def test_write_through_copies_each_cached_block_a_step_later_and_holds_it_until_copied():
+    """A decode instance's tier: every block the pool caches is copied at the take after next (the
+    step that computed it has ended), its block kept from eviction until the copying step ends; a
+    later eviction then costs no copy, even one made while the tier is paused (a reservation)."""
+    mgr = KVCacheManager(num_blocks=9, block_size=4)
+    mgr.tier = tier = HostTier(8, mgr.block_pool)
+    tier.write_through()
+    a = Request("a", A)
+    assert prefill(mgr, a) is not None  # cached at allocation: this step computes them
+    a_ids = mgr.get_block_ids("a")[0]
+    mgr.free(a)
+    assert mgr.num_free_blocks == 8 - 4  # freed, but held by the tier until copied
+    assert tier.take() == ([], [])  # the step computing them
+    assert mgr.num_free_blocks == 4
+    offloads, _ = tier.take()  # the next: they are complete now
+    assert [b for b, _ in offloads] == a_ids and tier.num_blocks == 4
+    assert mgr.num_free_blocks == 4  # held while that step copies them
+    assert tier.take() == ([], []) and mgr.num_free_blocks == 8  # released as the next is scheduled
+    with tier.paused():  # evicted by a reservation: in the tier already, held for the index
+        cached(mgr, "b", B)
+    assert tier.num_blocks == 4 and tier.stats["offloaded_blocks"] == 4
+    probe = Request("a2", A + [7])
+    assert mgr.get_computed_blocks(probe)[1] == 0 and tier.claim_for(mgr, probe, 0) == block_hashes(A, 4)
+    mgr.free(probe)
+    tier.take()
+    tier.drop_pending()
+    assert mgr.reset_prefix_cache() and tier.num_blocks == 0
+    mgr.assert_no_leaks()
+
+
+
+def test_write_through_gives_up_uncopied_blocks_when_the_pool_is_short_and_skips_what_it_holds():
+    """An idle instance makes no copy: the blocks still held for one are released, their copies
+    given up, by an allocation that needs them; a block reloaded from the tier is not copied back;
+    a reset of the prefix cache releases every held block."""
+    mgr = KVCacheManager(num_blocks=9, block_size=4)
+    mgr.tier = tier = HostTier(16, mgr.block_pool)
+    tier.write_through()
+    cached(mgr, "a", A)
+    tier.take(), tier.take(), tier.take()
+    cached(mgr, "b", B)  # evicts a's 4 blocks: no copy, they are in the tier
+    assert mgr.num_free_blocks == 0  # b's 8 blocks held until copied
+    again = Request("a2", A + [7])
+    assert mgr.get_computed_blocks(again)[1] == 0
+    keys = tier.claim_for(mgr, again, 0)
+    with tier.paused():  # as a decode instance's reservation
+        assert keys == block_hashes(A, 4) and mgr.allocate_slots(again, again.num_tokens) is not None
+    assert tier.stats["write_through_skipped"] == 8  # b's copies given up for a2's 5 blocks
+    tier.reload_for(mgr, again, keys, 0)  # its 4 blocks cached again at allocation: no copy, no hold
+    offloads, reloads = tier.take()
+    assert offloads == [] and [b for _, b in reloads] == mgr.get_block_ids("a2")[0][:4]
+    assert mgr.num_free_blocks == 8 - 5 and tier.stats["offloaded_blocks"] == 4
+    mgr.free(again)
+    assert mgr.num_free_blocks == 8 - 4  # the reloaded blocks are held until their step has ended
+    tier.release_copied()
+    cached(mgr, "c", list(range(300, 308)))  # 2 blocks held for their copies
+    assert mgr.num_free_blocks == 6 and mgr.reset_prefix_cache() and tier.num_blocks == 0
+    mgr.assert_no_leaks()
+
+
+def test_a_queued_reloads_blocks_stay_out_of_the_pool_until_its_step_has_run():
+    """A decode instance reserves (a reload queued) and the request is aborted before any step runs:
+    the blocks the reload will write are not handed out (a transfer would write them first)."""
+    mgr = KVCacheManager(num_blocks=9, block_size=4)
+    mgr.tier = tier = HostTier(8, mgr.block_pool)
+    cached(mgr, "a", A)
+    cached(mgr, "b", B)
+    tier.take()  # a's 4 blocks offloaded
+    again = Request("a2", A + [7])
+    keys = tier.claim_for(mgr, again, mgr.get_computed_blocks(again)[1])
+    assert len(keys) == 4 and mgr.allocate_slots(again, again.num_tokens) is not None
+    tier.reload_for(mgr, again, keys, 0)
+    reloaded = set(mgr.get_block_ids("a2")[0][:4])
+    mgr.free(again)  # aborted
+    assert mgr.num_free_blocks == 4 and all(mgr.block_pool.blocks[i].ref_cnt == 1 for i in reloaded)
+    _, reloads = tier.take()
+    assert {b for _, b in reloads} == reloaded and mgr.num_free_blocks == 4
+    tier.release_copied()  # the step has run
+    assert mgr.num_free_blocks == 8
+    mgr.assert_no_leaks()
