@@ -1,5 +1,6 @@
 """One prepared check for a machine with a CUDA GPU: a probe, then sections (bench/gpu_sections.py,
-bench/gpu_flex.py, bench/gpu_spec.py, bench/gpu_memory.py, bench/gpu_pd.py, bench/gpu_two.py), each in a process of its own under a time limit of its own,
+bench/gpu_flex.py, bench/gpu_spec.py, bench/gpu_memory.py, bench/gpu_pd.py, bench/gpu_two.py), each in a process of its own
+(forked from a fork server that imported torch and the engine once) under a time limit of its own,
 the whole run under RUN_S (7.5 minutes); writes the JSON gathered so far to OUT/gpu_check.json as
 each section ends (a device call is often all a session gets). Prints the whole JSON object on
 stdout at the end; logs go to stderr.
@@ -61,6 +62,9 @@ SECTIONS = {"probe": Section(gpu_sections.probe, 32),
             "ipc_copy": Section(gpu_sections.ipc_copy, 20, ("probe.ipc_ok",)),
             "two_gpu": Section(gpu_two.two_gpu, 38, ("probe.two_devices",))}
 NOT_BUILT: list[str] = []  # checks the issue asks for that no section makes yet
+# imported once, by the fork server each section's process is forked from (a fresh process each, as
+# with spawn, without importing these again: ~3 s a section); none of them initializes CUDA
+PRELOAD = ["torch", "transformers", "bench.gpu_check", "engine.runner.model_runner", "decode_worker.engine"]
 
 
 def unmet(section: Section, results: dict[str, dict]) -> str | None:
@@ -112,8 +116,10 @@ def _section_main(name: str, plan: Plan, conn) -> None:
 
 
 def run_section(name: str, plan: Plan, limit_s: float) -> dict:
-    """Runs one section in a spawned process; its dict, or an error past `limit_s`."""
-    ctx = mp.get_context("spawn")
+    """Runs one section in a process of its own, forked from the fork server (PRELOAD); its dict, or
+    an error past `limit_s`."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     receive, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_section_main, args=(name, plan, send), name=f"gpu-check-{name}")
     start = time.monotonic()
