@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 BUCKETS = ((1, 1), (8, 4), (32, 16), (128, 64), (None, 512))  # (largest M of the range; None = no limit, M measured)
 SLOW_FACTOR = 10.0  # a kernel this much slower than the best is not measured further at that M
 ROUNDS = 7  # samples per kernel and shape; the least counts
+MIN_ROUNDS = 2  # ...but past BUCKET_S seconds at one M, this many do: samples that long barely vary
+BUCKET_S = 2.0  # (bf16 on a CPU without it natively: an LM head's 7 rounds at M=512 took 18 s, 2 take 5)
 DROP_AFTER = 3  # rounds before a slow kernel may be dropped (one noisy round must not drop a good one)
 SAMPLE_MS = 0.2  # calls per sample: enough to last this long (short samples are rarely preempted)
 COLD_FACTOR = 1.5  # prepared copies per (kernel, shape) cover this many times the last-level cache (CPU)
@@ -202,9 +204,9 @@ def _measure_bucket(names: list[str], shapes, m: int, time_fn: TimeFn, failed: s
                     was_slow: set[str]) -> tuple[dict[str, float], set[str]]:
     """One decoder layer's linears at M = m (the sum over `shapes`) per kernel.
 
-    Samples are interleaved across kernels, ROUNDS times, and each kernel keeps its least per shape:
-    load from other processes only ever adds time, and interleaving spreads it over all kernels
-    alike. A kernel that raises joins `failed`. One SLOW_FACTOR slower than the best candidate
+    Samples are interleaved across kernels, ROUNDS times (MIN_ROUNDS once the M has taken BUCKET_S
+    seconds), and each kernel keeps its least per shape: load from other processes only ever adds
+    time, and interleaving spreads it over all kernels alike. A kernel that raises joins `failed`. One SLOW_FACTOR slower than the best candidate
     after DROP_AFTER rounds is not measured further here; one that was so at the previous M first
     runs only the smallest shape, and stops if that, scaled to the whole layer, is too slow again
     (a kernel that dequantizes per call is slow at small M and may win at large M).
@@ -214,7 +216,10 @@ def _measure_bucket(names: list[str], shapes, m: int, time_fn: TimeFn, failed: s
     probe = min(shapes, key=lambda s: s[0] * s[1])
     best: dict[tuple[str, tuple], float] = {}
     slow: set[str] = set()
+    start = time.perf_counter()
     for round_ in range(ROUNDS):
+        if round_ >= MIN_ROUNDS and time.perf_counter() - start > BUCKET_S:
+            break
         for shape in shapes:
             for name in names:
                 if name in failed or name in slow or (round_ == 0 and name in was_slow and shape != probe):

@@ -163,3 +163,23 @@ def test_real_measurement_is_quick(tmp_path, kernel):
     start = time.perf_counter()
     choices = _choose(tmp_path, [KERNELS[kernel]()], None)
     assert time.perf_counter() - start < 5 and len(choices) == len(BUCKETS)
+
+
+def test_past_the_bucket_budget_two_rounds_do(tmp_path, monkeypatch):
+    """Samples that take long (bf16 without native support, an LM head at M=512) are few: once one M
+    has taken BUCKET_S seconds, its rounds stop at MIN_ROUNDS; quick ones still take all ROUNDS."""
+    import time
+
+    from engine.quant import selection
+    monkeypatch.setattr(selection, "BUCKET_S", 0.05)
+    calls = []
+
+    def time_fn(name, shape, m):
+        calls.append((name, m))
+        if m == 512:
+            time.sleep(0.02)
+        return {"a": 1.0, "b": 2.0, BASELINE: 3.0}[name]
+    choices = _choose(tmp_path, [Named("a"), Named("b")], time_fn)
+    assert [c.kernel for c in choices] == ["a"] * 5
+    per_m = {m: sum(1 for _, got in calls if got == m) for m in MEASURED}
+    assert per_m[512] == selection.MIN_ROUNDS * 3 * len(SHAPES) < ROUNDS * 3 * len(SHAPES) == per_m[1], per_m
