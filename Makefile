@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 # resident after it; with MALLOC_MMAP_THRESHOLD_=131072, 0.8 GB, but 47 -> 75 s): docs/engine.md.
 test: $(STAMP)
 	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q --durations=15 tests --ignore=tests/multihost
-	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q --durations=5 tests/multihost
+	OMP_NUM_THREADS=2 $(BIN)/python -m pytest -q --durations=25 tests/multihost
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.offline

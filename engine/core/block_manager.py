@@ -424,7 +424,8 @@ class KVCacheManager:
         num_blocks, partial = -(-num_tokens // bs), num_tokens % bs != 0
         assert all(len(t) == num_blocks for t in tables), "a parent holds exactly its tokens' blocks"
         num_copies = sum(partial and t[-1] is not null for t in tables)
-        if num_copies > self.block_pool.num_free_blocks:
+        if num_copies > self.block_pool.num_free_blocks and not (  # a write-through tier's held blocks go first
+                self.tier is not None and self.tier.drop_uncopied() and num_copies <= self.block_pool.num_free_blocks):
             return None
         copies, child_tables = [], []
         fresh = iter(self.block_pool.get_new_blocks(num_copies))
