@@ -133,6 +133,8 @@ class ClusterSpec:
     kv_checksum: bool = False  # kvtransfer/wire.py: a checksum per part, checked on receipt
     kv_delta: bool = True  # decode_worker/scheduler.py reserve: ship only what the decode's prefix cache lacks
     kv_host_tier_gib: float = 0.0  # engine/core/host_tier.py: evicted blocks' KV kept in host memory; 0: none
+    kv_disk_tier_gib: float = 0.0  # engine/runner/disk_tier.py: what the host tier drops, on disk; 0: none
+    kv_disk_tier_dir: str | None = None  # its directory (a shared volume shares it); None: $PDSERVE_CACHE_DIR/kv
     kv_load_failure_policy: str = "recompute"
     kv_recompute_max_tokens: int = 512
     heartbeat_ttl_s: float = 5.0
@@ -203,7 +205,7 @@ class ClusterSpec:
             raise ValueError(f"cluster_name {self.cluster_name!r}: 1-63 of [A-Za-z0-9_.-], starting alphanumeric")
         self.speculative  # raises on speculative keys that cannot work together
         for name in ("model", "host", "ray_address", "api_key", "autoscale_profile", "k8s_namespace", "chat_template",
-                     "expert_placement", "speculative_model", "api_keys_file",
+                     "expert_placement", "speculative_model", "api_keys_file", "kv_disk_tier_dir",
                      "k8s_prefill_deployment", "k8s_decode_deployment"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name} must not be empty")
@@ -225,9 +227,12 @@ class ClusterSpec:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("scale_headroom", "scale_up_cooldown_s", "scale_down_cooldown_s", "drain_timeout_s",
-                     "kv_host_tier_gib"):
+                     "kv_host_tier_gib", "kv_disk_tier_gib"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.kv_disk_tier_gib > 0 and self.kv_host_tier_gib <= 0:
+            raise ValueError(f"kv_disk_tier_gib {self.kv_disk_tier_gib:g} needs kv_host_tier_gib > 0 "
+                             "(the disk tier takes the blocks the host tier drops)")
         for name in ("gpu_memory_utilization", "prefill_gpu_memory_utilization", "decode_gpu_memory_utilization"):
             if getattr(self, name) is not None and not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
@@ -286,7 +291,8 @@ class ClusterSpec:
         return CacheConfig(block_size=self.block_size, num_blocks=self.num_kv_blocks, memory_gib=self.kv_memory_gib,
                            gpu_memory_utilization=self.gpu_memory_utilization,
                            enable_prefix_caching=self.enable_prefix_caching, kv_cache_dtype=self.kv_cache_dtype,
-                           kv_delta=self.kv_delta, host_tier_gib=self.kv_host_tier_gib)
+                           kv_delta=self.kv_delta, host_tier_gib=self.kv_host_tier_gib,
+                           disk_tier_gib=self.kv_disk_tier_gib, disk_tier_dir=self.kv_disk_tier_dir)
 
     @property
     def scheduler_config(self) -> SchedulerConfig:

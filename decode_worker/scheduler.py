@@ -74,7 +74,8 @@ class Scheduler:
         if any(window_start(n, w) > num_hit for w in self.kv.windows):  # a window starts after the hits:
             hits, num_hit = None, 0  # its blocks before it would never be written (the window's nulls instead)
         # then the blocks the host tier holds, reloaded by the next step (before the request can join)
-        reloaded = tier.claim_for(self.kv, req, num_hit) if tier is not None and self.kv_delta else []
+        # (host slots only: a step may be running, and reading from disk takes slots it may use)
+        reloaded = tier.claim_for(self.kv, req, num_hit, from_disk=False) if tier is not None and self.kv_delta else []
         num_pool_hit, num_hit = num_hit, num_hit + len(reloaded) * self.kv.block_size
         # No prefix caching of the new blocks until their KV has arrived (see remote_kv_ready). With
         # a sliding window, none for the blocks before it: the prefill ships only what is read.

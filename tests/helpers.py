@@ -150,12 +150,14 @@ def engine_config(dtype: str = "float32", num_blocks: int = 256, block_size: int
                   max_num_batched_tokens: int = 256, max_num_seqs: int = 64, prefix_caching: bool = True,
                   model: str = "smollm2", kv_cache_dtype: str = "auto", quantization: str = "auto",
                   batch_invariant: bool = False, attention_backend: str = "auto",
-                  host_tier_gib: float = 0.0) -> EngineConfig:
+                  host_tier_gib: float = 0.0, disk_tier_gib: float = 0.0,
+                  disk_tier_dir: str | None = None) -> EngineConfig:
     return EngineConfig(model=model, dtype=dtype, device="cpu", quantization=quantization,
                         batch_invariant=batch_invariant, attention_backend=attention_backend,
                         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                           enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
-                                          host_tier_gib=host_tier_gib),
+                                          host_tier_gib=host_tier_gib, disk_tier_gib=disk_tier_gib,
+                                          disk_tier_dir=disk_tier_dir),
                         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                                   max_num_batched_tokens=max_num_batched_tokens))
 

@@ -18,7 +18,8 @@ _GENERATE = {
     # one instance's engine: what `ClusterSpec.engine_config` reads (the in-process engine honours them)
     "engine": ("model", "dtype", "device", "quantization", "block_size", "kv_memory_gib", "gpu_memory_utilization",
                "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-               "kv_cache_dtype", "kv_host_tier_gib", "attention_backend", "expert_method", "speculative_method", "speculative_model",
+               "kv_cache_dtype", "kv_host_tier_gib", "kv_disk_tier_gib", "kv_disk_tier_dir", "attention_backend",
+               "expert_method", "speculative_method", "speculative_model",
                "num_speculative_tokens", "speculative_max_batch_size", "enforce_eager", "batch_invariant",
                "num_threads"),
     # KV between a prefill and a decode instance
@@ -128,6 +129,13 @@ _HELP = {
     "kv_host_tier_gib": "GiB of host memory per instance rank holding the KV blocks its prefix cache evicts "
                         "(least recently used dropped first); a prompt whose next blocks are there copies them "
                         "back instead of computing them. 0: no tier. One KV group and no speculative decoding",
+    "kv_disk_tier_gib": "GiB of disk per instance holding the KV blocks its host tier drops (least recently used "
+                        "deleted first); each file carries its checksum and the model and KV format it belongs to, "
+                        "and one that fails either is refused and recomputed. 0: no disk tier. Needs "
+                        "--kv-host-tier-gib; one-rank instances only, for now",
+    "kv_disk_tier_dir": "the disk tier's directory (a volume several instances share serves each the blocks of "
+                        "the others of the same model and KV format); default $PDSERVE_CACHE_DIR/kv, else "
+                        "~/.cache/pdserve/kv",
     "kv_delta": "a decode instance takes a remote prompt's leading blocks from its own prefix cache (the last "
                 "turn's prompt and output) and the prefill instance ships only the KV after them; "
                 "--no-kv-delta ships every prompt token",

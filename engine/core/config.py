@@ -316,6 +316,8 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # see resolve_kv_cache_dtype
     kv_delta: bool = True  # a decode instance takes a remote prompt's leading blocks from its prefix cache
     host_tier_gib: float = 0.0  # a host-memory tier under the pool (engine/core/host_tier.py); 0: none
+    disk_tier_gib: float = 0.0  # a disk tier under the host tier (engine/runner/disk_tier.py); 0: none
+    disk_tier_dir: str | None = None  # its directory; None: $PDSERVE_CACHE_DIR/kv (~/.cache/pdserve/kv)
 
 
 @dataclass(frozen=True)

@@ -28,27 +28,50 @@ block must not be handed out, and written, before the reload lands in it). A blo
 copy is still to be queued is given up when the pool is short (`drop_uncopied`, from an allocation
 that would fail otherwise): an idle instance (no step, so no copy) never refuses for them.
 
+A disk tier under it (`disk`, engine/runner/disk_tier.py: one rank's; it reads and writes the slots
+itself, at once): a slot the full tier takes back is first written to disk, and `claim` reads a
+block the disk holds into a slot, both as the scheduler builds a step (never while one runs: a
+decode instance's reservation claims host slots only). A slot a queued offload will fill is never
+given to a disk read (the offload would overwrite it); taken back in the same step for another
+offload, its block goes to disk from the pool block it was to be copied from (intact until the
+step runs), and its copy is cancelled. With every slot pinned, an evicted block goes straight to
+disk likewise.
+
 Events (engine/core/kv_events.py): a block the pool evicts into the tier stays held for the
-router's index; it is `removed` when the tier drops it (and the pool does not hold it again).
+router's index; it is `removed` when neither tier holds it any more (and the pool does not).
 """
 from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from engine.core.block_manager import Block, BlockPool, KVCacheManager
     from engine.core.request import Request
 
 
+class DiskBooks(Protocol):
+    """What the host tier asks of a disk tier under it (engine/runner/disk_tier.py DiskTier)."""
+    on_forget: Callable[[int], None] | None
+
+    def has(self, key: int) -> bool: ...
+    def spill(self, key: int, slot: int) -> bool: ...
+    def spill_block(self, key: int, block_id: int) -> bool: ...
+    def load(self, key: int, slot: int) -> bool: ...
+    def clear(self) -> None: ...
+    def figures(self) -> dict[str, float]: ...
+
+
 class HostTier:
-    def __init__(self, num_slots: int, pool: BlockPool):
+    def __init__(self, num_slots: int, pool: BlockPool, disk: DiskBooks | None = None):
         assert num_slots > 0
-        self.num_slots, self.pool = num_slots, pool
+        self.num_slots, self.pool, self.disk = num_slots, pool, disk
         self._slots: OrderedDict[int, int] = OrderedDict()  # block hash -> slot, least recently used first
         self._free = list(range(num_slots - 1, -1, -1))
         self._pinned: set[int] = set()  # slots a queued reload reads
+        self._filling: dict[int, int] = {}  # slot -> the pool block a queued offload copies into it
         self._offloads: list[tuple[int, int]] = []  # (block id, slot), this step's
         self._reloads: list[tuple[int, int]] = []  # (slot, block id), this step's
         self._paused = False
@@ -60,6 +83,8 @@ class HostTier:
         self._copying: list[Block] = []  # the step in flight's: both kinds
         self.stats = {"offloaded_blocks": 0, "reloaded_blocks": 0, "dropped_blocks": 0, "write_through_skipped": 0}
         pool.on_evict = self._offload
+        if disk is not None:
+            disk.on_forget = self._forgotten
 
     def write_through(self) -> None:
         """From now on every block the pool caches is copied here too (the module's docstring)."""
@@ -72,7 +97,8 @@ class HostTier:
     def figures(self) -> dict[str, float]:
         """For the instance's load report (gateway/metrics.py)."""
         return {"kv_host_tier_blocks": float(self.num_blocks), "kv_host_tier_slots": float(self.num_slots),
-                **{f"kv_host_tier_{k}": float(v) for k, v in self.stats.items()}}
+                **{f"kv_host_tier_{k}": float(v) for k, v in self.stats.items()},
+                **(self.disk.figures() if self.disk is not None else {})}
 
     @contextlib.contextmanager
     def paused(self):
@@ -90,12 +116,17 @@ class HostTier:
         if key in self._slots:  # reloaded earlier and kept: nothing to copy
             self._slots.move_to_end(key)
             return True
-        if type(key) is not int or self._paused:
+        if type(key) is not int:
+            return False
+        if self.disk is not None and self.disk.has(key):  # on disk since (it came back from there)
+            return True
+        if self._paused:
             return False
         slot = self._take_slot()
-        if slot is None:
-            return False
+        if slot is None:  # every slot pinned: straight to disk, while the block still holds it
+            return self.disk is not None and self.disk.spill_block(key, block.block_id)
         self._slots[key] = slot
+        self._filling[slot] = block.block_id
         self._offloads.append((block.block_id, slot))
         self.stats["offloaded_blocks"] += 1
         return True
@@ -117,6 +148,7 @@ class HostTier:
                 self._slots.move_to_end(key)
             elif (slot := self._take_slot()) is not None:
                 self._slots[key] = slot
+                self._filling[slot] = block.block_id
                 self._offloads.append((block.block_id, slot))
                 self.stats["offloaded_blocks"] += 1
         self._copying, self._ready, self._stored = self._ready + self._reloading, self._stored, []
@@ -149,24 +181,56 @@ class HostTier:
         self._reloading, self._reloads = [], []
         self._pinned.clear()
 
-    def _take_slot(self) -> int | None:
+    def _take_slot(self, now: bool = False) -> int | None:
+        """A free slot, else the least recently used one no queued reload reads, its block written to
+        the disk tier first (from the pool block it was to be copied from, when that copy is still
+        queued: it is cancelled), or dropped without one. `now`: the caller writes the slot at once
+        (a disk read), so not a slot a queued offload will write later."""
         if self._free:
             return self._free.pop()
         for key, slot in self._slots.items():  # least recently used first
-            if slot not in self._pinned:
-                del self._slots[key]
+            if slot in self._pinned or (now and slot in self._filling):
+                continue
+            del self._slots[key]
+            if slot in self._filling:  # its copy is still queued: the block is in the pool, not here yet
+                block_id = self._filling.pop(slot)
+                self._offloads.remove((block_id, slot))
+                self.stats["offloaded_blocks"] -= 1  # a copy that will not be made
+                kept = self.disk is not None and self.disk.spill_block(key, block_id)
+            else:
+                kept = self.disk is not None and self.disk.spill(key, slot)
+            if not kept:
                 self.stats["dropped_blocks"] += 1
-                if self.pool.get_cached_block(key) is None:
-                    self.pool.events.removed(key)
-                return slot
+                self._forgotten(key)
+            return slot
         return None
 
-    def claim(self, hashes: list[int]) -> list[int]:
+    def _forgotten(self, key: int) -> None:
+        """A tier let `key` go: the index hears of it unless some other level holds it."""
+        if key not in self._slots and self.pool.get_cached_block(key) is None and \
+                (self.disk is None or not self.disk.has(key)):
+            self.pool.events.removed(key)
+
+    def _from_disk(self, key: int) -> int | None:
+        """A slot holding the block `key`, read from the disk tier, or None."""
+        slot = self._take_slot(now=True)
+        if slot is None:
+            return None
+        if not self.disk.load(key, slot):
+            self._free.append(slot)
+            return None
+        self._slots[key] = slot  # (counted by the disk tier: loaded_blocks)
+        return slot
+
+    def claim(self, hashes: list[int], from_disk: bool = True) -> list[int]:
         """The leading `hashes` (a prompt's next full blocks after its pool hits) the tier holds,
-        pinned until `take` (or `release`): pass them to `reload` once their blocks are allocated."""
+        pinned until `take` (or `release`): pass them to `reload` once their blocks are allocated.
+        With `from_disk`, blocks on the disk tier are read into slots first (no step may be running)."""
         keys = []
         for key in hashes:
             slot = self._slots.get(key)
+            if slot is None and from_disk and self.disk is not None and self.disk.has(key):
+                slot = self._from_disk(key)
             if slot is None:
                 break
             self._slots.move_to_end(key)
@@ -196,20 +260,23 @@ class HostTier:
         self._write_through()
         out, self._offloads, self._reloads = (self._offloads, self._reloads), [], []
         self._pinned.clear()
+        self._filling.clear()  # the step these go to runs before any slot is taken again
         return out
 
     def clear(self) -> None:
-        """Forget every block (the pool's prefix cache was reset)."""
+        """Forget every block (the pool's prefix cache was reset), the disk tier's files too."""
+        if self.disk is not None:
+            self.disk.clear()
         self._slots.clear()
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._pinned.clear()
 
     # -- a scheduler's admission ------------------------------------------------------------------
-    def claim_for(self, kv: KVCacheManager, request: Request, num_hit: int) -> list[int]:
+    def claim_for(self, kv: KVCacheManager, request: Request, num_hit: int, from_disk: bool = True) -> list[int]:
         """The request's full prompt blocks after its `num_hit` pool-hit tokens that the tier holds,
         leading ones only and leaving its last token to compute (as get_computed_blocks)."""
         hashes = kv.req_to_block_hashes.get(request.request_id, [])[:(request.num_tokens - 1) // kv.block_size]
-        return self.claim(hashes[num_hit // kv.block_size:])
+        return self.claim(hashes[num_hit // kv.block_size:], from_disk)
 
     def reload_for(self, kv: KVCacheManager, request: Request, keys: list[int], num_hit: int) -> None:
         """After the request's blocks are allocated: its claimed blocks come back from the tier."""

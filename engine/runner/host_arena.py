@@ -11,12 +11,15 @@ block's bytes out its own way).
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.core.host_tier import HostTier
 from engine.core.kv_cache import kv_block_bytes
+from engine.runner.disk_tier import DiskTier, identity_of
 
 if TYPE_CHECKING:
     from engine.core.block_manager import KVCacheManager
@@ -30,6 +33,7 @@ class HostArena:
         pin = kv_cache.device.type == "cuda"
         self.slabs = [[torch.empty((num_slots, *view.shape[1:]), dtype=self._plain(view).dtype, pin_memory=pin)
                        for view in kv_views(slab)] for slab in kv_cache]
+        self.disk: DiskTier | None = None
 
     @staticmethod
     def _plain(view: torch.Tensor) -> torch.Tensor:
@@ -51,7 +55,17 @@ class HostArena:
             raise ValueError(f"--kv-host-tier-gib {gib:g} holds no KV block of {block_bytes} bytes")
         logger.info("KV host tier: %d blocks (%.2f GiB) under the pool's %d", num_slots, num_slots * block_bytes / 2**30,
                     kv_cache.shape[2] - 1)
-        return cls(kv_cache, runner.backend.kv_views, num_slots)
+        arena = cls(kv_cache, runner.backend.kv_views, num_slots)
+        arena.disk = disk_tier_for(runner, arena)
+        return arena
+
+    def slot_views(self, slot: int) -> list[torch.Tensor]:
+        """One slot's block, a tensor per KV view (the disk tier reads and writes these)."""
+        return [host[slot] for hosts in self.slabs for host in hosts]
+
+    def block_views(self, block_id: int) -> list[torch.Tensor]:
+        """One pool block, as `slot_views` lays a slot out (on the host)."""
+        return [self._plain(view)[block_id].to("cpu") for slab in self.kv_cache for view in self.kv_views(slab)]
 
     def copy(self, offloads: list[tuple[int, int]], reloads: list[tuple[int, int]]) -> None:
         for pairs, out in ((offloads, True), (reloads, False)):
@@ -80,8 +94,25 @@ def host_tier_unfit(runner) -> str | None:
     return None
 
 
+def disk_tier_for(runner, arena: HostArena) -> DiskTier | None:
+    """The disk tier --kv-disk-tier-gib puts under the arena, or None: off (0), or unfit (logged)."""
+    cache = runner.config.cache
+    if cache.disk_tier_gib <= 0:
+        return None
+    if runner.tp is not None and runner.tp.size > 1:  # its reads and writes are rank 0's alone (disk_tier.py)
+        logger.warning("KV disk tier off: %d TP ranks (one rank only, for now)", runner.tp.size)
+        return None
+    if runner.model_path is None:
+        logger.warning("KV disk tier off: the weights were given in memory, no files to name its blocks by")
+        return None
+    root = Path(cache.disk_tier_dir or Path(os.environ.get("PDSERVE_CACHE_DIR", "~/.cache/pdserve")) / "kv")
+    views = [v.unsqueeze(0) for v in arena.slot_views(0)]
+    identity = identity_of(runner.model_path, views, runner.block_size, runner.backend.name)
+    return DiskTier(root.expanduser(), identity, int(cache.disk_tier_gib * 2**30), arena.slot_views, arena.block_views)
+
+
 def attach_tier(kv: KVCacheManager, runner) -> KVCacheManager:
-    """Rank 0: the allocator's books of the runner's host arena, if it has one."""
+    """Rank 0: the allocator's books of the runner's host arena (and its disk tier), if it has one."""
     if getattr(runner, "host_arena", None) is not None:
-        kv.tier = HostTier(runner.host_arena.num_slots, kv.block_pool)
+        kv.tier = HostTier(runner.host_arena.num_slots, kv.block_pool, runner.host_arena.disk)
     return kv

@@ -122,6 +122,7 @@ class ModelRunner:
             path = resolve_model_path(config.model)
             model_config = load_model_config(path)
         self.model_config = model_config
+        self.model_path = path  # None: weights given in memory (the disk tier names its blocks by the files)
         self.kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)  # the pool's element type
         # one per KV group: a backend keeps the step's plan (block tables) that its layers reuse
         self.backends = [create_attention_backend(config.attention_backend, self.device, self.dtype, self.kv_dtype,

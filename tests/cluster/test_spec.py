@@ -212,6 +212,9 @@ def test_cli_rejects_bad_values():
     ({"speculative_method": "eagle3"}, "eagle3 needs --speculative-model"),
     ({"speculative_method": "mtp", "speculative_model": "head"}, "speculative method mtp reads no model of its own"),
     ({"num_speculative_tokens": 2}, "--num-speculative-tokens needs --speculative-method"),
+    ({"kv_disk_tier_gib": -1.0}, "kv_disk_tier_gib must be >= 0"),
+    ({"kv_disk_tier_gib": 10.0}, "kv_disk_tier_gib 10 needs kv_host_tier_gib > 0"),
+    ({"kv_disk_tier_dir": ""}, "kv_disk_tier_dir must not be empty"),
     ({"speculative_method": "ngram", "num_speculative_tokens": 20}, "num_speculative_tokens must be in"),
 ])
 def test_validation_errors(kw, message):

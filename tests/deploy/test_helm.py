@@ -444,3 +444,25 @@ def test_gpu_values_give_each_tp_group_one_pod():
         pool = GPU_VALUES[role]
         assert pool["gpu"] == pool["instancesPerPod"] * spec.tp_size(role), role
         assert pool["cpus"] >= pool["gpu"], role
+
+
+def test_the_kv_disk_tier_is_a_worker_volume_the_spec_points_at():
+    """spec.kv_disk_tier_gib > 0 mounts kvDiskTier's volume on every worker pod and sets the spec's
+    kv_disk_tier_dir to its mount; without it, no such volume; a volume source with a name is refused."""
+    pvc = {"persistentVolumeClaim": {"claimName": "kv"}}
+    objects = manifests({"spec": {"kv_host_tier_gib": 2, "kv_disk_tier_gib": 50}, "kvDiskTier": {"volume": pvc}})
+    spec = loaded_spec(objects)
+    assert spec.kv_disk_tier_gib == 50 and spec.kv_disk_tier_dir == "/var/cache/pdserve/kv"
+    for role in ("prefill", "decode"):
+        pod = one(objects, "Deployment", f"pdserve-{role}")["spec"]["template"]["spec"]
+        assert {"name": "kv-disk-tier", **pvc} in pod["volumes"]
+        assert {"name": "kv-disk-tier", "mountPath": "/var/cache/pdserve/kv"} in container({"spec": {"template": {
+            "spec": pod}}})["volumeMounts"]
+    default = one(manifests({"spec": {"kv_host_tier_gib": 2, "kv_disk_tier_gib": 50}}), "Deployment", "pdserve-decode")
+    assert {"name": "kv-disk-tier", "emptyDir": {}} in default["spec"]["template"]["spec"]["volumes"]
+    plain = manifests()
+    assert loaded_spec(plain).kv_disk_tier_dir is None
+    assert not any(v["name"] == "kv-disk-tier" for d in find(plain, "Deployment")
+                   for v in d["spec"]["template"]["spec"].get("volumes", []))
+    with pytest.raises(Exception, match="kvDiskTier"):
+        render({"kvDiskTier": {"volume": {"name": "x", "emptyDir": {}}}})

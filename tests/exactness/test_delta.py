@@ -7,10 +7,13 @@ The decode instance computed the first turn's output tokens but the last, so it 
 blocks of those (len(turn 1) + MAX_TOKENS - 1) tokens; the second turn ships exactly the rest."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from cluster.control.cluster import Cluster
 from engine.core.request import SamplingParams
+from engine.loading.loader import hf_model_config
 from tests.exactness.matrix import Case, mismatches, spec_of
 from tests.helpers import random_prompts
 
@@ -35,7 +38,8 @@ def _decode_load(cluster: Cluster) -> dict:
 def conversation(case: Case, model: str, counts: dict | None = None, between: tuple = (), **overrides):
     """Two turns through a cluster of the case's spec, the prompts `between` them served in between:
     {"turn1": ..., "turn2": ...} as the matrix's outputs, and in `counts` the decode instance's KV
-    bytes received and prompt tokens reused per turn, and the blocks every host tier reloaded."""
+    bytes received and prompt tokens reused per turn, and the blocks every host tier reloaded and
+    every disk tier read back."""
     cluster = Cluster(spec_of(case, model, **overrides), use_ray=case.needs_ray).start()
     try:
         first = _generate(cluster, TURN1)
@@ -45,14 +49,16 @@ def conversation(case: Case, model: str, counts: dict | None = None, between: tu
         before2 = _decode_load(cluster)
         second = _generate(cluster, TURN1 + first.token_ids + NEW)
         after2 = _decode_load(cluster)
-        reloaded = sum(i.client.load().get("kv_host_tier_reloaded_blocks", 0) for i in cluster.instances.values())
+        loads = [i.client.load() for i in cluster.instances.values()]
+        reloaded = sum(load.get("kv_host_tier_reloaded_blocks", 0) for load in loads)
+        from_disk = sum(load.get("kv_disk_tier_loaded_blocks", 0) for load in loads)
         cluster.assert_no_leaks()
     finally:
         cluster.shutdown()
     if counts is not None:
         for key in ("kv_bytes_received", "kv_reused_prompt_tokens"):
             counts[key] = (after1.get(key, 0), after2.get(key, 0) - before2.get(key, 0))
-        counts["tier_reloaded_blocks"] = reloaded
+        counts["tier_reloaded_blocks"], counts["disk_loaded_blocks"] = reloaded, from_disk
     return {"turn1": [(first.token_ids, first.logprobs)], "turn2": [(second.token_ids, second.logprobs)]}
 
 
@@ -103,3 +109,20 @@ def test_the_host_tiers_serve_the_second_turn_after_other_prompts_evicted_it(mod
     held = (len(TURN1) + MAX_TOKENS - 1) // 8 * 8
     assert reused2 == held and bytes2 == bytes1 / len(TURN1) * (len(TURN1) + MAX_TOKENS + len(NEW) - held), counts
     assert counts["tier_reloaded_blocks"] >= 2 * (len(TURN1) // 8), counts  # on each side
+
+
+def test_a_prefill_instance_reads_the_first_turn_back_from_its_disk_tier(model, colocated, tmp_path):
+    """Host tiers of six blocks (the first turn's five fit; the 22 of the prompts between the turns
+    do not) over disk tiers: those prompts push the first turn's blocks through the prefill
+    instance's host tier on to its disk; the second turn reads them back (the decode instance,
+    which reads no disk at reservation, gets them shipped), and the output equals colocated bit for
+    bit."""
+    case = Case(layout="1P1D", block_size=8, prefix="hit", n3=False, structured=False)
+    counts = {}
+    between = tuple(random_prompts(2, [80], seed=23))
+    cfg = hf_model_config(Path(model))
+    six_blocks = 6.5 * 8 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4 / 2**30  # fp32 KV
+    got = conversation(case, model, counts, between, num_kv_blocks=12, kv_host_tier_gib=six_blocks,
+                       kv_disk_tier_gib=0.1, kv_disk_tier_dir=str(tmp_path))
+    assert mismatches(got, colocated) == []
+    assert counts["disk_loaded_blocks"] >= len(TURN1) // 8, counts

@@ -51,13 +51,14 @@ def test_a_full_tier_drops_its_least_recently_used_block_and_the_index_hears_of_
     log = mgr.block_pool.events
     cached(mgr, "a", A)
     cursor = log.seq
-    cached(mgr, "b", B)  # evicts 4 blocks into 2 slots: the first 2 offloaded are dropped again
-    tier.take()
+    cached(mgr, "b", B)  # evicts 4 blocks into 2 slots: the first 2 are dropped before their copies
+    offloads, _ = tier.take()
     events = log.since(cursor)["events"]
     a_hashes = block_hashes(A, 4)
     removed = [h for op, h in events if op == "-"]
     assert len(removed) == 2 and set(removed) < set(a_hashes) and tier.num_blocks == 2
-    assert tier.stats == {"offloaded_blocks": 4, "reloaded_blocks": 0, "dropped_blocks": 2, "write_through_skipped": 0}
+    assert tier.stats == {"offloaded_blocks": 2, "reloaded_blocks": 0, "dropped_blocks": 2, "write_through_skipped": 0}
+    assert len(offloads) == 2  # theirs cancelled
     held = set(log.since(-1)["snapshot"])
     assert set(a_hashes) - set(removed) <= held  # in the tier: still held for the index
 
@@ -168,3 +169,66 @@ def test_a_queued_reloads_blocks_stay_out_of_the_pool_until_its_step_has_run():
     tier.release_copied()  # the step has run
     assert mgr.num_free_blocks == 8
     mgr.assert_no_leaks()
+
+
+class Disk:
+    """A disk tier's books (engine/runner/disk_tier.py DiskTier) over a dict: key -> the slot it was
+    written from; every spill and load recorded."""
+
+    def __init__(self):
+        self.on_forget, self.files, self.calls = None, {}, []
+
+    def has(self, key):
+        return key in self.files
+
+    def spill(self, key, slot):
+        self.calls.append(("spill", key, slot))
+        self.files[key] = slot
+        return True
+
+    def spill_block(self, key, block_id):
+        self.calls.append(("spill_block", key, block_id))
+        self.files[key] = -block_id
+        return True
+
+    def load(self, key, slot):
+        self.calls.append(("load", key, slot))
+        return key in self.files
+
+    def clear(self):
+        self.files.clear()
+
+    def figures(self):
+        return {}
+
+
+def test_under_a_full_tier_blocks_go_to_disk_and_come_back_never_through_a_slot_an_offload_fills():
+    """The slot a full tier takes back is written to disk first: from the slot, or from the pool
+    block its queued copy was to come from (that copy cancelled); a disk read never lands in a slot
+    a queued offload fills; a block on disk is still held for the index."""
+    mgr = KVCacheManager(num_blocks=9, block_size=4)
+    disk = Disk()
+    mgr.tier = tier = HostTier(3, mgr.block_pool, disk)
+    log = mgr.block_pool.events
+    a = block_hashes(A, 4)
+    a_blocks = [b.block_id for b in mgr.block_pool.blocks[1:5]]  # what `a` will get
+    cached(mgr, "a", A)
+    cursor = log.seq
+    cached(mgr, "b", B)  # evicts a's 4 blocks into 3 slots in one step: a[0]'s slot is taken back ...
+    assert disk.calls == [("spill_block", a[0], a_blocks[0])]  # ... its block written from the pool
+    assert tier.stats["dropped_blocks"] == 0 and not [k for op, k in log.since(cursor)["events"] if op == "-"]
+    offloads, _ = tier.take()
+    assert sorted(b for b, _ in offloads) == a_blocks[1:]  # a[0]'s copy cancelled, its slot a[3]'s
+    c = Request("c", list(range(200, 208)))
+    assert prefill(mgr, c) is not None  # evicts 2 of b's blocks: a[1], a[2] leave their slots for disk
+    assert [(op, k) for op, k, _ in disk.calls[1:]] == [("spill", a[1]), ("spill", a[2])]
+    filling = {s for _, s in tier._offloads}
+    again = Request("a2", A + [7])
+    assert mgr.get_computed_blocks(again)[1] == 0
+    assert tier.claim_for(mgr, again, 0) == a[:1]  # read into a[3]'s slot (a[3] to disk); none left for a[1]
+    loads = [(k, s) for op, k, s in disk.calls if op == "load"]
+    assert [k for k, _ in loads] == a[:1] and not {s for _, s in loads} & filling
+    assert ("spill", a[3], loads[0][1]) in disk.calls
+    assert set(a) <= set(log.since(-1)["snapshot"])  # held for the index all along
+    tier.release(a[:1])
+    mgr.free(c), mgr.free(again)

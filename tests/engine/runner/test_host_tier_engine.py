@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import generate_steps, make_hf_tiny_llama, random_prompts, tiny_engine
+from tests.helpers import engine_config, generate_steps, make_hf_tiny_llama, random_prompts, tiny_engine
 
 pytestmark = pytest.mark.timeout(300)
 TURN1 = random_prompts(1, [64], seed=41)[0]  # 4 blocks of 16
@@ -53,3 +53,47 @@ def test_without_a_tier_the_next_turn_is_computed_again(hf_model):
     engine = engine_of(hf_model)
     _, cached = conversation(engine)
     assert engine.kv.tier is None and engine.runner.host_arena is None and cached == 0
+
+
+@pytest.fixture(scope="module")
+def saved(hf_model, tmp_path_factory):
+    """The tiny model as files (the disk tier names its blocks by them)."""
+    folder = tmp_path_factory.mktemp("disk") / "tiny"
+    hf_model.save_pretrained(folder)
+    return folder
+
+
+def files_engine(folder, **knobs):
+    from decode_worker.engine import ColocatedEngine
+    from engine.runner.model_runner import ModelRunner
+    cfg = engine_config(**{"model": str(folder), "num_blocks": 8, "block_size": 16, "batch_invariant": True,
+                           "attention_backend": "torch", **knobs})
+    return ColocatedEngine(cfg, runner=ModelRunner(cfg))  # token ids only: the folder has no tokenizer
+
+
+def test_the_next_turn_comes_back_from_disk_then_a_damaged_file_is_recomputed(hf_model, saved, tmp_path):
+    """A host tier of 5 slots under a disk tier: the other prompts' blocks push turn 1's on to disk,
+    and they come back from there (equal, bit for bit, to a pool that held everything); a new engine
+    on the same directory (a restart) serves turn 2 from it without turn 1; with the files
+    corrupted, turn 2 is computed and still equal."""
+    roomy, _ = conversation(files_engine(saved, num_blocks=64))
+    knobs = {"host_tier_gib": 6e-5, "disk_tier_gib": 0.01, "disk_tier_dir": str(tmp_path)}
+    engine = files_engine(saved, **knobs)
+    assert 4 <= engine.runner.host_arena.num_slots < 4 * len(OTHERS) and engine.runner.host_arena.disk is not None
+    got, cached = conversation(engine)
+    disk = engine.runner.host_arena.disk
+    assert got == roomy and cached == 64 and disk.stats["loaded_blocks"] >= 4, disk.stats
+    (first, _, _), = generate_steps(files_engine(saved, num_blocks=64), [TURN1], MAX_TOKENS)
+    turn2 = TURN1 + first + [5] * 10
+    restarted = files_engine(saved, **knobs)
+    (tokens, logprobs, cached), = generate_steps(restarted, [turn2], MAX_TOKENS)
+    assert (tokens, logprobs) == roomy and cached == 64
+    for path in restarted.runner.host_arena.disk.dir.glob("*.safetensors"):
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0xFF
+        path.write_bytes(bytes(data))
+    damaged = files_engine(saved, **knobs)
+    (tokens, logprobs, cached), = generate_steps(damaged, [turn2], MAX_TOKENS)
+    assert (tokens, logprobs) == roomy and cached == 0
+    assert damaged.runner.host_arena.disk.stats["refused_blocks"] >= 1
+    damaged.kv.assert_no_leaks()

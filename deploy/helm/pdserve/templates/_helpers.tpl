@@ -317,6 +317,10 @@ releases may share an external Redis. */}}
 {{- $_ = set $spec "cluster_name" (include "pdserve.fullname" .) }}
 {{- end }}
 {{- $_ = set $spec "k8s_namespace" .Release.Namespace }}
+{{- /* The KV disk tier lives on the worker pods' kvDiskTier volume. */}}
+{{- if gt (float64 (default 0 $spec.kv_disk_tier_gib)) 0.0 }}
+{{- $_ = set $spec "kv_disk_tier_dir" .Values.kvDiskTier.mountPath }}
+{{- end }}
 {{- $_ = set $spec "k8s_prefill_deployment" (include "pdserve.workerName" (dict "root" . "role" "prefill")) }}
 {{- $_ = set $spec "k8s_decode_deployment" (include "pdserve.workerName" (dict "root" . "role" "decode")) }}
 {{- with .Values.autoscaler }}
