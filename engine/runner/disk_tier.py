@@ -133,10 +133,15 @@ class DiskTier:
             save_file(named, str(tmp), metadata=meta)
             os.replace(tmp, path)  # readers see a whole file or none
             size = path.stat().st_size
-        except OSError as exc:
+        except OSError as exc:  # read-only, full: writes stop
             self.stats["write_failures"] += 1
             tmp.unlink(missing_ok=True)
             self._stop_writing(f"writing {path} failed ({exc})")
+            return False
+        except Exception as exc:  # noqa: BLE001 -- this block only: the instance serves on without it on disk
+            self.stats["write_failures"] += 1
+            tmp.unlink(missing_ok=True)
+            logger.warning("KV disk tier: block %016x not written (%s: %s)", key, type(exc).__name__, exc)
             return False
         self._files[key] = size
         self._bytes += size

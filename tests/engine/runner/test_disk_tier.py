@@ -50,6 +50,16 @@ def test_a_spilled_block_comes_back_equal_and_a_new_tier_on_the_directory_finds_
     assert disk.stats["spilled_blocks"] == 1 and disk.stats["loaded_blocks"] == 1
 
 
+def test_a_pool_block_is_written_as_a_slot_would_be_and_read_back_into_a_slot(tmp_path):
+    """spill_block: a block whose host copy is still queued goes to disk from the pool (its K and V
+    views share the pool's storage) and comes back into a slot as one spilled from a slot does."""
+    slots = Slots()
+    pool = torch.randn(2, 5, 2, 8, 3)  # (K and V, blocks, ...) as one tensor
+    disk = DiskTier(tmp_path, "a" * 16, 1 << 20, slots, lambda block: [pool[0][block], pool[1][block]])
+    assert disk.spill_block(KEY, 3) and disk.load(KEY, 1)
+    assert torch.equal(slots(1)[0], pool[0][3]) and torch.equal(slots(1)[1], pool[1][3])
+
+
 def _corrupt(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF  # a byte of the last tensor's data
