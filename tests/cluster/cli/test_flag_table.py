@@ -17,9 +17,11 @@ from cluster.spec import CHOICES, ClusterSpec, key_type
 DEFAULT = ClusterSpec()
 # values that a key's type alone does not give: a device and a state URL are patterns, not any string
 VALUES = {"device": "cpu", "redis_url": "redis://127.0.0.1:6379/0"}
-# keys that a spec refuses alone (SpeculativeConfig.from_flags: the knobs need a method)
+# keys that a spec refuses alone (SpeculativeConfig.from_flags: the knobs need a method; the disk tier
+# sits under the host tier)
 NEEDS = {"num_speculative_tokens": {"speculative_method": "ngram"},
-         "speculative_max_batch_size": {"speculative_method": "ngram"}}
+         "speculative_max_batch_size": {"speculative_method": "ngram"},
+         "kv_disk_tier_gib": {"kv_host_tier_gib": 1.0}}
 
 
 def sample(key: str):

@@ -65,7 +65,9 @@ def check_readmitted(gateway: Frontend, iid: str, prompts, want) -> None:
     once the controller has heartbeated it for a TTL since, and serves through it."""
     gateway.router.mark_dead(iid, RuntimeError("a call timed out"))
     assert not gateway.instances[iid].client.info.healthy
-    wait_for(lambda: gateway.instances[iid].client.info.healthy, 20, f"the gateway attaches {iid} again")
+    # meanwhile the gateway may drop it from its table before it attaches it again
+    wait_for(lambda: (inst := gateway.instances.get(iid)) is not None and inst.client.info.healthy, 20,
+             f"the gateway attaches {iid} again")
     assert checked(generate(gateway, prompts)) == want
 
 
