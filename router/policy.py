@@ -73,7 +73,8 @@ class PrefixAware(LeastLoaded):
     a colocated instance computes only the rest) minus the share of its KV in use is highest, so a
     prefix every session shares (a system prompt) does not herd them all onto one instance. What
     each instance caches is what its engine says it stored and evicted (router/prefix_index.py,
-    followed on the router's load thread: llm-d's precise index), never a guess at routing time."""
+    followed on the router's load thread: llm-d's precise index), never a guess at routing time;
+    a block in a tier under its pool counts for less than one in the pool (the index's weights)."""
 
     name = "prefix_aware"
 
@@ -81,13 +82,14 @@ class PrefixAware(LeastLoaded):
         self.index = index or PrefixIndex()
         self._last: tuple = ()  # (prompt, candidates' ids, hits): a placement asks for the same one twice
 
-    def _hits(self, prompt_token_ids, candidates) -> dict[str, int]:
-        """The index's hits per candidate, hashed once per prompt and candidate set: a placement's
-        pick and its `prefix_reuse` ask for the same (the router holds its lock across both)."""
+    def _hits(self, prompt_token_ids, candidates) -> dict[str, tuple[int, float]]:
+        """The index's hits per candidate, (blocks, weighted blocks), hashed once per prompt and
+        candidate set: a placement's pick and its `prefix_reuse` ask for the same (the router holds
+        its lock across both)."""
         ids = [c.instance_id for c in candidates]
         if self._last and self._last[0] is prompt_token_ids and self._last[1] == ids:
             return self._last[2]
-        hits = self.index.longest_prefix(prompt_token_ids, candidates)
+        hits = self.index.hits(prompt_token_ids, candidates)
         self._last = (prompt_token_ids, ids, hits)
         return hits
 
@@ -102,19 +104,19 @@ class PrefixAware(LeastLoaded):
     def prefix_reuse(self, prompt_token_ids, candidates, chosen):
         hits = self._hits(prompt_token_ids, candidates)
         last = len(prompt_token_ids) - 1  # an engine computes a prompt's last token whatever it holds
-        held = {c.instance_id: min(hits[c.instance_id], last // c.block_size) * c.block_size if c.block_size else 0
+        held = {c.instance_id: min(hits[c.instance_id][0], last // c.block_size) * c.block_size if c.block_size else 0
                 for c in candidates}
         return max(held.values(), default=0), held.get(chosen.instance_id, 0)
 
     def pick_prefill(self, candidates, prompt_token_ids):
         hits = self._hits(prompt_token_ids, candidates)
-        return min(candidates, key=lambda c: (-hits.get(c.instance_id, 0), c.load.queued_prefill_tokens,
+        return min(candidates, key=lambda c: (-hits[c.instance_id][1], c.load.queued_prefill_tokens,
                                               c.instance_id))
 
     def pick_decode(self, candidates, prompt_token_ids):
         hits = self._hits(prompt_token_ids, candidates)
         n = max(1, len(prompt_token_ids))
-        return min(candidates, key=lambda c: (round(c.load.kv_usage - hits[c.instance_id] * c.block_size / n, 2),
+        return min(candidates, key=lambda c: (round(c.load.kv_usage - hits[c.instance_id][1] * c.block_size / n, 2),
                                               c.load.running + c.load.reserved, c.instance_id))
 
 

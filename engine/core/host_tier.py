@@ -38,7 +38,10 @@ step runs), and its copy is cancelled. With every slot pinned, an evicted block 
 disk likewise.
 
 Events (engine/core/kv_events.py): a block the pool evicts into the tier stays held for the
-router's index; it is `removed` when neither tier holds it any more (and the pool does not).
+router's index, at the level it now lives (`moved`: host, or disk), and moves again as the tiers
+move it (a slot spilled to disk, a disk block read into a slot); it is `removed` when no level
+holds it any more. A write-through tier (a decode instance's) reports no disk level: its
+reservations claim host slots only, so what its disk holds is no hit for a remote request.
 """
 from __future__ import annotations
 
@@ -46,6 +49,8 @@ import contextlib
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
+
+from engine.core.kv_events import DISK, HOST
 
 if TYPE_CHECKING:
     from engine.core.block_manager import Block, BlockPool, KVCacheManager
@@ -81,6 +86,7 @@ class HostTier:
         self._ready: list[Block] = []
         self._reloading: list[Block] = []  # the blocks of the reloads queued (any tier), held likewise
         self._copying: list[Block] = []  # the step in flight's: both kinds
+        self.serves_disk = True  # what the disk holds is a hit for the requests it admits (the index's level)
         self.stats = {"offloaded_blocks": 0, "reloaded_blocks": 0, "dropped_blocks": 0, "write_through_skipped": 0}
         pool.on_evict = self._offload
         if disk is not None:
@@ -89,6 +95,7 @@ class HostTier:
     def write_through(self) -> None:
         """From now on every block the pool caches is copied here too (the module's docstring)."""
         self.pool.on_store = self._store
+        self.serves_disk = False  # a decode instance's reservations claim host slots only
 
     @property
     def num_blocks(self) -> int:
@@ -115,20 +122,21 @@ class HostTier:
         key = block.block_hash
         if key in self._slots:  # reloaded earlier and kept: nothing to copy
             self._slots.move_to_end(key)
-            return True
-        if type(key) is not int:
+        elif type(key) is not int:
             return False
-        if self.disk is not None and self.disk.has(key):  # on disk since (it came back from there)
-            return True
-        if self._paused:
+        elif self.disk is not None and self.disk.has(key):  # on disk since (it came back from there)
+            pass
+        elif self._paused:
             return False
-        slot = self._take_slot()
-        if slot is None:  # every slot pinned: straight to disk, while the block still holds it
-            return self.disk is not None and self.disk.spill_block(key, block.block_id)
-        self._slots[key] = slot
-        self._filling[slot] = block.block_id
-        self._offloads.append((block.block_id, slot))
-        self.stats["offloaded_blocks"] += 1
+        elif (slot := self._take_slot()) is None:  # every slot pinned: straight to disk, while the block holds it
+            if self.disk is None or not self.disk.spill_block(key, block.block_id):
+                return False
+        else:
+            self._slots[key] = slot
+            self._filling[slot] = block.block_id
+            self._offloads.append((block.block_id, slot))
+            self.stats["offloaded_blocks"] += 1
+        self._settle(key)
         return True
 
     def _store(self, block: Block) -> None:
@@ -201,15 +209,25 @@ class HostTier:
                 kept = self.disk is not None and self.disk.spill(key, slot)
             if not kept:
                 self.stats["dropped_blocks"] += 1
-                self._forgotten(key)
+            self._settle(key)
             return slot
         return None
 
-    def _forgotten(self, key: int) -> None:
-        """A tier let `key` go: the index hears of it unless some other level holds it."""
-        if key not in self._slots and self.pool.get_cached_block(key) is None and \
-                (self.disk is None or not self.disk.has(key)):
+    def _settle(self, key: int) -> None:
+        """A level gained or lost `key`: the index hears of its fastest level now, or of its
+        removal, unless the pool holds it (its `stored` stands)."""
+        if self.pool.get_cached_block(key) is not None:
+            return
+        if key in self._slots:
+            self.pool.events.moved(key, HOST)
+        elif self.serves_disk and self.disk is not None and self.disk.has(key):
+            self.pool.events.moved(key, DISK)
+        else:
             self.pool.events.removed(key)
+
+    def _forgotten(self, key: int) -> None:
+        """The disk tier let `key` go."""
+        self._settle(key)
 
     def _from_disk(self, key: int) -> int | None:
         """A slot holding the block `key`, read from the disk tier, or None."""
@@ -220,6 +238,7 @@ class HostTier:
             self._free.append(slot)
             return None
         self._slots[key] = slot  # (counted by the disk tier: loaded_blocks)
+        self._settle(key)
         return slot
 
     def claim(self, hashes: list[int], from_disk: bool = True) -> list[int]:

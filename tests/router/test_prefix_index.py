@@ -1,16 +1,18 @@
 """A router's prefix index fed by the prefill engines' KV events (router/prefix_index.py): it holds
-what each instance's cache stored until the instance evicts it, counts blocks in each engine's
-block size, and a new router (a restarted gateway) rebuilds it from the instances' snapshots."""
+what each instance's cache stored until the instance evicts it, at the level it holds it (its pool,
+its host or disk tier), counts blocks in each engine's block size, and a new router (a restarted
+gateway) rebuilds it from the instances' snapshots."""
 from __future__ import annotations
 
 import threading
 import time
 
 from engine.core.block_manager import KVCacheManager
+from engine.core.host_tier import HostTier
 from engine.core.request import Request
 from router.client import InstanceInfo
 from router.policy import create_routing_policy
-from router.prefix_index import PrefixIndex
+from router.prefix_index import TIER_WEIGHTS, PrefixIndex
 from router.router import Router
 from tests.engine.core.test_block_manager import prefill
 from tests.router.test_router import PARAMS, FakeDecode, FakePrefill
@@ -76,6 +78,37 @@ def test_blocks_are_counted_in_each_engines_block_size():
     other = InstanceInfo("p", "prefill", 1, block_size=8)  # hashed in blocks of 8, the engine's are 4
     assert index.longest_prefix(PROMPT, [other]) == {"p": 0}
     assert index.longest_prefix(PROMPT, [InstanceInfo("q", "prefill", 1, block_size=4)]) == {"q": 0}
+
+
+def test_blocks_in_a_tier_are_held_at_their_level_and_weigh_less_than_the_pools():
+    """p0 holds the prompt's 5 blocks in its host tier (its pool evicted them), p1 the first 4 in its
+    pool: both hold blocks (the router's available counter counts them all), and which one prefills
+    follows the host tier's weight; a new router's snapshot gives the same levels, and one from an
+    instance of an older version (no levels in its snapshot) takes every block as in the pool."""
+    assert TIER_WEIGHTS["+"] == 1.0 > TIER_WEIGHTS["h"] > TIER_WEIGHTS["d"] > 0
+    p0, p1 = CachingPrefill("p0", load=50.0), CachingPrefill("p1", load=0.0)
+    p0.kv.tier = HostTier(8, p0.kv.block_pool)
+    p0.cache("a", PROMPT)
+    p0.cache("b", list(range(100, 132)))  # evicts PROMPT's blocks into the tier
+    p1.cache("a", PROMPT[:16])
+    infos = [p0.info, p1.info]
+    for host, pick in ((0.9, "p0"), (0.7, "p1")):  # 5 x 0.9 > 4 > 5 x 0.7
+        index = PrefixIndex({"+": 1.0, "h": host, "d": 0.5})
+        policy = create_routing_policy("prefix_aware", index=index)
+        for p in (p0, p1):
+            policy.observe(p)
+        assert index.hits(PROMPT, infos) == {"p0": (5, 5 * host), "p1": (4, 4.0)}
+        assert index.longest_prefix(PROMPT, infos) == {"p0": 5, "p1": 4}
+        assert policy.pick_prefill(infos, PROMPT).instance_id == pick
+        assert policy.prefix_reuse(PROMPT + [1], infos, p1.info) == (20, 16)  # (the last token: computed)
+    new = PrefixIndex()
+    new.follow(p0)  # a restarted gateway: the snapshot carries the levels
+    assert new.hits(PROMPT, [p0.info]) == {"p0": (5, 5 * TIER_WEIGHTS["h"])}
+    old_style = {k: v for k, v in p0.kv.block_pool.events.since(-1).items() if k != "tiers"}
+    p0.kv_events = lambda since: old_style
+    older = PrefixIndex()
+    older.follow(p0)
+    assert older.hits(PROMPT, [p0.info]) == {"p0": (5, 5.0)}
 
 
 def _wait_followed(r: Router) -> None:

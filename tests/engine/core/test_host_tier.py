@@ -232,3 +232,50 @@ def test_under_a_full_tier_blocks_go_to_disk_and_come_back_never_through_a_slot_
     assert set(a) <= set(log.since(-1)["snapshot"])  # held for the index all along
     tier.release(a[:1])
     mgr.free(c), mgr.free(again)
+
+
+def test_the_index_hears_each_blocks_fastest_level_as_the_tiers_move_it():
+    """Pool -> host slot or disk as the pool evicts; a slot taken back -> disk; read from disk -> host;
+    reloaded and cached -> pool; a block the disk forgets -> news only where no other level holds it."""
+    mgr = KVCacheManager(num_blocks=9, block_size=4)
+    disk = Disk()
+    mgr.tier = tier = HostTier(3, mgr.block_pool, disk)
+    log = mgr.block_pool.events
+    a = block_hashes(A, 4)
+    cached(mgr, "a", A)
+    assert [log.level(k) for k in a] == ["+"] * 4
+    cached(mgr, "b", B)  # a's 4 blocks into 3 slots: a[0]'s slot taken back, its block to disk
+    assert [log.level(k) for k in a] == ["d", "h", "h", "h"]
+    assert log.since(-1)["tiers"] == {"h": a[1:], "d": a[:1]}
+    tier.take()
+    again = Request("a2", A[:8] + [7])  # a's first 2 blocks, then a token
+    assert mgr.get_computed_blocks(again)[1] == 0
+    # a[0] read into the least recently used slot (a[1]'s, which goes to disk), then a[1] into a[2]'s
+    assert tier.claim_for(mgr, again, 0) == a[:2]
+    assert [log.level(k) for k in a] == ["h", "h", "d", "h"]
+    assert mgr.allocate_slots(again, again.num_tokens) is not None
+    tier.reload_for(mgr, again, a[:2], 0)
+    mgr.cache_blocks(again, again.num_tokens)
+    assert [log.level(k) for k in a] == ["+", "+", "d", "d"]  # b's blocks evicted for a2 took a[3]'s slot
+    cursor = log.seq
+    disk.files.pop(a[1])
+    tier._forgotten(a[1])  # the disk let a[1] go: the pool holds it, no news
+    disk.files.pop(a[2])
+    tier._forgotten(a[2])  # nothing holds a[2] now
+    assert log.since(cursor)["events"] == [("-", a[2])]
+    mgr.free(again)
+
+
+def test_a_write_through_tier_reports_no_disk_level():
+    """A decode instance's reservations claim host slots only: a block its tier spills to disk is
+    removed from the index, not held at the disk level."""
+    mgr = KVCacheManager(num_blocks=9, block_size=4)
+    disk = Disk()
+    mgr.tier = tier = HostTier(1, mgr.block_pool, disk)
+    tier.write_through()
+    log = mgr.block_pool.events
+    cached(mgr, "a", A)
+    tier.take(), tier.take(), tier.release_copied()  # a's 4 copies queued for the one slot: 3 of them to disk
+    cached(mgr, "b", B)  # evicts a's blocks from the pool
+    levels = [log.level(k) for k in block_hashes(A, 4)]
+    assert len(disk.files) == 3 and levels.count("h") == 1 and levels.count(None) == 3, (disk.files, levels)

@@ -44,3 +44,18 @@ def test_a_reader_behind_the_log_or_from_another_life_gets_a_snapshot():
     assert sorted(log.since(2)["snapshot"]) == [1, 3, 4, 5, 6]  # 5 events back: the log holds 4
     assert "snapshot" in log.since(8)  # a cursor ahead of the log: another life's
     assert log.since(7)["epoch"] != KVEventLog(4).since(0)["epoch"]
+
+
+def test_a_block_moves_between_levels_and_news_is_logged_once():
+    """`moved` to the host or disk tier, `stored` back in the pool: each change one event, a level
+    said again none, a removal of what is not held none; the snapshot lists every held block and,
+    apart, those held in a tier alone."""
+    log = KVEventLog(16)
+    log.stored(1), log.stored(2), log.stored(3)
+    cursor = log.seq
+    log.moved(1, "h"), log.moved(1, "h"), log.moved(2, "d"), log.stored(1)
+    log.removed(3), log.removed(3), log.removed(99)
+    assert log.since(cursor)["events"] == [("h", 1), ("d", 2), ("+", 1), ("-", 3)]
+    assert (log.level(1), log.level(2), log.level(3)) == ("+", "d", None)
+    snapshot = log.since(-1)
+    assert sorted(snapshot["snapshot"]) == [1, 2] and snapshot["tiers"] == {"h": [], "d": [2]}
