@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -22,6 +24,12 @@ def window_start(num_tokens: int, kv_window: int | None) -> int:
     first query (position num_tokens) sees the `kv_window` keys ending at it. 0 without a window."""
     return 0 if kv_window is None else max(0, num_tokens - kv_window + 1)
 
+
+
+def cache_dir() -> Path:
+    """Where pdserve keeps what it derives from its inputs (converted GGUFs, measured linear kernels,
+    the KV disk tier unless given a directory): `$PDSERVE_CACHE_DIR`, else ~/.cache/pdserve."""
+    return Path(os.environ.get("PDSERVE_CACHE_DIR", "~/.cache/pdserve")).expanduser()
 
 @dataclass(frozen=True)
 class KVLayout:

@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from engine.core.config import ModelConfig, MoEConfig
+from engine.core.config import cache_dir as default_cache_dir
 from engine.quant.gguf_codes import gguf_code_plan, iter_q4_linears, log_tensor_types
 from engine.quant.gguf_file import _STACKED_EXPERTS, _as_hf_rows, hf_param_name, open_gguf, read_gguf_metadata
 
@@ -219,7 +220,7 @@ def convert_gguf(path: Path, skip: frozenset[str] = frozenset()) -> dict[str, to
 def cache_path_for(path: Path, cache_dir: str | os.PathLike | None = None, variant: str = "") -> Path:
     """Where the converted fp32 copy of a GGUF lives: keyed by its resolved path, size and mtime;
     `variant` names a partial copy ("no-q4-codes": all but the linears read as int4 codes)."""
-    cache_dir = Path(cache_dir or os.environ.get("PDSERVE_CACHE_DIR", "~/.cache/pdserve")).expanduser()
+    cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     stat = path.stat()
     key = f"{CACHE_FORMAT_VERSION}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 
+from engine.core.config import cache_dir
 from engine.quant.base import BASELINE, quantize_per_channel
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def default_cache_path() -> Path:
     explicit = os.environ.get("PDSERVE_LINEAR_KERNELS_CACHE")
     if explicit:
         return Path(explicit).expanduser()
-    return Path(os.environ.get("PDSERVE_CACHE_DIR", "~/.cache/pdserve")).expanduser() / "linear_kernels.json"
+    return cache_dir() / "linear_kernels.json"
 
 
 def processor_name(device: torch.device) -> str:

@@ -11,12 +11,12 @@ block's bytes out its own way).
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from engine.core.config import cache_dir
 from engine.core.host_tier import HostTier
 from engine.core.kv_cache import kv_block_bytes
 from engine.runner.disk_tier import DiskTier, identity_of
@@ -105,10 +105,10 @@ def disk_tier_for(runner, arena: HostArena) -> DiskTier | None:
     if runner.model_path is None:
         logger.warning("KV disk tier off: the weights were given in memory, no files to name its blocks by")
         return None
-    root = Path(cache.disk_tier_dir or Path(os.environ.get("PDSERVE_CACHE_DIR", "~/.cache/pdserve")) / "kv")
+    root = Path(cache.disk_tier_dir).expanduser() if cache.disk_tier_dir else cache_dir() / "kv"
     views = [v.unsqueeze(0) for v in arena.slot_views(0)]
     identity = identity_of(runner.model_path, views, runner.block_size, runner.backend.name)
-    return DiskTier(root.expanduser(), identity, int(cache.disk_tier_gib * 2**30), arena.slot_views, arena.block_views)
+    return DiskTier(root, identity, int(cache.disk_tier_gib * 2**30), arena.slot_views, arena.block_views)
 
 
 def attach_tier(kv: KVCacheManager, runner) -> KVCacheManager:
