@@ -16,6 +16,8 @@ fixed list, every reply exactly --output-tokens tokens (greedy, ignore_eos). Eac
 KV pool holds about --pool-fraction of the working set (every session's last prompt, counted with
 the model's tokenizer), and never less than C of the longest prompts plus their replies. With
 --session-header each conversation names itself (x-session-id: the router's session affinity).
+With --disk-tier-gib the targets with a host tier have a disk tier under it too, each in a fresh
+directory (nothing carried over from another target or run).
 """
 from __future__ import annotations
 
@@ -48,7 +50,8 @@ PDSERVE = {"1P1D": ["--num-prefill", "1", "--num-decode", "1"],
 TARGETS = ("1P1D", "1P1D-off", "2P2D", "2P2D-off", "colocated", "colocated-off", "vllm")
 COUNTERS = {"kv_bytes": "pdserve_kv_transfer_received_bytes_total",
             "reused_tokens": "pdserve_kv_reused_prompt_tokens_total",
-            "tier_reloaded_blocks": "pdserve_kv_host_tier_reloaded_blocks_total"}
+            "tier_reloaded_blocks": "pdserve_kv_host_tier_reloaded_blocks_total",
+            "disk_loaded_blocks": "pdserve_kv_disk_tier_loaded_blocks_total"}
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,9 @@ def server_argv(target: str, port: int, args: argparse.Namespace) -> tuple[list[
     argv = [sys.executable, "-m", "cluster.cli.cli", "serve", "--dtype", args.dtype, "--host", "127.0.0.1",
             "--port", str(port), "--block-size", str(args.block_size), "--num-kv-blocks", str(args.num_kv_blocks),
             *PDSERVE[layout], *(["--no-kv-delta"] if off else ["--kv-host-tier-gib", f"{args.tier_gib:g}"])]
+    if args.disk_tier_gib and not off:
+        disk_dir = tempfile.mkdtemp(prefix=f"kv-disk-{target}-", dir=args.log_dir)
+        argv += ["--kv-disk-tier-gib", f"{args.disk_tier_gib:g}", "--kv-disk-tier-dir", disk_dir]
     return argv + args.pdserve_arg, {}, "/ready"
 
 
@@ -191,6 +197,7 @@ def run(args: argparse.Namespace) -> dict:
     args.num_kv_blocks, working_set = pool_blocks(wl, args.block_size, args.pool_fraction)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="multiturn-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    args.log_dir = str(log_dir)
     rows = {}
     for target in args.targets:
         port = _free_port()
@@ -202,7 +209,8 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             server.stop()
     return {"workload": {**asdict(wl), "block_size": args.block_size, "pool_fraction": args.pool_fraction,
-                         "tier_gib": args.tier_gib, "session_header": args.session_header,
+                         "tier_gib": args.tier_gib, "disk_tier_gib": args.disk_tier_gib,
+                         "session_header": args.session_header,
                          "num_kv_blocks": args.num_kv_blocks, "working_set_tokens": working_set, "dtype": args.dtype},
             "targets": rows}
 
@@ -213,10 +221,12 @@ def format_table(r: dict) -> str:
              f"{wl['output_tokens']} output tokens, pool {wl['num_kv_blocks']} blocks of {wl['block_size']} "
              f"(working set {wl['working_set_tokens']} tokens)", "",
              f"{'target':<14}{'TTFT p50':>9}{'p99':>7}{'ITL':>6}{'tok/s':>7}  per turn: prompt tok / cached "
-             f"(of them from the host tier) / reused on decode / KV MB shipped / TTFT p50 ms"]
+             f"(of them reloaded from the host tier; of those, read from disk first) / reused on decode / KV MB "
+             f"shipped / TTFT p50 ms"]
     for name, row in r["targets"].items():
         per_turn = "  ".join(f"{t['prompt_tokens']}/{t['cached_tokens']}"
-                             f"({t['tier_reloaded_blocks'] * wl['block_size']:.0f})/{t['reused_tokens']:.0f}/"
+                             f"({t['tier_reloaded_blocks'] * wl['block_size']:.0f}"
+                             f";{t.get('disk_loaded_blocks', 0) * wl['block_size']:.0f})/{t['reused_tokens']:.0f}/"
                              f"{t['kv_bytes'] / 1e6:.1f}/{(t['ttft_p50_s'] or 0) * 1000:.0f}" for t in row["turns"])
         lines.append(f"{name:<14}{row['ttft_p50_s'] * 1000:>7.0f}ms{row['ttft_p99_s'] * 1000:>6.0f}"
                      f"{row['itl_p50_s'] * 1000:>6.0f}{row['output_tok_s']:>7.1f}  {per_turn}"
@@ -235,6 +245,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.multiturn", description=__doc__.split("\n\n")[0])
     p.add_argument("--targets", type=parse_targets, default=TARGETS[:-1], help=f"comma-separated, of {', '.join(TARGETS)}")
     p.add_argument("--tier-gib", type=float, default=1.0, help="the targets' host tier per rank (not the -off ones)")
+    p.add_argument("--disk-tier-gib", type=float, default=0.0,
+                   help="a disk tier under the host tier of that size per instance (0: none)")
     for name, default in asdict(Workload()).items():
         p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     p.add_argument("--session-header", action="store_true",
@@ -255,6 +267,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.workload = Workload(**{k: getattr(args, k) for k in asdict(Workload())})
     except ValueError as exc:
         p.error(str(exc))
+    if args.disk_tier_gib < 0 or args.tier_gib <= 0:
+        p.error(f"--tier-gib {args.tier_gib:g} must be > 0 and --disk-tier-gib {args.disk_tier_gib:g} >= 0")
     if not 0 < args.pool_fraction <= 1:
         p.error(f"--pool-fraction {args.pool_fraction} is not in (0, 1]")
     if "vllm" in args.targets and not Path(args.vllm_python).exists():
