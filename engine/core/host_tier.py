@@ -35,7 +35,8 @@ decode instance's reservation claims host slots only). A slot a queued offload w
 given to a disk read (the offload would overwrite it); taken back in the same step for another
 offload, its block goes to disk from the pool block it was to be copied from (intact until the
 step runs), and its copy is cancelled. With every slot pinned, an evicted block goes straight to
-disk likewise.
+disk likewise, and a claimed one comes straight from it: read into memory, copied into its new
+pool block by `reload` (so a prompt gets back more blocks from disk than the tier has slots).
 
 Events (engine/core/kv_events.py): a block the pool evicts into the tier stays held for the
 router's index, at the level it now lives (`moved`: host, or disk), and moves again as the tiers
@@ -65,6 +66,8 @@ class DiskBooks(Protocol):
     def spill(self, key: int, slot: int) -> bool: ...
     def spill_block(self, key: int, block_id: int) -> bool: ...
     def load(self, key: int, slot: int) -> bool: ...
+    def read(self, key: int) -> list | None: ...
+    def write_block(self, block_id: int, tensors: list) -> None: ...
     def clear(self) -> None: ...
     def figures(self) -> dict[str, float]: ...
 
@@ -79,6 +82,7 @@ class HostTier:
         self._filling: dict[int, int] = {}  # slot -> the pool block a queued offload copies into it
         self._offloads: list[tuple[int, int]] = []  # (block id, slot), this step's
         self._reloads: list[tuple[int, int]] = []  # (slot, block id), this step's
+        self._direct: dict[int, list] = {}  # claimed blocks read from disk with every slot pinned: their tensors
         self._paused = False
         # write-through: blocks cached since the last take; cached before it (copied at the next);
         # being copied by the step in flight. Each holds a reference until that step has ended.
@@ -187,6 +191,7 @@ class HostTier:
         self.drop_uncopied()
         self.pool.free_blocks(self._reloading)
         self._reloading, self._reloads = [], []
+        self._direct.clear()
         self._pinned.clear()
 
     def _take_slot(self, now: bool = False) -> int | None:
@@ -244,12 +249,18 @@ class HostTier:
     def claim(self, hashes: list[int], from_disk: bool = True) -> list[int]:
         """The leading `hashes` (a prompt's next full blocks after its pool hits) the tier holds,
         pinned until `take` (or `release`): pass them to `reload` once their blocks are allocated.
-        With `from_disk`, blocks on the disk tier are read into slots first (no step may be running)."""
+        With `from_disk`, blocks on the disk tier are read into slots first (no step may be running),
+        or, once every slot is pinned by this claim, into memory, copied straight into their pool
+        blocks by `reload`."""
         keys = []
         for key in hashes:
             slot = self._slots.get(key)
             if slot is None and from_disk and self.disk is not None and self.disk.has(key):
                 slot = self._from_disk(key)
+                if slot is None and self.disk.has(key) and (tensors := self.disk.read(key)) is not None:
+                    self._direct[key] = tensors  # (a refused file is no longer `has`)
+                    keys.append(key)
+                    continue
             if slot is None:
                 break
             self._slots.move_to_end(key)
@@ -260,12 +271,18 @@ class HostTier:
     def release(self, keys: list[int]) -> None:
         """The claim was not used (the request did not fit)."""
         for key in keys:
-            self._pinned.discard(self._slots[key])
+            if self._direct.pop(key, None) is None:
+                self._pinned.discard(self._slots[key])
 
     def reload(self, keys: list[int], block_ids: list[int]) -> None:
-        """Copy the claimed `keys` into the blocks `block_ids` at the start of this step."""
+        """Copy the claimed `keys` into the blocks `block_ids` at the start of this step (those read
+        into memory, now: no step is running)."""
         assert len(keys) == len(block_ids)
-        self._reloads += [(self._slots[key], block_id) for key, block_id in zip(keys, block_ids)]
+        for key, block_id in zip(keys, block_ids):
+            if (tensors := self._direct.pop(key, None)) is not None:
+                self.disk.write_block(block_id, tensors)
+            else:
+                self._reloads.append((self._slots[key], block_id))
         blocks = [self.pool.blocks[i] for i in block_ids]
         self.pool.touch(blocks)  # held until the step that reloads them has ended
         self._reloading += blocks
@@ -278,6 +295,7 @@ class HostTier:
         self.release_copied()  # if the worker did not say so as the step ended
         self._write_through()
         out, self._offloads, self._reloads = (self._offloads, self._reloads), [], []
+        assert not self._direct, "a claim neither reloaded nor released"
         self._pinned.clear()
         self._filling.clear()  # the step these go to runs before any slot is taken again
         return out
@@ -289,6 +307,7 @@ class HostTier:
         self._slots.clear()
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._pinned.clear()
+        self._direct.clear()
 
     # -- a scheduler's admission ------------------------------------------------------------------
     def claim_for(self, kv: KVCacheManager, request: Request, num_hit: int, from_disk: bool = True) -> list[int]:

@@ -16,7 +16,9 @@ be written (read-only, full) degrades with one log line: loads go on, writes sto
 
 The reads and writes are synchronous, made as the host tier's books change (in the scheduler, on
 rank 0, which holds the arena when the instance is one rank): a TP group runs without the disk
-tier, with a log line. Overlapping the reads with compute is left.
+tier, with a log line. Overlapping the reads with compute is left. A read lands in a host slot, or,
+where a prompt claims more disk blocks than the host tier has slots, is held in memory and copied
+into the prompt's new pool block once it is allocated (`read`, `write_block`).
 """
 from __future__ import annotations
 
@@ -156,9 +158,23 @@ class DiskTier:
     def load(self, key: int, slot: int) -> bool:
         """Reads the block `key` into the host slot; False (nothing written to the slot) if it is not
         there or is refused: another identity's or block's, not these views, truncated, or corrupt."""
-        if not self.has(key):
+        tensors = self.read(key)
+        if tensors is None:
             return False
-        out = self.slot_views(slot)
+        for dst, src in zip(self.slot_views(slot), tensors):
+            dst.copy_(src)
+        return True
+
+    def write_block(self, block_id: int, tensors: list[torch.Tensor]) -> None:
+        """Copies a block `read` gave into the pool block `block_id` (no step may be running)."""
+        for dst, src in zip(self.block_views(block_id), tensors):
+            dst.copy_(src)
+
+    def read(self, key: int) -> list[torch.Tensor] | None:
+        """The block `key`'s tensors, checked (as `load` says), or None."""
+        if not self.has(key):
+            return None
+        out = self.slot_views(0)  # (only their shapes and dtypes)
         try:
             with safe_open(str(self._path(key)), framework="pt") as f:
                 meta = f.metadata() or {}
@@ -166,7 +182,7 @@ class DiskTier:
                 tensors = [f.get_tensor(n) for n in names]
         except FileNotFoundError:
             self._forget(key)  # deleted meanwhile (another instance sharing the directory)
-            return False
+            return None
         except Exception as exc:  # noqa: BLE001 -- safetensors' errors: a truncated or unreadable file
             return self._refuse(key, f"unreadable ({type(exc).__name__}: {exc})")
         if meta.get("identity") != self.identity or meta.get("block") != f"{key:016x}":
@@ -175,18 +191,15 @@ class DiskTier:
             return self._refuse(key, "not this KV format's views")
         if checksum(tensors) != meta.get("xxh3_64"):
             return self._refuse(key, "checksum mismatch (corrupt)")
-        for dst, src in zip(out, tensors):
-            dst.copy_(src)
         self._files.move_to_end(key)
         self.stats["loaded_blocks"] += 1
-        return True
+        return tensors
 
-    def _refuse(self, key: int, why: str) -> bool:
+    def _refuse(self, key: int, why: str) -> None:
         logger.warning("KV disk tier: refused %s: %s; its tokens are computed again", self._path(key), why)
         self.stats["refused_blocks"] += 1
         self._refused.add(key)
         self._forget(key)
-        return False
 
     def _forget(self, key: int) -> None:
         self._bytes -= self._files.pop(key, 0)

@@ -195,6 +195,13 @@ class Disk:
         self.calls.append(("load", key, slot))
         return key in self.files
 
+    def read(self, key):
+        self.calls.append(("read", key))
+        return [key] if key in self.files else None
+
+    def write_block(self, block_id, tensors):
+        self.calls.append(("write_block", tensors[0], block_id))
+
     def clear(self):
         self.files.clear()
 
@@ -225,12 +232,14 @@ def test_under_a_full_tier_blocks_go_to_disk_and_come_back_never_through_a_slot_
     filling = {s for _, s in tier._offloads}
     again = Request("a2", A + [7])
     assert mgr.get_computed_blocks(again)[1] == 0
-    assert tier.claim_for(mgr, again, 0) == a[:1]  # read into a[3]'s slot (a[3] to disk); none left for a[1]
-    loads = [(k, s) for op, k, s in disk.calls if op == "load"]
+    # a[0] read into a[3]'s slot (a[3] to disk); no slot left for the others: read into memory
+    assert tier.claim_for(mgr, again, 0) == a
+    loads = [(c[1], c[2]) for c in disk.calls if c[0] == "load"]
     assert [k for k, _ in loads] == a[:1] and not {s for _, s in loads} & filling
     assert ("spill", a[3], loads[0][1]) in disk.calls
+    assert [c[1] for c in disk.calls if c[0] == "read"] == a[1:]
     assert set(a) <= set(log.since(-1)["snapshot"])  # held for the index all along
-    tier.release(a[:1])
+    tier.release(a)
     mgr.free(c), mgr.free(again)
 
 
@@ -279,3 +288,36 @@ def test_a_write_through_tier_reports_no_disk_level():
     cached(mgr, "b", B)  # evicts a's blocks from the pool
     levels = [log.level(k) for k in block_hashes(A, 4)]
     assert len(disk.files) == 3 and levels.count("h") == 1 and levels.count(None) == 3, (disk.files, levels)
+
+
+def test_a_prompt_gets_back_more_blocks_from_disk_than_the_tier_has_slots():
+    """2 slots, a prompt's 4 blocks on disk: 2 are read into slots (reloaded at the step's start),
+    the other 2, with every slot pinned by the claim, into memory and straight into their new pool
+    blocks as they are reloaded; a claim released instead leaves nothing behind."""
+    mgr = KVCacheManager(num_blocks=9, block_size=4)
+    disk = Disk()
+    mgr.tier = tier = HostTier(2, mgr.block_pool, disk)
+    a = block_hashes(A, 4)
+    cached(mgr, "a", A)
+    cached(mgr, "b", B)  # a's 4 blocks: 2 to disk as the 2 slots fill ...
+    tier.take()
+    cached(mgr, "c", list(range(200, 232)))  # ... and b's push the other 2 there too
+    tier.take()
+    assert set(a) <= set(disk.files) and not set(a) & set(tier._slots)
+    again = Request("a2", A + [7])
+    assert mgr.get_computed_blocks(again)[1] == 0
+    keys = tier.claim_for(mgr, again, 0)
+    assert keys == a and [c[:2] for c in disk.calls if c[0] == "read"] == [("read", a[2]), ("read", a[3])]
+    assert mgr.allocate_slots(again, again.num_tokens) is not None
+    tier.reload_for(mgr, again, keys, 0)
+    blocks = mgr.get_block_ids("a2")[0][:4]
+    assert [c[1:] for c in disk.calls if c[0] == "write_block"] == [(a[2], blocks[2]), (a[3], blocks[3])]
+    _, reloads = tier.take()
+    assert [b for _, b in reloads] == blocks[:2]
+    tier.release_copied()
+    mgr.free(again)
+    other = Request("a3", A + [8])
+    mgr.get_computed_blocks(other)
+    claimed = tier.claim_for(mgr, other, mgr.get_computed_blocks(other)[1])
+    tier.release(claimed)
+    assert tier.take() == ([], []) and not tier._pinned

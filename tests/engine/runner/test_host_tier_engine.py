@@ -97,3 +97,13 @@ def test_the_next_turn_comes_back_from_disk_then_a_damaged_file_is_recomputed(hf
     assert (tokens, logprobs) == roomy and cached == 0
     assert damaged.runner.host_arena.disk.stats["refused_blocks"] >= 1
     damaged.kv.assert_no_leaks()
+
+
+def test_a_prompt_gets_more_blocks_back_from_disk_than_the_host_tier_has_slots(hf_model, saved, tmp_path):
+    """A host tier of 2 slots over a disk tier: turn 2's 4 blocks of turn 1 all come back (2 through
+    slots, 2 read straight into their pool blocks), equal, bit for bit, to a pool that held them."""
+    roomy, _ = conversation(files_engine(saved, num_blocks=64))
+    engine = files_engine(saved, host_tier_gib=3e-5, disk_tier_gib=0.01, disk_tier_dir=str(tmp_path))
+    assert engine.runner.host_arena.num_slots < 4
+    got, cached = conversation(engine)
+    assert got == roomy and cached == 64, engine.runner.host_arena.disk.stats
