@@ -49,11 +49,13 @@ def checksum(tensors: list[torch.Tensor]) -> str:
 class DiskTier:
     def __init__(self, root: str | os.PathLike, identity: str, capacity_bytes: int,
                  slot_views: Callable[[int], list[torch.Tensor]],
-                 block_views: Callable[[int], list[torch.Tensor]] | None = None):
+                 block_views: Callable[[int], list[torch.Tensor]] | None = None,
+                 block_writer: Callable[[int, list[torch.Tensor]], None] | None = None):
         """`slot_views(slot)`: the host arena's tensors of one slot, one per KV view; `block_views(block
-        id)`: the same views of one pool block (`spill_block`)."""
+        id)`: the same views of one pool block, on the host (`spill_block`); `block_writer(block id,
+        tensors)`: writes a pool block from such tensors (`write_block`: the pool may be on a GPU)."""
         self.dir, self.identity, self.capacity = Path(root) / identity, identity, capacity_bytes
-        self.slot_views, self.block_views = slot_views, block_views
+        self.slot_views, self.block_views, self.block_writer = slot_views, block_views, block_writer
         self._files: OrderedDict[int, int] = OrderedDict()  # block hash -> bytes, least recently used first
         self._bytes = 0
         self._refused: set[int] = set()
@@ -167,8 +169,7 @@ class DiskTier:
 
     def write_block(self, block_id: int, tensors: list[torch.Tensor]) -> None:
         """Copies a block `read` gave into the pool block `block_id` (no step may be running)."""
-        for dst, src in zip(self.block_views(block_id), tensors):
-            dst.copy_(src)
+        self.block_writer(block_id, tensors)
 
     def read(self, key: int) -> list[torch.Tensor] | None:
         """The block `key`'s tensors, checked (as `load` says), or None."""

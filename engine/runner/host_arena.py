@@ -67,6 +67,13 @@ class HostArena:
         """One pool block, as `slot_views` lays a slot out (on the host)."""
         return [self._plain(view)[block_id].to("cpu") for slab in self.kv_cache for view in self.kv_views(slab)]
 
+    def write_block(self, block_id: int, tensors: list[torch.Tensor]) -> None:
+        """Writes one pool block from tensors laid out as `slot_views` (a disk tier's read)."""
+        views = [self._plain(view) for slab in self.kv_cache for view in self.kv_views(slab)]
+        assert len(views) == len(tensors)
+        for view, t in zip(views, tensors):
+            view[block_id] = t.to(view.device)
+
     def copy(self, offloads: list[tuple[int, int]], reloads: list[tuple[int, int]]) -> None:
         for pairs, out in ((offloads, True), (reloads, False)):
             if not pairs:
@@ -108,7 +115,8 @@ def disk_tier_for(runner, arena: HostArena) -> DiskTier | None:
     root = Path(cache.disk_tier_dir).expanduser() if cache.disk_tier_dir else cache_dir() / "kv"
     views = [v.unsqueeze(0) for v in arena.slot_views(0)]
     identity = identity_of(runner.model_path, views, runner.block_size, runner.backend.name)
-    return DiskTier(root, identity, int(cache.disk_tier_gib * 2**30), arena.slot_views, arena.block_views)
+    return DiskTier(root, identity, int(cache.disk_tier_gib * 2**30), arena.slot_views, arena.block_views,
+                    arena.write_block)
 
 
 def attach_tier(kv: KVCacheManager, runner) -> KVCacheManager:
