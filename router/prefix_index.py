@@ -11,13 +11,14 @@ each instance's snapshot, and one that falls behind an instance's log, or meets 
 Each block is held at a level: the instance's KV pool, or its host or disk tier under the pool
 (engine/core/kv_events.py). `longest_prefix` counts the leading blocks held at any level (what the
 engine can reuse: the router's available and routed counters); `hits` also weighs each by its level
-(`TIER_WEIGHTS`: a block in the pool saves its whole prefill, one in a tier saves it less a copy
-back), the score a prefix-aware policy ranks instances by.
+(a block in the pool saves its whole prefill, one in a tier saves it less a copy back), the score a
+prefix-aware policy ranks instances by: weights measured by the instance where its load report has
+them (`tier_weights`), `TIER_WEIGHTS` until then.
 """
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from engine.core.block_manager import block_hashes
 from engine.core.kv_events import CLEARED, DISK, HOST, LEVELS, REMOVED, STORED
@@ -27,11 +28,38 @@ from router.client import DecodeClient, InstanceInfo, PrefillClient
 # scorer weighs a CPU-tier hit below a GPU one likewise): a host-tier hit costs a copy back to the
 # pool, a disk hit a read and a checksum first (docs/disaggregation.md, "Prefix cache and remote KV")
 TIER_WEIGHTS = {STORED: 1.0, HOST: 0.8, DISK: 0.5}
+MIN_MEASURED_BLOCKS = 16  # copies (reads) back from a tier before their seconds per block replace its default
+MIN_MEASURED_TOKENS = 512  # prompt tokens computed before their seconds per token are the yardstick
+
+
+def tier_weights(figures: Mapping[str, float], block_size: int,
+                 default: Mapping[str, float] = TIER_WEIGHTS) -> dict[str, float]:
+    """What a block at each level is worth on an instance whose load report (`figures`) measured
+    both sides: 1 - (seconds to bring it back) / (seconds to compute it), in [0, 1]. A host-tier
+    block comes back by one copy (its reloads' seconds per block); a disk block by a read and
+    check, then that copy. `default`'s weight where either side is not measured yet (a decode or
+    colocated instance reports no prefill seconds)."""
+    out = dict(default)
+    tokens = figures.get("prefill_tokens_computed", 0.0)
+    reloaded = figures.get("kv_host_tier_reloaded_blocks", 0.0)
+    if tokens < MIN_MEASURED_TOKENS or reloaded < MIN_MEASURED_BLOCKS or not block_size:
+        return out
+    compute = figures.get("prefill_busy_s", 0.0) / tokens * block_size
+    if compute <= 0:
+        return out
+    host = figures.get("kv_host_tier_reload_seconds", 0.0) / reloaded
+    out[HOST] = min(1.0, max(0.0, 1 - host / compute))
+    loaded = figures.get("kv_disk_tier_loaded_blocks", 0.0)
+    if loaded >= MIN_MEASURED_BLOCKS:
+        disk = figures.get("kv_disk_tier_read_seconds", 0.0) / loaded
+        out[DISK] = min(1.0, max(0.0, 1 - (disk + host) / compute))
+    return out
 
 
 class PrefixIndex:
-    def __init__(self, weights: dict[str, float] | None = None):
-        self.weights = dict(TIER_WEIGHTS if weights is None else weights)
+    def __init__(self, weights: dict[str, float] | None = None, measured: bool = True):
+        """`weights`: each level's until an instance measures its own (`measured`: `tier_weights`)."""
+        self.weights, self.measured = dict(TIER_WEIGHTS if weights is None else weights), measured
         assert set(self.weights) == set(LEVELS), self.weights
         self._lock = threading.Lock()
         self._held: dict[str, dict[int, str]] = {}  # instance id -> block hash -> the level it is held at
@@ -78,7 +106,7 @@ class PrefixIndex:
 
     def hits(self, prompt_token_ids: Sequence[int], candidates: list[InstanceInfo]) -> dict[str, tuple[int, float]]:
         """Per candidate, (the leading full blocks of the prompt it holds at any level, their sum
-        weighted by each one's level: `weights`)."""
+        weighted by each one's level: the candidate's measured weights, else `weights`)."""
         hashes_by_size: dict[int, list[int]] = {}
         out = {}
         with self._lock:
@@ -90,8 +118,9 @@ class PrefixIndex:
                 hashes = hashes_by_size.get(c.block_size)
                 if hashes is None:
                     hashes = hashes_by_size[c.block_size] = block_hashes(prompt_token_ids, c.block_size)
+                weights = tier_weights(c.load.figures, c.block_size, self.weights) if self.measured else self.weights
                 n, score = 0, 0.0
                 while n < len(hashes) and (level := held.get(hashes[n])) is not None:
-                    n, score = n + 1, score + self.weights[level]
+                    n, score = n + 1, score + weights[level]
                 out[c.instance_id] = (n, round(score, 6))  # (sums of weights: ties stay ties)
         return out

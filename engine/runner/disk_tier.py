@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -63,6 +64,7 @@ class DiskTier:
         self.writable = True
         self.stats = {"spilled_blocks": 0, "loaded_blocks": 0, "refused_blocks": 0, "deleted_blocks": 0,
                       "write_failures": 0}
+        self.read_s = 0.0  # the loaded blocks' reads and checks, since start (the router weighs tiers by it)
         self._open()
 
     def _open(self) -> None:
@@ -99,6 +101,7 @@ class DiskTier:
 
     def figures(self) -> dict[str, float]:
         return {"kv_disk_tier_blocks": float(len(self._files)), "kv_disk_tier_bytes": float(self._bytes),
+                "kv_disk_tier_read_seconds": self.read_s,
                 **{f"kv_disk_tier_{k}": float(v) for k, v in self.stats.items()}}
 
     def has(self, key: int) -> bool:
@@ -175,6 +178,7 @@ class DiskTier:
         """The block `key`'s tensors, checked (as `load` says), or None."""
         if not self.has(key):
             return None
+        start = time.perf_counter()
         out = self.slot_views(0)  # (only their shapes and dtypes)
         try:
             with safe_open(str(self._path(key)), framework="pt") as f:
@@ -194,6 +198,7 @@ class DiskTier:
             return self._refuse(key, "checksum mismatch (corrupt)")
         self._files.move_to_end(key)
         self.stats["loaded_blocks"] += 1
+        self.read_s += time.perf_counter() - start
         return tensors
 
     def _refuse(self, key: int, why: str) -> None:

@@ -11,6 +11,7 @@ block's bytes out its own way).
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,11 @@ class HostArena:
         self.slabs = [[torch.empty((num_slots, *view.shape[1:]), dtype=self._plain(view).dtype, pin_memory=pin)
                        for view in kv_views(slab)] for slab in kv_cache]
         self.disk: DiskTier | None = None
+        self.seconds = {"offload": 0.0, "reload": 0.0}  # this rank's copies, since start (the router weighs tiers by them)
+
+    def figures(self) -> dict[str, float]:
+        """For the instance's load report: the seconds its copies took (the blocks are the books')."""
+        return {f"kv_host_tier_{k}_seconds": v for k, v in self.seconds.items()}
 
     @staticmethod
     def _plain(view: torch.Tensor) -> torch.Tensor:
@@ -78,6 +84,7 @@ class HostArena:
         for pairs, out in ((offloads, True), (reloads, False)):
             if not pairs:
                 continue
+            start = time.perf_counter()  # (synchronous both ways: see the loop)
             a, b = (torch.tensor(ids) for ids in zip(*pairs))
             blocks = (a if out else b).to(self.kv_cache.device)
             slots = b if out else a
@@ -88,6 +95,7 @@ class HostArena:
                         host[slots] = view[blocks].to("cpu")
                     else:
                         view[blocks] = host[slots].to(view.device)
+            self.seconds["offload" if out else "reload"] += time.perf_counter() - start
 
 
 def host_tier_unfit(runner) -> str | None:

@@ -95,7 +95,8 @@ class BaseWorker(ABC):
         return {"orphans_aborted": float(self.num_orphans_aborted),
                 "intraop_threads": float(self.runner.intraop_threads),  # rank 0's, now (engine/core/threads.py)
                 **self.runner.expert_load_figures(),  # a mixture's, per sparse layer (engine/layers/moe.py)
-                **(tier.figures() if tier is not None else {})}  # a host tier's (engine/core/host_tier.py)
+                **(tier.figures() if tier is not None else {}),  # a host tier's (engine/core/host_tier.py)
+                **(self.runner.host_arena.figures() if tier is not None else {})}  # its copies' seconds
 
     def expert_counts(self) -> dict[int, list[int]]:
         """Rank 0: per sparse layer, the tokens routed to each expert since start ({}: a dense

@@ -7,12 +7,15 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from engine.core.block_manager import KVCacheManager
 from engine.core.host_tier import HostTier
 from engine.core.request import Request
 from router.client import InstanceInfo
 from router.policy import create_routing_policy
-from router.prefix_index import TIER_WEIGHTS, PrefixIndex
+from router.client import InstanceLoad
+from router.prefix_index import TIER_WEIGHTS, PrefixIndex, tier_weights
 from router.router import Router
 from tests.engine.core.test_block_manager import prefill
 from tests.router.test_router import PARAMS, FakeDecode, FakePrefill
@@ -109,6 +112,33 @@ def test_blocks_in_a_tier_are_held_at_their_level_and_weigh_less_than_the_pools(
     older = PrefixIndex()
     older.follow(p0)
     assert older.hits(PROMPT, [p0.info]) == {"p0": (5, 5.0)}
+
+
+def test_an_instance_that_measured_its_copies_weighs_its_tiers_by_them():
+    """1 ms a prompt token (4 ms a block of 4), 0.4 ms a host reload, 2 ms a disk read: a host block
+    is worth 0.9 of a pool block, a disk block 0.4; too few measured, the defaults. p0 holds the
+    prompt's 5 blocks in its host tier, p1 4 in its pool: with the defaults (5 x 0.8 = 4) the tie
+    goes by load, to p1; with p0's measured weights (4.5), to p0."""
+    figures = {"prefill_tokens_computed": 1024, "prefill_busy_s": 1.024, "kv_host_tier_reloaded_blocks": 100,
+               "kv_host_tier_reload_seconds": 0.04, "kv_disk_tier_loaded_blocks": 50, "kv_disk_tier_read_seconds": 0.1}
+    assert tier_weights(figures, 4) == pytest.approx({"+": 1.0, "h": 0.9, "d": 0.4})
+    assert tier_weights({**figures, "kv_host_tier_reloaded_blocks": 15}, 4) == TIER_WEIGHTS  # too few to say
+    assert tier_weights({**figures, "prefill_tokens_computed": 100}, 4) == TIER_WEIGHTS
+    assert tier_weights({**figures, "kv_disk_tier_loaded_blocks": 0}, 4)["d"] == TIER_WEIGHTS["d"]
+    assert tier_weights({**figures, "kv_host_tier_reload_seconds": 10.0}, 4)["h"] == 0.0  # slower than computing
+    p0, p1 = CachingPrefill("p0"), CachingPrefill("p1")
+    p0.kv.tier = HostTier(8, p0.kv.block_pool)
+    p0.cache("a", PROMPT)
+    p0.cache("b", list(range(100, 132)))  # evicts PROMPT's blocks into the tier
+    p1.cache("a", PROMPT[:16])
+    policy = create_routing_policy("prefix_aware")
+    for p in (p0, p1):
+        policy.observe(p)
+    p0.info.load = InstanceLoad.of({"queued_prefill_tokens": 50})
+    assert policy.pick_prefill([p0.info, p1.info], PROMPT).instance_id == "p1"
+    p0.info.load = InstanceLoad.of({"queued_prefill_tokens": 50, **figures})
+    policy.observe(p0)  # (the policy re-reads the index after each poll)
+    assert policy.pick_prefill([p0.info, p1.info], PROMPT).instance_id == "p0"
 
 
 def _wait_followed(r: Router) -> None:

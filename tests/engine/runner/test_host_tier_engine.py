@@ -45,6 +45,7 @@ def test_the_next_turn_comes_back_from_host_memory_and_equals_a_run_that_never_s
     tier, arena = engine.kv.tier, engine.runner.host_arena
     if arena.num_slots >= 16:
         assert cached == 64 and tier.stats["reloaded_blocks"] == 4 and tier.stats["dropped_blocks"] == 0
+        assert arena.figures()["kv_host_tier_reload_seconds"] > 0  # what the router weighs the tier by
     else:  # the oldest blocks, turn 1's, were dropped: recomputed
         assert tier.stats["dropped_blocks"] > 0 and tier.num_blocks == arena.num_slots
 
@@ -83,6 +84,7 @@ def test_the_next_turn_comes_back_from_disk_then_a_damaged_file_is_recomputed(hf
     got, cached = conversation(engine)
     disk = engine.runner.host_arena.disk
     assert got == roomy and cached == 64 and disk.stats["loaded_blocks"] >= 4, disk.stats
+    assert disk.figures()["kv_disk_tier_read_seconds"] > 0
     (first, _, _), = generate_steps(files_engine(saved, num_blocks=64), [TURN1], MAX_TOKENS)
     turn2 = TURN1 + first + [5] * 10
     restarted = files_engine(saved, **knobs)
