@@ -51,7 +51,10 @@ TARGETS = ("1P1D", "1P1D-off", "2P2D", "2P2D-off", "colocated", "colocated-off",
 COUNTERS = {"kv_bytes": "pdserve_kv_transfer_received_bytes_total",
             "reused_tokens": "pdserve_kv_reused_prompt_tokens_total",
             "tier_reloaded_blocks": "pdserve_kv_host_tier_reloaded_blocks_total",
-            "disk_loaded_blocks": "pdserve_kv_disk_tier_loaded_blocks_total"}
+            "disk_loaded_blocks": "pdserve_kv_disk_tier_loaded_blocks_total",
+            # what the router weighs tier hits by (router/prefix_index.py tier_weights), summed over instances
+            "reload_s": "pdserve_kv_host_tier_reload_seconds_total", "disk_read_s": "pdserve_kv_disk_tier_read_seconds_total",
+            "prefill_tokens": "pdserve_prefill_computed_tokens_total", "prefill_s": "pdserve_prefill_busy_seconds_total"}
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,8 @@ def run(args: argparse.Namespace) -> dict:
         server = Server(target, argv, env, f"http://127.0.0.1:{port}", log_dir / f"{target}.log")
         try:
             server.wait_ready(ready, args.start_timeout)
-            rows[target] = asyncio.run(run_waves(server.url, wl, args.session_header))
+            rows[target] = row = asyncio.run(run_waves(server.url, wl, args.session_header))
+            row["tier_weights"] = measured_weights(row["turns"], args.block_size)
         finally:
             server.stop()
     return {"workload": {**asdict(wl), "block_size": args.block_size, "pool_fraction": args.pool_fraction,
@@ -213,6 +217,18 @@ def run(args: argparse.Namespace) -> dict:
                          "session_header": args.session_header,
                          "num_kv_blocks": args.num_kv_blocks, "working_set_tokens": working_set, "dtype": args.dtype},
             "targets": rows}
+
+
+def measured_weights(turns: list[dict], block_size: int) -> dict[str, float]:
+    """The weights the router would give a host-tier and a disk-tier block (router/prefix_index.py
+    tier_weights) from the run's seconds and blocks, summed over its instances and turns."""
+    from router.prefix_index import tier_weights
+    total = {k: sum(t.get(k, 0.0) for t in turns) for k in COUNTERS}
+    return tier_weights({"prefill_tokens_computed": total["prefill_tokens"], "prefill_busy_s": total["prefill_s"],
+                         "kv_host_tier_reloaded_blocks": total["tier_reloaded_blocks"],
+                         "kv_host_tier_reload_seconds": total["reload_s"],
+                         "kv_disk_tier_loaded_blocks": total["disk_loaded_blocks"],
+                         "kv_disk_tier_read_seconds": total["disk_read_s"]}, block_size)
 
 
 def format_table(r: dict) -> str:
@@ -230,7 +246,9 @@ def format_table(r: dict) -> str:
                              f"{t['kv_bytes'] / 1e6:.1f}/{(t['ttft_p50_s'] or 0) * 1000:.0f}" for t in row["turns"])
         lines.append(f"{name:<14}{row['ttft_p50_s'] * 1000:>7.0f}ms{row['ttft_p99_s'] * 1000:>6.0f}"
                      f"{row['itl_p50_s'] * 1000:>6.0f}{row['output_tok_s']:>7.1f}  {per_turn}"
-                     + (f"  FAILED {row['num_failed']}" if row["num_failed"] else ""))
+                     + (f"  FAILED {row['num_failed']}" if row["num_failed"] else "")
+                     + (f"  weights h {row['tier_weights']['h']:.3f} d {row['tier_weights']['d']:.3f}"
+                        if "tier_weights" in row else ""))
     return "\n".join(lines)
 
 

@@ -27,6 +27,8 @@ INSTANCE_GAUGES = {
                                      "KV blocks copied back from the host tier for a prompt (not computed)"),
     "kv_host_tier_dropped_blocks": ("pdserve_kv_host_tier_dropped_blocks_total",
                                     "KV blocks the full host tier dropped (least recently used)"),
+    "prefill_tokens_computed": ("pdserve_prefill_computed_tokens_total", "prefill: prompt tokens computed, since start"),
+    "prefill_busy_s": ("pdserve_prefill_busy_seconds_total", "prefill: seconds its steps took, since start"),
     "kv_host_tier_offload_seconds": ("pdserve_kv_host_tier_offload_seconds_total",
                                      "seconds rank 0 spent copying KV blocks to the host tier"),
     "kv_host_tier_reload_seconds": ("pdserve_kv_host_tier_reload_seconds_total",

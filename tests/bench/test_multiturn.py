@@ -43,3 +43,10 @@ def test_the_table_shows_reloads_and_disk_reads_per_turn():
                                    "output_tok_s": 35.0, "num_failed": 0}}}
     row = multiturn.format_table(result).splitlines()[-1]
     assert row.startswith("1P1D") and "5000/3600(320;80)/3200/96.0/700" in row
+
+
+def test_the_run_reports_the_tier_weights_the_router_would_measure():
+    """1 ms a prompt token, 0.4 ms a block reloaded, 2 ms a block read from disk (blocks of 4)."""
+    turns = [{"prefill_tokens": 512, "prefill_s": 0.512, "tier_reloaded_blocks": 50, "reload_s": 0.02,
+              "disk_loaded_blocks": 25, "disk_read_s": 0.05}] * 2
+    assert multiturn.measured_weights(turns, 4) == pytest.approx({"+": 1.0, "h": 0.9, "d": 0.4})
