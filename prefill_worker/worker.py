@@ -26,7 +26,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.core.block_manager import KVCacheManager
+from engine.core.block_manager import Block, KVCacheManager, block_hashes
 from engine.core.config import SchedulerConfig
 from engine.core.request import (CachedRequestData, Handover, NewRequestData, Request, RequestMessage, RequestStatus,
                                  RunnerOutput, SchedulerOutput, check_admission)
@@ -35,7 +35,7 @@ from engine.runner.model_runner import ModelRunner
 from engine.runner.worker_base import BaseWorker
 from engine.sample.sampling import history_of
 from engine.speculative.rows import DraftKVRecorder, RowRecorder
-from kvtransfer.connector import PrefillConnector, Shipment
+from kvtransfer.connector import PrefillConnector, Shipment, prompt_slots
 from kvtransfer.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,9 @@ class PrefillWorker(BaseWorker):
                              runner)
             self.scheduler = PrefillScheduler(runner.config.scheduler, kv, runner.max_model_len)
         self._inbox: queue.Queue = queue.Queue()
+        # held blocks shipped for another instance's fetch (ship_held), pinned until delivered
+        self._ships: list[Shipment] = []
+        self._shipping: dict[str, list[Block]] = {}
         # cumulative, for the autoscaler's online profile: tokens computed and seconds spent doing it
         self.num_computed_tokens, self.busy_s = 0, 0.0
         self.eos_token_ids = frozenset(mc.eos_token_ids)  # min_tokens holds them back (the model's one EOS set)
@@ -89,6 +92,15 @@ class PrefillWorker(BaseWorker):
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, None))
+
+    def ship_held(self, request_id: str, token_ids: list[int], params: KVTransferParams, client_id: str = "") -> None:
+        """Ships the KV of `token_ids` from `params.decode_cached_tokens` on to `params.endpoints`
+        (another instance's fetch of a prefix this one holds: issue 51 item 3), from the blocks its
+        prefix cache holds, without computing anything: `token_ids` are whole blocks, all held, or
+        nothing is shipped and a PrefillResult with the error comes back through `poll_outputs`.
+        Nothing comes back on success: the fetching side sees the KV arrive."""
+        self.outbox.add(request_id, client_id)
+        self._inbox.put(("ship", request_id, (list(token_ids), params)))
 
     def _report(self, result: PrefillResult) -> None:
         self.outbox.put(result.request_id, result)
@@ -115,7 +127,7 @@ class PrefillWorker(BaseWorker):
                 **super().load()}
 
     def has_work(self) -> bool:
-        return not self._inbox.empty() or self.scheduler.has_work()
+        return not self._inbox.empty() or self.scheduler.has_work() or bool(self._ships)
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -129,13 +141,17 @@ class PrefillWorker(BaseWorker):
         sched = self.scheduler.schedule()
         shipments = self.connector.shipments(sched, self.scheduler.kv.get_block_ids, self.runner.block_size,
                                              self.runner.device)
+        held, self._ships = self._ships, []
         self.runner.update_states(sched)
         inp = None if sched.is_empty else self.runner.prepare_inputs(sched)
-        self.tp.broadcast_step((inp, shipments))
+        self.tp.broadcast_step((inp, shipments + held))
         if inp is None:
+            self._ship(held)
             return True
         start = time.monotonic()
-        logits = self._execute(inp, shipments)
+        logits = self._execute(inp, shipments + held)
+        for s in held:
+            self.connector.finish(s.request_id)
         result = self.runner.sample(inp, logits)
         self.busy_s += time.monotonic() - start
         self.num_computed_tokens += sched.total_num_scheduled_tokens
@@ -161,7 +177,20 @@ class PrefillWorker(BaseWorker):
             self._execute(inp, shipments)
             for s in shipments:
                 self.connector.finish(s.request_id)  # only rank 0 knows the first token: it hands it over
+        else:
+            self._ship(shipments)
         return True
+
+    def _ship(self, shipments: list[Shipment]) -> None:
+        """A step with nothing to compute: the held blocks' KV leaves, every layer (ship_held)."""
+        if not shipments:
+            return
+        self.connector.start(shipments)
+        kv = self.runner.kv_cache
+        for layer in range(self.runner.model_config.num_layers):
+            self.connector.save_layer(layer, kv)
+        for s in shipments:
+            self.connector.finish(s.request_id)
 
     def _execute(self, inp, shipments: list[Shipment]):
         self.connector.start(shipments)
@@ -174,7 +203,9 @@ class PrefillWorker(BaseWorker):
                 kind, a, b = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "submit":
+            if kind == "ship":
+                self._plan_ship(a, *b)
+            elif kind == "submit":
                 self.connector.add(a.request_id, b)
                 try:
                     self.scheduler.add_request(a)
@@ -187,8 +218,34 @@ class PrefillWorker(BaseWorker):
                 if self.rows is not None:
                     self.rows.forget(a)
 
+    def _plan_ship(self, request_id: str, token_ids: list[int], params: KVTransferParams) -> None:
+        """Pins the blocks of a ship_held request and queues its shipment for the next step, or
+        reports why it cannot be shipped."""
+        kv, size = self.scheduler.kv, self.runner.block_size
+        why = None
+        if self.runner.model_config.kv_layout.num_groups > 1:
+            why = "a model of several KV groups (sliding windows) ships no held blocks"
+        elif len(token_ids) % size or not params.decode_cached_tokens < len(token_ids):
+            why = f"{len(token_ids)} tokens from {params.decode_cached_tokens}: not whole blocks of {size} past it"
+        blocks = [] if why else [kv.block_pool.get_cached_block(h) for h in block_hashes(token_ids, size)]
+        if not why and None in blocks:
+            why = f"holds {blocks.index(None)} of the {len(blocks)} blocks"
+        if why:
+            self.outbox.put(request_id, PrefillResult(request_id, None, f"cannot ship the held prefix: {why}"), last=True)
+            return
+        kv.block_pool.touch(blocks)
+        self._shipping[request_id] = blocks
+        slots = prompt_slots([b.block_id for b in blocks], size, len(token_ids), self.runner.device,
+                             params.decode_cached_tokens)
+        self._ships.append(Shipment(request_id, params, len(token_ids) - params.decode_cached_tokens, slots))
+
     def _release_delivered(self) -> None:
         for request_id, error in self.connector.take_delivered():
+            if (held := self._shipping.pop(request_id, None)) is not None:  # a ship_held: unpinned
+                self.scheduler.kv.block_pool.free_blocks(held)
+                self.outbox.put(request_id, PrefillResult(request_id, None, error), last=True) if error else \
+                    self.outbox.forget(request_id)
+                continue
             if self.scheduler is not None:
                 self.scheduler.release(request_id)
             if error:

@@ -1,0 +1,101 @@
+"""A prefill instance ships KV it holds for another instance's fetch (PrefillWorker.ship_held,
+issue 51 item 3): the blocks of a prompt its prefix cache holds leave, every layer, from the first
+token the fetcher lacks, with no forward pass; they stay pinned until the transfer ends; a prefix it
+does not hold whole is refused with an error, nothing shipped."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from engine.core.block_manager import block_hashes
+from engine.core.request import RequestMessage
+from kvtransfer.base import KVSender, Transfer
+from kvtransfer.params import KVEndpoint, KVTransferParams
+from tests.kvtransfer.test_connector import PARAMS, prefill_worker, run_until
+
+PROMPT = list(range(3, 27))  # 24 tokens: 3 blocks of 8
+
+
+class KeepingTransfer(Transfer):
+    """Keeps every layer it is given."""
+
+    def __init__(self):
+        self.layers, self.finished = {}, None
+
+    def send_layer(self, layer: int, kv: torch.Tensor) -> None:
+        self.layers[layer] = kv.clone()
+
+    def finish(self, trailer: bytes = b"") -> None:
+        self.finished = trailer
+
+    def wait(self, timeout: float | None = None) -> None:
+        pass
+
+
+class KeepingSender(KVSender):
+    def __init__(self):
+        self.transfers = []
+
+    def begin(self, request_id, dest, head_start, head_end, num_tokens) -> Transfer:
+        t = KeepingTransfer()
+        self.transfers.append((request_id, dest.rank, num_tokens, t))
+        return t
+
+    stats = {}
+    transfer_seconds = 0.0
+
+    def close(self) -> None:
+        pass
+
+
+def params(rid: str, start: int) -> KVTransferParams:
+    return KVTransferParams(rid, "f", 1, (KVEndpoint("f", 0, "h", 1),), decode_cached_tokens=start)
+
+
+@pytest.fixture
+def holder():
+    """A prefill worker that computed PROMPT + one token (its 3 full blocks cached) and shipped it."""
+    worker, _ = prefill_worker("ack")
+    worker.submit(RequestMessage("r", PROMPT + [9], PARAMS), params("r", 0))
+    (first,) = run_until(worker, 1)
+    assert first.error is None
+    deadline = time.monotonic() + 10
+    while worker.kv.usage > 0 and time.monotonic() < deadline:  # delivered: blocks back in the cache
+        worker.step()
+    worker.connector.sender = sender = KeepingSender()
+    return worker, sender
+
+
+def test_held_blocks_leave_from_the_first_token_the_fetcher_lacks_without_a_forward(holder):
+    worker, sender = holder
+    computed = worker.num_computed_tokens
+    worker.ship_held("f", PROMPT, params("f", 8))
+    deadline = time.monotonic() + 10
+    while not sender.transfers and time.monotonic() < deadline:
+        worker.step()
+    assert worker.num_computed_tokens == computed  # nothing computed
+    (rid, rank, n, t), = sender.transfers
+    mc, kv = worker.runner.model_config, worker.runner.kv_cache
+    assert (rid, rank, n, t.finished) == ("f", 0, 16, b"") and sorted(t.layers) == list(range(mc.num_layers))
+    blocks = [worker.kv.block_pool.get_cached_block(h).block_id for h in block_hashes(PROMPT, 8)]
+    for layer, got in t.layers.items():  # (2, tokens, heads, head_dim): tokens 8..23 of the held blocks
+        want = torch.cat([kv[layer][:, b] for b in blocks[1:]], dim=1)
+        assert torch.equal(got, want), layer
+    deadline = time.monotonic() + 10
+    while worker.kv.usage > 0 and time.monotonic() < deadline:
+        worker.step()
+    worker.kv.assert_no_leaks()
+    assert worker.poll_outputs(0.01) == []  # success is silent: the fetcher sees the KV arrive
+
+
+@pytest.mark.parametrize("tokens,start,why", [(PROMPT[:8] + [1] * 8, 0, "holds 1 of the 2 blocks"),
+                                              (PROMPT[:20], 0, "not whole blocks"),
+                                              (PROMPT, 24, "not whole blocks")])
+def test_a_prefix_not_held_whole_is_refused_and_nothing_leaves(holder, tokens, start, why):
+    worker, sender = holder
+    worker.ship_held("f", tokens, params("f", start))
+    results = run_until(worker, 1)
+    assert results[0].request_id == "f" and results[0].first_token is None and why in results[0].error
+    assert sender.transfers == [] and worker.kv.usage == 0
