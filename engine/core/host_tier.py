@@ -94,7 +94,7 @@ class HostTier:
         self.stats = {"offloaded_blocks": 0, "reloaded_blocks": 0, "dropped_blocks": 0, "write_through_skipped": 0}
         pool.on_evict = self._offload
         if disk is not None:
-            disk.on_forget = self._forgotten
+            disk.on_forget = self._settle  # the disk let a block go
 
     def write_through(self) -> None:
         """From now on every block the pool caches is copied here too (the module's docstring)."""
@@ -229,10 +229,6 @@ class HostTier:
             self.pool.events.moved(key, DISK)
         else:
             self.pool.events.removed(key)
-
-    def _forgotten(self, key: int) -> None:
-        """The disk tier let `key` go."""
-        self._settle(key)
 
     def _from_disk(self, key: int) -> int | None:
         """A slot holding the block `key`, read from the disk tier, or None."""

@@ -268,9 +268,9 @@ def test_the_index_hears_each_blocks_fastest_level_as_the_tiers_move_it():
     assert [log.level(k) for k in a] == ["+", "+", "d", "d"]  # b's blocks evicted for a2 took a[3]'s slot
     cursor = log.seq
     disk.files.pop(a[1])
-    tier._forgotten(a[1])  # the disk let a[1] go: the pool holds it, no news
+    disk.on_forget(a[1])  # the disk let a[1] go: the pool holds it, no news
     disk.files.pop(a[2])
-    tier._forgotten(a[2])  # nothing holds a[2] now
+    disk.on_forget(a[2])  # nothing holds a[2] now
     assert log.since(cursor)["events"] == [("-", a[2])]
     mgr.free(again)
 
