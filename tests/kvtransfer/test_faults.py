@@ -104,7 +104,7 @@ def test_an_announced_payload_that_never_comes(pair, slots):
     done, failed = poll_until(rx, timeout=BOUND_S)
     assert done == [] and [rid for rid, _ in failed] == ["r"] and time.monotonic() - start < BOUND_S
     # the part's silence and the receive's own deadline are both 1 s: either may fail the request first
-    _wait_for(lambda: rx.stats.get("payload_failures", 0) > 0, BOUND_S)
+    assert _wait_for(lambda: rx.stats.get("payload_failures", 0) > 0, BOUND_S)
     assert rx.stats["payload_failures"] == 1 and cache.abs().sum() == 0
     channel.close(), client.close()
     serves_again(rx, proxy, tx)
