@@ -184,6 +184,15 @@ class DecodeWorker(BaseWorker):
         spec = self.engine.speculator
         return {} if spec is None else {"speculative": spec.describe()}
 
+    def set_followers(self, followers) -> None:
+        """Rank 0 of tp > 1: the other ranks (`expect`, `forget`), so reservations reach every rank."""
+        self.connector.set_followers(followers)
+
+    @property
+    def receiving(self):
+        """This rank's end for KV that arrives (every remote prompt's)."""
+        return self.connector
+
     # -- rank 0 API (thread-safe) ---------------------------------------------------------------
     def reserve(self, msg: RequestMessage, prefill_tp: int) -> Reservation | None:
         """Admission control: blocks for the prompt, or None. Registers the expected KV on all ranks:

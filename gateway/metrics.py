@@ -50,6 +50,11 @@ INSTANCE_GAUGES = {
     "kv_host_tier_write_through_skipped": ("pdserve_kv_host_tier_write_through_skipped_blocks_total",
                                            "decode: cached KV blocks not copied to the host tier (the pool was short first)"),
     "kv_transfer_seconds": ("pdserve_kv_transfer_seconds_total", "seconds spent in acknowledged KV transfers"),
+    "kv_fetches": ("pdserve_kv_fetches_total", "prefill: prompt prefixes fetched from another instance (not computed)"),
+    "kv_fetched_tokens": ("pdserve_kv_fetched_tokens_total", "prefill: prompt tokens whose KV was fetched"),
+    "kv_fetch_seconds": ("pdserve_kv_fetch_seconds_total", "prefill: seconds from a fetch's admission to its KV complete"),
+    "kv_fetches_failed": ("pdserve_kv_fetches_failed_total", "prefill: fetches given up (refused, failed, late): computed"),
+    "kv_fetch_bytes_received": ("pdserve_kv_fetch_bytes_received_total", "prefill: KV bytes received by fetches"),
     "kv_transfer_failures": ("pdserve_kv_transfer_failures_total", "failed or rejected KV transfers"),
     "kv_messages_dropped": ("pdserve_kv_messages_dropped_total", "malformed KV control messages or parts for unknown requests"),
     "kv_peers_refused": ("pdserve_kv_peers_refused_total",
@@ -100,6 +105,16 @@ ROUTER_COUNTERS = {
                              "of those, the tokens the instance chosen held (prefix_aware)"),
     "session_placements": ("pdserve_router_session_placements", "requests placed on the instances their session's "
                                                                 "last request ran on (x-session-id, user)"),
+    "kv_fetches_chosen": ("pdserve_router_kv_fetches_chosen", "placements that fetch a prompt prefix another prefill "
+                                                              "instance holds (its measures say it pays, or unmeasured)"),
+    "kv_fetches_declined": ("pdserve_router_kv_fetches_declined", "placements that compute a prefix another prefill "
+                                                                  "instance holds: its measures say computing is faster"),
+    "kv_fetches_opened": ("pdserve_router_kv_fetches_opened", "fetches the prefill instance opened and the holder "
+                                                              "was told to ship"),
+    "kv_fetches_not_opened": ("pdserve_router_kv_fetches_not_opened", "fetches the prefill instance did not open "
+                                                                      "(no room, no gain): computed"),
+    "kv_fetches_refused": ("pdserve_router_kv_fetches_refused", "fetches the holder refused or could not be told "
+                                                                "of (its prefix evicted, it died): computed"),
 }
 
 

@@ -1,6 +1,4 @@
-"""A prefill instance: its worker (one rank) and its scheduler.
-
-`PrefillWorker`: one rank of a prefill instance.
+"""`PrefillWorker`: one rank of a prefill instance.
 
 Rank 0 is the driver: it takes requests, schedules prefill batches, broadcasts each step to
 the other ranks, samples first tokens and reports them. Every rank computes its share of the
@@ -9,34 +7,31 @@ its KV connector (kvtransfer/connector.py): right after layer i computes, the re
 that layer are gathered (a copy) and queued, and sent while the next layers compute.
 The loop that drives the ranks, and the per-client queue of results, are engine/runner/worker_base.py's.
 
-`PrefillScheduler`: the prefill instance's scheduler: prompts only, batched under a token budget.
+Every rank also receives, through its fetch connector (a DecodeConnector over a KV receiver), the KV
+of a prompt prefix another instance holds and ships (`fetch` here, `ship_held` there: issue 51
+item 3): rank 0 allocates the prompt's blocks and every rank expects those tokens before `fetch`
+returns; each step while a fetch is open gathers the ranks' polls; a fetch that failed or passed its
+deadline is computed here instead.
 
-A request's whole prompt is allocated at admission (after prefix-cache hits), so a prefill
-never needs preemption; long prompts are then computed in chunks of the budget, and each
-chunk's full blocks join the prefix cache in the step that computes them. The step that
-computes a prompt's last chunk samples its first token. The request keeps its blocks until
-its KV has been delivered (`release`), after which its full blocks stay in the prefix cache.
-
-    schedule() -> SchedulerOutput -> runner -> RunnerOutput -> update() -> [(request, first_token)]"""
+`PrefillScheduler` (scheduler.py): prompts only, batched under a token budget."""
 from __future__ import annotations
 
 import logging
 import queue
 import time
-from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 from engine.core.block_manager import Block, KVCacheManager, block_hashes
-from engine.core.config import SchedulerConfig
-from engine.core.request import (CachedRequestData, Handover, NewRequestData, Request, RequestMessage, RequestStatus,
-                                 RunnerOutput, SchedulerOutput, check_admission)
+from engine.core.request import Handover, Request, RequestMessage
 from engine.runner.host_arena import attach_tier
 from engine.runner.model_runner import ModelRunner
 from engine.runner.worker_base import BaseWorker
-from engine.sample.sampling import history_of
 from engine.speculative.rows import DraftKVRecorder, RowRecorder
-from kvtransfer.connector import PrefillConnector, Shipment, prompt_slots
+from kvtransfer.connector import DecodeConnector, PrefillConnector, Shipment, prompt_slots
 from kvtransfer.params import KVTransferParams
+from prefill_worker.scheduler import PrefillScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -52,17 +47,24 @@ class PrefillResult:
     num_cached_tokens: int = 0
     finished_at: float = field(default_factory=time.monotonic)
     more_choices: tuple = ()  # n > 1: the other choices' (first token, extras or None)
+    held: bool = False  # the answer of a ship_held (another instance's fetch), not of a prompt computed here
 
 
 class PrefillWorker(BaseWorker):
     idle_wait_s = 0.002  # as its loop slept before the loop was shared (a decode: 1 ms)
 
     def __init__(self, runner: ModelRunner, connector: PrefillConnector, instance_id: str = "prefill-0",
-                 client_ttl_s: float = 30.0):
+                 client_ttl_s: float = 30.0, fetcher: DecodeConnector | None = None, fetch_timeout_s: float = 30.0):
         """`client_ttl_s`: a client (router) silent for this long is gone; its requests are aborted.
-        A request that failed to ship is reported failed, so the router retries it."""
+        A request that failed to ship is reported failed, so the router retries it. `fetcher`: this
+        rank's end for KV fetched from other instances (None: it fetches none); a fetch not complete
+        `fetch_timeout_s` after it began is given up and computed here."""
         super().__init__(runner, instance_id, client_ttl_s)
         self.connector = connector
+        self.fetcher, self.fetch_timeout_s = fetcher, fetch_timeout_s
+        # cumulative: fetches that brought their KV, the tokens they brought and the seconds from
+        # admission to the KV complete (the router's yardstick against computing), those given up on
+        self.num_fetches, self.num_fetched_tokens, self.fetch_s, self.num_fetches_failed = 0, 0, 0.0, 0
         # a proposer on the decode instances that needs state of the prompt (a head's rows, a draft's
         # KV): rank 0 computes it and ships it with the prompt's KV (engine/speculative/rows.py)
         self.rows = runner.draft if isinstance(runner.draft, (RowRecorder, DraftKVRecorder)) else None
@@ -92,6 +94,39 @@ class PrefillWorker(BaseWorker):
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id, None))
+
+    def fetch(self, msg: RequestMessage, params: KVTransferParams, num_tokens: int, holder_tp: int,
+              wait_s: float = 30.0) -> int | None:
+        """Rank 0 (thread-safe): takes a prompt as `submit` does, the KV of its first `num_tokens`
+        tokens to come from a holder (another instance's `ship_held`, `holder_tp` ranks). Returns
+        once every rank expects it: the first token the holder must ship from (the ones before,
+        this instance's cache holds), or None when this instance fetches nothing for it (no
+        fetcher, nothing to gain, no room now, a refused prompt, no answer within `wait_s`): the
+        prompt is then computed here as submitted (or refused through `poll_outputs`)."""
+        if self.fetcher is None:
+            self.submit(msg, params)
+            return None
+        req, answer = Request.from_message(msg, self.eos_token_ids), Future()
+        self.outbox.add(req.request_id, req.client_id)
+        self._inbox.put(("fetch", req, (params, num_tokens, holder_tp, answer)))
+        try:
+            return answer.result(wait_s)
+        except FutureTimeout:  # a long step: the fetch may still open; unanswered, it ends at its deadline
+            return None
+
+    def give_up_fetch(self, request_id: str) -> None:
+        """Rank 0 (thread-safe): the holder will not ship `request_id`'s KV (it said so): compute it."""
+        self._inbox.put(("unfetch", request_id, None))
+
+    def set_followers(self, followers) -> None:
+        """Rank 0 of tp > 1: the other ranks (`expect`, `forget`), so fetches reach every rank's fetcher."""
+        if self.fetcher is not None:
+            self.fetcher.set_followers(followers)
+
+    @property
+    def receiving(self) -> DecodeConnector | None:
+        """This rank's end for KV that arrives (a fetch's)."""
+        return self.fetcher
 
     def ship_held(self, request_id: str, token_ids: list[int], params: KVTransferParams, client_id: str = "") -> None:
         """Ships the KV of `token_ids` from `params.decode_cached_tokens` on to `params.endpoints`
@@ -124,10 +159,19 @@ class PrefillWorker(BaseWorker):
                 "kv_bytes_sent": float(st.get("bytes_sent", 0)), "kv_transfer_seconds": sender.transfer_seconds,
                 "kv_transfer_failures": float(st.get("groups_failed", 0) + st.get("parts_rejected", 0)),
                 "prefill_tokens_computed": float(self.num_computed_tokens), "prefill_busy_s": self.busy_s,
+                "kv_fetches": float(self.num_fetches), "kv_fetched_tokens": float(self.num_fetched_tokens),
+                "kv_fetch_seconds": self.fetch_s,
+                "kv_fetches_failed": float(self.num_fetches_failed),
+                "kv_fetch_bytes_received": float(self._fetch_stats().get("bytes_received", 0)),
                 **super().load()}
 
+    def _fetch_stats(self) -> dict:
+        rx = None if self.fetcher is None else self.fetcher.receiver
+        return {} if rx is None else rx.stats
+
     def has_work(self) -> bool:
-        return not self._inbox.empty() or self.scheduler.has_work() or bool(self._ships)
+        return (not self._inbox.empty() or self.scheduler.has_work() or bool(self._ships)
+                or bool(self.scheduler.fetching))
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -144,10 +188,13 @@ class PrefillWorker(BaseWorker):
         held, self._ships = self._ships, []
         self.runner.update_states(sched)
         inp = None if sched.is_empty else self.runner.prepare_inputs(sched)
-        self.tp.broadcast_step((inp, shipments + held))
+        polled = bool(self.scheduler.fetching)
+        self.tp.broadcast_step((inp, shipments + held, polled))
+        if polled:  # before the step: a fetch that ends now computes in the next
+            self._end_fetches(self.tp.all_gather_object(self.fetcher.poll()))
         if inp is None:
             self._ship(held)
-            return True
+            return bool(held)  # waiting for a fetch alone, the loop sleeps between polls
         start = time.monotonic()
         logits = self._execute(inp, shipments + held)
         for s in held:
@@ -172,7 +219,9 @@ class PrefillWorker(BaseWorker):
         if msg == "stop":
             return False
         self._release_delivered()
-        inp, shipments = msg
+        inp, shipments, polled = msg
+        if polled:
+            self.tp.all_gather_object(self.fetcher.poll())
         if inp is not None:
             self._execute(inp, shipments)
             for s in shipments:
@@ -205,6 +254,11 @@ class PrefillWorker(BaseWorker):
                 return
             if kind == "ship":
                 self._plan_ship(a, *b)
+            elif kind == "fetch":
+                self._open_fetch(a, *b)
+            elif kind == "unfetch":
+                if a in self.scheduler.fetching:
+                    self._fetch_failed(a, "the holder will not ship it")
             elif kind == "submit":
                 self.connector.add(a.request_id, b)
                 try:
@@ -212,11 +266,58 @@ class PrefillWorker(BaseWorker):
                 except ValueError as exc:
                     self.connector.drop(a.request_id)
                     self._report(PrefillResult(a.request_id, None, str(exc)))
-            elif self.scheduler.abort(a):
-                self.connector.drop(a)
-                self.outbox.forget(a)
-                if self.rows is not None:
-                    self.rows.forget(a)
+            else:
+                self._abort(a)
+
+    def _abort(self, request_id: str) -> None:
+        if request_id in self.scheduler.fetching:
+            self.fetcher.cancel(request_id)  # on every rank: nothing more lands in its blocks
+        if self.scheduler.abort(request_id):
+            self.connector.drop(request_id)
+            self.outbox.forget(request_id)
+            if self.rows is not None:
+                self.rows.forget(request_id)
+
+    def _open_fetch(self, req: Request, params: KVTransferParams, num_tokens: int, holder_tp: int,
+                    answer: Future) -> None:
+        """Admits a fetched prompt and has every rank expect the fetched tokens' KV (answering
+        `fetch`); without room or gain, queues it as submitted."""
+        self.connector.add(req.request_id, params)
+        start = None
+        try:
+            start = self.scheduler.admit_fetch(req, num_tokens, self.fetch_timeout_s)
+            if start is None:
+                self.scheduler.add_request(req)
+            else:
+                size = self.runner.block_size
+                slots = prompt_slots(self.scheduler.kv.get_block_ids(req.request_id)[0], size, num_tokens,
+                                     start=start)
+                self.fetcher.reserve(req.request_id, [slots], holder_tp)
+        except ValueError as exc:
+            self.connector.drop(req.request_id)
+            self._report(PrefillResult(req.request_id, None, str(exc)))
+        finally:
+            answer.set_result(start)
+
+    def _end_fetches(self, polls: list) -> None:
+        """Rank 0: the fetches every rank holds whole go on to compute the rest; failed and late ones
+        compute all of it."""
+        ready, failed = self.fetcher.admit(polls)
+        for done in ready:
+            tokens, seconds = self.scheduler.fetch_ended(done.request_id, True)
+            self.num_fetches, self.num_fetched_tokens, self.fetch_s = \
+                self.num_fetches + 1, self.num_fetched_tokens + tokens, self.fetch_s + seconds
+        for rid, why in failed.items():
+            self._fetch_failed(rid, why, cancelled=True)
+        for rid in self.scheduler.expired_fetches(time.monotonic()):
+            self._fetch_failed(rid, f"no KV within {self.fetch_timeout_s:.0f} s")
+
+    def _fetch_failed(self, request_id: str, why: str, cancelled: bool = False) -> None:
+        if not cancelled:
+            self.fetcher.cancel(request_id)
+        self.scheduler.fetch_ended(request_id, False)
+        self.num_fetches_failed += 1
+        logger.info("%s: fetch of %s given up (%s): computing it", self.instance_id, request_id, why)
 
     def _plan_ship(self, request_id: str, token_ids: list[int], params: KVTransferParams) -> None:
         """Pins the blocks of a ship_held request and queues its shipment for the next step, or
@@ -231,7 +332,8 @@ class PrefillWorker(BaseWorker):
         if not why and None in blocks:
             why = f"holds {blocks.index(None)} of the {len(blocks)} blocks"
         if why:
-            self.outbox.put(request_id, PrefillResult(request_id, None, f"cannot ship the held prefix: {why}"), last=True)
+            self.outbox.put(request_id, PrefillResult(request_id, None, f"cannot ship the held prefix: {why}", held=True),
+                            last=True)
             return
         kv.block_pool.touch(blocks)
         self._shipping[request_id] = blocks
@@ -243,7 +345,7 @@ class PrefillWorker(BaseWorker):
         for request_id, error in self.connector.take_delivered():
             if (held := self._shipping.pop(request_id, None)) is not None:  # a ship_held: unpinned
                 self.scheduler.kv.block_pool.free_blocks(held)
-                self.outbox.put(request_id, PrefillResult(request_id, None, error), last=True) if error else \
+                self.outbox.put(request_id, PrefillResult(request_id, None, error, held=True), last=True) if error else \
                     self.outbox.forget(request_id)
                 continue
             if self.scheduler is not None:
@@ -253,121 +355,3 @@ class PrefillWorker(BaseWorker):
                 if self.scheduler is not None:
                     self._report(PrefillResult(request_id, None, error))
             self.outbox.forget(request_id)
-
-
-class PrefillScheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
-        self.config = config
-        self.kv = kv
-        self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admitted, prompt not finished
-        self.done: dict[str, Request] = {}  # prompt finished, KV still being delivered
-        self._finished_ids: list[str] = []
-
-    @property
-    def num_queued_tokens(self) -> int:
-        """Prompt tokens not yet computed: the load figure routers balance on."""
-        return sum(r.num_tokens - r.num_computed_tokens for r in list(self.waiting) + self.running)
-
-    @property
-    def request_ids(self) -> set[str]:
-        """The requests held here: waiting, running, or delivering their KV."""
-        return {*(r.request_id for r in (*self.waiting, *self.running)), *self.done}
-
-    def add_request(self, req: Request) -> None:
-        """Queues a prompt; ValueError (engine.core.request.check_admission) if it cannot be taken. An
-        n > 1 request is one prompt here: every choice's first token comes from its logits."""
-        check_admission(req, self.max_model_len, self.request_ids)
-        self.waiting.append(req)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def abort(self, request_id: str) -> bool:
-        """Drops a request wherever it is; returns whether it was known."""
-        for pending in (self.waiting, self.running):
-            for req in pending:
-                if req.request_id == request_id:
-                    pending.remove(req)
-                    self._free(req, RequestStatus.FINISHED_ABORTED)
-                    return True
-        if request_id in self.done:
-            self.release(request_id)
-            return True
-        return False
-
-    def release(self, request_id: str) -> None:
-        """The request's KV is delivered (or given up on): free its blocks into the prefix cache."""
-        req = self.done.pop(request_id, None)
-        if req is not None:
-            self._free(req, RequestStatus.FINISHED_STOPPED)
-
-    def _free(self, req: Request, status: RequestStatus) -> None:
-        req.status = status
-        self.kv.free(req)
-        self._finished_ids.append(req.request_id)
-
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self._finished_ids)
-        self._finished_ids = []
-        if self.kv.tier is not None:  # the last step has ended: the blocks it reloaded are the requests' alone
-            self.kv.tier.release_copied()
-        budget = self.config.max_num_batched_tokens
-        for req in self.running:
-            if budget <= 0:
-                break
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            self.kv.cache_blocks(req, req.num_computed_tokens + n)  # computed in this step
-            out.cached_requests.append(CachedRequestData(
-                req.request_id, req.prompt_token_ids[req.num_computed_tokens:req.num_computed_tokens + n],
-                req.num_computed_tokens, (), sample=req.num_computed_tokens + n == req.num_tokens))
-            budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            if not self._admit(self.waiting[0], out, budget):
-                break
-            budget -= len(out.new_requests[-1].token_ids)
-            self.waiting.popleft()
-        if self.kv.tier is not None and not out.is_empty:  # the host tier's copies, before the forward
-            out.kv_offloads, out.kv_reloads = self.kv.tier.take()  # (engine/core/host_tier.py; none runs empty)
-        return out
-
-    def _admit(self, req: Request, out: SchedulerOutput, budget: int) -> bool:
-        hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-        tier = self.kv.tier
-        reloaded = tier.claim_for(self.kv, req, num_hit) if tier is not None else []  # then from host memory
-        num_pool_hit, num_hit = num_hit, num_hit + len(reloaded) * self.kv.block_size
-        n = min(req.num_tokens - num_hit, budget)
-        # Blocks enter the prefix cache chunk by chunk, as their KV gets computed: an abort
-        # mid-prompt must not leave hashed blocks holding no KV.
-        if self.kv.allocate_slots(req, req.num_tokens - num_pool_hit, hit_blocks,
-                                  num_tokens_to_cache=num_hit + n) is None:
-            self.kv.free(req)  # forget the hashes get_computed_blocks computed
-            if reloaded:
-                tier.release(reloaded)
-            return False
-        if reloaded:
-            tier.reload_for(self.kv, req, reloaded, num_pool_hit)
-        req.status = RequestStatus.RUNNING
-        req.num_computed_tokens = req.num_cached_tokens = num_hit
-        out.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids[num_hit:num_hit + n], num_hit,
-                                               self.kv.get_block_ids(req.request_id), req.sampling_params,
-                                               sample=num_hit + n == req.num_tokens, history=history_of(req)))
-        self.running.append(req)
-        return True
-
-    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, int]]:
-        """Advances computed counts; returns the requests whose prompt finished, with first tokens."""
-        by_id = {r.request_id: r for r in self.running}
-        finished = []
-        for r in sched.new_requests + sched.cached_requests:
-            req = by_id.get(r.request_id)
-            if req is None:  # aborted meanwhile
-                continue
-            req.num_computed_tokens += len(r.token_ids)
-            token = result.sampled_token_ids.get(r.request_id)
-            if token is not None:
-                self.running.remove(req)
-                self.done[req.request_id] = req
-                finished.append((req, token))
-        return finished

@@ -47,7 +47,7 @@ class InstanceInfo:
     instance_id: str
     role: str  # "prefill" | "decode" | "colocated"
     tp_size: int
-    kv_endpoints: tuple[KVEndpoint, ...] = ()  # decode: one per rank
+    kv_endpoints: tuple[KVEndpoint, ...] = ()  # one per rank: a decode's, a prefill's (its fetches)
     load: InstanceLoad = field(default_factory=InstanceLoad)  # as last read (router or controller)
     healthy: bool = True
     draining: bool = False  # being taken out: no new requests, running ones finish
@@ -73,6 +73,23 @@ class PrefillClient(ABC):
 
     @abstractmethod
     def load(self) -> dict[str, float]: ...
+
+    def fetch(self, msg: RequestMessage, params: KVTransferParams, num_tokens: int, holder_tp: int) -> int | None:
+        """As `submit`, the KV of the prompt's first `num_tokens` tokens to come from another
+        instance's `ship_held` (`holder_tp` ranks): returns once every rank expects it, the first
+        token the holder must ship from; None when the instance fetches nothing for it (it then
+        computes the prompt as submitted). A client that cannot fetch submits: None."""
+        self.submit(msg, params)
+        return None
+
+    def ship_held(self, request_id: str, token_ids: list[int], params: KVTransferParams, client_id: str = "") -> None:
+        """Ships the KV of `token_ids` (whole blocks its prefix cache holds) from
+        `params.decode_cached_tokens` on to `params.endpoints`, computing nothing; a refusal comes
+        back through `poll_outputs` as a PrefillResult with `held` set."""
+        raise NotImplementedError(f"{type(self).__name__} ships no held KV")
+
+    def give_up_fetch(self, request_id: str) -> None:
+        """The holder will not ship `request_id`'s KV: the instance computes it."""
 
     def expert_counts(self) -> dict[int, list[int]]:
         """A mixture of experts: per sparse layer, the tokens routed to each expert since start, for

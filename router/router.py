@@ -2,6 +2,7 @@
 
 Lifecycle of one attempt (disaggregated):
     pick D, pick P  ->  D.reserve(prompt)  ->  P.submit(prompt, D's KV endpoints)
+        (or P.fetch and a holder's ship_held, when another prefill holds its prefix: router/fetch.py)
     P's first token (position 0)  ->  client  (while the KV is still moving)
     D's tokens from position 1 (one long-poll per D per step, every request's tokens together)  ->  client
 Each output names the position of its first token in the attempt's output, so the two streams join
@@ -34,6 +35,7 @@ from engine.core.request import RequestMessage, SamplingParams, choice_id
 from kvtransfer.params import KVTransferParams
 from router.client import DecodeClient, InstanceDeadError, InstanceLoad, PrefillClient
 from router.failures import Failpoints, Failures
+from router.fetch import Fetches, FetchPlan
 from router.policy import BaseRoutingPolicy, SessionAffinity
 from router.tables import RequestStream, RouterTables, StreamEvent, Tracked, indexed
 from router.supervisor import ThreadSupervisor
@@ -53,6 +55,7 @@ class _Plan:
     msg: RequestMessage  # the attempt's, sent to both instances
     prefill: PrefillClient | None  # None: prefilled on the decode instance
     decodes: list[DecodeClient]  # candidates, policy's pick first
+    fetch: FetchPlan | None = None  # the prompt's prefix fetched from another prefill instance
 
 
 @dataclass
@@ -60,6 +63,7 @@ class _Outcome:
     decode: DecodeClient | None = None  # the instance that took the request (None: all full)
     dead: InstanceDeadError | None = None
     bad_request: str | None = None
+    fetch: str | None = None  # how a planned fetch went: a counter's name (router/fetch.py)
 
 
 class Router:
@@ -75,6 +79,7 @@ class Router:
         self.failures = Failures(t, max_attempts, kv_recompute_max_tokens, self.failpoints)
         # the tables under the names this class reads them by (the same objects)
         self.prefill, self.decode, self.stats, self.handler_errors = t.prefill, t.decode, t.stats, t.handler_errors
+        self.fetches = Fetches(policy, t.prefill, t.stats)
         self._lock, self._wake, self._locked = t.lock, t.wake, t.locked
         self._live, self._by_attempt, self._pending, self._stopped = t.live, t.by_attempt, t.pending, t.stopped
         self._stop = threading.Event()
@@ -287,8 +292,9 @@ class Router:
         for choice in tracked.choices:  # the ids the decode instance gives them when it forks
             choice.prefill_id, choice.decode_id = None, None
             self._by_attempt[choice.attempt_id] = choice
+        fetch = None if prefill is None else self.fetches.plan(prompt, prefills, prefill.info)
         return _Plan(tracked.attempt_id, RequestMessage(tracked.attempt_id, prompt, params, self.client_id), prefill,
-                     ordered[:1] if local else ordered)
+                     ordered[:1] if local else ordered, fetch)
 
     def _call(self, plan: _Plan) -> _Outcome:
         """Without the lock: reserve on a decode instance and submit to the prefill instance (or
@@ -305,6 +311,8 @@ class Router:
                     d = candidate
                     kv = KVTransferParams(msg.request_id, d.info.instance_id, d.info.tp_size, d.info.kv_endpoints,
                                           decode_cached_tokens=reservation.cached_tokens)
+                    if plan.fetch is not None:
+                        return _Outcome(d, fetch=self.fetches.start(plan.fetch, p, msg, kv))
                     p.submit(msg, kv)
                     return _Outcome(d)
             return _Outcome(None)
@@ -317,6 +325,8 @@ class Router:
         """Under the lock: records where the attempt runs, or undoes it if it was failed or
         aborted while the calls were out."""
         tracked.placing = ()
+        if outcome.fetch is not None:
+            self.stats[outcome.fetch] += 1
         if self._by_attempt.get(plan.attempt_id) is not tracked:
             for client in (plan.prefill, outcome.decode):
                 if client is not None:
@@ -404,6 +414,11 @@ class Router:
     def _on_prefill_result(self, r) -> None:
         tracked = self._by_attempt.get(r.request_id)
         if tracked is None:
+            return
+        if r.held:  # a holder will not ship the prefix its prefill instance fetches: it computes it
+            self.stats["kv_fetches_refused"] += 1
+            if (p := self.prefill.get(tracked.prefill_id)) is not None:
+                self.tables.deferred.append((p.give_up_fetch, r.request_id))
             return
         if r.first_token is None:
             return self.failures.fail(tracked, tracked.prefill_id, r.error or "prefill failed")

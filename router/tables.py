@@ -26,7 +26,9 @@ HANDLERS = ("place", "prefill_result", "decode_output", "deferred", "load")
 # cumulative counters (the autoscaler's arrival rate and request shape come from these)
 STATS = ("retries", "failed", "completed", "submitted", "prompt_tokens", "cached_prompt_tokens", "output_tokens",
          "instance_deaths", "kv_recomputes", "tokens_past_stop", "session_placements",
-         "prefix_available_tokens", "prefix_routed_tokens")
+         "prefix_available_tokens", "prefix_routed_tokens",
+         # cross-instance fetch (router/fetch.py)
+         "kv_fetches_chosen", "kv_fetches_declined", "kv_fetches_opened", "kv_fetches_not_opened", "kv_fetches_refused")
 
 
 class RouterTables:

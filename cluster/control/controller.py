@@ -349,10 +349,10 @@ class Controller:
         logger.info("%s: ranks' CPUs %s", iid, [p.cpu for p in placements])
         engine = ray.get(actors[0].engine.remote())  # logged here: rank actors' own logs may not reach the driver
         logger.info("%s: ranks ready in %.1f s, engine %s", iid, time.monotonic() - start, engine)
-        if role == "decode" and tp > 1:
+        if tp > 1:  # a decode's reservations and a prefill's fetches reach every rank
             ray.get(actors[0].set_followers.remote(actors[1:]))
         ray.get(actors[0].mark_complete.remote())
-        info = InstanceInfo(iid, role, tp, tuple(endpoints) if role == "decode" else (),
+        info = InstanceInfo(iid, role, tp, tuple(e for e in endpoints if e is not None),
                             max_model_len=ray.get(actors[0].max_model_len.remote()),
                             block_size=ray.get(actors[0].block_size.remote()), engine=engine)
         return Instance(iid, role, tp, actors, self._ray_client(info, actors[0]), pg, placements=placements,

@@ -110,6 +110,15 @@ class LocalPrefillClient(_LocalClient, PrefillClient):
     def submit(self, msg, params):
         self.worker.submit(msg, params)
 
+    def fetch(self, msg, params, num_tokens, holder_tp):
+        return self.worker.fetch(msg, params, num_tokens, holder_tp)
+
+    def ship_held(self, request_id, token_ids, params, client_id=""):
+        self.worker.ship_held(request_id, token_ids, params, client_id)
+
+    def give_up_fetch(self, request_id):
+        self.worker.give_up_fetch(request_id)
+
 
 class LocalDecodeClient(_LocalClient, DecodeClient):
     def reserve(self, msg, prefill_tp):
@@ -117,6 +126,9 @@ class LocalDecodeClient(_LocalClient, DecodeClient):
 
     def add_request(self, msg):
         self.worker.add_request(msg)
+
+
+FETCH_WAIT_S = 30.0  # how long a fetch call may wait for the instance's loop to take it (PrefillWorker.fetch)
 
 
 class _RayClient:
@@ -145,6 +157,15 @@ class _RayClient:
 class RayPrefillClient(_RayClient, PrefillClient):
     def submit(self, msg, params):
         self._call("submit", msg, params)
+
+    def fetch(self, msg, params, num_tokens, holder_tp):
+        return self._call("fetch", msg, params, num_tokens, holder_tp, wait_s=FETCH_WAIT_S)
+
+    def ship_held(self, request_id, token_ids, params, client_id=""):
+        self._call("ship_held", request_id, token_ids, params, client_id)
+
+    def give_up_fetch(self, request_id):
+        self.actor.give_up_fetch.remote(request_id)  # fire and forget, as an abort
 
     def poll_outputs(self, timeout, client_id=""):
         return self._call("poll_outputs", timeout, client_id, wait_s=timeout)

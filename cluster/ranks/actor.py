@@ -23,7 +23,7 @@ from kvtransfer.registry import DEFAULT as DEFAULT_TRANSPORT
 
 
 class _Followers:
-    """Decode rank 0's view of the other ranks' KV connectors: each call returns once all did it."""
+    """Rank 0's view of the other ranks' receiving KV connectors: each call returns once all did it."""
 
     def __init__(self, actors: list):
         self.actors = actors
@@ -127,23 +127,32 @@ class RankActor:
         return os.getpid()
 
     def set_followers(self, followers: list) -> None:
-        """Decode rank 0: the other ranks' actors, so reservations and cancellations reach every
-        rank's KV connector."""
-        self.host.worker.connector.set_followers(_Followers(followers))
+        """Rank 0: the other ranks' actors, so reservations (a prefill's fetches) and cancellations
+        reach every rank's receiving KV connector."""
+        self.host.worker.set_followers(_Followers(followers))
 
     # prefill
     def submit(self, msg: RequestMessage, params: KVTransferParams) -> None:
         self.host.worker.submit(msg, params)
+
+    def fetch(self, msg: RequestMessage, params: KVTransferParams, num_tokens: int, holder_tp: int) -> int | None:
+        return self.host.worker.fetch(msg, params, num_tokens, holder_tp)
+
+    def ship_held(self, request_id: str, token_ids: list[int], params: KVTransferParams, client_id: str = "") -> None:
+        self.host.worker.ship_held(request_id, token_ids, params, client_id)
+
+    def give_up_fetch(self, request_id: str) -> None:
+        self.host.worker.give_up_fetch(request_id)
 
     # decode
     def reserve(self, msg: RequestMessage, prefill_tp: int) -> Reservation | None:
         return self.host.worker.reserve(msg, prefill_tp)
 
     def expect(self, request_id: str, slots: list[torch.Tensor], prefill_tp: int) -> None:
-        self.host.worker.connector.expect(request_id, slots, prefill_tp)
+        self.host.worker.receiving.expect(request_id, slots, prefill_tp)
 
     def forget(self, request_id: str) -> None:
-        self.host.worker.connector.forget(request_id)
+        self.host.worker.receiving.forget(request_id)
 
     def add_request(self, msg: RequestMessage) -> None:
         self.host.worker.add_request(msg)

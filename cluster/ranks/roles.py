@@ -1,5 +1,6 @@
-"""What each instance role builds on a rank around its model runner: its KV transport end (a
-prefill's sender, a decode's receiver; a colocated instance has none) and its worker.
+"""What each instance role builds on a rank around its model runner: its KV transport ends (a
+prefill's sender, and a receiver for the KV it fetches from other instances; a decode's receiver; a
+colocated instance has none) and its worker.
 
 RankHost (rank.py) builds the runner and the KV compat record the same way for every role, then asks
 the role in ROLES for the rest: a role is one class here and one entry in ROLES, with no branch on
@@ -70,18 +71,18 @@ class Prefill(Role):
         # 3 transfer timeouts if no ack ever comes (a hung peer cannot pin them forever)
         connector = PrefillConnector(sender, mc.num_kv_heads, setting.rank, setting.tp_size,
                                      lease_s=3 * setting.kv_timeout_s, kv_views=kv_views, kv_layout=mc.kv_layout)
-        return Built(PrefillWorker(runner, connector, setting.instance_id, client_ttl_s=setting.client_ttl_s),
-                     sender=sender)
+        receiver = _receiver(runner, compat, kv_views, setting)
+        fetcher = DecodeConnector(receiver, mc.num_kv_heads, setting.rank, setting.tp_size, mc.kv_layout.num_groups)
+        return Built(PrefillWorker(runner, connector, setting.instance_id, client_ttl_s=setting.client_ttl_s,
+                                   fetcher=fetcher, fetch_timeout_s=setting.kv_timeout_s),
+                     sender=sender, receiver=receiver)
 
 
 class Decode(Role):
     name, moves_kv = "decode", True
 
     def build(self, runner, compat, kv_views, setting) -> Built:
-        heads = kv_heads_of_rank(runner.model_config.num_kv_heads, setting.tp_size, setting.rank)
-        receiver = create_kv_transport(setting.kv_transport).receiver(
-            compat, runner.kv_cache, heads.start, host=setting.host, timeout_s=setting.kv_timeout_s,
-            share_cache=setting.kv_same_device, kv_views=kv_views)
+        receiver = _receiver(runner, compat, kv_views, setting)
         return Built(_decode_worker(runner, receiver, setting), receiver=receiver)
 
 
@@ -90,6 +91,14 @@ class Colocated(Role):
 
     def build(self, runner, compat, kv_views, setting) -> Built:
         return Built(_decode_worker(runner, None, setting))
+
+
+def _receiver(runner: ModelRunner, compat: CompatRecord, kv_views, setting: RankSetting) -> KVReceiver:
+    """The rank's KV receiver: its heads of the cache, bound to the rank's address."""
+    heads = kv_heads_of_rank(runner.model_config.num_kv_heads, setting.tp_size, setting.rank)
+    return create_kv_transport(setting.kv_transport).receiver(
+        compat, runner.kv_cache, heads.start, host=setting.host, timeout_s=setting.kv_timeout_s,
+        share_cache=setting.kv_same_device, kv_views=kv_views)
 
 
 def _decode_worker(runner: ModelRunner, receiver: KVReceiver | None, setting: RankSetting) -> DecodeWorker:

@@ -6,7 +6,7 @@ from decode_worker.scheduler import Scheduler
 from engine.core.request import Request, RunnerOutput, SamplingParams
 from engine.core.block_manager import KVCacheManager
 from engine.core.config import SchedulerConfig
-from prefill_worker.worker import PrefillScheduler
+from prefill_worker.scheduler import PrefillScheduler
 
 BLOCK = 4
 

@@ -1,0 +1,85 @@
+"""Cross-instance fetch at placement (issue 51 item 3): a prompt whose prefix another prefill
+instance holds in its KV pool, and the chosen prefill instance does not, has that prefix's KV
+shipped over instead of computed again, when the chosen instance's own measures say a fetch
+beats computing.
+
+    under the lock (plan):  policy.fetch_source -> the holder H and its tokens  ->  fetch or compute
+    without it (call):      P.fetch(prompt, D's params, tokens) -> from token s  ->  H.ship_held(prefix, P, s)
+    H's refusal (a PrefillResult with `held`): P.give_up_fetch: P computes it
+
+The yardstick is the chosen instance's (`fetch_pays`): its prefill seconds per token computed
+against its fetches' seconds per token fetched (from admission to the KV complete: the calls, the
+holder's queue and the wire). Until both are measured a fetch is tried (the fetch measures itself;
+a failed or late one is computed, so a wrong guess costs time, never output). Counted either way
+in the router's stats: chosen, declined by the measures, not opened by the instance, refused by
+the holder.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from engine.core.request import RequestMessage
+from kvtransfer.params import KVTransferParams
+from router.client import InstanceDeadError, InstanceInfo, PrefillClient
+
+logger = logging.getLogger(__name__)
+
+MIN_MEASURED_TOKENS = 256  # tokens computed (fetched) before their seconds per token are a measure
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    holder: PrefillClient
+    num_tokens: int  # the prompt's leading tokens whose KV the holder ships
+
+
+def fetch_pays(figures: Mapping[str, float], num_tokens: int) -> bool | None:
+    """Whether fetching `num_tokens` beats computing them on the instance whose load report is
+    `figures`, by its own measures; None until both are measured."""
+    computed, fetched = figures.get("prefill_tokens_computed", 0.0), figures.get("kv_fetched_tokens", 0.0)
+    if computed < MIN_MEASURED_TOKENS or fetched < MIN_MEASURED_TOKENS or num_tokens <= 0:
+        return None
+    compute_s = figures.get("prefill_busy_s", 0.0) / computed
+    fetch_s = figures.get("kv_fetch_seconds", 0.0) / fetched
+    return fetch_s < compute_s
+
+
+class Fetches:
+    """The router's fetch decisions and calls (it holds one; `stats` are its tables' counters)."""
+
+    def __init__(self, policy, prefill: Mapping[str, PrefillClient], stats):
+        self.policy, self.prefill, self.stats = policy, prefill, stats
+
+    def plan(self, prompt: list[int], candidates: list[InstanceInfo], chosen: InstanceInfo) -> FetchPlan | None:
+        """Under the router's lock: the holder to fetch from, or None (compute it all)."""
+        if not chosen.kv_endpoints:  # an instance without a fetch receiver
+            return None
+        found = self.policy.fetch_source(prompt, candidates, chosen)
+        if found is None:
+            return None
+        holder, held, own = found
+        if fetch_pays(chosen.load.figures, held - own) is False:
+            self.stats["kv_fetches_declined"] += 1
+            return None
+        self.stats["kv_fetches_chosen"] += 1
+        return FetchPlan(self.prefill[holder.instance_id], held)
+
+    def start(self, plan: FetchPlan, prefill: PrefillClient, msg: RequestMessage, params: KVTransferParams) -> str:
+        """Without the lock: the prompt goes to `prefill`, fetching its prefix from the holder, or is
+        submitted whole. Returns what happened, a counter's name (`count` it under the lock).
+        InstanceDeadError of `prefill` propagates; the holder's is a refusal."""
+        start = prefill.fetch(msg, params, plan.num_tokens, plan.holder.info.tp_size)
+        if start is None:
+            return "kv_fetches_not_opened"
+        ship = KVTransferParams(msg.request_id, prefill.info.instance_id, prefill.info.tp_size,
+                                prefill.info.kv_endpoints, decode_cached_tokens=start)
+        try:
+            plan.holder.ship_held(msg.request_id, msg.prompt_token_ids[:plan.num_tokens], ship, msg.client_id)
+        except (InstanceDeadError, NotImplementedError) as exc:
+            logger.info("fetch of %s from %s not sent (%s): computed on %s", msg.request_id,
+                        plan.holder.info.instance_id, exc, prefill.info.instance_id)
+            prefill.give_up_fetch(msg.request_id)
+            return "kv_fetches_refused"
+        return "kv_fetches_opened"

@@ -1,0 +1,105 @@
+"""The router's cross-instance fetch (router/fetch.py) against fake prefill instances: a prompt
+routed away from the instance holding its prefix is fetched from it (the fetcher told first, the
+holder then told where to ship from), unless the fetcher's measures say computing is faster; a
+holder's refusal makes the fetcher compute it, and fails nothing."""
+from __future__ import annotations
+
+import threading
+import time
+
+from kvtransfer.params import KVEndpoint
+from prefill_worker.worker import PrefillResult
+from router.client import InstanceLoad
+from router.fetch import MIN_MEASURED_TOKENS, fetch_pays
+from router.policy import PrefixAware
+from router.router import Router
+from tests.router.test_prefix_index import PROMPT, CachingPrefill
+from tests.router.test_router import PARAMS, FakeDecode
+
+
+class FetchingPrefill(CachingPrefill):
+    """A caching fake that can fetch (holding `own` tokens of every prompt) and ship what it holds."""
+
+    def __init__(self, iid: str, own: int = 0):
+        super().__init__(iid)
+        self.info.kv_endpoints = (KVEndpoint(iid, 0, "127.0.0.1", 2),)
+        self.own, self.fetches, self.ships, self.given_up = own, [], [], []
+
+    def fetch(self, msg, params, num_tokens, holder_tp):
+        self._check()
+        self.fetches.append((msg.request_id, num_tokens, holder_tp))
+        return self.own
+
+    def ship_held(self, request_id, token_ids, params, client_id=""):
+        self._check()
+        self.ships.append((request_id, list(token_ids), params))
+
+    def give_up_fetch(self, request_id):
+        self.given_up.append(request_id)
+
+
+class AwayFromThePrefix(PrefixAware):
+    def pick_prefill(self, candidates, prompt_token_ids):
+        hits = self._hits(prompt_token_ids, candidates)
+        return min(candidates, key=lambda c: (hits[c.instance_id][0], c.instance_id))
+
+
+def _until(predicate, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        threading.Event().wait(0.01)
+
+
+def _router(figures: dict | None = None):
+    holder, fetcher = FetchingPrefill("p0"), FetchingPrefill("p1")
+    holder.cache("a", PROMPT)  # 5 blocks of 4
+    fetcher.info.load = InstanceLoad.of(figures or {})
+    r = Router([holder, fetcher], [FakeDecode("d0")], AwayFromThePrefix())
+    r.start()
+    _until(lambda: r.policy.index.num_snapshots >= 2, "the router follows both instances")
+    return r, holder, fetcher
+
+
+def test_fetch_pays_by_the_instances_own_measures():
+    n = MIN_MEASURED_TOKENS
+    assert fetch_pays({}, 16) is None  # unmeasured: a fetch is tried
+    assert fetch_pays({"prefill_tokens_computed": n, "prefill_busy_s": 1.0}, 16) is None
+    measured = {"prefill_tokens_computed": n, "prefill_busy_s": 1.0, "kv_fetched_tokens": n}
+    assert fetch_pays({**measured, "kv_fetch_seconds": 0.1}, 16) is True
+    assert fetch_pays({**measured, "kv_fetch_seconds": 2.0}, 16) is False
+
+
+def test_routed_away_from_the_holder_the_prefix_is_fetched_from_it():
+    r, holder, fetcher = _router()
+    try:
+        r.submit("x", PROMPT + [5, 6], PARAMS)
+        _until(lambda: holder.ships, "the holder told to ship")
+        (rid, num_tokens, holder_tp), = fetcher.fetches
+        assert num_tokens == 20 and holder_tp == 1 and not fetcher.submitted  # 5 whole blocks, short of the last
+        (sid, tokens, params), = holder.ships
+        assert sid == rid and tokens == PROMPT and params.endpoints == fetcher.info.kv_endpoints
+        assert params.decode_cached_tokens == fetcher.own and params.decode_instance_id == "p1"
+        stats = r.snapshot()
+        assert (stats["kv_fetches_chosen"], stats["kv_fetches_opened"]) == (1, 1)
+
+        # the holder refuses (its blocks evicted meanwhile): the fetcher computes it, nothing fails
+        holder.results.put(PrefillResult(rid, None, "cannot ship the held prefix: holds 3 of the 5 blocks", held=True))
+        _until(lambda: fetcher.given_up == [rid], "the fetcher told to compute it")
+        stats = r.snapshot()
+        assert stats["kv_fetches_refused"] == 1 and stats["failed"] == 0 and stats["retries"] == 0
+    finally:
+        r.close()
+
+
+def test_a_fetch_its_measures_say_is_slower_is_declined_and_computed():
+    n = MIN_MEASURED_TOKENS
+    r, holder, fetcher = _router({"prefill_tokens_computed": n, "prefill_busy_s": 0.1, "kv_fetched_tokens": n,
+                                  "kv_fetch_seconds": 1.0})
+    try:
+        r.submit("x", PROMPT + [5, 6], PARAMS)
+        _until(lambda: fetcher.submitted, "the prompt submitted whole")
+        assert not fetcher.fetches and not holder.ships
+        assert r.snapshot()["kv_fetches_declined"] == 1
+    finally:
+        r.close()
