@@ -3,9 +3,13 @@ instance holds in its KV pool, and the chosen prefill instance does not, has tha
 shipped over instead of computed again, when the chosen instance's own measures say a fetch
 beats computing.
 
-    under the lock (plan):  policy.fetch_source -> the holder H and its tokens  ->  fetch or compute
+    under the lock (plan):  the index -> the holder H and its tokens  ->  fetch or compute
     without it (call):      P.fetch(prompt, D's params, tokens) -> from token s  ->  H.ship_held(prefix, P, s)
     H's refusal (a PrefillResult with `held`): P.give_up_fetch: P computes it
+
+The index is the policy's where it keeps one (prefix_aware); under another policy the router keeps
+one of its own for fetches, following its prefill instances' KV events (while it has two or more)
+on its load thread, as prefix_aware does. `kv_fetch` off (the spec's): no fetch, no index followed.
 
 The yardstick is the chosen instance's (`fetch_pays`): its prefill seconds per token computed
 against its fetches' seconds per token fetched (from admission to the KV complete: the calls, the
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from engine.core.request import RequestMessage
 from kvtransfer.params import KVTransferParams
 from router.client import InstanceDeadError, InstanceInfo, PrefillClient
+from router.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +54,47 @@ def fetch_pays(figures: Mapping[str, float], num_tokens: int) -> bool | None:
 class Fetches:
     """The router's fetch decisions and calls (it holds one; `stats` are its tables' counters)."""
 
-    def __init__(self, policy, prefill: Mapping[str, PrefillClient], stats):
-        self.policy, self.prefill, self.stats = policy, prefill, stats
+    def __init__(self, policy, prefill: Mapping[str, PrefillClient], stats, enabled: bool = True):
+        """`policy`: the router's (its `index` is used where it keeps one); `prefill`: the router's
+        table of prefill clients, read under its lock."""
+        self.prefill, self.stats, self.enabled = prefill, stats, enabled
+        own = getattr(policy, "index", None)
+        self.follows = own is None  # this index is followed here, for fetches alone
+        self.index: PrefixIndex = PrefixIndex() if own is None else own
+
+    def observe(self, client) -> None:
+        """On the router's load thread, for each healthy instance: an index of its own follows the
+        prefill instances' caches (while there are two: a fetch needs another)."""
+        if self.enabled and self.follows and client.info.role == "prefill" and len(self.prefill) > 1:
+            self.index.follow(client)
+
+    def forget(self, instance_id: str) -> None:
+        if self.follows:
+            self.index.forget(instance_id)
+
+    def source(self, prompt: list[int], candidates: list[InstanceInfo],
+               chosen: InstanceInfo) -> tuple[InstanceInfo, int, int] | None:
+        """(the candidate holding the most leading prompt tokens in its pool, those tokens, the ones
+        `chosen` holds at any level), whole blocks of `chosen`'s size short of the last token; None
+        when no candidate of that block size holds more than `chosen`."""
+        size = chosen.block_size
+        if not size:
+            return None
+        usable = (len(prompt) - 1) // size  # an engine computes the last token whatever it holds
+        own = min(self.index.longest_prefix(prompt, [chosen])[chosen.instance_id], usable) * size
+        best, held = None, own
+        for c in candidates:
+            if c is not chosen and c.block_size == size:
+                n = min(self.index.pool_prefix(prompt, c), usable) * size
+                if n > held:
+                    best, held = c, n
+        return None if best is None else (best, held, own)
 
     def plan(self, prompt: list[int], candidates: list[InstanceInfo], chosen: InstanceInfo) -> FetchPlan | None:
         """Under the router's lock: the holder to fetch from, or None (compute it all)."""
-        if not chosen.kv_endpoints:  # an instance without a fetch receiver
+        if not self.enabled or not chosen.kv_endpoints:  # (an instance without a fetch receiver)
             return None
-        found = self.policy.fetch_source(prompt, candidates, chosen)
+        found = self.source(prompt, candidates, chosen)
         if found is None:
             return None
         holder, held, own = found

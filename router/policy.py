@@ -39,14 +39,6 @@ class BaseRoutingPolicy(ABC):
         engine could reuse, and those `chosen` holds; None: the policy keeps no index."""
         return None
 
-    def fetch_source(self, prompt_token_ids: list[int], candidates: list[InstanceInfo],
-                     chosen: InstanceInfo) -> tuple[InstanceInfo, int, int] | None:
-        """Where `chosen` (a prefill instance) could fetch a prefix of the prompt from: (the
-        candidate holding the most leading prompt tokens in its pool, those tokens, the ones
-        `chosen` holds at any level), whole blocks short of the last token; None: no candidate
-        holds more than `chosen`, or the policy keeps no index (router/fetch.py decides)."""
-        return None
-
 
 class RoundRobin(BaseRoutingPolicy):
     name = "round_robin"
@@ -115,18 +107,6 @@ class PrefixAware(LeastLoaded):
         held = {c.instance_id: min(hits[c.instance_id][0], last // c.block_size) * c.block_size if c.block_size else 0
                 for c in candidates}
         return max(held.values(), default=0), held.get(chosen.instance_id, 0)
-
-    def fetch_source(self, prompt_token_ids, candidates, chosen):
-        hits = self._hits(prompt_token_ids, candidates)
-        last = len(prompt_token_ids) - 1
-        own = min(hits[chosen.instance_id][0], last // chosen.block_size) * chosen.block_size if chosen.block_size else 0
-        best, held = None, own
-        for c in candidates:  # the same block size: the holder's blocks are the fetcher's
-            if c is not chosen and c.block_size == chosen.block_size and c.block_size:
-                n = min(self.index.pool_prefix(prompt_token_ids, c), last // c.block_size) * c.block_size
-                if n > held:
-                    best, held = c, n
-        return None if best is None else (best, held, own)
 
     def pick_prefill(self, candidates, prompt_token_ids):
         hits = self._hits(prompt_token_ids, candidates)

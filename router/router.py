@@ -69,7 +69,7 @@ class _Outcome:
 class Router:
     def __init__(self, prefill: list[PrefillClient], decode: list[DecodeClient], policy: BaseRoutingPolicy,
                  mode: str = "disaggregated", disagg_threshold_tokens: int = 0, max_attempts: int = 3,
-                 max_queued: int = 4096, poll_s: float = 0.2, kv_recompute_max_tokens: int = 0):
+                 max_queued: int = 4096, poll_s: float = 0.2, kv_recompute_max_tokens: int = 0, kv_fetch: bool = True):
         self.client_id = f"router-{uuid.uuid4().hex[:12]}"  # instances send this router only its own requests' outputs
         self.policy, self.mode = policy, mode
         self.sessions = SessionAffinity()
@@ -79,7 +79,7 @@ class Router:
         self.failures = Failures(t, max_attempts, kv_recompute_max_tokens, self.failpoints)
         # the tables under the names this class reads them by (the same objects)
         self.prefill, self.decode, self.stats, self.handler_errors = t.prefill, t.decode, t.stats, t.handler_errors
-        self.fetches = Fetches(policy, t.prefill, t.stats)
+        self.fetches = Fetches(policy, t.prefill, t.stats, enabled=kv_fetch)
         self._lock, self._wake, self._locked = t.lock, t.wake, t.locked
         self._live, self._by_attempt, self._pending, self._stopped = t.live, t.by_attempt, t.pending, t.stopped
         self._stop = threading.Event()
@@ -146,6 +146,7 @@ class Router:
             self.prefill.pop(instance_id, None)
             self.decode.pop(instance_id, None)
         self.policy.forget(instance_id)
+        self.fetches.forget(instance_id)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                listener=None, session: str | None = None) -> RequestStream | list[RequestStream]:
@@ -487,6 +488,7 @@ class Router:
                     try:
                         client.info.load = InstanceLoad.of(client.load())
                         self.policy.observe(client)  # a prefix-aware policy follows its cache
+                        self.fetches.observe(client)  # (the fetches' own index, under another policy)
                     except InstanceDeadError as exc:
                         self.failures.mark_dead(client.info.instance_id, exc)
                     except Exception:  # the thread must go on (the policy reads these loads)

@@ -23,7 +23,7 @@ _GENERATE = {
                "num_speculative_tokens", "speculative_max_batch_size", "enforce_eager", "batch_invariant",
                "num_threads"),
     # KV between a prefill and a decode instance
-    "kv_transfer": ("kv_transport", "kv_checksum", "kv_delta", "kv_transfer_timeout_s", "kv_load_failure_policy",
+    "kv_transfer": ("kv_transport", "kv_checksum", "kv_delta", "kv_fetch", "kv_transfer_timeout_s", "kv_load_failure_policy",
                     "kv_recompute_max_tokens", "disagg_threshold_tokens"),
     # the instances, their ranks and how requests and ranks are placed
     "layout": ("mode", "num_prefill", "num_decode", "prefill_tp", "decode_tp", "prefill_gpu_memory_utilization",
@@ -139,6 +139,10 @@ _HELP = {
     "kv_delta": "a decode instance takes a remote prompt's leading blocks from its own prefix cache (the last "
                 "turn's prompt and output) and the prefill instance ships only the KV after them; "
                 "--no-kv-delta ships every prompt token",
+    "kv_fetch": "a prompt whose prefix another prefill instance holds in its KV pool, placed on one that does not, "
+                "has that prefix's KV fetched from the holder when the placed instance's measures say a fetch beats "
+                "computing (tried until measured; a refused, failed or late fetch is computed); --no-kv-fetch "
+                "computes it (docs/disaggregation.md)",
     "kv_load_failure_policy": "when a decode instance's KV load fails: recompute the prompt there (prompts up to "
                               "kv_recompute_max_tokens) or retry on another pair",
     "kv_recompute_max_tokens": "longest prompt (with tokens already streamed) recomputed on the decode instance",

@@ -39,7 +39,8 @@ def create_router(spec: ClusterSpec, prefill: list, decode: list) -> Router:
     engines' KV events: router/prefix_index.py)."""
     recompute = spec.kv_recompute_max_tokens if spec.kv_load_failure_policy == "recompute" else 0
     return Router(prefill, decode, create_routing_policy(spec.router_policy), mode=spec.mode,
-                  disagg_threshold_tokens=spec.disagg_threshold_tokens, kv_recompute_max_tokens=recompute)
+                  disagg_threshold_tokens=spec.disagg_threshold_tokens, kv_recompute_max_tokens=recompute,
+                  kv_fetch=spec.kv_fetch)
 
 
 def publish_stats(router: Router, state: ClusterState, stop: threading.Event, ttl_s: float) -> None:

@@ -7,11 +7,13 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from kvtransfer.params import KVEndpoint
 from prefill_worker.worker import PrefillResult
 from router.client import InstanceLoad
 from router.fetch import MIN_MEASURED_TOKENS, fetch_pays
-from router.policy import PrefixAware
+from router.policy import LeastLoaded, PrefixAware
 from router.router import Router
 from tests.router.test_prefix_index import PROMPT, CachingPrefill
 from tests.router.test_router import PARAMS, FakeDecode
@@ -51,13 +53,13 @@ def _until(predicate, what: str) -> None:
         threading.Event().wait(0.01)
 
 
-def _router(figures: dict | None = None):
+def _router(figures: dict | None = None, policy=None):
     holder, fetcher = FetchingPrefill("p0"), FetchingPrefill("p1")
     holder.cache("a", PROMPT)  # 5 blocks of 4
     fetcher.info.load = InstanceLoad.of(figures or {})
-    r = Router([holder, fetcher], [FakeDecode("d0")], AwayFromThePrefix())
+    r = Router([holder, fetcher], [FakeDecode("d0")], policy or AwayFromThePrefix())
     r.start()
-    _until(lambda: r.policy.index.num_snapshots >= 2, "the router follows both instances")
+    _until(lambda: r.fetches.index.num_snapshots >= 2, "the router follows both instances")
     return r, holder, fetcher
 
 
@@ -70,8 +72,17 @@ def test_fetch_pays_by_the_instances_own_measures():
     assert fetch_pays({**measured, "kv_fetch_seconds": 2.0}, 16) is False
 
 
-def test_routed_away_from_the_holder_the_prefix_is_fetched_from_it():
-    r, holder, fetcher = _router()
+class ToTheSecond(LeastLoaded):
+    """No index of its own: the router's fetches keep one."""
+
+    def pick_prefill(self, candidates, prompt_token_ids):
+        return candidates[-1]
+
+
+@pytest.mark.parametrize("policy", [AwayFromThePrefix, ToTheSecond], ids=["the-policys-index", "the-routers-own"])
+def test_routed_away_from_the_holder_the_prefix_is_fetched_from_it(policy):
+    r, holder, fetcher = _router(policy=policy())
+    assert (r.fetches.index is getattr(r.policy, "index", None)) == (policy is AwayFromThePrefix)
     try:
         r.submit("x", PROMPT + [5, 6], PARAMS)
         _until(lambda: holder.ships, "the holder told to ship")
