@@ -54,7 +54,9 @@ COUNTERS = {"kv_bytes": "pdserve_kv_transfer_received_bytes_total",
             "disk_loaded_blocks": "pdserve_kv_disk_tier_loaded_blocks_total",
             # what the router weighs tier hits by (router/prefix_index.py tier_weights), summed over instances
             "reload_s": "pdserve_kv_host_tier_reload_seconds_total", "disk_read_s": "pdserve_kv_disk_tier_read_seconds_total",
-            "prefill_tokens": "pdserve_prefill_computed_tokens_total", "prefill_s": "pdserve_prefill_busy_seconds_total"}
+            "prefill_tokens": "pdserve_prefill_computed_tokens_total", "prefill_s": "pdserve_prefill_busy_seconds_total",
+            # cross-instance fetch (router/fetch.py): prompt tokens fetched from another prefill instance
+            "fetched_tokens": "pdserve_kv_fetched_tokens_total", "fetches_failed": "pdserve_kv_fetches_failed_total"}
 
 
 @dataclass(frozen=True)
@@ -238,12 +240,13 @@ def format_table(r: dict) -> str:
              f"(working set {wl['working_set_tokens']} tokens)", "",
              f"{'target':<14}{'TTFT p50':>9}{'p99':>7}{'ITL':>6}{'tok/s':>7}  per turn: prompt tok / cached "
              f"(of them reloaded from the host tier; of those, read from disk first) / reused on decode / KV MB "
-             f"shipped / TTFT p50 ms"]
+             f"shipped / TTFT p50 ms / prompt tokens computed (fetched from another prefill instance)"]
     for name, row in r["targets"].items():
         per_turn = "  ".join(f"{t['prompt_tokens']}/{t['cached_tokens']}"
                              f"({t['tier_reloaded_blocks'] * wl['block_size']:.0f}"
                              f";{t.get('disk_loaded_blocks', 0) * wl['block_size']:.0f})/{t['reused_tokens']:.0f}/"
-                             f"{t['kv_bytes'] / 1e6:.1f}/{(t['ttft_p50_s'] or 0) * 1000:.0f}" for t in row["turns"])
+                             f"{t['kv_bytes'] / 1e6:.1f}/{(t['ttft_p50_s'] or 0) * 1000:.0f}/"
+                             f"{t.get('prefill_tokens', 0):.0f}({t.get('fetched_tokens', 0):.0f})" for t in row["turns"])
         lines.append(f"{name:<14}{row['ttft_p50_s'] * 1000:>7.0f}ms{row['ttft_p99_s'] * 1000:>6.0f}"
                      f"{row['itl_p50_s'] * 1000:>6.0f}{row['output_tok_s']:>7.1f}  {per_turn}"
                      + (f"  FAILED {row['num_failed']}" if row["num_failed"] else "")
