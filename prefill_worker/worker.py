@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
-from engine.core.block_manager import Block, KVCacheManager, block_hashes
+from engine.core.block_manager import KVCacheManager
 from engine.core.request import Handover, Request, RequestMessage
 from engine.runner.host_arena import attach_tier
 from engine.runner.model_runner import ModelRunner
@@ -80,7 +80,7 @@ class PrefillWorker(BaseWorker):
         self._inbox: queue.Queue = queue.Queue()
         # held blocks shipped for another instance's fetch (ship_held), pinned until delivered
         self._ships: list[Shipment] = []
-        self._shipping: dict[str, list[Block]] = {}
+        self._shipping: dict[str, Request] = {}
         # cumulative, for the autoscaler's online profile: tokens computed and seconds spent doing it
         self.num_computed_tokens, self.busy_s = 0, 0.0
         self.eos_token_ids = frozenset(mc.eos_token_ids)  # min_tokens holds them back (the model's one EOS set)
@@ -179,6 +179,8 @@ class PrefillWorker(BaseWorker):
         it frees the blocks of transfers that ended and makes no collective call. Returns whether it stepped."""
         if not self.has_work():
             self._release_delivered()
+            if self.kv.tier is not None:  # the blocks the last step reloaded (it ended: each rank steps in order)
+                self.kv.tier.release_copied()
             return False
         self._drain_inbox()
         self._release_delivered()
@@ -188,12 +190,14 @@ class PrefillWorker(BaseWorker):
         held, self._ships = self._ships, []
         self.runner.update_states(sched)
         inp = None if sched.is_empty else self.runner.prepare_inputs(sched)
+        # a step that ships held blocks alone makes the host tier's copies itself (one that computes: in its forward)
+        copies = self.kv.tier.take() if inp is None and held and self.kv.tier is not None else None
         polled = bool(self.scheduler.fetching)
-        self.tp.broadcast_step((inp, shipments + held, polled))
+        self.tp.broadcast_step((inp, shipments + held, polled, copies))
         if polled:  # before the step: a fetch that ends now computes in the next
             self._end_fetches(self.tp.all_gather_object(self.fetcher.poll()))
         if inp is None:
-            self._ship(held)
+            self._ship(held, copies)
             return bool(held)  # waiting for a fetch alone, the loop sleeps between polls
         start = time.monotonic()
         logits = self._execute(inp, shipments + held)
@@ -219,7 +223,7 @@ class PrefillWorker(BaseWorker):
         if msg == "stop":
             return False
         self._release_delivered()
-        inp, shipments, polled = msg
+        inp, shipments, polled, copies = msg
         if polled:
             self.tp.all_gather_object(self.fetcher.poll())
         if inp is not None:
@@ -227,11 +231,14 @@ class PrefillWorker(BaseWorker):
             for s in shipments:
                 self.connector.finish(s.request_id)  # only rank 0 knows the first token: it hands it over
         else:
-            self._ship(shipments)
+            self._ship(shipments, copies)
         return True
 
-    def _ship(self, shipments: list[Shipment]) -> None:
-        """A step with nothing to compute: the held blocks' KV leaves, every layer (ship_held)."""
+    def _ship(self, shipments: list[Shipment], copies: tuple | None = None) -> None:
+        """A step with nothing to compute: the host tier's `copies` (offloads, reloads) are made, then
+        the held blocks' KV leaves, every layer (ship_held)."""
+        if copies is not None and (copies[0] or copies[1]):
+            self.runner.host_arena.copy(*copies)
         if not shipments:
             return
         self.connector.start(shipments)
@@ -320,31 +327,48 @@ class PrefillWorker(BaseWorker):
         logger.info("%s: fetch of %s given up (%s): computing it", self.instance_id, request_id, why)
 
     def _plan_ship(self, request_id: str, token_ids: list[int], params: KVTransferParams) -> None:
-        """Pins the blocks of a ship_held request and queues its shipment for the next step, or
-        reports why it cannot be shipped."""
+        """Holds the blocks of a ship_held request as a request of its own (its pool hits, and what
+        its host or disk tier holds after them reloaded into blocks allocated for it: copied in the
+        step that ships) and queues its shipment for the next step, or reports why it cannot."""
         kv, size = self.scheduler.kv, self.runner.block_size
         why = None
         if self.runner.model_config.kv_layout.num_groups > 1:
             why = "a model of several KV groups (sliding windows) ships no held blocks"
         elif len(token_ids) % size or not params.decode_cached_tokens < len(token_ids):
             why = f"{len(token_ids)} tokens from {params.decode_cached_tokens}: not whole blocks of {size} past it"
-        blocks = [] if why else [kv.block_pool.get_cached_block(h) for h in block_hashes(token_ids, size)]
-        if not why and None in blocks:
-            why = f"holds {blocks.index(None)} of the {len(blocks)} blocks"
-        if why:
+        req = None if why else self._hold(request_id, token_ids)
+        if req is None:
+            why = why or f"holds fewer than the {len(token_ids) // size} blocks, or no room to reload them"
             self.outbox.put(request_id, PrefillResult(request_id, None, f"cannot ship the held prefix: {why}", held=True),
                             last=True)
             return
-        kv.block_pool.touch(blocks)
-        self._shipping[request_id] = blocks
-        slots = prompt_slots([b.block_id for b in blocks], size, len(token_ids), self.runner.device,
+        self._shipping[request_id] = req
+        slots = prompt_slots(kv.get_block_ids(request_id)[0], size, len(token_ids), self.runner.device,
                              params.decode_cached_tokens)
         self._ships.append(Shipment(request_id, params, len(token_ids) - params.decode_cached_tokens, slots))
 
+    def _hold(self, request_id: str, token_ids: list[int]) -> Request | None:
+        """The blocks of `token_ids` (whole blocks) held by a request of their own until it is freed:
+        those in the pool, then those the tier holds after them (reloaded), or None (nothing held)."""
+        kv = self.scheduler.kv
+        # one token more: every given block is then a full block before the last token, as a prompt's hits are
+        req = Request(request_id, [*token_ids, token_ids[-1]])
+        hit_blocks, num_hit = kv.get_computed_blocks(req)
+        keys = kv.tier.claim_for(kv, req, num_hit) if kv.tier is not None else []
+        if num_hit + len(keys) * kv.block_size < len(token_ids) or \
+                kv.allocate_slots(req, len(token_ids) - num_hit, hit_blocks, num_tokens_to_cache=len(token_ids)) is None:
+            kv.free(req)
+            if keys:
+                kv.tier.release(keys)
+            return None
+        if keys:
+            kv.tier.reload_for(kv, req, keys, num_hit)
+        return req
+
     def _release_delivered(self) -> None:
         for request_id, error in self.connector.take_delivered():
-            if (held := self._shipping.pop(request_id, None)) is not None:  # a ship_held: unpinned
-                self.scheduler.kv.block_pool.free_blocks(held)
+            if (held := self._shipping.pop(request_id, None)) is not None:  # a ship_held: its blocks let go
+                self.scheduler.kv.free(held)
                 self.outbox.put(request_id, PrefillResult(request_id, None, error, held=True), last=True) if error else \
                     self.outbox.forget(request_id)
                 continue

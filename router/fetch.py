@@ -1,7 +1,7 @@
 """Cross-instance fetch at placement (issue 51 item 3): a prompt whose prefix another prefill
-instance holds in its KV pool, and the chosen prefill instance does not, has that prefix's KV
-shipped over instead of computed again, when the chosen instance's own measures say a fetch
-beats computing.
+instance holds (in its KV pool, or its host or disk tier: it reloads those blocks first), and the
+chosen prefill instance does not, has that prefix's KV shipped over instead of computed again, when
+the chosen instance's own measures say a fetch beats computing.
 
     under the lock (plan):  the index -> the holder H and its tokens  ->  fetch or compute
     without it (call):      P.fetch(prompt, D's params, tokens) -> from token s  ->  H.ship_held(prefix, P, s)
@@ -74,21 +74,20 @@ class Fetches:
 
     def source(self, prompt: list[int], candidates: list[InstanceInfo],
                chosen: InstanceInfo) -> tuple[InstanceInfo, int, int] | None:
-        """(the candidate holding the most leading prompt tokens in its pool, those tokens, the ones
-        `chosen` holds at any level), whole blocks of `chosen`'s size short of the last token; None
-        when no candidate of that block size holds more than `chosen`."""
+        """(the candidate holding the most leading prompt tokens at any level, those tokens, the ones
+        `chosen` holds), whole blocks of `chosen`'s size short of the last token; None when no
+        candidate of that block size holds more than `chosen`."""
         size = chosen.block_size
         if not size:
             return None
         usable = (len(prompt) - 1) // size  # an engine computes the last token whatever it holds
-        own = min(self.index.longest_prefix(prompt, [chosen])[chosen.instance_id], usable) * size
-        best, held = None, own
-        for c in candidates:
-            if c is not chosen and c.block_size == size:
-                n = min(self.index.pool_prefix(prompt, c), usable) * size
-                if n > held:
-                    best, held = c, n
-        return None if best is None else (best, held, own)
+        same = [c for c in candidates if c.block_size == size]
+        held = {iid: min(n, usable) * size for iid, n in self.index.longest_prefix(prompt, same + [chosen]).items()}
+        own = held[chosen.instance_id]
+        best = max((c for c in same if c is not chosen), key=lambda c: held[c.instance_id], default=None)
+        if best is None or held[best.instance_id] <= own:
+            return None
+        return best, held[best.instance_id], own
 
     def plan(self, prompt: list[int], candidates: list[InstanceInfo], chosen: InstanceInfo) -> FetchPlan | None:
         """Under the router's lock: the holder to fetch from, or None (compute it all)."""

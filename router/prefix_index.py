@@ -104,20 +104,6 @@ class PrefixIndex:
         it holds at any level; 0 for one of unknown block size or never followed."""
         return {iid: n for iid, (n, _) in self.hits(prompt_token_ids, candidates).items()}
 
-    def pool_prefix(self, prompt_token_ids: Sequence[int], candidate: InstanceInfo) -> int:
-        """The leading full blocks of the prompt `candidate` holds in its KV pool itself (what it can
-        ship without a copy back from a tier: a cross-instance fetch's holder)."""
-        with self._lock:
-            held = self._held.get(candidate.instance_id)
-            if not held or not candidate.block_size:
-                return 0
-            n = 0
-            for h in block_hashes(prompt_token_ids, candidate.block_size):
-                if held.get(h) != STORED:
-                    break
-                n += 1
-            return n
-
     def hits(self, prompt_token_ids: Sequence[int], candidates: list[InstanceInfo]) -> dict[str, tuple[int, float]]:
         """Per candidate, (the leading full blocks of the prompt it holds at any level, their sum
         weighted by each one's level: the candidate's measured weights, else `weights`)."""

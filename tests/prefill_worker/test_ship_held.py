@@ -1,7 +1,8 @@
 """A prefill instance ships KV it holds for another instance's fetch (PrefillWorker.ship_held,
 issue 51 item 3): the blocks of a prompt its prefix cache holds leave, every layer, from the first
 token the fetcher lacks, with no forward pass; they stay pinned until the transfer ends; a prefix it
-does not hold whole is refused with an error, nothing shipped."""
+does not hold whole is refused with an error, nothing shipped; blocks its host tier took are
+reloaded first."""
 from __future__ import annotations
 
 import time
@@ -11,9 +12,13 @@ import torch
 
 from engine.core.block_manager import block_hashes
 from engine.core.request import RequestMessage
+from engine.runner.model_runner import ModelRunner
 from kvtransfer.base import KVSender, Transfer
+from kvtransfer.connector import PrefillConnector
 from kvtransfer.params import KVEndpoint, KVTransferParams
-from tests.kvtransfer.test_connector import PARAMS, prefill_worker, run_until
+from prefill_worker.worker import PrefillWorker
+from tests.helpers import engine_config, make_hf_tiny_llama, model_config_of
+from tests.kvtransfer.test_connector import PARAMS, ScriptedSender, prefill_worker, run_until
 
 PROMPT = list(range(3, 27))  # 24 tokens: 3 blocks of 8
 
@@ -90,7 +95,7 @@ def test_held_blocks_leave_from_the_first_token_the_fetcher_lacks_without_a_forw
     assert worker.poll_outputs(0.01) == []  # success is silent: the fetcher sees the KV arrive
 
 
-@pytest.mark.parametrize("tokens,start,why", [(PROMPT[:8] + [1] * 8, 0, "holds 1 of the 2 blocks"),
+@pytest.mark.parametrize("tokens,start,why", [(PROMPT[:8] + [1] * 8, 0, "holds fewer than the 2 blocks"),
                                               (PROMPT[:20], 0, "not whole blocks"),
                                               (PROMPT, 24, "not whole blocks")])
 def test_a_prefix_not_held_whole_is_refused_and_nothing_leaves(holder, tokens, start, why):
@@ -99,3 +104,42 @@ def test_a_prefix_not_held_whole_is_refused_and_nothing_leaves(holder, tokens, s
     results = run_until(worker, 1)
     assert results[0].request_id == "f" and results[0].first_token is None and why in results[0].error
     assert sender.transfers == [] and worker.kv.usage == 0
+
+
+def test_blocks_the_host_tier_took_are_reloaded_and_shipped():
+    """The holder's pool evicted the prefix into its host tier: ship_held reloads those blocks into
+    blocks of its own (the copies made by the step that ships) and ships the KV computed at first."""
+    hf = make_hf_tiny_llama()
+    runner = ModelRunner(engine_config(num_blocks=12, block_size=8, host_tier_gib=0.01), model_config=model_config_of(hf),
+                         weights=hf.state_dict().items())
+    worker = PrefillWorker(runner, PrefillConnector(ScriptedSender("ack"), runner.model_config.num_kv_heads, 0, 1, 5.0))
+    assert worker.kv.tier is not None
+    hashes = block_hashes(PROMPT, 8)
+
+    def compute(rid: str, tokens: list[int]) -> None:
+        worker.submit(RequestMessage(rid, tokens, PARAMS), params(rid, 0))
+        assert run_until(worker, 1)[0].error is None
+        deadline = time.monotonic() + 10
+        while worker.kv.usage > 0 and time.monotonic() < deadline:
+            worker.step()
+
+    compute("r", PROMPT + [9])
+    kv = runner.kv_cache
+    want = [torch.cat([kv[layer][:, worker.kv.block_pool.get_cached_block(h).block_id] for h in hashes], dim=1)
+            for layer in range(runner.model_config.num_layers)]
+    for i in range(3):  # 5 blocks each, 11 usable: PROMPT's blocks leave the pool for the tier
+        compute(f"other{i}", [200 + i] * 33)
+    assert all(worker.kv.block_pool.get_cached_block(h) is None for h in hashes)
+    worker.connector.sender = sender = KeepingSender()
+    worker.ship_held("f", PROMPT, params("f", 0))
+    deadline = time.monotonic() + 10
+    while not sender.transfers and time.monotonic() < deadline:
+        worker.step()
+    (rid, _, n, t), = sender.transfers
+    assert (rid, n) == ("f", 24) and worker.kv.tier.stats["reloaded_blocks"] >= 3
+    for layer, got in t.layers.items():
+        assert torch.equal(got, want[layer]), layer
+    deadline = time.monotonic() + 10
+    while worker.kv.usage > 0 and time.monotonic() < deadline:
+        worker.step()
+    worker.kv.assert_no_leaks()

@@ -41,7 +41,7 @@ def test_a_prefix_cached_on_a_is_fetched_by_b_not_computed(tiny_path, kv_fetch):
         a = next(iid for iid, w in workers.items() if w.num_computed_tokens)
         b = next(iid for iid in workers if iid != a)
         if kv_fetch:
-            _wait(lambda: router.fetches.index.pool_prefix(first, prefills[a].client.info) == 5,
+            _wait(lambda: router.fetches.index.longest_prefix(first, [prefills[a].client.info])[a] == 5,
                   "the router's index to learn A's blocks")
         else:
             time.sleep(0.3)  # (the load thread's polls: an index followed would have learnt them)
