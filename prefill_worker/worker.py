@@ -47,7 +47,6 @@ class PrefillResult:
     num_cached_tokens: int = 0
     finished_at: float = field(default_factory=time.monotonic)
     more_choices: tuple = ()  # n > 1: the other choices' (first token, extras or None)
-    held: bool = False  # the answer of a ship_held (another instance's fetch), not of a prompt computed here
 
 
 class PrefillWorker(BaseWorker):
@@ -128,14 +127,20 @@ class PrefillWorker(BaseWorker):
         """This rank's end for KV that arrives (a fetch's)."""
         return self.fetcher
 
-    def ship_held(self, request_id: str, token_ids: list[int], params: KVTransferParams, client_id: str = "") -> None:
-        """Ships the KV of `token_ids` from `params.decode_cached_tokens` on to `params.endpoints`
-        (another instance's fetch of a prefix this one holds: issue 51 item 3), from the blocks its
-        prefix cache holds, without computing anything: `token_ids` are whole blocks, all held, or
-        nothing is shipped and a PrefillResult with the error comes back through `poll_outputs`.
-        Nothing comes back on success: the fetching side sees the KV arrive."""
-        self.outbox.add(request_id, client_id)
-        self._inbox.put(("ship", request_id, (list(token_ids), params)))
+    def ship_held(self, request_id: str, token_ids: list[int], params: KVTransferParams,
+                  wait_s: float = 30.0) -> str | None:
+        """Rank 0 (thread-safe): ships the KV of `token_ids` from `params.decode_cached_tokens` on to
+        `params.endpoints` (another instance's fetch of a prefix this one holds: issue 51 item 3),
+        from the blocks its prefix cache holds (its tiers' reloaded first), computing nothing.
+        Returns once they are held: None, the KV then on its way (the fetcher sees it arrive, or
+        its transfer fail); else why nothing is shipped (`token_ids` not whole blocks, not all held,
+        no answer within `wait_s`)."""
+        answer = Future()
+        self._inbox.put(("ship", request_id, (list(token_ids), params, answer)))
+        try:
+            return answer.result(wait_s)
+        except FutureTimeout:  # a long step: if it is held later, it ships, and the fetcher has given up
+            return f"not held within {wait_s:.0f} s"
 
     def _report(self, result: PrefillResult) -> None:
         self.outbox.put(result.request_id, result)
@@ -326,10 +331,10 @@ class PrefillWorker(BaseWorker):
         self.num_fetches_failed += 1
         logger.info("%s: fetch of %s given up (%s): computing it", self.instance_id, request_id, why)
 
-    def _plan_ship(self, request_id: str, token_ids: list[int], params: KVTransferParams) -> None:
+    def _plan_ship(self, request_id: str, token_ids: list[int], params: KVTransferParams, answer: Future) -> None:
         """Holds the blocks of a ship_held request as a request of its own (its pool hits, and what
         its host or disk tier holds after them reloaded into blocks allocated for it: copied in the
-        step that ships) and queues its shipment for the next step, or reports why it cannot."""
+        step that ships) and queues its shipment for the next step; answers None, or why it cannot."""
         kv, size = self.scheduler.kv, self.runner.block_size
         why = None
         if self.runner.model_config.kv_layout.num_groups > 1:
@@ -339,9 +344,9 @@ class PrefillWorker(BaseWorker):
         req = None if why else self._hold(request_id, token_ids)
         if req is None:
             why = why or f"holds fewer than the {len(token_ids) // size} blocks, or no room to reload them"
-            self.outbox.put(request_id, PrefillResult(request_id, None, f"cannot ship the held prefix: {why}", held=True),
-                            last=True)
+            answer.set_result(f"cannot ship the held prefix: {why}")
             return
+        answer.set_result(None)
         self._shipping[request_id] = req
         slots = prompt_slots(kv.get_block_ids(request_id)[0], size, len(token_ids), self.runner.device,
                              params.decode_cached_tokens)
@@ -369,8 +374,8 @@ class PrefillWorker(BaseWorker):
         for request_id, error in self.connector.take_delivered():
             if (held := self._shipping.pop(request_id, None)) is not None:  # a ship_held: its blocks let go
                 self.scheduler.kv.free(held)
-                self.outbox.put(request_id, PrefillResult(request_id, None, error, held=True), last=True) if error else \
-                    self.outbox.forget(request_id)
+                if error:  # the fetcher computes it (its receive failed, or its deadline passed)
+                    logger.warning("%s: held KV of %s not delivered: %s", self.instance_id, request_id, error)
                 continue
             if self.scheduler is not None:
                 self.scheduler.release(request_id)

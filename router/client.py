@@ -82,11 +82,11 @@ class PrefillClient(ABC):
         self.submit(msg, params)
         return None
 
-    def ship_held(self, request_id: str, token_ids: list[int], params: KVTransferParams, client_id: str = "") -> None:
+    def ship_held(self, request_id: str, token_ids: list[int], params: KVTransferParams) -> str | None:
         """Ships the KV of `token_ids` (whole blocks its prefix cache holds) from
-        `params.decode_cached_tokens` on to `params.endpoints`, computing nothing; a refusal comes
-        back through `poll_outputs` as a PrefillResult with `held` set."""
-        raise NotImplementedError(f"{type(self).__name__} ships no held KV")
+        `params.decode_cached_tokens` on to `params.endpoints`, computing nothing. Returns once they
+        are held: None (on their way), or why nothing is shipped."""
+        return f"{type(self).__name__} ships no held KV"
 
     def give_up_fetch(self, request_id: str) -> None:
         """The holder will not ship `request_id`'s KV: the instance computes it."""

@@ -5,7 +5,7 @@ the chosen instance's own measures say a fetch beats computing.
 
     under the lock (plan):  the index -> the holder H and its tokens  ->  fetch or compute
     without it (call):      P.fetch(prompt, D's params, tokens) -> from token s  ->  H.ship_held(prefix, P, s)
-    H's refusal (a PrefillResult with `held`): P.give_up_fetch: P computes it
+    H's refusal (its blocks evicted since the index's last poll, H dead): P.give_up_fetch: P computes it
 
 The index is the policy's where it keeps one (prefix_aware); under another policy the router keeps
 one of its own for fetches, following its prefill instances' KV events (while it has two or more)
@@ -113,10 +113,12 @@ class Fetches:
         ship = KVTransferParams(msg.request_id, prefill.info.instance_id, prefill.info.tp_size,
                                 prefill.info.kv_endpoints, decode_cached_tokens=start)
         try:
-            plan.holder.ship_held(msg.request_id, msg.prompt_token_ids[:plan.num_tokens], ship, msg.client_id)
-        except (InstanceDeadError, NotImplementedError) as exc:
-            logger.info("fetch of %s from %s not sent (%s): computed on %s", msg.request_id,
-                        plan.holder.info.instance_id, exc, prefill.info.instance_id)
+            why = plan.holder.ship_held(msg.request_id, msg.prompt_token_ids[:plan.num_tokens], ship)
+        except InstanceDeadError as exc:
+            why = str(exc)
+        if why is not None:
+            logger.info("fetch of %s from %s refused (%s): computed on %s", msg.request_id,
+                        plan.holder.info.instance_id, why, prefill.info.instance_id)
             prefill.give_up_fetch(msg.request_id)
             return "kv_fetches_refused"
         return "kv_fetches_opened"

@@ -416,11 +416,6 @@ class Router:
         tracked = self._by_attempt.get(r.request_id)
         if tracked is None:
             return
-        if r.held:  # a holder will not ship the prefix its prefill instance fetches: it computes it
-            self.stats["kv_fetches_refused"] += 1
-            if (p := self.prefill.get(tracked.prefill_id)) is not None:
-                self.tables.deferred.append((p.give_up_fetch, r.request_id))
-            return
         if r.first_token is None:
             return self.failures.fail(tracked, tracked.prefill_id, r.error or "prefill failed")
         if tracked.attempt == 0:

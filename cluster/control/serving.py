@@ -113,8 +113,8 @@ class LocalPrefillClient(_LocalClient, PrefillClient):
     def fetch(self, msg, params, num_tokens, holder_tp):
         return self.worker.fetch(msg, params, num_tokens, holder_tp)
 
-    def ship_held(self, request_id, token_ids, params, client_id=""):
-        self.worker.ship_held(request_id, token_ids, params, client_id)
+    def ship_held(self, request_id, token_ids, params):
+        return self.worker.ship_held(request_id, token_ids, params)
 
     def give_up_fetch(self, request_id):
         self.worker.give_up_fetch(request_id)
@@ -161,8 +161,8 @@ class RayPrefillClient(_RayClient, PrefillClient):
     def fetch(self, msg, params, num_tokens, holder_tp):
         return self._call("fetch", msg, params, num_tokens, holder_tp, wait_s=FETCH_WAIT_S)
 
-    def ship_held(self, request_id, token_ids, params, client_id=""):
-        self._call("ship_held", request_id, token_ids, params, client_id)
+    def ship_held(self, request_id, token_ids, params):
+        return self._call("ship_held", request_id, token_ids, params, wait_s=FETCH_WAIT_S)
 
     def give_up_fetch(self, request_id):
         self.actor.give_up_fetch.remote(request_id)  # fire and forget, as an abort

@@ -138,8 +138,8 @@ class RankActor:
     def fetch(self, msg: RequestMessage, params: KVTransferParams, num_tokens: int, holder_tp: int) -> int | None:
         return self.host.worker.fetch(msg, params, num_tokens, holder_tp)
 
-    def ship_held(self, request_id: str, token_ids: list[int], params: KVTransferParams, client_id: str = "") -> None:
-        self.host.worker.ship_held(request_id, token_ids, params, client_id)
+    def ship_held(self, request_id: str, token_ids: list[int], params: KVTransferParams) -> str | None:
+        return self.host.worker.ship_held(request_id, token_ids, params)
 
     def give_up_fetch(self, request_id: str) -> None:
         self.host.worker.give_up_fetch(request_id)

@@ -69,13 +69,10 @@ def _generate(hosts, rid: str, prompt: list[int], fetch_from: str | None = None,
     else:
         start = prefill.fetch(msg, params, held, 1)
         assert start == 0  # B holds nothing of it
-        holder = hosts[fetch_from].worker
-        holder.ship_held(rid, prompt[:held], KVTransferParams(rid, "b", 1, (hosts["b"].kv_endpoint(),),
-                                                              decode_cached_tokens=start))
-        answer = _wait(lambda: _results(holder, rid) or (rid not in prefill.scheduler.fetching and ["shipped"]),
-                       "the holder's answer")
-        if answer != ["shipped"]:
-            assert answer[0].first_token is None and "cannot ship the held prefix" in answer[0].error
+        why = hosts[fetch_from].worker.ship_held(rid, prompt[:held], KVTransferParams(
+            rid, "b", 1, (hosts["b"].kv_endpoint(),), decode_cached_tokens=start))
+        if why is not None:
+            assert "cannot ship the held prefix" in why
             prefill.give_up_fetch(rid)  # what the router does with the holder's refusal
     first, = _wait(lambda: _results(prefill, rid), f"{rid}'s first token")
     assert first.error is None, first.error

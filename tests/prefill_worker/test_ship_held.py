@@ -1,10 +1,11 @@
 """A prefill instance ships KV it holds for another instance's fetch (PrefillWorker.ship_held,
 issue 51 item 3): the blocks of a prompt its prefix cache holds leave, every layer, from the first
 token the fetcher lacks, with no forward pass; they stay pinned until the transfer ends; a prefix it
-does not hold whole is refused with an error, nothing shipped; blocks its host tier took are
+does not hold whole is refused (ship_held says why), nothing shipped; blocks its host tier took are
 reloaded first."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -59,6 +60,17 @@ def params(rid: str, start: int) -> KVTransferParams:
     return KVTransferParams(rid, "f", 1, (KVEndpoint("f", 0, "h", 1),), decode_cached_tokens=start)
 
 
+def _ship(worker, tokens: list[int], p: KVTransferParams) -> str | None:
+    """ship_held's answer, the worker stepped meanwhile (its loop takes the request)."""
+    answer = []
+    thread = threading.Thread(target=lambda: answer.append(worker.ship_held(p.request_id, tokens, p, wait_s=10)))
+    thread.start()
+    while thread.is_alive():
+        worker.step()
+        thread.join(0.001)
+    return answer[0]
+
+
 @pytest.fixture
 def holder():
     """A prefill worker that computed PROMPT + one token (its 3 full blocks cached) and shipped it."""
@@ -76,7 +88,7 @@ def holder():
 def test_held_blocks_leave_from_the_first_token_the_fetcher_lacks_without_a_forward(holder):
     worker, sender = holder
     computed = worker.num_computed_tokens
-    worker.ship_held("f", PROMPT, params("f", 8))
+    _ship(worker, PROMPT, params("f", 8))
     deadline = time.monotonic() + 10
     while not sender.transfers and time.monotonic() < deadline:
         worker.step()
@@ -92,7 +104,7 @@ def test_held_blocks_leave_from_the_first_token_the_fetcher_lacks_without_a_forw
     while worker.kv.usage > 0 and time.monotonic() < deadline:
         worker.step()
     worker.kv.assert_no_leaks()
-    assert worker.poll_outputs(0.01) == []  # success is silent: the fetcher sees the KV arrive
+    assert worker.poll_outputs(0.01) == []  # nothing for the router: the fetcher sees the KV arrive
 
 
 @pytest.mark.parametrize("tokens,start,why", [(PROMPT[:8] + [1] * 8, 0, "holds fewer than the 2 blocks"),
@@ -100,9 +112,9 @@ def test_held_blocks_leave_from_the_first_token_the_fetcher_lacks_without_a_forw
                                               (PROMPT, 24, "not whole blocks")])
 def test_a_prefix_not_held_whole_is_refused_and_nothing_leaves(holder, tokens, start, why):
     worker, sender = holder
-    worker.ship_held("f", tokens, params("f", start))
-    results = run_until(worker, 1)
-    assert results[0].request_id == "f" and results[0].first_token is None and why in results[0].error
+    answer = _ship(worker, tokens, params("f", start))
+    assert answer is not None and why in answer
+    worker.step()
     assert sender.transfers == [] and worker.kv.usage == 0
 
 
@@ -131,7 +143,7 @@ def test_blocks_the_host_tier_took_are_reloaded_and_shipped():
         compute(f"other{i}", [200 + i] * 33)
     assert all(worker.kv.block_pool.get_cached_block(h) is None for h in hashes)
     worker.connector.sender = sender = KeepingSender()
-    worker.ship_held("f", PROMPT, params("f", 0))
+    assert _ship(worker, PROMPT, params("f", 0)) is None
     deadline = time.monotonic() + 10
     while not sender.transfers and time.monotonic() < deadline:
         worker.step()

@@ -10,7 +10,6 @@ import time
 import pytest
 
 from kvtransfer.params import KVEndpoint
-from prefill_worker.worker import PrefillResult
 from router.client import InstanceLoad
 from router.fetch import MIN_MEASURED_TOKENS, fetch_pays
 from router.policy import LeastLoaded, PrefixAware
@@ -25,16 +24,17 @@ class FetchingPrefill(CachingPrefill):
     def __init__(self, iid: str, own: int = 0):
         super().__init__(iid)
         self.info.kv_endpoints = (KVEndpoint(iid, 0, "127.0.0.1", 2),)
-        self.own, self.fetches, self.ships, self.given_up = own, [], [], []
+        self.own, self.fetches, self.ships, self.given_up, self.refuse = own, [], [], [], None
 
     def fetch(self, msg, params, num_tokens, holder_tp):
         self._check()
         self.fetches.append((msg.request_id, num_tokens, holder_tp))
         return self.own
 
-    def ship_held(self, request_id, token_ids, params, client_id=""):
+    def ship_held(self, request_id, token_ids, params):
         self._check()
         self.ships.append((request_id, list(token_ids), params))
+        return self.refuse
 
     def give_up_fetch(self, request_id):
         self.given_up.append(request_id)
@@ -94,9 +94,11 @@ def test_routed_away_from_the_holder_the_prefix_is_fetched_from_it(policy):
         stats = r.snapshot()
         assert (stats["kv_fetches_chosen"], stats["kv_fetches_opened"]) == (1, 1)
 
-        # the holder refuses (its blocks evicted meanwhile): the fetcher computes it, nothing fails
-        holder.results.put(PrefillResult(rid, None, "cannot ship the held prefix: holds 3 of the 5 blocks", held=True))
-        _until(lambda: fetcher.given_up == [rid], "the fetcher told to compute it")
+        # the holder refuses (its blocks evicted since the index's last poll): the fetcher computes it
+        holder.refuse = "cannot ship the held prefix: holds fewer than the 5 blocks"
+        r.submit("y", PROMPT + [7, 8], PARAMS)
+        _until(lambda: len(holder.ships) == 2 and fetcher.given_up, "the fetcher told to compute it")
+        assert fetcher.given_up == [holder.ships[1][0]]
         stats = r.snapshot()
         assert stats["kv_fetches_refused"] == 1 and stats["failed"] == 0 and stats["retries"] == 0
     finally:
