@@ -38,8 +38,9 @@ from engine.runner.model_runner import ModelRunner
 from engine.runner.worker_base import BaseWorker
 from engine.speculative.speculator import Speculator
 from engine.text.tokenizer import Tokenizer
-from kvtransfer.connector import DecodeConnector, prompt_slots
-from kvtransfer.params import Reservation
+from kvtransfer.connector import DecodeConnector, PrefillConnector, prompt_slots
+from kvtransfer.held import HeldKV
+from kvtransfer.params import KVTransferParams, Reservation
 
 logger = logging.getLogger(__name__)
 
@@ -157,11 +158,15 @@ class OutputProcessor:
 
 class DecodeWorker(BaseWorker):
     def __init__(self, engine: ColocatedEngine, connector: DecodeConnector, instance_id: str = "decode-0",
-                 client_ttl_s: float = 30.0):
+                 client_ttl_s: float = 30.0, holder: PrefillConnector | None = None):
         """`client_ttl_s`: a client (router) that has not polled for this long is gone; its
-        requests are aborted."""
+        requests are aborted. `holder`: this rank's sender end for KV its cache holds that another
+        instance fetches (ship_held: kvtransfer/held.py; None: it ships none)."""
         super().__init__(engine.runner, instance_id, client_ttl_s)
         self.engine, self.connector = engine, connector
+        mc = engine.runner.model_config
+        self.held = None if holder is None else HeldKV(holder, mc.num_layers, mc.kv_layout.num_groups,
+                                                       engine.runner.device, instance_id, from_tiers=False)
         if engine.kv.tier is not None:  # reservations evict what the transfer writes at once (engine/core/host_tier.py)
             engine.kv.tier.write_through()
         self._lock = threading.Lock()
@@ -183,6 +188,10 @@ class DecodeWorker(BaseWorker):
     def describe(self) -> dict[str, str]:
         spec = self.engine.speculator
         return {} if spec is None else {"speculative": spec.describe()}
+
+    def close(self) -> None:
+        if self.held is not None:
+            self.held.connector.close()
 
     def set_followers(self, followers) -> None:
         """Rank 0 of tp > 1: the other ranks (`expect`, `forget`), so reservations reach every rank."""
@@ -210,6 +219,16 @@ class DecodeWorker(BaseWorker):
             self.connector.reserve(req.request_id, slots, prefill_tp)
             self.num_reused_tokens += cached
         return Reservation(cached)
+
+    def ship_held(self, request_id: str, token_ids: list[int], params: KVTransferParams) -> str | None:
+        """Ships the KV of `token_ids` (whole blocks its prefix cache holds in its pool: a conversation's
+        earlier turns, outputs included) from `params.decode_cached_tokens` on to `params.endpoints`,
+        for another instance's fetch (issue 51 item 3); the next step carries it to every rank. Returns
+        None once held, or why nothing is shipped."""
+        if self.held is None:
+            return f"{self.instance_id} ships no held KV"
+        with self._lock:
+            return self.held.hold(self.engine.kv, request_id, token_ids, params)
 
     def add_request(self, msg: RequestMessage) -> None:
         """Colocated: prefill here too."""
@@ -245,6 +264,8 @@ class DecodeWorker(BaseWorker):
                 "decode_steps": float(self.num_steps),
                 "decode_step_s": self.step_s, "decode_step_seqs": float(self.num_step_seqs),
                 "kv_capacity_tokens": float((self.runner.num_blocks - 1) * self.runner.block_size),
+                # what it shipped of its cache for other instances' fetches (kvtransfer/held.py)
+                "kv_bytes_sent": float(self.held.connector.sender.stats.get("bytes_sent", 0)) if self.held else 0.0,
                 **(self.engine.speculator.figures() if self.engine.speculator is not None else {}),
                 **super().load()}
 
@@ -260,15 +281,16 @@ class DecodeWorker(BaseWorker):
         a matcher fed the output so far for each choice and retry) and the inputs are made outside it,
         and reserve() never waits for them."""
         with self._lock:
+            held = self._held_shipments()
             sched = self.engine.scheduler.schedule()
-            if sched.is_empty and not self.connector.awaiting and not sched.finished_req_ids:
+            if sched.is_empty and not self.connector.awaiting and not sched.finished_req_ids and not held:
                 return False  # idle: no collective call (followers wait on the control group)
             self._stepping = True
         try:
             runner = self.engine.runner
             runner.update_states(sched)
             inp = None if sched.is_empty else runner.prepare_inputs(sched)
-            self.tp.broadcast_step(inp)
+            self.tp.broadcast_step((inp, held))
             result = None
             if inp is not None:
                 start = time.monotonic()
@@ -276,6 +298,8 @@ class DecodeWorker(BaseWorker):
                 self.num_steps += 1
                 self.step_s += time.monotonic() - start
                 self.num_step_seqs += len(sched.new_requests) + len(sched.cached_requests)
+            if held:
+                self.held.ship(held, runner.kv_cache)
             polls = self.tp.all_gather_object(self.connector.poll())
         except BaseException:
             with self._lock:
@@ -303,13 +327,27 @@ class DecodeWorker(BaseWorker):
 
     def follow(self) -> bool:
         """Ranks > 0: run the step rank 0 broadcast. Returns False when told to stop."""
-        inp = self.tp.broadcast_step(None)
-        if inp == "stop":
+        msg = self.tp.broadcast_step(None)
+        if msg == "stop":
             return False
+        inp, held = msg
         if inp is not None:
             self.engine.runner.execute_model(inp)
+        if held:
+            self.held.ship(held, self.engine.runner.kv_cache)
+        if self.held is not None:
+            self.held.connector.take_delivered()  # (rank 0 keeps the books)
         self.tp.all_gather_object(self.connector.poll())
         return True
+
+    def _held_shipments(self) -> list:
+        """Rank 0, under the lock: frees the held blocks whose transfer ended; the shipments the next
+        step carries."""
+        if self.held is None:
+            return []
+        for request_id, error in self.held.connector.take_delivered():
+            self.held.delivered(request_id, error)
+        return self.held.take()
 
     def _admit_transfers(self, polls) -> list[RequestOutput]:
         """Requests whose KV is complete on every rank join the batch, with what the prefill handed

@@ -30,6 +30,7 @@ from engine.runner.model_runner import ModelRunner
 from engine.runner.worker_base import BaseWorker
 from engine.speculative.rows import DraftKVRecorder, RowRecorder
 from kvtransfer.connector import DecodeConnector, PrefillConnector, Shipment, prompt_slots
+from kvtransfer.held import HeldKV
 from kvtransfer.params import KVTransferParams
 from prefill_worker.scheduler import PrefillScheduler
 
@@ -77,9 +78,8 @@ class PrefillWorker(BaseWorker):
                              runner)
             self.scheduler = PrefillScheduler(runner.config.scheduler, kv, runner.max_model_len)
         self._inbox: queue.Queue = queue.Queue()
-        # held blocks shipped for another instance's fetch (ship_held), pinned until delivered
-        self._ships: list[Shipment] = []
-        self._shipping: dict[str, Request] = {}
+        # blocks this instance holds, shipped for another instance's fetch (ship_held), held until delivered
+        self.held = HeldKV(connector, mc.num_layers, mc.kv_layout.num_groups, runner.device, instance_id)
         # cumulative, for the autoscaler's online profile: tokens computed and seconds spent doing it
         self.num_computed_tokens, self.busy_s = 0, 0.0
         self.eos_token_ids = frozenset(mc.eos_token_ids)  # min_tokens holds them back (the model's one EOS set)
@@ -175,7 +175,7 @@ class PrefillWorker(BaseWorker):
         return {} if rx is None else rx.stats
 
     def has_work(self) -> bool:
-        return (not self._inbox.empty() or self.scheduler.has_work() or bool(self._ships)
+        return (not self._inbox.empty() or self.scheduler.has_work() or self.held.busy
                 or bool(self.scheduler.fetching))
 
     # -- the step ----------------------------------------------------------------------------------
@@ -192,7 +192,7 @@ class PrefillWorker(BaseWorker):
         sched = self.scheduler.schedule()
         shipments = self.connector.shipments(sched, self.scheduler.kv.get_block_ids, self.runner.block_size,
                                              self.runner.device)
-        held, self._ships = self._ships, []
+        held = self.held.take()
         self.runner.update_states(sched)
         inp = None if sched.is_empty else self.runner.prepare_inputs(sched)
         # a step that ships held blocks alone makes the host tier's copies itself (one that computes: in its forward)
@@ -244,14 +244,7 @@ class PrefillWorker(BaseWorker):
         the held blocks' KV leaves, every layer (ship_held)."""
         if copies is not None and (copies[0] or copies[1]):
             self.runner.host_arena.copy(*copies)
-        if not shipments:
-            return
-        self.connector.start(shipments)
-        kv = self.runner.kv_cache
-        for layer in range(self.runner.model_config.num_layers):
-            self.connector.save_layer(layer, kv)
-        for s in shipments:
-            self.connector.finish(s.request_id)
+        self.held.ship(shipments, self.runner.kv_cache)
 
     def _execute(self, inp, shipments: list[Shipment]):
         self.connector.start(shipments)
@@ -265,7 +258,8 @@ class PrefillWorker(BaseWorker):
             except queue.Empty:
                 return
             if kind == "ship":
-                self._plan_ship(a, *b)
+                tokens, params, answer = b
+                answer.set_result(self.held.hold(self.scheduler.kv, a, tokens, params))
             elif kind == "fetch":
                 self._open_fetch(a, *b)
             elif kind == "unfetch":
@@ -331,51 +325,9 @@ class PrefillWorker(BaseWorker):
         self.num_fetches_failed += 1
         logger.info("%s: fetch of %s given up (%s): computing it", self.instance_id, request_id, why)
 
-    def _plan_ship(self, request_id: str, token_ids: list[int], params: KVTransferParams, answer: Future) -> None:
-        """Holds the blocks of a ship_held request as a request of its own (its pool hits, and what
-        its host or disk tier holds after them reloaded into blocks allocated for it: copied in the
-        step that ships) and queues its shipment for the next step; answers None, or why it cannot."""
-        kv, size = self.scheduler.kv, self.runner.block_size
-        why = None
-        if self.runner.model_config.kv_layout.num_groups > 1:
-            why = "a model of several KV groups (sliding windows) ships no held blocks"
-        elif len(token_ids) % size or not params.decode_cached_tokens < len(token_ids):
-            why = f"{len(token_ids)} tokens from {params.decode_cached_tokens}: not whole blocks of {size} past it"
-        req = None if why else self._hold(request_id, token_ids)
-        if req is None:
-            why = why or f"holds fewer than the {len(token_ids) // size} blocks, or no room to reload them"
-            answer.set_result(f"cannot ship the held prefix: {why}")
-            return
-        answer.set_result(None)
-        self._shipping[request_id] = req
-        slots = prompt_slots(kv.get_block_ids(request_id)[0], size, len(token_ids), self.runner.device,
-                             params.decode_cached_tokens)
-        self._ships.append(Shipment(request_id, params, len(token_ids) - params.decode_cached_tokens, slots))
-
-    def _hold(self, request_id: str, token_ids: list[int]) -> Request | None:
-        """The blocks of `token_ids` (whole blocks) held by a request of their own until it is freed:
-        those in the pool, then those the tier holds after them (reloaded), or None (nothing held)."""
-        kv = self.scheduler.kv
-        # one token more: every given block is then a full block before the last token, as a prompt's hits are
-        req = Request(request_id, [*token_ids, token_ids[-1]])
-        hit_blocks, num_hit = kv.get_computed_blocks(req)
-        keys = kv.tier.claim_for(kv, req, num_hit) if kv.tier is not None else []
-        if num_hit + len(keys) * kv.block_size < len(token_ids) or \
-                kv.allocate_slots(req, len(token_ids) - num_hit, hit_blocks, num_tokens_to_cache=len(token_ids)) is None:
-            kv.free(req)
-            if keys:
-                kv.tier.release(keys)
-            return None
-        if keys:
-            kv.tier.reload_for(kv, req, keys, num_hit)
-        return req
-
     def _release_delivered(self) -> None:
         for request_id, error in self.connector.take_delivered():
-            if (held := self._shipping.pop(request_id, None)) is not None:  # a ship_held: its blocks let go
-                self.scheduler.kv.free(held)
-                if error:  # the fetcher computes it (its receive failed, or its deadline passed)
-                    logger.warning("%s: held KV of %s not delivered: %s", self.instance_id, request_id, error)
+            if self.held.delivered(request_id, error):  # a ship_held's: its blocks let go
                 continue
             if self.scheduler is not None:
                 self.scheduler.release(request_id)

@@ -111,6 +111,10 @@ class DecodeClient(ABC):
         the rest; a colocated instance computes the rest)."""
         return None
 
+    def ship_held(self, request_id: str, token_ids: list[int], params: KVTransferParams) -> str | None:
+        """As PrefillClient.ship_held, from the blocks its pool holds (a conversation's outputs too)."""
+        return f"{type(self).__name__} ships no held KV"
+
     @abstractmethod
     def reserve(self, msg: RequestMessage, prefill_tp: int) -> Reservation | None:
         """Reserve KV blocks for `msg`'s prompt (admission control); None if they don't fit now. The

@@ -1,15 +1,16 @@
-"""Cross-instance fetch at placement (issue 51 item 3): a prompt whose prefix another prefill
-instance holds (in its KV pool, or its host or disk tier: it reloads those blocks first), and the
-chosen prefill instance does not, has that prefix's KV shipped over instead of computed again, when
-the chosen instance's own measures say a fetch beats computing.
+"""Cross-instance fetch at placement (issue 51 item 3): a prompt whose prefix another instance
+holds (a prefill instance in its KV pool, or its host or disk tier: it reloads those blocks first; a
+decode instance in its pool: a conversation's earlier turns, their outputs included), and the chosen
+prefill instance does not, has that prefix's KV shipped over instead of computed again, when the
+chosen instance's own measures say a fetch beats computing.
 
     under the lock (plan):  the index -> the holder H and its tokens  ->  fetch or compute
     without it (call):      P.fetch(prompt, D's params, tokens) -> from token s  ->  H.ship_held(prefix, P, s)
     H's refusal (its blocks evicted since the index's last poll, H dead): P.give_up_fetch: P computes it
 
 The index is the policy's where it keeps one (prefix_aware); under another policy the router keeps
-one of its own for fetches, following its prefill instances' KV events (while it has two or more)
-on its load thread, as prefix_aware does. `kv_fetch` off (the spec's): no fetch, no index followed.
+one of its own for fetches, following its prefill and decode instances' KV events on its load
+thread, as prefix_aware does. `kv_fetch` off (the spec's): no fetch, no index followed.
 
 The yardstick is the chosen instance's (`fetch_pays`): its prefill seconds per token computed
 against its fetches' seconds per token fetched (from admission to the KV complete: the calls, the
@@ -26,7 +27,8 @@ from dataclasses import dataclass
 
 from engine.core.request import RequestMessage
 from kvtransfer.params import KVTransferParams
-from router.client import InstanceDeadError, InstanceInfo, PrefillClient
+from engine.core.kv_events import LEVELS, STORED
+from router.client import DecodeClient, InstanceDeadError, InstanceInfo, PrefillClient
 from router.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
@@ -36,7 +38,7 @@ MIN_MEASURED_TOKENS = 256  # tokens computed (fetched) before their seconds per 
 
 @dataclass(frozen=True)
 class FetchPlan:
-    holder: PrefillClient
+    holder: PrefillClient | DecodeClient
     num_tokens: int  # the prompt's leading tokens whose KV the holder ships
 
 
@@ -54,18 +56,19 @@ def fetch_pays(figures: Mapping[str, float], num_tokens: int) -> bool | None:
 class Fetches:
     """The router's fetch decisions and calls (it holds one; `stats` are its tables' counters)."""
 
-    def __init__(self, policy, prefill: Mapping[str, PrefillClient], stats, enabled: bool = True):
-        """`policy`: the router's (its `index` is used where it keeps one); `prefill`: the router's
-        table of prefill clients, read under its lock."""
-        self.prefill, self.stats, self.enabled = prefill, stats, enabled
+    def __init__(self, policy, prefill: Mapping[str, PrefillClient], decode: Mapping[str, DecodeClient], stats,
+                 enabled: bool = True):
+        """`policy`: the router's (its `index` is used where it keeps one); `prefill`, `decode`: the
+        router's tables of clients, read under its lock."""
+        self.prefill, self.decode, self.stats, self.enabled = prefill, decode, stats, enabled
         own = getattr(policy, "index", None)
         self.follows = own is None  # this index is followed here, for fetches alone
         self.index: PrefixIndex = PrefixIndex() if own is None else own
 
     def observe(self, client) -> None:
         """On the router's load thread, for each healthy instance: an index of its own follows the
-        prefill instances' caches (while there are two: a fetch needs another)."""
-        if self.enabled and self.follows and client.info.role == "prefill" and len(self.prefill) > 1:
+        instances' caches (while the router has a prefill instance to fetch for)."""
+        if self.enabled and self.follows and self.prefill and client.info.role in ("prefill", "decode"):
             self.index.follow(client)
 
     def forget(self, instance_id: str) -> None:
@@ -74,20 +77,21 @@ class Fetches:
 
     def source(self, prompt: list[int], candidates: list[InstanceInfo],
                chosen: InstanceInfo) -> tuple[InstanceInfo, int, int] | None:
-        """(the candidate holding the most leading prompt tokens at any level, those tokens, the ones
-        `chosen` holds), whole blocks of `chosen`'s size short of the last token; None when no
-        candidate of that block size holds more than `chosen`."""
+        """(the candidate holding the most leading prompt tokens it can ship: a prefill instance's
+        at any level, a decode instance's in its pool; those tokens; the ones `chosen` holds), whole
+        blocks of `chosen`'s size short of the last token; None when no candidate of that block size
+        holds more than `chosen`."""
         size = chosen.block_size
         if not size:
             return None
         usable = (len(prompt) - 1) // size  # an engine computes the last token whatever it holds
-        same = [c for c in candidates if c.block_size == size]
-        held = {iid: min(n, usable) * size for iid, n in self.index.longest_prefix(prompt, same + [chosen]).items()}
-        own = held[chosen.instance_id]
-        best = max((c for c in same if c is not chosen), key=lambda c: held[c.instance_id], default=None)
-        if best is None or held[best.instance_id] <= own:
-            return None
-        return best, held[best.instance_id], own
+        same = [c for c in candidates if c.block_size == size and c is not chosen]
+        own = min(self.index.longest_prefix(prompt, [chosen])[chosen.instance_id], usable) * size
+        held = {**self.index.longest_prefix(prompt, [c for c in same if c.role == "prefill"], LEVELS),
+                **self.index.longest_prefix(prompt, [c for c in same if c.role == "decode"], (STORED,))}
+        best = max(same, key=lambda c: held.get(c.instance_id, 0), default=None)
+        n = 0 if best is None else min(held.get(best.instance_id, 0), usable) * size
+        return (best, n, own) if n > own else None
 
     def plan(self, prompt: list[int], candidates: list[InstanceInfo], chosen: InstanceInfo) -> FetchPlan | None:
         """Under the router's lock: the holder to fetch from, or None (compute it all)."""
@@ -101,7 +105,8 @@ class Fetches:
             self.stats["kv_fetches_declined"] += 1
             return None
         self.stats["kv_fetches_chosen"] += 1
-        return FetchPlan(self.prefill[holder.instance_id], held)
+        client = self.prefill.get(holder.instance_id) or self.decode[holder.instance_id]
+        return FetchPlan(client, held)
 
     def start(self, plan: FetchPlan, prefill: PrefillClient, msg: RequestMessage, params: KVTransferParams) -> str:
         """Without the lock: the prompt goes to `prefill`, fetching its prefix from the holder, or is

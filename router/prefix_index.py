@@ -18,7 +18,7 @@ them (`tier_weights`), `TIER_WEIGHTS` until then.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from engine.core.block_manager import block_hashes
 from engine.core.kv_events import CLEARED, DISK, HOST, LEVELS, REMOVED, STORED
@@ -99,14 +99,17 @@ class PrefixIndex:
             self._held.pop(instance_id, None)
             self._cursor.pop(instance_id, None)
 
-    def longest_prefix(self, prompt_token_ids: Sequence[int], candidates: list[InstanceInfo]) -> dict[str, int]:
+    def longest_prefix(self, prompt_token_ids: Sequence[int], candidates: list[InstanceInfo],
+                       levels: Collection[str] = LEVELS) -> dict[str, int]:
         """Per candidate, how many leading full blocks of the prompt (in its engine's block size)
-        it holds at any level; 0 for one of unknown block size or never followed."""
-        return {iid: n for iid, (n, _) in self.hits(prompt_token_ids, candidates).items()}
+        it holds at one of `levels` (every level by default); 0 for one of unknown block size or
+        never followed."""
+        return {iid: n for iid, (n, _) in self.hits(prompt_token_ids, candidates, levels).items()}
 
-    def hits(self, prompt_token_ids: Sequence[int], candidates: list[InstanceInfo]) -> dict[str, tuple[int, float]]:
-        """Per candidate, (the leading full blocks of the prompt it holds at any level, their sum
-        weighted by each one's level: the candidate's measured weights, else `weights`)."""
+    def hits(self, prompt_token_ids: Sequence[int], candidates: list[InstanceInfo],
+             levels: Collection[str] = LEVELS) -> dict[str, tuple[int, float]]:
+        """Per candidate, (the leading full blocks of the prompt it holds at one of `levels`, their
+        sum weighted by each one's level: the candidate's measured weights, else `weights`)."""
         hashes_by_size: dict[int, list[int]] = {}
         out = {}
         with self._lock:
@@ -120,7 +123,7 @@ class PrefixIndex:
                     hashes = hashes_by_size[c.block_size] = block_hashes(prompt_token_ids, c.block_size)
                 weights = tier_weights(c.load.figures, c.block_size, self.weights) if self.measured else self.weights
                 n, score = 0, 0.0
-                while n < len(hashes) and (level := held.get(hashes[n])) is not None:
+                while n < len(hashes) and (level := held.get(hashes[n])) in levels:
                     n, score = n + 1, score + weights[level]
                 out[c.instance_id] = (n, round(score, 6))  # (sums of weights: ties stay ties)
         return out

@@ -79,7 +79,7 @@ class Router:
         self.failures = Failures(t, max_attempts, kv_recompute_max_tokens, self.failpoints)
         # the tables under the names this class reads them by (the same objects)
         self.prefill, self.decode, self.stats, self.handler_errors = t.prefill, t.decode, t.stats, t.handler_errors
-        self.fetches = Fetches(policy, t.prefill, t.stats, enabled=kv_fetch)
+        self.fetches = Fetches(policy, t.prefill, t.decode, t.stats, enabled=kv_fetch)
         self._lock, self._wake, self._locked = t.lock, t.wake, t.locked
         self._live, self._by_attempt, self._pending, self._stopped = t.live, t.by_attempt, t.pending, t.stopped
         self._stop = threading.Event()
@@ -293,7 +293,7 @@ class Router:
         for choice in tracked.choices:  # the ids the decode instance gives them when it forks
             choice.prefill_id, choice.decode_id = None, None
             self._by_attempt[choice.attempt_id] = choice
-        fetch = None if prefill is None else self.fetches.plan(prompt, prefills, prefill.info)
+        fetch = None if prefill is None else self.fetches.plan(prompt, prefills + decodes, prefill.info)
         return _Plan(tracked.attempt_id, RequestMessage(tracked.attempt_id, prompt, params, self.client_id), prefill,
                      ordered[:1] if local else ordered, fetch)
 

@@ -124,6 +124,9 @@ class LocalDecodeClient(_LocalClient, DecodeClient):
     def reserve(self, msg, prefill_tp):
         return self.worker.reserve(msg, prefill_tp)
 
+    def ship_held(self, request_id, token_ids, params):
+        return self.worker.ship_held(request_id, token_ids, params)
+
     def add_request(self, msg):
         self.worker.add_request(msg)
 
@@ -177,6 +180,9 @@ class RayPrefillClient(_RayClient, PrefillClient):
 class RayDecodeClient(_RayClient, DecodeClient):
     def reserve(self, msg, prefill_tp):
         return self._call("reserve", msg, prefill_tp)
+
+    def ship_held(self, request_id, token_ids, params):
+        return self._call("ship_held", request_id, token_ids, params)
 
     def add_request(self, msg):
         self._call("add_request", msg)

@@ -1,6 +1,7 @@
 """What each instance role builds on a rank around its model runner: its KV transport ends (a
-prefill's sender, and a receiver for the KV it fetches from other instances; a decode's receiver; a
-colocated instance has none) and its worker.
+prefill's sender, and a receiver for the KV it fetches from other instances; a decode's receiver,
+and a sender for what other instances fetch of its cache; a colocated instance has none) and its
+worker.
 
 RankHost (rank.py) builds the runner and the KV compat record the same way for every role, then asks
 the role in ROLES for the rest: a role is one class here and one entry in ROLES, with no branch on
@@ -64,13 +65,7 @@ class Prefill(Role):
 
     def build(self, runner, compat, kv_views, setting) -> Built:
         mc = runner.model_config
-        sender = create_kv_transport(setting.kv_transport).sender(
-            compat, f"{setting.instance_id}/{setting.rank}", timeout_s=setting.kv_timeout_s, host=setting.host,
-            same_device=setting.kv_same_device)
-        # a request's blocks are leased to its transfer: freed on the decode side's ack, or after
-        # 3 transfer timeouts if no ack ever comes (a hung peer cannot pin them forever)
-        connector = PrefillConnector(sender, mc.num_kv_heads, setting.rank, setting.tp_size,
-                                     lease_s=3 * setting.kv_timeout_s, kv_views=kv_views, kv_layout=mc.kv_layout)
+        sender, connector = _sender(runner, compat, kv_views, setting)
         receiver = _receiver(runner, compat, kv_views, setting)
         fetcher = DecodeConnector(receiver, mc.num_kv_heads, setting.rank, setting.tp_size, mc.kv_layout.num_groups)
         return Built(PrefillWorker(runner, connector, setting.instance_id, client_ttl_s=setting.client_ttl_s,
@@ -83,7 +78,8 @@ class Decode(Role):
 
     def build(self, runner, compat, kv_views, setting) -> Built:
         receiver = _receiver(runner, compat, kv_views, setting)
-        return Built(_decode_worker(runner, receiver, setting), receiver=receiver)
+        sender, holder = _sender(runner, compat, kv_views, setting)  # for what another instance fetches of its cache
+        return Built(_decode_worker(runner, receiver, setting, holder), sender=sender, receiver=receiver)
 
 
 class Colocated(Role):
@@ -91,6 +87,18 @@ class Colocated(Role):
 
     def build(self, runner, compat, kv_views, setting) -> Built:
         return Built(_decode_worker(runner, None, setting))
+
+
+def _sender(runner: ModelRunner, compat: CompatRecord, kv_views, setting: RankSetting):
+    """The rank's KV sender and the PrefillConnector over it: a request's blocks are leased to its
+    transfer, freed on the receiver's ack, or after 3 transfer timeouts if no ack ever comes (a hung
+    peer cannot pin them forever)."""
+    mc = runner.model_config
+    sender = create_kv_transport(setting.kv_transport).sender(
+        compat, f"{setting.instance_id}/{setting.rank}", timeout_s=setting.kv_timeout_s, host=setting.host,
+        same_device=setting.kv_same_device)
+    return sender, PrefillConnector(sender, mc.num_kv_heads, setting.rank, setting.tp_size,
+                                    lease_s=3 * setting.kv_timeout_s, kv_views=kv_views, kv_layout=mc.kv_layout)
 
 
 def _receiver(runner: ModelRunner, compat: CompatRecord, kv_views, setting: RankSetting) -> KVReceiver:
@@ -101,14 +109,16 @@ def _receiver(runner: ModelRunner, compat: CompatRecord, kv_views, setting: Rank
         share_cache=setting.kv_same_device, kv_views=kv_views)
 
 
-def _decode_worker(runner: ModelRunner, receiver: KVReceiver | None, setting: RankSetting) -> DecodeWorker:
+def _decode_worker(runner: ModelRunner, receiver: KVReceiver | None, setting: RankSetting,
+                   holder: PrefillConnector | None = None) -> DecodeWorker:
     """A decode or colocated rank's worker: a ColocatedEngine over the runner (rank 0 of a named
-    model with its tokenizer), taking remote KV through `receiver` (None: prompts prefilled here)."""
+    model with its tokenizer), taking remote KV through `receiver` (None: prompts prefilled here) and
+    shipping what another instance fetches of its cache through `holder` (None: none)."""
     mc = runner.model_config
     tokenizer = Tokenizer.if_any(setting.config.model) if setting.text else None
     engine = ColocatedEngine(setting.config, runner=runner, tokenizer=tokenizer)
     connector = DecodeConnector(receiver, mc.num_kv_heads, setting.rank, setting.tp_size, mc.kv_layout.num_groups)
-    return DecodeWorker(engine, connector, setting.instance_id, client_ttl_s=setting.client_ttl_s)
+    return DecodeWorker(engine, connector, setting.instance_id, client_ttl_s=setting.client_ttl_s, holder=holder)
 
 
 ROLES: dict[str, Role] = {role.name: role for role in (Prefill(), Decode(), Colocated())}

@@ -1,7 +1,9 @@
-"""A prefill instance fetches a prompt prefix another prefill instance holds (issue 51 item 3):
-B.fetch allocates the prompt and expects the prefix's KV, A.ship_held sends it from its cache, B
-computes only the rest and ships the prompt to the decode instance; the tokens equal transformers'.
-When the holder refuses, B computes the whole prompt: the same tokens, the fetch counted failed.
+"""A prefill instance fetches a prompt prefix another instance holds (issue 51 item 3): B.fetch
+allocates the prompt and expects the prefix's KV, A.ship_held sends it from its cache, B computes
+only the rest and ships the prompt to the decode instance; the tokens equal transformers'. When the
+holder refuses, B computes the whole prompt: the same tokens, the fetch counted failed. The decode
+instance D is a holder too: a conversation's next turn fetches the last turn's prompt and output
+from D's pool (no prefill instance holds the output).
 
 Real ranks (RankHost: model, KV sender and receiver, step loop) over the torch transport (gloo)."""
 from __future__ import annotations
@@ -20,7 +22,6 @@ from tests.helpers import hf_greedy, random_prompts, save_tiny_llama
 pytestmark = pytest.mark.timeout(180)
 
 BLOCK, MAX_TOKENS = 8, 6
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 def _host(path: str, role: str, iid: str) -> RankHost:
@@ -56,11 +57,12 @@ def _results(worker, rid: str) -> list:
     return [r for r in worker.poll_outputs(0.05) if r.request_id == rid]
 
 
-def _generate(hosts, rid: str, prompt: list[int], fetch_from: str | None = None, held: int = 0) -> list[int]:
+def _generate(hosts, rid: str, prompt: list[int], fetch_from: str | None = None, held: int = 0,
+              max_tokens: int = MAX_TOKENS) -> list[int]:
     """The router's part, by hand: D reserves, the prompt goes to B (fetching its first `held`
     tokens from `fetch_from`) or to A; returns the prefill's first token and D's tokens after it."""
     d = hosts["d"]
-    msg = RequestMessage(rid, prompt, GREEDY)
+    msg = RequestMessage(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     reservation = d.worker.reserve(msg, 1)
     params = KVTransferParams(rid, "d", 1, (d.kv_endpoint(),), decode_cached_tokens=reservation.cached_tokens)
     prefill = hosts["a"].worker if fetch_from is None else hosts["b"].worker
@@ -111,3 +113,17 @@ def test_a_prefix_held_by_another_prefill_instance_is_fetched_not_computed(hosts
     assert (b.num_fetches, b.num_fetches_failed) == (1, 1)
     assert b.num_computed_tokens - computed == len(other)
     _wait(lambda: a.kv.usage == 0 and b.kv.usage == 0, "the prefill instances' blocks freed")
+
+
+def test_the_decode_instance_ships_a_conversations_turn_outputs_included(hosts, tiny_path):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tiny_path, dtype="float32")
+    first = random_prompts(1, [36], seed=21)[0]
+    out = _generate(hosts, "conv1", first, max_tokens=14)  # D computes the KV of 36 + 13 tokens: 6 blocks
+    assert out == hf_greedy(hf, first, 14)
+    second = first + out + random_prompts(1, [5], seed=22)[0]
+    b, d = hosts["b"].worker, hosts["d"].worker
+    fetched, computed = b.num_fetched_tokens, b.num_computed_tokens
+    assert _generate(hosts, "conv2", second, fetch_from="d", held=48) == hf_greedy(hf, second, MAX_TOKENS)
+    assert b.num_fetched_tokens - fetched == 48 and b.num_computed_tokens - computed == len(second) - 48
+    _wait(lambda: d.kv.usage == 0 and b.kv.usage == 0, "the held and fetched blocks freed")

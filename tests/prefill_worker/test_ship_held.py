@@ -107,7 +107,7 @@ def test_held_blocks_leave_from_the_first_token_the_fetcher_lacks_without_a_forw
     assert worker.poll_outputs(0.01) == []  # nothing for the router: the fetcher sees the KV arrive
 
 
-@pytest.mark.parametrize("tokens,start,why", [(PROMPT[:8] + [1] * 8, 0, "holds fewer than the 2 blocks"),
+@pytest.mark.parametrize("tokens,start,why", [(PROMPT[:8] + [1] * 8, 0, "holds fewer than its 2 blocks"),
                                               (PROMPT[:20], 0, "not whole blocks"),
                                               (PROMPT, 24, "not whole blocks")])
 def test_a_prefix_not_held_whole_is_refused_and_nothing_leaves(holder, tokens, start, why):

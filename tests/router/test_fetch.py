@@ -14,7 +14,8 @@ from router.client import InstanceLoad
 from router.fetch import MIN_MEASURED_TOKENS, fetch_pays
 from router.policy import LeastLoaded, PrefixAware
 from router.router import Router
-from tests.router.test_prefix_index import PROMPT, CachingPrefill
+from engine.core.kv_events import HOST
+from tests.router.test_prefix_index import PROMPT, CachingDecode, CachingPrefill
 from tests.router.test_router import PARAMS, FakeDecode
 
 
@@ -116,3 +117,39 @@ def test_a_fetch_its_measures_say_is_slower_is_declined_and_computed():
         assert r.snapshot()["kv_fetches_declined"] == 1
     finally:
         r.close()
+
+
+class ShippingDecode(CachingDecode):
+    """A caching fake decode instance that ships what its pool holds."""
+
+    def __init__(self, iid: str):
+        super().__init__(iid)
+        self.ships = []
+
+    def ship_held(self, request_id, token_ids, params):
+        self._check()
+        self.ships.append((request_id, list(token_ids), params))
+        return None
+
+
+def test_a_decode_instance_holding_the_conversation_ships_it_from_its_pool():
+    """The decode instance holds the last turn (prompt and output) in its pool: the prefill
+    instance fetches it from there; blocks only in its (write-through) host tier do not count."""
+    decode, fetcher = ShippingDecode("d0"), FetchingPrefill("p0")
+    decode.cache("turn", PROMPT)
+    r = Router([fetcher], [decode], LeastLoaded())
+    r.start()
+    try:
+        _until(lambda: r.fetches.index.num_snapshots >= 2, "the router follows both instances")
+        r.submit("x", PROMPT + [5, 6], PARAMS)
+        _until(lambda: decode.ships, "the decode instance told to ship")
+        (rid, num_tokens, _), = fetcher.fetches
+        assert num_tokens == 20 and decode.ships[0][0] == rid and decode.ships[0][1] == PROMPT
+    finally:
+        r.close()
+    # the same blocks in its host tier only: not a holder (it ships from its pool)
+    hashes = decode.kv.block_pool.events.since(-1)["snapshot"]
+    decode.kv_events = lambda since: {"epoch": "another life", "seq": 0, "snapshot": [], "tiers": {HOST: hashes}}
+    r.fetches.index.follow(decode)
+    assert r.fetches.index.longest_prefix(PROMPT, [decode.info]) == {"d0": 5}  # held, in the tier
+    assert r.fetches.source(PROMPT + [5, 6], [decode.info], fetcher.info) is None

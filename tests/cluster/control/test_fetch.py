@@ -1,7 +1,8 @@
 """Cross-instance fetch through the router (issue 51 item 3, router/fetch.py): a prompt prefix
 cached on prefill instance A, the request routed to prefill instance B (round robin: the router
 follows the prefill instances' caches for fetches alone): B fetches the prefix's KV from A instead of
-computing it, and the tokens equal transformers'; with --no-kv-fetch B computes it. In-process 2P1D."""
+computing it, and the tokens equal transformers'; the next turn, on A, fetches the conversation with
+its output from the decode instance; with --no-kv-fetch B computes it. In-process 2P1D."""
 from __future__ import annotations
 
 import time
@@ -58,4 +59,17 @@ def test_a_prefix_cached_on_a_is_fetched_by_b_not_computed(tiny_path, kv_fetch):
         assert workers[a].num_computed_tokens == len(first)  # A computed nothing more: it shipped
         stats = router.snapshot()
         assert (stats["kv_fetches_chosen"], stats["kv_fetches_opened"], stats["kv_fetches_refused"]) == (1, 1, 0)
+
+        # the third turn goes to A, which holds the first; the decode instance holds the second with
+        # its output (7 blocks), more than B (the second's 6): A fetches from the decode instance
+        third = second + s2.token_ids + random_prompts(1, [9], seed=13)[0]
+        decode = next(i for i in cluster.instances.values() if i.role == "decode")
+        _wait(lambda: router.fetches.index.longest_prefix(third, [decode.client.info])[decode.instance_id] == 7,
+              "the router's index to learn the decode instance's blocks")
+        wa, computed = workers[a], workers[a].num_computed_tokens
+        (s3,) = cluster.generate([third], GREEDY, timeout_s=60)
+        assert s3.error is None and s3.token_ids == hf_greedy(hf, third, 6)
+        assert (wa.num_fetches, wa.num_fetched_tokens) == (1, 56 - 40)  # A held the first 40 itself
+        assert wa.num_computed_tokens - computed == len(third) - 56
+        _wait(lambda: decode.ranks[0].worker.kv.usage == 0 and wa.kv.usage == 0, "the held blocks freed")
         cluster.assert_no_leaks()

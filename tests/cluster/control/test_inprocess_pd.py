@@ -38,7 +38,7 @@ def run(spec: ClusterSpec, prompts, max_tokens: int, logprobs: list | None = Non
             parts = len(prompts) * hosts[0].runner.model_config.kv_layout.num_groups  # a transfer per KV group
             assert sum(h.sender.stats.get("parts_sent", 0) for h in hosts if h.sender) == parts
             assert sum(h.receiver.stats.get("completed", 0) for h in hosts if h.receiver) == parts
-            senders = [h.sender.stats for h in hosts if h.sender]
+            senders = [i.ranks[0].sender.stats for i in cluster.instances.values() if i.role == "prefill"]
             # a CPU: "auto" and "torch" both use the data channel (same-device writes are CUDA's)
             assert all(st.get("groups_created", 0) > 0 and not st.get("shared_connections") for st in senders)
         return [s.token_ids for s in streams]
@@ -73,8 +73,8 @@ def test_fp8_kv_instances_hold_and_announce_fp8(tiny_path):
         hosts = [i.ranks[0] for i in cluster.instances.values()]
         assert {h.runner.kv_cache.dtype for h in hosts} == {torch.float8_e4m3fn}
         ends = [end for h in hosts for end in (h.sender, h.receiver) if end is not None]
-        # the prefill's sender and fetch receiver, the decode's receiver
-        assert len(ends) == 3 and {end.compat.dtype for end in ends} == {"float8_e4m3fn"}
+        # each instance's sender and receiver (a prefill's receives fetches, a decode's sender ships them)
+        assert len(ends) == 4 and {end.compat.dtype for end in ends} == {"float8_e4m3fn"}
 
 
 @pytest.mark.skipif(NO_AVX512, reason="vLLM-CPU's fp8 and AVX-512 paths: this CPU has AVX2 only (follow-up: session 15 note)")

@@ -47,13 +47,27 @@ def checked(streams) -> list[list[int]]:
 def test_tp_mixes_match_colocated(ray_session, tiny_path, ptp, dtp):
     """P tp=1 -> D tp=2, P tp=2 -> D tp=1, and TP=2 on both: each decode rank gets its KV heads
     from the right prefill ranks; outputs and their logprobs (the first token's from the prefill
-    driver, the rest from the decode driver) equal colocated; every allocator ends empty. Every rank
+    driver, the rest from the decode driver) equal colocated; every allocator ends empty. A second
+    turn fetches a block of the first's output from the decode ranks into the prefill ranks (every
+    rank of each expects or ships its heads) and equals colocated too. Every rank
     runs at nice 0 (not Ray's 15) with the spec's one intra-op thread, fixed, and the environment's
     OpenMP wait policy (the spec's default)."""
     prompts = random_prompts(6, [7, 30, 140], seed=ptp * 10 + dtp)
     with Cluster(spec_for(tiny_path, prefill_tp=ptp, decode_tp=dtp), log_level="WARNING") as c:
         streams = c.generate(prompts, GREEDY_LOGPROBS, timeout_s=120)
         got = checked(streams)
+        # a second turn: the decode instance holds the first with its output (18 blocks), the prefill
+        # instance its prompt (17): the prefill's ranks fetch the 18th block from the decode's ranks
+        prompts.append(prompts[2] + got[2] + random_prompts(1, [6], seed=99)[0])
+        prefill, decode = (next(i for i in c.instances.values() if i.role == role) for role in ("prefill", "decode"))
+        deadline = time.monotonic() + 30
+        while c.router.fetches.index.longest_prefix(prompts[-1], [decode.client.info])[decode.instance_id] < 18:
+            assert time.monotonic() < deadline, "the router did not learn the decode instance's blocks"
+            time.sleep(0.05)
+        streams += c.generate(prompts[-1:], GREEDY_LOGPROBS, timeout_s=120)
+        got = checked(streams)
+        load = prefill.client.load()
+        assert (load["kv_fetches"], load["kv_fetched_tokens"], load["kv_fetches_failed"]) == (1, 8, 0)
         c.assert_no_leaks()
         for inst in c.instances.values():  # where the ranks are: loopback on a driver-started Ray
             pids = ray.get([r.pid.remote() for r in inst.ranks])
