@@ -32,6 +32,7 @@ from engine.speculative.rows import DraftKVRecorder, RowRecorder
 from kvtransfer.connector import DecodeConnector, PrefillConnector, Shipment, prompt_slots
 from kvtransfer.held import HeldKV
 from kvtransfer.params import KVTransferParams
+from prefill_worker.fetch_cost import FetchCost
 from prefill_worker.scheduler import PrefillScheduler
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class PrefillWorker(BaseWorker):
         # cumulative: fetches that brought their KV, the tokens they brought and the seconds from
         # admission to the KV complete (the router's yardstick against computing), those given up on
         self.num_fetches, self.num_fetched_tokens, self.fetch_s, self.num_fetches_failed = 0, 0, 0.0, 0
+        self.fetch_cost = FetchCost()  # seconds = fixed + per token * tokens, fitted over the fetches
         # a proposer on the decode instances that needs state of the prompt (a head's rows, a draft's
         # KV): rank 0 computes it and ships it with the prompt's KV (engine/speculative/rows.py)
         self.rows = runner.draft if isinstance(runner.draft, (RowRecorder, DraftKVRecorder)) else None
@@ -165,7 +167,7 @@ class PrefillWorker(BaseWorker):
                 "kv_transfer_failures": float(st.get("groups_failed", 0) + st.get("parts_rejected", 0)),
                 "prefill_tokens_computed": float(self.num_computed_tokens), "prefill_busy_s": self.busy_s,
                 "kv_fetches": float(self.num_fetches), "kv_fetched_tokens": float(self.num_fetched_tokens),
-                "kv_fetch_seconds": self.fetch_s,
+                "kv_fetch_seconds": self.fetch_s, **self.fetch_cost.figures(),
                 "kv_fetches_failed": float(self.num_fetches_failed),
                 "kv_fetch_bytes_received": float(self._fetch_stats().get("bytes_received", 0)),
                 **super().load()}
@@ -313,6 +315,7 @@ class PrefillWorker(BaseWorker):
             tokens, seconds = self.scheduler.fetch_ended(done.request_id, True)
             self.num_fetches, self.num_fetched_tokens, self.fetch_s = \
                 self.num_fetches + 1, self.num_fetched_tokens + tokens, self.fetch_s + seconds
+            self.fetch_cost.add(tokens, seconds)
         for rid, why in failed.items():
             self._fetch_failed(rid, why, cancelled=True)
         for rid in self.scheduler.expired_fetches(time.monotonic()):

@@ -12,9 +12,9 @@ The index is the policy's where it keeps one (prefix_aware); under another polic
 one of its own for fetches, following its prefill and decode instances' KV events on its load
 thread, as prefix_aware does. `kv_fetch` off (the spec's): no fetch, no index followed.
 
-The yardstick is the chosen instance's (`fetch_pays`): its prefill seconds per token computed
-against its fetches' seconds per token fetched (from admission to the KV complete: the calls, the
-holder's queue and the wire). Until both are measured a fetch is tried (the fetch measures itself;
+The yardstick is the chosen instance's (`fetch_pays`): its prefill seconds per token computed,
+times the tokens, against its fetches' seconds (from admission to the KV complete: the calls, the
+holder's queue and step, the wire) fitted as fixed + per token, for that many tokens. Until both are measured a fetch is tried (the fetch measures itself;
 a failed or late one is computed, so a wrong guess costs time, never output). Counted either way
 in the router's stats: chosen, declined by the measures, not opened by the instance, refused by
 the holder.
@@ -44,13 +44,15 @@ class FetchPlan:
 
 def fetch_pays(figures: Mapping[str, float], num_tokens: int) -> bool | None:
     """Whether fetching `num_tokens` beats computing them on the instance whose load report is
-    `figures`, by its own measures; None until both are measured."""
+    `figures`, by its own measures: its fetches' seconds fitted as fixed + per token
+    (prefill_worker/fetch_cost.py) against its prefill seconds per token computed; None until both
+    are measured."""
     computed, fetched = figures.get("prefill_tokens_computed", 0.0), figures.get("kv_fetched_tokens", 0.0)
-    if computed < MIN_MEASURED_TOKENS or fetched < MIN_MEASURED_TOKENS or num_tokens <= 0:
+    per_token = figures.get("kv_fetch_s_per_token")
+    if computed < MIN_MEASURED_TOKENS or fetched < MIN_MEASURED_TOKENS or per_token is None or num_tokens <= 0:
         return None
-    compute_s = figures.get("prefill_busy_s", 0.0) / computed
-    fetch_s = figures.get("kv_fetch_seconds", 0.0) / fetched
-    return fetch_s < compute_s
+    compute_s = figures.get("prefill_busy_s", 0.0) / computed * num_tokens
+    return figures.get("kv_fetch_fixed_s", 0.0) + per_token * num_tokens < compute_s
 
 
 class Fetches:

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from kvtransfer.params import KVEndpoint
+from prefill_worker.fetch_cost import FetchCost
 from router.client import InstanceLoad
 from router.fetch import MIN_MEASURED_TOKENS, fetch_pays
 from router.policy import LeastLoaded, PrefixAware
@@ -65,12 +66,24 @@ def _router(figures: dict | None = None, policy=None):
 
 
 def test_fetch_pays_by_the_instances_own_measures():
+    """Computing costs 1 ms a token; a fetch 20 ms plus 0.1 ms a token: it pays from 23 tokens on."""
     n = MIN_MEASURED_TOKENS
     assert fetch_pays({}, 16) is None  # unmeasured: a fetch is tried
-    assert fetch_pays({"prefill_tokens_computed": n, "prefill_busy_s": 1.0}, 16) is None
-    measured = {"prefill_tokens_computed": n, "prefill_busy_s": 1.0, "kv_fetched_tokens": n}
-    assert fetch_pays({**measured, "kv_fetch_seconds": 0.1}, 16) is True
-    assert fetch_pays({**measured, "kv_fetch_seconds": 2.0}, 16) is False
+    assert fetch_pays({"prefill_tokens_computed": n, "prefill_busy_s": n * 1e-3}, 16) is None
+    measured = {"prefill_tokens_computed": n, "prefill_busy_s": n * 1e-3, "kv_fetched_tokens": n,
+                "kv_fetch_fixed_s": 0.02, "kv_fetch_s_per_token": 1e-4}
+    assert fetch_pays(measured, 16) is False and fetch_pays(measured, 32) is True
+
+
+def test_the_fetch_cost_fit_separates_a_fixed_part_from_a_per_token_part():
+    cost = FetchCost()
+    assert cost.fit() is None and cost.figures() == {}
+    cost.add(100, 0.02 + 100 * 1e-4)
+    assert cost.fit() == (0.0, pytest.approx(3e-4))  # one size: the mean per token
+    for tokens in (16, 200, 400):
+        cost.add(tokens, 0.02 + tokens * 1e-4)
+    fixed, per_token = cost.fit()
+    assert fixed == pytest.approx(0.02) and per_token == pytest.approx(1e-4)
 
 
 class ToTheSecond(LeastLoaded):
@@ -109,7 +122,7 @@ def test_routed_away_from_the_holder_the_prefix_is_fetched_from_it(policy):
 def test_a_fetch_its_measures_say_is_slower_is_declined_and_computed():
     n = MIN_MEASURED_TOKENS
     r, holder, fetcher = _router({"prefill_tokens_computed": n, "prefill_busy_s": 0.1, "kv_fetched_tokens": n,
-                                  "kv_fetch_seconds": 1.0})
+                                  "kv_fetch_s_per_token": 1.0 / n})
     try:
         r.submit("x", PROMPT + [5, 6], PARAMS)
         _until(lambda: fetcher.submitted, "the prompt submitted whole")
