@@ -291,6 +291,8 @@ class DecodeWorker(BaseWorker):
             runner.update_states(sched)
             inp = None if sched.is_empty else runner.prepare_inputs(sched)
             self.tp.broadcast_step((inp, held))
+            if held:  # before the forward: the fetcher waits for no batch (it writes none of these blocks)
+                self.held.ship(held, runner.kv_cache)
             result = None
             if inp is not None:
                 start = time.monotonic()
@@ -298,8 +300,6 @@ class DecodeWorker(BaseWorker):
                 self.num_steps += 1
                 self.step_s += time.monotonic() - start
                 self.num_step_seqs += len(sched.new_requests) + len(sched.cached_requests)
-            if held:
-                self.held.ship(held, runner.kv_cache)
             polls = self.tp.all_gather_object(self.connector.poll())
         except BaseException:
             with self._lock:
@@ -331,10 +331,10 @@ class DecodeWorker(BaseWorker):
         if msg == "stop":
             return False
         inp, held = msg
-        if inp is not None:
-            self.engine.runner.execute_model(inp)
         if held:
             self.held.ship(held, self.engine.runner.kv_cache)
+        if inp is not None:
+            self.engine.runner.execute_model(inp)
         if self.held is not None:
             self.held.connector.take_delivered()  # (rank 0 keeps the books)
         self.tp.all_gather_object(self.connector.poll())
