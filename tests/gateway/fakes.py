@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
-from router.tables import StreamEvent
+from router.tables import STATS, StreamEvent
 
 TOKENS = [504, 3575, 282, 4649, 314, 7042, 30]  # "The capital of France is Paris."
 
@@ -20,9 +20,9 @@ class FakeCluster:
 
     def __init__(self):
         self.instances, self.aborted, self.submitted, self.stopped, self.sessions = {}, [], [], [], []
-        self.router = SimpleNamespace(num_queued=0, num_placed=0, stats={
-            "retries": 2, "failed": 1, "instance_deaths": 1, "tokens_past_stop": 0, "kv_recomputes": 3,
-            "prompt_tokens": 100, "cached_prompt_tokens": 64,
+        self.router = SimpleNamespace(num_queued=0, num_placed=0, stats={  # every counter a router keeps
+            **dict.fromkeys(STATS, 0), "retries": 2, "failed": 1, "instance_deaths": 1, "tokens_past_stop": 0,
+            "kv_recomputes": 3, "prompt_tokens": 100, "cached_prompt_tokens": 64,
             "session_placements": 5, "prefix_available_tokens": 80, "prefix_routed_tokens": 72})
         self.is_ready = True
         self.status_rows: list[dict] = []  # what instance_status gives /status
