@@ -268,12 +268,7 @@ class PrefillWorker(BaseWorker):
                 if a in self.scheduler.fetching:
                     self._fetch_failed(a, "the holder will not ship it")
             elif kind == "submit":
-                self.connector.add(a.request_id, b)
-                try:
-                    self.scheduler.add_request(a)
-                except ValueError as exc:
-                    self.connector.drop(a.request_id)
-                    self._report(PrefillResult(a.request_id, None, str(exc)))
+                self._take(a, b, lambda req=a: self.scheduler.add_request(req))
             else:
                 self._abort(a)
 
@@ -286,26 +281,36 @@ class PrefillWorker(BaseWorker):
             if self.rows is not None:
                 self.rows.forget(request_id)
 
-    def _open_fetch(self, req: Request, params: KVTransferParams, num_tokens: int, holder_tp: int,
-                    answer: Future) -> None:
-        """Admits a fetched prompt and has every rank expect the fetched tokens' KV (answering
-        `fetch`); without room or gain, queues it as submitted."""
+    def _take(self, req: Request, params: KVTransferParams, admit):
+        """A prompt whose KV goes per `params`: `admit()`'s answer; one it refuses (ValueError,
+        check_admission) is reported failed (None)."""
         self.connector.add(req.request_id, params)
-        start = None
         try:
-            start = self.scheduler.admit_fetch(req, num_tokens, self.fetch_timeout_s)
-            if start is None:
-                self.scheduler.add_request(req)
-            else:
-                size = self.runner.block_size
-                slots = prompt_slots(self.scheduler.kv.get_block_ids(req.request_id)[0], size, num_tokens,
-                                     start=start)
-                self.fetcher.reserve(req.request_id, [slots], holder_tp)
+            return admit()
         except ValueError as exc:
             self.connector.drop(req.request_id)
             self._report(PrefillResult(req.request_id, None, str(exc)))
+            return None
+
+    def _open_fetch(self, req: Request, params: KVTransferParams, num_tokens: int, holder_tp: int,
+                    answer: Future) -> None:
+        """Admits a fetched prompt and has every rank expect the fetched tokens' KV (answering
+        `fetch` with the first token to fetch); without room or gain, queues it as submitted (None)."""
+        start = None
+        try:
+            start = self._take(req, params, lambda: self._expect_fetch(req, num_tokens, holder_tp))
         finally:
             answer.set_result(start)
+
+    def _expect_fetch(self, req: Request, num_tokens: int, holder_tp: int) -> int | None:
+        start = self.scheduler.admit_fetch(req, num_tokens, self.fetch_timeout_s)
+        if start is None:
+            self.scheduler.add_request(req)
+            return None
+        slots = prompt_slots(self.scheduler.kv.get_block_ids(req.request_id)[0], self.runner.block_size, num_tokens,
+                             start=start)
+        self.fetcher.reserve(req.request_id, [slots], holder_tp)
+        return start
 
     def _end_fetches(self, polls: list) -> None:
         """Rank 0: the fetches every rank holds whole go on to compute the rest; failed and late ones
