@@ -67,7 +67,7 @@ class Poll:
 
 @dataclass(frozen=True)
 class Stats:
-    pass  # the rank's KV sender or receiver counters
+    pass  # the rank's KV sender (prefill) or receiver (decode) counters
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,8 @@ def _serve(host, cmd):
             return w.submit(msg, params)
         case Poll(timeout_s):
             return w.poll_outputs(timeout_s, CLIENT)
-        case Stats():
-            return (host.sender or host.receiver).stats
+        case Stats():  # what this role's transfers moved: a prefill's sender, a decode's receiver
+            return (host.receiver if host.role == "decode" else host.sender).stats
         case SameDeviceOff():
             return host.kv_same_device_off
     raise TypeError(f"unknown command {cmd!r}")
