@@ -56,7 +56,12 @@ COUNTERS = {"kv_bytes": "pdserve_kv_transfer_received_bytes_total",
             "reload_s": "pdserve_kv_host_tier_reload_seconds_total", "disk_read_s": "pdserve_kv_disk_tier_read_seconds_total",
             "prefill_tokens": "pdserve_prefill_computed_tokens_total", "prefill_s": "pdserve_prefill_busy_seconds_total",
             # cross-instance fetch (router/fetch.py): prompt tokens fetched from another prefill instance
-            "fetched_tokens": "pdserve_kv_fetched_tokens_total", "fetches_failed": "pdserve_kv_fetches_failed_total"}
+            "fetched_tokens": "pdserve_kv_fetched_tokens_total", "fetches_failed": "pdserve_kv_fetches_failed_total",
+            # the router's decisions (router/fetch.py)
+            "fetches_chosen": "pdserve_router_kv_fetches_chosen_total",
+            "fetches_declined": "pdserve_router_kv_fetches_declined_total",
+            "fetches_not_opened": "pdserve_router_kv_fetches_not_opened_total",
+            "fetches_refused": "pdserve_router_kv_fetches_refused_total"}
 
 
 @dataclass(frozen=True)
