@@ -132,7 +132,7 @@ class ClusterSpec:
     kv_transport: str = "auto"
     kv_checksum: bool = False  # kvtransfer/wire.py: a checksum per part, checked on receipt
     kv_delta: bool = True  # decode_worker/scheduler.py reserve: ship only what the decode's prefix cache lacks
-    kv_fetch: bool = True  # router/fetch.py: a prefix another prefill instance holds is fetched when that pays
+    kv_fetch: bool = True  # router/fetch.py: a prefix another instance holds is fetched when that pays
     kv_host_tier_gib: float = 0.0  # engine/core/host_tier.py: evicted blocks' KV kept in host memory; 0: none
     kv_disk_tier_gib: float = 0.0  # engine/runner/disk_tier.py: what the host tier drops, on disk; 0: none
     kv_disk_tier_dir: str | None = None  # its directory (a shared volume shares it); None: $PDSERVE_CACHE_DIR/kv

@@ -33,7 +33,8 @@ class InstanceRecord:
         instance_id: unique name of the instance.
         role: "prefill", "decode" or "colocated".
         tp_size: number of tensor-parallel ranks.
-        kv_endpoints: (host, port) of each rank's KV receiver, rank order (a prefill's: for the KV it fetches); empty for colocated.
+        kv_endpoints: (host, port) of each rank's KV receiver, rank order (a prefill's: for the KV it
+            fetches); empty for colocated.
         health: "healthy", "draining" (no new requests) or "dead".
         load: load figures, e.g. queued_prefill_tokens, running, waiting, kv_usage.
         updated_at: wall-clock time of the last write, stamped by the state backend.

@@ -63,10 +63,9 @@ class PrefillWorker(BaseWorker):
         super().__init__(runner, instance_id, client_ttl_s)
         self.connector = connector
         self.fetcher, self.fetch_timeout_s = fetcher, fetch_timeout_s
-        # cumulative: fetches that brought their KV, the tokens they brought and the seconds from
-        # admission to the KV complete (the router's yardstick against computing), those given up on
-        self.num_fetches, self.num_fetched_tokens, self.fetch_s, self.num_fetches_failed = 0, 0, 0.0, 0
-        self.fetch_cost = FetchCost()  # seconds = fixed + per token * tokens, fitted over the fetches
+        # the fetches that brought their KV: their tokens and seconds from admission to the KV complete
+        # (the router's yardstick against computing: fixed + per token, fitted); those given up on
+        self.fetch_cost, self.num_fetches_failed = FetchCost(), 0
         # a proposer on the decode instances that needs state of the prompt (a head's rows, a draft's
         # KV): rank 0 computes it and ships it with the prompt's KV (engine/speculative/rows.py)
         self.rows = runner.draft if isinstance(runner.draft, (RowRecorder, DraftKVRecorder)) else None
@@ -107,13 +106,10 @@ class PrefillWorker(BaseWorker):
         if self.fetcher is None:
             self.submit(msg, params)
             return None
-        req, answer = Request.from_message(msg, self.eos_token_ids), Future()
+        req = Request.from_message(msg, self.eos_token_ids)
         self.outbox.add(req.request_id, req.client_id)
-        self._inbox.put(("fetch", req, (params, num_tokens, holder_tp, answer)))
-        try:
-            return answer.result(wait_s)
-        except FutureTimeout:  # a long step: the fetch may still open; unanswered, it ends at its deadline
-            return None
+        # unanswered (a long step), the fetch may still open: it then ends at its deadline
+        return self._ask("fetch", req, (params, num_tokens, holder_tp), wait_s, late=None)
 
     def give_up_fetch(self, request_id: str) -> None:
         """Rank 0 (thread-safe): the holder will not ship `request_id`'s KV (it said so): compute it."""
@@ -137,12 +133,26 @@ class PrefillWorker(BaseWorker):
         Returns once they are held: None, the KV then on its way (the fetcher sees it arrive, or
         its transfer fail); else why nothing is shipped (`token_ids` not whole blocks, not all held,
         no answer within `wait_s`)."""
+        # unanswered (a long step), it may still be held and ship: the fetcher has given up meanwhile
+        return self._ask("ship", request_id, (list(token_ids), params), wait_s, late=f"not held within {wait_s:.0f} s")
+
+    def _ask(self, kind: str, key, args: tuple, wait_s: float, late):
+        """Queues `(kind, key, (*args, answer))` for the loop and returns its answer, or `late` when
+        none comes within `wait_s`."""
         answer = Future()
-        self._inbox.put(("ship", request_id, (list(token_ids), params, answer)))
+        self._inbox.put((kind, key, (*args, answer)))
         try:
             return answer.result(wait_s)
-        except FutureTimeout:  # a long step: if it is held later, it ships, and the fetcher has given up
-            return f"not held within {wait_s:.0f} s"
+        except FutureTimeout:
+            return late
+
+    @property
+    def num_fetches(self) -> int:
+        return self.fetch_cost.n
+
+    @property
+    def num_fetched_tokens(self) -> int:
+        return int(self.fetch_cost.tokens)
 
     def _report(self, result: PrefillResult) -> None:
         self.outbox.put(result.request_id, result)
@@ -167,7 +177,7 @@ class PrefillWorker(BaseWorker):
                 "kv_transfer_failures": float(st.get("groups_failed", 0) + st.get("parts_rejected", 0)),
                 "prefill_tokens_computed": float(self.num_computed_tokens), "prefill_busy_s": self.busy_s,
                 "kv_fetches": float(self.num_fetches), "kv_fetched_tokens": float(self.num_fetched_tokens),
-                "kv_fetch_seconds": self.fetch_s, **self.fetch_cost.figures(),
+                "kv_fetch_seconds": self.fetch_cost.seconds, **self.fetch_cost.figures(),
                 "kv_fetches_failed": float(self.num_fetches_failed),
                 "kv_fetch_bytes_received": float(self._fetch_stats().get("bytes_received", 0)),
                 **super().load()}
@@ -317,10 +327,7 @@ class PrefillWorker(BaseWorker):
         compute all of it."""
         ready, failed = self.fetcher.admit(polls)
         for done in ready:
-            tokens, seconds = self.scheduler.fetch_ended(done.request_id, True)
-            self.num_fetches, self.num_fetched_tokens, self.fetch_s = \
-                self.num_fetches + 1, self.num_fetched_tokens + tokens, self.fetch_s + seconds
-            self.fetch_cost.add(tokens, seconds)
+            self.fetch_cost.add(*self.scheduler.fetch_ended(done.request_id, True))
         for rid, why in failed.items():
             self._fetch_failed(rid, why, cancelled=True)
         for rid in self.scheduler.expired_fetches(time.monotonic()):

@@ -139,8 +139,9 @@ _HELP = {
     "kv_delta": "a decode instance takes a remote prompt's leading blocks from its own prefix cache (the last "
                 "turn's prompt and output) and the prefill instance ships only the KV after them; "
                 "--no-kv-delta ships every prompt token",
-    "kv_fetch": "a prompt whose prefix another prefill instance holds in its KV pool, placed on one that does not, "
-                "has that prefix's KV fetched from the holder when the placed instance's measures say a fetch beats "
+    "kv_fetch": "a prompt whose prefix another instance holds (a prefill's pool or tiers, a decode's pool), placed "
+                "on a prefill instance that does not, has that prefix's KV fetched from the holder when the placed "
+                "instance's measures say a fetch beats "
                 "computing (tried until measured; a refused, failed or late fetch is computed); --no-kv-fetch "
                 "computes it (docs/disaggregation.md)",
     "kv_load_failure_policy": "when a decode instance's KV load fails: recompute the prompt there (prompts up to "

@@ -105,6 +105,9 @@ class _LocalClient:
     def kv_events(self, since):
         return self.worker.kv_events(since)
 
+    def ship_held(self, request_id, token_ids, params):
+        return self.worker.ship_held(request_id, token_ids, params)
+
 
 class LocalPrefillClient(_LocalClient, PrefillClient):
     def submit(self, msg, params):
@@ -112,9 +115,6 @@ class LocalPrefillClient(_LocalClient, PrefillClient):
 
     def fetch(self, msg, params, num_tokens, holder_tp):
         return self.worker.fetch(msg, params, num_tokens, holder_tp)
-
-    def ship_held(self, request_id, token_ids, params):
-        return self.worker.ship_held(request_id, token_ids, params)
 
     def give_up_fetch(self, request_id):
         self.worker.give_up_fetch(request_id)
@@ -124,14 +124,11 @@ class LocalDecodeClient(_LocalClient, DecodeClient):
     def reserve(self, msg, prefill_tp):
         return self.worker.reserve(msg, prefill_tp)
 
-    def ship_held(self, request_id, token_ids, params):
-        return self.worker.ship_held(request_id, token_ids, params)
-
     def add_request(self, msg):
         self.worker.add_request(msg)
 
 
-FETCH_WAIT_S = 30.0  # how long a fetch call may wait for the instance's loop to take it (PrefillWorker.fetch)
+FETCH_WAIT_S = 30.0  # how long a fetch or ship_held call may wait for the instance to take it
 
 
 class _RayClient:
@@ -156,6 +153,9 @@ class _RayClient:
     def kv_events(self, since):
         return self._call("kv_events", since)
 
+    def ship_held(self, request_id, token_ids, params):
+        return self._call("ship_held", request_id, token_ids, params, wait_s=FETCH_WAIT_S)
+
 
 class RayPrefillClient(_RayClient, PrefillClient):
     def submit(self, msg, params):
@@ -163,9 +163,6 @@ class RayPrefillClient(_RayClient, PrefillClient):
 
     def fetch(self, msg, params, num_tokens, holder_tp):
         return self._call("fetch", msg, params, num_tokens, holder_tp, wait_s=FETCH_WAIT_S)
-
-    def ship_held(self, request_id, token_ids, params):
-        return self._call("ship_held", request_id, token_ids, params, wait_s=FETCH_WAIT_S)
 
     def give_up_fetch(self, request_id):
         self.actor.give_up_fetch.remote(request_id)  # fire and forget, as an abort
@@ -180,9 +177,6 @@ class RayPrefillClient(_RayClient, PrefillClient):
 class RayDecodeClient(_RayClient, DecodeClient):
     def reserve(self, msg, prefill_tp):
         return self._call("reserve", msg, prefill_tp)
-
-    def ship_held(self, request_id, token_ids, params):
-        return self._call("ship_held", request_id, token_ids, params)
 
     def add_request(self, msg):
         self._call("add_request", msg)
