@@ -8,8 +8,9 @@ ships is read per turn from the server's /metrics.
     python -m bench.multiturn --targets vllm                 # vLLM-CPU (prefix caching on): bench/serving_vs_vllm.py
 
 Targets: `1P1D`, `2P2D` (prefix-aware routing) and `colocated` with the KV economics of issue 51
-on (delta transfer, a host tier of --tier-gib per rank), each also `-off` (`--no-kv-delta`, no
-tier: every turn ships its whole prompt's KV, and what the pool evicted is computed again), and
+on (delta transfer, a host tier of --tier-gib per rank, the cross-instance fetch), each also `-off`
+(`--no-kv-delta`, no tier, `--no-kv-fetch`: every turn ships its whole prompt's KV, and what the
+pool evicted is computed again), and
 `vllm`. Workload, seeded: a system prompt of
 --system-words words, each user message uniform in [--user-words-min, --user-words-max] words of a
 fixed list, every reply exactly --output-tokens tokens (greedy, ignore_eos). Each pdserve instance's
@@ -196,6 +197,8 @@ def server_argv(target: str, port: int, args: argparse.Namespace) -> tuple[list[
     argv = [sys.executable, "-m", "cluster.cli.cli", "serve", "--dtype", args.dtype, "--host", "127.0.0.1",
             "--port", str(port), "--block-size", str(args.block_size), "--num-kv-blocks", str(args.num_kv_blocks),
             *PDSERVE[layout], *(["--no-kv-delta"] if off else ["--kv-host-tier-gib", f"{args.tier_gib:g}"])]
+    if off and layout != "colocated":
+        argv.append("--no-kv-fetch")  # (the fetch is issue 51's too)
     if args.disk_tier_gib and not off:
         disk_dir = tempfile.mkdtemp(prefix=f"kv-disk-{target}-", dir=args.log_dir)
         argv += ["--kv-disk-tier-gib", f"{args.disk_tier_gib:g}", "--kv-disk-tier-dir", disk_dir]

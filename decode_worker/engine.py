@@ -90,9 +90,16 @@ class ColocatedEngine:
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        tier = self.kv.tier
+        if sched.is_empty and sched.kv_tier is not None:  # nothing to compute: the tiers' copies alone,
+            self.runner.host_arena.apply(sched.kv_tier)  # then a while for the disk reads waited for
+            tier.arrived([self.runner.poll_tier(wait_s=0.05)])
+            return []
         if sched.is_empty and self.scheduler.has_unfinished() and not self.scheduler.running:
             raise RuntimeError("no request can be scheduled: the KV pool is too small for the waiting prompt")
         result = self.runner.execute(sched)
+        if tier is not None:
+            tier.arrived([self.runner.poll_tier()])
         touched = self.scheduler.update(sched, result)
         self.take_forks()
         return self.output.process(touched)
@@ -283,14 +290,18 @@ class DecodeWorker(BaseWorker):
         with self._lock:
             held = self._held_shipments()
             sched = self.engine.scheduler.schedule()
-            if sched.is_empty and not self.connector.awaiting and not sched.finished_req_ids and not held:
+            if sched.is_empty and not self.connector.awaiting and not sched.finished_req_ids and not held \
+                    and sched.kv_tier is None:
                 return False  # idle: no collective call (followers wait on the control group)
             self._stepping = True
         try:
             runner = self.engine.runner
             runner.update_states(sched)
             inp = None if sched.is_empty else runner.prepare_inputs(sched)
-            self.tp.broadcast_step((inp, held))
+            copies = sched.kv_tier if inp is None else None  # nothing to compute: the tiers' copies alone
+            self.tp.broadcast_step((inp, held, copies))
+            if copies is not None:
+                runner.host_arena.apply(copies)
             if held:  # before the forward: the fetcher waits for no batch (it writes none of these blocks)
                 self.held.ship(held, runner.kv_cache)
             result = None
@@ -300,14 +311,16 @@ class DecodeWorker(BaseWorker):
                 self.num_steps += 1
                 self.step_s += time.monotonic() - start
                 self.num_step_seqs += len(sched.new_requests) + len(sched.cached_requests)
-            polls = self.tp.all_gather_object(self.connector.poll())
+            polls = self.tp.all_gather_object((self.connector.poll(), runner.poll_tier()))
         except BaseException:
             with self._lock:
                 self._end_step()
             raise
         with self._lock:
             self._end_step()
-            outputs = self._admit_transfers(polls)
+            if self.engine.kv.tier is not None:
+                self.engine.kv.tier.arrived([disk for _, disk in polls])
+            outputs = self._admit_transfers([transfers for transfers, _ in polls])
             if result is not None:
                 touched = self.engine.scheduler.update(sched, result)
                 self._take_forks()
@@ -330,14 +343,17 @@ class DecodeWorker(BaseWorker):
         msg = self.tp.broadcast_step(None)
         if msg == "stop":
             return False
-        inp, held = msg
+        inp, held, copies = msg
+        runner = self.engine.runner
+        if copies is not None:
+            runner.host_arena.apply(copies)
         if held:
-            self.held.ship(held, self.engine.runner.kv_cache)
+            self.held.ship(held, runner.kv_cache)
         if inp is not None:
-            self.engine.runner.execute_model(inp)
+            runner.execute_model(inp)
         if self.held is not None:
             self.held.connector.take_delivered()  # (rank 0 keeps the books)
-        self.tp.all_gather_object(self.connector.poll())
+        self.tp.all_gather_object((self.connector.poll(), runner.poll_tier()))
         return True
 
     def _held_shipments(self) -> list:

@@ -183,6 +183,8 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req)
+        if self.kv.tier is not None:
+            self.kv.tier.forget(request_id)  # the disk reads it waited for, if any
         self._finished_ids.append(request_id)
         if self.speculator is not None:
             self.speculator.forget(request_id)
@@ -202,8 +204,8 @@ class Scheduler:
         if self._speculating:
             budget += self._propose()
         self._schedule_waiting(out, budget)
-        if self.kv.tier is not None and not out.is_empty:  # the host tier's copies, before the forward
-            out.kv_offloads, out.kv_reloads = self.kv.tier.take()  # (engine/core/host_tier.py; none runs empty)
+        if self.kv.tier is not None and (not out.is_empty or self.kv.tier.busy):  # the tiers' copies, first
+            out.kv_tier = self.kv.tier.take()  # (engine/core/host_tier.py; an empty step's: the worker makes them)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, ks: dict[str, int]) -> int:
@@ -271,11 +273,15 @@ class Scheduler:
         logger.debug("preempted %s (recompute later)", req.request_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        reading = []  # prompts waiting for their blocks' disk reads (engine/core/host_tier.py): others go first
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             tier = self.kv.tier
-            reloaded = tier.claim_for(self.kv, req, num_hit) if tier is not None else []  # then from host memory
+            reloaded = tier.claim_for(self.kv, req, num_hit) if tier is not None else []  # then host memory, disk
+            if reloaded is None:
+                reading.append(self.waiting.popleft())
+                continue
             num_pool_hit, num_hit = num_hit, num_hit + len(reloaded) * self.kv.block_size
             num_new = min(req.num_tokens - num_hit, budget)
             new_blocks = self.kv.allocate_slots(req, num_hit - num_pool_hit + num_new, hit_blocks)
@@ -283,8 +289,8 @@ class Scheduler:
                 if reloaded:
                     tier.release(reloaded)
                 break
-            if reloaded:
-                tier.reload_for(self.kv, req, reloaded, num_pool_hit)
+            if tier is not None:
+                tier.reload_for(self.kv, req, reloaded, num_pool_hit)  # (and the reads it waited for go)
             self.waiting.popleft()
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_hit
@@ -296,6 +302,7 @@ class Scheduler:
                 self.kv.get_block_ids(req.request_id), req.sampling_params,
                 sample=num_hit + num_new == req.num_tokens, history=history_of(req)))
             budget -= num_new
+        self.waiting.extendleft(reversed(reading))
 
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Advances computed counts, appends sampled tokens, finishes requests that stop.

@@ -1,7 +1,8 @@
 """KV an instance holds, shipped for another instance's fetch (`ship_held`, issue 51 item 3), the
 same way for a prefill and a decode instance: rank 0 holds the prefix's blocks as a request of
-their own in its KV manager (pool hits, then, where the instance lets it, what its host or disk tier
-holds after them, reloaded into blocks allocated for it), queues a shipment that the next step
+their own in its KV manager (pool hits, then, where the instance lets it, what its host tier holds
+after them, reloaded into blocks allocated for it: not its disk tier, whose reads a fetch would wait
+for), queues a shipment that the next step
 carries to every rank, and frees the blocks once the transfer ended; every rank ships its heads of
 every layer from its cache through a PrefillConnector, with no forward pass.
 
@@ -49,7 +50,7 @@ class HeldKV:
         req = Request(f"{request_id}#held", [*token_ids, token_ids[-1]])
         hit_blocks, num_hit = kv.get_computed_blocks(req)
         tier = kv.tier if self.from_tiers else None
-        keys = tier.claim_for(kv, req, num_hit) if tier is not None else []
+        keys = tier.claim_for(kv, req, num_hit, from_disk=False) if tier is not None else []  # no waiting here
         if num_hit + len(keys) * size < n or \
                 kv.allocate_slots(req, n - num_hit, hit_blocks, num_tokens_to_cache=n) is None:
             kv.free(req)  # forget the hashes get_computed_blocks computed

@@ -128,6 +128,8 @@ class PrefillScheduler:
     def _free(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.kv.free(req)
+        if self.kv.tier is not None:
+            self.kv.tier.forget(req.request_id)  # the disk reads it waited for, if any
         self._finished_ids.append(req.request_id)
 
     def schedule(self) -> SchedulerOutput:
@@ -147,19 +149,29 @@ class PrefillScheduler:
             budget -= n
         while self.fetched and budget > 0 and len(self.running) < self.config.max_num_seqs:
             budget -= self._start(self.fetched.popleft(), out, budget)
+        reading = []  # prompts waiting for their blocks' disk reads (engine/core/host_tier.py): others go first
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            if not self._admit(self.waiting[0], out, budget):
+            admitted = self._admit(self.waiting[0], out, budget)
+            if admitted is None:
+                reading.append(self.waiting.popleft())
+                continue
+            if not admitted:
                 break
             budget -= len(out.new_requests[-1].token_ids)
             self.waiting.popleft()
-        if self.kv.tier is not None and not out.is_empty:  # the host tier's copies, before the forward
-            out.kv_offloads, out.kv_reloads = self.kv.tier.take()  # (engine/core/host_tier.py; none runs empty)
+        self.waiting.extendleft(reversed(reading))
+        if self.kv.tier is not None and (not out.is_empty or self.kv.tier.busy):  # the tiers' copies, first
+            out.kv_tier = self.kv.tier.take()  # (engine/core/host_tier.py; an empty step's: the worker makes them)
         return out
 
-    def _admit(self, req: Request, out: SchedulerOutput, budget: int) -> bool:
+    def _admit(self, req: Request, out: SchedulerOutput, budget: int) -> bool | None:
+        """Whether `req` was admitted; None: it waits for its blocks' disk reads."""
         hit_blocks, num_hit = self.kv.get_computed_blocks(req)
         tier = self.kv.tier
-        reloaded = tier.claim_for(self.kv, req, num_hit) if tier is not None else []  # then from host memory
+        reloaded = tier.claim_for(self.kv, req, num_hit) if tier is not None else []  # then host memory, disk
+        if reloaded is None:
+            self.kv.free(req)  # forget the hashes get_computed_blocks computed
+            return None
         num_pool_hit, num_hit = num_hit, num_hit + len(reloaded) * self.kv.block_size
         n = min(req.num_tokens - num_hit, budget)
         # Blocks enter the prefix cache chunk by chunk, as their KV gets computed: an abort
@@ -170,8 +182,8 @@ class PrefillScheduler:
             if reloaded:
                 tier.release(reloaded)
             return False
-        if reloaded:
-            tier.reload_for(self.kv, req, reloaded, num_pool_hit)
+        if tier is not None:
+            tier.reload_for(self.kv, req, reloaded, num_pool_hit)  # (and the reads it waited for go)
         req.num_computed_tokens = req.num_cached_tokens = num_hit
         self._start(req, out, budget)
         return True

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from engine.core.block_manager import KVCacheManager
 from engine.core.request import Handover, Request, RequestMessage
+from engine.core.tier_copies import TierCopies
 from engine.runner.host_arena import attach_tier
 from engine.runner.model_runner import ModelRunner
 from engine.runner.worker_base import BaseWorker
@@ -188,7 +189,7 @@ class PrefillWorker(BaseWorker):
 
     def has_work(self) -> bool:
         return (not self._inbox.empty() or self.scheduler.has_work() or self.held.busy
-                or bool(self.scheduler.fetching))
+                or bool(self.scheduler.fetching) or (self.kv.tier is not None and self.kv.tier.busy))
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -207,12 +208,19 @@ class PrefillWorker(BaseWorker):
         held = self.held.take()
         self.runner.update_states(sched)
         inp = None if sched.is_empty else self.runner.prepare_inputs(sched)
-        # a step that ships held blocks alone makes the host tier's copies itself (one that computes: in its forward)
-        copies = self.kv.tier.take() if inp is None and held and self.kv.tier is not None else None
-        polled = bool(self.scheduler.fetching)
-        self.tp.broadcast_step((inp, shipments + held, polled, copies))
-        if polled:  # before the step: a fetch that ends now computes in the next
-            self._end_fetches(self.tp.all_gather_object(self.fetcher.poll()))
+        # a step with nothing to compute makes the tiers' copies itself (one that computes: in its forward)
+        copies = sched.kv_tier if inp is None else None
+        if copies is None and inp is None and held and self.kv.tier is not None:
+            copies = self.kv.tier.take()
+        fetching = bool(self.scheduler.fetching)
+        reading = sched.kv_tier is not None and sched.kv_tier.poll  # disk reads in flight
+        self.tp.broadcast_step((inp, shipments + held, (fetching, reading), copies))
+        if fetching or reading:  # before the step: a fetch that ends now computes in the next
+            polls = self.tp.all_gather_object(self._poll(fetching))
+            if reading:
+                self.kv.tier.arrived([disk for _, disk in polls])
+            if fetching:
+                self._end_fetches([fetched for fetched, _ in polls])
         if inp is None:
             self._ship(held, copies)
             return bool(held)  # waiting for a fetch alone, the loop sleeps between polls
@@ -240,9 +248,9 @@ class PrefillWorker(BaseWorker):
         if msg == "stop":
             return False
         self._release_delivered()
-        inp, shipments, polled, copies = msg
-        if polled:
-            self.tp.all_gather_object(self.fetcher.poll())
+        inp, shipments, (fetching, reading), copies = msg
+        if fetching or reading:
+            self.tp.all_gather_object(self._poll(fetching))
         if inp is not None:
             self._execute(inp, shipments)
             for s in shipments:
@@ -251,11 +259,15 @@ class PrefillWorker(BaseWorker):
             self._ship(shipments, copies)
         return True
 
-    def _ship(self, shipments: list[Shipment], copies: tuple | None = None) -> None:
-        """A step with nothing to compute: the host tier's `copies` (offloads, reloads) are made, then
-        the held blocks' KV leaves, every layer (ship_held)."""
-        if copies is not None and (copies[0] or copies[1]):
-            self.runner.host_arena.copy(*copies)
+    def _poll(self, fetching: bool) -> tuple[list, list]:
+        """This rank's (fetches' receipts, disk tier reads ended) for rank 0's books."""
+        return self.fetcher.poll() if fetching else [], self.runner.poll_tier()
+
+    def _ship(self, shipments: list[Shipment], copies: TierCopies | None = None) -> None:
+        """A step with nothing to compute: the tiers' `copies` are made, then the held blocks' KV
+        leaves, every layer (ship_held)."""
+        if copies is not None:
+            self.runner.host_arena.apply(copies)
         self.held.ship(shipments, self.runner.kv_cache)
 
     def _execute(self, inp, shipments: list[Shipment]):

@@ -8,7 +8,7 @@ before its forward pass writes anything:
 
     schedule():  pool eviction -> on_evict -> an offload (block -> slot) queued
                  admission     -> claim(hashes) ... reload(keys, block ids): a reload (slot -> block)
-    take() -> (offloads, reloads) -> SchedulerOutput -> ModelInput -> runner: offloads, then reloads
+    take() -> TierCopies -> SchedulerOutput -> ModelInput -> runner: disk writes, offloads, reloads, ...
 
 Offloads go first: a block a reload overwrites may be one this step evicted (its old contents
 leave first). A slot a reload reads is pinned until `take`, so no offload of the same step takes
@@ -28,21 +28,24 @@ block must not be handed out, and written, before the reload lands in it). A blo
 copy is still to be queued is given up when the pool is short (`drop_uncopied`, from an allocation
 that would fail otherwise): an idle instance (no step, so no copy) never refuses for them.
 
-A disk tier under it (`disk`, engine/runner/disk_tier.py: one rank's; it reads and writes the slots
-itself, at once): a slot the full tier takes back is first written to disk, and `claim` reads a
-block the disk holds into a slot, both as the scheduler builds a step (never while one runs: a
-decode instance's reservation claims host slots only). A slot a queued offload will fill is never
-given to a disk read (the offload would overwrite it); taken back in the same step for another
-offload, its block goes to disk from the pool block it was to be copied from (intact until the
-step runs), and its copy is cancelled. With every slot pinned, an evicted block goes straight to
-disk likewise, and a claimed one comes straight from it: read into memory, copied into its new
-pool block by `reload` (so a prompt gets back more blocks from disk than the tier has slots).
+A disk tier under it (`disk`: rank 0's books, engine/runner/disk_tier.py; every rank writes and
+reads its own heads' files as the steps say): a slot the full tier takes back is written to disk
+first, by the step that overwrites it. A prompt whose next blocks are on disk waits for them
+(`claim` answers None, and the scheduler admits others meanwhile): every rank reads them on a
+thread of its own while steps run, into memory ("staged"), and once every rank has read and checked
+its part, the prompt's next claim takes them, and the step after its blocks are allocated copies
+them in (`TierCopies.loads`). A prompt waits once: what its next claim finds (slots, staged) is
+reused, the rest computed. A slot a queued offload will fill is never written to disk from the slot
+(the offload would land after): taken back in the same step for another offload, its block goes to
+disk from the pool block it was to be copied from (intact until the step runs), and its copy is
+cancelled. With every slot pinned, an evicted block goes straight to disk likewise.
 
 Events (engine/core/kv_events.py): a block the pool evicts into the tier stays held for the
 router's index, at the level it now lives (`moved`: host, or disk), and moves again as the tiers
-move it (a slot spilled to disk, a disk block read into a slot); it is `removed` when no level
+move it (a slot spilled to disk); it is `removed` when no level
 holds it any more. A write-through tier (a decode instance's) reports no disk level: its
-reservations claim host slots only, so what its disk holds is no hit for a remote request.
+reservations claim host slots only, so what its disk holds is no hit for a remote request. A staged
+read is no level: it waits for the one prompt that asked for it.
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from engine.core.kv_events import DISK, HOST
+from engine.core.tier_copies import TierCopies
 
 if TYPE_CHECKING:
     from engine.core.block_manager import Block, BlockPool, KVCacheManager
@@ -65,9 +69,17 @@ class DiskBooks(Protocol):
     def has(self, key: int) -> bool: ...
     def spill(self, key: int, slot: int) -> bool: ...
     def spill_block(self, key: int, block_id: int) -> bool: ...
-    def load(self, key: int, slot: int) -> bool: ...
-    def read(self, key: int) -> list | None: ...
-    def write_block(self, block_id: int, tensors: list) -> None: ...
+    def reading(self, key: int) -> bool: ...
+    def staged(self, key: int) -> bool: ...
+    def fetch(self, keys: list[int]) -> None: ...
+    def arrived(self, answers: list[list[tuple[int, str]]]) -> list[int]: ...
+    def claim(self, key: int) -> None: ...
+    def unclaim(self, key: int) -> None: ...
+    def load(self, key: int, block_id: int) -> None: ...
+    def drop(self, keys) -> None: ...
+    @property
+    def busy(self) -> bool: ...
+    def take(self) -> tuple[list, list, list, list, bool]: ...
     def clear(self) -> None: ...
     def figures(self) -> dict[str, float]: ...
 
@@ -82,7 +94,8 @@ class HostTier:
         self._filling: dict[int, int] = {}  # slot -> the pool block a queued offload copies into it
         self._offloads: list[tuple[int, int]] = []  # (block id, slot), this step's
         self._reloads: list[tuple[int, int]] = []  # (slot, block id), this step's
-        self._direct: dict[int, list] = {}  # claimed blocks read from disk with every slot pinned: their tensors
+        self._claimed_staged: set[int] = set()  # claimed blocks a disk read staged: loaded, not reloaded
+        self._waits: dict[str, list[int]] = {}  # request id -> the blocks read from disk for it
         self._paused = False
         # write-through: blocks cached since the last take; cached before it (copied at the next);
         # being copied by the step in flight. Each holds a reference until that step has ended.
@@ -191,18 +204,19 @@ class HostTier:
         self.drop_uncopied()
         self.pool.free_blocks(self._reloading)
         self._reloading, self._reloads = [], []
-        self._direct.clear()
+        for key in self._claimed_staged:
+            self.disk.unclaim(key)
+        self._claimed_staged.clear()
         self._pinned.clear()
 
-    def _take_slot(self, now: bool = False) -> int | None:
+    def _take_slot(self) -> int | None:
         """A free slot, else the least recently used one no queued reload reads, its block written to
         the disk tier first (from the pool block it was to be copied from, when that copy is still
-        queued: it is cancelled), or dropped without one. `now`: the caller writes the slot at once
-        (a disk read), so not a slot a queued offload will write later."""
+        queued: it is cancelled), or dropped without one."""
         if self._free:
             return self._free.pop()
         for key, slot in self._slots.items():  # least recently used first
-            if slot in self._pinned or (now and slot in self._filling):
+            if slot in self._pinned:
                 continue
             del self._slots[key]
             if slot in self._filling:  # its copy is still queued: the block is in the pool, not here yet
@@ -230,53 +244,57 @@ class HostTier:
         else:
             self.pool.events.removed(key)
 
-    def _from_disk(self, key: int) -> int | None:
-        """A slot holding the block `key`, read from the disk tier, or None."""
-        slot = self._take_slot(now=True)
-        if slot is None:
-            return None
-        if not self.disk.load(key, slot):
-            self._free.append(slot)
-            return None
-        self._slots[key] = slot  # (counted by the disk tier: loaded_blocks)
-        self._settle(key)
-        return slot
-
-    def claim(self, hashes: list[int], from_disk: bool = True) -> list[int]:
+    def claim(self, hashes: list[int], waiter: str | None = None) -> list[int] | None:
         """The leading `hashes` (a prompt's next full blocks after its pool hits) the tier holds,
         pinned until `take` (or `release`): pass them to `reload` once their blocks are allocated.
-        With `from_disk`, blocks on the disk tier are read into slots first (no step may be running),
-        or, once every slot is pinned by this claim, into memory, copied straight into their pool
-        blocks by `reload`."""
+        `waiter` (a request id; None: host slots only): blocks of the run that only the disk holds
+        are read first, and the answer is None while they are in flight (the request waits, once);
+        then the run's blocks in slots or staged are claimed."""
+        disk = self.disk if waiter is not None else None
+        if disk is not None:
+            pending = self._waits.get(waiter)
+            if pending is not None and any(disk.reading(k) for k in pending):
+                return None
+            if pending is None:
+                run = []
+                for key in hashes:
+                    if not (key in self._slots or disk.staged(key) or disk.reading(key) or disk.has(key)):
+                        break
+                    run.append(key)
+                if to_read := [k for k in run if k not in self._slots and not disk.staged(k)]:
+                    disk.fetch(to_read)
+                    self._waits[waiter] = to_read
+                    return None if any(disk.reading(k) for k in to_read) else self.claim(hashes, waiter)
         keys = []
         for key in hashes:
             slot = self._slots.get(key)
-            if slot is None and from_disk and self.disk is not None and self.disk.has(key):
-                slot = self._from_disk(key)
-                if slot is None and self.disk.has(key) and (tensors := self.disk.read(key)) is not None:
-                    self._direct[key] = tensors  # (a refused file is no longer `has`)
-                    keys.append(key)
-                    continue
-            if slot is None:
+            if slot is not None:
+                self._slots.move_to_end(key)
+                self._pinned.add(slot)
+            elif disk is not None and disk.staged(key):
+                disk.claim(key)
+                self._claimed_staged.add(key)
+            else:
                 break
-            self._slots.move_to_end(key)
-            self._pinned.add(slot)
             keys.append(key)
         return keys
 
     def release(self, keys: list[int]) -> None:
         """The claim was not used (the request did not fit)."""
         for key in keys:
-            if self._direct.pop(key, None) is None:
+            if key in self._claimed_staged:
+                self._claimed_staged.remove(key)
+                self.disk.unclaim(key)
+            else:
                 self._pinned.discard(self._slots[key])
 
     def reload(self, keys: list[int], block_ids: list[int]) -> None:
-        """Copy the claimed `keys` into the blocks `block_ids` at the start of this step (those read
-        into memory, now: no step is running)."""
+        """Copy the claimed `keys` into the blocks `block_ids` at the start of the next step."""
         assert len(keys) == len(block_ids)
         for key, block_id in zip(keys, block_ids):
-            if (tensors := self._direct.pop(key, None)) is not None:
-                self.disk.write_block(block_id, tensors)
+            if key in self._claimed_staged:
+                self._claimed_staged.remove(key)
+                self.disk.load(key, block_id)
             else:
                 self._reloads.append((self._slots[key], block_id))
         blocks = [self.pool.blocks[i] for i in block_ids]
@@ -284,14 +302,39 @@ class HostTier:
         self._reloading += blocks
         self.stats["reloaded_blocks"] += len(keys)
 
-    def take(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """This step's (offloads, reloads); the pins end. Called as a step that runs (one with
-        requests: an empty one makes no copy) is scheduled, so the previous one has ended: its
-        write-through copies are made and their blocks released."""
+    def forget(self, request_id: str) -> None:
+        """The request no longer waits (admitted, or gone): the staged reads made for it that no other
+        waiting request wants are let go."""
+        keys = self._waits.pop(request_id, None)
+        if keys and self.disk is not None:
+            wanted = {k for ks in self._waits.values() for k in ks}
+            self.disk.drop([k for k in keys if k not in wanted])
+
+    def arrived(self, answers: list[list[tuple[int, str]]]) -> None:
+        """Every rank's disk reads answered since the last poll (DiskFiles.poll, gathered)."""
+        if self.disk is None or not any(answers):
+            return
+        staged = self.disk.arrived(answers)
+        wanted = {k for ks in self._waits.values() for k in ks}
+        self.disk.drop([k for k in staged if k not in wanted])
+
+    @property
+    def busy(self) -> bool:
+        """The disk tier has ops to carry or reads to poll for: a step should run (with nothing to
+        compute if need be: the worker then makes the copies itself)."""
+        return self.disk is not None and self.disk.busy
+
+    def take(self) -> TierCopies:
+        """This step's copies; the pins end. Called as a step that runs is scheduled (one with
+        requests, or one the tier needs: `busy`), so the previous one has ended: its write-through
+        copies are made and their blocks released."""
         self.release_copied()  # if the worker did not say so as the step ended
         self._write_through()
-        out, self._offloads, self._reloads = (self._offloads, self._reloads), [], []
-        assert not self._direct, "a claim neither reloaded nor released"
+        out = TierCopies(self._offloads, self._reloads)
+        if self.disk is not None:
+            out.disk, out.loads, out.drops, out.reads, out.poll = self.disk.take()
+        self._offloads, self._reloads = [], []
+        assert not self._claimed_staged, "a claim neither reloaded nor released"
         self._pinned.clear()
         self._filling.clear()  # the step these go to runs before any slot is taken again
         return out
@@ -303,16 +346,18 @@ class HostTier:
         self._slots.clear()
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._pinned.clear()
-        self._direct.clear()
+        self._waits.clear()
 
     # -- a scheduler's admission ------------------------------------------------------------------
-    def claim_for(self, kv: KVCacheManager, request: Request, num_hit: int, from_disk: bool = True) -> list[int]:
+    def claim_for(self, kv: KVCacheManager, request: Request, num_hit: int, from_disk: bool = True) -> list[int] | None:
         """The request's full prompt blocks after its `num_hit` pool-hit tokens that the tier holds,
-        leading ones only and leaving its last token to compute (as get_computed_blocks)."""
+        leading ones only and leaving its last token to compute (as get_computed_blocks); None: the
+        request waits for disk reads (`from_disk`; else host slots only, never None)."""
         hashes = kv.req_to_block_hashes.get(request.request_id, [])[:(request.num_tokens - 1) // kv.block_size]
-        return self.claim(hashes[num_hit // kv.block_size:], from_disk)
+        return self.claim(hashes[num_hit // kv.block_size:], request.request_id if from_disk else None)
 
     def reload_for(self, kv: KVCacheManager, request: Request, keys: list[int], num_hit: int) -> None:
         """After the request's blocks are allocated: its claimed blocks come back from the tier."""
         first = num_hit // kv.block_size
         self.reload(keys, kv.get_block_ids(request.request_id)[0][first:first + len(keys)])
+        self.forget(request.request_id)

@@ -40,6 +40,7 @@ import msgpack
 import torch
 
 from engine.core.extras import Extras, misfit
+from engine.core.tier_copies import TierCopies
 
 
 @dataclass(frozen=True)
@@ -293,9 +294,8 @@ class SchedulerOutput:
     kv_transfer_meta: Any = None  # opaque to the runner; read by the KV connector
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks to copy first
     # (the partial last prompt block of a forked choice: KVCacheManager.fork)
-    # a host tier's (engine/core/host_tier.py), before the block copies: offloads, then reloads
-    kv_offloads: list[tuple[int, int]] = field(default_factory=list)  # (block, host slot)
-    kv_reloads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, block)
+    # the tiers' copies (engine/core/host_tier.py, engine/core/tier_copies.py), before the block copies
+    kv_tier: TierCopies | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -15,6 +15,7 @@ import torch
 
 from engine.attention.base import AttentionMetadata
 from engine.core.choices import MethodChoice, PrefillForms
+from engine.core.tier_copies import TierCopies
 from engine.parallel.tp_comm import TensorSlot
 
 
@@ -27,8 +28,7 @@ class ModelInput:
     # of its positions, for a sequence with drafts)
     sample_req_ids: list[str]
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, before the forward
-    kv_offloads: list[tuple[int, int]] = field(default_factory=list)  # (block, host slot), first of all
-    kv_reloads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, block), then
+    kv_tier: TierCopies | None = None  # the tiers' copies (engine/core/tier_copies.py), first of all
     # speculative decoding: request id -> (position of its first token, its drafts); every position sampled
     drafts: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     spans: list[tuple[str, int, int]] = field(default_factory=list)  # per request: (id, first position, tokens)
@@ -43,4 +43,4 @@ def engine_types() -> tuple[type, ...]:
     """The engine's records that cross a TP group: the step (ModelInput and its metadata, the
     broadcast's tensor slots) and the load-time choices rank 0 makes for all (expert methods, MLA
     prefill forms: engine/core/choices.py). Layers above add their own (TPGroup.wire_types)."""
-    return ModelInput, AttentionMetadata, MethodChoice, PrefillForms, TensorSlot
+    return ModelInput, AttentionMetadata, MethodChoice, PrefillForms, TensorSlot, TierCopies

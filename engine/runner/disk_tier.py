@@ -1,99 +1,56 @@
 """A disk tier under the host tier (issue 51): a block the host tier drops (its least recently used)
-is written to a file of its own, and a prompt whose next blocks are there has them read back into
-host slots, and from there into its new pool blocks, instead of computing them.
+is written to a file of its own, and a prompt whose next blocks are there has them read back, on a
+thread of their own while steps run, then copied into its new pool blocks instead of computed.
 
-Files: DIR/IDENTITY/HASH.safetensors, HASH the block's chained hash (16 hex digits), one tensor per
-KV view of the block (the format the weights come in), the metadata naming the identity, the hash
-and an xxh3_64 of the tensors' bytes. IDENTITY (`identity_of`) names the model (its weight files'
-names and sizes, their first and last MiB, its config) and the KV format (each view's shape and
-dtype, the block size, the attention backend): a file is loaded only when its identity and hash
-are this instance's and its bytes hash to its checksum; a corrupted, truncated or foreign file is
-refused (counted, logged), forgotten, and its blocks are computed again. Instances of one identity
-that share the directory (a shared volume) read each other's blocks.
-
-Bounded by --kv-disk-tier-gib: past it, the least recently used files go. A directory that cannot
-be written (read-only, full) degrades with one log line: loads go on, writes stop; nothing raises.
-
-The reads and writes are synchronous, made as the host tier's books change (in the scheduler, on
-rank 0, which holds the arena when the instance is one rank): a TP group runs without the disk
-tier, with a log line. Overlapping the reads with compute is left. A read lands in a host slot, or,
-where a prompt claims more disk blocks than the host tier has slots, is held in memory and copied
-into the prompt's new pool block once it is allocated (`read`, `write_block`).
+Two parts. Every rank's files (engine/runner/disk_files.py DiskFiles: the step's writes and deletes,
+reads on a reader thread into memory, each rank its own heads' files). Rank 0's books here
+(`DiskTier`, what engine/core/host_tier.py asks of a disk tier) over all ranks' files: which blocks
+the disk holds (rank 0's files; those another instance wrote to a shared directory found as they
+are asked for), least recently used first, bounded by --kv-disk-tier-gib; the ops each step
+carries; the reads in flight and the ranks' answers: a block is staged once every rank read and
+checked its shard, refused (counted, forgotten, computed again) when any rank refused its file.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
-import time
 from collections import OrderedDict
 from collections.abc import Callable
-from pathlib import Path
 
-import torch
-import xxhash
-from safetensors import safe_open
-from safetensors.torch import save_file
+from engine.core.tier_copies import BLOCK, DELETE, SLOT
+from engine.runner.disk_files import GONE, HEADER_BYTES, OK, DiskFiles
 
 logger = logging.getLogger(__name__)
 
-EDGE_BYTES = 1 << 20  # of each weight file, the first and last MiB go into the identity
-
-
-def checksum(tensors: list[torch.Tensor]) -> str:
-    h = xxhash.xxh3_64()
-    for t in tensors:
-        h.update(t.contiguous().view(torch.uint8).numpy())
-    return h.hexdigest()
-
 
 class DiskTier:
-    def __init__(self, root: str | os.PathLike, identity: str, capacity_bytes: int,
-                 slot_views: Callable[[int], list[torch.Tensor]],
-                 block_views: Callable[[int], list[torch.Tensor]] | None = None,
-                 block_writer: Callable[[int, list[torch.Tensor]], None] | None = None):
-        """`slot_views(slot)`: the host arena's tensors of one slot, one per KV view; `block_views(block
-        id)`: the same views of one pool block, on the host (`spill_block`); `block_writer(block id,
-        tensors)`: writes a pool block from such tensors (`write_block`: the pool may be on a GPU)."""
-        self.dir, self.identity, self.capacity = Path(root) / identity, identity, capacity_bytes
-        self.slot_views, self.block_views, self.block_writer = slot_views, block_views, block_writer
+    """Rank 0's books of the disk tier (what engine/core/host_tier.py asks of one: DiskBooks), over
+    every rank's files; `files`: rank 0's, whose directory says what the disk holds."""
+
+    def __init__(self, files: DiskFiles, capacity_bytes: int, num_ranks: int = 1):
+        self.files, self.capacity, self.num_ranks = files, capacity_bytes, num_ranks
+        self.block_bytes = sum(t.numel() * t.element_size() for t in files.slot_views(0)) + HEADER_BYTES
         self._files: OrderedDict[int, int] = OrderedDict()  # block hash -> bytes, least recently used first
         self._bytes = 0
-        self._refused: set[int] = set()
-        self.on_forget: Callable[[int], None] | None = None  # the host tier's: a block it no longer holds
-        self.writable = True
-        self.stats = {"spilled_blocks": 0, "loaded_blocks": 0, "refused_blocks": 0, "deleted_blocks": 0,
-                      "write_failures": 0}
-        self.read_s = 0.0  # the loaded blocks' reads and checks, since start (the router weighs tiers by it)
-        self._open()
-
-    def _open(self) -> None:
-        """The directory, made if missing, and the files of this identity already there, oldest first."""
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            self._stop_writing(f"cannot make {self.dir} ({exc})")
-        if self.writable and not os.access(self.dir, os.W_OK):
-            self._stop_writing(f"{self.dir} is not writable")
-        found = []
-        for path in self.dir.glob("*.safetensors") if self.dir.is_dir() else ():
-            try:
-                found.append((path.stat().st_mtime, int(path.stem, 16), path.stat().st_size))
-            except (OSError, ValueError):
-                continue
-        for _, key, size in sorted(found):
+        for key, size in files.found():
             self._files[key] = size
             self._bytes += size
-        logger.info("KV disk tier: %s, %d blocks there (%.2f of %.2f GiB)%s", self.dir, len(self._files),
-                    self._bytes / 2**30, self.capacity / 2**30, "" if self.writable else ", read-only")
+        self._refused: set[int] = set()
+        self._ops: list[tuple[str, int, int]] = []  # this step's writes and deletes, in order
+        self._reads: list[int] = []  # to start with this step
+        self._answers: dict[int, list[str]] = {}  # reads in flight: the ranks' answers so far
+        self._staged: set[int] = set()  # read and checked on every rank, held in memory there
+        self._claimed: set[int] = set()  # staged blocks an admission claimed (loaded or released next)
+        self._loads: list[tuple[int, int]] = []
+        self._drops: list[int] = []
+        self.on_forget: Callable[[int], None] | None = None  # the host tier's: a block it no longer holds
+        self.stats = {"spilled_blocks": 0, "loaded_blocks": 0, "refused_blocks": 0, "deleted_blocks": 0}
+        logger.info("KV disk tier: %s, %d blocks there (%.2f of %.2f GiB)%s%s", files.dir, len(self._files),
+                    self._bytes / 2**30, self.capacity / 2**30, "" if files.writable else ", read-only",
+                    f", {num_ranks} ranks' shards" if num_ranks > 1 else "")
 
-    def _path(self, key: int) -> Path:
-        return self.dir / f"{key:016x}.safetensors"
-
-    def _stop_writing(self, why: str) -> None:
-        if self.writable:
-            logger.warning("KV disk tier: writes stop, loads go on: %s", why)
-        self.writable = False
+    @property
+    def writable(self) -> bool:
+        return self.files.writable
 
     @property
     def num_blocks(self) -> int:
@@ -101,7 +58,8 @@ class DiskTier:
 
     def figures(self) -> dict[str, float]:
         return {"kv_disk_tier_blocks": float(len(self._files)), "kv_disk_tier_bytes": float(self._bytes),
-                "kv_disk_tier_read_seconds": self.read_s,
+                "kv_disk_tier_read_seconds": self.files.read_s,
+                "kv_disk_tier_write_failures": float(self.files.stats["write_failures"]),
                 **{f"kv_disk_tier_{k}": float(v) for k, v in self.stats.items()}}
 
     def has(self, key: int) -> bool:
@@ -111,134 +69,128 @@ class DiskTier:
         if key in self._refused:
             return False
         try:
-            size = self._path(key).stat().st_size
+            size = self.files.path(key).stat().st_size
         except OSError:
             return False
         self._files[key] = size
         self._bytes += size
         return True
 
+    # -- writes ------------------------------------------------------------------------------------
     def spill(self, key: int, slot: int) -> bool:
-        """Writes the host slot's block under `key`; whether the tier holds it now."""
-        return self._write(key, lambda: self.slot_views(slot))
+        """The host slot's block is written under `key` by this step; whether the tier holds it then."""
+        return self._write(key, (SLOT, key, slot))
 
     def spill_block(self, key: int, block_id: int) -> bool:
-        """Writes the pool block `block_id` under `key` (its KV still there); whether the tier holds it."""
-        return self.block_views is not None and self._write(key, lambda: self.block_views(block_id))
+        """The pool block `block_id` (its KV still there until this step runs) is written under `key`."""
+        return self._write(key, (BLOCK, key, block_id))
 
-    def _write(self, key: int, views: Callable[[], list[torch.Tensor]]) -> bool:
+    def _write(self, key: int, op: tuple[str, int, int]) -> bool:
         if key in self._files:
             self._files.move_to_end(key)
             return True
-        if not self.writable:
+        if not self.files.writable:
             return False
-        tensors = views()
-        named = {f"v{i}": t.contiguous() for i, t in enumerate(tensors)}
-        meta = {"identity": self.identity, "block": f"{key:016x}", "xxh3_64": checksum(list(named.values()))}
-        path, tmp = self._path(key), self.dir / f".{key:016x}.{os.getpid()}.tmp"
-        try:
-            save_file(named, str(tmp), metadata=meta)
-            os.replace(tmp, path)  # readers see a whole file or none
-            size = path.stat().st_size
-        except OSError as exc:  # read-only, full: writes stop
-            self.stats["write_failures"] += 1
-            tmp.unlink(missing_ok=True)
-            self._stop_writing(f"writing {path} failed ({exc})")
-            return False
-        except Exception as exc:  # noqa: BLE001 -- this block only: the instance serves on without it on disk
-            self.stats["write_failures"] += 1
-            tmp.unlink(missing_ok=True)
-            logger.warning("KV disk tier: block %016x not written (%s: %s)", key, type(exc).__name__, exc)
-            return False
-        self._files[key] = size
-        self._bytes += size
+        self._ops.append(op)
+        self._files[key] = self.block_bytes
+        self._bytes += self.block_bytes
         self._refused.discard(key)
         self.stats["spilled_blocks"] += 1
         while self._bytes > self.capacity and len(self._files) > 1:
-            old, _ = next(iter(self._files.items()))
-            self._delete(old)
+            old = next(iter(self._files))
+            self._ops.append((DELETE, old, 0))
             self.stats["deleted_blocks"] += 1
+            self._forget(old)
         return True
 
-    def load(self, key: int, slot: int) -> bool:
-        """Reads the block `key` into the host slot; False (nothing written to the slot) if it is not
-        there or is refused: another identity's or block's, not these views, truncated, or corrupt."""
-        tensors = self.read(key)
-        if tensors is None:
-            return False
-        for dst, src in zip(self.slot_views(slot), tensors):
-            dst.copy_(src)
-        return True
+    # -- reads -------------------------------------------------------------------------------------
+    def reading(self, key: int) -> bool:
+        return key in self._answers
 
-    def write_block(self, block_id: int, tensors: list[torch.Tensor]) -> None:
-        """Copies a block `read` gave into the pool block `block_id` (no step may be running)."""
-        self.block_writer(block_id, tensors)
+    def staged(self, key: int) -> bool:
+        return key in self._staged and key not in self._claimed
 
-    def read(self, key: int) -> list[torch.Tensor] | None:
-        """The block `key`'s tensors, checked (as `load` says), or None."""
-        if not self.has(key):
-            return None
-        start = time.perf_counter()
-        out = self.slot_views(0)  # (only their shapes and dtypes)
-        try:
-            with safe_open(str(self._path(key)), framework="pt") as f:
-                meta = f.metadata() or {}
-                names = sorted(f.keys(), key=lambda n: int(n[1:]))
-                tensors = [f.get_tensor(n) for n in names]
-        except FileNotFoundError:
-            self._forget(key)  # deleted meanwhile (another instance sharing the directory)
-            return None
-        except Exception as exc:  # noqa: BLE001 -- safetensors' errors: a truncated or unreadable file
-            return self._refuse(key, f"unreadable ({type(exc).__name__}: {exc})")
-        if meta.get("identity") != self.identity or meta.get("block") != f"{key:016x}":
-            return self._refuse(key, f"another model, format or block ({meta.get('identity')}/{meta.get('block')})")
-        if [(t.shape, t.dtype) for t in tensors] != [(t.shape, t.dtype) for t in out]:
-            return self._refuse(key, "not this KV format's views")
-        if checksum(tensors) != meta.get("xxh3_64"):
-            return self._refuse(key, "checksum mismatch (corrupt)")
-        self._files.move_to_end(key)
-        self.stats["loaded_blocks"] += 1
-        self.read_s += time.perf_counter() - start
-        return tensors
+    def fetch(self, keys: list[int]) -> None:
+        """Every rank starts reading these blocks with the next step (those not read or staged yet)."""
+        for key in keys:
+            if key not in self._answers and key not in self._staged and self.has(key):
+                self._answers[key] = []
+                self._reads.append(key)
+                self._files.move_to_end(key)
 
-    def _refuse(self, key: int, why: str) -> None:
-        logger.warning("KV disk tier: refused %s: %s; its tokens are computed again", self._path(key), why)
-        self.stats["refused_blocks"] += 1
-        self._refused.add(key)
-        self._forget(key)
+    def arrived(self, answers: list[list[tuple[int, str]]]) -> list[int]:
+        """Every rank's answers since the last poll; returns the blocks staged now (read on all ranks).
+        A block any rank refused is forgotten (counted; each rank logged why), one a rank found
+        gone forgotten too; its copies on the ranks that read it are dropped."""
+        for rank_answers in answers:
+            for key, answer in rank_answers:
+                got = self._answers.get(key)
+                if got is None:  # a read the books gave up on (cleared): let its copy go
+                    if answer == OK:
+                        self._drops.append(key)
+                    continue
+                got.append(answer)
+        staged = []
+        for key, got in list(self._answers.items()):
+            if len(got) < self.num_ranks:
+                continue
+            del self._answers[key]
+            if all(a == OK for a in got):
+                self._staged.add(key)
+                self.stats["loaded_blocks"] += 1
+                staged.append(key)
+                continue
+            if OK in got:
+                self._drops.append(key)
+            if any(a not in (OK, GONE) for a in got):
+                self.stats["refused_blocks"] += 1
+                self._refused.add(key)
+            self._forget(key)
+        return staged
+
+    def claim(self, key: int) -> None:
+        assert self.staged(key)
+        self._claimed.add(key)
+
+    def unclaim(self, key: int) -> None:
+        self._claimed.discard(key)
+
+    def load(self, key: int, block_id: int) -> None:
+        """The claimed staged block is copied into the pool block `block_id` at the next step's start."""
+        self._claimed.remove(key)
+        self._staged.remove(key)
+        self._loads.append((key, block_id))
+
+    def drop(self, keys) -> None:
+        """Staged blocks no request wants (claimed ones stay)."""
+        for key in keys:
+            if key in self._staged and key not in self._claimed:
+                self._staged.remove(key)
+                self._drops.append(key)
+
+    @property
+    def busy(self) -> bool:
+        """Ops to carry, or reads to poll for: a step should run, with nothing to compute if need be."""
+        return bool(self._ops or self._reads or self._answers or self._loads or self._drops)
+
+    def take(self) -> tuple[list[tuple[str, int, int]], list[tuple[int, int]], list[int], list[int], bool]:
+        """This step's (disk ops, loads, drops, reads, poll)."""
+        out = (self._ops, self._loads, self._drops, self._reads, bool(self._answers))
+        self._ops, self._loads, self._drops, self._reads = [], [], [], []
+        return out
 
     def _forget(self, key: int) -> None:
         self._bytes -= self._files.pop(key, 0)
         if self.on_forget is not None:
             self.on_forget(key)
 
-    def _delete(self, key: int) -> None:
-        try:
-            self._path(key).unlink(missing_ok=True)
-        except OSError as exc:
-            self._stop_writing(f"deleting {self._path(key)} failed ({exc})")
-        self._forget(key)
-
     def clear(self) -> None:
-        """Deletes this instance's known files (the prefix cache was reset: the KV may be stale)."""
+        """Deletes this instance's known files (the prefix cache was reset: the KV may be stale): rank
+        0's at once (what the books read by), every rank's with the next step."""
         for key in list(self._files):
-            self._delete(key)
-
-
-def identity_of(model_path: Path, kv_views: list[torch.Tensor], block_size: int, backend: str) -> str:
-    """16 hex digits naming the model (weight files' names, sizes, first and last MiB; config) and
-    the KV format (each view's block shape and dtype, the block size, the backend)."""
-    h = xxhash.xxh3_64()
-    files = [model_path] if model_path.is_file() else sorted(model_path.glob("*.safetensors")) + \
-        [p for p in (model_path / "config.json",) if p.is_file()]
-    for path in files:
-        size = path.stat().st_size
-        h.update(f"{path.name}:{size}".encode())
-        with open(path, "rb") as f:
-            h.update(f.read(EDGE_BYTES))
-            f.seek(max(0, size - EDGE_BYTES))
-            h.update(f.read(EDGE_BYTES))
-    fmt = {"views": [[list(v.shape[1:]), str(v.dtype)] for v in kv_views], "block_size": block_size,
-           "backend": backend}
-    h.update(json.dumps(fmt, sort_keys=True).encode())
-    return h.hexdigest()
+            self.files.delete(key)
+            self._ops.append((DELETE, key, 0))
+            self.stats["deleted_blocks"] += 1
+            self._forget(key)
+        self.drop(list(self._staged))
+        self._answers.clear()  # their answers are dropped as they come

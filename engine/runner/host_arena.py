@@ -7,6 +7,10 @@ matters here too; on CUDA it is pinned host memory and the copies are synchronou
 run on a GPU yet; overlapping them with compute is a follow-up). Blocks are read and written
 through the attention backend's `kv_views`, as forked choices' copies are (a backend may lay a
 block's bytes out its own way).
+
+Under it, each rank's files of a disk tier (`files`, engine/runner/disk_files.py DiskFiles): `apply`
+makes a step's whole TierCopies (engine/core/tier_copies.py), in its order; the disk reads run on the
+files' thread, overlapped with the steps, and `poll_disk` answers which ended.
 """
 from __future__ import annotations
 
@@ -19,8 +23,10 @@ import torch
 
 from engine.core.config import cache_dir
 from engine.core.host_tier import HostTier
+from engine.core.tier_copies import TierCopies
 from engine.core.kv_cache import kv_block_bytes
-from engine.runner.disk_tier import DiskTier, identity_of
+from engine.runner.disk_files import DiskFiles, identity_of
+from engine.runner.disk_tier import DiskTier
 
 if TYPE_CHECKING:
     from engine.core.block_manager import KVCacheManager
@@ -34,7 +40,7 @@ class HostArena:
         pin = kv_cache.device.type == "cuda"
         self.slabs = [[torch.empty((num_slots, *view.shape[1:]), dtype=self._plain(view).dtype, pin_memory=pin)
                        for view in kv_views(slab)] for slab in kv_cache]
-        self.disk: DiskTier | None = None
+        self.files: DiskFiles | None = None  # this rank's of a disk tier under the arena
         self.seconds = {"offload": 0.0, "reload": 0.0}  # this rank's copies, since start (the router weighs tiers by them)
 
     def figures(self) -> dict[str, float]:
@@ -62,7 +68,7 @@ class HostArena:
         logger.info("KV host tier: %d blocks (%.2f GiB) under the pool's %d", num_slots, num_slots * block_bytes / 2**30,
                     kv_cache.shape[2] - 1)
         arena = cls(kv_cache, runner.backend.kv_views, num_slots)
-        arena.disk = disk_tier_for(runner, arena)
+        arena.files = disk_files_for(runner, arena)
         return arena
 
     def slot_views(self, slot: int) -> list[torch.Tensor]:
@@ -72,6 +78,23 @@ class HostArena:
     def block_views(self, block_id: int) -> list[torch.Tensor]:
         """One pool block, as `slot_views` lays a slot out (on the host)."""
         return [self._plain(view)[block_id].to("cpu") for slab in self.kv_cache for view in self.kv_views(slab)]
+
+    def apply(self, c: TierCopies) -> None:
+        """A step's tier work on this rank, in TierCopies' order, before its forward."""
+        if c.disk:
+            self.files.apply(c.disk)
+        if c.offloads or c.reloads:
+            self.copy(c.offloads, c.reloads)
+        for key, block_id in c.loads:
+            self.write_block(block_id, self.files.take_staged(key))
+        if c.drops:
+            self.files.drop(c.drops)
+        if c.reads:
+            self.files.start_reads(c.reads)
+
+    def poll_disk(self, wait_s: float = 0.0) -> list[tuple[int, str]]:
+        """This rank's disk reads ended since the last poll (rank 0's books take every rank's)."""
+        return [] if self.files is None else self.files.poll(wait_s)
 
     def write_block(self, block_id: int, tensors: list[torch.Tensor]) -> None:
         """Writes one pool block from tensors laid out as `slot_views` (a disk tier's read)."""
@@ -109,26 +132,29 @@ def host_tier_unfit(runner) -> str | None:
     return None
 
 
-def disk_tier_for(runner, arena: HostArena) -> DiskTier | None:
-    """The disk tier --kv-disk-tier-gib puts under the arena, or None: off (0), or unfit (logged)."""
+def disk_files_for(runner, arena: HostArena) -> DiskFiles | None:
+    """This rank's files of the disk tier --kv-disk-tier-gib puts under the arena, or None: off (0),
+    or unfit (logged). Under TP each rank's identity names its shard: its files hold its heads."""
     cache = runner.config.cache
     if cache.disk_tier_gib <= 0:
-        return None
-    if runner.tp is not None and runner.tp.size > 1:  # its reads and writes are rank 0's alone (disk_tier.py)
-        logger.warning("KV disk tier off: %d TP ranks (one rank only, for now)", runner.tp.size)
         return None
     if runner.model_path is None:
         logger.warning("KV disk tier off: the weights were given in memory, no files to name its blocks by")
         return None
     root = Path(cache.disk_tier_dir).expanduser() if cache.disk_tier_dir else cache_dir() / "kv"
     views = [v.unsqueeze(0) for v in arena.slot_views(0)]
-    identity = identity_of(runner.model_path, views, runner.block_size, runner.backend.name)
-    return DiskTier(root, identity, int(cache.disk_tier_gib * 2**30), arena.slot_views, arena.block_views,
-                    arena.write_block)
+    shard = (runner.tp.rank, runner.tp.size) if runner.tp is not None else (0, 1)
+    identity = identity_of(runner.model_path, views, runner.block_size, runner.backend.name, shard)
+    return DiskFiles(root, identity, arena.slot_views, arena.block_views)
 
 
 def attach_tier(kv: KVCacheManager, runner) -> KVCacheManager:
     """Rank 0: the allocator's books of the runner's host arena (and its disk tier), if it has one."""
-    if getattr(runner, "host_arena", None) is not None:
-        kv.tier = HostTier(runner.host_arena.num_slots, kv.block_pool, runner.host_arena.disk)
+    arena = getattr(runner, "host_arena", None)
+    if arena is not None:
+        disk = None
+        if arena.files is not None:
+            num_ranks = runner.tp.size if runner.tp is not None else 1
+            disk = DiskTier(arena.files, int(runner.config.cache.disk_tier_gib * 2**30), num_ranks)
+        kv.tier = HostTier(arena.num_slots, kv.block_pool, disk)
     return kv

@@ -286,6 +286,10 @@ class ModelRunner:
         logits = self.execute_model(inp, after_layer)
         return self.sample(inp, logits)
 
+    def poll_tier(self, wait_s: float = 0.0) -> list[tuple[int, str]]:
+        """This rank's disk tier reads that ended since the last poll (engine/runner/host_arena.py)."""
+        return [] if self.host_arena is None else self.host_arena.poll_disk(wait_s)
+
     def update_states(self, sched: SchedulerOutput) -> None:
         """Applies a schedule's bookkeeping (finished, new, grown requests) to this rank's request
         table; `execute` does it itself, a worker that broadcasts inputs calls it on rank 0."""
@@ -337,7 +341,7 @@ class ModelRunner:
         inp = self.model_input(input_ids, positions, slots, query_lens, seq_lens, tables,
                                    sample_indices, sample_req_ids)
         inp.block_copies, inp.drafts, inp.spans = list(sched.block_copies), drafts, spans
-        inp.kv_offloads, inp.kv_reloads = list(sched.kv_offloads), list(sched.kv_reloads)
+        inp.kv_tier = sched.kv_tier
         return inp
 
     def model_input(self, input_ids, positions, slots, query_lens, seq_lens, tables,
@@ -372,8 +376,8 @@ class ModelRunner:
         """Runs the forward on this rank; returns logits (num_sampled, vocab) on rank 0, else None."""
         if self.team is not None:
             self.intraop_threads = self.team.maybe_resize()
-        if inp.kv_offloads or inp.kv_reloads:  # a host tier's (engine/core/host_tier.py), first
-            self.host_arena.copy(inp.kv_offloads, inp.kv_reloads)
+        if inp.kv_tier is not None:  # the tiers' copies (engine/core/tier_copies.py), first
+            self.host_arena.apply(inp.kv_tier)
         if inp.block_copies:
             self._copy_blocks(inp.block_copies)
         if self.graphs is not None and after_layer is None and (size := self.graphs.size_for(inp)) is not None:

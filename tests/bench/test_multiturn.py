@@ -20,6 +20,7 @@ def test_each_target_gets_flags_the_cli_takes_and_a_fresh_disk_directory(tmp_pat
         if target.endswith("-off"):
             given = vars(parsed)  # (the CLI leaves out what was not given: the spec's defaults apply)
             assert "kv_disk_tier_gib" not in given and "kv_host_tier_gib" not in given and not parsed.kv_delta
+            assert not parsed.kv_fetch
         else:
             assert (parsed.kv_host_tier_gib, parsed.kv_disk_tier_gib) == (1.0, 0.5)
             dirs.append(parsed.kv_disk_tier_dir)

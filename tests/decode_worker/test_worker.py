@@ -112,7 +112,7 @@ class CountingTP:
 
     def all_gather_object(self, obj):
         self.calls += 1
-        return [obj, ([], [])]
+        return [obj, (([], []), [])]  # (its connector's poll, its disk tier's reads ended)
 
 
 def test_an_idle_decode_instance_makes_no_collective_call():

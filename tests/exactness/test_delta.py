@@ -14,7 +14,7 @@ import pytest
 from cluster.control.cluster import Cluster
 from engine.core.request import SamplingParams
 from engine.loading.loader import hf_model_config
-from tests.exactness.matrix import Case, mismatches, spec_of
+from tests.exactness.matrix import LAYOUTS, Case, mismatches, spec_of
 from tests.helpers import random_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -111,17 +111,21 @@ def test_the_host_tiers_serve_the_second_turn_after_other_prompts_evicted_it(mod
     assert counts["tier_reloaded_blocks"] >= 2 * (len(TURN1) // 8), counts  # on each side
 
 
-def test_a_prefill_instance_reads_the_first_turn_back_from_its_disk_tier(model, colocated, tmp_path):
+@pytest.mark.parametrize("layout", ["1P1D", "P3-D1"])
+def test_a_prefill_instance_reads_the_first_turn_back_from_its_disk_tier(model, colocated, tmp_path, layout, request):
     """Host tiers of six blocks (the first turn's five fit; the 22 of the prompts between the turns
     do not) over disk tiers: those prompts push the first turn's blocks through the prefill
-    instance's host tier on to its disk; the second turn reads them back (the decode instance,
-    which reads no disk at reservation, gets them shipped), and the output equals colocated bit for
-    bit."""
-    case = Case(layout="1P1D", block_size=8, prefix="hit", n3=False, structured=False)
+    instance's host tier on to its disk (with TP, each rank its heads' files); the second turn waits
+    while every rank reads them back (the decode instance, which reads no disk at reservation, gets
+    them shipped), and the output equals colocated bit for bit."""
+    case = Case(layout=layout, block_size=8, prefix="hit", n3=False, structured=False)
+    if case.needs_ray:
+        request.getfixturevalue("ray_session")
     counts = {}
     between = tuple(random_prompts(2, [80], seed=23))
     cfg = hf_model_config(Path(model))
-    six_blocks = 6.5 * 8 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4 / 2**30  # fp32 KV
+    heads = max(1, cfg.num_kv_heads // LAYOUTS[layout][3])  # a prefill rank's (its tier is per rank)
+    six_blocks = 6.5 * 8 * cfg.num_layers * 2 * heads * cfg.head_dim * 4 / 2**30  # fp32 KV
     got = conversation(case, model, counts, between, num_kv_blocks=12, kv_host_tier_gib=six_blocks,
                        kv_disk_tier_gib=0.1, kv_disk_tier_dir=str(tmp_path))
     assert mismatches(got, colocated) == []

@@ -80,24 +80,24 @@ def test_the_next_turn_comes_back_from_disk_then_a_damaged_file_is_recomputed(hf
     roomy, _ = conversation(files_engine(saved, num_blocks=64))
     knobs = {"host_tier_gib": 6e-5, "disk_tier_gib": 0.01, "disk_tier_dir": str(tmp_path)}
     engine = files_engine(saved, **knobs)
-    assert 4 <= engine.runner.host_arena.num_slots < 4 * len(OTHERS) and engine.runner.host_arena.disk is not None
+    assert 4 <= engine.runner.host_arena.num_slots < 4 * len(OTHERS) and engine.kv.tier.disk is not None
     got, cached = conversation(engine)
-    disk = engine.runner.host_arena.disk
+    disk = engine.kv.tier.disk
     assert got == roomy and cached == 64 and disk.stats["loaded_blocks"] >= 4, disk.stats
-    assert disk.figures()["kv_disk_tier_read_seconds"] > 0
+    assert disk.figures()["kv_disk_tier_read_seconds"] > 0 and disk.files.num_staged == 0
     (first, _, _), = generate_steps(files_engine(saved, num_blocks=64), [TURN1], MAX_TOKENS)
     turn2 = TURN1 + first + [5] * 10
     restarted = files_engine(saved, **knobs)
     (tokens, logprobs, cached), = generate_steps(restarted, [turn2], MAX_TOKENS)
     assert (tokens, logprobs) == roomy and cached == 64
-    for path in restarted.runner.host_arena.disk.dir.glob("*.safetensors"):
+    for path in restarted.runner.host_arena.files.dir.glob("*.safetensors"):
         data = bytearray(path.read_bytes())
         data[-3] ^= 0xFF
         path.write_bytes(bytes(data))
     damaged = files_engine(saved, **knobs)
     (tokens, logprobs, cached), = generate_steps(damaged, [turn2], MAX_TOKENS)
     assert (tokens, logprobs) == roomy and cached == 0
-    assert damaged.runner.host_arena.disk.stats["refused_blocks"] >= 1
+    assert damaged.kv.tier.disk.stats["refused_blocks"] >= 1
     damaged.kv.assert_no_leaks()
 
 
@@ -108,4 +108,33 @@ def test_a_prompt_gets_more_blocks_back_from_disk_than_the_host_tier_has_slots(h
     engine = files_engine(saved, host_tier_gib=3e-5, disk_tier_gib=0.01, disk_tier_dir=str(tmp_path))
     assert engine.runner.host_arena.num_slots < 4
     got, cached = conversation(engine)
-    assert got == roomy and cached == 64, engine.runner.host_arena.disk.stats
+    assert got == roomy and cached == 64, engine.kv.tier.disk.stats
+
+
+def test_a_turn_waiting_for_its_disk_reads_lets_another_request_run_meanwhile(hf_model, saved, tmp_path, monkeypatch):
+    """The reads are held back until another prompt has decoded 3 tokens: the turn waits (nothing of
+    it computed) while that prompt's steps run, then takes its blocks from disk, and its tokens equal
+    a pool that held them."""
+    import threading
+
+    from engine.runner.disk_files import DiskFiles
+    from engine.sample.sampling import SamplingParams
+    roomy, _ = conversation(files_engine(saved, num_blocks=64))
+    engine = files_engine(saved, host_tier_gib=3e-5, disk_tier_gib=0.01, disk_tier_dir=str(tmp_path))
+    (first, _, _), = generate_steps(engine, [TURN1], MAX_TOKENS)
+    for other in OTHERS:
+        generate_steps(engine, [other], MAX_TOKENS)
+    release, read = threading.Event(), DiskFiles.read
+    monkeypatch.setattr(DiskFiles, "read", lambda self, key: (release.wait(60), read(self, key))[1])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    turn2 = engine.add_request("turn2", TURN1 + first + [5] * 10, params)
+    other = engine.add_request("other", random_prompts(1, [20], seed=43)[0], params)
+    while len(other.output_token_ids) < 3:
+        engine.step()
+        assert turn2.num_computed_tokens == 0 and engine.kv.tier.disk._answers  # waiting, its reads in flight
+    release.set()
+    while engine.has_unfinished():
+        engine.step()
+    assert (turn2.output_token_ids, [e["logprobs"] for e in turn2.output_extras]) == roomy
+    assert turn2.num_cached_tokens == 64 and engine.kv.tier.disk.stats["loaded_blocks"] >= 4
+    engine.kv.assert_no_leaks()
