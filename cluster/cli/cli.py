@@ -284,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad user input: a clear message, no traceback
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the server has shut down (uvicorn re-raises the signal after)
+        return 130
 
 
 if __name__ == "__main__":

@@ -140,3 +140,15 @@ def test_generate_through_1p1d_cluster_json():
     for out in outs:
         assert {"text", "token_ids", "prompt_token_ids", "ttft_s", "tokens_per_s"} <= set(out)
     assert outs[0]["token_ids"] == outs[1]["token_ids"] and "Paris" in outs[0]["text"]
+
+
+def test_ctrl_c_ends_a_command_with_130_and_no_traceback(monkeypatch, capsys):
+    """uvicorn re-raises SIGINT once the server has shut down: `pdserve serve` then exits 130, as a
+    shell expects of Ctrl-C, instead of printing a KeyboardInterrupt traceback."""
+    from cluster.cli import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "cmd_serve", interrupted)
+    assert cli.main(["serve"]) == 130
+    assert "Traceback" not in capsys.readouterr().err
