@@ -71,11 +71,13 @@ class Scheduler:
             return False
         n, tier = req.num_prompt_tokens, self.kv.tier
         hits, num_hit = self.kv.get_computed_blocks(req) if self.kv_delta else (None, 0)
-        if any(window_start(n, w) > num_hit for w in self.kv.windows):  # a window starts after the hits:
-            hits, num_hit = None, 0  # its blocks before it would never be written (the window's nulls instead)
         # then the blocks the host tier holds, reloaded by the next step (before the request can join)
-        # (host slots only: a step may be running, and reading from disk takes slots it may use)
+        # (host slots only: a reservation does not wait for disk reads)
         reloaded = tier.claim_for(self.kv, req, num_hit, from_disk=False) if tier is not None and self.kv_delta else []
+        if any(window_start(n, w) > num_hit + len(reloaded) * self.kv.block_size for w in self.kv.windows):
+            if reloaded:  # a window starts after the hits: its blocks before it would never be written
+                tier.release(reloaded)
+            hits, num_hit, reloaded = None, 0, []  # (the window's nulls instead)
         num_pool_hit, num_hit = num_hit, num_hit + len(reloaded) * self.kv.block_size
         # No prefix caching of the new blocks until their KV has arrived (see remote_kv_ready). With
         # a sliding window, none for the blocks before it: the prefill ships only what is read.

@@ -202,6 +202,7 @@ class PrefillWorker(BaseWorker):
             return False
         self._drain_inbox()
         self._release_delivered()
+        self.held.retry()  # holds whose disk reads landed: their reloads go with this step's copies
         sched = self.scheduler.schedule()
         shipments = self.connector.shipments(sched, self.scheduler.kv.get_block_ids, self.runner.block_size,
                                              self.runner.device)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from engine.core.request import RequestMessage
 from kvtransfer.params import KVTransferParams
-from engine.core.kv_events import HOST, STORED
+from engine.core.kv_events import LEVELS, STORED
 from router.client import DecodeClient, InstanceDeadError, InstanceInfo, PrefillClient
 from router.prefix_index import PrefixIndex
 
@@ -80,8 +80,7 @@ class Fetches:
     def source(self, prompt: list[int], candidates: list[InstanceInfo],
                chosen: InstanceInfo) -> tuple[InstanceInfo, int, int] | None:
         """(the candidate holding the most leading prompt tokens it can ship: a prefill instance's
-        in its pool or host tier (its disk reads would keep the fetch waiting: kvtransfer/held.py), a
-        decode instance's in its pool; those tokens; the ones `chosen` holds), whole
+        at any level, a decode instance's in its pool; those tokens; the ones `chosen` holds), whole
         blocks of `chosen`'s size short of the last token; None when no candidate of that block size
         holds more than `chosen`."""
         size = chosen.block_size
@@ -90,7 +89,7 @@ class Fetches:
         usable = (len(prompt) - 1) // size  # an engine computes the last token whatever it holds
         same = [c for c in candidates if c.block_size == size and c is not chosen]
         own = min(self.index.longest_prefix(prompt, [chosen])[chosen.instance_id], usable) * size
-        held = {**self.index.longest_prefix(prompt, [c for c in same if c.role == "prefill"], (STORED, HOST)),
+        held = {**self.index.longest_prefix(prompt, [c for c in same if c.role == "prefill"], LEVELS),
                 **self.index.longest_prefix(prompt, [c for c in same if c.role == "decode"], (STORED,))}
         best = max(same, key=lambda c: held.get(c.instance_id, 0), default=None)
         n = 0 if best is None else min(held.get(best.instance_id, 0), usable) * size

@@ -13,8 +13,9 @@ before its forward pass writes anything:
 Offloads go first: a block a reload overwrites may be one this step evicted (its old contents
 leave first). A slot a reload reads is pinned until `take`, so no offload of the same step takes
 it. The arena keeps a block after reloading it (as vLLM's CPU tier does): evicted again, it costs
-no copy. Least recently used slots go first when the arena is full. Only group 0's keys (plain
-ints) are taken: the tier runs with one KV group (engine/core/block_manager.py keys).
+no copy. Least recently used slots go first when the arena is full. With several KV groups (sliding
+windows) a block is one group's layers (engine/core/config.py KVLayout), so a slot holds one
+group's block; a prompt's next block position comes back only when every group's block of it does.
 
 Write-through (`write_through()`, a decode instance's tier): every full block the pool caches is
 copied to the tier as well, once its KV is complete, so an eviction later costs no copy. A decode
@@ -51,7 +52,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from engine.core.kv_events import DISK, HOST
@@ -60,6 +61,11 @@ from engine.core.tier_copies import TierCopies
 if TYPE_CHECKING:
     from engine.core.block_manager import Block, BlockPool, KVCacheManager
     from engine.core.request import Request
+
+
+def is_key(key) -> bool:
+    """A block key the tier takes: group 0's chained hash, or (group, hash) (KVCacheManager._key)."""
+    return type(key) is int or (type(key) is tuple and len(key) == 2 and all(type(k) is int for k in key))
 
 
 class DiskBooks(Protocol):
@@ -85,9 +91,9 @@ class DiskBooks(Protocol):
 
 
 class HostTier:
-    def __init__(self, num_slots: int, pool: BlockPool, disk: DiskBooks | None = None):
+    def __init__(self, num_slots: int, pool: BlockPool, disk: DiskBooks | None = None, num_groups: int = 1):
         assert num_slots > 0
-        self.num_slots, self.pool, self.disk = num_slots, pool, disk
+        self.num_slots, self.pool, self.disk, self.num_groups = num_slots, pool, disk, num_groups
         self._slots: OrderedDict[int, int] = OrderedDict()  # block hash -> slot, least recently used first
         self._free = list(range(num_slots - 1, -1, -1))
         self._pinned: set[int] = set()  # slots a queued reload reads
@@ -139,7 +145,7 @@ class HostTier:
         key = block.block_hash
         if key in self._slots:  # reloaded earlier and kept: nothing to copy
             self._slots.move_to_end(key)
-        elif type(key) is not int:
+        elif not is_key(key):
             return False
         elif self.disk is not None and self.disk.has(key):  # on disk since (it came back from there)
             pass
@@ -161,7 +167,7 @@ class HostTier:
         key = block.block_hash
         if key in self._slots:  # the tier has it already (it was reloaded from here)
             self._slots.move_to_end(key)
-        elif type(key) is int:
+        elif is_key(key):
             self.pool.touch([block])
             self._stored.append(block)
 
@@ -244,12 +250,16 @@ class HostTier:
         else:
             self.pool.events.removed(key)
 
+    def _keys(self, block_hash: int) -> list:
+        """A block position's keys, one per KV group (engine/core/block_manager.py KVCacheManager._key)."""
+        return [block_hash] + [(g, block_hash) for g in range(1, self.num_groups)]
+
     def claim(self, hashes: list[int], waiter: str | None = None) -> list[int] | None:
-        """The leading `hashes` (a prompt's next full blocks after its pool hits) the tier holds,
-        pinned until `take` (or `release`): pass them to `reload` once their blocks are allocated.
-        `waiter` (a request id; None: host slots only): blocks of the run that only the disk holds
-        are read first, and the answer is None while they are in flight (the request waits, once);
-        then the run's blocks in slots or staged are claimed."""
+        """The leading `hashes` (a prompt's next full blocks after its pool hits, group 0's hashes)
+        whose blocks the tier holds in every KV group, pinned until `take` (or `release`): pass them
+        to `reload` once their blocks are allocated. `waiter` (a request id; None: host slots only):
+        blocks of the run that only the disk holds are read first, and the answer is None while they
+        are in flight (the request waits, once); then the run's blocks in slots or staged are claimed."""
         disk = self.disk if waiter is not None else None
         if disk is not None:
             pending = self._waits.get(waiter)
@@ -257,50 +267,56 @@ class HostTier:
                 return None
             if pending is None:
                 run = []
-                for key in hashes:
-                    if not (key in self._slots or disk.staged(key) or disk.reading(key) or disk.has(key)):
+                for h in hashes:
+                    ks = self._keys(h)
+                    if not all(k in self._slots or disk.staged(k) or disk.reading(k) or disk.has(k) for k in ks):
                         break
-                    run.append(key)
+                    run += ks
                 if to_read := [k for k in run if k not in self._slots and not disk.staged(k)]:
                     disk.fetch(to_read)
                     self._waits[waiter] = to_read
                     return None if any(disk.reading(k) for k in to_read) else self.claim(hashes, waiter)
         keys = []
-        for key in hashes:
-            slot = self._slots.get(key)
-            if slot is not None:
-                self._slots.move_to_end(key)
-                self._pinned.add(slot)
-            elif disk is not None and disk.staged(key):
-                disk.claim(key)
-                self._claimed_staged.add(key)
-            else:
+        for h in hashes:
+            ks = self._keys(h)
+            if not all(k in self._slots or (disk is not None and disk.staged(k)) for k in ks):
                 break
-            keys.append(key)
+            for key in ks:
+                slot = self._slots.get(key)
+                if slot is not None:
+                    self._slots.move_to_end(key)
+                    self._pinned.add(slot)
+                else:
+                    disk.claim(key)
+                    self._claimed_staged.add(key)
+            keys.append(h)
         return keys
 
     def release(self, keys: list[int]) -> None:
         """The claim was not used (the request did not fit)."""
-        for key in keys:
+        for key in (k for h in keys for k in self._keys(h)):
             if key in self._claimed_staged:
                 self._claimed_staged.remove(key)
                 self.disk.unclaim(key)
             else:
                 self._pinned.discard(self._slots[key])
 
-    def reload(self, keys: list[int], block_ids: list[int]) -> None:
-        """Copy the claimed `keys` into the blocks `block_ids` at the start of the next step."""
-        assert len(keys) == len(block_ids)
-        for key, block_id in zip(keys, block_ids):
-            if key in self._claimed_staged:
-                self._claimed_staged.remove(key)
-                self.disk.load(key, block_id)
-            else:
-                self._reloads.append((self._slots[key], block_id))
-        blocks = [self.pool.blocks[i] for i in block_ids]
+    def reload(self, keys: list[int], block_ids: Sequence[Sequence[int]]) -> None:
+        """Copy the claimed `keys` into the blocks `block_ids` (per KV group, one per key) at the
+        start of the next step."""
+        assert len(block_ids) == self.num_groups and all(len(ids) == len(keys) for ids in block_ids)
+        for g, ids in enumerate(block_ids):
+            for h, block_id in zip(keys, ids):
+                key = self._keys(h)[g]
+                if key in self._claimed_staged:
+                    self._claimed_staged.remove(key)
+                    self.disk.load(key, block_id)
+                else:
+                    self._reloads.append((self._slots[key], block_id))
+        blocks = [self.pool.blocks[i] for ids in block_ids for i in ids]
         self.pool.touch(blocks)  # held until the step that reloads them has ended
         self._reloading += blocks
-        self.stats["reloaded_blocks"] += len(keys)
+        self.stats["reloaded_blocks"] += len(blocks)
 
     def forget(self, request_id: str) -> None:
         """The request no longer waits (admitted, or gone): the staged reads made for it that no other
@@ -359,5 +375,5 @@ class HostTier:
     def reload_for(self, kv: KVCacheManager, request: Request, keys: list[int], num_hit: int) -> None:
         """After the request's blocks are allocated: its claimed blocks come back from the tier."""
         first = num_hit // kv.block_size
-        self.reload(keys, kv.get_block_ids(request.request_id)[0][first:first + len(keys)])
+        self.reload(keys, [ids[first:first + len(keys)] for ids in kv.get_block_ids(request.request_id)])
         self.forget(request.request_id)

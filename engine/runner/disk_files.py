@@ -2,7 +2,8 @@
 writes and deletes a step carries (TierCopies.disk, synchronous, before the step's copies) and the
 reads, on a reader thread of their own, into memory ("staged") while steps run, answered by `poll`.
 
-Files: DIR/IDENTITY/HASH.safetensors, HASH the block's chained hash (16 hex digits), one tensor per
+Files: DIR/IDENTITY/HASH.safetensors, HASH the block's chained hash (16 hex digits; `-g<group>` after
+it for a KV group but the first: engine/core/block_manager.py keys), one tensor per
 KV view of the block (the format the weights come in), the metadata naming the identity, the hash
 and an xxh3_64 of the tensors' bytes. IDENTITY (`identity_of`) names the model (its weight files'
 names and sizes, their first and last MiB, its config), the KV format (each view's shape and dtype,
@@ -37,6 +38,19 @@ logger = logging.getLogger(__name__)
 EDGE_BYTES = 1 << 20  # of each weight file, the first and last MiB go into the identity
 OK, GONE = "ok", "gone"  # a read's answers besides a refusal's reason
 HEADER_BYTES = 1024  # a file's safetensors header, about: what the books count beside the tensors' bytes
+
+
+def key_name(key) -> str:
+    """A block key's file stem: group 0's hash in 16 hex digits, another group's with `-g<group>`."""
+    return f"{key:016x}" if type(key) is int else f"{key[1]:016x}-g{key[0]}"
+
+
+def key_of(name: str):
+    """`key_name`'s inverse; ValueError for a name it does not make."""
+    head, _, group = name.partition("-g")
+    if len(head) != 16 or (group and not group.isdigit()):
+        raise ValueError(name)
+    return int(head, 16) if not group else (int(group), int(head, 16))
 
 
 def checksum(tensors: list[torch.Tensor]) -> str:
@@ -79,13 +93,13 @@ class DiskFiles:
         found = []
         for path in self.dir.glob("*.safetensors") if self.dir.is_dir() else ():
             try:
-                found.append((path.stat().st_mtime, int(path.stem, 16), path.stat().st_size))
+                found.append((path.stat().st_mtime, key_of(path.stem), path.stat().st_size))
             except (OSError, ValueError):
                 continue
-        return [(key, size) for _, key, size in sorted(found)]
+        return [(key, size) for _, key, size in sorted(found, key=lambda f: f[0])]
 
-    def path(self, key: int) -> Path:
-        return self.dir / f"{key:016x}.safetensors"
+    def path(self, key) -> Path:
+        return self.dir / f"{key_name(key)}.safetensors"
 
     def _stop_writing(self, why: str) -> None:
         if self.writable:
@@ -107,8 +121,8 @@ class DiskFiles:
         if not self.writable:
             return False
         named = {f"v{i}": t.contiguous() for i, t in enumerate(tensors)}
-        meta = {"identity": self.identity, "block": f"{key:016x}", "xxh3_64": checksum(list(named.values()))}
-        path, tmp = self.path(key), self.dir / f".{key:016x}.{os.getpid()}.tmp"
+        meta = {"identity": self.identity, "block": key_name(key), "xxh3_64": checksum(list(named.values()))}
+        path, tmp = self.path(key), self.dir / f".{key_name(key)}.{os.getpid()}.tmp"
         try:
             save_file(named, str(tmp), metadata=meta)
             os.replace(tmp, path)  # readers see a whole file or none
@@ -120,7 +134,7 @@ class DiskFiles:
         except Exception as exc:  # noqa: BLE001 -- this block only: the instance serves on without it on disk
             self.stats["write_failures"] += 1
             tmp.unlink(missing_ok=True)
-            logger.warning("KV disk tier: block %016x not written (%s: %s)", key, type(exc).__name__, exc)
+            logger.warning("KV disk tier: block %s not written (%s: %s)", key_name(key), type(exc).__name__, exc)
             return False
         return True
 
@@ -159,7 +173,7 @@ class DiskFiles:
             return GONE  # deleted meanwhile (another instance sharing the directory), or never written
         except Exception as exc:  # noqa: BLE001 -- safetensors' errors: a truncated or unreadable file
             return self._refuse(key, f"unreadable ({type(exc).__name__}: {exc})")
-        if meta.get("identity") != self.identity or meta.get("block") != f"{key:016x}":
+        if meta.get("identity") != self.identity or meta.get("block") != key_name(key):
             return self._refuse(key, f"another model, format or block ({meta.get('identity')}/{meta.get('block')})")
         if [(t.shape, t.dtype) for t in tensors] != [(t.shape, t.dtype) for t in want]:
             return self._refuse(key, "not this KV format's views")

@@ -125,8 +125,6 @@ def host_tier_unfit(runner) -> str | None:
     """Why the runner's pool cannot have a host tier, or None."""
     if not runner.config.cache.enable_prefix_caching:
         return "prefix caching is off (the tier holds what the prefix cache evicts)"
-    if runner.model_config.kv_layout.num_groups > 1:
-        return f"{runner.model_config.kv_layout.num_groups} KV groups (sliding windows): one group only, for now"
     if runner.draft is not None or runner.config.speculative is not None:
         return "speculative decoding (a proposer's KV shares the pool's blocks and would not follow them)"
     return None
@@ -156,5 +154,5 @@ def attach_tier(kv: KVCacheManager, runner) -> KVCacheManager:
         if arena.files is not None:
             num_ranks = runner.tp.size if runner.tp is not None else 1
             disk = DiskTier(arena.files, int(runner.config.cache.disk_tier_gib * 2**30), num_ranks)
-        kv.tier = HostTier(arena.num_slots, kv.block_pool, disk)
+        kv.tier = HostTier(arena.num_slots, kv.block_pool, disk, len(kv.windows))
     return kv

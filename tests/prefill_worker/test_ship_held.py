@@ -2,7 +2,7 @@
 issue 51 item 3): the blocks of a prompt its prefix cache holds leave, every layer, from the first
 token the fetcher lacks, with no forward pass; they stay pinned until the transfer ends; a prefix it
 does not hold whole is refused (ship_held says why), nothing shipped; blocks its host tier took are
-reloaded first."""
+reloaded first, those its disk tier took read first."""
 from __future__ import annotations
 
 import threading
@@ -126,32 +126,70 @@ def test_blocks_the_host_tier_took_are_reloaded_and_shipped():
                          weights=hf.state_dict().items())
     worker = PrefillWorker(runner, PrefillConnector(ScriptedSender("ack"), runner.model_config.num_kv_heads, 0, 1, 5.0))
     assert worker.kv.tier is not None
-    hashes = block_hashes(PROMPT, 8)
+    want = evicted_prefix(worker)
+    sender = shipped(worker)
+    (rid, _, n, t), = sender.transfers
+    assert (rid, n) == ("f", 24) and worker.kv.tier.stats["reloaded_blocks"] >= 3
+    for layer, got in t.layers.items():
+        assert torch.equal(got, want[layer]), layer
+    settle(worker)
 
+
+def test_blocks_the_disk_tier_took_are_read_then_reloaded_and_shipped(tmp_path):
+    """A host tier of 2 slots over a disk tier: the prefix's blocks leave for disk; ship_held says
+    at once that it holds them, every rank reads them while the worker steps, and the shipment
+    follows: the KV computed at first."""
+    hf = make_hf_tiny_llama()
+    hf.save_pretrained(tmp_path / "tiny")
+    c = hf.config
+    block_bytes = c.num_hidden_layers * 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 8 * 4
+    cfg = engine_config(model=str(tmp_path / "tiny"), num_blocks=12, block_size=8, host_tier_gib=2.5 * block_bytes / 2**30,
+                        disk_tier_gib=0.01, disk_tier_dir=str(tmp_path / "kv"))
+    runner = ModelRunner(cfg)
+    worker = PrefillWorker(runner, PrefillConnector(ScriptedSender("ack"), runner.model_config.num_kv_heads, 0, 1, 5.0))
+    assert worker.kv.tier.disk is not None and runner.host_arena.num_slots == 2
+    want = evicted_prefix(worker)
+    assert all(worker.kv.tier.disk.has(h) and h not in worker.kv.tier._slots for h in block_hashes(PROMPT, 8))
+    sender = shipped(worker)
+    (rid, _, n, t), = sender.transfers
+    assert (rid, n) == ("f", 24) and worker.kv.tier.disk.stats["loaded_blocks"] >= 3
+    for layer, got in t.layers.items():
+        assert torch.equal(got, want[layer]), layer
+    settle(worker)
+
+
+def settle(worker) -> None:
+    """Steps until the transfers ended and their blocks are back in the cache; no leak."""
+    deadline = time.monotonic() + 10
+    while worker.kv.usage > 0 and time.monotonic() < deadline:
+        worker.step()
+    worker.kv.assert_no_leaks()
+
+
+def evicted_prefix(worker) -> list[torch.Tensor]:
+    """PROMPT computed, then other prompts push its blocks out of the pool (5 blocks each, 11 usable);
+    per layer, PROMPT's KV as computed."""
     def compute(rid: str, tokens: list[int]) -> None:
         worker.submit(RequestMessage(rid, tokens, PARAMS), params(rid, 0))
         assert run_until(worker, 1)[0].error is None
-        deadline = time.monotonic() + 10
-        while worker.kv.usage > 0 and time.monotonic() < deadline:
-            worker.step()
+        settle(worker)
 
+    hashes = block_hashes(PROMPT, 8)
     compute("r", PROMPT + [9])
-    kv = runner.kv_cache
+    kv = worker.runner.kv_cache
     want = [torch.cat([kv[layer][:, worker.kv.block_pool.get_cached_block(h).block_id] for h in hashes], dim=1)
-            for layer in range(runner.model_config.num_layers)]
-    for i in range(3):  # 5 blocks each, 11 usable: PROMPT's blocks leave the pool for the tier
+            for layer in range(worker.runner.model_config.num_layers)]
+    for i in range(3):
         compute(f"other{i}", [200 + i] * 33)
     assert all(worker.kv.block_pool.get_cached_block(h) is None for h in hashes)
+    return want
+
+
+def shipped(worker) -> KeepingSender:
+    """ship_held of PROMPT, answered at once (held), stepped until its transfer began."""
     worker.connector.sender = sender = KeepingSender()
     assert _ship(worker, PROMPT, params("f", 0)) is None
     deadline = time.monotonic() + 10
     while not sender.transfers and time.monotonic() < deadline:
         worker.step()
-    (rid, _, n, t), = sender.transfers
-    assert (rid, n) == ("f", 24) and worker.kv.tier.stats["reloaded_blocks"] >= 3
-    for layer, got in t.layers.items():
-        assert torch.equal(got, want[layer]), layer
-    deadline = time.monotonic() + 10
-    while worker.kv.usage > 0 and time.monotonic() < deadline:
-        worker.step()
-    worker.kv.assert_no_leaks()
+    return sender

@@ -138,3 +138,32 @@ def test_a_turn_waiting_for_its_disk_reads_lets_another_request_run_meanwhile(hf
     assert (turn2.output_token_ids, [e["logprobs"] for e in turn2.output_extras]) == roomy
     assert turn2.num_cached_tokens == 64 and engine.kv.tier.disk.stats["loaded_blocks"] >= 4
     engine.kv.assert_no_leaks()
+
+
+@pytest.fixture(scope="module")
+def saved_gemma2(tmp_path_factory):
+    """A tiny Gemma 2 as files: sliding and global layers alternating, several KV groups."""
+    from tests.helpers import FAMILIES, make_hf_tiny
+    kind, switches = FAMILIES["gemma2"]
+    folder = tmp_path_factory.mktemp("gemma2") / "tiny"
+    make_hf_tiny(kind, seed=3, **switches).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("tiers", [{"host_tier_gib": 1e-2},
+                                   {"host_tier_gib": 4e-5, "disk_tier_gib": 0.01}], ids=["host", "host+disk"])
+def test_a_model_of_several_kv_groups_gets_the_next_turn_back_from_its_tiers(saved_gemma2, tmp_path, tiers):
+    """Gemma 2's sliding and global layers are KV groups: each group's blocks of turn 1 leave the
+    pool for the host tier (and its disk) and come back, every group's block of a position together;
+    turn 2's tokens equal, bit for bit, a pool that held them and a run without any cache."""
+    roomy, _ = conversation(files_engine(saved_gemma2, num_blocks=64))
+    uncached, _ = conversation(files_engine(saved_gemma2, num_blocks=16, prefix_caching=False))
+    knobs = {"disk_tier_dir": str(tmp_path), **tiers}
+    engine = files_engine(saved_gemma2, num_blocks=16, **knobs)
+    num_groups = engine.kv.tier.num_groups
+    assert num_groups == len(engine.kv.windows) > 1  # (its 3 layers: a group each)
+    got, cached = conversation(engine)
+    assert got == roomy == uncached and cached == 64, engine.kv.tier.figures()
+    assert engine.kv.tier.stats["reloaded_blocks"] >= 4 * num_groups  # 4 positions, every group's
+    if "disk_tier_gib" in tiers:
+        assert engine.runner.host_arena.num_slots < 4 * num_groups and engine.kv.tier.disk.stats["loaded_blocks"] >= 1
