@@ -49,10 +49,6 @@ class DiskTier:
                     f", {num_ranks} ranks' shards" if num_ranks > 1 else "")
 
     @property
-    def writable(self) -> bool:
-        return self.files.writable
-
-    @property
     def num_blocks(self) -> int:
         return len(self._files)
 
