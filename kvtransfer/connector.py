@@ -120,8 +120,8 @@ class PrefillConnector:
             for hs in plan_head_slices(self.num_kv_heads, self.tp_size, s.params.decode_tp_size):
                 if hs.prefill_rank == self.tp_rank:
                     dest = s.params.endpoints[hs.decode_rank]
-                    parts.append((hs.head_start, hs.head_end,
-                                  self.sender.begin(s.transfer_id, dest, hs.head_start, hs.head_end, s.num_tokens)))
+                    parts.append((hs.head_start, hs.head_end, self.sender.begin(
+                        s.transfer_id, dest, hs.head_start, hs.head_end, s.num_tokens, s.slots)))
                     if hs.decode_rank == 0 and s.group == 0:
                         self._to_rank0[s.request_id] = parts[-1][2]
             self._step.append((s, parts))
@@ -129,9 +129,15 @@ class PrefillConnector:
 
     def save_layer(self, layer: int, kv_cache: torch.Tensor) -> None:
         """Layer `layer` of the model is computed: its KV of this step's shipments leaves (a copy,
-        sent in the background). kv_cache: the pool (num_slabs, 2, num_blocks, block_size, local kv
-        heads, head_dim); the layer is its group's slab, and the transport's layer number."""
+        sent in the background), or, for a sender that `pulls`, its receivers may read it there.
+        kv_cache: the pool (num_slabs, 2, num_blocks, block_size, local kv heads, head_dim); the
+        layer is its group's slab, and the transport's layer number."""
         group, slab = (0, layer) if self.kv_layout is None else self.kv_layout.place[layer]
+        if self.sender.pulls:  # the receivers read the layer where it lies
+            for s, parts in self._step:
+                for *_, transfer in parts if s.group == group else ():
+                    transfer.layer_ready(slab)
+            return
         kv_layer = kv_cache[slab]
         flat = kv_layer.view(2, -1, *kv_layer.shape[-2:])
         views = None if self.kv_views is None else self.kv_views(kv_layer)

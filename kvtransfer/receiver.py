@@ -74,6 +74,8 @@ MAX_DIRECT_RUNS = 4
 
 
 class TorchDistReceiver(KVReceiver):
+    schema = wire.SCHEMA  # of its control messages
+
     def __init__(self, compat: CompatRecord, kv_cache: torch.Tensor, head_offset: int, host: str = "127.0.0.1",
                  timeout_s: float = 10.0, share_cache: bool = False, kv_views=None, *, control_auth: bool = True,
                  payload_mac: bool = True):
@@ -101,7 +103,7 @@ class TorchDistReceiver(KVReceiver):
         self.device_key = device_key(kv_cache.device)  # whether a sender is on this device, shared or not
         self.shared_cache, self.no_cache_reason = self._share(share_cache)
         self._closed = False
-        self._control = ControlServer(host, self._open_session, wire.SCHEMA, authenticate=control_auth,
+        self._control = ControlServer(host, self._open_session, self.schema, authenticate=control_auth,
                                       session_keys=True)
 
     def _share(self, share_cache: bool) -> tuple[dict | None, str | None]:
@@ -139,7 +141,7 @@ class TorchDistReceiver(KVReceiver):
         host = slots.to("cpu", torch.int64)  # the layout is worked out on the host: no device sync
         blocks = whole_blocks(host, self.block_size)
         e = Expected(host.to(self.kv_cache.device), num_parts,
-                      None if blocks is None else blocks.to(self.kv_cache.device), slot_runs(host))
+                     None if blocks is None else blocks.to(self.kv_cache.device), slot_runs(host), host_slots=host)
         with self._lock:
             self._expected[request_id] = e
 

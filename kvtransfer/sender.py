@@ -117,7 +117,7 @@ class _Peer:
 
     def __init__(self, owner: TorchDistSender, dest: KVEndpoint):
         self.owner, self.dest = owner, dest
-        self.control = ControlClient(dest.address, wire.SCHEMA, authenticate=owner.control_auth)
+        self.control = ControlClient(dest.address, owner.schema, authenticate=owner.control_auth)
         self.channel: DataChannel | None = None
         self.shared: SharedCacheWriter | None = None  # the receiver's cache, opened here (same device)
         self.payload_key: bytes | None = None  # this connection's payload MAC key, once its data channel is built
@@ -399,6 +399,9 @@ class _Peer:
 
 
 class TorchDistSender(KVSender):
+    peer_class = _Peer  # a connection to one decode rank
+    schema = wire.SCHEMA  # of its control messages
+
     def __init__(self, compat: CompatRecord, sender_id: str, timeout_s: float = 10.0, host: str = "127.0.0.1",
                  max_groups: int = 64, same_device: bool = False, *, control_auth: bool = True,
                  payload_mac: bool = True):
@@ -426,20 +429,25 @@ class TorchDistSender(KVSender):
         self.transfer_seconds = 0.0  # sum over acknowledged parts of (acked - begin)
 
     def begin(self, request_id: str, dest: KVEndpoint, head_start: int, head_end: int,
-              num_tokens: int) -> Transfer:
+              num_tokens: int, slots: torch.Tensor | None = None) -> Transfer:
         self.caches.reap()
+        return _Transfer(self._peer(dest), request_id, head_start, head_end, num_tokens)
+
+    def _peer(self, dest: KVEndpoint) -> _Peer:
+        """The connection to `dest`, made if there is none (the least recently used one beyond
+        `max_groups` closes)."""
         with self._lock:
             if self._closed:
                 raise TransferError("sender is closed")
             peer = self._peers.get(dest.address)
             if peer is None:
-                peer = self._peers[dest.address] = _Peer(self, dest)
+                peer = self._peers[dest.address] = self.peer_class(self, dest)
                 if len(self._peers) > self.max_groups:
                     _, old = self._peers.popitem(last=False)
                     old.close()  # finishes what it has queued, then destroys its group
                     self._stats["groups_evicted"] += 1
             self._peers.move_to_end(dest.address)
-        return _Transfer(peer, request_id, head_start, head_end, num_tokens)
+        return peer
 
     def _drop(self, peer: _Peer, failed: bool = True) -> None:
         with self._lock:

@@ -49,6 +49,7 @@ class Part:
     mac: PartMac | None = None  # of what arrived so far (an authenticated data channel)
     trailer: list[bytes] = field(default_factory=list)  # its `trailer` chunks so far (base.py: carried unread)
     trailer_bytes: int = 0
+    reads: object = None  # the nixl transport's: what to read of the sender's pool (nixl_reads.ReadPlan)
 
     def hash(self, payload: torch.Tensor) -> None:
         """Adds bytes that arrived to the checksum and the MAC (those the part has)."""
@@ -73,6 +74,7 @@ class Expected:
     trailer: bytes = b""  # the one a part carried (b"" if none did)
     last_activity: float | None = None  # set when its first part begins
     receiving: int = 0  # receives in flight straight into its slots
+    host_slots: torch.Tensor | None = None  # `slots` on the host
 
 
 class SessionHost(Protocol):

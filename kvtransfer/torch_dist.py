@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtransfer.base import KVReceiver, KVSender, KVTransport
+from kvtransfer.base import KVPool, KVReceiver, KVSender, KVTransport
 from kvtransfer.params import CompatRecord
 
 
@@ -22,12 +22,12 @@ class TorchDistTransport(KVTransport):
     name = "torch"
 
     def sender(self, compat: CompatRecord, sender_id: str, timeout_s: float = 10.0, host: str = "127.0.0.1",
-               max_groups: int = 64, same_device: bool = False) -> KVSender:
+               max_groups: int = 64, same_device: bool = False, pool: KVPool | None = None) -> KVSender:
         from kvtransfer.sender import TorchDistSender
         return TorchDistSender(compat, sender_id, timeout_s, host, max_groups, same_device)
 
     def receiver(self, compat: CompatRecord, kv_cache: torch.Tensor, head_offset: int,
                  host: str = "127.0.0.1", timeout_s: float = 10.0, share_cache: bool = False,
-                 kv_views=None) -> KVReceiver:
+                 kv_views=None, layout: str = "torch") -> KVReceiver:
         from kvtransfer.receiver import TorchDistReceiver
         return TorchDistReceiver(compat, kv_cache, head_offset, host, timeout_s, share_cache, kv_views)

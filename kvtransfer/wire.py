@@ -156,9 +156,9 @@ def check_message(msg, schema: dict[str, dict[str, type | tuple]]) -> dict:
         raise WireError(f"trailer chunk of {len(msg['data'])} bytes")
     if msg["kind"] == "done" and msg["checksum"] is not None and not _is_u64(msg["checksum"]):
         raise WireError("done.checksum is not an unsigned 64-bit int")
-    if msg["kind"] == "ready" and not all(_is_run(run) for run in msg["runs"]):
+    if msg["kind"] == "ready" and not all(_is_run(run) for run in msg.get("runs", ())):  # (nixl_wire.py: none)
         raise WireError("ready.runs is not a list of [start, length] pairs")
-    if msg["kind"] == "ready" and not all(type(slot) is int and slot >= 0 for slot in msg["slots"]):
+    if msg["kind"] == "ready" and not all(type(slot) is int and slot >= 0 for slot in msg.get("slots", ())):
         raise WireError("ready.slots is not a list of slots")
     return msg
 

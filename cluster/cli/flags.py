@@ -122,7 +122,8 @@ _HELP = {
                              "the ack); past it the pair is aborted and the request fails back to the router",
     "kv_transport": "auto: a prefill and a decode rank on one GPU write KV straight into the decode cache (CUDA "
                     "IPC), other pairs use torch.distributed; torch: torch.distributed for every pair (gloo, NCCL "
-                    "between GPUs, gloo through host memory between two ranks of one GPU)",
+                    "between GPUs, gloo through host memory between two ranks of one GPU); nixl: the decode rank reads the "
+                    "prefill rank's KV pool with NIXL READs over UCX (the optional extra pdserve[nixl])",
     "kv_checksum": "every KV part carries a checksum (xxh3_64) of its payloads, checked on receipt; a mismatch "
                    "fails the transfer like a lost peer (the request is retried) and is counted on /metrics. "
                    "A prefill and a decode instance must agree",

@@ -24,6 +24,7 @@ from engine.text.tokenizer import Tokenizer
 from gateway.api_keys import KEYS_POLL_S, APIKey, KeysFileWatcher, check_key_strength, configured_keys
 from gateway.app import create_app
 from gateway.drain import Drain
+from kvtransfer.registry import transport_unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ def build(spec: ClusterSpec, api_key: str | None = None, use_ray: bool = True):
     """Starts the cluster; returns (cluster, app). The caller shuts the cluster down."""
     access = gateway_access(spec, api_key)  # a keys file that does not parse is refused before anything starts
     model_fit.check(spec)  # a config or TP size pdserve cannot run is refused before anything starts
+    if (why := transport_unavailable(spec.kv_transport)) is not None:  # an optional package it needs is missing
+        raise ValueError(why)
     tokenizer = gateway_tokenizer(spec)
     cluster = Cluster(spec, use_ray=use_ray).start()
     if use_ray:  # after Ray started here: its processes would inherit these cores, the ranks' too

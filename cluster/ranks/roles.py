@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from decode_worker.engine import ColocatedEngine, DecodeWorker
+from engine.attention import block_layout_of
 from engine.core.config import EngineConfig
 from engine.runner.model_runner import ModelRunner
 from engine.runner.worker_base import BaseWorker
 from engine.text.tokenizer import Tokenizer
-from kvtransfer.base import KVReceiver, KVSender
+from kvtransfer.base import KVPool, KVReceiver, KVSender
 from kvtransfer.connector import DecodeConnector, PrefillConnector
 from kvtransfer.params import CompatRecord, kv_heads_of_rank
 from kvtransfer.registry import create_kv_transport
@@ -94,9 +95,10 @@ def _sender(runner: ModelRunner, compat: CompatRecord, kv_views, setting: RankSe
     transfer, freed on the receiver's ack, or after 3 transfer timeouts if no ack ever comes (a hung
     peer cannot pin them forever)."""
     mc = runner.model_config
+    heads = kv_heads_of_rank(mc.num_kv_heads, setting.tp_size, setting.rank)
     sender = create_kv_transport(setting.kv_transport).sender(
         compat, f"{setting.instance_id}/{setting.rank}", timeout_s=setting.kv_timeout_s, host=setting.host,
-        same_device=setting.kv_same_device)
+        same_device=setting.kv_same_device, pool=KVPool(runner.kv_cache, block_layout_of(runner.backend), heads.start))
     return sender, PrefillConnector(sender, mc.num_kv_heads, setting.rank, setting.tp_size,
                                     lease_s=3 * setting.kv_timeout_s, kv_views=kv_views, kv_layout=mc.kv_layout)
 
@@ -106,7 +108,7 @@ def _receiver(runner: ModelRunner, compat: CompatRecord, kv_views, setting: Rank
     heads = kv_heads_of_rank(runner.model_config.num_kv_heads, setting.tp_size, setting.rank)
     return create_kv_transport(setting.kv_transport).receiver(
         compat, runner.kv_cache, heads.start, host=setting.host, timeout_s=setting.kv_timeout_s,
-        share_cache=setting.kv_same_device, kv_views=kv_views)
+        share_cache=setting.kv_same_device, kv_views=kv_views, layout=block_layout_of(runner.backend))
 
 
 def _decode_worker(runner: ModelRunner, receiver: KVReceiver | None, setting: RankSetting,

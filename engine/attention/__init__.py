@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -17,11 +18,40 @@ from engine.attention.base import FP8, AttentionMetadata, BaseAttentionBackend
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AttentionMetadata", "BaseAttentionBackend", "create_attention_backend", "flash_attn_available",
-           "flash_attn_unfit"]
+__all__ = ["AttentionMetadata", "BLOCK_LAYOUTS", "BaseAttentionBackend", "BlockLayout", "block_layout_of",
+           "create_attention_backend", "flash_attn_available", "flash_attn_unfit"]
 BACKENDS = ("auto", "torch", "flash_attn", "flex", "vllm_cpu")
 # flash_attn_with_kvcache with `block_table` and `cache_seqlens` as engine/attention/flash_backend.py calls it
 FLASH_ATTN_MIN = (2, 6)
+
+
+
+class BlockLayout(NamedTuple):
+    """How a KV block's bytes lie in a layer's slab (2, num_blocks, block_size, kv_heads, head_dim),
+    for a reader of another rank's pool that copies whole blocks (kvtransfer/nixl_reads.py)."""
+    views: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # a slab -> (keys, values) by token
+    planes: bool  # True: a block is two stretches, its keys in the slab's first half, its values in the second;
+    # False: one stretch, block b at b x (the slab's bytes / num_blocks)
+
+
+def _torch_views(layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer[0], layer[1]
+
+
+def _vllm_cpu_views(layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from engine.attention.vllm_cpu_backend import block_views
+    return block_views(layer)
+
+
+# By name: "torch" for every backend that keeps torch's layout (own_kv_layout False), else the backend's.
+BLOCK_LAYOUTS = {"torch": BlockLayout(_torch_views, planes=True), "vllm_cpu": BlockLayout(_vllm_cpu_views, planes=False)}
+
+
+def block_layout_of(backend: BaseAttentionBackend) -> str:
+    """The name in BLOCK_LAYOUTS of the layout `backend` keeps its pool in."""
+    name = backend.name if backend.own_kv_layout else "torch"
+    assert name in BLOCK_LAYOUTS, name
+    return name
 
 
 def flash_attn_unfit() -> str | None:

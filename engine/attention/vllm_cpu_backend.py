@@ -72,6 +72,22 @@ def library_name() -> str | None:
     return "_C_AVX2.abi3.so"
 
 
+def block_views(layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Its writer's layout (vec and vec16 ISAs), read off the bytes it wrote: per block and head,
+    2 x block_size rows of head_dim, keys stored transposed (head_dim x block_size) in the first
+    half, values as rows in the second (tests/engine/attention/test_vllm_cpu_backend.py). Every
+    block's bytes are one stretch of the slab (what a KV transfer reading whole blocks relies on:
+    engine/attention/__init__.py BLOCK_LAYOUTS). Needs no kernel library: a reader of another
+    rank's blocks in this layout calls it without one."""
+    _, num_blocks, block_size, heads, head_dim = layer.shape
+    assert layer.is_contiguous(), layer.shape
+    block, head, start = heads * 2 * block_size * head_dim, 2 * block_size * head_dim, layer.storage_offset()
+    shape = (num_blocks, block_size, heads, head_dim)
+    keys = layer.as_strided(shape, (block, 1, head, block_size), start)
+    values = layer.as_strided(shape, (block, head_dim, head, 1), start + block_size * head_dim)
+    return keys, values
+
+
 class VllmCpuAttentionBackend(BaseAttentionBackend):
     name = "vllm_cpu"
     own_kv_layout = True
@@ -100,16 +116,8 @@ class VllmCpuAttentionBackend(BaseAttentionBackend):
         return frozenset({"rotary", "rms_norm"} if fuse_norm else {"rotary"})
 
     def kv_views(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Its writer's layout (vec and vec16 ISAs), read off the bytes it wrote: per block and
-        head, 2 x block_size rows of head_dim, keys stored transposed (head_dim x block_size) in
-        the first half, values as rows in the second (tests/engine/attention/test_vllm_cpu_backend.py)."""
-        _, num_blocks, block_size, heads, head_dim = layer.shape
-        assert layer.is_contiguous() and self.isa in ("vec", "vec16"), (layer.shape, self.isa)
-        block, head, start = heads * 2 * block_size * head_dim, 2 * block_size * head_dim, layer.storage_offset()
-        shape = (num_blocks, block_size, heads, head_dim)
-        keys = layer.as_strided(shape, (block, 1, head, block_size), start)
-        values = layer.as_strided(shape, (block, head_dim, head, 1), start + block_size * head_dim)
-        return keys, values
+        assert self.isa in ("vec", "vec16"), self.isa
+        return block_views(layer)
 
     def block_size_for(self, requested: int) -> int:
         return -(-requested // BLOCK_MULTIPLE) * BLOCK_MULTIPLE

@@ -38,7 +38,9 @@ VALUE_SETS = {
     "gpu": GPU_VALUES,
     "everything-on": {**AUTOSCALED, "redis": {"enabled": True}, "imagePullSecrets": [{"name": "regcred"}],
                       "ingress": {"enabled": True, "className": "nginx", "tls": {"enabled": True, "secretName": "t"}},
-                      "gateway": {"apiKey": {"existingSecret": "pdserve-api-key"}}},
+                      "gateway": {"apiKey": {"existingSecret": "pdserve-api-key"}},
+                      "ucx": {"tls": "rc,tcp", "netDevices": "mlx5_0:1", "ipcLock": True,
+                              "rdmaResources": {"rdma/rdma_shared_device_a": 1}}},
 }
 
 
@@ -466,3 +468,26 @@ def test_the_kv_disk_tier_is_a_worker_volume_the_spec_points_at():
                    for v in d["spec"]["template"]["spec"].get("volumes", []))
     with pytest.raises(Exception, match="kvDiskTier"):
         render({"kvDiskTier": {"volume": {"name": "x", "emptyDir": {}}}})
+
+
+def test_ucx_values_reach_every_worker_and_nothing_else():
+    """kv_transport nixl with ucx values: every worker container gets UCX_TLS and UCX_NET_DEVICES, the
+    IPC_LOCK capability (all others still dropped) and the RDMA device in its limits; the default
+    values give none of them, and no other pod gets any."""
+    ucx = {"tls": "tcp", "netDevices": "eth0", "ipcLock": True, "rdmaResources": {"rdma/hca": 2}}
+    objects = manifests({"spec": {"kv_transport": "nixl"}, "ucx": ucx})
+    assert loaded_spec(objects).kv_transport == "nixl"
+    for role in ("prefill", "decode"):
+        c = container(one(objects, "Deployment", f"pdserve-{role}"))
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["UCX_TLS"] == "tcp" and env["UCX_NET_DEVICES"] == "eth0", role
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}, role
+        assert c["resources"]["limits"]["rdma/hca"] == 2, role
+    for d in find(objects, "Deployment"):
+        if d["metadata"]["name"] not in ("pdserve-prefill", "pdserve-decode"):
+            assert "IPC_LOCK" not in str(d) and "UCX_" not in str(d), d["metadata"]["name"]
+    for role in ("prefill", "decode"):
+        c = container(one(manifests(), "Deployment", f"pdserve-{role}"))
+        assert "UCX_" not in str(c["env"]) and "add" not in c["securityContext"]["capabilities"]
+    with pytest.raises(Exception, match="ucx"):
+        render({"ucx": {**ucx, "tls": "tcp; rm -rf /"}})

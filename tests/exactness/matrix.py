@@ -9,7 +9,8 @@ token and logprob by logprob.
 Factors: the layout (1P1D, P tp=1 -> D tp=3, P tp=3 -> D tp=1, 2P2D), the KV block size, a
 prefix-cache hit or miss, chunked prefill on or off, preemption (a KV pool too small for every
 request at once: it preempts when requests run together), one request at a time or all 8 at once,
-the KV dtype (the model's or fp8), a request of n = 3 choices, a structured-output request. The
+the KV dtype (the model's or fp8), a request of n = 3 choices, a structured-output request, the KV
+transport (torch.distributed's data channel, or NIXL reads of the prefill's pool). The
 servers run in the batch-invariant mode, so a case's greedy tokens and their logprobs must equal
 the reference's bit for bit: no tolerance, no near-tie to excuse."""
 from __future__ import annotations
@@ -40,6 +41,7 @@ FACTORS = {
     "kv_dtype": ["auto", "fp8_e4m3"],
     "n3": [False, True],
     "structured": [False, True],
+    "transport": ["torch", "nixl"],
 }
 MAX_TOKENS = 10
 REGEX = r"[0-9]{1,3}( apples)?"  # the structured request's output
@@ -56,12 +58,13 @@ class Case:
     kv_dtype: str = "auto"
     n3: bool = True
     structured: bool = True
+    transport: str = "torch"
 
     @property
     def name(self) -> str:
         return "-".join([self.layout, f"bs{self.block_size}", self.prefix, "chunked" if self.chunked else "whole",
                          "preempt" if self.preemption else "roomy", f"c{self.concurrency}", self.kv_dtype,
-                         *(["n3"] if self.n3 else []), *(["structured"] if self.structured else [])])
+                         *(["n3"] if self.n3 else []), *(["structured"] if self.structured else []), self.transport])
 
     @property
     def needs_ray(self) -> bool:
@@ -111,7 +114,8 @@ def spec_of(case: Case, model: str, batch_invariant: bool = True, **overrides) -
         num_kv_blocks=pool_tokens // case.block_size + 1, max_num_seqs=16,
         max_num_batched_tokens=32 if case.chunked else 512, enable_prefix_caching=case.prefix == "hit",
         kv_cache_dtype=case.kv_dtype, batch_invariant=batch_invariant, num_threads=1, kv_transfer_timeout_s=30.0,
-        router_policy="round_robin"), **overrides})
+        router_policy="round_robin", kv_transport=case.transport if mode == "disaggregated" else "auto"),
+        **overrides})
 
 
 Outputs = dict[str, list[tuple[list[int], list[dict[int, float]]]]]  # name -> per choice (tokens, logprobs)

@@ -152,3 +152,14 @@ def test_ctrl_c_ends_a_command_with_130_and_no_traceback(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_serve", interrupted)
     assert cli.main(["serve"]) == 130
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_kv_transport_whose_package_is_missing_is_refused_in_one_line_naming_the_extra(monkeypatch, capsys):
+    """`pdserve serve --kv-transport nixl` where NIXL does not import: one line naming the extra,
+    before anything starts."""
+    from cluster.cli.cli import main
+    from kvtransfer import nixl_agent
+    monkeypatch.setattr(nixl_agent, "MODULES", ("pdserve_no_such_nixl",))
+    assert main(["serve", "--kv-transport", "nixl"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "kv_transport nixl needs the NIXL package (pip install 'pdserve[nixl]')" in err[0], err

@@ -12,9 +12,12 @@ from cluster.control.cluster import Cluster
 from cluster.spec import ClusterSpec
 from engine.attention.vllm_cpu_backend import vllm_cpu_unavailable
 from engine.core.request import SamplingParams
+from kvtransfer.nixl_agent import nixl_unavailable
 from tests.helpers import FAMILIES, assert_logprobs_close, random_prompts, save_tiny, save_tiny_llama
 
 pytestmark = pytest.mark.timeout(120)
+TRANSPORTS = ["auto", "torch", pytest.param("nixl", marks=pytest.mark.skipif(nixl_unavailable() is not None,
+                                                                           reason=str(nixl_unavailable())))]
 
 
 def spec_for(model: str, **kw) -> ClusterSpec:
@@ -41,13 +44,18 @@ def run(spec: ClusterSpec, prompts, max_tokens: int, logprobs: list | None = Non
             senders = [i.ranks[0].sender.stats for i in cluster.instances.values() if i.role == "prefill"]
             # a CPU: "auto" and "torch" both use the data channel (same-device writes are CUDA's)
             assert all(st.get("groups_created", 0) > 0 and not st.get("shared_connections") for st in senders)
+            if spec.kv_transport == "nixl":  # the decode read the prefill's pool, part by part
+                read = [h.receiver.stats for h in hosts if h.receiver and h.receiver.stats.get("completed")]
+                assert read and all(st["bytes_read"] > 0 and st.get("layers_direct", 0) + st.get("layers_scattered", 0)
+                                    for st in read), read
         return [s.token_ids for s in streams]
 
 
-@pytest.mark.parametrize("kv_transport", ["auto", "torch"])
+@pytest.mark.parametrize("kv_transport", TRANSPORTS)
 def test_1p1d_matches_colocated(tiny_path, kv_transport):
     """12 prompts (some longer than a step's token budget, so chunked) through 1P1D equal colocated,
-    with their logprobs, with either kv_transport (both cross the data channel on a CPU)."""
+    with their logprobs, with every kv_transport (auto and torch cross the data channel on a CPU;
+    nixl's decode reads the prefill's pool)."""
     prompts = random_prompts(12, [5, 17, 40, 150], seed=3)
     want, got = [], []
     colocated = run(spec_for(tiny_path, mode="colocated"), prompts, 12, logprobs=want)
@@ -57,7 +65,7 @@ def test_1p1d_matches_colocated(tiny_path, kv_transport):
         assert_logprobs_close(g, w)
 
 
-@pytest.mark.parametrize("kv_transport", ["auto", "torch"])
+@pytest.mark.parametrize("kv_transport", TRANSPORTS)
 def test_fp8_kv_1p1d_matches_colocated_fp8(tiny_path, kv_transport):
     """With fp8 KV caches (kv_cache_dtype fp8_e4m3), 1P1D gives the colocated fp8 run's greedy tokens,
     whether the fp8 bytes are written into the decode cache or cross the data channel."""
