@@ -1,5 +1,5 @@
 """One prepared check for a machine with a CUDA GPU: a probe, then sections (bench/gpu_sections.py,
-bench/gpu_flex.py, bench/gpu_spec.py, bench/gpu_memory.py, bench/gpu_pd.py, bench/gpu_two.py), each in a process of its own
+bench/gpu_flex.py, bench/gpu_spec.py, bench/gpu_memory.py, bench/gpu_pd.py, bench/gpu_nixl.py, bench/gpu_two.py), each in a process of its own
 (forked from a fork server that imported torch and the engine once) under a time limit of its own,
 the whole run under RUN_S (7.5 minutes); writes the JSON gathered so far to OUT/gpu_check.json as
 each section ends (a device call is often all a session gets). Prints the whole JSON object on
@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 import torch.multiprocessing as mp
 
-from bench import gpu_flex, gpu_memory, gpu_pd, gpu_sections, gpu_spec, gpu_two
+from bench import gpu_flex, gpu_memory, gpu_nixl, gpu_pd, gpu_sections, gpu_spec, gpu_two
 from bench.gpu_sections import Plan
 
 logger = logging.getLogger("bench.gpu_check")
@@ -53,13 +53,14 @@ class Section:
 
 # run in this order; the limits add up to RUN_S
 SECTIONS = {"probe": Section(gpu_sections.probe, 32),
-            "engine": Section(gpu_sections.engine_vs_transformers, 55, ("probe",)),
-            "decode": Section(gpu_sections.decode, 80, ("probe",)),
+            "engine": Section(gpu_sections.engine_vs_transformers, 50, ("probe",)),
+            "decode": Section(gpu_sections.decode, 70, ("probe",)),
             "flex": Section(gpu_flex.flex, gpu_flex.LIMIT_S, ("probe",)),
             "speculative": Section(gpu_spec.speculative, gpu_spec.LIMIT_S, ("probe",)),
-            "memory": Section(gpu_memory.memory, 45, ("probe",)),
+            "memory": Section(gpu_memory.memory, 35, ("probe",)),
             "pd_one_gpu": Section(gpu_pd.pd_one_gpu, 70, ("probe.ipc_ok",)),
-            "ipc_copy": Section(gpu_sections.ipc_copy, 20, ("probe.ipc_ok",)),
+            "ipc_copy": Section(gpu_sections.ipc_copy, 15, ("probe.ipc_ok",)),
+            "nixl": Section(gpu_nixl.nixl, gpu_nixl.LIMIT_S, ("probe",)),
             "two_gpu": Section(gpu_two.two_gpu, 38, ("probe.two_devices",))}
 NOT_BUILT: list[str] = []  # checks the issue asks for that no section makes yet
 # imported once, by the fork server each section's process is forked from (a fresh process each, as

@@ -6,8 +6,8 @@ and TTFT through a 1P1D cluster with each.
     python -m bench.nixl_vs_gloo                               # SmolLM2's KV shape, 1k/4k/16k tokens
     python -m bench.nixl_vs_gloo --tokens 1024 4096 --rounds 3 --json
     python -m bench.nixl_vs_gloo --ttft 1024 4096             # also TTFT through 1P1D SmolLM2 (in process)
-    ip netns exec A python -m bench.nixl_vs_gloo --receiver-netns B --sender-host IP_A --receiver-host IP_B
-                                                              # two hosts of the bed (bench/multihost.py)
+    python -m bench.nixl_vs_gloo --two-hosts --rates 1gbit    # also across two network namespaces joined by a
+                                                              # bridge, as is and with both links shaped (tc tbf)
 
 Per transport and prompt length: GB/s of KV (a request's bytes / its time from begin to ack,
 `--reps` requests in flight), and the prefill side's CPU per request: `step_ms`, the time the
@@ -16,6 +16,12 @@ gloo, announcements for nixl), and `process_ms`, the whole prefill process (its 
 and NIXL's progress thread serving the reads). Rounds alternate the transports' order; medians.
 The decode's slots are random blocks (a fragmented cache: nixl reads them one block run each,
 straight into the cache); the prefill's are consecutive.
+
+`--two-hosts` (root): the same between two hosts of a bridge (bench/multihost_net.py's Switch: a
+network namespace each, a veth pair into the bridge), once as is and once per `--rates` with both
+hosts' links shaped. UCX_TLS=tcp there: the two namespaces share one kernel, so UCX would otherwise
+move the bytes through shared memory and the link would not be measured. In one host, UCX picks
+(shared memory or cross-memory attach between two processes).
 """
 from __future__ import annotations
 
@@ -173,6 +179,37 @@ def ttft_rows(args) -> list[dict]:
              "nixl_vs_gloo": v["nixl"] / v["gloo"]} for n, v in out.items()]
 
 
+def two_host_rows(args) -> list[dict]:
+    """The transfer rows between two network namespaces, as is and with each rate in `--rates`."""
+    import secrets
+    import subprocess
+    import sys
+    from bench.multihost_net import Switch
+    switch = Switch(secrets.token_hex(2))
+    switch.create()
+    links = []
+    try:
+        links = [switch.plug("a", 2), switch.plug("b", 3)]
+        out = []
+        for rate in [None, *args.rates]:
+            for link in links if rate else ():
+                switch.slow(link, rate)
+            argv = ["ip", "netns", "exec", links[0].netns, sys.executable, "-m", "bench.nixl_vs_gloo", "--json",
+                    "--receiver-netns", links[1].netns, "--sender-host", links[0].ip, "--receiver-host", links[1].ip,
+                    "--tokens", *map(str, args.tokens), "--reps", str(args.reps), "--rounds", str(args.rounds)]
+            env = {**os.environ, "UCX_TLS": "tcp", "PDSERVE_CLUSTER_SECRET": cluster_secret().decode()}
+            run = subprocess.run(argv, capture_output=True, text=True, env=env, check=True, timeout=3600)
+            rows = json.loads(run.stdout.strip().splitlines()[-1])["transfer"]
+            out += [{"link": rate or "bridge", **row} for row in rows]
+            for link in links if rate else ():
+                switch.unslow(link)
+        return out
+    finally:
+        for link in links:
+            switch.unplug(link)
+        switch.destroy()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.nixl_vs_gloo", description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -187,9 +224,12 @@ def main(argv=None) -> int:
     p.add_argument("--sender-host", default="127.0.0.1")
     p.add_argument("--receiver-host", default="127.0.0.1")
     p.add_argument("--receiver-netns", default=None, help="run the receiver in this network namespace")
+    p.add_argument("--two-hosts", action="store_true", help="also between two network namespaces (root)")
+    p.add_argument("--rates", nargs="*", default=[], help="with --two-hosts: also with both links shaped to these")
     args = p.parse_args(argv)
     rows, rx_stats = transfer_rows(args) if args.tokens else ([], {})
     result = {"ucx_tls": os.environ.get("UCX_TLS", ""), "transfer": rows, "receiver_stats": rx_stats,
+              "two_hosts": two_host_rows(args) if args.two_hosts else [],
               "ttft": ttft_rows(args) if args.ttft else []}
     if args.json:
         print(json.dumps(result))
@@ -198,6 +238,10 @@ def main(argv=None) -> int:
         print(f"{r['tokens']:>6} tokens  {r['bytes_per_request'] / 2**20:7.1f} MiB/request  "
               + "  ".join(f"{n}: {r[f'{n}_GBps']:.2f} GB/s, step {r[f'{n}_step_ms_per_request']:.1f} ms, "
                           f"process {r[f'{n}_process_cpu_ms_per_request']:.1f} ms" for n in TRANSPORTS))
+    for r in result["two_hosts"]:
+        print(f"two hosts, {r['link']}: {r['tokens']:>6} tokens  "
+              + "  ".join(f"{n}: {r[f'{n}_GBps']:.2f} GB/s, step {r[f'{n}_step_ms_per_request']:.1f} ms"
+                          for n in TRANSPORTS))
     for r in result["ttft"]:
         print(f"TTFT {r['prompt_tokens']:>6} tokens: gloo {r['gloo_ttft_s']:.3f} s, nixl {r['nixl_ttft_s']:.3f} s "
               f"({r['nixl_vs_gloo']:.2f}x)")

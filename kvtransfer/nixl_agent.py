@@ -34,15 +34,27 @@ class NixlError(RuntimeError):
 
 
 def _module():
-    """The installed NIXL package's API module (MODULES, in order), or NixlError naming the extra."""
-    errors = []
+    """The installed NIXL package's API module (MODULES, in order), or NixlError naming the extra.
+
+    NIXL's import configures its "nixl" logger to print to stdout, not to propagate, and turns off
+    `logging.raiseExceptions` for the process: its records go through this process's logging
+    instead (stderr; stdout may carry a command's JSON), and the flag is put back."""
+    errors, raise_exceptions = [], logging.raiseExceptions
     for name in MODULES:
         try:
-            return importlib.import_module(f"{name}._api")
+            api = importlib.import_module(f"{name}._api")
         except ImportError as exc:
             errors.append(f"{name}: {exc}")
+            continue
         except Exception as exc:  # a build whose shared libraries do not load here
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
+            continue
+        finally:
+            logging.raiseExceptions = raise_exceptions
+        nixl_logger = logging.getLogger("nixl")
+        nixl_logger.handlers.clear()
+        nixl_logger.propagate = True
+        return api
     raise NixlError(f"kv_transport nixl needs the NIXL package ({EXTRA}); {errors[-1]}")
 
 

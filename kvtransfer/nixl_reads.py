@@ -146,7 +146,8 @@ def plan_reads(src: PoolShape, src_slots: np.ndarray, dst: PoolShape, dst_slots:
     full_rows = (head_start, head_end) == (src.head_offset, src.head_offset + src.num_heads) == \
         (dst.head_offset, dst.head_offset + dst.num_heads)
     if full_rows and (src.layout, src.block_size) == (dst.layout, dst.block_size):
-        src_blocks, dst_blocks = _blocks_in_order(src_slots, src.block_size), _blocks_in_order(dst_slots, dst.block_size)
+        src_blocks = _blocks_in_order(src_slots, src.block_size)
+        dst_blocks = _blocks_in_order(dst_slots, dst.block_size)
         if src_blocks is not None and dst_blocks is not None:
             return ReadPlan(True, block_runs(src_blocks, dst_blocks))
     blocks = src_slots // src.block_size

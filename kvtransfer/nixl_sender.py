@@ -76,7 +76,8 @@ class _NixlPeer(_Peer):
             self.owner.count("trailer_bytes_sent", len(msg["data"]))
         checksum = None if t.checksum is None else self.owner.checksum(t)
         self.control.send({"kind": "done", "request_id": t.request_id, "head_start": t.head_start,
-                           "num_layers": t.num_layers_sent, "trailer_bytes": len(a), "checksum": checksum, "mac": None}, timeout)
+                           "num_layers": t.num_layers_sent, "trailer_bytes": len(a), "checksum": checksum,
+                           "mac": None}, timeout)
         t.posted_before_done = self.posted
         self.unacked.append(t)
 
@@ -86,8 +87,9 @@ class _NixlPeer(_Peer):
             events[-1].synchronize()
         self.control.send({"kind": "layer", "request_id": t.request_id, "head_start": t.head_start,
                            "layer": layers[0], "count": len(layers)}, self.owner.timeout_s)
-        num_bytes = len(layers) * wire.payload_bytes(t.num_tokens, t.head_end - t.head_start, self.owner.compat.head_dim,
-                                                     self.owner.pool.cache.dtype)
+        o = self.owner
+        num_bytes = len(layers) * wire.payload_bytes(t.num_tokens, t.head_end - t.head_start, o.compat.head_dim,
+                                                     o.pool.cache.dtype)
         t.num_layers_sent += len(layers)
         t.layers += layers
         t.num_bytes += num_bytes

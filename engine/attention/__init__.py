@@ -44,7 +44,8 @@ def _vllm_cpu_views(layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # By name: "torch" for every backend that keeps torch's layout (own_kv_layout False), else the backend's.
-BLOCK_LAYOUTS = {"torch": BlockLayout(_torch_views, planes=True), "vllm_cpu": BlockLayout(_vllm_cpu_views, planes=False)}
+BLOCK_LAYOUTS = {"torch": BlockLayout(_torch_views, planes=True),
+                 "vllm_cpu": BlockLayout(_vllm_cpu_views, planes=False)}
 
 
 def block_layout_of(backend: BaseAttentionBackend) -> str:

@@ -94,6 +94,9 @@ def test_dry_run_runs_every_section_with_only_what_the_gpu_machine_has(tmp_path)
     assert mem["backend"] == "torch" and mem["cuda_graphs"] is False and mem["max_model_len"] == 512
     assert mem["ladder"] == {b: {"ok": True, "peak_reserved_gib": 0.0, "reserved_before_gib": 0.0} for b in "14"}
     assert mem["largest_decode_batch_at_max_model_len"] == 4 and mem["reserved"]["within_budget"]
+    nx = s["nixl"]  # host memory in VRAM's place; where NIXL does not import, the section says so
+    assert nx["available"] is False and "pdserve[nixl]" in nx["why"] or \
+        nx["equal"] and nx["GBps"] > 0 and nx["read_direct"] == 2 and nx["memory"] == "DRAM", nx
     two = s["two_gpu"]  # gloo in NCCL's place: the same ranks, collectives, channel and TP=2 engine
     assert two["ok"] and two["tp2_prompts_equal_tp1"] == two["num_prompts"] > 0 and two["channel"] == "GlooChannel"
     assert all(r["all_reduce_ok"] and r["all_gather_ok"] and r["broadcast_step_ok"] and r["equal"]
@@ -149,7 +152,7 @@ def test_a_failure_skips_only_the_sections_that_need_it():
     every = list(gpu_check.SECTIONS)
     one_gpu_no_ipc = {"ipc_ok": False, "two_devices": False}
     results = gpu_check.run_all(every, plan, 1.0, run(one_gpu_no_ipc))
-    assert _ran(results) == ["probe", "engine", "decode", "flex", "speculative", "memory"] == calls
+    assert _ran(results) == ["probe", "engine", "decode", "flex", "speculative", "memory", "nixl"] == calls
     assert results["pd_one_gpu"] == {"skipped": "needs probe.ipc_ok, which is False"}
     assert results["two_gpu"] == {"skipped": "needs probe.two_devices, which is False"}
     results = gpu_check.run_all(every, plan, 1.0, run({"ipc_ok": True, "two_devices": True}, failing="engine"))

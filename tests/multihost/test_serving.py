@@ -70,11 +70,12 @@ def test_decode_tp3_on_one_host_prefill_on_another_then_a_joining_host_gets_an_i
     assert_equal_colocated(url, reference)  # round robin: half of them decode on d3
 
 
-def _burst_then(url: str, reference: dict[str, str], break_host) -> tuple[list[Stream], float]:
-    """Starts every prompt, waits until each has streamed text, then `break_host()`; returns the
-    finished streams (all equal to the colocated outputs) and when the host broke."""
+def _burst_then(url: str, reference: dict[str, str], break_host, when=all) -> tuple[list[Stream], float]:
+    """Starts every prompt, waits until each (`when` any: one) has streamed text, then
+    `break_host()`; returns the finished streams (all equal to the colocated outputs) and when the
+    host broke."""
     streams = [Stream(url, p) for p in PROMPTS]
-    wait_until(lambda: all(s.times for s in streams), 240, "every stream's first text")
+    wait_until(lambda: when(s.times for s in streams), 240, "first text")
     broke_at = time.monotonic()
     break_host()
     for s in streams:
@@ -84,10 +85,10 @@ def _burst_then(url: str, reference: dict[str, str], break_host) -> tuple[list[S
     return streams, broke_at
 
 
-def _two_decode_hosts(bed, serve, name: str) -> tuple[str, str]:
-    """pdserve (cluster `name`: its Redis key prefix) with prefill on p1 and one decode instance
-    on each of d1 and d2; returns (url, the id of the instance on d2)."""
-    url = serve(*COMMON, "--num-decode", "2", "--router-policy", "round_robin", "--cluster-name", name)
+def _two_decode_hosts(bed, serve, name: str, *extra: str) -> tuple[str, str]:
+    """pdserve (cluster `name`: its Redis key prefix; `extra` flags) with prefill on p1 and one
+    decode instance on each of d1 and d2; returns (url, the id of the instance on d2)."""
+    url = serve(*COMMON, "--num-decode", "2", "--router-policy", "round_robin", "--cluster-name", name, *extra)
     decodes = nodes_of(url, "decode")
     assert sorted(map(sorted, decodes.values())) == [[bed.address("d1")], [bed.address("d2")]]
     assert list(nodes_of(url, "prefill").values()) == [{bed.address("p1")}]
@@ -107,25 +108,28 @@ def _dead_in_state_and_replaced(bed, url: str, dead_id: str, name: str) -> None:
     assert dead_id not in decodes and all(ips and ips != {bed.address("d2")} for ips in decodes.values())
 
 
-def _break_d2_mid_burst(bed, serve, reference, break_host, what: str) -> None:
-    """The fault tests' body: two decode hosts, a burst, `break_host()` once every stream has text
-    (from both hosts: round robin); checks that every output equals colocated, the longest wait for
-    text after the fault, the state and the replacement."""
+def _break_d2_mid_burst(bed, serve, reference, break_host, what: str, *extra: str, when=all) -> None:
+    """The fault tests' body: two decode hosts (`extra` flags), a burst, `break_host()` once every
+    stream (`when` any: the first) has text (from both hosts: round robin); checks that every output
+    equals colocated, the longest wait for text after the fault, the state and the replacement."""
     name = f"faults-{time.monotonic_ns()}"
-    url, on_d2 = _two_decode_hosts(bed, serve, name)
-    streams, broke_at = _burst_then(url, reference, break_host)
+    url, on_d2 = _two_decode_hosts(bed, serve, name, *extra)
+    streams, broke_at = _burst_then(url, reference, break_host, when)
     gap = max(s.max_gap_after(broke_at) for s in streams)
     print(f"{what}: longest wait for text after it {gap:.2f} s (bound {BOUND_S:.1f} s)")
     assert gap < 4 * BOUND_S, gap
     _dead_in_state_and_replaced(bed, url, on_d2, name)
 
 
-def test_host_killed_mid_burst(bed, serve, reference):
-    """P on p1, D on d1 and d2: equal to colocated; every process of d2 SIGKILLed mid-burst: every
-    request finishes with the unfailed tokens; d2's instance is dead in the cluster state and
-    replaced on a node with room."""
+def test_host_killed_mid_burst_over_nixl(bed, serve, reference):
+    """kv_transport nixl (the decode hosts read p1's pool across the bed's links): P on p1, D on d1
+    and d2: equal to colocated; every process of d2 SIGKILLed as the burst's first text arrives
+    (other prompts' KV still being read, or about to be): every request finishes with the unfailed
+    tokens; d2's instance is dead in the cluster state and replaced on a node with room. (The torch
+    transport meets the same faults in the link-cut test and the chaos run.)"""
     try:
-        _break_d2_mid_burst(bed, serve, reference, lambda: bed.kill_host("d2"), "host killed")
+        _break_d2_mid_burst(bed, serve, reference, lambda: bed.kill_host("d2"), "host killed", "--kv-transport",
+                            "nixl", when=any)
     finally:
         bed.restart_host("d2")
 

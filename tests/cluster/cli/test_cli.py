@@ -132,14 +132,19 @@ def test_a_bad_keys_file_or_body_bound_is_refused_in_one_line(command, tmp_path,
 @pytest.mark.timeout(300)
 def test_generate_through_1p1d_cluster_json():
     """SmolLM2 through one prefill and one decode actor: greedy JSON output with every field, and
-    the same tokens as the in-process engine."""
-    args = [sys.executable, "-m", "cluster.cli.cli", "--log-level", "WARNING", "generate",
-            "What is the capital of France?", "--chat", "--dtype", "float32", "--max-tokens", "8", "--json"]
-    outs = [json.loads(subprocess.run(args + extra, capture_output=True, text=True, timeout=280, check=True)
-                       .stdout.strip().splitlines()[-1]) for extra in (["--prefill", "1", "--decode", "1"], [])]
-    for out in outs:
-        assert {"text", "token_ids", "prompt_token_ids", "ttft_s", "tokens_per_s"} <= set(out)
-    assert outs[0]["token_ids"] == outs[1]["token_ids"] and "Paris" in outs[0]["text"]
+    the same tokens as the in-process engine (the LLM API here: what `generate` without cluster
+    flags runs, tests/engine/models/test_smollm2.py)."""
+    from decode_worker.llm import LLM
+    from engine.core.request import SamplingParams
+    question = "What is the capital of France?"
+    args = [sys.executable, "-m", "cluster.cli.cli", "--log-level", "WARNING", "generate", question, "--chat",
+            "--dtype", "float32", "--max-tokens", "8", "--json", "--prefill", "1", "--decode", "1"]
+    out = json.loads(subprocess.run(args, capture_output=True, text=True, timeout=280, check=True)
+                     .stdout.strip().splitlines()[-1])
+    assert {"text", "token_ids", "prompt_token_ids", "ttft_s", "tokens_per_s"} <= set(out)
+    here = LLM(model="smollm2", dtype="float32").generate([question], SamplingParams(max_tokens=8, temperature=0.0),
+                                                         chat=True)[0]
+    assert out["token_ids"] == here.token_ids and "Paris" in out["text"]
 
 
 def test_ctrl_c_ends_a_command_with_130_and_no_traceback(monkeypatch, capsys):
