@@ -71,7 +71,7 @@ def nixl(plan: Plan) -> dict:
     from kvtransfer.wire import cluster_secret
     tokens = NIXL_TOKENS if plan.device == "cuda" else DRY_TOKENS
     secret = cluster_secret().decode()
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn" if plan.device == "cuda" else "fork")  # CUDA needs a fresh process
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_decode, args=(child, plan.device, tokens, secret), daemon=True)
     proc.start()

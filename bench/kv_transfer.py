@@ -178,13 +178,20 @@ def _time_copy(args, tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def run(args) -> dict:
+def start_receiver(target, args):
+    """`target(conn, args)` in a spawned process (the decode side); returns (this end's pipe, the
+    process). This process then computes on one thread, as a rank does."""
     cluster_secret()  # made here if the environment has none: the receiver's process inherits it
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=receiver_main, args=(child, args), daemon=True)
+    proc = ctx.Process(target=target, args=(child, args), daemon=True)
     proc.start()
     torch.set_num_threads(1)
+    return parent, proc
+
+
+def run(args) -> dict:
+    parent, proc = start_receiver(receiver_main, args)
     store = dist.TCPStore(args.receiver_host, parent.recv(), is_master=False, wait_for_workers=False)
     pg = GlooChannel(dist.PrefixStore("raw/", store), SENDER, args.sender_host, 120.0)
     addresses = parent.recv()

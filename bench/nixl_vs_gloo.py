@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import random
 import resource
@@ -36,7 +35,7 @@ import time
 
 import torch
 
-from bench.kv_transfer import enter_netns
+from bench.kv_transfer import enter_netns, start_receiver
 from engine.core.request import Handover
 from kvtransfer.base import KVPool
 from kvtransfer.nixl_receiver import NixlReceiver
@@ -109,12 +108,7 @@ def _time(tx, name: str, dest: KVEndpoint, pool: torch.Tensor, slots: torch.Tens
 
 
 def transfer_rows(args) -> tuple[list[dict], dict]:
-    cluster_secret()  # made here if the environment has none: the receiver's process inherits it
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=receiver_main, args=(child, args), daemon=True)
-    proc.start()
-    torch.set_num_threads(1)
+    parent, proc = start_receiver(receiver_main, args)
     addresses = parent.recv()
     pool = _pool(args)
     pool.normal_()

@@ -176,14 +176,7 @@ class NixlReceiver(TorchDistReceiver):
         if src_slots.max() >= src.num_blocks * src.block_size:
             raise ControlGarbage(f"begin.source names slots past the sender's pool of {src.num_blocks} blocks")
         with self._lock:
-            e = self._expected.get(rid)
-            if e is None:
-                self._stats["unknown_requests"] += 1
-                reply["error"] = "unknown or cancelled request"
-            elif msg["num_tokens"] != e.slots.numel():
-                reply["error"] = f"sent {msg['num_tokens']} tokens, expected {e.slots.numel()}"
-                self._fail(rid, reply["error"])
-            else:
+            if (e := self._begun(msg, reply)) is not None:
                 part = Part(lo, n_heads, msg["num_tokens"], [],
                             checksum=PartChecksum() if self.compat.kv_checksum else None,
                             reads=plan_reads(src, src_slots, self.shape, e.host_slots.numpy(), msg["head_start"],

@@ -19,7 +19,7 @@ import torch
 
 from engine.attention import BLOCK_LAYOUTS
 from kvtransfer import wire
-from kvtransfer.base import IncompatiblePeerError, KVPool, TransferError
+from kvtransfer.base import KVPool
 from kvtransfer.nixl_agent import make_agent, register
 from kvtransfer.nixl_reads import PoolShape, slot_runs_of
 from kvtransfer.nixl_wire import NIXL_SCHEMA, encode_runs
@@ -97,21 +97,9 @@ class _NixlPeer(_Peer):
 
     def _connect(self, timeout: float) -> None:
         """The handshake: the agent's metadata and the pool's shape go to this receiver only."""
-        o = self.owner
-        welcome = self.control.call({"kind": "hello", "sender_id": o.sender_id, "compat": o.compat.to_dict(),
-                                     "agent": o.metadata, "pool": o.shape.to_dict()}, timeout)
-        if welcome["kind"] != "welcome":
-            raise TransferError(f"{self.name} answered hello with {welcome['kind']}")
-        if not welcome["ok"]:
-            raise IncompatiblePeerError(f"refused by {self.name}: {welcome['error']}")
-        try:
-            theirs = CompatRecord.from_dict(welcome["compat"])
-        except ValueError as exc:
-            raise TransferError(f"{self.name} sent a bad compat record: {exc}") from None
-        if (diff := o.compat.mismatch(theirs)) is not None:
-            raise IncompatiblePeerError(f"refused {self.name}: {diff}")
+        self._hello({"agent": self.owner.metadata, "pool": self.owner.shape.to_dict()}, timeout)
         self.joined = True
-        o.count("groups_created")
+        self.owner.count("groups_created")
 
 
 class NixlSender(TorchDistSender):

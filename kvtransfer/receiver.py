@@ -259,14 +259,7 @@ class TorchDistReceiver(KVReceiver):
         if not (0 <= lo and 0 < n_heads and lo + n_heads <= self.num_local_heads and msg["num_tokens"] > 0):
             raise ControlGarbage(f"begin does not fit this rank: {msg}")
         with self._lock:
-            e = self._expected.get(rid)
-            if e is None:
-                self._stats["unknown_requests"] += 1
-                reply["error"] = "unknown or cancelled request"
-            elif msg["num_tokens"] != e.slots.numel():
-                reply["error"] = f"sent {msg['num_tokens']} tokens, expected {e.slots.numel()}"
-                self._fail(rid, reply["error"])
-            else:
+            if (e := self._begun(msg, reply)) is not None:
                 direct = session.shared or (self.kv_views is None and lo == 0 and n_heads == self.num_local_heads
                                             and len(e.runs) <= MAX_DIRECT_RUNS)
                 part = Part(lo, n_heads, msg["num_tokens"], e.runs if direct else [],
@@ -282,6 +275,19 @@ class TorchDistReceiver(KVReceiver):
                 reply["runs"] = [[start, length] for start, length, _ in part.runs]
                 reply["slots"] = [slot for *_, slot in part.runs] if session.shared else []
         return reply
+
+    def _begun(self, msg: dict, reply: dict) -> Expected | None:
+        """Holding the lock: the Expected a `begin` names, or None with `reply["error"]` saying why
+        (not reserved here, or of another size: that fails the request)."""
+        e = self._expected.get(msg["request_id"])
+        if e is None:
+            self._stats["unknown_requests"] += 1
+            reply["error"] = "unknown or cancelled request"
+        elif msg["num_tokens"] != e.slots.numel():
+            reply["error"] = f"sent {msg['num_tokens']} tokens, expected {e.slots.numel()}"
+            self._fail(msg["request_id"], reply["error"])
+            e = None
+        return e
 
     def start_receiving(self, rid: str) -> Expected | None:
         """A receive straight into the request's slots starts: its Expected (None: it is gone)."""

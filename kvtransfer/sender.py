@@ -339,18 +339,7 @@ class _Peer:
     def _connect(self, timeout: float) -> None:
         """The handshake, then the shared cache or the data channel the receiver names."""
         o = self.owner
-        welcome = self.control.call({"kind": "hello", "sender_id": o.sender_id, "compat": o.compat.to_dict(),
-                                     "device_key": o.device_key}, timeout)
-        if welcome["kind"] != "welcome":
-            raise TransferError(f"{self.name} answered hello with {welcome['kind']}")
-        if not welcome["ok"]:
-            raise IncompatiblePeerError(f"refused by {self.name}: {welcome['error']}")
-        try:
-            theirs = CompatRecord.from_dict(welcome["compat"])
-        except ValueError as exc:
-            raise TransferError(f"{self.name} sent a bad compat record: {exc}") from None
-        if (diff := o.compat.mismatch(theirs)) is not None:
-            raise IncompatiblePeerError(f"refused {self.name}: {diff}")
+        welcome = self._hello({"device_key": o.device_key}, timeout)
         if welcome["data_channel"] not in DATA_CHANNELS:
             raise TransferError(f"{self.name} names an unknown data channel {welcome['data_channel']!r}")
         why_not = welcome["no_cache_reason"]
@@ -362,6 +351,24 @@ class _Peer:
                 o.count("shared_connections")
                 return
         self._join_channel(welcome, why_not, timeout)
+
+    def _hello(self, fields: dict, timeout: float) -> dict:
+        """Sends the hello (this rank's id and compat record, and `fields`); returns the receiver's
+        welcome once it accepted this rank and its compat record agrees, else raises."""
+        o = self.owner
+        welcome = self.control.call({"kind": "hello", "sender_id": o.sender_id, "compat": o.compat.to_dict(),
+                                     **fields}, timeout)
+        if welcome["kind"] != "welcome":
+            raise TransferError(f"{self.name} answered hello with {welcome['kind']}")
+        if not welcome["ok"]:
+            raise IncompatiblePeerError(f"refused by {self.name}: {welcome['error']}")
+        try:
+            theirs = CompatRecord.from_dict(welcome["compat"])
+        except ValueError as exc:
+            raise TransferError(f"{self.name} sent a bad compat record: {exc}") from None
+        if (diff := o.compat.mismatch(theirs)) is not None:
+            raise IncompatiblePeerError(f"refused {self.name}: {diff}")
+        return welcome
 
     def _join_channel(self, welcome: dict, why_not: str | None, timeout: float) -> None:
         """Builds the data channel of the receiver's kind; `why_not`: why a receiver on this very
