@@ -6,6 +6,7 @@ and TTFT through a 1P1D cluster with each.
     python -m bench.nixl_vs_gloo                               # SmolLM2's KV shape, 1k/4k/16k tokens
     python -m bench.nixl_vs_gloo --tokens 1024 4096 --rounds 3 --json
     python -m bench.nixl_vs_gloo --ttft 1024 4096             # also TTFT through 1P1D SmolLM2 (in process)
+    python -m bench.nixl_vs_gloo --tokens --ttft 16384 --ttft-model DIR --ttft-reps 1   # a longer-context model
     python -m bench.nixl_vs_gloo --two-hosts --rates 1gbit    # also across two network namespaces joined by a
                                                               # bridge, as is and with both links shaped (tc tbf)
 
@@ -158,8 +159,9 @@ def ttft_rows(args) -> list[dict]:
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     out = {n: {} for n in args.ttft}
     for transport in ("torch", "nixl"):
-        spec = ClusterSpec(dtype="bfloat16", device="cpu", num_kv_blocks=1024, max_num_batched_tokens=4096,
-                           kv_transport=transport, num_threads=1)
+        spec = ClusterSpec(model=args.ttft_model, dtype="bfloat16", device="cpu",
+                           num_kv_blocks=-(-max(args.ttft) * 2 // 16) + 8, max_num_batched_tokens=4096,
+                           kv_transport=transport, num_threads=args.ttft_threads)
         with Cluster(spec, use_ray=False) as cluster:
             cluster.generate(random_prompts(1, [64], seed=1), params)  # warm-up: the pair's connection
             for n in args.ttft:
@@ -206,7 +208,7 @@ def two_host_rows(args) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.nixl_vs_gloo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--tokens", type=int, nargs="*", default=[1024, 4096, 16384])
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
@@ -214,6 +216,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds after a warm-up; medians reported")
     p.add_argument("--ttft", type=int, nargs="*", default=[], help="prompt lengths for the TTFT section")
     p.add_argument("--ttft-reps", type=int, default=3)
+    p.add_argument("--ttft-model", default="smollm2", help="the TTFT section's model (a checkpoint folder, or a name)")
+    p.add_argument("--ttft-threads", type=int, default=1, help="threads per rank in the TTFT section")
     p.add_argument("--json", action="store_true")
     p.add_argument("--sender-host", default="127.0.0.1")
     p.add_argument("--receiver-host", default="127.0.0.1")
