@@ -16,24 +16,17 @@ A receiver on this rank's device (shared_cache.device_key) offers its cache at t
 the peer opens it and, from `ready` on, writes the part's layers into its slots itself, one copy
 and no data channel, no message per layer (scatter.py; docs/disaggregation.md, "Same
 device"). Before `done` it waits for one event after every copy queued so far, so a step's parts
-cost one event. The mapping lives as long as the peer, and longer if its copies stall (the
-writer is parked until they complete). A welcome from the same address offering the cache of
-another process (a restarted decode rank) ends any older peer still holding the old one. If the
+cost one event. The mapping lives as long as the peer, or until stalled copies complete. A
+welcome offering another process's cache (a restarted decode rank) ends older peers holding the old one. If the
 cache cannot be opened, the peer says so in the log and joins the data channel instead; which
 data channel (gloo, NCCL, or gloo through host memory for two ranks of one GPU) the receiver
 names in its welcome (channel.py: data_channel_kind).
 
-With `compat.kv_checksum` each part's `done` carries a checksum of its payloads (wire.py),
-taken from the tensors handed to the channel (or written into the shared cache) before they go.
-Over a data channel it also carries their MAC (wire.py PartMac), keyed from the control
-connection's session key, so the receiver refuses bytes that someone else put on the channel.
-The channel rendezvouses in a store the receiver made for this connection, under the random
-prefix its welcome names (rendezvous.py).
-
-The control connection proves the cluster secret both ways before the hello, and every message
-carries a MAC (control.py, wire.py): a receiver that refuses this rank's secret, or cannot prove
-its own, fails the peer like any broken connection (logged, `groups_failed`), before anything of
-the transfer is sent to it.
+Checksums (`compat.kv_checksum`) and payload MACs (keyed from the control connection's session
+key) of what a part sends travel in its `done` (wire.py); the channel rendezvouses in a store the
+receiver made for this connection (rendezvous.py). The control connection proves the cluster
+secret both ways before the hello (control.py): a receiver that refuses this rank's secret, or
+cannot prove its own, fails the peer like any broken connection (logged, `groups_failed`).
 """
 from __future__ import annotations
 
@@ -353,8 +346,7 @@ class _Peer:
         self._join_channel(welcome, why_not, timeout)
 
     def _hello(self, fields: dict, timeout: float) -> dict:
-        """Sends the hello (this rank's id and compat record, and `fields`); returns the receiver's
-        welcome once it accepted this rank and its compat record agrees, else raises."""
+        """Sends the hello (id, compat record, `fields`); the welcome, once it accepts and agrees."""
         o = self.owner
         welcome = self.control.call({"kind": "hello", "sender_id": o.sender_id, "compat": o.compat.to_dict(),
                                      **fields}, timeout)
@@ -441,8 +433,7 @@ class TorchDistSender(KVSender):
         return _Transfer(self._peer(dest), request_id, head_start, head_end, num_tokens)
 
     def _peer(self, dest: KVEndpoint) -> _Peer:
-        """The connection to `dest`, made if there is none (the least recently used one beyond
-        `max_groups` closes)."""
+        """The connection to `dest`, made if none is open (the LRU one past `max_groups` closes)."""
         with self._lock:
             if self._closed:
                 raise TransferError("sender is closed")

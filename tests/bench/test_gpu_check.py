@@ -94,9 +94,7 @@ def test_dry_run_runs_every_section_with_only_what_the_gpu_machine_has(tmp_path)
     assert mem["backend"] == "torch" and mem["cuda_graphs"] is False and mem["max_model_len"] == 512
     assert mem["ladder"] == {b: {"ok": True, "peak_reserved_gib": 0.0, "reserved_before_gib": 0.0} for b in "14"}
     assert mem["largest_decode_batch_at_max_model_len"] == 4 and mem["reserved"]["within_budget"]
-    nx = s["nixl"]  # host memory in VRAM's place; where NIXL does not import, the section says so
-    assert nx["available"] is False and "pdserve[nixl]" in nx["why"] or \
-        nx["equal"] and nx["GBps"] > 0 and nx["read_direct"] == 2 and nx["memory"] == "DRAM", nx
+    _check_nixl(s["nixl"])
     two = s["two_gpu"]  # gloo in NCCL's place: the same ranks, collectives, channel and TP=2 engine
     assert two["ok"] and two["tp2_prompts_equal_tp1"] == two["num_prompts"] > 0 and two["channel"] == "GlooChannel"
     assert all(r["all_reduce_ok"] and r["all_gather_ok"] and r["broadcast_step_ok"] and r["equal"]
@@ -179,3 +177,9 @@ def test_the_limits_fit_the_run_and_a_spent_run_starts_nothing_more():
     assert limits["decode"] == gpu_check.RUN_S - 400 < gpu_check.SECTIONS["decode"].limit_s  # what was left
     assert all(results[n] == {"skipped": f"the run's {gpu_check.RUN_S:.0f} s are spent"}
                for n in list(gpu_check.SECTIONS)[3:])
+
+
+def _check_nixl(nx: dict) -> None:
+    """The dry run's nixl section: host memory in VRAM's place; where NIXL does not import, it says so."""
+    assert nx["available"] is False and "pdserve[nixl]" in nx["why"] or \
+        nx["equal"] and nx["GBps"] > 0 and nx["read_direct"] == 2 and nx["memory"] == "DRAM", nx
