@@ -163,11 +163,3 @@ def runs_to_slots(runs: np.ndarray) -> np.ndarray:
         return np.zeros(0, np.int64)
     return np.concatenate([np.arange(start, start + length, dtype=np.int64) for start, length in runs])
 
-
-def slot_runs_of(slots: np.ndarray) -> np.ndarray:
-    """(R, 2) (first slot, length) of the stretches of consecutive `slots`: what `begin` carries."""
-    if slots.size == 0:
-        return np.zeros((0, 2), np.int64)
-    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
-    starts = np.concatenate([[0], breaks])
-    return np.stack([slots[starts], np.diff(np.concatenate([starts, [slots.size]]))], 1).astype(np.int64)

@@ -23,7 +23,6 @@ import torch
 
 from engine.attention import BLOCK_LAYOUTS
 from engine.core.threads import run_serially
-from kvtransfer.base import KVPool
 from kvtransfer.channel import ChannelError
 from kvtransfer.control import ControlGarbage
 from kvtransfer.nixl_agent import make_agent, register
@@ -119,7 +118,6 @@ class NixlReceiver(TorchDistReceiver):
         """`layout`: how this cache's blocks lie (engine/attention BLOCK_LAYOUTS; `kv_views` its views)."""
         self.agent = make_agent("decode", progress=False)  # it only reads: its waits progress it
         self._registered = register(self.agent, kv_cache)
-        self.pool = KVPool(kv_cache, layout, head_offset)
         self.shape = PoolShape.of(kv_cache, layout, head_offset)
         self._remotes: Counter = Counter()  # prefill agents added -> connections using them
         if kv_views is None and layout != "torch":  # what write_part scatters through
@@ -190,7 +188,7 @@ class NixlReceiver(TorchDistReceiver):
 
     def read_back(self, layer: int, slots: torch.Tensor, part: Part) -> torch.Tensor:
         """(2, tokens, part heads, head_dim) of `slots` of this cache: what a checksum covers."""
-        views = BLOCK_LAYOUTS[self.pool.layout].views(self.kv_cache[layer])
+        views = BLOCK_LAYOUTS[self.shape.layout].views(self.kv_cache[layer])
         return gather_tokens(views, slots, self.block_size)[:, :, part.lo:part.lo + part.num_heads]
 
     def on_session_closed(self, session: Session) -> None:

@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from engine.attention import BLOCK_LAYOUTS
 from kvtransfer import wire
 from kvtransfer.base import KVPool
 from kvtransfer.nixl_agent import make_agent, register
-from kvtransfer.nixl_reads import PoolShape, slot_runs_of
+from kvtransfer.nixl_reads import PoolShape
 from kvtransfer.nixl_wire import NIXL_SCHEMA, encode_runs
 from kvtransfer.params import CompatRecord, KVEndpoint
-from kvtransfer.scatter import gather_tokens
+from kvtransfer.scatter import gather_tokens, slot_runs
 from kvtransfer.sender import TorchDistSender, _Peer, _Transfer
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,8 @@ class _NixlPeer(_Peer):
         if not self.joined:
             self._connect(timeout)
         if not t.begun:
-            source = encode_runs(slot_runs_of(t.slots.to("cpu", torch.int64).numpy()))
+            source = encode_runs(np.array([(slot, n) for _, n, slot in slot_runs(t.slots.to("cpu", torch.int64))],
+                                          dtype=np.int64).reshape(-1, 2))
             self.control.send({"kind": "begin", "request_id": t.request_id, "head_start": t.head_start,
                                "head_end": t.head_end, "num_tokens": t.num_tokens, "source": source}, timeout)
             ready = self._answer(t)

@@ -14,7 +14,7 @@ agent: the sender's NIXL agent metadata (its UCX address and the keys of its reg
 given only to a receiver that proved the cluster secret, so no one else can read the pool; the
 receiver adds it at the hello and removes it when the connection ends. pool: nixl_reads.PoolShape.
 source: the part's slots in the sender's pool, (first slot, length) runs as little-endian int64
-pairs (nixl_reads.slot_runs_of), tiling its tokens in order. checksum: with `kv_checksum`, the
+pairs (scatter.slot_runs' stretches), tiling its tokens in order. checksum: with `kv_checksum`, the
 part's xxh3_64 (wire.PartChecksum) over each layer's (2, tokens, heads, head_dim) in token order,
 as the sender's pool holds it and as the receiver's slots hold it once read. mac: always nil, no
 payload MAC: the bytes move over UCX (docs/security.md, "NIXL").
