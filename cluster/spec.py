@@ -27,6 +27,7 @@ from engine.attention import BACKENDS as ATTENTION_BACKENDS
 from engine.core.config import (DTYPE_CHOICES, EXPERT_METHOD_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES,
                                 SPECULATIVE_SHIPPED, SPECULATIVE_METHODS, CacheConfig, EngineConfig, SchedulerConfig,
                                 SpeculativeConfig)
+from cluster.tracing import TracingConfig
 from engine.core.expert_placement import ExpertPlacement
 
 MODES = ("disaggregated", "colocated")
@@ -151,6 +152,10 @@ class ClusterSpec:
     tool_call_parser: str | None = None  # gateway/tool_parsers.py: tool_choice auto reads calls with it
     reasoning_parser: str | None = None  # gateway/reasoning.py: <think> ... </think> -> reasoning_content
     ray_resources: bool = False  # Kubernetes: actors land on worker pods carrying `prefill`/`decode`
+    # observability (cluster/tracing.py, gateway/trace.py): OTLP/HTTP traces, off without an endpoint
+    otlp_traces_endpoint: str | None = None
+    trace_sample_ratio: float = 1.0  # of new traces (a client's traceparent decides its own)
+    return_timings: bool = False  # each answer's usage carries its phase times (and a Server-Timing header)
     # autoscaling (cluster/autoscale/autoscaler.py)
     autoscale: bool = False
     autoscale_policy: str = "slo"
@@ -208,9 +213,12 @@ class ClusterSpec:
         self.speculative  # raises on speculative keys that cannot work together
         for name in ("model", "host", "ray_address", "api_key", "autoscale_profile", "k8s_namespace", "chat_template",
                      "expert_placement", "speculative_model", "api_keys_file", "kv_disk_tier_dir",
-                     "k8s_prefill_deployment", "k8s_decode_deployment"):
+                     "k8s_prefill_deployment", "k8s_decode_deployment", "otlp_traces_endpoint"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name} must not be empty")
+        if not 0 < self.trace_sample_ratio <= 1:
+            raise ValueError(f"trace_sample_ratio must be in (0, 1], got {self.trace_sample_ratio}")
+        self.tracing  # raises on an endpoint that is no http(s) URL
 
     def _check_ranges(self) -> None:
         minimum = {"num_decode": 1, "prefill_tp": 1, "decode_tp": 1, "port": 0, "block_size": 1,
@@ -245,6 +253,13 @@ class ClusterSpec:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}): a decode step schedules one token per running sequence")
+
+    @property
+    def tracing(self) -> TracingConfig | None:
+        """Where every process of the cluster sends its spans (None: tracing off)."""
+        if self.otlp_traces_endpoint is None:
+            return None
+        return TracingConfig(self.otlp_traces_endpoint, self.trace_sample_ratio)
 
     @property
     def instance_counts(self) -> dict[str, int]:

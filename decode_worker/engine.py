@@ -27,7 +27,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from cluster import tracing
 
 from decode_worker.scheduler import Scheduler
 from engine.core.block_manager import KVCacheManager
@@ -119,6 +121,7 @@ class RequestOutput:
     # with the first token of a prompt computed here (start 0): its tokens served from the prefix cache
     num_cached_tokens: int | None = None
     kv_load_failed: bool = False  # the error is a failed KV transfer (the router may recompute here)
+    timings: dict | None = None  # with the end: seconds of its phases here, kv_transfer and decode (router PHASES)
 
 
 class OutputProcessor:
@@ -163,6 +166,40 @@ class OutputProcessor:
         self.num_sent.pop(request_id, None)
 
 
+@dataclass
+class _Phases:
+    """When a request's phases here began (time.time_ns()): reserved (its KV awaited), or added
+    (colocated: prefilled here); its KV complete; and its trace ("": not traced)."""
+    trace: str
+    since_ns: int
+    kv_ns: int = 0
+    colocated: bool = False
+
+    def kv_complete(self, done, kv_bytes: int, instance_id: str, receiver: str = "", error: str | None = None) -> None:
+        """Its KV is all here (or failed): the wait's span, and (from `done`, its begin's context:
+        the prefill's kv.transfer) the receive's: `kv_bytes` its prompt's KV over the instance's ranks
+        (what arrived, unless a sliding window shipped fewer tokens), `receiver` the transport's end."""
+        self.kv_ns = time.time_ns()
+        if not self.trace:
+            return
+        tracing.record("decode", "decode.kv_wait", self.trace, self.since_ns, self.kv_ns,
+                       {"pdserve.instance": instance_id}, error)
+        if done is not None and done.trace:
+            tracing.record("decode", "kv.receive", done.trace, done.began_ns or self.kv_ns, self.kv_ns, {
+                "pdserve.instance": instance_id, "pdserve.kv_bytes": kv_bytes, "pdserve.receiver": receiver})
+
+    def finished(self, req: Request, instance_id: str) -> dict[str, float]:
+        """It ended here: its phases' seconds and (traced) its decode's span."""
+        now, start = time.time_ns(), self.kv_ns or self.since_ns
+        if self.trace:
+            tracing.record("decode", "decode", self.trace, start, now, {
+                "pdserve.instance": instance_id, "pdserve.request_id": req.request_id,
+                "pdserve.output_tokens": req.num_output_tokens, "pdserve.preemptions": req.num_preemptions,
+                "pdserve.finish_reason": req.status.finish_reason, "pdserve.prefilled_here": self.colocated})
+        kv = {} if self.colocated else {"kv_transfer": ((self.kv_ns or now) - self.since_ns) / 1e9}
+        return {**kv, "decode": (now - start) / 1e9}
+
+
 class DecodeWorker(BaseWorker):
     def __init__(self, engine: ColocatedEngine, connector: DecodeConnector, instance_id: str = "decode-0",
                  client_ttl_s: float = 30.0, holder: PrefillConnector | None = None):
@@ -183,6 +220,10 @@ class DecodeWorker(BaseWorker):
         self.num_steps, self.step_s, self.num_step_seqs = 0, 0.0, 0
         self.num_bad_handovers = 0  # requests failed for a malformed handover (engine/core/request.py)
         self.num_reused_tokens = 0  # remote prompts' tokens its prefix cache held: not shipped (reserve)
+        self._phases: dict[str, _Phases] = {}  # rank 0, under the lock: each request's, until it ends
+        # a token's KV over the instance's ranks: a kv.receive span's bytes (a window ships fewer tokens)
+        runner = engine.runner
+        self._token_bytes = runner.kv_cache.nbytes // (runner.num_blocks * runner.block_size) * self.tp.size
 
     @property
     def max_model_len(self) -> int:
@@ -225,6 +266,7 @@ class DecodeWorker(BaseWorker):
                      for table, window in zip(kv.get_block_ids(req.request_id), kv.windows)]
             self.connector.reserve(req.request_id, slots, prefill_tp)
             self.num_reused_tokens += cached
+            self._phases[req.request_id] = _Phases(msg.trace_context, time.time_ns())
         return Reservation(cached)
 
     def ship_held(self, request_id: str, token_ids: list[int], params: KVTransferParams) -> str | None:
@@ -242,6 +284,7 @@ class DecodeWorker(BaseWorker):
         with self._lock:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params)
             self.outbox.add(msg.request_id, msg.client_id)
+            self._phases[msg.request_id] = _Phases(msg.trace_context, time.time_ns(), colocated=True)
 
     def abort(self, request_id: str) -> None:
         """Its client gets nothing more from now on; its blocks are freed now or, while a step is in
@@ -253,6 +296,7 @@ class DecodeWorker(BaseWorker):
                 self.engine.abort_request(request_id)
             self.outbox.forget(request_id)
             self.connector.cancel(request_id)
+            self._phases.pop(request_id, None)
 
     def load(self) -> dict[str, float]:
         s = self.engine.scheduler
@@ -372,6 +416,11 @@ class DecodeWorker(BaseWorker):
         ready, failed = self.connector.admit(polls)
         for done in ready:
             rid = done.request_id
+            if (phases := self._phases.get(rid)) is not None:
+                req = self.engine.scheduler.remote.get(rid)
+                tokens = 0 if req is None else req.num_prompt_tokens - req.num_cached_tokens
+                phases.kv_complete(done, tokens * self._token_bytes, self.instance_id,
+                                   type(self.connector.receiver).__name__)
             try:
                 handover = Handover.unpack(done.trailer)
             except HandoverError as exc:
@@ -394,6 +443,8 @@ class DecodeWorker(BaseWorker):
         self._take_forks()
         outputs = self._process(touched)
         for request_id, reason in failed.items():
+            if (phases := self._phases.pop(request_id, None)) is not None:
+                phases.kv_complete(None, 0, self.instance_id, error=reason)
             if request_id in self.engine.scheduler.remote:
                 self.engine.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
                 self.engine.output.abort(request_id)
@@ -404,12 +455,21 @@ class DecodeWorker(BaseWorker):
         """Requests forked into their n choices: each choice's outputs go to the parent's client."""
         for parent_id, children in self.engine.take_forks():
             client = self.outbox.client_of(parent_id)
+            phases = self._phases.pop(parent_id, None)
             for child in children:
                 self.outbox.add(child.request_id, client)
+                if phases is not None:
+                    self._phases[child.request_id] = replace(phases)
             self.outbox.forget(parent_id)
 
     def _process(self, touched: list[Request]) -> list[RequestOutput]:
-        return self.engine.output.process(touched)
+        """The outputs of `touched`; a finished request's carries its phases' seconds here."""
+        outputs = self.engine.output.process(touched)
+        for i, o in enumerate(outputs):
+            if o.finished and (phases := self._phases.pop(o.request_id, None)) is not None:
+                req = next(r for r in touched if r.request_id == o.request_id)
+                outputs[i] = replace(o, timings=phases.finished(req, self.instance_id))
+        return outputs
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:

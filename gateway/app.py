@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from contextlib import contextmanager
 from typing import Callable, Sequence
 
 import jinja2
@@ -17,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -31,6 +34,7 @@ from gateway import openapi
 from gateway.api_keys import NO_KEY, APIKey, configured_keys
 from gateway.guard import DEFAULT_MAX_REQUEST_BYTES, APIKeyManager, RequestGuard
 from gateway.metrics import GatewayMetrics
+from gateway.trace import RequestTrace, server_timing
 from gateway.protocol import (MAX_PROMPT_CHARS_PER_TOKEN, APIError, ChatCompletionRequest, CompletionRequest,
                               make_id, now, parse_body)
 from router.router import QueueFullError
@@ -74,8 +78,9 @@ class _Gateway:
 
     def __init__(self, cluster, tokenizer, model_name: str, max_model_len: int | None,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 max_prompt_tokens: int | None = None, session_affinity: str = "header"):
+                 max_prompt_tokens: int | None = None, session_affinity: str = "header", return_timings: bool = False):
         self.cluster, self.tokenizer, self.model_name = cluster, tokenizer, model_name
+        self.return_timings = return_timings  # usage.timings and Server-Timing (gateway/trace.py)
         self.session_affinity = session_affinity
         self._max_model_len, self.max_prompt_tokens = max_model_len, max_prompt_tokens
         self.tool_parser = None if tool_call_parser is None else get_tool_parser(tool_call_parser)
@@ -102,9 +107,12 @@ class _Gateway:
             param = "response_format" if kind in ("json_schema", "json_object") else "structured_outputs"
             raise APIError(400, str(exc), param=param) from None
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], Callable[[], ChatOutput]]:
+    def chat_prompt(self, body: ChatCompletionRequest, marks: list | None = None
+                    ) -> tuple[list[int], Callable[[], ChatOutput]]:
         """The chat's prompt ids (the chat template, with the tools) and a maker of each choice's output
-        shaping (reasoning, tool calls); APIError(400) naming what cannot work, before any work starts."""
+        shaping (reasoning, tool calls); APIError(400) naming what cannot work, before any work starts.
+        `marks` gets the template's and the tokenizer's (name, start, end) in time.time_ns()."""
+        start = time.time_ns()
         if self.tokenizer.chat_template is None:  # a GGUF or folder without one: completions still work
             raise APIError(400, f"the model {self.model_name!r} has no chat template, so it cannot serve chat "
                                 "completions: restart the server with --chat-template FILE (a Jinja chat template), "
@@ -132,7 +140,10 @@ class _Gateway:
         in_reasoning = self.reasoning is not None and self.reasoning.starts_in_reasoning(text)
         mode = None if not tools or choice == "none" else choice if isinstance(choice, str) else "named"
         name = choice["function"]["name"] if mode == "named" else None
+        templated = time.time_ns()
         ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
+        if marks is not None:
+            marks += [("template", start, templated), ("tokenize", templated, time.time_ns())]
         return ids, lambda: ChatOutput(self.reasoning, in_reasoning, mode, self.tool_parser, name)
 
     def check_prompt_chars(self, text: str, param: str) -> None:
@@ -160,6 +171,7 @@ class _Gateway:
         raw = await request.body()
         prep = await run_in_threadpool(self._prepare, raw, request.headers.get("content-type"), model)
         prep.session = self.session_of(request, prep.body)
+        request.state.trace.prepared(prep.marks)
         return prep
 
     def session_of(self, request: Request, body) -> str | None:
@@ -173,15 +185,19 @@ class _Gateway:
     def _prepare(self, raw: bytes, content_type: str | None, model) -> _Prepared:
         """Blocking: every check that can refuse the request (APIError, RequestValidationError) in the
         order a client would fix them, cheap ones before the prompt is tokenized."""
+        start = time.time_ns()
         body = parse_body(model, raw, content_type)
+        marks = [("parse", start, time.time_ns())]
         if body.model != self.model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            "not_found_error", param="model", code="model_not_found")
         shaping = None
         if isinstance(body, ChatCompletionRequest):
-            prompt_ids, shaping = self.chat_prompt(body)
+            prompt_ids, shaping = self.chat_prompt(body, marks)
         else:
+            start = time.time_ns()
             prompt_ids = self.completion_prompt(body)
+            marks.append(("tokenize", start, time.time_ns()))
         if any(not 0 <= t < self.tokenizer.vocab_size for t in prompt_ids):
             raise APIError(400, f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", param="prompt")
         self.check_ready()
@@ -189,9 +205,9 @@ class _Gateway:
                                       self.max_prompt_tokens)
         if params.structured_output is not None:  # compiling a grammar may take a while
             self.check_structured_output(*params.structured_output)
-        return _Prepared(body, prompt_ids, params, shaping)
+        return _Prepared(body, prompt_ids, params, shaping, marks=marks)
 
-    async def start(self, prep: _Prepared, kind: str) -> Generation:
+    async def start(self, prep: _Prepared, kind: str, trace: RequestTrace) -> Generation:
         """Submits a prepared request to the router, returns the generation to stream or wait for. The
         router calls instances while placing, so it runs on a worker thread, not the event loop."""
         params, prompt_ids = prep.params, prep.prompt_ids
@@ -205,9 +221,10 @@ class _Gateway:
             choices.append(Choice(i, text, None if params.logprobs is None else
                                   LogprobsFormatter(self.tokenizer, kind, params.logprobs), output))
         gen = Generation(self.cluster, rid, kind, prep.body.model, prompt_ids, choices, self.metrics,
-                         asyncio.get_running_loop())
+                         asyncio.get_running_loop(), trace=trace, return_timings=self.return_timings)
         try:
-            await asyncio.to_thread(self.cluster.submit, rid, prompt_ids, params, gen.listener, prep.session)
+            await asyncio.to_thread(self.cluster.submit, rid, prompt_ids, params, gen.listener, prep.session,
+                                    trace.context)
         except QueueFullError as exc:
             raise APIError(429, f"too many requests queued: {exc}", "rate_limit_exceeded",
                            headers={"Retry-After": RETRY_AFTER_S}) from None
@@ -215,10 +232,14 @@ class _Gateway:
         return gen
 
     async def respond(self, gen: Generation, body, request: Request):
+        headers = gen.trace.headers()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(gen.sse(include_usage), media_type="text/event-stream")
-        return JSONResponse(await gen.complete(request))
+            return StreamingResponse(gen.sse(include_usage), media_type="text/event-stream", headers=headers)
+        answer = await gen.complete(request)
+        if self.return_timings:
+            headers["Server-Timing"] = server_timing(gen.timings)
+        return JSONResponse(answer, headers=headers)
 
 
 @dataclass
@@ -229,20 +250,38 @@ class _Prepared:
     params: SamplingParams
     shaping: Callable[[], ChatOutput] | None
     session: str | None = None  # what names its session (x-session-id; `user`), set by `prepare`
+    marks: list = field(default_factory=list)  # the gateway's phases: (name, start, end) in time.time_ns()
 
 
 def _add_generation_routes(app: FastAPI, gw: _Gateway) -> None:
     # The bodies are parsed off the event loop (`prepare`), not by FastAPI: the document declares them
     # (gateway/openapi.py). Key and limits: gateway/guard.py.
+    # Each opens the request's trace first (gateway/trace.py): a refusal ends it with the error.
     @app.post("/v1/chat/completions", responses=openapi.GENERATION, openapi_extra=openapi.body(ChatCompletionRequest))
     async def chat_completions(request: Request):
-        prep = await gw.prepare(request, ChatCompletionRequest)
-        return await gw.respond(await gw.start(prep, "chat"), prep.body, request)
+        with _traced(request, "/v1/chat/completions") as trace:
+            prep = await gw.prepare(request, ChatCompletionRequest)
+            gen = await gw.start(prep, "chat", trace)
+        return await gw.respond(gen, prep.body, request)
 
     @app.post("/v1/completions", responses=openapi.GENERATION, openapi_extra=openapi.body(CompletionRequest))
     async def completions(request: Request):
-        prep = await gw.prepare(request, CompletionRequest)
-        return await gw.respond(await gw.start(prep, "completion"), prep.body, request)
+        with _traced(request, "/v1/completions") as trace:
+            prep = await gw.prepare(request, CompletionRequest)
+            gen = await gw.start(prep, "completion", trace)
+        return await gw.respond(gen, prep.body, request)
+
+
+@contextmanager
+def _traced(request: Request, route: str):
+    """The request's trace, from its arrival until its generation starts; one refused on the way
+    (APIError, a validation error) ends its span with the error."""
+    trace = request.state.trace = RequestTrace(route, request.headers)
+    try:
+        yield trace
+    except Exception as exc:
+        trace.end({}, {"http.status_code": getattr(exc, "status", 422)}, error=str(exc)[:200])
+        raise
 
 
 def _add_service_routes(app: FastAPI, gw: _Gateway) -> None:
@@ -261,7 +300,12 @@ def _add_service_routes(app: FastAPI, gw: _Gateway) -> None:
         return {"status": "ready"}
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS)
-    async def metrics():
+    async def metrics(request: Request):
+        """Prometheus text, or OpenMetrics (which carries the phase histograms' exemplars: trace ids)
+        to a scraper that asks for it (Accept: application/openmetrics-text)."""
+        if "application/openmetrics-text" in request.headers.get("accept", ""):
+            return Response(openmetrics.generate_latest(gw.metrics.registry),
+                            media_type=openmetrics.CONTENT_TYPE_LATEST)
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/status")
@@ -272,7 +316,8 @@ def _add_service_routes(app: FastAPI, gw: _Gateway) -> None:
 def create_app(cluster, tokenizer, model_name: str, max_model_len: int | None, api_key: str | None = None,
                tool_call_parser: str | None = None, reasoning_parser: str | None = None, *,
                api_keys: Sequence[APIKey] = (), max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               max_prompt_tokens: int | None = None, session_affinity: str = "header") -> FastAPI:
+               max_prompt_tokens: int | None = None, session_affinity: str = "header",
+               return_timings: bool = False) -> FastAPI:
     """The gateway over a started `Cluster` or `Frontend` (anything with submit/abort/stop/ready/
     router/max_model_len and the typed view of router/view.py); `max_model_len` None: the cluster's,
     asked per request.
@@ -280,11 +325,12 @@ def create_app(cluster, tokenizer, model_name: str, max_model_len: int | None, a
     `api_keys` (gateway/api_keys.py) and `api_key` (one more, unlimited, named "default"): the
     keys `/v1/...` takes (none: open); `max_request_bytes` bounds every body (413 past it);
     `max_prompt_tokens` bounds prompts below the context (400 past it); `session_affinity` (the spec's)
-    what names a request's session for the router (SESSION_HEADER; "user": else the body's `user`)."""
+    what names a request's session for the router (SESSION_HEADER; "user": else the body's `user`);
+    `return_timings`: each answer's usage carries its phase times (gateway/trace.py)."""
     keys = [*api_keys, *configured_keys(api_key, None)]
     app = FastAPI(title="pdserve", version="0.1.0")
     gw = _Gateway(cluster, tokenizer, model_name, max_model_len, tool_call_parser, reasoning_parser,
-                  max_prompt_tokens, session_affinity)
+                  max_prompt_tokens, session_affinity, return_timings)
     gw.metrics.add_api_keys([k.name for k in keys] or [NO_KEY])
     app.state.api_keys = APIKeyManager(keys)  # replaced in place when the keys file changes (serve.py)
     app.add_middleware(RequestGuard, keys=app.state.api_keys, metrics=gw.metrics, max_request_bytes=max_request_bytes)

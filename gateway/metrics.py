@@ -6,6 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 API_KEY_OUTCOMES = ("served", "unauthorized", "rate_limited", "concurrency_limited", "too_large", "bad_request")
+# a request's phases the phase histogram labels (`usage.timings` adds ttft and e2e): gateway/trace.py
+REQUEST_PHASES = ("prepare", "queue", "prefill_queue", "prefill", "kv_transfer", "decode")
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # load key -> (metric name, help); every instance reports these through `load()`
 INSTANCE_GAUGES = {
@@ -130,6 +132,12 @@ class GatewayMetrics:
                              buckets=_LATENCY, registry=self.registry)
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "request latency, arrival to last token",
                              buckets=_LATENCY, registry=self.registry)
+        # a request's phases (gateway/trace.py; router/tables.py PHASES), the trace id as exemplar where traced
+        self.phases = Histogram("pdserve_request_phase_seconds", "seconds a finished request spent in each phase: "
+                                "gateway prepare, router queue, prefill queue and compute, decode's wait for the KV, "
+                                "decode", ["phase"], buckets=_LATENCY, registry=self.registry)
+        for phase in REQUEST_PHASES:
+            self.phases.labels(phase)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens of admitted requests",
                                      registry=self.registry)
         self.generation_tokens = Counter("pdserve_generation_tokens", "generated tokens", registry=self.registry)

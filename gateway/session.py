@@ -33,10 +33,12 @@ from typing import AsyncIterator
 
 from engine.text.tokenizer import TextState
 from gateway.logprobs import LogprobsFormatter
+from gateway.metrics import REQUEST_PHASES
 from gateway.protocol import APIError, now
 from gateway.reasoning import ReasoningParser
 from gateway.tool_parsers import NamedCallStream, ToolParser, required_stream
 from gateway.tools import call_from_named, calls_from_required
+from gateway.trace import RequestTrace
 from router.tables import StreamEvent
 
 RETRY_AFTER = {"Retry-After": "1"}
@@ -99,7 +101,8 @@ class Generation:
     """One request's generation: n choices (one stream each from the router, events by index)."""
 
     def __init__(self, cluster, request_id: str, kind: str, model: str, prompt_ids: list[int], choices: list[Choice],
-                 metrics, loop: asyncio.AbstractEventLoop, timeout_s: float | None = None):
+                 metrics, loop: asyncio.AbstractEventLoop, timeout_s: float | None = None,
+                 trace: RequestTrace | None = None, return_timings: bool = False):
         self.cluster = cluster  # submit, abort, stop (gateway/app.py: what the routes share)
         self.timeout_s = timeout_s if timeout_s is not None else request_timeout_s(cluster)  # None: no deadline
         self.request_id, self.kind, self.model, self.choices, self.metrics = request_id, kind, model, choices, metrics
@@ -113,6 +116,8 @@ class Generation:
         self.bad_request = False  # the error is the request's own (an instance refused it)
         self.timed_out = False  # its deadline passed: the error is a 504
         self.client_gone = False  # a non-streaming request's client closed its connection
+        # its trace (gateway/trace.py), and its phases' seconds as the instances reported them with its end
+        self.trace, self.return_timings, self.instance_timings = trace, return_timings, {}
 
     @property
     def finished(self) -> bool:
@@ -169,6 +174,7 @@ class Generation:
             loop = asyncio.get_running_loop()
             loop.run_in_executor(None, self.cluster.stop, self.request_id, choice.index, choice.num_tokens)
         if event.finished:
+            self.instance_timings = self.instance_timings or event.timings or {}
             self.error = self.error or event.error
             self.bad_request = self.bad_request or event.bad_request
             if self.finished:
@@ -180,11 +186,30 @@ class Generation:
 
     def _end(self) -> None:
         """Leaving before every choice ended (the client went away, or one choice failed): the rest
-        are aborted on the instances, so their blocks are freed."""
+        are aborted on the instances, so their blocks are freed. The phase times are recorded."""
         if not all(c.finished for c in self.choices):
             self._abort()
             if self.error is None:
                 self._account("cancelled")
+        timings = self.timings
+        trace_id = self.trace.trace_id if self.trace is not None else ""
+        for phase in REQUEST_PHASES:
+            if (seconds := timings.get(phase)) is not None:
+                self.metrics.phases.labels(phase).observe(seconds, {"trace_id": trace_id} if trace_id else None)
+        if self.trace is not None:
+            self.trace.end(timings, {"pdserve.request_id": self.request_id, **{
+                f"gen_ai.usage.{k}": v for k, v in self.usage.items() if isinstance(v, int)}}, self.error)
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Its phases' seconds so far: the gateway's prepare, the router's and instances' (router/tables.py
+        PHASES), then time to first token and end to end (from its submission)."""
+        prepare = None if self.trace is None else self.trace.prepare_s
+        out = {**({"prepare": prepare} if prepare is not None else {}), **self.instance_timings}
+        if self.first_token_s is not None:
+            out["ttft"] = self.first_token_s - self.arrival_s
+        out["e2e"] = (self.last_token_s or time.monotonic()) - self.arrival_s
+        return out
 
     def _account(self, status: str) -> None:
         self.metrics.requests.labels(self.kind, status).inc()
@@ -203,9 +228,12 @@ class Generation:
         """The prompt counts once, however many choices it has (it was prefilled once); its tokens
         served from a prefix cache are OpenAI's `prompt_tokens_details.cached_tokens`."""
         completion = sum(c.num_tokens for c in self.choices)
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.num_prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+        usage = {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": self.num_prompt_tokens + completion,
+                 "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+        if self.return_timings:  # milliseconds (return_timings: gateway/trace.py)
+            usage["timings"] = {k: round(v * 1000, 3) for k, v in self.timings.items()}
+        return usage
 
     def _head(self, object_: str) -> dict:
         return {"id": self.request_id, "object": object_, "created": self.created, "model": self.model}

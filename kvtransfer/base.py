@@ -23,9 +23,12 @@ MAX_TRAILER_BYTES = 1 << 30  # of one part's trailer: its peer is authenticated;
 
 
 class CompletedTransfer(NamedTuple):
-    """A request whose KV is all in this rank's cache, and the trailer a part of it carried."""
+    """A request whose KV is all in this rank's cache, and the trailer a part of it carried; the
+    traceparent its first part's `begin` carried ("": none) and when that came (time.time_ns())."""
     request_id: str
     trailer: bytes = b""
+    trace: str = ""
+    began_ns: int = 0
 
 
 class TransferError(RuntimeError):
@@ -76,9 +79,10 @@ class KVSender(ABC):
 
     @abstractmethod
     def begin(self, request_id: str, dest: KVEndpoint, head_start: int, head_end: int,
-              num_tokens: int, slots: torch.Tensor | None = None) -> Transfer:
+              num_tokens: int, slots: torch.Tensor | None = None, trace: str = "") -> Transfer:
         """Open a part for `request_id` to `dest`: heads [head_start, head_end) of `num_tokens` tokens;
-        `slots`: where they lie in this rank's pool, in token order (a sender that `pulls` needs them)."""
+        `slots`: where they lie in this rank's pool, in token order (a sender that `pulls` needs them);
+        `trace`: a traceparent its `begin` carries to the receiver (cluster/tracing.py; "": none)."""
 
     @property
     @abstractmethod

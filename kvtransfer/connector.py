@@ -121,7 +121,8 @@ class PrefillConnector:
                 if hs.prefill_rank == self.tp_rank:
                     dest = s.params.endpoints[hs.decode_rank]
                     parts.append((hs.head_start, hs.head_end, self.sender.begin(
-                        s.transfer_id, dest, hs.head_start, hs.head_end, s.num_tokens, s.slots)))
+                        s.transfer_id, dest, hs.head_start, hs.head_end, s.num_tokens, s.slots,
+                        s.params.trace_context)))
                     if hs.decode_rank == 0 and s.group == 0:
                         self._to_rank0[s.request_id] = parts[-1][2]
             self._step.append((s, parts))
@@ -196,7 +197,7 @@ class DecodeConnector:
         self._followers = None
         # request id -> per KV group, per rank: its KV is complete there
         self._complete: dict[str, list[list[bool]]] = {}
-        self._trailers: dict[str, bytes] = {}  # rank 0: transfer id -> the trailer it came with, until admitted
+        self._trailers: dict[str, CompletedTransfer] = {}  # rank 0: transfer id -> how it completed, until admitted
 
     def _ids(self, request_id: str) -> list[str]:
         return [transfer_id(request_id, g, self.num_groups) for g in range(self.num_groups)]
@@ -222,7 +223,7 @@ class DecodeConnector:
             return [], []
         done, failed = self.receiver.poll()
         if self.tp_rank == 0:
-            self._trailers.update((c.request_id, c.trailer) for c in done)
+            self._trailers.update((c.request_id, c) for c in done)
         return [c.request_id for c in done], failed
 
     # -- scheduler side (rank 0) ---------------------------------------------------------------------
@@ -274,7 +275,7 @@ class DecodeConnector:
         for request_id, groups in list(self._complete.items()):
             if request_id not in failed and all(all(ranks) for ranks in groups):
                 del self._complete[request_id]
-                trailers = [self._trailers.pop(tid, b"") for tid in self._ids(request_id)]
-                ready.append(CompletedTransfer(request_id, trailers[0]))
+                first = [self._trailers.pop(tid, None) for tid in self._ids(request_id)][0] or CompletedTransfer("")
+                ready.append(first._replace(request_id=request_id))
         failed = {rid: why for rid, why in failed.items() if self.cancel(rid)}
         return ready, failed

@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 
 class _NixlTransfer(_Transfer):
     def __init__(self, peer: _NixlPeer, request_id: str, head_start: int, head_end: int, num_tokens: int,
-                 slots: torch.Tensor):
-        super().__init__(peer, request_id, head_start, head_end, num_tokens)
+                 slots: torch.Tensor, trace: str = ""):
+        super().__init__(peer, request_id, head_start, head_end, num_tokens, trace)
         assert slots is not None and slots.numel() == num_tokens, (num_tokens, slots)
         self.slots = slots
         self.layers: list[int] = []  # announced, in order
@@ -65,7 +65,8 @@ class _NixlPeer(_Peer):
             source = encode_runs(np.array([(slot, n) for _, n, slot in slot_runs(t.slots.to("cpu", torch.int64))],
                                           dtype=np.int64).reshape(-1, 2))
             self.control.send({"kind": "begin", "request_id": t.request_id, "head_start": t.head_start,
-                               "head_end": t.head_end, "num_tokens": t.num_tokens, "source": source}, timeout)
+                               "head_end": t.head_end, "num_tokens": t.num_tokens, "source": source,
+                               "trace": t.trace}, timeout)
             ready = self._answer(t)
             if not ready["ok"]:  # the receiver is fine, this request is not (cancelled, wrong size)
                 self.owner.count("parts_rejected")
@@ -122,8 +123,8 @@ class NixlSender(TorchDistSender):
                     pool.cache.nbytes / 2**20, self.shape.mem)
 
     def begin(self, request_id: str, dest: KVEndpoint, head_start: int, head_end: int, num_tokens: int,
-              slots: torch.Tensor | None = None) -> _NixlTransfer:
-        return _NixlTransfer(self._peer(dest), request_id, head_start, head_end, num_tokens, slots)
+              slots: torch.Tensor | None = None, trace: str = "") -> _NixlTransfer:
+        return _NixlTransfer(self._peer(dest), request_id, head_start, head_end, num_tokens, slots, trace)
 
     def checksum(self, t: _NixlTransfer) -> int:
         """The part's checksum read back from the pool (nixl_wire.py): every layer it announced."""

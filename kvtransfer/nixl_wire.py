@@ -2,7 +2,7 @@
 (control.py), where the receiver reads the KV instead of being sent it.
 
     hello  {sender_id, compat, agent, pool}            -> welcome {ok, error, compat}
-    begin  {request_id, head_start, head_end, num_tokens, source}  -> ready {request_id, ok, error}
+    begin  {request_id, head_start, head_end, num_tokens, source, trace}  -> ready {request_id, ok, error}
     layer  {request_id, head_start, layer, count}        (no answer): layers [layer, layer + count) are in
                                                          the sender's pool; the receiver reads them (NIXL READ)
     trailer {request_id, head_start, data}               (as wire.py: the part's trailer, carried unread)
@@ -29,7 +29,8 @@ _NONE = type(None)
 NIXL_SCHEMA = SCHEMA | {
     "hello": {"sender_id": str, "compat": dict, "agent": bytes, "pool": dict},
     "welcome": {"ok": bool, "error": (str, _NONE), "compat": dict},
-    "begin": {"request_id": str, "head_start": int, "head_end": int, "num_tokens": int, "source": bytes},
+    "begin": {"request_id": str, "head_start": int, "head_end": int, "num_tokens": int, "source": bytes,
+              "trace": str},
     "ready": {"request_id": str, "ok": bool, "error": (str, _NONE)},
 }
 del NIXL_SCHEMA["join"]

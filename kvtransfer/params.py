@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-PROTOCOL_VERSION = 17  # 3: control messages on TCP, payloads alone on the data channel; 4: runs; 5: shared caches;
+PROTOCOL_VERSION = 18  # 3: control messages on TCP, payloads alone on the data channel; 4: runs; 5: shared caches;
 # 6: kv_window (a sliding-window model ships only the tokens its decode can still read); 7: kv_layout (a
 # transfer per KV group, num_layers its slabs); 8: done.more_choices (n > 1: every choice's first token);
 # 9: kv_checksum (done.checksum, kvtransfer/wire.py); 10: a shared part's `ready` grants its slots until
@@ -25,7 +25,8 @@ PROTOCOL_VERSION = 17  # 3: control messages on TCP, payloads alone on the data 
 # peer never gets as far as comparing this: it is refused at the handshake, or its handshake times out;
 # 15: a rendezvous store per connection (welcome.store_prefix, rendezvous.py) and payload MACs (done.mac);
 # 16: the payload MAC is keyed BLAKE3 (was keyed BLAKE2b); 17: a part ends with an opaque trailer (`trailer`
-# chunks, done.trailer_bytes; the instance layer's, compat.trailer_format) in place of the first token's fields
+# chunks, done.trailer_bytes; the instance layer's, compat.trailer_format) in place of the first token's fields;
+# 18: begin.trace (a W3C traceparent or "": the request's trace crosses the control channel, cluster/tracing.py)
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ class KVTransferParams:
     decode_tp_size: int
     endpoints: tuple[KVEndpoint, ...]  # one per decode rank, in rank order
     decode_cached_tokens: int = 0
+    trace_context: str = ""  # the traceparent of the prefill's kv.transfer span: in each part's `begin` ("": none)
 
     def __post_init__(self):
         assert len(self.endpoints) == self.decode_tp_size, self

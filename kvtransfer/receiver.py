@@ -287,6 +287,8 @@ class TorchDistReceiver(KVReceiver):
             reply["error"] = f"sent {msg['num_tokens']} tokens, expected {e.slots.numel()}"
             self._fail(msg["request_id"], reply["error"])
             e = None
+        elif not e.began_ns:
+            e.trace, e.began_ns = msg["trace"], time.time_ns()
         return e
 
     def start_receiving(self, rid: str) -> Expected | None:
@@ -366,7 +368,7 @@ class TorchDistReceiver(KVReceiver):
                 e.trailer = b"".join(part.trailer)
             if e.parts_done == e.num_parts:
                 del self._expected[rid]
-                self._completed.append(CompletedTransfer(rid, e.trailer))
+                self._completed.append(CompletedTransfer(rid, e.trailer, e.trace, e.began_ns))
                 self._stats["completed"] += 1
         reply["ok"] = True
         return reply

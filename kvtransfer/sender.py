@@ -59,8 +59,9 @@ LOST = ("lost", None, None, None)  # the op an idle peer gives itself when the r
 
 
 class _Transfer(Transfer):
-    def __init__(self, peer: _Peer, request_id: str, head_start: int, head_end: int, num_tokens: int):
-        self.peer, self.request_id = peer, request_id
+    def __init__(self, peer: _Peer, request_id: str, head_start: int, head_end: int, num_tokens: int,
+                 trace: str = ""):
+        self.peer, self.request_id, self.trace = peer, request_id, trace
         self.head_start, self.head_end, self.num_tokens = head_start, head_end, num_tokens
         self.num_layers_sent = self.num_bytes = 0
         self.begun = False  # the receiver answered `ready`
@@ -233,7 +234,7 @@ class _Peer:
             self._connect(timeout)
         if not t.begun:
             self.control.send({"kind": "begin", "request_id": t.request_id, "head_start": t.head_start,
-                               "head_end": t.head_end, "num_tokens": t.num_tokens}, timeout)
+                               "head_end": t.head_end, "num_tokens": t.num_tokens, "trace": t.trace}, timeout)
             ready = self._answer(t)
             if not ready["ok"]:  # the receiver is fine, this request is not (cancelled, wrong size)
                 self.owner.count("parts_rejected")
@@ -428,9 +429,9 @@ class TorchDistSender(KVSender):
         self.transfer_seconds = 0.0  # sum over acknowledged parts of (acked - begin)
 
     def begin(self, request_id: str, dest: KVEndpoint, head_start: int, head_end: int,
-              num_tokens: int, slots: torch.Tensor | None = None) -> Transfer:
+              num_tokens: int, slots: torch.Tensor | None = None, trace: str = "") -> Transfer:
         self.caches.reap()
-        return _Transfer(self._peer(dest), request_id, head_start, head_end, num_tokens)
+        return _Transfer(self._peer(dest), request_id, head_start, head_end, num_tokens, trace)
 
     def _peer(self, dest: KVEndpoint) -> _Peer:
         """The connection to `dest`, made if none is open (the LRU one past `max_groups` closes)."""

@@ -13,7 +13,7 @@ Sender -> receiver, with the receiver's answer:
                                                                     channel, cache, data_channel, no_cache_reason}
     join   {channel, shared}                               (no answer: both ends build the data channel; or,
                                                            shared, the sender opened `cache`: no data channel)
-    begin  {request_id, head_start, head_end, num_tokens} -> ready {request_id, ok, error, runs, slots}
+    begin  {request_id, head_start, head_end, num_tokens, trace} -> ready {request_id, ok, error, runs, slots}
     layer  {request_id, head_start, layer, count}          (no answer) then, for each of layers [layer,
                                                            layer + count), its payload on the data channel:
                                                            runs == []: K and V of the part's heads as one
@@ -124,7 +124,7 @@ SCHEMA: dict[str, dict[str, type | tuple]] = {
                 "channel": int,
                 "cache": (dict, _NONE), "data_channel": str, "no_cache_reason": (str, _NONE)},
     "join": {"channel": int, "shared": bool},
-    "begin": {"request_id": str, "head_start": int, "head_end": int, "num_tokens": int},
+    "begin": {"request_id": str, "head_start": int, "head_end": int, "num_tokens": int, "trace": str},
     "ready": {"request_id": str, "ok": bool, "error": (str, _NONE), "runs": list, "slots": list},
     "layer": {"request_id": str, "head_start": int, "layer": int, "count": int},
     "done": {"request_id": str, "head_start": int, "num_layers": int, "trailer_bytes": int,

@@ -21,7 +21,9 @@ import queue
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from cluster import tracing
 
 from engine.core.block_manager import KVCacheManager
 from engine.core.request import Handover, Request, RequestMessage
@@ -50,6 +52,28 @@ class PrefillResult:
     num_cached_tokens: int = 0
     finished_at: float = field(default_factory=time.monotonic)
     more_choices: tuple = ()  # n > 1: the other choices' (first token, extras or None)
+    timings: dict | None = None  # seconds of its phases here: prefill_queue, prefill (router/tables.py PHASES)
+
+
+@dataclass
+class _Phases:
+    """When a request's phases here began (time.time_ns()), and its open kv.transfer span (traced)."""
+    trace: str  # the router's attempt span's traceparent ("": not traced)
+    arrived_ns: int
+    started_ns: int = 0  # its first chunk was scheduled
+    kv_span: object = None
+
+    def first_token(self, req: Request, instance_id: str) -> dict[str, float]:
+        """The prompt is computed: its phases' seconds, and (traced) their spans."""
+        now = time.time_ns()
+        started = self.started_ns or now
+        if self.trace:
+            attributes = {"pdserve.instance": instance_id, "pdserve.request_id": req.request_id}
+            tracing.record("prefill", "prefill.queue", self.trace, self.arrived_ns, started, attributes)
+            tracing.record("prefill", "prefill.compute", self.trace, started, now, {
+                **attributes, "pdserve.prompt_tokens": req.num_prompt_tokens,
+                "pdserve.cached_tokens": req.num_cached_tokens})
+        return {"prefill_queue": (started - self.arrived_ns) / 1e9, "prefill": (now - started) / 1e9}
 
 
 class PrefillWorker(BaseWorker):
@@ -85,6 +109,7 @@ class PrefillWorker(BaseWorker):
         # cumulative, for the autoscaler's online profile: tokens computed and seconds spent doing it
         self.num_computed_tokens, self.busy_s = 0, 0.0
         self.eos_token_ids = frozenset(mc.eos_token_ids)  # min_tokens holds them back (the model's one EOS set)
+        self._phases: dict[str, _Phases] = {}  # rank 0: the requests taken, until their KV is delivered
 
     # -- driver API (rank 0; thread-safe) -----------------------------------------------------
     def submit(self, msg: RequestMessage, params: KVTransferParams) -> None:
@@ -204,6 +229,7 @@ class PrefillWorker(BaseWorker):
         self._release_delivered()
         self.held.retry()  # holds whose disk reads landed: their reloads go with this step's copies
         sched = self.scheduler.schedule()
+        self._started(sched)
         shipments = self.connector.shipments(sched, self.scheduler.kv.get_block_ids, self.runner.block_size,
                                              self.runner.device)
         held = self.held.take()
@@ -239,8 +265,10 @@ class PrefillWorker(BaseWorker):
             rows = None if self.rows is None else \
                 self.rows.take(rid, self.scheduler.kv.get_block_ids(rid)[0], req.num_prompt_tokens)
             self.connector.finish(rid, Handover(token, extras, more, rows).pack())
+            phases = self._phases.get(rid)
             self._report(PrefillResult(req.request_id, token, num_cached_tokens=req.num_cached_tokens,
-                                       extras=extras, more_choices=more))
+                                       extras=extras, more_choices=more,
+                                       timings=None if phases is None else phases.first_token(req, self.instance_id)))
         return True
 
     def follow(self) -> bool:
@@ -295,7 +323,19 @@ class PrefillWorker(BaseWorker):
             else:
                 self._abort(a)
 
+    def _started(self, sched) -> None:
+        """Rank 0: the requests whose first chunk this step computes leave the queue now."""
+        for r in sched.new_requests:
+            if (phases := self._phases.get(r.request_id)) is not None and not phases.started_ns:
+                phases.started_ns = time.time_ns()
+
+    def _ended(self, request_id: str, outcome: str, error: str | None = None) -> None:
+        """Rank 0: the request leaves this instance (its KV delivered, failed, or aborted)."""
+        if (phases := self._phases.pop(request_id, None)) is not None:
+            tracing.end(phases.kv_span, attributes={"pdserve.outcome": outcome}, error=error)
+
     def _abort(self, request_id: str) -> None:
+        self._ended(request_id, "aborted")
         if request_id in self.scheduler.fetching:
             self.fetcher.cancel(request_id)  # on every rank: nothing more lands in its blocks
         if self.scheduler.abort(request_id):
@@ -306,11 +346,21 @@ class PrefillWorker(BaseWorker):
 
     def _take(self, req: Request, params: KVTransferParams, admit):
         """A prompt whose KV goes per `params`: `admit()`'s answer; one it refuses (ValueError,
-        check_admission) is reported failed (None)."""
+        check_admission) is reported failed (None). Its phases start here (arrived when it was submitted); a
+        traced one's KV transfer span opens, and its traceparent goes with every part (`begin`)."""
+        phases = self._phases[req.request_id] = _Phases(
+            req.trace_context, time.time_ns() - int((time.monotonic() - req.arrival_time) * 1e9))
+        if req.trace_context:
+            phases.kv_span = tracing.start("prefill", "kv.transfer", req.trace_context, attributes={
+                "pdserve.instance": self.instance_id, "pdserve.decode_instance": params.decode_instance_id,
+                "pdserve.decode_tp": params.decode_tp_size, "pdserve.decode_cached_tokens": params.decode_cached_tokens,
+                "pdserve.sender": type(self.connector.sender).__name__})
+            params = replace(params, trace_context=tracing.context_of(phases.kv_span))
         self.connector.add(req.request_id, params)
         try:
             return admit()
         except ValueError as exc:
+            self._ended(req.request_id, "refused", str(exc))
             self.connector.drop(req.request_id)
             self._report(PrefillResult(req.request_id, None, str(exc)))
             return None
@@ -359,6 +409,7 @@ class PrefillWorker(BaseWorker):
                 continue
             if self.scheduler is not None:
                 self.scheduler.release(request_id)
+                self._ended(request_id, "failed" if error else "delivered", error)
             if error:
                 logger.warning("request %s (rank %d): %s", request_id, self.tp.rank, error)
                 if self.scheduler is not None:

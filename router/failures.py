@@ -40,7 +40,7 @@ class Failures:
                        instance_id, reason)
         if instance_id is not None:
             tracked.excluded.add(instance_id)
-        self.tables.abort_attempt(tracked)
+        self.tables.abort_attempt(tracked, "failed", reason)
         if tracked.choices:
             return self.split(tracked, lambda choice: self.fail(choice, instance_id, reason))
         tracked.grouped = False  # a choice goes on by itself
@@ -64,7 +64,7 @@ class Failures:
                        tracked.request_id, tracked.attempt, tracked.decode_id, reason)
         self.tables.stats["kv_recomputes"] += 1
         decode_id = tracked.decode_id
-        self.tables.abort_attempt(tracked)
+        self.tables.abort_attempt(tracked, "kv_load_failed", reason)
         if tracked.choices:
             return self.split(tracked, lambda choice: self.recompute(choice, reason))
         tracked.recompute_on, tracked.grouped = decode_id, False

@@ -31,18 +31,18 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, replace
 
+from cluster import tracing
 from engine.core.request import RequestMessage, SamplingParams, choice_id
 from kvtransfer.params import KVTransferParams
 from router.client import DecodeClient, InstanceDeadError, InstanceLoad, PrefillClient
 from router.failures import Failpoints, Failures
 from router.fetch import Fetches, FetchPlan
 from router.policy import BaseRoutingPolicy, SessionAffinity
+from router.spans import decoding, first_token, open_attempt
 from router.tables import RequestStream, RouterTables, StreamEvent, Tracked, indexed
 from router.supervisor import ThreadSupervisor
 
 logger = logging.getLogger(__name__)
-
-
 
 class QueueFullError(RuntimeError):
     """The router's admission queue is full: try again later (HTTP 429)."""
@@ -149,19 +149,19 @@ class Router:
         self.fetches.forget(instance_id)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               listener=None, session: str | None = None) -> RequestStream | list[RequestStream]:
+               listener=None, session: str | None = None, trace: str = "") -> RequestStream | list[RequestStream]:
         """Starts a request; its tokens arrive on the returned stream (or at `listener`). With n > 1,
         a list of n streams, one per choice (events carry their `index`): the prompt is placed once,
         and each choice goes on by itself if that placement fails. A `session`'s request prefers the
-        instances its last one ran on (SessionAffinity). Calls the chosen instances from the
-        caller's thread (an event loop should call this from a worker)."""
+        instances its last one ran on (SessionAffinity); its attempts' spans go under `trace` (cluster/tracing.py).
+        Calls the chosen instances from the caller's thread (an event loop should call this from a worker)."""
         tracked = Tracked(request_id, list(prompt_token_ids), params,
-                          RequestStream(request_id, None if params.n > 1 else listener), session=session)
+                          RequestStream(request_id, None if params.n > 1 else listener), session=session, trace=trace)
         if params.n > 1:
             tracked.choices = [Tracked(choice_id(request_id, i), tracked.prompt_token_ids,
                                        params.choice(i),
                                        RequestStream(choice_id(request_id, i), indexed(listener, i)), parent=tracked,
-                                       index=i, grouped=True) for i in range(params.n)]
+                                       index=i, grouped=True, trace=trace) for i in range(params.n)]
         with self._locked():
             if len(self._pending) >= self.max_queued:
                 raise QueueFullError(f"{len(self._pending)} requests already queued")
@@ -188,7 +188,7 @@ class Router:
                 if t in self._pending:
                     self._pending.remove(t)
                 if self._by_attempt.get(t.attempt_id) is t:
-                    self.tables.abort_attempt(t)
+                    self.tables.abort_attempt(t, "abort")
                 self.tables.finish(t, StreamEvent([], True, "abort"))
 
     def stop(self, request_id: str, index: int, num_tokens: int) -> None:
@@ -207,7 +207,7 @@ class Router:
                 self._stopped[t.attempt_id] = None
                 while len(self._stopped) > 1024:
                     del self._stopped[next(iter(self._stopped))]
-                self.tables.abort_attempt(t)
+                self.tables.abort_attempt(t, "stop")
             self._complete(t, "stop")
 
     @property
@@ -294,8 +294,10 @@ class Router:
             choice.prefill_id, choice.decode_id = None, None
             self._by_attempt[choice.attempt_id] = choice
         fetch = None if prefill is None else self.fetches.plan(prompt, prefills + decodes, prefill.info)
-        return _Plan(tracked.attempt_id, RequestMessage(tracked.attempt_id, prompt, params, self.client_id), prefill,
-                     ordered[:1] if local else ordered, fetch)
+        open_attempt(tracked, type(self.policy).__name__, None if prefill is None else prefill.info, first, local,
+                     None if tracked.attempt else reuse, sticky_d is not None and first is sticky_d, fetch is not None)
+        msg = RequestMessage(tracked.attempt_id, prompt, params, self.client_id, tracing.context_of(tracked.span))
+        return _Plan(tracked.attempt_id, msg, prefill, ordered[:1] if local else ordered, fetch)
 
     def _call(self, plan: _Plan) -> _Outcome:
         """Without the lock: reserve on a decode instance and submit to the prefill instance (or
@@ -334,6 +336,8 @@ class Router:
                     self.tables.deferred.append((client.abort, plan.attempt_id))
             return True
         tracked.decode_id = None if outcome.decode is None else outcome.decode.info.instance_id
+        if tracked.span is not None and tracked.decode_id is not None:
+            tracked.span.set_attribute("pdserve.decode_instance", tracked.decode_id)
         for choice in tracked.choices:
             choice.decode_id = tracked.decode_id
         if outcome.dead is not None:
@@ -343,9 +347,10 @@ class Router:
             if self._by_attempt.get(plan.attempt_id) is tracked:
                 self.failures.fail(tracked, iid, str(outcome.dead))
         elif outcome.bad_request is not None:
-            self.tables.abort_attempt(tracked)
+            self.tables.abort_attempt(tracked, "bad_request", outcome.bad_request)
             self.failures.give_up(tracked, outcome.bad_request, bad_request=True)
         elif outcome.decode is None:  # every decode instance is full: the caller queues it
+            tracked.end_span("no_room")
             del self._by_attempt[plan.attempt_id]
             for choice in tracked.choices:
                 self._by_attempt.pop(choice.attempt_id, None)
@@ -420,6 +425,7 @@ class Router:
             return self.failures.fail(tracked, tracked.prefill_id, r.error or "prefill failed")
         if tracked.attempt == 0:
             self.stats["cached_prompt_tokens"] += r.num_cached_tokens
+        first_token(tracked, r.timings, r.num_cached_tokens)
         firsts = [(r.first_token, r.extras), *r.more_choices]
         for t, (token, extras) in zip(tracked.choices or [tracked], firsts):
             if not t.done:  # the first token of the attempt: position 0
@@ -446,7 +452,7 @@ class Router:
         if o.start > tracked.num_attempt_tokens:  # the prefill's first token has not come yet
             tracked.held.append(o)
             return
-        tracked.decoding = True
+        decoding(tracked)
         if tracked.grouped and self._by_attempt.get(tracked.parent.attempt_id) is tracked.parent:
             self._by_attempt.pop(tracked.parent.attempt_id)  # forked: its choices go on, the KV is there
         if o.start < tracked.num_attempt_tokens:  # never from a sound instance: its streams do not overlap
@@ -457,6 +463,7 @@ class Router:
             self.stats["cached_prompt_tokens"] += o.num_cached_tokens
         self._deliver(tracked, o.new_token_ids, o.new_extras, o.num_cached_tokens)
         if o.finished:
+            tracked.timings.update(o.timings or {})
             del self._by_attempt[tracked.attempt_id]
             if tracked.prefill_id in self.prefill:
                 self.tables.deferred.append((self.prefill[tracked.prefill_id].abort, tracked.attempt_id))

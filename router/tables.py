@@ -13,9 +13,10 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from cluster import tracing
 from engine.core.request import SamplingParams, choice_id
 from router.client import DecodeClient, InstanceDeadError, PrefillClient
 
@@ -23,6 +24,9 @@ logger = logging.getLogger(__name__)
 
 # what a guard catches an exception in (the label of pdserve_router_handler_errors_total)
 HANDLERS = ("place", "prefill_result", "decode_output", "deferred", "load")
+# a request's phases, in seconds, as its end event reports them (StreamEvent.timings): the router's
+# queue, the prefill instance's queue and compute, the decode instance's wait for the KV and its decode
+PHASES = ("queue", "prefill_queue", "prefill", "kv_transfer", "decode")
 # cumulative counters (the autoscaler's arrival rate and request shape come from these)
 STATS = ("retries", "failed", "completed", "submitted", "prompt_tokens", "cached_prompt_tokens", "output_tokens",
          "instance_deaths", "kv_recomputes", "tokens_past_stop", "session_placements",
@@ -79,8 +83,10 @@ class RouterTables:
     def client(self, instance_id: str) -> PrefillClient | DecodeClient | None:
         return self.prefill.get(instance_id) or self.decode.get(instance_id)
 
-    def abort_attempt(self, tracked: Tracked) -> None:
-        """Under the lock: forgets the attempt; its instances are told once the lock is released."""
+    def abort_attempt(self, tracked: Tracked, outcome: str = "aborted", error: str | None = None) -> None:
+        """Under the lock: forgets the attempt; its instances are told once the lock is released. Its
+        span (a traced request's) ends with `outcome`, and `error` when it failed."""
+        tracked.end_span(outcome, error)
         self.by_attempt.pop(tracked.attempt_id, None)
         for iid in (tracked.prefill_id, tracked.decode_id):
             client = self.client(iid) if iid is not None else None
@@ -92,6 +98,8 @@ class RouterTables:
         choice ended."""
         if not tracked.done:
             tracked.done = True
+            tracked.end_span(event.finish_reason or "", event.error)
+            event = replace(event, timings=dict(tracked.timings) or None)
             if self.live.get(tracked.request_id) is tracked:
                 del self.live[tracked.request_id]
             tracked.stream.put(event)
@@ -110,6 +118,7 @@ class StreamEvent:
     bad_request: bool = False  # the error is the request's own (an instance refused it): HTTP 400
     # with an attempt's first token: its prompt tokens served from a prefix cache (usage's cached_tokens)
     num_cached_tokens: int | None = None
+    timings: dict[str, float] | None = None  # with the end: the request's phase seconds (PHASES)
 
 
 class RequestStream:
@@ -210,6 +219,17 @@ class Tracked:
     parent: "Tracked | None" = field(default=None, compare=False, repr=False)
     index: int = 0
     grouped: bool = False
+    # tracing (cluster/tracing.py): the request's own span's traceparent ("": not traced), its open attempt's
+    # span, when it was submitted (time.time_ns()); and its phase seconds (PHASES) as the instances report them
+    trace: str = ""
+    span: object = field(default=None, compare=False, repr=False)
+    submitted_ns: int = field(default_factory=time.time_ns)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def end_span(self, outcome: str, error: str | None = None) -> None:
+        """Ends the attempt's span, if one is open."""
+        span, self.span = self.span, None
+        tracing.end(span, attributes={"pdserve.outcome": outcome}, error=error)
 
     @property
     def num_attempt_tokens(self) -> int:

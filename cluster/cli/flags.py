@@ -166,6 +166,12 @@ _HELP = {
     "reasoning_parser": "reasoning_content from <think> (deepseek_r1, qwen3) or gpt-oss's analysis channel "
                         "(openai_gptoss); None: all content",
     "ray_resources": "rank actors need a `prefill` or `decode` Ray resource (worker pods that carry it)",
+    "otlp_traces_endpoint": "send OpenTelemetry traces (one per request across gateway, router, prefill, KV transfer "
+                            "and decode) to this OTLP/HTTP endpoint, e.g. http://collector:4318 (off when unset); "
+                            "docs/observability.md",
+    "trace_sample_ratio": "fraction of new requests traced, in (0, 1]; a client's traceparent decides its own",
+    "return_timings": "each answer's usage carries its phase times in ms (usage.timings), and a non-streaming one a "
+                      "Server-Timing header",
     "autoscale": "size the prefill and decode pools from load (cluster/autoscale/autoscaler.py)",
     "autoscale_policy": "slo (SLOPlanner: TTFT/TBT targets) or queue (QueueThreshold)",
     "autoscale_actuator": "ray (add/remove instances here), kubernetes (patch worker Deployments) or dry_run",

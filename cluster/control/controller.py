@@ -338,7 +338,7 @@ class Controller:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote(
                 config, role, iid, r, tp, self.spec.kv_transfer_timeout_s, self.log_level, not self.multihost,
                 self.spec.client_ttl_s, planner.kv_same_device(gpu), cpu_plans[r], kv_checksum=self.spec.kv_checksum,
-                kv_transport=self.spec.kv_transport))
+                kv_transport=self.spec.kv_transport, trace_to=self.spec.tracing))
         start = time.monotonic()
         placements = ray.get([a.placement.remote() for a in actors], timeout=300)
         address = ray.get(actors[0].rendezvous_address.remote()) if tp > 1 else None

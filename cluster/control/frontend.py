@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 
+from cluster import tracing
 from cluster.control.serving import Serving, ray_client
 from cluster.control.instance import Instance, init_ray, rank_actor_name
 from cluster.ranks.nodes import RankPlacement
@@ -38,6 +39,8 @@ def create_router(spec: ClusterSpec, prefill: list, decode: list) -> Router:
     """The router the spec asks for (a prefix-aware policy keeps its own index, fed by the prefill
     engines' KV events: router/prefix_index.py)."""
     recompute = spec.kv_recompute_max_tokens if spec.kv_load_failure_policy == "recompute" else 0
+    if spec.tracing is not None and not tracing.enabled():  # this process's spans (a test may have set its own)
+        tracing.configure(spec.tracing)
     return Router(prefill, decode, create_routing_policy(spec.router_policy), mode=spec.mode,
                   disagg_threshold_tokens=spec.disagg_threshold_tokens, kv_recompute_max_tokens=recompute,
                   kv_fetch=spec.kv_fetch)

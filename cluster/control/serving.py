@@ -48,8 +48,8 @@ class Serving:
     # -- requests --------------------------------------------------------------------------------
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               listener=None, session: str | None = None) -> RequestStream:
-        return self.router.submit(request_id, prompt_token_ids, params, listener, session)
+               listener=None, session: str | None = None, trace: str = "") -> RequestStream:
+        return self.router.submit(request_id, prompt_token_ids, params, listener, session, trace)
 
     def abort(self, request_id: str) -> None:
         """Stop a request on every instance it touches; its blocks are freed."""

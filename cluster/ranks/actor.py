@@ -13,6 +13,7 @@ from dataclasses import replace
 import ray
 import torch
 
+from cluster import tracing
 from cluster.ranks import cpu_plan
 from cluster.ranks.nodes import RankPlacement, node_address, set_socket_ifnames, unreachable
 from cluster.ranks.rank import RankHost, TPRendezvous, open_rendezvous
@@ -40,13 +41,15 @@ class RankActor:
     def __init__(self, config: EngineConfig, role: str, instance_id: str, rank: int, tp_size: int,
                  kv_timeout_s: float, log_level: str = "INFO", loopback: bool = False, client_ttl_s: float = 30.0,
                  kv_same_device: bool = True, cpu: cpu_plan.RankCpuPlan = cpu_plan.RankCpuPlan(),
-                 kv_checksum: bool = False, kv_transport: str = DEFAULT_TRANSPORT):
+                 kv_checksum: bool = False, kv_transport: str = DEFAULT_TRANSPORT,
+                 trace_to: tracing.TracingConfig | None = None):
         """`loopback`: the driver started Ray on this one host; bind 127.0.0.1. `kv_same_device`:
         the spec's kv_transport is auto (KV within one device is written into the decode cache).
         `cpu`: this process's niceness and cores, applied before the rank's threads start.
         `kv_checksum`: the spec's (every KV part carries a checksum, checked on receipt). `kv_transport`:
-        the KV transport's name (kvtransfer/registry.py)."""
+        the KV transport's name (kvtransfer/registry.py). `trace_to`: the spec's tracing (cluster/tracing.py)."""
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        tracing.configure(trace_to)
         self._cpu = cpu
         cpu_plan.apply(cpu)
         self._args = (config, role, instance_id, rank, tp_size)
@@ -184,3 +187,4 @@ class RankActor:
     def shutdown(self) -> None:
         if self.host is not None:
             self.host.shutdown()
+        tracing.shutdown()  # what its spans' exporter holds goes out first

@@ -173,6 +173,7 @@ class RequestMessage:
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     client_id: str = ""  # the router (one per gateway) that placed it: its outputs go there
+    trace_context: str = ""  # the W3C traceparent of the router's attempt span; "": not traced
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
@@ -219,6 +220,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     client_id: str = ""  # the router (one per gateway) that placed it: its outputs go there
+    trace_context: str = ""  # its RequestMessage's: the instance's spans go under it ("": not traced)
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -229,7 +231,7 @@ class Request:
         """This instance's state of a request placed here: it arrives now and ends on the model's
         EOS set (`ModelConfig.eos_token_ids`)."""
         return cls(msg.request_id, list(msg.prompt_token_ids), msg.sampling_params, time.monotonic(), eos_token_ids,
-                   client_id=msg.client_id)
+                   client_id=msg.client_id, trace_context=msg.trace_context)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import dataclasses
 from pathlib import Path
 
@@ -229,15 +230,16 @@ def test_api_key_not_in_repr():
 
 
 @pytest.mark.parametrize("module, allowed", [("cluster/spec.py", {"engine.attention", "engine.core.config",
-                                                                   "engine.core.expert_placement"}),
-                                             ("cluster/state.py", set()),
+                                                                   "engine.core.expert_placement", "cluster.tracing"}),
+                                             ("cluster/state.py", set()), ("cluster/tracing.py", set()),
                                              ("cluster/state_factory.py", {"cluster.state", "cluster.redis_state",
                                                                            "cluster.redis_client"}),
                                              ("cluster/redis_state.py", {"cluster.state", "cluster.redis_client"}),
                                              ("cluster/redis_client.py", set())])
 def test_leaf_modules_import_nothing_of_ours(module, allowed):
-    """cluster/spec.py and the cluster state are leaves: spec imports only engine (its configs, the
-    attention backends' names); the state's interface imports nothing of ours, its Redis backend the
+    """cluster/spec.py, the cluster state and tracing are leaves: spec imports only engine (its configs, the
+    attention backends' names) and tracing's config; tracing nothing of ours; the state's interface imports
+    nothing of ours, its Redis backend the
     interface and the Redis client, its factory both backends and the client (for a masked URL);
     the client imports nothing of ours."""
     ours = {"engine", "prefill_worker", "decode_worker", "kvtransfer", "router", "gateway", "cluster", "bench"}
@@ -259,3 +261,21 @@ def test_chat_template_must_be_a_file_with_a_template(tmp_path):
     good.write_text("{% for m in messages %}{{ m.content }}{% endfor %}{{ tools }}")
     tokenizer = gateway_tokenizer(ClusterSpec(chat_template=str(good)))
     assert tokenizer.supports_tools and tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+
+
+@pytest.mark.parametrize("values, says", [({"otlp_traces_endpoint": "collector:4318"}, "must be an http(s) URL"),
+                                          ({"otlp_traces_endpoint": ""}, "must not be empty"),
+                                          ({"trace_sample_ratio": 0.0}, "trace_sample_ratio must be in (0, 1]"),
+                                          ({"trace_sample_ratio": 1.5}, "trace_sample_ratio must be in (0, 1]")])
+def test_tracing_values_that_cannot_work_are_refused(values, says):
+    """An OTLP endpoint that is no http(s) URL, or a sampling ratio outside (0, 1], is refused in one line."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        ClusterSpec(**values)
+
+
+def test_the_tracing_config_adds_the_otlp_path_only_to_a_bare_endpoint():
+    """As OTEL_EXPORTER_OTLP_ENDPOINT: a bare endpoint gets /v1/traces; one with a path is used as given."""
+    bare = ClusterSpec(otlp_traces_endpoint="http://collector:4318")
+    assert bare.tracing.traces_url == "http://collector:4318/v1/traces"
+    assert ClusterSpec(otlp_traces_endpoint="https://c/otlp/v1/traces").tracing.traces_url == "https://c/otlp/v1/traces"
+    assert ClusterSpec().tracing is None

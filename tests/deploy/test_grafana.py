@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import REQUEST_PHASES, GatewayMetrics
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -85,3 +85,15 @@ def test_layout_is_well_formed():
         area = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
         assert not area & cells, panel["title"]
         cells |= area
+
+
+@pytest.mark.parametrize("phase", REQUEST_PHASES)
+def test_each_request_phase_has_a_panel_with_exemplars(phase):
+    """A panel per request phase (gateway/metrics.py REQUEST_PHASES): p50 and p99 of its histogram, with
+    exemplars (a traced request's trace id: docs/observability.md) shown."""
+    series = f'pdserve_request_phase_seconds_bucket{{phase="{phase}"}}'
+    panel, = [p for p in panels() if any(series in t["expr"] for t in p["targets"])]
+    for quantile in ("0.5", "0.99"):
+        wanted = f"histogram_quantile({quantile}, sum by (le) (rate({series}[$__rate_interval])))"
+        target, = [t for t in panel["targets"] if t["expr"] == wanted]
+        assert target["exemplar"] is True, (phase, quantile)

@@ -115,7 +115,7 @@ class HoldingCluster(FakeCluster):
         super().__init__()
         self.held = []
 
-    def submit(self, request_id, prompt_token_ids, params, listener=None, session=None):
+    def submit(self, request_id, prompt_token_ids, params, listener=None, session=None, trace=""):
         self.submitted.append((request_id, prompt_token_ids, params))
         self.held.append(listener)
 

@@ -176,7 +176,7 @@ def test_a_tampered_begin_mid_session_is_refused_and_reserves_nothing(tamper):
     rx.expect("r", torch.arange(4), 1)
     client = _raw_connection(dest)
     conn = client._conn
-    begin = {"kind": "begin", "request_id": "r", "head_start": 0, "head_end": HEADS, "num_tokens": 4}
+    begin = {"kind": "begin", "request_id": "r", "head_start": 0, "head_end": HEADS, "num_tokens": 4, "trace": ""}
     seq, body, mac = conn.macs.seal(msgpack.packb(begin))
     frame = {"body": [seq, msgpack.packb({**begin, "num_tokens": 3}), mac],
              "mac": [seq, body, bytes([mac[0] ^ 1]) + mac[1:]], "plain map": begin}[tamper]

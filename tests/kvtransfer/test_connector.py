@@ -42,7 +42,7 @@ class ScriptedSender(KVSender):
     def __init__(self, outcome: str):
         self.outcome, self.transfers = outcome, []
 
-    def begin(self, request_id, dest, head_start, head_end, num_tokens, slots=None) -> Transfer:
+    def begin(self, request_id, dest, head_start, head_end, num_tokens, slots=None, trace="") -> Transfer:
         t = ScriptedTransfer(self.outcome)
         self.transfers.append((request_id, dest.rank, head_start, head_end, num_tokens, t))
         return t

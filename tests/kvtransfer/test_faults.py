@@ -97,7 +97,7 @@ def test_an_announced_payload_that_never_comes(pair, slots):
     channel = GlooChannel(store, SENDER, "127.0.0.1", 5.0)
     rx.expect("r", slots, 1)
     ready = client.call({"kind": "begin", "request_id": "r", "head_start": 0, "head_end": HEADS,
-                         "num_tokens": len(slots)}, 5)
+                         "num_tokens": len(slots), "trace": ""}, 5)
     assert ready["ok"] and len(ready["runs"]) == (1 if len(slots) == 4 else 0)
     start = time.monotonic()
     client.send({"kind": "layer", "request_id": "r", "head_start": 0, "layer": 0, "count": 1}, 5)

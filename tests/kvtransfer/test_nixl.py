@@ -19,6 +19,7 @@ from kvtransfer.nixl_wire import NIXL_SCHEMA
 from kvtransfer.params import CompatRecord, KVEndpoint
 from kvtransfer.registry import create_kv_transport
 from kvtransfer.scatter import gather_tokens
+from tests.kvtransfer.test_torch_dist import Received
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(nixl_unavailable() is not None, reason=str(nixl_unavailable()))]
@@ -64,7 +65,7 @@ def poll_until(rx, n=1, timeout=10.0):
     deadline = time.monotonic() + timeout
     while len(done) + len(failed) < n and time.monotonic() < deadline:
         d, f = rx.poll()
-        done, failed = done + d, failed + f
+        done, failed = done + [Received(c.request_id, c.trailer) for c in d], failed + f
         time.sleep(0.01)
     return done, failed
 
@@ -262,3 +263,24 @@ def test_a_prefill_agent_idles_without_spinning_a_core():
             "print(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert float(run.stdout.strip().splitlines()[-1]) < 0.4, run.stdout
+
+
+def test_a_parts_traceparent_crosses_the_control_channel():
+    """As torch's: the `begin` of a part read with NIXL carries the sender's traceparent to the receiver."""
+    src, dst = pool(HEADS), pool(HEADS, fill=0.0)
+    rx, dest = receiver(dst)
+    tx = sender(src)
+    trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    rx.expect("r", torch.arange(8), 1)
+    t = tx.begin("r", dest, 0, HEADS, 8, torch.arange(8), trace=trace)
+    for layer in range(LAYERS):
+        t.layer_ready(layer)
+    t.finish(TRAILER)
+    t.wait(10)
+    deadline, done = time.monotonic() + 10, []
+    while not done and time.monotonic() < deadline:
+        done = rx.poll()[0]
+        time.sleep(0.01)
+    assert [(c.request_id, c.trace) for c in done] == [("r", trace)] and done[0].began_ns > 0
+    tx.close()
+    rx.close()

@@ -87,7 +87,7 @@ class _HandSender:
 
     def begin(self, rid: str, num_tokens: int) -> dict:
         return self.client.call({"kind": "begin", "request_id": rid, "head_start": 0, "head_end": HEADS,
-                                 "num_tokens": num_tokens}, 5)
+                                 "num_tokens": num_tokens, "trace": ""}, 5)
 
     def announce(self, rid: str, layer: int, count: int) -> None:
         self.client.send({"kind": "layer", "request_id": rid, "head_start": 0, "layer": layer, "count": count}, 5)

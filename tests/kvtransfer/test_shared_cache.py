@@ -137,7 +137,7 @@ class _HandSender:
 
     def begin(self, rid: str) -> dict:
         return self.client.call({"kind": "begin", "request_id": rid, "head_start": 0, "head_end": HEADS,
-                                 "num_tokens": BLOCK}, 5)
+                                 "num_tokens": BLOCK, "trace": ""}, 5)
 
     def done(self, rid: str) -> dict:
         return self.client.call({"kind": "done", "request_id": rid, "head_start": 0, "num_layers": LAYERS,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import time
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -79,12 +80,22 @@ def ship_head_halves(rx, dest, dst, senders, slots) -> None:
         assert torch.equal(flat(dst, layer)[:, slots], flat(full, layer)[:, :len(slots)])
 
 
-def poll_until(rx, n_events=1, timeout=10.0):
+class Received(NamedTuple):
+    """What a test compares of a CompletedTransfer (its trace fields: test_a_parts_traceparent_crosses_...)."""
+    request_id: str
+    trailer: bytes
+
+
+def poll_until(rx, n_events=1, timeout=10.0, traces: list | None = None):
+    """(completed as Received (request id, trailer) pairs, failed) once `n_events` came; `traces` gets
+    each completed one's (trace, began_ns)."""
     done, failed = [], []
     deadline = time.monotonic() + timeout
     while len(done) + len(failed) < n_events and time.monotonic() < deadline:
         d, f = rx.poll()
-        done += d
+        done += [Received(c.request_id, c.trailer) for c in d]
+        if traces is not None:
+            traces += [(c.trace, c.began_ns) for c in d]
         failed += f
         time.sleep(0.01)
     return done, failed
@@ -299,3 +310,25 @@ def test_whole_block_slots_take_the_block_copy_path(dtype):
     ship_to_slots(tx, rx, dest, dst, src, slots)
     assert rx.stats["layers_scattered"] == LAYERS
     tx.close(), rx.close()
+
+
+def test_a_parts_traceparent_crosses_the_control_channel():
+    """A part's `begin` carries the sender's traceparent (cluster/tracing.py): the completed request
+    hands it over with when its first part began; a part without one hands over ""."""
+    rx, _, dest = make_receiver()
+    tx = create_kv_transport("torch").sender(COMPAT, "p0")
+    src, trace = make_cache(), "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    rx.expect("traced", torch.arange(4), 1)
+    rx.expect("plain", torch.arange(4, 8), 1)
+    before = time.time_ns()
+    t = tx.begin("traced", dest, 0, HEADS, 4, trace=trace)
+    for layer in range(LAYERS):
+        t.send_layer(layer, flat(src, layer)[:, :4].clone())
+    t.finish(TRAILER)
+    t.wait(10)
+    send_part(tx, "plain", dest, src, torch.arange(4), 0, HEADS).wait(10)
+    traces = []
+    assert sorted(poll_until(rx, 2, traces=traces)[0]) == [("plain", TRAILER), ("traced", TRAILER)]
+    assert sorted(t for t, _ in traces) == ["", trace] and all(before <= ns <= time.time_ns() for _, ns in traces)
+    tx.close()
+    rx.close()

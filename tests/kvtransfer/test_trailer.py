@@ -65,7 +65,8 @@ def test_a_done_whose_length_disagrees_with_its_chunks_is_garbage():
     rx, tx, dest = pair(False)
     rx.expect("r", torch.arange(4), 1)
     client = _raw_connection(dest, FORMAT_COMPAT)
-    ready = client.call({"kind": "begin", "request_id": "r", "head_start": 0, "head_end": HEADS, "num_tokens": 4}, 5)
+    ready = client.call({"kind": "begin", "request_id": "r", "head_start": 0, "head_end": HEADS, "num_tokens": 4,
+                         "trace": ""}, 5)
     assert ready["ok"]
     client.send({"kind": "trailer", "request_id": "r", "head_start": 0, "data": b"abc"}, 5)
     client.send({"kind": "done", "request_id": "r", "head_start": 0, "num_layers": 0, "trailer_bytes": 4,

@@ -44,7 +44,7 @@ class KeepingSender(KVSender):
     def __init__(self):
         self.transfers = []
 
-    def begin(self, request_id, dest, head_start, head_end, num_tokens, slots=None) -> Transfer:
+    def begin(self, request_id, dest, head_start, head_end, num_tokens, slots=None, trace="") -> Transfer:
         t = KeepingTransfer()
         self.transfers.append((request_id, dest.rank, num_tokens, t))
         return t

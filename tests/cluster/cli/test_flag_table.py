@@ -16,7 +16,7 @@ from cluster.spec import CHOICES, ClusterSpec, key_type
 
 DEFAULT = ClusterSpec()
 # values that a key's type alone does not give: a device and a state URL are patterns, not any string
-VALUES = {"device": "cpu", "redis_url": "redis://127.0.0.1:6379/0"}
+VALUES = {"device": "cpu", "redis_url": "redis://127.0.0.1:6379/0", "otlp_traces_endpoint": "http://127.0.0.1:4318"}
 # keys that a spec refuses alone (SpeculativeConfig.from_flags: the knobs need a method; the disk tier
 # sits under the host tier)
 NEEDS = {"num_speculative_tokens": {"speculative_method": "ngram"},

@@ -11,6 +11,8 @@ from dataclasses import replace
 import pytest
 import ray
 
+from bench.otlp_sink import OTLPReceiver
+from cluster import tracing
 from cluster.autoscale.actuators import PoolSizes, RayActuator
 from cluster.control.cluster import Cluster
 from cluster.ranks.nodes import PlacementError, RankPlacement
@@ -147,6 +149,38 @@ def test_killed_decode_before_first_token_finishes_elsewhere(ray_session, tiny_p
         assert doomed not in c.instances or not c.instances[doomed].client.info.healthy  # replaced, or about to be
         c.assert_no_leaks()
     assert got == colocated_tokens(tiny_path, [prompt])
+
+
+def test_spans_reach_an_otlp_receiver_from_every_process(ray_session, tiny_path):
+    """With an OTLP endpoint in the spec, a request's spans reach it over OTLP/HTTP (protobuf decoded
+    here) from three processes under their service names: the router's (this process), the prefill
+    rank actor's and the decode rank actor's, all in the request's trace, the instances' under the
+    attempt whose traceparent crossed the Ray call, the decode's receive under the prefill's transfer
+    (whose traceparent crossed the KV control channel)."""
+    receiver = OTLPReceiver()
+    try:
+        with Cluster(spec_for(tiny_path, otlp_traces_endpoint=receiver.url), log_level="WARNING") as c:
+            root = tracing.start("gateway", "request", None)
+            checked([c.submit("traced", random_prompts(1, [30], seed=3)[0], GREEDY,
+                              trace=tracing.context_of(root)).result(timeout=60)])
+            root.end()
+            trace_id = f"{root.get_span_context().trace_id:032x}"
+            deadline = time.monotonic() + 60  # each process sends every second (tracing.EXPORT_EVERY_MS)
+            while len({s.service for s in receiver.spans if s.trace_id == trace_id}) < 3 \
+                    and time.monotonic() < deadline:
+                time.sleep(0.2)
+    finally:
+        tracing.configure(None)
+        receiver.close()
+    spans = {s.name: s for s in receiver.spans if s.trace_id == trace_id}
+    assert {name: s.service for name, s in spans.items() if name != "request"} == {
+        "router.queue": "pdserve-gateway", "router.attempt": "pdserve-gateway",
+        "prefill.queue": "pdserve-prefill", "prefill.compute": "pdserve-prefill", "kv.transfer": "pdserve-prefill",
+        "decode.kv_wait": "pdserve-decode", "kv.receive": "pdserve-decode", "decode": "pdserve-decode"}
+    attempt = spans["router.attempt"].span_id
+    assert {spans[n].parent_id for n in ("prefill.queue", "prefill.compute", "kv.transfer", "decode.kv_wait",
+                                         "decode")} == {attempt}
+    assert spans["kv.receive"].parent_id == spans["kv.transfer"].span_id
 
 
 def test_add_and_remove_instances_while_serving(ray_session, tiny_path):
