@@ -76,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--out", required=True, help="where the rows go (JSON) once it is stopped (SIGTERM)")
     args = p.parse_args(argv)
-    receiver = OTLPReceiver(args.host, args.port)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # before it listens: a caller that saw it listen may stop it
+    receiver = OTLPReceiver(args.host, args.port)
     stop.wait()
     receiver.close()
     with open(args.out, "w") as f:

@@ -8,7 +8,8 @@ traced request's phase breakdown, from the spans an OTLP receiver got.
 Each mode of each round is a fresh `pdserve serve` (1P1D, Ray) measured as bench/busy_host.py measures a
 target (the same flags: workload, neighbours, clients, aiperf's). The traced modes send their spans to
 an OTLP/HTTP receiver (bench/otlp_sink.py) in a process of its own, as a collector beside the server
-would take them. Modes alternate within a round, so a drift of the host hits each alike.
+would take them. Rounds alternate the modes' order (off first, then off last, ...), so a drift of
+the host over the run hits each mode alike.
 `ratio` = a mode's tok/s over tracing off's, per client and neighbour count, over the rounds' sums.
 """
 from __future__ import annotations
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         for r in range(args.rounds):
             modes = {}
-            for name in args.modes:
+            for name in args.modes if r % 2 == 0 else reversed(args.modes):  # a drift of the host hits each alike
                 run_args = mode_args(args, MODES[name], endpoint)
                 run_args.log_dir = args.log_dir / f"round{r}-{name.rstrip('%')}"
                 run_args.log_dir.mkdir(exist_ok=True)
@@ -115,7 +116,7 @@ def summary(measured: dict) -> dict:
 def ratios(rounds: list[dict], modes) -> dict:
     """Per mode, neighbour count and client: its tok/s summed over the rounds over tracing off's."""
     out = {}
-    for mode in modes:
+    for mode in modes:  # (a round's modes in any order)
         for n, clients in rounds[0][mode]["levels"].items():
             for client in clients["rows"]:
                 got = [r[mode]["levels"][n]["rows"][client]["output_tok_s"] for r in rounds]

@@ -160,7 +160,7 @@ class Generation:
             t = time.monotonic()
             if self.first_token_s is None:
                 self.first_token_s = t
-                self.metrics.ttft.observe(t - self.arrival_s)
+                self.metrics.ttft.observe(t - self.arrival_s, self.exemplar)
             else:
                 self.metrics.itl.observe(t - self.last_token_s)
             self.last_token_s = t
@@ -178,7 +178,7 @@ class Generation:
             self.error = self.error or event.error
             self.bad_request = self.bad_request or event.bad_request
             if self.finished:
-                self.metrics.e2e.observe(time.monotonic() - self.arrival_s)
+                self.metrics.e2e.observe(time.monotonic() - self.arrival_s, self.exemplar)
         return choice, text
 
     def _abort(self) -> None:
@@ -192,13 +192,18 @@ class Generation:
             if self.error is None:
                 self._account("cancelled")
         timings = self.timings
-        trace_id = self.trace.trace_id if self.trace is not None else ""
         for phase in REQUEST_PHASES:
             if (seconds := timings.get(phase)) is not None:
-                self.metrics.phases.labels(phase).observe(seconds, {"trace_id": trace_id} if trace_id else None)
+                self.metrics.phases.labels(phase).observe(seconds, self.exemplar)
         if self.trace is not None:
             self.trace.end(timings, {"pdserve.request_id": self.request_id, **{
                 f"gen_ai.usage.{k}": v for k, v in self.usage.items() if isinstance(v, int)}}, self.error)
+
+    @property
+    def exemplar(self) -> dict[str, str] | None:
+        """What a latency histogram's observation of it carries: its trace id, when it is traced."""
+        trace_id = self.trace.trace_id if self.trace is not None else ""
+        return {"trace_id": trace_id} if trace_id else None
 
     @property
     def timings(self) -> dict[str, float]:

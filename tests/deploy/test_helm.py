@@ -139,9 +139,10 @@ def test_renders_every_component(rendered):
     ({"autoscaler": {"policy": "fast"}}, "/autoscaler/policy"),
     ({"redis": {"auth": {"password": "in-the-values"}}}, "password"),
     ({"networkPolicy": {"metricsFrom": [{"namespace": "monitoring"}]}}, "namespace"),
+    ({"spec": {"otlp_traces_endpoint": "otel-collector:4318"}}, "/spec/otlp_traces_endpoint"),
 ], ids=["negative-replicas", "misspelled-top-level", "misspelled-spec-key", "wrong-type", "bad-enum",
         "chart-owned-spec-key", "port-as-string", "misspelled-nested", "unknown-policy", "plaintext-redis-password",
-        "not-a-peer"])
+        "not-a-peer", "otlp-endpoint-not-a-url"])
 def test_schema_rejects_bad_values(bad, where):
     """A typo or a wrong type fails the render and the lint, naming the offending key."""
     with pytest.raises(helm.HelmValuesError, match=where):
@@ -238,6 +239,14 @@ def test_autoscaler_keys_reach_the_spec():
     assert (spec.ttft_slo_s, spec.tbt_slo_s) == (1.5, 0.1)
     assert (spec.min_prefill, spec.max_prefill, spec.min_decode, spec.max_decode) == (1, 4, 2, 6)
     assert not loaded_spec(manifests()).autoscale
+
+
+def test_tracing_values_reach_the_spec():
+    """docs/observability.md's two values: the spec every pod loads sends its traces there, at that ratio."""
+    spec = loaded_spec(manifests({"spec": {"otlp_traces_endpoint": "http://otel-collector.observability.svc:4318",
+                                           "trace_sample_ratio": 0.05}}))
+    assert spec.tracing.traces_url == "http://otel-collector.observability.svc:4318/v1/traces"
+    assert spec.trace_sample_ratio == 0.05
 
 
 def test_autoscaler_rbac_is_least_privilege():

@@ -90,8 +90,10 @@ def test_one_trace_covers_every_phase(timed, spans):
     assert timings["e2e"] >= timings["ttft"] > 0
     assert {part.split(";")[0] for part in r.headers["server-timing"].split(", ")} == PHASES
     metrics = httpx.get(f"{timed}/metrics", headers={"Accept": "application/openmetrics-text"}).text
-    assert any(line.startswith("pdserve_request_phase_seconds_bucket") and f'trace_id="{trace_hex}"' in line
-               for line in metrics.splitlines())
+    for histogram in ("pdserve_request_phase_seconds", "pdserve_time_to_first_token_seconds",
+                      "pdserve_e2e_request_latency_seconds"):
+        assert any(line.startswith(f"{histogram}_bucket") and f'trace_id="{trace_hex}"' in line
+                   for line in metrics.splitlines()), histogram
 
 
 def test_a_client_traceparent_is_continued_on_a_stream(timed, spans):
