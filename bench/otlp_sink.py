@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # before it listens: a caller that saw it listen may stop it
     receiver = OTLPReceiver(args.host, args.port)
-    stop.wait()
+    while not stop.wait(0.2):  # timed: a set() from the handler between the flag's check and the wait is seen
+        pass
     receiver.close()
     with open(args.out, "w") as f:
         json.dump({"posts": receiver.posts, "spans": [asdict(s) for s in receiver.spans]}, f)

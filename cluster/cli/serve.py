@@ -54,13 +54,14 @@ def _single_key(spec: ClusterSpec, api_key: str | None) -> str | None:
 
 
 def gateway_access(spec: ClusterSpec, api_key: str | None) -> dict:
-    """create_app's keys, bounds and session affinity: the keys file's keys plus `api_key` as the key named
-    "default". Raises ValueError (one line) for a keys file that does not parse, or an `api_key`
+    """create_app's keys, bounds, session affinity and timings: the keys file's keys plus `api_key` as
+    the key named "default". Raises ValueError (one line) for a keys file that does not parse, or an `api_key`
     too weak to take (gateway/api_keys.py check_key_strength)."""
     if api_key is not None:
         check_key_strength(api_key, "--api-key/$PDSERVE_API_KEY")
     return {"api_keys": configured_keys(api_key, spec.api_keys_file), "max_request_bytes": spec.max_request_bytes,
-            "max_prompt_tokens": spec.max_prompt_tokens, "session_affinity": spec.session_affinity}
+            "max_prompt_tokens": spec.max_prompt_tokens, "session_affinity": spec.session_affinity,
+            "return_timings": spec.return_timings}
 
 
 def watch_keys(app, spec: ClusterSpec, api_key: str | None, interval_s: float = KEYS_POLL_S) -> KeysFileWatcher | None:

@@ -129,3 +129,11 @@ def test_a_refused_request_ends_its_span_with_the_error(timed, spans):
     assert r.status_code == 404
     root, = [s for s in spans.get_finished_spans() if s.name == "POST /v1/chat/completions"]
     assert root.status.status_code.name == "ERROR" and "nope" in root.status.description
+
+
+def test_the_spec_turns_timings_on_for_the_gateways_it_builds():
+    """`--return-timings` (the spec's) reaches create_app through every gateway the CLI builds."""
+    from cluster.cli.serve import gateway_access
+    from cluster.spec import ClusterSpec
+    assert gateway_access(ClusterSpec(return_timings=True), None)["return_timings"] is True
+    assert gateway_access(ClusterSpec(), None)["return_timings"] is False
