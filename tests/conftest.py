@@ -9,6 +9,19 @@ import time
 import pytest
 
 
+@pytest.fixture
+def spans():
+    """Tracing on in this process (cluster/tracing.py), every service's spans to an in-memory exporter
+    (returned); off again afterwards."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from cluster import tracing
+    exporter = InMemorySpanExporter()
+    tracing.configure(tracing.TracingConfig("http://127.0.0.1:4318"), exporter)
+    yield exporter
+    tracing.configure(None)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _linear_kernels_cache(tmp_path_factory):
     """int8 kernel measurements go to a session-private cache, never the user's ~/.cache (child

@@ -43,14 +43,6 @@ def timed(server):
     stop()
 
 
-@pytest.fixture
-def spans():
-    exporter = InMemorySpanExporter()
-    tracing.configure(tracing.TracingConfig("http://127.0.0.1:4318"), exporter)
-    yield exporter
-    tracing.configure(None)
-
-
 def trace_of(exporter, trace_id: int, last: str = "kv.transfer", timeout_s: float = 30.0) -> list:
     """The finished spans of one trace, once `last` (the prefill's transfer span ends at the decode's ack,
     which may come after the answer) is among them."""

@@ -4,7 +4,6 @@ error; the attempt's traceparent is what the instances get; the phase times reac
 from __future__ import annotations
 
 import pytest
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
 from cluster import tracing
@@ -13,14 +12,6 @@ from prefill_worker.worker import PrefillResult
 from tests.router.test_router import PARAMS, FakeDecode, FakePrefill, _wait_until, make_router
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture
-def spans():
-    exporter = InMemorySpanExporter()
-    tracing.configure(tracing.TracingConfig("http://127.0.0.1:4318"), exporter)
-    yield exporter
-    tracing.configure(None)
 
 
 def test_a_retried_request_shows_both_attempts(spans):
