@@ -99,7 +99,9 @@ class RouterTables:
         if not tracked.done:
             tracked.done = True
             tracked.end_span(event.finish_reason or "", event.error)
-            event = replace(event, timings=dict(tracked.timings) or None)
+            # a choice's: its decode's, after what its parent's placement measured (queue, prefill)
+            parent = tracked.parent.timings if tracked.parent is not None else {}
+            event = replace(event, timings={**parent, **tracked.timings} or None)
             if self.live.get(tracked.request_id) is tracked:
                 del self.live[tracked.request_id]
             tracked.stream.put(event)

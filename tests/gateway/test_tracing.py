@@ -129,3 +129,16 @@ def test_the_spec_turns_timings_on_for_the_gateways_it_builds():
     from cluster.spec import ClusterSpec
     assert gateway_access(ClusterSpec(return_timings=True), None)["return_timings"] is True
     assert gateway_access(ClusterSpec(), None)["return_timings"] is False
+
+
+def test_n_choices_share_one_trace_and_each_decode_is_a_span(timed, spans):
+    """n = 2: one prompt prefilled once (one prefill.compute, one kv.transfer), forked on the decode
+    instance: a decode span per choice, all in the request's trace under its one attempt."""
+    r = httpx.post(f"{timed}/v1/chat/completions", json={**CHAT, "n": 2, "temperature": 1.0, "seed": 1}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+    got = trace_of(spans, int(r.headers["traceparent"].split("-")[1], 16))
+    names = sorted(s.name for s in got)
+    assert names.count("decode") == 2 and names.count("prefill.compute") == names.count("kv.transfer") == 1
+    attempt, = [s for s in got if s.name == "router.attempt"]
+    assert all(s.parent.span_id == attempt.context.span_id for s in got if s.name == "decode")
+    assert set(r.json()["usage"]["timings"]) == PHASES

@@ -251,3 +251,23 @@ def test_a_repeated_prompt_reports_the_tokens_its_prefix_cache_served(tiny_path,
         assert (stats["prompt_tokens"], stats["cached_prompt_tokens"]) == (80, 32)
     assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 32)
     assert second.token_ids == first.token_ids
+
+
+def test_a_colocated_request_is_traced_as_one_decode(tiny_path, spans):
+    """Colocated (the prompt computed on the decode instance): the attempt's only instance span is
+    its decode, marked prefilled here, and the end event's phases are the router's and the decode's."""
+    from cluster import tracing
+    with Cluster(spec_for(tiny_path, mode="colocated"), use_ray=False) as cluster:
+        root = tracing.start("gateway", "request", None)
+        events = []
+        cluster.submit("c", random_prompts(1, [20], seed=2)[0], SamplingParams(max_tokens=4, temperature=0.0),
+                       events.append, trace=tracing.context_of(root))
+        deadline = time.monotonic() + 60
+        while not (events and events[-1].finished) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        root.end()
+    assert events[-1].error is None and set(events[-1].timings) == {"queue", "decode"}
+    by_name = {s.name: s for s in spans.get_finished_spans()}
+    assert set(by_name) == {"request", "router.queue", "router.attempt", "decode"}
+    assert by_name["decode"].attributes["pdserve.prefilled_here"] is True
+    assert by_name["router.attempt"].attributes["pdserve.prefilled_on_decode"] is True
