@@ -4,7 +4,10 @@ and a bound on its requests in flight.
 The keys file (`--api-keys-file`, docs/gateway.md "API keys and limits"):
 
     {"keys": [{"name": "team-a", "sha256": "<hex of sha256(key)>",
-               "requests_per_second": 5, "burst": 10, "max_concurrent": 4}, ...]}
+               "requests_per_second": 5, "burst": 10, "max_concurrent": 4, "isolate_cache": true}, ...]}
+
+`isolate_cache`: the key's requests share prefix-cache blocks only with its own (their cache salt
+starts with the key's name: `cache_salt`, engine/core/request.py), so another key cannot time them.
 
 Only hashes are stored, so the file (a ConfigMap, a repository) does not leak the keys; a
 presented bearer token is hashed and compared with every stored hash in constant time. The limits
@@ -33,7 +36,7 @@ DEFAULT_KEY_NAME = "default"  # the name of the single `--api-key` / $PDSERVE_AP
 NO_KEY = "_none"  # the metrics label of a request without a (valid) key; no key name can take it
 KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-_ENTRY_FIELDS = {"name", "sha256", "requests_per_second", "burst", "max_concurrent"}
+_ENTRY_FIELDS = {"name", "sha256", "requests_per_second", "burst", "max_concurrent", "isolate_cache"}
 KEYS_POLL_S = 2.0  # how often KeysFileWatcher looks at the file (a stat)
 MIN_KEY_CHARS = 16  # what `pdserve hash-api-key` and --api-key take: 16 random hex digits are 64 bits
 
@@ -66,10 +69,16 @@ class APIKey:
     requests_per_second: float | None = None
     burst: int | None = None  # bucket size; None with a rate: the rate rounded up (at least 1)
     max_concurrent: int | None = None
+    isolate_cache: bool = False  # its requests' cache salt starts with its name (`cache_salt`)
 
     def __post_init__(self):
         assert KEY_NAME.fullmatch(self.name) and _SHA256_HEX.fullmatch(self.sha256), self.name
         assert self.burst is None or self.requests_per_second is not None, self.name
+
+    @property
+    def cache_salt(self) -> str | None:
+        """What its requests' cache salts start with (isolate_cache), or None."""
+        return f"key:{self.name}" if self.isolate_cache else None
 
     @property
     def bucket_size(self) -> int:
@@ -105,8 +114,11 @@ def _parse_entry(entry, where: str) -> APIKey:
     burst = _number(entry, "burst", where, integer=True)
     if burst is not None and rate is None:
         raise ValueError(f"{where}.burst needs requests_per_second (it is the size of the rate's bucket)")
+    isolate = entry.get("isolate_cache", False)
+    if not isinstance(isolate, bool):
+        raise ValueError(f"{where}.isolate_cache must be true or false, got {json.dumps(isolate)}")
     return APIKey(name, digest.lower(), None if rate is None else float(rate), burst,
-                  _number(entry, "max_concurrent", where, integer=True))
+                  _number(entry, "max_concurrent", where, integer=True), isolate)
 
 
 def load_api_keys(path: str | Path) -> list[APIKey]:

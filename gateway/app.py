@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from contextlib import contextmanager
 from typing import Callable, Sequence
 
@@ -171,6 +171,9 @@ class _Gateway:
         raw = await request.body()
         prep = await run_in_threadpool(self._prepare, raw, request.headers.get("content-type"), model)
         prep.session = self.session_of(request, prep.body)
+        if key_salt := getattr(request.state, "api_key_cache_salt", None):  # its key isolates its cache
+            salt = prep.params.cache_salt
+            prep.params = replace(prep.params, cache_salt=key_salt if salt is None else f"{key_salt}/{salt}")
         request.state.trace.prepared(prep.marks)
         return prep
 

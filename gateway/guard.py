@@ -160,6 +160,7 @@ class RequestGuard:
             return
         name = NO_KEY if key is None else key.name
         scope.setdefault("state", {})["api_key_name"] = name  # request.state.api_key_name in the routes
+        scope["state"]["api_key_cache_salt"] = None if key is None else key.cache_salt  # (isolate_cache)
         try:
             self._check_length(scope)
             if key is not None:

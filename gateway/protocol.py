@@ -20,6 +20,7 @@ IGNORED = {"user", "metadata", "store", "service_tier"}
 NEUTRAL = {"best_of": 1, "echo": False, "suffix": None}
 MAX_SEED = 2**63 - 1  # a torch.Generator's seed
 MAX_N = 128  # choices per request (OpenAI's bound)
+MAX_REQUEST_SALT_CHARS = 512  # a cache_salt (engine/core/request.py takes 1024: room for its key's name, isolate_cache)
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI allows 20 in chat, 5 in completions; vLLM 20 in both)
 # What one request may ask beyond its tokens, bounded because the work per token or per step grows with
 # each (docs/gateway.md, "Bounds"): checked on the parsed JSON before any field is validated (`check_counts`).
@@ -223,6 +224,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # a vLLM extension (benchmarks)
+    cache_salt: str | None = None  # vLLM's: prompts of different salts share no prefix cache (docs/gateway.md)
     presence_penalty: float | None = _bounded(minimum=-2, maximum=2)
     frequency_penalty: float | None = _bounded(minimum=-2, maximum=2)
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra=_LOGIT_BIAS)
@@ -330,7 +332,14 @@ class _Sampling(BaseModel):
                               min_tokens=self.min_tokens or 0, min_p=self.min_p or 0.0, n=self.n or 1,
                               structured_output=self.structured_output(),
                               logit_bias=self._logit_bias(vocab_size),
-                              stop_token_ids=self._token_ids("stop_token_ids", self.stop_token_ids or [], vocab_size))
+                              stop_token_ids=self._token_ids("stop_token_ids", self.stop_token_ids or [], vocab_size),
+                              cache_salt=self._cache_salt())
+
+    def _cache_salt(self) -> str | None:
+        """The request's salt, at most MAX_REQUEST_SALT_CHARS (its key's name may go before it: isolate_cache)."""
+        if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_REQUEST_SALT_CHARS:
+            raise APIError(400, f"cache_salt must be 1 to {MAX_REQUEST_SALT_CHARS} characters", param="cache_salt")
+        return self.cache_salt
 
     @staticmethod
     def _token_ids(name: str, ids: list[int], vocab_size: int) -> tuple[int, ...]:

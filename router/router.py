@@ -7,7 +7,6 @@ Lifecycle of one attempt (disaggregated):
     D's tokens from position 1 (one long-poll per D per step, every request's tokens together)  ->  client
 Each output names the position of its first token in the attempt's output, so the two streams join
 without overlap; one that comes before the tokens ahead of it (D polled before P) waits for them.
-Text is not the router's: a front end that finds a stop string calls `stop`.
 On an error from P or D, or an instance found dead, the attempt is aborted on both and the
 request is placed again (prompt + tokens already delivered as the new prompt) on instances that
 have not failed it, up to `max_attempts`; then the client gets an error. Nobody hangs. A decode
@@ -293,7 +292,8 @@ class Router:
         for choice in tracked.choices:  # the ids the decode instance gives them when it forks
             choice.prefill_id, choice.decode_id = None, None
             self._by_attempt[choice.attempt_id] = choice
-        fetch = None if prefill is None else self.fetches.plan(prompt, prefills + decodes, prefill.info)
+        fetch = None if prefill is None or params.cache_salt is not None else \
+            self.fetches.plan(prompt, prefills + decodes, prefill.info)  # (a salted prefix is never fetched)
         open_attempt(tracked, type(self.policy).__name__, None if prefill is None else prefill.info, first, local,
                      None if tracked.attempt else reuse, sticky_d is not None and first is sticky_d, fetch is not None)
         msg = RequestMessage(tracked.attempt_id, prompt, params, self.client_id, tracing.context_of(tracked.span))

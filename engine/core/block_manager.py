@@ -30,11 +30,20 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The chained hashes of every full block of `token_ids`."""
+def salt_root(cache_salt: str | None) -> int | None:
+    """The parent hash of a salted request's first block (SamplingParams.cache_salt): blake2b of the
+    salt, so no salted chain meets an unsalted one or another salt's; None without a salt."""
+    if cache_salt is None:
+        return None
+    data = b"pdserve cache_salt\x00" + cache_salt.encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[int]:
+    """The chained hashes of every full block of `token_ids` (a salted prompt's from its salt's root)."""
     out: list[int] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        out.append(hash_block_tokens(out[-1] if out else None, token_ids[start:start + block_size]))
+        out.append(hash_block_tokens(out[-1] if out else salt_root(cache_salt), token_ids[start:start + block_size]))
     return out
 
 
@@ -246,7 +255,7 @@ class KVCacheManager:
         num_full = request.num_tokens // self.block_size
         if len(hashes) < num_full:
             token_ids = request.all_token_ids
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else salt_root(request.sampling_params.cache_salt)
             for i in range(len(hashes), num_full):
                 parent = hash_block_tokens(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
                 hashes.append(parent)

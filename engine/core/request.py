@@ -43,6 +43,9 @@ from engine.core.extras import Extras, misfit
 from engine.core.tier_copies import TierCopies
 
 
+MAX_CACHE_SALT_CHARS = 1024
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request. User input: validated in `__post_init__`."""
@@ -70,6 +73,10 @@ class SamplingParams:
     # a retry's (the router's): its prompt ends with this many tokens of its own output from an earlier
     # attempt; penalties, min_tokens' count and the grammar's state take them as output
     num_resumed_tokens: int = 0
+    # vLLM's cache_salt: its prefix blocks' hashes start from the salt (engine/core/block_manager.py), so
+    # requests of different salts never share a KV block in any tier (a tenant cannot time another's
+    # prompts). Here, not on the request: the one record of its options every process and retry carries.
+    cache_salt: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -95,6 +102,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"cache_salt must be 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(self.cache_salt)}")
 
     @functools.cached_property
     def stop_token_set(self) -> frozenset[int]:

@@ -293,3 +293,19 @@ def test_keys_file_errors_name_the_file_and_the_problem(tmp_path, data, message)
     assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match="cannot read it"):
         load_api_keys(tmp_path / "missing.json")
+
+
+def test_a_key_that_isolates_its_cache_salts_every_request_with_its_name(cluster, tokenizer, tmp_path):
+    """isolate_cache: team-a's requests reach the cluster salted by its name (before the request's own
+    salt), team-b's with their own salt or none; the keys file takes only true or false for it."""
+    c = TestClient(app(cluster, tokenizer, api_keys=keys(a={"isolate_cache": True})))
+    for headers, body in ((A, chat()), (A, chat(cache_salt="mine")), (B, chat()), (B, chat(cache_salt="mine"))):
+        assert c.post("/v1/chat/completions", json=body, headers=headers).status_code == 200
+    assert [p.cache_salt for _, _, p in cluster.submitted] == ["key:team-a", "key:team-a/mine", None, "mine"]
+    path = tmp_path / "keys.json"
+    entry = {"name": "a", "sha256": hash_api_key(KEY_A), "isolate_cache": "yes"}
+    path.write_text(json.dumps({"keys": [entry]}))
+    with pytest.raises(ValueError, match=r"keys\[0\].isolate_cache must be true or false"):
+        load_api_keys(path)
+    path.write_text(json.dumps({"keys": [{**entry, "isolate_cache": True}]}))
+    assert load_api_keys(path)[0].cache_salt == "key:a"

@@ -228,8 +228,8 @@ def test_a_new_extras_field_crosses_unread(tiny_path, monkeypatch):
     monkeypatch.setattr(sampling, "token_extras", with_echo)
     prompts = random_prompts(3, [5, 40], seed=4)
     with Cluster(spec_for(tiny_path), use_ray=False) as cluster:
-        streams = cluster.generate(prompts, SamplingParams(max_tokens=6, temperature=0.8, seed=1, n=2, logprobs=0),
-                                   timeout_s=60)
+        streams = cluster.generate(prompts, SamplingParams(max_tokens=6, temperature=0.8, seed=1, n=2,
+                                                           logprobs=0), timeout_s=60)
         assert all(s.error is None for s in streams), [s.error for s in streams]
         assert len(streams) == 6 and all(len(s.token_ids) == 6 for s in streams)
         assert all([e["echo"] for e in s.extras] == s.token_ids for s in streams)

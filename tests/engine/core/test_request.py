@@ -58,3 +58,11 @@ def test_a_request_that_fits_is_admitted_and_choices_count_only_where_they_run_s
     where choices never run side by side (a prefill: max_num_choices None)."""
     check_admission(Request("r", [1] * 15, SamplingParams(n=4)), max_model_len=16, known_ids={"q"}, max_num_choices=4)
     check_admission(Request("r", [1] * 15, SamplingParams(n=9)), max_model_len=16)
+
+
+@pytest.mark.parametrize("salt", ["", "x" * 1025])
+def test_a_cache_salt_that_cannot_work_is_refused(salt):
+    """A cache salt is 1 to MAX_CACHE_SALT_CHARS characters (an empty one would salt nothing)."""
+    with pytest.raises(ValueError, match="cache_salt must be 1 to 1024 characters"):
+        SamplingParams(cache_salt=salt)
+    assert SamplingParams(cache_salt="t").choice(1).cache_salt == "t"  # every choice of n > 1 keeps it
