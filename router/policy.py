@@ -20,11 +20,14 @@ class BaseRoutingPolicy(ABC):
     name = "base"
 
     @abstractmethod
-    def pick_prefill(self, candidates: list[InstanceInfo], prompt_token_ids: list[int]) -> InstanceInfo:
-        """One of `candidates` (non-empty, healthy) to prefill the prompt."""
+    def pick_prefill(self, candidates: list[InstanceInfo], prompt_token_ids: list[int],
+                     cache_salt: str | None = None) -> InstanceInfo:
+        """One of `candidates` (non-empty, healthy) to prefill the prompt (`cache_salt`: its salt, which
+        its blocks' hashes start from: SamplingParams.cache_salt)."""
 
     @abstractmethod
-    def pick_decode(self, candidates: list[InstanceInfo], prompt_token_ids: list[int]) -> InstanceInfo:
+    def pick_decode(self, candidates: list[InstanceInfo], prompt_token_ids: list[int],
+                    cache_salt: str | None = None) -> InstanceInfo:
         """One of `candidates` (non-empty, healthy) to decode the request."""
 
     def observe(self, client: PrefillClient | DecodeClient) -> None:
@@ -34,7 +37,7 @@ class BaseRoutingPolicy(ABC):
         """The instance left the router."""
 
     def prefix_reuse(self, prompt_token_ids: list[int], candidates: list[InstanceInfo],
-                     chosen: InstanceInfo) -> tuple[int, int] | None:
+                     chosen: InstanceInfo, cache_salt: str | None = None) -> tuple[int, int] | None:
         """(available, routed): the most prompt tokens any candidate's prefix cache holds that its
         engine could reuse, and those `chosen` holds; None: the policy keeps no index."""
         return None
@@ -46,10 +49,10 @@ class RoundRobin(BaseRoutingPolicy):
     def __init__(self):
         self._p, self._d = itertools.count(), itertools.count()
 
-    def pick_prefill(self, candidates, prompt_token_ids):
+    def pick_prefill(self, candidates, prompt_token_ids, cache_salt=None):
         return candidates[next(self._p) % len(candidates)]
 
-    def pick_decode(self, candidates, prompt_token_ids):
+    def pick_decode(self, candidates, prompt_token_ids, cache_salt=None):
         return candidates[next(self._d) % len(candidates)]
 
 
@@ -58,10 +61,10 @@ class LeastLoaded(BaseRoutingPolicy):
 
     name = "least_loaded"
 
-    def pick_prefill(self, candidates, prompt_token_ids):
+    def pick_prefill(self, candidates, prompt_token_ids, cache_salt=None):
         return min(candidates, key=lambda c: (c.load.queued_prefill_tokens, c.instance_id))
 
-    def pick_decode(self, candidates, prompt_token_ids):
+    def pick_decode(self, candidates, prompt_token_ids, cache_salt=None):
         return min(candidates, key=lambda c: (round(c.load.kv_usage, 2),
                                               c.load.running + c.load.reserved,
                                               c.instance_id))
@@ -82,15 +85,15 @@ class PrefixAware(LeastLoaded):
         self.index = index or PrefixIndex()
         self._last: tuple = ()  # (prompt, candidates' ids, hits): a placement asks for the same one twice
 
-    def _hits(self, prompt_token_ids, candidates) -> dict[str, tuple[int, float]]:
-        """The index's hits per candidate, (blocks, weighted blocks), hashed once per prompt and
+    def _hits(self, prompt_token_ids, candidates, cache_salt) -> dict[str, tuple[int, float]]:
+        """The index's hits per candidate, (blocks, weighted blocks), hashed once per prompt, salt and
         candidate set: a placement's pick and its `prefix_reuse` ask for the same (the router holds
         its lock across both)."""
         ids = [c.instance_id for c in candidates]
-        if self._last and self._last[0] is prompt_token_ids and self._last[1] == ids:
-            return self._last[2]
-        hits = self.index.hits(prompt_token_ids, candidates)
-        self._last = (prompt_token_ids, ids, hits)
+        if self._last and self._last[0] is prompt_token_ids and self._last[1:3] == (ids, cache_salt):
+            return self._last[3]
+        hits = self.index.hits(prompt_token_ids, candidates, cache_salt=cache_salt)
+        self._last = (prompt_token_ids, ids, cache_salt, hits)
         return hits
 
     def observe(self, client):
@@ -101,20 +104,20 @@ class PrefixAware(LeastLoaded):
         self.index.forget(instance_id)
         self._last = ()
 
-    def prefix_reuse(self, prompt_token_ids, candidates, chosen):
-        hits = self._hits(prompt_token_ids, candidates)
+    def prefix_reuse(self, prompt_token_ids, candidates, chosen, cache_salt=None):
+        hits = self._hits(prompt_token_ids, candidates, cache_salt)
         last = len(prompt_token_ids) - 1  # an engine computes a prompt's last token whatever it holds
         held = {c.instance_id: min(hits[c.instance_id][0], last // c.block_size) * c.block_size if c.block_size else 0
                 for c in candidates}
         return max(held.values(), default=0), held.get(chosen.instance_id, 0)
 
-    def pick_prefill(self, candidates, prompt_token_ids):
-        hits = self._hits(prompt_token_ids, candidates)
+    def pick_prefill(self, candidates, prompt_token_ids, cache_salt=None):
+        hits = self._hits(prompt_token_ids, candidates, cache_salt)
         return min(candidates, key=lambda c: (-hits[c.instance_id][1], c.load.queued_prefill_tokens,
                                               c.instance_id))
 
-    def pick_decode(self, candidates, prompt_token_ids):
-        hits = self._hits(prompt_token_ids, candidates)
+    def pick_decode(self, candidates, prompt_token_ids, cache_salt=None):
+        hits = self._hits(prompt_token_ids, candidates, cache_salt)
         n = max(1, len(prompt_token_ids))
         return min(candidates, key=lambda c: (round(c.load.kv_usage - hits[c.instance_id][1] * c.block_size / n, 2),
                                               c.load.running + c.load.reserved, c.instance_id))

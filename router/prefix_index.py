@@ -100,14 +100,14 @@ class PrefixIndex:
             self._cursor.pop(instance_id, None)
 
     def longest_prefix(self, prompt_token_ids: Sequence[int], candidates: list[InstanceInfo],
-                       levels: Collection[str] = LEVELS) -> dict[str, int]:
+                       levels: Collection[str] = LEVELS, cache_salt: str | None = None) -> dict[str, int]:
         """Per candidate, how many leading full blocks of the prompt (in its engine's block size)
         it holds at one of `levels` (every level by default); 0 for one of unknown block size or
-        never followed."""
-        return {iid: n for iid, (n, _) in self.hits(prompt_token_ids, candidates, levels).items()}
+        never followed. A salted prompt's blocks are hashed from its salt, as its engine hashes them."""
+        return {iid: n for iid, (n, _) in self.hits(prompt_token_ids, candidates, levels, cache_salt).items()}
 
     def hits(self, prompt_token_ids: Sequence[int], candidates: list[InstanceInfo],
-             levels: Collection[str] = LEVELS) -> dict[str, tuple[int, float]]:
+             levels: Collection[str] = LEVELS, cache_salt: str | None = None) -> dict[str, tuple[int, float]]:
         """Per candidate, (the leading full blocks of the prompt it holds at one of `levels`, their
         sum weighted by each one's level: the candidate's measured weights, else `weights`)."""
         hashes_by_size: dict[int, list[int]] = {}
@@ -120,7 +120,7 @@ class PrefixIndex:
                     continue
                 hashes = hashes_by_size.get(c.block_size)
                 if hashes is None:
-                    hashes = hashes_by_size[c.block_size] = block_hashes(prompt_token_ids, c.block_size)
+                    hashes = hashes_by_size[c.block_size] = block_hashes(prompt_token_ids, c.block_size, cache_salt)
                 weights = tier_weights(c.load.figures, c.block_size, self.weights) if self.measured else self.weights
                 n, score = 0, 0.0
                 while n < len(hashes) and (level := held.get(hashes[n])) in levels:

@@ -277,22 +277,22 @@ class Router:
         first = next((d for d in decodes if d.instance_id == tracked.recompute_on), None)
         local, tracked.recompute_on = local or first is not None, None
         sticky_p, sticky_d = self.sessions.last(None if tracked.attempt else tracked.session, prefills, decodes)
-        first = first or sticky_d or self.policy.pick_decode(decodes, prompt)  # once: a policy may keep state
+        salt = params.cache_salt  # (its blocks' hashes start from it: the policy looks them up so)
+        first = first or sticky_d or self.policy.pick_decode(decodes, prompt, salt)  # once: a policy may keep state
         ordered = [self.decode[i.instance_id] for i in [first] + [d for d in decodes if d is not first]]
-        picked = None if local else sticky_p or self.policy.pick_prefill(prefills, prompt)
+        picked = None if local else sticky_p or self.policy.pick_prefill(prefills, prompt, salt)
         prefill = None if picked is None else self.prefill[picked.instance_id]
         if not tracked.attempt and (reuse := self.policy.prefix_reuse(prompt, prefills if picked else decodes,
-                                                                         picked or first)) is not None:
+                                                                         picked or first, salt)) is not None:
             self.stats["prefix_available_tokens"] += reuse[0]  # what computes the prompt: available, routed
             self.stats["prefix_routed_tokens"] += reuse[1]
-        tracked.prefill_id = None if prefill is None else prefill.info.instance_id
-        tracked.decode_id = None
+        tracked.prefill_id, tracked.decode_id = None if prefill is None else prefill.info.instance_id, None
         tracked.placing = tuple(c.info.instance_id for c in ([prefill] if prefill else []) + ordered)
         self._by_attempt[tracked.attempt_id] = tracked
         for choice in tracked.choices:  # the ids the decode instance gives them when it forks
             choice.prefill_id, choice.decode_id = None, None
             self._by_attempt[choice.attempt_id] = choice
-        fetch = None if prefill is None or params.cache_salt is not None else \
+        fetch = None if prefill is None or salt is not None else \
             self.fetches.plan(prompt, prefills + decodes, prefill.info)  # (a salted prefix is never fetched)
         open_attempt(tracked, type(self.policy).__name__, None if prefill is None else prefill.info, first, local,
                      None if tracked.attempt else reuse, sticky_d is not None and first is sticky_d, fetch is not None)

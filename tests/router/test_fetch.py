@@ -43,8 +43,8 @@ class FetchingPrefill(CachingPrefill):
 
 
 class AwayFromThePrefix(PrefixAware):
-    def pick_prefill(self, candidates, prompt_token_ids):
-        hits = self._hits(prompt_token_ids, candidates)
+    def pick_prefill(self, candidates, prompt_token_ids, cache_salt=None):
+        hits = self._hits(prompt_token_ids, candidates, cache_salt)
         return min(candidates, key=lambda c: (hits[c.instance_id][0], c.instance_id))
 
 
@@ -89,7 +89,7 @@ def test_the_fetch_cost_fit_separates_a_fixed_part_from_a_per_token_part():
 class ToTheSecond(LeastLoaded):
     """No index of its own: the router's fetches keep one."""
 
-    def pick_prefill(self, candidates, prompt_token_ids):
+    def pick_prefill(self, candidates, prompt_token_ids, cache_salt=None):
         return candidates[-1]
 
 

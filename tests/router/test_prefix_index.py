@@ -11,7 +11,7 @@ import pytest
 
 from engine.core.block_manager import KVCacheManager
 from engine.core.host_tier import HostTier
-from engine.core.request import Request
+from engine.core.request import Request, SamplingParams
 from router.client import InstanceInfo
 from router.policy import create_routing_policy
 from router.client import InstanceLoad
@@ -35,11 +35,26 @@ class CachingPrefill(FakePrefill):
         self._check()
         return self.kv.block_pool.events.since(since)
 
-    def cache(self, rid: str, tokens: list[int]) -> None:
-        req = Request(rid, tokens)
+    def cache(self, rid: str, tokens: list[int], cache_salt: str | None = None) -> None:
+        req = Request(rid, tokens, SamplingParams(cache_salt=cache_salt))
         prefill(self.kv, req)
         self.kv.cache_blocks(req, len(tokens))
         self.kv.free(req)
+
+
+def test_a_salted_prompt_is_looked_up_under_its_salt():
+    """p1 cached PROMPT under salt "a": the index finds it for salt "a" alone (not unsalted, not "b"),
+    and the prefix-aware policy sends "a"'s prompt there, the others by load."""
+    p0, p1 = CachingPrefill("p0", load=0.0), CachingPrefill("p1", load=50.0)
+    p1.cache("a", PROMPT, cache_salt="a")
+    index = PrefixIndex()
+    policy = create_routing_policy("prefix_aware", index=index)
+    for p in (p0, p1):
+        policy.observe(p)
+    infos = [p0.info, p1.info]
+    assert [index.longest_prefix(PROMPT, infos, cache_salt=s)["p1"] for s in ("a", None, "b")] == [5, 0, 0]
+    assert [policy.pick_prefill(infos, PROMPT, s).instance_id for s in ("a", None, "b")] == ["p1", "p0", "p0"]
+    assert policy.prefix_reuse(PROMPT + [1], infos, p1.info, "a") == (20, 20)
 
 
 def test_the_index_holds_what_an_engine_stored_until_it_evicts_it():
