@@ -27,7 +27,7 @@ from engine.attention import BACKENDS as ATTENTION_BACKENDS
 from engine.core.config import (DTYPE_CHOICES, EXPERT_METHOD_CHOICES, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES,
                                 SPECULATIVE_SHIPPED, SPECULATIVE_METHODS, CacheConfig, EngineConfig, SchedulerConfig,
                                 SpeculativeConfig)
-from cluster.tracing import TracingConfig
+from engine.core.tracing import TracingConfig
 from engine.core.expert_placement import ExpertPlacement
 
 MODES = ("disaggregated", "colocated")
@@ -152,7 +152,7 @@ class ClusterSpec:
     tool_call_parser: str | None = None  # gateway/tool_parsers.py: tool_choice auto reads calls with it
     reasoning_parser: str | None = None  # gateway/reasoning.py: <think> ... </think> -> reasoning_content
     ray_resources: bool = False  # Kubernetes: actors land on worker pods carrying `prefill`/`decode`
-    # observability (cluster/tracing.py, gateway/trace.py): OTLP/HTTP traces, off without an endpoint
+    # observability (engine/core/tracing.py, gateway/trace.py): OTLP/HTTP traces, off without an endpoint
     otlp_traces_endpoint: str | None = None
     trace_sample_ratio: float = 1.0  # of new traces (a client's traceparent decides its own)
     return_timings: bool = False  # each answer's usage carries its phase times (and a Server-Timing header)

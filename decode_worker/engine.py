@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-from cluster import tracing
+from engine.core import tracing
 
 from decode_worker.scheduler import Scheduler
 from engine.core.block_manager import KVCacheManager

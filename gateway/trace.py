@@ -1,4 +1,4 @@
-"""One HTTP generation's trace and phase times (cluster/tracing.py, docs/observability.md).
+"""One HTTP generation's trace and phase times (engine/core/tracing.py, docs/observability.md).
 
 `RequestTrace` opens the request's server span where the request arrives: under the client's own
 W3C `traceparent` when it sent one (whose sampled flag then decides), else as a new trace sampled
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from cluster import tracing
+from engine.core import tracing
 
 GATEWAY_PHASES = ("parse", "template", "tokenize")  # its child spans; together, the phase "prepare"
 
@@ -23,7 +23,7 @@ class RequestTrace:
     def __init__(self, route: str, headers, request_id: str | None = None):
         self.arrival_ns = time.time_ns()
         self.span = tracing.start("gateway", f"POST {route}", headers.get("traceparent"), self.arrival_ns,
-                                  {"http.route": route}, server=True) if tracing.enabled() else None
+                                  {"http.route": route}, server=True)  # None when tracing is off
         self.context = tracing.context_of(self.span)  # "" when not traced: nothing downstream records
         self.request_id = request_id
         self.prepare_s: float | None = None

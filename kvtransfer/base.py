@@ -82,7 +82,7 @@ class KVSender(ABC):
               num_tokens: int, slots: torch.Tensor | None = None, trace: str = "") -> Transfer:
         """Open a part for `request_id` to `dest`: heads [head_start, head_end) of `num_tokens` tokens;
         `slots`: where they lie in this rank's pool, in token order (a sender that `pulls` needs them);
-        `trace`: a traceparent its `begin` carries to the receiver (cluster/tracing.py; "": none)."""
+        `trace`: a traceparent its `begin` carries to the receiver (engine/core/tracing.py; "": none)."""
 
     @property
     @abstractmethod

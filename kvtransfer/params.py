@@ -26,7 +26,7 @@ PROTOCOL_VERSION = 18  # 3: control messages on TCP, payloads alone on the data 
 # 15: a rendezvous store per connection (welcome.store_prefix, rendezvous.py) and payload MACs (done.mac);
 # 16: the payload MAC is keyed BLAKE3 (was keyed BLAKE2b); 17: a part ends with an opaque trailer (`trailer`
 # chunks, done.trailer_bytes; the instance layer's, compat.trailer_format) in place of the first token's fields;
-# 18: begin.trace (a W3C traceparent or "": the request's trace crosses the control channel, cluster/tracing.py)
+# 18: begin.trace (a W3C traceparent or "": the request's trace crosses the control channel, engine/core/tracing.py)
 
 
 @dataclass(frozen=True)

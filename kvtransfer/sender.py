@@ -59,16 +59,14 @@ LOST = ("lost", None, None, None)  # the op an idle peer gives itself when the r
 
 
 class _Transfer(Transfer):
-    def __init__(self, peer: _Peer, request_id: str, head_start: int, head_end: int, num_tokens: int,
-                 trace: str = ""):
+    def __init__(self, peer: _Peer, request_id: str, head_start: int, head_end: int, num_tokens: int, trace=""):
         self.peer, self.request_id, self.trace = peer, request_id, trace
         self.head_start, self.head_end, self.num_tokens = head_start, head_end, num_tokens
         self.num_layers_sent = self.num_bytes = 0
         self.begun = False  # the receiver answered `ready`
         self.runs: list[list[int]] = []  # where the receiver takes payloads straight into its cache (wire.py)
         self.target: tuple | None = None  # shared connection: where its tokens go (SharedCacheWriter.target)
-        self.posted_before_done = 0  # the peer's payload count when `done` was sent
-        self.error: str | None = None
+        self.posted_before_done, self.error = 0, None  # the peer's payload count when `done` was sent; why it failed
         self.checksum = PartChecksum() if peer.owner.compat.kv_checksum else None
         self.mac: PartMac | None = None  # set once begun, on a connection with a payload key
         self._done = threading.Event()

@@ -72,7 +72,7 @@ class Expected:
     sessions: set = field(default_factory=set)  # the connections its parts arrive on
     parts_done: int = 0
     trailer: bytes = b""  # the one a part carried (b"" if none did)
-    trace: str = ""  # the traceparent its first part's `begin` carried (cluster/tracing.py; "": none)
+    trace: str = ""  # the traceparent its first part's `begin` carried (engine/core/tracing.py; "": none)
     began_ns: int = 0  # when its first part began (time.time_ns())
     last_activity: float | None = None  # set when its first part begins
     receiving: int = 0  # receives in flight straight into its slots

@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 
-from cluster import tracing
+from engine.core import tracing
 
 from engine.core.block_manager import KVCacheManager
 from engine.core.request import Handover, Request, RequestMessage

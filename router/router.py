@@ -30,14 +30,14 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, replace
 
-from cluster import tracing
+from engine.core import tracing
 from engine.core.request import RequestMessage, SamplingParams, choice_id
 from kvtransfer.params import KVTransferParams
 from router.client import DecodeClient, InstanceDeadError, InstanceLoad, PrefillClient
 from router.failures import Failpoints, Failures
 from router.fetch import Fetches, FetchPlan
 from router.policy import BaseRoutingPolicy, SessionAffinity
-from router.spans import decoding, first_token, open_attempt
+from router.spans import decoding, first_token, open_attempt, placed
 from router.tables import RequestStream, RouterTables, StreamEvent, Tracked, indexed
 from router.supervisor import ThreadSupervisor
 
@@ -152,7 +152,7 @@ class Router:
         """Starts a request; its tokens arrive on the returned stream (or at `listener`). With n > 1,
         a list of n streams, one per choice (events carry their `index`): the prompt is placed once,
         and each choice goes on by itself if that placement fails. A `session`'s request prefers the
-        instances its last one ran on (SessionAffinity); its attempts' spans go under `trace` (cluster/tracing.py).
+        instances its last one ran on (SessionAffinity); its attempts' spans go under `trace` (engine/core/tracing.py).
         Calls the chosen instances from the caller's thread (an event loop should call this from a worker)."""
         tracked = Tracked(request_id, list(prompt_token_ids), params,
                           RequestStream(request_id, None if params.n > 1 else listener), session=session, trace=trace)
@@ -336,8 +336,7 @@ class Router:
                     self.tables.deferred.append((client.abort, plan.attempt_id))
             return True
         tracked.decode_id = None if outcome.decode is None else outcome.decode.info.instance_id
-        if tracked.span is not None and tracked.decode_id is not None:
-            tracked.span.set_attribute("pdserve.decode_instance", tracked.decode_id)
+        placed(tracked)
         for choice in tracked.choices:
             choice.decode_id = tracked.decode_id
         if outcome.dead is not None:

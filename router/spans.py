@@ -1,4 +1,4 @@
-"""The router's part of a request's trace (cluster/tracing.py): its wait in the queue, and one span per
+"""The router's part of a request's trace (engine/core/tracing.py): its wait in the queue, and one span per
 attempt, from its placement to its end (delivered, failed, retried, aborted), with the pair chosen and
 why (the policy, the prefix the candidates hold, their load, a session's pull, a fetch planned). The
 attempt's span is the parent the instances' spans hang under: its traceparent travels in the
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from cluster import tracing
+from engine.core import tracing
 from router.client import InstanceInfo
 from router.tables import Tracked
 
@@ -48,3 +48,9 @@ def decoding(tracked: Tracked) -> None:
     if not tracked.decoding:
         tracing.event(tracked.span, "decoding", {"pdserve.instance": tracked.decode_id})
         tracked.decoding = True
+
+
+def placed(tracked: Tracked) -> None:
+    """The attempt's decode instance took it: named on its span."""
+    if tracked.span is not None and tracked.decode_id is not None:
+        tracked.span.set_attribute("pdserve.decode_instance", tracked.decode_id)

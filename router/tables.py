@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from cluster import tracing
+from engine.core import tracing
 from engine.core.request import SamplingParams, choice_id
 from router.client import DecodeClient, InstanceDeadError, PrefillClient
 
@@ -221,7 +221,7 @@ class Tracked:
     parent: "Tracked | None" = field(default=None, compare=False, repr=False)
     index: int = 0
     grouped: bool = False
-    # tracing (cluster/tracing.py): the request's own span's traceparent ("": not traced), its open attempt's
+    # tracing (engine/core/tracing.py): the request's own span's traceparent ("": not traced), its open attempt's
     # span, when it was submitted (time.time_ns()); and its phase seconds (PHASES) as the instances report them
     trace: str = ""
     span: object = field(default=None, compare=False, repr=False)

@@ -11,11 +11,11 @@ import pytest
 
 @pytest.fixture
 def spans():
-    """Tracing on in this process (cluster/tracing.py), every service's spans to an in-memory exporter
+    """Tracing on in this process (engine/core/tracing.py), every service's spans to an in-memory exporter
     (returned); off again afterwards."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from cluster import tracing
+    from engine.core import tracing
     exporter = InMemorySpanExporter()
     tracing.configure(tracing.TracingConfig("http://127.0.0.1:4318"), exporter)
     yield exporter

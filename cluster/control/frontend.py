@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 
-from cluster import tracing
+from engine.core import tracing
 from cluster.control.serving import Serving, ray_client
 from cluster.control.instance import Instance, init_ray, rank_actor_name
 from cluster.ranks.nodes import RankPlacement

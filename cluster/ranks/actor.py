@@ -13,7 +13,7 @@ from dataclasses import replace
 import ray
 import torch
 
-from cluster import tracing
+from engine.core import tracing
 from cluster.ranks import cpu_plan
 from cluster.ranks.nodes import RankPlacement, node_address, set_socket_ifnames, unreachable
 from cluster.ranks.rank import RankHost, TPRendezvous, open_rendezvous
@@ -47,7 +47,7 @@ class RankActor:
         the spec's kv_transport is auto (KV within one device is written into the decode cache).
         `cpu`: this process's niceness and cores, applied before the rank's threads start.
         `kv_checksum`: the spec's (every KV part carries a checksum, checked on receipt). `kv_transport`:
-        the KV transport's name (kvtransfer/registry.py). `trace_to`: the spec's tracing (cluster/tracing.py)."""
+        the KV transport's name (kvtransfer/registry.py). `trace_to`: the spec's tracing (engine/core/tracing.py)."""
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         tracing.configure(trace_to)
         self._cpu = cpu

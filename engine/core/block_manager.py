@@ -31,8 +31,7 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
 
 
 def salt_root(cache_salt: str | None) -> int | None:
-    """The parent hash of a salted request's first block (SamplingParams.cache_salt): blake2b of the
-    salt, so no salted chain meets an unsalted one or another salt's; None without a salt."""
+    """A salted request's first block's parent hash (SamplingParams.cache_salt; None: no salt)."""
     if cache_salt is None:
         return None
     data = b"pdserve cache_salt\x00" + cache_salt.encode()

@@ -6,7 +6,7 @@ import pytest
 
 from bench import tracing_cost
 from bench.otlp_sink import OTLPReceiver
-from cluster import tracing
+from engine.core import tracing
 
 
 def measured(tok_s: dict) -> dict:

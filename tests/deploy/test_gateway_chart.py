@@ -8,7 +8,7 @@ import helm_python as helm
 import pytest
 
 from gateway.api_keys import hash_api_key
-from tests.deploy.test_helm import container, find, manifests, one, render
+from tests.deploy.test_helm import container, find, loaded_spec, manifests, one, render
 
 KEYS = {"keys": [{"name": "team-a", "sha256": hash_api_key("sk-team-a-0123456789")}]}
 TLS = {"enabled": True, "secretName": "pdserve-tls"}
@@ -74,3 +74,11 @@ def test_an_ingress_without_a_key_or_tls_is_refused(values, message):
     with pytest.raises(helm.HelmError, match=message) as caught:
         render(values)
     assert "ingress.allowWithout" in str(caught.value)
+
+
+def test_tracing_values_reach_the_spec():
+    """docs/observability.md's two values: the spec every pod loads sends its traces there, at that ratio."""
+    spec = loaded_spec(manifests({"spec": {"otlp_traces_endpoint": "http://otel-collector.observability.svc:4318",
+                                           "trace_sample_ratio": 0.05}}))
+    assert spec.tracing.traces_url == "http://otel-collector.observability.svc:4318/v1/traces"
+    assert spec.trace_sample_ratio == 0.05

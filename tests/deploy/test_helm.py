@@ -241,14 +241,6 @@ def test_autoscaler_keys_reach_the_spec():
     assert not loaded_spec(manifests()).autoscale
 
 
-def test_tracing_values_reach_the_spec():
-    """docs/observability.md's two values: the spec every pod loads sends its traces there, at that ratio."""
-    spec = loaded_spec(manifests({"spec": {"otlp_traces_endpoint": "http://otel-collector.observability.svc:4318",
-                                           "trace_sample_ratio": 0.05}}))
-    assert spec.tracing.traces_url == "http://otel-collector.observability.svc:4318/v1/traces"
-    assert spec.trace_sample_ratio == 0.05
-
-
 def test_autoscaler_rbac_is_least_privilege():
     """The autoscaler may only get and patch the scale of the two worker Deployments, in its own
     namespace, and the controller pod (where it runs) uses that ServiceAccount; without it, no RBAC

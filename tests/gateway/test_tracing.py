@@ -1,4 +1,4 @@
-"""A request's trace end to end (cluster/tracing.py, gateway/trace.py) on the shared 1P1D server (SmolLM2,
+"""A request's trace end to end (engine/core/tracing.py, gateway/trace.py) on the shared 1P1D server (SmolLM2,
 in-process: its gateway, router, prefill and decode instances each export under their own service name).
 Spans go to an in-memory exporter here; tests/cluster/control/test_ray_cluster.py sends them from Ray actors
 to an OTLP receiver."""
@@ -11,7 +11,7 @@ import httpx
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from cluster import tracing
+from engine.core import tracing
 from cluster.cli.serve import gateway_tokenizer, serve_in_thread
 from gateway.app import create_app
 

@@ -313,7 +313,7 @@ def test_whole_block_slots_take_the_block_copy_path(dtype):
 
 
 def test_a_parts_traceparent_crosses_the_control_channel():
-    """A part's `begin` carries the sender's traceparent (cluster/tracing.py): the completed request
+    """A part's `begin` carries the sender's traceparent (engine/core/tracing.py): the completed request
     hands it over with when its first part began; a part without one hands over ""."""
     rx, _, dest = make_receiver()
     tx = create_kv_transport("torch").sender(COMPAT, "p0")

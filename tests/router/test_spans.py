@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from opentelemetry.trace import StatusCode
 
-from cluster import tracing
+from engine.core import tracing
 from decode_worker.engine import RequestOutput
 from prefill_worker.worker import PrefillResult
 from tests.router.test_router import PARAMS, FakeDecode, FakePrefill, _wait_until, make_router

@@ -256,7 +256,7 @@ def test_a_repeated_prompt_reports_the_tokens_its_prefix_cache_served(tiny_path,
 def test_a_colocated_request_is_traced_as_one_decode(tiny_path, spans):
     """Colocated (the prompt computed on the decode instance): the attempt's only instance span is
     its decode, marked prefilled here, and the end event's phases are the router's and the decode's."""
-    from cluster import tracing
+    from engine.core import tracing
     with Cluster(spec_for(tiny_path, mode="colocated"), use_ray=False) as cluster:
         root = tracing.start("gateway", "request", None)
         events = []

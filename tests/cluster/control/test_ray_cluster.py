@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from bench.otlp_sink import OTLPReceiver
-from cluster import tracing
+from engine.core import tracing
 from cluster.autoscale.actuators import PoolSizes, RayActuator
 from cluster.control.cluster import Cluster
 from cluster.ranks.nodes import PlacementError, RankPlacement
