@@ -129,6 +129,8 @@ class ClusterSpec:
     # routing, transfer, health
     router_policy: str = "least_loaded"
     session_affinity: str = "header"  # a session's next request where its last ran: x-session-id, or also `user`
+    router_max_queued: int = 4096  # router/flow.py: requests of one priority class queued (more: 429)
+    router_queue_timeout_s: float = 60.0  # how long one may wait for a decode instance to take it (then 503)
     disagg_threshold_tokens: int = 0
     kv_transfer_timeout_s: float = 10.0
     kv_transport: str = "auto"
@@ -225,7 +227,7 @@ class ClusterSpec:
                    "num_kv_blocks": 1, "max_num_seqs": 1, "max_num_batched_tokens": 1, "num_threads": 1,
                    "cpus_per_rank": 1, "reserved_cpus": 0, "rank_niceness": -20,
                    "disagg_threshold_tokens": 0, "kv_recompute_max_tokens": 0,
-                   "max_request_bytes": 1, "max_prompt_tokens": 1,
+                   "max_request_bytes": 1, "max_prompt_tokens": 1, "router_max_queued": 1,
                    "num_prefill": 1 if self.mode == "disaggregated" else 0,
                    "min_prefill": 0, "min_decode": 1, "max_prefill": self.min_prefill, "max_decode": self.min_decode}
         for name, low in minimum.items():
@@ -233,7 +235,7 @@ class ClusterSpec:
             if value is not None and value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
         for name in ("kv_memory_gib", "kv_transfer_timeout_s", "heartbeat_ttl_s", "autoscale_interval_s",
-                     "ttft_slo_s", "tbt_slo_s", "request_timeout_s"):
+                     "ttft_slo_s", "tbt_slo_s", "request_timeout_s", "router_queue_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("scale_headroom", "scale_up_cooldown_s", "scale_down_cooldown_s", "drain_timeout_s",

@@ -122,6 +122,7 @@ class RequestOutput:
     num_cached_tokens: int | None = None
     kv_load_failed: bool = False  # the error is a failed KV transfer (the router may recompute here)
     timings: dict | None = None  # with the end: seconds of its phases here, kv_transfer and decode (router PHASES)
+    num_preemptions: int = 0  # with the end: how often it was preempted here (recomputed)
 
 
 class OutputProcessor:
@@ -279,12 +280,16 @@ class DecodeWorker(BaseWorker):
         with self._lock:
             return self.held.hold(self.engine.kv, request_id, token_ids, params)
 
-    def add_request(self, msg: RequestMessage) -> None:
-        """Colocated: prefill here too."""
+    def add_request(self, msg: RequestMessage) -> bool:
+        """Colocated: prefill here too. False (nothing taken) while its class has no seat here
+        (Scheduler.has_seat): the router keeps it queued."""
         with self._lock:
+            if not self.engine.scheduler.has_seat(msg.sampling_params):
+                return False
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params)
             self.outbox.add(msg.request_id, msg.client_id)
             self._phases[msg.request_id] = _Phases(msg.trace_context, time.time_ns(), colocated=True)
+        return True
 
     def abort(self, request_id: str) -> None:
         """Its client gets nothing more from now on; its blocks are freed now or, while a step is in
@@ -468,7 +473,8 @@ class DecodeWorker(BaseWorker):
         for i, o in enumerate(outputs):
             if o.finished and (phases := self._phases.pop(o.request_id, None)) is not None:
                 req = next(r for r in touched if r.request_id == o.request_id)
-                outputs[i] = replace(o, timings=phases.finished(req, self.instance_id))
+                outputs[i] = replace(o, timings=phases.finished(req, self.instance_id),
+                                     num_preemptions=req.num_preemptions)
         return outputs
 
     def _publish(self, outputs: list[RequestOutput]) -> None:

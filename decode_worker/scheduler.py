@@ -7,8 +7,10 @@ only once its KV is complete (`remote_kv_ready`), so a slow transfer never block
 
 Each step spends a token budget: running requests first (one token per decoding sequence, the
 next chunk for a sequence still prefilling), then waiting requests, whose prompts are chunked
-to fit. Prefix-cache hits skip their cached blocks. When blocks run out, the most recently
-admitted running request is preempted: its blocks are freed and it is recomputed later.
+to fit. Prefix-cache hits skip their cached blocks. When blocks run out, the running request of the
+lowest priority class admitted last is preempted: its blocks are freed and it is recomputed later.
+Waiting requests go by class, then arrival; the most urgent one that waits (or whose reservation was
+refused lately) takes seats and blocks from running requests of a lower class (engine/core/priority.py).
 
     schedule() -> SchedulerOutput -> runner.execute() -> RunnerOutput -> update()
 """
@@ -16,13 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import deque
+import time
+from collections import Counter, deque
 from typing import TYPE_CHECKING
 
 from engine.core.request import (CachedRequestData, NewRequestData, Request, RequestStatus, RunnerOutput,
-                                 SchedulerOutput, check_admission, choice_id)
+                                 SamplingParams, SchedulerOutput, check_admission, choice_id)
 from engine.core.block_manager import KVCacheManager
 from engine.core.config import SchedulerConfig, window_start
+from engine.core.priority import ROOM_WANTED_S, RoomWanted, by_class, enqueue
 from engine.sample.sampling import history_of
 from engine.speculative.base import SpecSequence
 
@@ -50,6 +54,8 @@ class Scheduler:
         self.block_copies: list[tuple[int, int]] = []  # (src, dst) blocks of forked choices, made next step
         self.forks: list[tuple[str, list[Request]]] = []  # (parent id, its choices) since take_forks
         self.num_preemptions = 0
+        self.preemptions_by_class: Counter[int] = Counter()  # priority -> preemptions of its requests
+        self.wanted: dict[str, RoomWanted] = {}  # reservations refused while a lower class ran (make_room)
         self._speculating: list[tuple[Request, CachedRequestData, int]] = []  # this step's: slots for k drafts
 
     # -- requests in and out ---------------------------------------------------------------
@@ -58,7 +64,7 @@ class Scheduler:
         cannot be taken (its n choices run side by side once forked)."""
         check_admission(req, self.max_model_len, self.requests, max_num_choices=self.config.max_num_seqs)
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        enqueue(self.waiting, req)
 
     def reserve(self, req: Request) -> bool:
         """Allocates blocks for a remote-prefilled prompt; False (and no change) if they don't fit,
@@ -66,9 +72,8 @@ class Scheduler:
         instance's prefix cache holds are taken from it (`req.num_cached_tokens`: the prefill
         instance ships only the tokens after them; delta transfer), unless `kv_delta` is off."""
         check_admission(req, self.max_model_len, self.requests, max_num_choices=self.config.max_num_seqs)
-        waiting = sum(r.sampling_params.n for r in self.remote.values())  # choices run side by side once forked
-        if len(self.running) + waiting + req.sampling_params.n > self.config.max_num_seqs:
-            return False
+        if self._seats_taken() + req.sampling_params.n > self.config.max_num_seqs:
+            return self._want_room(req)
         n, tier = req.num_prompt_tokens, self.kv.tier
         hits, num_hit = self.kv.get_computed_blocks(req) if self.kv_delta else (None, 0)
         # then the blocks the host tier holds, reloaded by the next step (before the request can join)
@@ -91,7 +96,8 @@ class Scheduler:
             if reloaded:
                 tier.release(reloaded)
             self.kv.free(req)  # forget hashes it may have computed
-            return False
+            return self._want_room(req)
+        self.wanted.pop(req.request_id, None)
         if reloaded:
             tier.reload_for(self.kv, req, reloaded, num_pool_hit)
         req.num_cached_tokens = num_hit
@@ -99,6 +105,49 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.remote[req.request_id] = req
         return True
+
+    def has_seat(self, params: SamplingParams) -> bool:
+        """Admission control of a prompt to prefill here: whether the requests of its class and the
+        more urgent ones (running, reserved or waiting) leave its choices seats. Lower classes do
+        not count: it goes ahead of them in line, and takes their seats (`_make_room`)."""
+        taken = sum(r.sampling_params.n for r in (*self.running, *self.remote.values(), *self.waiting)
+                    if r.priority <= params.priority)
+        return taken + params.n <= self.config.max_num_seqs
+
+    def _seats_taken(self) -> int:
+        """Sequences running or reserved (a reservation's choices run side by side once forked)."""
+        return len(self.running) + sum(r.sampling_params.n for r in self.remote.values())
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.kv.block_size) * len(self.kv.windows)
+
+    def _want_room(self, req: Request) -> bool:
+        """A refused reservation: False. While a lower class runs, the next step makes it room
+        (`_make_room`), so the router's next try of it fits."""
+        if any(r.priority > req.priority for r in self.running):
+            self.wanted[req.request_id] = RoomWanted(req.priority, req.sampling_params.n,
+                                                     self._blocks_for(req.num_tokens), time.monotonic() + ROOM_WANTED_S)
+        return False
+
+    def _make_room(self) -> None:
+        """The most urgent waiting request, and the reservations refused lately (`wanted`), take
+        seats and blocks from running requests of a lower class: the lowest class first, in it the
+        last admitted. The room they free is theirs: waiting requests of a lower class stay out
+        (`_schedule_waiting`) until the claim is met or lapses."""
+        now = time.monotonic()
+        self.wanted = {rid: w for rid, w in self.wanted.items() if w.until > now and rid not in self.requests}
+        wants = list(self.wanted.values())
+        if self.waiting and any(r.priority > self.waiting[0].priority for r in self.running):
+            head = self.waiting[0]
+            wants.append(RoomWanted(head.priority, 1, self._blocks_for(head.num_tokens), now))
+        seats, blocks = self._seats_taken(), 0
+        by_class(self.running)
+        for want in sorted(wants, key=lambda w: w.priority):
+            seats, blocks = seats + want.seats, blocks + want.blocks
+            while self.running and self.running[-1].priority > want.priority and \
+                    (seats > self.config.max_num_seqs or blocks > self.kv.num_free_blocks):
+                self._preempt(self.running.pop())
+                seats -= 1
 
     def remote_kv_ready(self, request_id: str, first_token: int, extras: dict | None = None,
                         more_choices: tuple = ()) -> list[Request]:
@@ -202,6 +251,7 @@ class Scheduler:
             self.kv.tier.release_copied()
         ks = {} if self.speculator is None else \
             self.speculator.plan(self.running, self._unknown_to_runner, self.max_model_len)
+        self._make_room()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens, ks)
         if self._speculating:
             budget += self._propose()
@@ -213,6 +263,7 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int, ks: dict[str, int]) -> int:
         """`ks`: speculating requests, id -> at most how many drafts (slots for them are taken here)."""
         scheduled: list[Request] = []
+        by_class(self.running)  # the tail is preempted first: the lowest class's last admitted
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -223,7 +274,7 @@ class Scheduler:
             if new_blocks is None and k:  # no room for drafts: a plain decode step
                 k, new_blocks = 0, self.kv.allocate_slots(req, num_new)
             if new_blocks is None:
-                victim = self.running.pop()  # lowest priority: the last admitted
+                victim = self.running.pop()  # the lowest class's last admitted
                 self._preempt(victim)
                 if victim is req:
                     break
@@ -271,13 +322,17 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.preemptions_by_class[req.priority] += 1
+        enqueue(self.waiting, req, ahead=True)
         logger.debug("preempted %s (recompute later)", req.request_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         reading = []  # prompts waiting for their blocks' disk reads (engine/core/host_tier.py): others go first
+        claimed = min((w.priority for w in self.wanted.values()), default=None)  # room kept for a reservation
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if claimed is not None and req.priority > claimed:
+                break
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             tier = self.kv.tier
             reloaded = tier.claim_for(self.kv, req, num_hit) if tier is not None else []  # then host memory, disk

@@ -1,18 +1,26 @@
-"""Named API keys, stored as SHA-256 hashes, and each key's limits: a token-bucket request rate
-and a bound on its requests in flight.
+"""Named API keys, stored as SHA-256 hashes, and each key's limits (a token-bucket request rate, a
+bound on its requests in flight, a token budget) and its place among tenants (a priority class and a
+fair-share weight).
 
-The keys file (`--api-keys-file`, docs/gateway.md "API keys and limits"):
+The keys file (`--api-keys-file`, docs/gateway.md "API keys and limits", "Tenants"):
 
     {"keys": [{"name": "team-a", "sha256": "<hex of sha256(key)>",
-               "requests_per_second": 5, "burst": 10, "max_concurrent": 4, "isolate_cache": true}, ...]}
+               "requests_per_second": 5, "burst": 10, "max_concurrent": 4, "token_budget": 200000,
+               "priority": 0, "weight": 2, "isolate_cache": true}, ...]}
+
+`token_budget`: the tokens its requests in flight may hold together, each prompt + n x max_tokens
+until it ends. `priority`: its requests' class where they name none, and the most urgent one they
+may name (a lower value is more urgent; 0 by default). `weight`: its share of its class's work
+against the other keys queued in that class (router/flow.py; 1 by default).
 
 `isolate_cache`: the key's requests share prefix-cache blocks only with its own (their cache salt
 starts with the key's name: `cache_salt`, engine/core/request.py), so another key cannot time them.
 
 Only hashes are stored, so the file (a ConfigMap, a repository) does not leak the keys; a
 presented bearer token is hashed and compared with every stored hash in constant time. The limits
-are held per gateway process: N gateways admit N times a key's rate and concurrency. Who a request is
-and whether its key may start it are decided at the door (gateway/guard.py `APIKeyManager`).
+are held cluster-wide in Redis where the gateway has one, else per gateway process (gateway/limits.py).
+Who a request is and whether its key may start it are decided at the door (gateway/guard.py
+`APIKeyManager`); its token budget once its prompt is tokenized (gateway/app.py).
 
 The file is re-read when it changes (`KeysFileWatcher`: its inode, mtime or size, polled; or at once
 on SIGHUP), so keys rotate without a restart: a Kubernetes Secret volume swaps a symlink to a new
@@ -31,12 +39,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Protocol
 
+from engine.core.request import MAX_PRIORITY
+
 logger = logging.getLogger(__name__)
 DEFAULT_KEY_NAME = "default"  # the name of the single `--api-key` / $PDSERVE_API_KEY
 NO_KEY = "_none"  # the metrics label of a request without a (valid) key; no key name can take it
 KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-_ENTRY_FIELDS = {"name", "sha256", "requests_per_second", "burst", "max_concurrent", "isolate_cache"}
+_ENTRY_FIELDS = {"name", "sha256", "requests_per_second", "burst", "max_concurrent", "isolate_cache", "token_budget",
+                 "priority", "weight"}
 KEYS_POLL_S = 2.0  # how often KeysFileWatcher looks at the file (a stat)
 MIN_KEY_CHARS = 16  # what `pdserve hash-api-key` and --api-key take: 16 random hex digits are 64 bits
 
@@ -70,6 +81,14 @@ class APIKey:
     burst: int | None = None  # bucket size; None with a rate: the rate rounded up (at least 1)
     max_concurrent: int | None = None
     isolate_cache: bool = False  # its requests' cache salt starts with its name (`cache_salt`)
+    token_budget: int | None = None  # tokens its requests in flight may hold (prompt + n x max_tokens each)
+    priority: int = 0  # its requests' default class, and the most urgent they may ask for
+    weight: float = 1.0  # its fair share within a class (router/flow.py)
+
+    @property
+    def limited(self) -> bool:
+        """Whether any limit applies to it (else no limit is looked up for its requests)."""
+        return self.requests_per_second is not None or self.max_concurrent is not None or self.token_budget is not None
 
     def __post_init__(self):
         assert KEY_NAME.fullmatch(self.name) and _SHA256_HEX.fullmatch(self.sha256), self.name
@@ -117,8 +136,15 @@ def _parse_entry(entry, where: str) -> APIKey:
     isolate = entry.get("isolate_cache", False)
     if not isinstance(isolate, bool):
         raise ValueError(f"{where}.isolate_cache must be true or false, got {json.dumps(isolate)}")
+    priority = entry.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
+        raise ValueError(f"{where}.priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], "
+                         f"got {json.dumps(priority)}")
+    weight = _number(entry, "weight", where, integer=False)
     return APIKey(name, digest.lower(), None if rate is None else float(rate), burst,
-                  _number(entry, "max_concurrent", where, integer=True), isolate)
+                  _number(entry, "max_concurrent", where, integer=True), isolate,
+                  _number(entry, "token_budget", where, integer=True), priority,
+                  1.0 if weight is None else float(weight))
 
 
 def load_api_keys(path: str | Path) -> list[APIKey]:

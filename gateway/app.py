@@ -33,6 +33,8 @@ from gateway.tool_parsers import get_tool_parser
 from gateway import openapi
 from gateway.api_keys import NO_KEY, APIKey, configured_keys
 from gateway.guard import DEFAULT_MAX_REQUEST_BYTES, APIKeyManager, RequestGuard
+from gateway.limit_scripts import SharedLimits
+from gateway.limits import REDIS_TIMEOUT_S, Hold, KeyLimitError, tenant_class
 from gateway.metrics import GatewayMetrics
 from gateway.trace import RequestTrace, server_timing
 from gateway.protocol import (MAX_PROMPT_CHARS_PER_TOKEN, APIError, ChatCompletionRequest, CompletionRequest,
@@ -174,8 +176,23 @@ class _Gateway:
         if key_salt := getattr(request.state, "api_key_cache_salt", None):  # its key isolates its cache
             salt = prep.params.cache_salt
             prep.params = replace(prep.params, cache_salt=key_salt if salt is None else f"{key_salt}/{salt}")
+        prep.key = getattr(request.state, "api_key", None)
+        if prep.key is not None:
+            prep.params = tenant_class(prep.key, prep.body.priority, prep.params)
+            await self.charge(prep, getattr(request.state, "api_key_hold", None))
         request.state.trace.prepared(prep.marks)
         return prep
+
+    async def charge(self, prep: _Prepared, hold: Hold | None) -> None:
+        """Charges the request's tokens to its key's budget (gateway/limits.py): 429 naming it."""
+        if hold is None:
+            return
+        try:
+            await self.keys.limits.charge(hold, len(prep.prompt_ids) + prep.params.n * prep.params.max_tokens)
+        except KeyLimitError as exc:
+            self.metrics.api_key_requests.labels(hold.key.name, exc.outcome).inc()
+            self.metrics.tenant(prep.params.priority, hold.key.name, "token_limited")
+            raise
 
     def session_of(self, request: Request, body) -> str | None:
         """What names the request's session for the router (router/policy.py SessionAffinity): its
@@ -225,12 +242,16 @@ class _Gateway:
                                   LogprobsFormatter(self.tokenizer, kind, params.logprobs), output))
         gen = Generation(self.cluster, rid, kind, prep.body.model, prompt_ids, choices, self.metrics,
                          asyncio.get_running_loop(), trace=trace, return_timings=self.return_timings)
+        tenant = "" if prep.key is None else prep.key.name
+        gen.tenant = (params.priority, tenant or NO_KEY)
         try:
             await asyncio.to_thread(self.cluster.submit, rid, prompt_ids, params, gen.listener, prep.session,
-                                    trace.context)
+                                    trace.context, tenant, 1.0 if prep.key is None else prep.key.weight)
         except QueueFullError as exc:
+            self.metrics.tenant(*gen.tenant, "queue_full")
             raise APIError(429, f"too many requests queued: {exc}", "rate_limit_exceeded",
                            headers={"Retry-After": RETRY_AFTER_S}) from None
+        self.metrics.tenant(*gen.tenant, "admitted")
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         return gen
 
@@ -253,6 +274,7 @@ class _Prepared:
     params: SamplingParams
     shaping: Callable[[], ChatOutput] | None
     session: str | None = None  # what names its session (x-session-id; `user`), set by `prepare`
+    key: APIKey | None = None  # its API key (its class, weight and token budget), set by `prepare`
     marks: list = field(default_factory=list)  # the gateway's phases: (name, start, end) in time.time_ns()
 
 
@@ -320,7 +342,7 @@ def create_app(cluster, tokenizer, model_name: str, max_model_len: int | None, a
                tool_call_parser: str | None = None, reasoning_parser: str | None = None, *,
                api_keys: Sequence[APIKey] = (), max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                max_prompt_tokens: int | None = None, session_affinity: str = "header",
-               return_timings: bool = False) -> FastAPI:
+               return_timings: bool = False, limits_redis_url: str | None = None) -> FastAPI:
     """The gateway over a started `Cluster` or `Frontend` (anything with submit/abort/stop/ready/
     router/max_model_len and the typed view of router/view.py); `max_model_len` None: the cluster's,
     asked per request.
@@ -329,13 +351,16 @@ def create_app(cluster, tokenizer, model_name: str, max_model_len: int | None, a
     keys `/v1/...` takes (none: open); `max_request_bytes` bounds every body (413 past it);
     `max_prompt_tokens` bounds prompts below the context (400 past it); `session_affinity` (the spec's)
     what names a request's session for the router (SESSION_HEADER; "user": else the body's `user`);
-    `return_timings`: each answer's usage carries its phase times (gateway/trace.py)."""
+    `return_timings`: each answer's usage carries its phase times (gateway/trace.py); `limits_redis_url`: the
+    Redis that holds the keys' limits for every gateway (gateway/limits.py; None: each gateway its own)."""
     keys = [*api_keys, *configured_keys(api_key, None)]
     app = FastAPI(title="pdserve", version="0.1.0")
     gw = _Gateway(cluster, tokenizer, model_name, max_model_len, tool_call_parser, reasoning_parser,
                   max_prompt_tokens, session_affinity, return_timings)
     gw.metrics.add_api_keys([k.name for k in keys] or [NO_KEY])
-    app.state.api_keys = APIKeyManager(keys)  # replaced in place when the keys file changes (serve.py)
+    shared = None if limits_redis_url is None else SharedLimits.from_url(limits_redis_url, REDIS_TIMEOUT_S)
+    app.state.api_keys = gw.keys = APIKeyManager(keys, shared=shared, on_mode=gw.metrics.limits_mode)  # (serve.py
+    # replaces its keys in place when the keys file changes)
     app.add_middleware(RequestGuard, keys=app.state.api_keys, metrics=gw.metrics, max_request_bytes=max_request_bytes)
     _install_error_handlers(app)
     _add_generation_routes(app, gw)

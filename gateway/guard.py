@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import math
-import threading
 import time
 from typing import Callable, Iterable
 
@@ -29,6 +27,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
 from gateway.api_keys import NO_KEY, APIKey, check_unique_keys, hash_api_key
+from gateway.limits import Hold, KeyLimitError, KeyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import APIError
 
@@ -38,58 +37,25 @@ API_PREFIX = "/v1/"  # what needs a key: the OpenAI routes
 STATUS_PATH = "/status"  # needs a key too (rank addresses and pids), without the key's limits
 
 
-class KeyLimitError(APIError):
-    """A 429 of a key's own limits; `outcome` ("rate_limited", "concurrency_limited") labels the metrics."""
-
-    def __init__(self, outcome: str, message: str, retry_after_s: int):
-        super().__init__(429, message, "requests", code="rate_limit_exceeded",  # OpenAI's body for its own limits
-                         headers={"Retry-After": str(retry_after_s)})
-        self.outcome = outcome
-
-
-class TokenBucket:
-    """`rate` tokens a second, up to `size` of them; a request takes one. Starts full."""
-
-    def __init__(self, rate: float, size: int, now: float):
-        self.rate, self.size = rate, size
-        self.tokens, self.updated = float(size), now
-
-    def take(self, now: float) -> float:
-        """Takes a token: 0.0; or, with none there, the seconds until one is (nothing taken)."""
-        self.tokens = min(self.size, self.tokens + (now - self.updated) * self.rate)
-        self.updated = now
-        if self.tokens >= 1:
-            self.tokens -= 1
-            return 0.0
-        return (1 - self.tokens) / self.rate
-
-
 class APIKeyManager:
-    """Who a request is and whether its key may start another request now. Requests use it on the
-    event loop; `replace` may come from another thread (KeysFileWatcher), so the counters change
-    under a lock, held for a few dict operations and never across I/O."""
+    """Who a request is, and its key's limits (gateway/limits.py KeyLimits: in Redis, shared by every
+    gateway, when `shared` is given; else in this process). `replace` may come from another thread
+    (KeysFileWatcher): the keys are one tuple, swapped whole."""
 
-    def __init__(self, keys: Iterable[APIKey], clock: Callable[[], float] = time.monotonic):
-        self.clock = clock
-        self._lock = threading.Lock()
+    def __init__(self, keys: Iterable[APIKey], clock: Callable[[], float] = time.monotonic, shared=None,
+                 on_mode: Callable[[bool, bool], None] = lambda shared, configured: None):
+        self.limits = KeyLimits(shared, clock, on_mode)
         self.keys: tuple[APIKey, ...] = ()
-        self.buckets: dict[str, TokenBucket] = {}
-        self.in_flight: dict[str, int] = {}
         self.replace(keys)
 
     def replace(self, keys: Iterable[APIKey]) -> None:
         """Puts `keys` in place of the current ones in one step (ValueError for a duplicate name or
         hash: nothing changes). A key that keeps its name and rate keeps its bucket, so a reload
-        refills no one; requests in flight stay counted under their key's name until they end."""
+        refills no one; requests in flight stay counted under their key until they end."""
         keys = tuple(keys)
         check_unique_keys(keys)
-        with self._lock:
-            old = {k.name: k for k in self.keys}
-            self.buckets = {k.name: self.buckets[k.name] if _same_bucket(old.get(k.name), k)
-                            else TokenBucket(k.requests_per_second, k.bucket_size, self.clock())
-                            for k in keys if k.requests_per_second is not None}
-            self.in_flight = {**{k.name: 0 for k in keys}, **{n: c for n, c in self.in_flight.items() if c > 0}}
-            self.keys = keys
+        self.limits.local.replace(keys)
+        self.keys = keys
 
     @property
     def required(self) -> bool:
@@ -109,35 +75,18 @@ class APIKeyManager:
                 found = key
         return found
 
-    def admit(self, key: APIKey) -> None:
-        """Counts a new request of `key` in flight; `release` it when its response ends.
+    async def admit(self, key: APIKey) -> Hold:
+        """Counts a new request of `key` in flight; `release` its hold when its response ends.
 
         Raises:
             KeyLimitError (429): its concurrency limit is reached (Retry-After 1: a slot frees when a
                 request ends, which cannot be foreseen) or its bucket is empty (Retry-After: the
                 whole seconds until a token is there). A refused request takes nothing.
         """
-        with self._lock:
-            if key.max_concurrent is not None and self.in_flight.get(key.name, 0) >= key.max_concurrent:
-                raise KeyLimitError("concurrency_limited", f"concurrency limit reached for API key {key.name!r}: "
-                                    f"{key.max_concurrent} requests in flight; retry when one of them ends", 1)
-            bucket = self.buckets.get(key.name)
-            wait_s = 0.0 if bucket is None else bucket.take(self.clock())
-            if wait_s > 0:
-                retry = max(1, math.ceil(wait_s))
-                raise KeyLimitError("rate_limited", f"rate limit reached for API key {key.name!r}: "
-                                    f"{key.requests_per_second:g} requests per second (burst {key.bucket_size}); "
-                                    f"try again in {retry}s", retry)
-            self.in_flight[key.name] = self.in_flight.get(key.name, 0) + 1
+        return await self.limits.admit(key)
 
-    def release(self, key: APIKey) -> None:
-        with self._lock:
-            assert self.in_flight.get(key.name, 0) > 0, key.name
-            self.in_flight[key.name] -= 1
-
-
-def _same_bucket(old: APIKey | None, new: APIKey) -> bool:
-    return old is not None and (old.requests_per_second, old.bucket_size) == (new.requests_per_second, new.bucket_size)
+    async def release(self, hold: Hold) -> None:
+        await self.limits.release(hold)
 
 
 class RequestGuard:
@@ -160,11 +109,13 @@ class RequestGuard:
             return
         name = NO_KEY if key is None else key.name
         scope.setdefault("state", {})["api_key_name"] = name  # request.state.api_key_name in the routes
+        scope["state"]["api_key"] = key  # its class, weight and token budget (gateway/app.py)
         scope["state"]["api_key_cache_salt"] = None if key is None else key.cache_salt  # (isolate_cache)
+        hold = None
         try:
             self._check_length(scope)
             if key is not None:
-                self.keys.admit(key)
+                hold = await self.keys.admit(key)
         except KeyLimitError as exc:
             self._count(name, exc.outcome)
             logger.debug("API key %s %s: %s %s", name, exc.outcome, scope["method"], scope["path"])
@@ -174,7 +125,8 @@ class RequestGuard:
             self._count(name, "too_large" if exc.status == 413 else "bad_request")
             await _respond(exc, scope, receive, send)
             return
-        await self._in_flight(scope, receive, send, key, name)
+        scope["state"]["api_key_hold"] = hold  # its token budget is charged to it (gateway/app.py)
+        await self._in_flight(scope, receive, send, hold, name)
 
     async def _outside_api(self, scope, receive, send) -> None:
         """Probes, /metrics, /status and the document take no body: one announced (a Content-Length
@@ -197,7 +149,7 @@ class RequestGuard:
         await _respond(APIError(401, "missing or wrong API key (Authorization: Bearer ...)",
                                 "authentication_error", code="invalid_api_key"), scope, receive, send)
 
-    async def _in_flight(self, scope, receive, send, key: APIKey | None, name: str) -> None:
+    async def _in_flight(self, scope, receive, send, hold: Hold | None, name: str) -> None:
         """Runs an admitted request; its slot is held until its response ended, however it ended."""
         gauge = self.metrics.api_key_in_flight.labels(name)
         gauge.inc()
@@ -205,8 +157,8 @@ class RequestGuard:
             await self._pass(scope, receive, send, name)
         finally:
             gauge.dec()
-            if key is not None:
-                self.keys.release(key)
+            if hold is not None:
+                await self.keys.release(hold)
 
     def _check_length(self, scope) -> None:
         """APIError(413) for a declared body over the bound, before a byte of it is read."""

@@ -5,7 +5,12 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-API_KEY_OUTCOMES = ("served", "unauthorized", "rate_limited", "concurrency_limited", "too_large", "bad_request")
+API_KEY_OUTCOMES = ("served", "unauthorized", "rate_limited", "concurrency_limited", "token_limited", "too_large",
+                    "bad_request")
+# a generation request's outcome by class and key (pdserve_tenant_requests_total): submitted to the router;
+# refused for a full queue (429) or its key's token budget (429); waited past the queue's deadline (503)
+TENANT_OUTCOMES = ("admitted", "queue_full", "token_limited", "queue_timeout")
+MAX_CLASS_LABEL = 99  # priority classes beyond +-99 share the label ">99" / "<-99" (bounded series)
 # a request's phases the phase histogram labels (`usage.timings` adds ttft and e2e): gateway/trace.py
 REQUEST_PHASES = ("prepare", "queue", "prefill_queue", "prefill", "kv_transfer", "decode")
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -94,6 +99,8 @@ ROUTER_COUNTERS = {
     "retries": ("pdserve_router_retries", "request attempts placed again after a failure"),
     "failed": ("pdserve_router_failed_requests", "requests that ended with an error after their retries"),
     "instance_deaths": ("pdserve_router_instance_deaths", "instances found dead (their requests were retried)"),
+    "queue_timeouts": ("pdserve_router_queue_timeouts", "requests that waited in the router's queue past its "
+                                                        "deadline (every decode instance full): 503"),
     "tokens_past_stop": ("pdserve_router_tokens_past_stop", "tokens generated after the gateway matched a stop "
                                                               "string, before the abort reached the instance"),
     "kv_recomputes": ("pdserve_router_kv_recomputes", "remote requests whose KV a decode instance expected from a "
@@ -151,10 +158,47 @@ class GatewayMetrics:
                                         "(API_KEY_OUTCOMES)", ["key", "outcome"], registry=self.registry)
         self.api_key_in_flight = Gauge("pdserve_api_key_in_flight_requests", "API requests in flight by key name "
                                        "(admitted, response not yet ended)", ["key"], registry=self.registry)
+        self._tenant_metrics()
         self.cluster = cluster
         self.registry.register(self)
         if getattr(cluster, "autoscaler", None) is not None:  # its decisions, desired and current sizes
             self.registry.register(cluster.autoscaler)
+
+    def _tenant_metrics(self) -> None:
+        """By priority class and API key (issue 54): outcomes, queue time, preemptions; and where the
+        keys' limits are held (gateway/limits.py)."""
+        labels = ["priority", "key"]
+        self.tenant_requests = Counter("pdserve_tenant_requests", "generation requests by priority class, API key "
+                                       "and outcome (TENANT_OUTCOMES)", [*labels, "outcome"], registry=self.registry)
+        self.tenant_queue = Histogram("pdserve_tenant_queue_seconds", "seconds finished requests waited in the "
+                                      "router's queue, by priority class and API key", labels, buckets=_LATENCY,
+                                      registry=self.registry)
+        self.tenant_preemptions = Counter("pdserve_tenant_preemptions", "preemptions (recomputes) of finished "
+                                          "requests on decode instances, by priority class and API key", labels,
+                                          registry=self.registry)
+        self.limits_shared = Gauge("pdserve_api_key_limits_shared", "1: the API keys' limits are held in Redis for "
+                                   "every gateway; 0: by this gateway alone (no Redis, or it did not answer)",
+                                   registry=self.registry)
+        self.limits_local = Counter("pdserve_api_key_limits_local_decisions", "limit decisions this gateway took "
+                                    "alone because Redis did not answer", registry=self.registry)
+
+    def tenant(self, priority: int, key: str, outcome: str) -> None:
+        self.tenant_requests.labels(class_label(priority), key, outcome).inc()
+
+    def tenant_ended(self, priority: int, key: str, queue_s: float | None, preemptions: int, timed_out: bool) -> None:
+        cls = class_label(priority)
+        if queue_s is not None:
+            self.tenant_queue.labels(cls, key).observe(queue_s)
+        if preemptions:
+            self.tenant_preemptions.labels(cls, key).inc(preemptions)
+        if timed_out:
+            self.tenant(priority, key, "queue_timeout")
+
+    def limits_mode(self, shared: bool, configured: bool) -> None:
+        """Where a limit decision was taken (gateway/limits.py KeyLimits.on_mode)."""
+        self.limits_shared.set(1.0 if shared else 0.0)
+        if configured and not shared:
+            self.limits_local.inc()
 
     def add_api_keys(self, names: list[str]) -> None:
         """Creates each key's series at 0, so a dashboard shows a key before its first request
@@ -200,6 +244,13 @@ class GatewayMetrics:
 
     def describe(self):
         return []
+
+
+def class_label(priority: int) -> str:
+    """A priority class as a metric label: its value, within +-MAX_CLASS_LABEL."""
+    if priority > MAX_CLASS_LABEL:
+        return f">{MAX_CLASS_LABEL}"
+    return f"<-{MAX_CLASS_LABEL}" if priority < -MAX_CLASS_LABEL else str(priority)
 
 
 def _router_guard_counters(router) -> list[CounterMetricFamily]:

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from engine.core.request import SamplingParams, prompt_misfit
+from engine.core.request import MAX_PRIORITY, SamplingParams, prompt_misfit
 from gateway.tools import check_tool_choice, named_schema, required_schema, validate_tools
 
 # Accepted but without effect on generation (OpenAI bookkeeping fields).
@@ -225,6 +225,8 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # a vLLM extension (benchmarks)
     cache_salt: str | None = None  # vLLM's: prompts of different salts share no prefix cache (docs/gateway.md)
+    # vLLM's: its class, a lower value served first; absent: its API key's class (docs/gateway.md "Tenants")
+    priority: Int | None = _bounded(minimum=-MAX_PRIORITY, maximum=MAX_PRIORITY)
     presence_penalty: float | None = _bounded(minimum=-2, maximum=2)
     frequency_penalty: float | None = _bounded(minimum=-2, maximum=2)
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra=_LOGIT_BIAS)
@@ -333,7 +335,12 @@ class _Sampling(BaseModel):
                               structured_output=self.structured_output(),
                               logit_bias=self._logit_bias(vocab_size),
                               stop_token_ids=self._token_ids("stop_token_ids", self.stop_token_ids or [], vocab_size),
-                              cache_salt=self._cache_salt())
+                              cache_salt=self._cache_salt(), priority=self._priority())
+
+    def _priority(self) -> int:
+        if self.priority is not None and not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise APIError(400, f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]", param="priority")
+        return self.priority or 0
 
     def _cache_salt(self) -> str | None:
         """The request's salt, at most MAX_REQUEST_SALT_CHARS (its key's name may go before it: isolate_cache)."""

@@ -39,6 +39,7 @@ from gateway.reasoning import ReasoningParser
 from gateway.tool_parsers import NamedCallStream, ToolParser, required_stream
 from gateway.tools import call_from_named, calls_from_required
 from gateway.trace import RequestTrace
+from router.flow import QUEUE_TIMEOUT
 from router.tables import StreamEvent
 
 RETRY_AFTER = {"Retry-After": "1"}
@@ -118,6 +119,8 @@ class Generation:
         self.client_gone = False  # a non-streaming request's client closed its connection
         # its trace (gateway/trace.py), and its phases' seconds as the instances reported them with its end
         self.trace, self.return_timings, self.instance_timings = trace, return_timings, {}
+        self.tenant: tuple[int, str] | None = None  # (its priority class, its key's name): per-tenant metrics
+        self.num_preemptions = 0  # on its decode instances, as its end reports it
 
     @property
     def finished(self) -> bool:
@@ -175,6 +178,7 @@ class Generation:
             loop.run_in_executor(None, self.cluster.stop, self.request_id, choice.index, choice.num_tokens)
         if event.finished:
             self.instance_timings = self.instance_timings or event.timings or {}
+            self.num_preemptions += event.num_preemptions
             self.error = self.error or event.error
             self.bad_request = self.bad_request or event.bad_request
             if self.finished:
@@ -195,6 +199,9 @@ class Generation:
         for phase in REQUEST_PHASES:
             if (seconds := timings.get(phase)) is not None:
                 self.metrics.phases.labels(phase).observe(seconds, self.exemplar)
+        if self.tenant is not None:
+            self.metrics.tenant_ended(*self.tenant, timings.get("queue"), self.num_preemptions,
+                                      (self.error or "").startswith(QUEUE_TIMEOUT))
         if self.trace is not None:
             self.trace.end(timings, {"pdserve.request_id": self.request_id, **{
                 f"gen_ai.usage.{k}": v for k, v in self.usage.items() if isinstance(v, int)}}, self.error)

@@ -3,8 +3,9 @@
 A request's whole prompt is allocated at admission (after prefix-cache hits), so a prefill
 never needs preemption; long prompts are then computed in chunks of the budget, and each
 chunk's full blocks join the prefix cache in the step that computes them. The step that
-computes a prompt's last chunk samples its first token. The request keeps its blocks until
-its KV has been delivered (`release`), after which its full blocks stay in the prefix cache.
+computes a prompt's last chunk samples its first token. Prompts wait by priority class, then arrival.
+The request keeps its blocks until its KV has been delivered (`release`), after which its full
+blocks stay in the prefix cache.
 
 A prompt whose prefix another instance holds may have that prefix's KV fetched instead (issue 51
 item 3, docs/disaggregation.md "Cross-instance fetch"): `admit_fetch` allocates the whole prompt at
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 from engine.core.block_manager import KVCacheManager
 from engine.core.config import SchedulerConfig
+from engine.core.priority import enqueue
 from engine.core.request import (CachedRequestData, NewRequestData, Request, RequestStatus, RunnerOutput,
                                  SchedulerOutput, check_admission)
 from engine.sample.sampling import history_of
@@ -97,7 +99,7 @@ class PrefillScheduler:
         """Queues a prompt; ValueError (engine.core.request.check_admission) if it cannot be taken. An
         n > 1 request is one prompt here: every choice's first token comes from its logits."""
         check_admission(req, self.max_model_len, self.request_ids)
-        self.waiting.append(req)
+        enqueue(self.waiting, req)  # by class, then arrival (engine/core/priority.py)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.fetched)

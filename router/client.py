@@ -121,8 +121,9 @@ class DecodeClient(ABC):
         reservation says how much of the prompt the instance's prefix cache holds: not shipped."""
 
     @abstractmethod
-    def add_request(self, msg: RequestMessage) -> None:
-        """Prefill and decode here (colocated, or conditional disaggregation's short prompts)."""
+    def add_request(self, msg: RequestMessage) -> bool:
+        """Prefill and decode here (colocated, or conditional disaggregation's short prompts); False
+        when its priority class has no seat there now (admission control: the router keeps it)."""
 
     @abstractmethod
     def poll_outputs(self, timeout: float, client_id: str = "") -> list:

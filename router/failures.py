@@ -77,7 +77,7 @@ class Failures:
             return self.give_up(tracked, reason)
         tracked.attempt += 1
         self.tables.stats["retries"] += 1
-        self.tables.pending.appendleft(tracked)
+        self.tables.pending.push(tracked, ahead=True)
         self.tables.wake.notify_all()
 
     def give_up(self, tracked: Tracked, reason: str, bad_request: bool = False) -> None:

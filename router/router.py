@@ -25,9 +25,9 @@ escapes a thread's loop anyway is logged, counted and the loop restarted (router
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import uuid
-from collections import deque
 from dataclasses import dataclass, replace
 
 from engine.core import tracing
@@ -36,6 +36,7 @@ from kvtransfer.params import KVTransferParams
 from router.client import DecodeClient, InstanceDeadError, InstanceLoad, PrefillClient
 from router.failures import Failpoints, Failures
 from router.fetch import Fetches, FetchPlan
+from router.flow import QUEUE_TIMEOUT
 from router.policy import BaseRoutingPolicy, SessionAffinity
 from router.spans import decoding, first_token, open_attempt, placed
 from router.tables import RequestStream, RouterTables, StreamEvent, Tracked, indexed
@@ -68,13 +69,16 @@ class _Outcome:
 class Router:
     def __init__(self, prefill: list[PrefillClient], decode: list[DecodeClient], policy: BaseRoutingPolicy,
                  mode: str = "disaggregated", disagg_threshold_tokens: int = 0, max_attempts: int = 3,
-                 max_queued: int = 4096, poll_s: float = 0.2, kv_recompute_max_tokens: int = 0, kv_fetch: bool = True):
+                 max_queued: int = 4096, poll_s: float = 0.2, kv_recompute_max_tokens: int = 0, kv_fetch: bool = True,
+                 queue_timeout_s: float = math.inf):
+        """`max_queued`: requests of one priority class that may wait to be placed (more: QueueFullError);
+        `queue_timeout_s`: how long one may wait (then it fails: "queue_timeout")."""
         self.client_id = f"router-{uuid.uuid4().hex[:12]}"  # instances send this router only its own requests' outputs
         self.policy, self.mode = policy, mode
         self.sessions = SessionAffinity()
-        self.disagg_threshold_tokens, self.max_queued, self.poll_s = disagg_threshold_tokens, max_queued, poll_s
+        self.disagg_threshold_tokens, self.poll_s = disagg_threshold_tokens, poll_s
         self.failpoints = Failpoints.from_env()  # off unless PDSERVE_FAILPOINTS (router/failures.py)
-        self.tables = t = RouterTables(prefill, decode)
+        self.tables = t = RouterTables(prefill, decode, max_queued, queue_timeout_s)
         self.failures = Failures(t, max_attempts, kv_recompute_max_tokens, self.failpoints)
         # the tables under the names this class reads them by (the same objects)
         self.prefill, self.decode, self.stats, self.handler_errors = t.prefill, t.decode, t.stats, t.handler_errors
@@ -148,32 +152,35 @@ class Router:
         self.fetches.forget(instance_id)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               listener=None, session: str | None = None, trace: str = "") -> RequestStream | list[RequestStream]:
+               listener=None, session: str | None = None, trace: str = "", tenant: str = "",
+               weight: float = 1.0) -> RequestStream | list[RequestStream]:
         """Starts a request; its tokens arrive on the returned stream (or at `listener`). With n > 1,
         a list of n streams, one per choice (events carry their `index`): the prompt is placed once,
         and each choice goes on by itself if that placement fails. A `session`'s request prefers the
         instances its last one ran on (SessionAffinity); its attempts' spans go under `trace` (engine/core/tracing.py).
+        Queued, it waits by its class (params.priority), then its `tenant`'s fair share by `weight` (router/flow.py).
         Calls the chosen instances from the caller's thread (an event loop should call this from a worker)."""
-        tracked = Tracked(request_id, list(prompt_token_ids), params,
-                          RequestStream(request_id, None if params.n > 1 else listener), session=session, trace=trace)
+        tracked = Tracked(request_id, list(prompt_token_ids), params, RequestStream(
+            request_id, None if params.n > 1 else listener), session=session, trace=trace, tenant=tenant, weight=weight)
         if params.n > 1:
             tracked.choices = [Tracked(choice_id(request_id, i), tracked.prompt_token_ids,
                                        params.choice(i),
                                        RequestStream(choice_id(request_id, i), indexed(listener, i)), parent=tracked,
                                        index=i, grouped=True, trace=trace) for i in range(params.n)]
         with self._locked():
-            if len(self._pending) >= self.max_queued:
-                raise QueueFullError(f"{len(self._pending)} requests already queued")
+            if self._pending.full(params.priority):
+                raise QueueFullError(f"{self._pending.size(params.priority)} requests of priority {params.priority} "
+                                     "already queued")
             self.stats["submitted"] += 1
             self.stats["prompt_tokens"] += len(tracked.prompt_token_ids)
             self._live[request_id] = tracked  # (an n > 1 request: until its last choice ends)
-            queue_behind = bool(self._pending)  # first come, first placed
+            queue_behind = bool(self._pending)  # the queue decides who is placed next
             if queue_behind:
-                self._pending.append(tracked)
+                self._pending.push(tracked)
                 self._wake.notify_all()
         if not queue_behind and not self._place_guarded(tracked):
             with self._locked():
-                self._pending.append(tracked)
+                self._pending.push(tracked)
         return [c.stream for c in tracked.choices] if tracked.choices else tracked.stream
 
     def abort(self, request_id: str) -> None:
@@ -306,8 +313,7 @@ class Router:
         try:
             if p is None:
                 d = plan.decodes[0]
-                d.add_request(msg)
-                return _Outcome(d)
+                return _Outcome(d if d.add_request(msg) else None)  # (no seat: queued)
             for candidate in plan.decodes:
                 reservation = candidate.reserve(msg, p.info.tp_size)
                 if reservation is not None:
@@ -365,34 +371,27 @@ class Router:
         return True
 
     def _place_pending(self) -> None:
-        """The placement thread: queued and retried requests, first come first placed. When the
-        head of the queue fits nowhere, it waits for capacity (a request finishing, an instance
-        joining) or 50 ms. Requests it took off the queue and had not placed when something
-        raised past the guards go back to its head (the supervisor restarts the thread)."""
+        """The placement thread: queued and retried requests, in the queue's order (router/flow.py).
+        When the next fits nowhere, it goes back and the thread waits for capacity (a request
+        finishing, an instance joining) or 50 ms. Requests queued too long fail ("queue_timeout")."""
         while not self._stop.is_set():
             with self._locked():
-                if not self._pending:
+                for t in self._pending.expired():
+                    self.stats["queue_timeouts"] += 1
+                    self.failures.give_up(t, f"{QUEUE_TIMEOUT}: queued {self._pending.timeout_s:g} s, every decode "
+                                             "instance full")
+                entry = self._pending.pop()
+                if entry is None:
                     self._wake.wait(0.05)
-                batch = deque(self._pending)
-                self._pending.clear()
+                    continue
+            placed = False
             try:
-                self._place_batch(batch)
+                placed = self._place_guarded(entry.tracked)
             finally:
-                if batch:
+                if not placed:
                     with self._locked():
-                        self._pending.extendleft(reversed(batch))
-
-    def _place_batch(self, batch: deque[Tracked]) -> None:
-        """Places `batch` in order, taking each request off it once placed or ended. One that fits
-        nowhere goes back to the queue's head with those behind it; then it waits for capacity."""
-        while batch:
-            if not self._place_guarded(batch[0]):
-                with self._locked():
-                    self._pending.extendleft(reversed(batch))
-                    batch.clear()
-                    self._wake.wait(0.05)
-                return
-            batch.popleft()
+                        self._pending.restore(entry)
+                        self._wake.wait(0.05)
 
     # -- events from instances -------------------------------------------------------------------------
     def _collect(self, iid: str) -> None:
@@ -463,6 +462,7 @@ class Router:
         self._deliver(tracked, o.new_token_ids, o.new_extras, o.num_cached_tokens)
         if o.finished:
             tracked.timings.update(o.timings or {})
+            tracked.preemptions += o.num_preemptions
             del self._by_attempt[tracked.attempt_id]
             if tracked.prefill_id in self.prefill:
                 self.tables.deferred.append((self.prefill[tracked.prefill_id].abort, tracked.attempt_id))

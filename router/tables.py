@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -19,6 +19,7 @@ from typing import Callable
 from engine.core import tracing
 from engine.core.request import SamplingParams, choice_id
 from router.client import DecodeClient, InstanceDeadError, PrefillClient
+from router.flow import FlowQueue
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ HANDLERS = ("place", "prefill_result", "decode_output", "deferred", "load")
 PHASES = ("queue", "prefill_queue", "prefill", "kv_transfer", "decode")
 # cumulative counters (the autoscaler's arrival rate and request shape come from these)
 STATS = ("retries", "failed", "completed", "submitted", "prompt_tokens", "cached_prompt_tokens", "output_tokens",
-         "instance_deaths", "kv_recomputes", "tokens_past_stop", "session_placements",
+         "instance_deaths", "kv_recomputes", "queue_timeouts", "tokens_past_stop", "session_placements",
          "prefix_available_tokens", "prefix_routed_tokens",
          # cross-instance fetch (router/fetch.py)
          "kv_fetches_chosen", "kv_fetches_declined", "kv_fetches_opened", "kv_fetches_not_opened", "kv_fetches_refused")
@@ -38,7 +39,8 @@ STATS = ("retries", "failed", "completed", "submitted", "prompt_tokens", "cached
 class RouterTables:
     """Instances, requests and counters of one router, under one lock."""
 
-    def __init__(self, prefill: list[PrefillClient], decode: list[DecodeClient]):
+    def __init__(self, prefill: list[PrefillClient], decode: list[DecodeClient], max_queued: int = 4096,
+                 queue_timeout_s: float = math.inf):
         self.prefill = {c.info.instance_id: c for c in prefill}
         self.decode = {c.info.instance_id: c for c in decode}
         self.lock = threading.RLock()
@@ -47,7 +49,7 @@ class RouterTables:
         self._tls = threading.local()  # per thread: nesting of locked() (a Condition wait lets others in)
         self.live: dict[str, Tracked] = {}  # request id -> request, until it has finished
         self.by_attempt: dict[str, Tracked] = {}
-        self.pending: deque[Tracked] = deque()  # waiting for a decode instance to accept
+        self.pending = FlowQueue(max_queued, queue_timeout_s)  # waiting for a decode instance to accept
         self.stopped: dict[str, None] = {}  # attempt ids ended by `stop` (latest 1024): their late tokens count
         self.stats = dict.fromkeys(STATS, 0)
         self.handler_errors = dict.fromkeys(HANDLERS, 0)  # exceptions guards caught (each failed one request)
@@ -101,7 +103,7 @@ class RouterTables:
             tracked.end_span(event.finish_reason or "", event.error)
             # a choice's: its decode's, after what its parent's placement measured (queue, prefill)
             parent = tracked.parent.timings if tracked.parent is not None else {}
-            event = replace(event, timings={**parent, **tracked.timings} or None)
+            event = replace(event, timings={**parent, **tracked.timings} or None, num_preemptions=tracked.preemptions)
             if self.live.get(tracked.request_id) is tracked:
                 del self.live[tracked.request_id]
             tracked.stream.put(event)
@@ -121,6 +123,7 @@ class StreamEvent:
     # with an attempt's first token: its prompt tokens served from a prefix cache (usage's cached_tokens)
     num_cached_tokens: int | None = None
     timings: dict[str, float] | None = None  # with the end: the request's phase seconds (PHASES)
+    num_preemptions: int = 0  # with the end: how often its decode instances preempted it
 
 
 class RequestStream:
@@ -214,6 +217,8 @@ class Tracked:
     placing: tuple[str, ...] = ()  # while a placement's calls are out: the instances it may start on
     recompute_on: str | None = None  # the next attempt prefills on this decode instance (its KV load failed)
     session: str | None = None  # its session (x-session-id or user): placed where the session's last request was
+    tenant: str = ""  # who it is for (its API key's name): fair shares within its class (router/flow.py)
+    weight: float = 1.0  # its tenant's weight
     done: bool = False
     # n > 1: a parent is placed once for its choices (it has no stream of its own); a choice follows its
     # parent's placement (`grouped`) until that fails, then goes on as a request of its own
@@ -227,6 +232,7 @@ class Tracked:
     span: object = field(default=None, compare=False, repr=False)
     submitted_ns: int = field(default_factory=time.time_ns)
     timings: dict[str, float] = field(default_factory=dict)
+    preemptions: int = 0  # on its decode instances, over its attempts
 
     def end_span(self, outcome: str, error: str | None = None) -> None:
         """Ends the attempt's span, if one is open."""

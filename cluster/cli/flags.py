@@ -169,6 +169,10 @@ _HELP = {
     "otlp_traces_endpoint": "send OpenTelemetry traces (one per request across gateway, router, prefill, KV transfer "
                             "and decode) to this OTLP/HTTP endpoint, e.g. http://collector:4318 (off when unset); "
                             "docs/observability.md",
+    "router_max_queued": "requests of one priority class the router may hold queued while every decode instance is "
+                         "full (more: 429 with Retry-After)",
+    "router_queue_timeout_s": "how long a request may wait in the router's queue for a decode instance (then 503 with "
+                              "Retry-After)",
     "trace_sample_ratio": "fraction of new requests traced, in (0, 1]; a client's traceparent decides its own",
     "return_timings": "each answer's usage carries its phase times in ms (usage.timings), and a non-streaming one a "
                       "Server-Timing header",

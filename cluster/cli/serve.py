@@ -16,6 +16,7 @@ import torch
 from cluster.control import model_fit
 from cluster.control.cluster import Cluster
 from cluster.control.ray_watch import RayMembershipWatch
+from cluster.redis_client import URL_ENV
 from cluster.ranks import cpu_plan
 from cluster.spec import ClusterSpec
 from engine.core.config import resolve_dtype
@@ -61,7 +62,13 @@ def gateway_access(spec: ClusterSpec, api_key: str | None) -> dict:
         check_key_strength(api_key, "--api-key/$PDSERVE_API_KEY")
     return {"api_keys": configured_keys(api_key, spec.api_keys_file), "max_request_bytes": spec.max_request_bytes,
             "max_prompt_tokens": spec.max_prompt_tokens, "session_affinity": spec.session_affinity,
-            "return_timings": spec.return_timings}
+            "return_timings": spec.return_timings, "limits_redis_url": limits_redis_url(spec)}
+
+
+def limits_redis_url(spec: ClusterSpec) -> str | None:
+    """The Redis that holds the API keys' limits for every gateway: the cluster state's (None: in memory)."""
+    url = spec.redis_url or os.environ.get(URL_ENV)
+    return url if url is not None and url.startswith(("redis://", "rediss://", "unix://")) else None
 
 
 def watch_keys(app, spec: ClusterSpec, api_key: str | None, interval_s: float = KEYS_POLL_S) -> KeysFileWatcher | None:

@@ -43,7 +43,8 @@ def create_router(spec: ClusterSpec, prefill: list, decode: list) -> Router:
         tracing.configure(spec.tracing)
     return Router(prefill, decode, create_routing_policy(spec.router_policy), mode=spec.mode,
                   disagg_threshold_tokens=spec.disagg_threshold_tokens, kv_recompute_max_tokens=recompute,
-                  kv_fetch=spec.kv_fetch)
+                  kv_fetch=spec.kv_fetch, max_queued=spec.router_max_queued,
+                  queue_timeout_s=spec.router_queue_timeout_s)
 
 
 def publish_stats(router: Router, state: ClusterState, stop: threading.Event, ttl_s: float) -> None:

@@ -47,9 +47,9 @@ class Serving:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               listener=None, session: str | None = None, trace: str = "") -> RequestStream:
-        return self.router.submit(request_id, prompt_token_ids, params, listener, session, trace)
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, listener=None,
+               session: str | None = None, trace: str = "", tenant: str = "", weight: float = 1.0) -> RequestStream:
+        return self.router.submit(request_id, prompt_token_ids, params, listener, session, trace, tenant, weight)
 
     def abort(self, request_id: str) -> None:
         """Stop a request on every instance it touches; its blocks are freed."""
@@ -125,7 +125,7 @@ class LocalDecodeClient(_LocalClient, DecodeClient):
         return self.worker.reserve(msg, prefill_tp)
 
     def add_request(self, msg):
-        self.worker.add_request(msg)
+        return self.worker.add_request(msg)
 
 
 FETCH_WAIT_S = 30.0  # how long a fetch or ship_held call may wait for the instance to take it
@@ -179,7 +179,7 @@ class RayDecodeClient(_RayClient, DecodeClient):
         return self._call("reserve", msg, prefill_tp)
 
     def add_request(self, msg):
-        self._call("add_request", msg)
+        return self._call("add_request", msg)
 
     def poll_outputs(self, timeout, client_id=""):
         return self._call("poll_outputs", timeout, client_id, wait_s=timeout)

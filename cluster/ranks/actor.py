@@ -157,8 +157,8 @@ class RankActor:
     def forget(self, request_id: str) -> None:
         self.host.worker.receiving.forget(request_id)
 
-    def add_request(self, msg: RequestMessage) -> None:
-        self.host.worker.add_request(msg)
+    def add_request(self, msg: RequestMessage) -> bool:
+        return self.host.worker.add_request(msg)
 
     # both
     def poll_outputs(self, timeout: float, client_id: str = "") -> list:

@@ -44,6 +44,7 @@ from engine.core.tier_copies import TierCopies
 
 
 MAX_CACHE_SALT_CHARS = 1024
+MAX_PRIORITY = 2**31 - 1  # |priority|: an int32, as vLLM takes it
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ class SamplingParams:
     # requests of different salts never share a KV block in any tier (a tenant cannot time another's
     # prompts). Here, not on the request: the one record of its options every process and retry carries.
     cache_salt: str | None = None
+    # vLLM's priority: its class; a lower value is served first (engine/core/priority.py), 0 by default
+    priority: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -104,6 +107,8 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
             raise ValueError(f"cache_salt must be 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(self.cache_salt)}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int) or abs(self.priority) > MAX_PRIORITY:
+            raise ValueError(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}")
 
     @functools.cached_property
     def stop_token_set(self) -> frozenset[int]:
@@ -241,6 +246,11 @@ class Request:
         EOS set (`ModelConfig.eos_token_ids`)."""
         return cls(msg.request_id, list(msg.prompt_token_ids), msg.sampling_params, time.monotonic(), eos_token_ids,
                    client_id=msg.client_id, trace_context=msg.trace_context)
+
+    @property
+    def priority(self) -> int:
+        """Its class: a lower value is served first (SamplingParams.priority)."""
+        return self.sampling_params.priority
 
     @property
     def num_prompt_tokens(self) -> int:

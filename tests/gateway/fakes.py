@@ -38,7 +38,7 @@ class FakeCluster:
     def ready(self) -> bool:
         return self.is_ready
 
-    def submit(self, request_id, prompt_token_ids, params, listener=None, session=None, trace=""):
+    def submit(self, request_id, prompt_token_ids, params, listener=None, session=None, trace="", *tenant):
         self.submitted.append((request_id, prompt_token_ids, params))
         self.sessions.append(session)
         n = min(params.max_tokens, len(TOKENS))

@@ -18,7 +18,8 @@ from fastapi.testclient import TestClient
 from cluster.cli.serve import serve_in_thread
 from gateway.api_keys import APIKey, configured_keys, hash_api_key, load_api_keys
 from gateway.app import create_app
-from gateway.guard import APIKeyManager, KeyLimitError
+from gateway.guard import APIKeyManager
+from gateway.limits import KeyLimitError
 from router.tables import StreamEvent
 from tests.gateway.fakes import TOKENS, FakeCluster
 
@@ -87,25 +88,26 @@ def test_bucket_and_concurrency_arithmetic():
                              APIKey("c", hash_api_key("kc"), requests_per_second=1.0, max_concurrent=1),
                              APIKey("d", hash_api_key("kd"), requests_per_second=2.5)], clock=lambda: now[0])
     a, c, d = manager.keys
-    manager.admit(a)
-    manager.admit(a)
+    admit = lambda key: asyncio.run(manager.admit(key))  # noqa: E731
+    admit(a)
+    admit(a)
     for t, retry in ((0.0, "2"), (1.0, "1"), (1.9, "1")):
         now[0] = t
         with pytest.raises(KeyLimitError) as refused:
-            manager.admit(a)
+            admit(a)
         assert (refused.value.outcome, refused.value.headers["Retry-After"]) == ("rate_limited", retry)
     now[0] = 2.0
-    manager.admit(a)
+    admit(a)
     assert d.bucket_size == 3 and c.bucket_size == 1
     now[0] = 5.0
-    manager.admit(c)
+    hold = admit(c)
     now[0] = 6.0  # a token is back, but the one slot is taken
     with pytest.raises(KeyLimitError) as refused:
-        manager.admit(c)
+        admit(c)
     assert (refused.value.outcome, refused.value.headers["Retry-After"]) == ("concurrency_limited", "1")
-    manager.release(c)
-    manager.admit(c)  # the refused request took no token: this one finds it
-    assert manager.in_flight == {"a": 3, "c": 1, "d": 0}
+    asyncio.run(manager.release(hold))
+    admit(c)  # the refused request took no token: this one finds it
+    assert manager.limits.local.in_flight == {"a": 3, "c": 1, "d": 0}
 
 
 class HoldingCluster(FakeCluster):
@@ -115,7 +117,7 @@ class HoldingCluster(FakeCluster):
         super().__init__()
         self.held = []
 
-    def submit(self, request_id, prompt_token_ids, params, listener=None, session=None, trace=""):
+    def submit(self, request_id, prompt_token_ids, params, listener=None, session=None, trace="", *tenant):
         self.submitted.append((request_id, prompt_token_ids, params))
         self.held.append(listener)
 

@@ -4,6 +4,8 @@ gateway, a malformed one keeps the keys in use, SIGHUP reloads at once, limits c
 keys too weak to take are refused where they are seen in plain text."""
 from __future__ import annotations
 
+import asyncio
+
 import json
 import logging
 import os
@@ -140,16 +142,17 @@ def test_a_reload_keeps_buckets_and_in_flight_counts():
     a = APIKey("team-a", hash_api_key(KEY_A), requests_per_second=1.0, burst=1)
     b = APIKey("team-b", hash_api_key(KEY_B), max_concurrent=1)
     manager = APIKeyManager([a, b], clock=lambda: now[0])
-    manager.admit(a)
-    manager.admit(b)
+    admit = lambda key: asyncio.run(manager.admit(key))  # noqa: E731
+    admit(a)
+    hold = admit(b)
     manager.replace([a])
     with pytest.raises(Exception, match="rate limit"):
-        manager.admit(a)
-    manager.release(b)
-    assert manager.in_flight == {"team-a": 1, "team-b": 0}
+        admit(a)
+    asyncio.run(manager.release(hold))
+    assert manager.limits.local.in_flight == {"team-a": 1, "team-b": 0}
     manager.replace([APIKey("team-a", hash_api_key(KEY_A), requests_per_second=2.0, burst=1)])
-    manager.admit(a)
-    assert manager.in_flight == {"team-a": 2}
+    admit(a)
+    assert manager.limits.local.in_flight == {"team-a": 2}
 
 
 @pytest.mark.parametrize("key, why", [("sk-short-123", "the key has 12 characters, fewer than 16"),

@@ -252,7 +252,7 @@ def test_auto_tool_choice_needs_a_parser(cluster):
 
 
 def test_a_request_an_instance_refuses_is_a_400(client, cluster, monkeypatch):
-    def refuse(request_id, prompt_token_ids, params, listener=None, session=None, trace=""):
+    def refuse(request_id, prompt_token_ids, params, listener=None, session=None, trace="", *tenant):
         listener(StreamEvent([], True, "error", "n=3 is more choices than this instance runs at once",
                              bad_request=True))
     monkeypatch.setattr(cluster, "submit", refuse)

@@ -31,14 +31,14 @@ class SilentCluster(FakeCluster):
         super().__init__()
         self.spec = ClusterSpec(request_timeout_s=request_timeout_s)
 
-    def submit(self, request_id, prompt_token_ids, params, listener=None, session=None, trace=""):
+    def submit(self, request_id, prompt_token_ids, params, listener=None, session=None, trace="", *tenant):
         self.submitted.append((request_id, prompt_token_ids, params))
 
 
 class TricklingCluster(FakeCluster):
     """Sends a token every 20 ms until the request is aborted (or 30 s pass)."""
 
-    def submit(self, request_id, prompt_token_ids, params, listener=None, session=None, trace=""):
+    def submit(self, request_id, prompt_token_ids, params, listener=None, session=None, trace="", *tenant):
         self.submitted.append((request_id, prompt_token_ids, params))
 
         def emit():

@@ -35,7 +35,7 @@ class SlowCluster(FakeCluster):
         super().__init__()
         self.interval_s, self.on_abort = interval_s, on_abort
 
-    def submit(self, request_id, prompt_token_ids, params, listener=None, session=None, trace=""):
+    def submit(self, request_id, prompt_token_ids, params, listener=None, session=None, trace="", *tenant):
         self.submitted.append((request_id, prompt_token_ids, params))
 
         def emit():

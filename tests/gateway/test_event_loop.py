@@ -24,7 +24,7 @@ class SlowSubmitCluster(FakeCluster):
         self.entered, self.release = threading.Event(), threading.Event()
         self.gave_up_waiting = False  # nobody released it: the event loop was stuck in here
 
-    def submit(self, request_id, prompt_token_ids, params, listener=None, session=None, trace=""):
+    def submit(self, request_id, prompt_token_ids, params, listener=None, session=None, trace="", *tenant):
         self.entered.set()
         self.gave_up_waiting = not self.release.wait(5)
         super().submit(request_id, prompt_token_ids, params, listener)

@@ -74,6 +74,7 @@ class FakeDecode(_FakeInstance, DecodeClient):
     def add_request(self, msg):
         self._check()
         self.local.append((msg.request_id, list(msg.prompt_token_ids)))
+        return True
 
     def poll_outputs(self, timeout, client_id=""):
         return self._poll(timeout)

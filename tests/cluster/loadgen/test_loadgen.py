@@ -45,7 +45,7 @@ class LoadFakeCluster(FakeCluster):
         self.token_delay_s, self.queue_full_at, self.fail_at = 0.0, None, None
         self.active = self.max_active = 0
 
-    def submit(self, request_id, prompt_token_ids, params, listener=None, session=None, trace=""):
+    def submit(self, request_id, prompt_token_ids, params, listener=None, session=None, trace="", *tenant):
         if params.max_tokens == self.queue_full_at:
             raise QueueFullError("test: full")
         self.submitted.append((request_id, prompt_token_ids, params))
