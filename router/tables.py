@@ -140,6 +140,7 @@ class RequestStream:
         self.num_cached_tokens = 0  # the latest attempt's prompt tokens served from a prefix cache
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.num_preemptions = 0  # with its end: how often its decode instances preempted it
         self.arrival_s = time.monotonic()
         self.first_token_s: float | None = None  # when the router produced the first token
         self.finished_at_s: float | None = None  # when the router produced the end
@@ -170,6 +171,7 @@ class RequestStream:
             self.num_cached_tokens = event.num_cached_tokens
         if event.finished:
             self.finish_reason, self.error, self.finished_s = event.finish_reason, event.error, self.finished_at_s
+            self.num_preemptions = event.num_preemptions
         return event
 
     def __iter__(self):
