@@ -249,9 +249,9 @@ class Scheduler:
         self._finished_ids, self.block_copies = [], []
         if self.kv.tier is not None:  # the last step has ended: the blocks its copies held go
             self.kv.tier.release_copied()
+        self._make_room()  # (before the speculator plans: it may preempt)
         ks = {} if self.speculator is None else \
             self.speculator.plan(self.running, self._unknown_to_runner, self.max_model_len)
-        self._make_room()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens, ks)
         if self._speculating:
             budget += self._propose()

@@ -17,7 +17,7 @@ import logging
 import torch
 
 from engine.core.block_manager import KVCacheManager
-from engine.core.request import Request
+from engine.core.request import Request, SamplingParams
 from kvtransfer.connector import PrefillConnector, Shipment, prompt_slots
 from kvtransfer.params import KVTransferParams
 
@@ -50,7 +50,9 @@ class HeldKV:
             return f"cannot ship the held prefix: {request_id} is already shipping"
         # its own id (the instance may hold the fetching request itself: a decode instance reserved it);
         # one token more: every given block is then a full block before the last token, as a prompt's hits are
-        return self._hold(kv, request_id, Request(f"{request_id}#held", [*token_ids, token_ids[-1]]), params)
+        # (a salted prompt's blocks are found under its salt: SamplingParams.cache_salt)
+        held = Request(f"{request_id}#held", [*token_ids, token_ids[-1]], SamplingParams(cache_salt=params.cache_salt))
+        return self._hold(kv, request_id, held, params)
 
     def _hold(self, kv: KVCacheManager, request_id: str, req: Request, params: KVTransferParams) -> str | None:
         size, n = kv.block_size, req.num_tokens - 1

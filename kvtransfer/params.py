@@ -123,6 +123,7 @@ class KVTransferParams:
     endpoints: tuple[KVEndpoint, ...]  # one per decode rank, in rank order
     decode_cached_tokens: int = 0
     trace_context: str = ""  # the traceparent of the prefill's kv.transfer span: in each part's `begin` ("": none)
+    cache_salt: str | None = None  # a fetch's: the salt the held blocks are hashed under (ship_held)
 
     def __post_init__(self):
         assert len(self.endpoints) == self.decode_tp_size, self

@@ -77,8 +77,8 @@ class Fetches:
         if self.follows:
             self.index.forget(instance_id)
 
-    def source(self, prompt: list[int], candidates: list[InstanceInfo],
-               chosen: InstanceInfo) -> tuple[InstanceInfo, int, int] | None:
+    def source(self, prompt: list[int], candidates: list[InstanceInfo], chosen: InstanceInfo,
+               cache_salt: str | None = None) -> tuple[InstanceInfo, int, int] | None:
         """(the candidate holding the most leading prompt tokens it can ship: a prefill instance's
         at any level, a decode instance's in its pool; those tokens; the ones `chosen` holds), whole
         blocks of `chosen`'s size short of the last token; None when no candidate of that block size
@@ -88,18 +88,21 @@ class Fetches:
             return None
         usable = (len(prompt) - 1) // size  # an engine computes the last token whatever it holds
         same = [c for c in candidates if c.block_size == size and c is not chosen]
-        own = min(self.index.longest_prefix(prompt, [chosen])[chosen.instance_id], usable) * size
-        held = {**self.index.longest_prefix(prompt, [c for c in same if c.role == "prefill"], LEVELS),
-                **self.index.longest_prefix(prompt, [c for c in same if c.role == "decode"], (STORED,))}
+        lookup = self.index.longest_prefix
+        own = min(lookup(prompt, [chosen], cache_salt=cache_salt)[chosen.instance_id], usable) * size
+        held = {**lookup(prompt, [c for c in same if c.role == "prefill"], LEVELS, cache_salt),
+                **lookup(prompt, [c for c in same if c.role == "decode"], (STORED,), cache_salt)}
         best = max(same, key=lambda c: held.get(c.instance_id, 0), default=None)
         n = 0 if best is None else min(held.get(best.instance_id, 0), usable) * size
         return (best, n, own) if n > own else None
 
-    def plan(self, prompt: list[int], candidates: list[InstanceInfo], chosen: InstanceInfo) -> FetchPlan | None:
-        """Under the router's lock: the holder to fetch from, or None (compute it all)."""
+    def plan(self, prompt: list[int], candidates: list[InstanceInfo], chosen: InstanceInfo,
+             cache_salt: str | None = None) -> FetchPlan | None:
+        """Under the router's lock: the holder to fetch from, or None (compute it all). A salted
+        prompt's prefix is looked up, and shipped, under its salt."""
         if not self.enabled or not chosen.kv_endpoints:  # (an instance without a fetch receiver)
             return None
-        found = self.source(prompt, candidates, chosen)
+        found = self.source(prompt, candidates, chosen, cache_salt)
         if found is None:
             return None
         holder, held, own = found
@@ -118,7 +121,8 @@ class Fetches:
         if start is None:
             return "kv_fetches_not_opened"
         ship = KVTransferParams(msg.request_id, prefill.info.instance_id, prefill.info.tp_size,
-                                prefill.info.kv_endpoints, decode_cached_tokens=start)
+                                prefill.info.kv_endpoints, decode_cached_tokens=start,
+                                cache_salt=msg.sampling_params.cache_salt)
         try:
             why = plan.holder.ship_held(msg.request_id, msg.prompt_token_ids[:plan.num_tokens], ship)
         except InstanceDeadError as exc:

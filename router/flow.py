@@ -23,10 +23,18 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
-if TYPE_CHECKING:
-    from router.tables import Tracked
+from engine.core.request import SamplingParams
+
+
+class Tracked(Protocol):
+    """What the queue reads of a request (router/tables.py Tracked)."""
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tenant: str
+    weight: float
+
 
 QUEUE_TIMEOUT = "queue_timeout"  # how the error of a request that waited past the deadline starts
 

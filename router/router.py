@@ -299,8 +299,7 @@ class Router:
         for choice in tracked.choices:  # the ids the decode instance gives them when it forks
             choice.prefill_id, choice.decode_id = None, None
             self._by_attempt[choice.attempt_id] = choice
-        fetch = None if prefill is None or salt is not None else \
-            self.fetches.plan(prompt, prefills + decodes, prefill.info)  # (a salted prefix is never fetched)
+        fetch = None if prefill is None else self.fetches.plan(prompt, prefills + decodes, prefill.info, salt)
         open_attempt(tracked, type(self.policy).__name__, None if prefill is None else prefill.info, first, local,
                      None if tracked.attempt else reuse, sticky_d is not None and first is sticky_d, fetch is not None)
         msg = RequestMessage(tracked.attempt_id, prompt, params, self.client_id, tracing.context_of(tracked.span))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -105,6 +106,26 @@ def test_held_blocks_leave_from_the_first_token_the_fetcher_lacks_without_a_forw
         worker.step()
     worker.kv.assert_no_leaks()
     assert worker.poll_outputs(0.01) == []  # nothing for the router: the fetcher sees the KV arrive
+
+
+def test_a_salted_prefix_ships_under_its_salt_only():
+    """A prompt computed under salt "t1": a fetch of it under "t1" ships its blocks; unsalted, or
+    under another salt, the holder holds none of it (refused, nothing leaves)."""
+    worker, _ = prefill_worker("ack")
+    worker.submit(RequestMessage("r", PROMPT + [9], replace(PARAMS, cache_salt="t1")), params("r", 0))
+    (first,) = run_until(worker, 1)
+    deadline = time.monotonic() + 10
+    while worker.kv.usage > 0 and time.monotonic() < deadline:
+        worker.step()
+    worker.connector.sender = sender = KeepingSender()
+    for salt in (None, "t2"):
+        answer = _ship(worker, PROMPT, replace(params(f"f-{salt}", 8), cache_salt=salt))
+        assert answer is not None and "holds fewer" in answer, (salt, answer)
+    assert sender.transfers == []
+    assert _ship(worker, PROMPT, replace(params("f", 8), cache_salt="t1")) is None
+    while not sender.transfers and time.monotonic() < deadline:
+        worker.step()
+    assert [(rid, n) for rid, _, n, _ in sender.transfers] == [("f", 16)]
 
 
 @pytest.mark.parametrize("tokens,start,why", [(PROMPT[:8] + [1] * 8, 0, "holds fewer than its 2 blocks"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -115,6 +116,27 @@ def test_routed_away_from_the_holder_the_prefix_is_fetched_from_it(policy):
         assert fetcher.given_up == [holder.ships[1][0]]
         stats = r.snapshot()
         assert stats["kv_fetches_refused"] == 1 and stats["failed"] == 0 and stats["retries"] == 0
+    finally:
+        r.close()
+
+
+def test_a_salted_prefix_is_fetched_under_its_salt_alone():
+    """The holder cached PROMPT under salt "s": a request of that salt fetches it, the holder told to
+    look its blocks up under "s"; one of another salt, or none, finds nothing to fetch."""
+    holder, fetcher = FetchingPrefill("p0"), FetchingPrefill("p1")
+    holder.cache("a", PROMPT, cache_salt="s")
+    r = Router([holder, fetcher], [FakeDecode("d0")], AwayFromThePrefix())
+    r.start()
+    try:
+        _until(lambda: r.fetches.index.num_snapshots >= 2, "the router follows both instances")
+        for rid, salt in (("none", None), ("other", "t")):
+            r.submit(rid, PROMPT + [5, 6], replace(PARAMS, cache_salt=salt))
+        _until(lambda: len(fetcher.submitted) + len(holder.submitted) == 2, "both placed")
+        assert not holder.ships and not fetcher.fetches
+        r.submit("salted", PROMPT + [5, 6], replace(PARAMS, cache_salt="s"))
+        _until(lambda: holder.ships, "the holder told to ship")
+        (_, tokens, params), = holder.ships
+        assert tokens == PROMPT and params.cache_salt == "s"
     finally:
         r.close()
 

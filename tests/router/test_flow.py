@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from engine.core.request import SamplingParams
 from router.flow import FlowQueue, cost_of
 from router.tables import RequestStream, Tracked
@@ -100,3 +102,25 @@ def test_deadline_takes_requests_that_waited_too_long():
 
 def test_cost_is_prompt_plus_n_times_max_tokens():
     assert cost_of(tracked("x", prompt=100, max_tokens=50, n=3)) == 250
+
+
+def test_a_full_router_refuses_per_class_and_fails_what_waits_past_its_deadline():
+    """A decode instance with no room: the queue holds one request per class (the next of that
+    class is QueueFullError, another class's is queued), and each fails "queue_timeout" once it
+    has waited 0.3 s; the router's counter says so."""
+    from router.router import QueueFullError
+    from tests.router.test_router import FakeDecode, FakePrefill, make_router
+    r = make_router([FakePrefill("p0")], [FakeDecode("d0", capacity=0)], max_queued=1, queue_timeout_s=0.3)
+    try:
+        def params(priority: int) -> SamplingParams:
+            return SamplingParams(max_tokens=3, priority=priority)
+        first = r.submit("a", [1, 2, 3], params(0))
+        with pytest.raises(QueueFullError, match="1 requests of priority 0 already queued"):
+            r.submit("b", [1, 2, 3], params(0))
+        other = r.submit("c", [1, 2, 3], params(5))
+        for stream in (first, other):
+            stream.result(10)
+            assert stream.finish_reason == "error" and stream.error.startswith("queue_timeout"), stream.error
+        assert r.snapshot()["queue_timeouts"] == 2 and r.num_queued == 0
+    finally:
+        r.close()
