@@ -6,6 +6,7 @@ request.
 
     python -m bench.tenants                 # the three servers, then the per-request costs
     python -m bench.tenants --json --flood-s 12 --interactive 8
+    python -m bench.tenants --neighbours 1     # beside a busy neighbour process (bench/busy_host.py)
 
 Each mode is a fresh `pdserve serve` (1P1D on Ray, --max-num-seqs 8, so the decode instance fills and the
 router queues), driven over HTTP by this process' clients (httpx): the batch flood a closed loop of
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.busy_host import busy_neighbours
 from bench.serving_vs_vllm import Server, _free_port, server_command
 
 logger = logging.getLogger("bench.tenants")
@@ -106,12 +108,13 @@ async def interactive_beside_flood(url: str, keyed: bool, args) -> dict:
 
 
 async def share_beside_flood(url: str, keyed: bool, args) -> dict:
-    """Key a floods (closed loop of 32), key b keeps 4 in flight: b's share of the tokens finished in the window."""
+    """Key a floods (32 in flight), key b keeps `--b-concurrency` in flight: b's share of the tokens finished
+    after the warm-up (its fair share, both keys backlogged: a half)."""
     done: list = []
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=256)) as http:
         start = time.monotonic()
         tasks = [asyncio.create_task(closed_loop(http, who, who if keyed else None, c, 64, 32, seed, done))
-                 for who, c, seed in (("a", 32, 2), ("b", 4, 3))]
+                 for who, c, seed in (("a", 32, 2), ("b", args.b_concurrency, 3))]
         await asyncio.sleep(args.flood_s)
         for t in tasks:
             t.cancel()
@@ -132,38 +135,39 @@ def measure_mode(mode: str, args, folder: Path) -> dict:
     try:
         server.wait_ready(ready, 300)
         keyed = MODES[mode] is not None
-        out = {"interactive": asyncio.run(interactive_beside_flood(server.url, keyed, args))}
-        if mode != "classes":  # a and b are of one class there too: "fair" measures it
-            out["share"] = asyncio.run(share_beside_flood(server.url, keyed, args))
+        with busy_neighbours(args.neighbours):  # (started once the server is up: its load is not measured)
+            out = {"interactive": asyncio.run(interactive_beside_flood(server.url, keyed, args))}
+            if mode != "classes":  # a and b are of one class there too: "fair" measures it
+                out["share"] = asyncio.run(share_beside_flood(server.url, keyed, args))
         return out
     finally:
         server.stop()
 
 
-def per_request_costs(n: int = 20000) -> dict:
-    """Microseconds per request: the router's queue (push + pop) against a plain deque, with 1 and 100
-    tenants; the keys' limits (admit + charge + release) held locally, and in Redis when redis-server is here."""
+def per_request_costs(n: int = 20000, repeats: int = 5) -> dict:
+    """Microseconds per request, the least of `repeats` runs: the router's queue (push + pop, `n` queued)
+    against a plain deque, with 1 and 100 tenants; the keys' limits (admit + charge + release) held
+    locally, and in Redis when redis-server is here."""
     from engine.core.request import SamplingParams
     from router.flow import FlowQueue
     from router.tables import RequestStream, Tracked
     reqs = {t: [Tracked(str(i), [1] * 64, SamplingParams(max_tokens=32), RequestStream(str(i)), tenant=f"k{i % t}")
                 for i in range(n)] for t in (1, 100)}
-    out = {}
-    start = time.perf_counter()
-    d = deque()
-    for r in reqs[1]:
-        d.append(r)
-    while d:
-        d.popleft()
-    out["deque_us"] = round((time.perf_counter() - start) / n * 1e6, 3)
+
+    def timed(queue_of, push, pop, rs) -> float:
+        best = math.inf
+        for _ in range(repeats):
+            q = queue_of()
+            start = time.perf_counter()
+            for r in rs:
+                push(q, r)
+            while q:
+                pop(q)
+            best = min(best, time.perf_counter() - start)
+        return round(best / len(rs) * 1e6, 3)
+    out = {"deque_us": timed(deque, deque.append, deque.popleft, reqs[1])}
     for t, rs in reqs.items():
-        q = FlowQueue()
-        start = time.perf_counter()
-        for r in rs:
-            q.push(r)
-        while q:
-            q.pop()
-        out[f"flow_queue_{t}_tenants_us"] = round((time.perf_counter() - start) / n * 1e6, 3)
+        out[f"flow_queue_{t}_tenants_us"] = timed(FlowQueue, FlowQueue.push, FlowQueue.pop, rs)
     out.update(asyncio.run(_limit_costs()))
     return out
 
@@ -208,7 +212,8 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory() as d:
         modes = {mode: measure_mode(mode, args, Path(d)) for mode in MODES}
     return {"modes": modes, "per_request": per_request_costs(),
-            "settings": {k: getattr(args, k) for k in ("flood_s", "interactive", "flood_concurrency", "warmup_s")}}
+            "settings": {k: getattr(args, k) for k in ("flood_s", "interactive", "flood_concurrency", "warmup_s",
+                                                         "neighbours", "b_concurrency")}}
 
 
 def table(r: dict) -> str:
@@ -228,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flood-s", type=float, default=20.0, help="the share measurement's length")
     p.add_argument("--interactive", type=int, default=12, help="interactive requests, quiet and beside the flood")
     p.add_argument("--flood-concurrency", type=int, default=24)
+    p.add_argument("--b-concurrency", type=int, default=8, help="key b's requests in flight beside key a's 32")
     p.add_argument("--warmup-s", type=float, default=4.0, help="flood time before measuring")
+    p.add_argument("--neighbours", type=int, default=0, help="busy-loop processes beside the server (a host not idle)")
     p.add_argument("--dtype", default="auto")
     args = p.parse_args(argv)
     args.quantization, args.attention_backend, args.convert_to = "auto", "auto", None
