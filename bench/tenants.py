@@ -198,12 +198,12 @@ def _redis():
     if binary is None:
         yield None
         return
-    from gateway.limit_scripts import SharedLimits
+    from cluster.cli.serve import shared_limits
     from tests.conftest import _start_redis, stop_server
     with tempfile.TemporaryDirectory() as d:
         proc, port = _start_redis(binary, d)
         try:
-            yield SharedLimits.from_url(f"redis://127.0.0.1:{port}/0", 1.0)
+            yield shared_limits(f"redis://127.0.0.1:{port}/0")
         finally:
             stop_server(proc)
 

@@ -34,7 +34,7 @@ from gateway import openapi
 from gateway.api_keys import NO_KEY, APIKey, configured_keys
 from gateway.guard import DEFAULT_MAX_REQUEST_BYTES, APIKeyManager, RequestGuard
 from gateway.limit_scripts import SharedLimits
-from gateway.limits import REDIS_TIMEOUT_S, Hold, KeyLimitError, tenant_class
+from gateway.limits import Hold, KeyLimitError, tenant_class
 from gateway.metrics import GatewayMetrics
 from gateway.trace import RequestTrace, server_timing
 from gateway.protocol import (MAX_PROMPT_CHARS_PER_TOKEN, APIError, ChatCompletionRequest, CompletionRequest,
@@ -342,7 +342,7 @@ def create_app(cluster, tokenizer, model_name: str, max_model_len: int | None, a
                tool_call_parser: str | None = None, reasoning_parser: str | None = None, *,
                api_keys: Sequence[APIKey] = (), max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                max_prompt_tokens: int | None = None, session_affinity: str = "header",
-               return_timings: bool = False, limits_redis_url: str | None = None) -> FastAPI:
+               return_timings: bool = False, shared_limits: SharedLimits | None = None) -> FastAPI:
     """The gateway over a started `Cluster` or `Frontend` (anything with submit/abort/stop/ready/
     router/max_model_len and the typed view of router/view.py); `max_model_len` None: the cluster's,
     asked per request.
@@ -351,16 +351,15 @@ def create_app(cluster, tokenizer, model_name: str, max_model_len: int | None, a
     keys `/v1/...` takes (none: open); `max_request_bytes` bounds every body (413 past it);
     `max_prompt_tokens` bounds prompts below the context (400 past it); `session_affinity` (the spec's)
     what names a request's session for the router (SESSION_HEADER; "user": else the body's `user`);
-    `return_timings`: each answer's usage carries its phase times (gateway/trace.py); `limits_redis_url`: the
-    Redis that holds the keys' limits for every gateway (gateway/limits.py; None: each gateway its own)."""
+    `return_timings`: each answer's usage carries its phase times (gateway/trace.py); `shared_limits`: the keys'
+    limits held in Redis for every gateway (gateway/limit_scripts.py; None: each gateway its own)."""
     keys = [*api_keys, *configured_keys(api_key, None)]
     app = FastAPI(title="pdserve", version="0.1.0")
     gw = _Gateway(cluster, tokenizer, model_name, max_model_len, tool_call_parser, reasoning_parser,
                   max_prompt_tokens, session_affinity, return_timings)
     gw.metrics.add_api_keys([k.name for k in keys] or [NO_KEY])
-    shared = None if limits_redis_url is None else SharedLimits.from_url(limits_redis_url, REDIS_TIMEOUT_S)
-    app.state.api_keys = gw.keys = APIKeyManager(keys, shared=shared, on_mode=gw.metrics.limits_mode)  # (serve.py
-    # replaces its keys in place when the keys file changes)
+    # (cluster/cli/serve.py replaces its keys in place when the keys file changes)
+    app.state.api_keys = gw.keys = APIKeyManager(keys, shared=shared_limits, on_mode=gw.metrics.limits_mode)
     app.add_middleware(RequestGuard, keys=app.state.api_keys, metrics=gw.metrics, max_request_bytes=max_request_bytes)
     _install_error_handlers(app)
     _add_generation_routes(app, gw)

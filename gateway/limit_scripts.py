@@ -72,24 +72,13 @@ def _keys(name: str) -> list[str]:
 
 class SharedLimits:
     """The scripts over one `redis.asyncio.Redis` client (its timeouts short: a decision that waits
-    falls back to the gateway's own limits)."""
+    falls back to the gateway's own limits; cluster/cli/serve.py `shared_limits` makes it for the
+    cluster state's Redis, with its credentials and TLS)."""
 
     def __init__(self, client):
         self.client = client
         self._admit, self._charge = client.register_script(ADMIT), client.register_script(CHARGE)
         self._release, self._renew = client.register_script(RELEASE), client.register_script(RENEW)
-
-    @classmethod
-    def from_url(cls, url: str, timeout_s: float, environ=None) -> SharedLimits:
-        """A client of the cluster state's Redis, with its credentials and TLS (cluster/redis_client.py)."""
-        import os
-
-        import redis.asyncio
-
-        from cluster.redis_client import connection_options
-        options = connection_options(url, os.environ if environ is None else environ)
-        return cls(redis.asyncio.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                                **options))
 
     async def admit(self, hold: Hold, lease_s: float) -> None:
         key = hold.key

@@ -135,6 +135,18 @@ class Failures:
         if self.tables.live.get(root.request_id) is root:
             del self.tables.live[root.request_id]
 
+    def leave(self, iid: str) -> None:
+        """An instance leaves (removed, or flipping to another role): what still needs it is retried
+        elsewhere, as for a dead one (logged and counted so); a drained one just stops being used."""
+        with self.tables.locked():
+            client = self.tables.client(iid)
+            busy = any(t.decode_id == iid or (t.prefill_id == iid and not t.decoding) or iid in t.placing
+                       for t in self.tables.by_attempt.values())  # (as Router.is_drained)
+            if client is not None and not busy:
+                client.info.healthy = False
+                return
+        self.mark_dead(iid, RuntimeError("removed"))
+
     def mark_dead(self, iid: str, exc: Exception | None = None) -> None:
         """An instance died (found by this router's calls, or told by its owner): every attempt
         on it is retried elsewhere."""

@@ -144,7 +144,7 @@ class Router:
     def remove_instance(self, instance_id: str) -> None:
         """An instance leaves while serving: nothing new goes there; its in-flight requests are
         retried elsewhere (as for a dead one), then it is forgotten."""
-        self.failures.mark_dead(instance_id, RuntimeError("removed"))
+        self.failures.leave(instance_id)
         with self._locked():
             self.prefill.pop(instance_id, None)
             self.decode.pop(instance_id, None)

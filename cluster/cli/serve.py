@@ -16,7 +16,7 @@ import torch
 from cluster.control import model_fit
 from cluster.control.cluster import Cluster
 from cluster.control.ray_watch import RayMembershipWatch
-from cluster.redis_client import URL_ENV
+from cluster.redis_client import URL_ENV, connection_options
 from cluster.ranks import cpu_plan
 from cluster.spec import ClusterSpec
 from engine.core.config import resolve_dtype
@@ -25,6 +25,8 @@ from engine.text.tokenizer import Tokenizer
 from gateway.api_keys import KEYS_POLL_S, APIKey, KeysFileWatcher, check_key_strength, configured_keys
 from gateway.app import create_app
 from gateway.drain import Drain
+from gateway.limit_scripts import SharedLimits
+from gateway.limits import REDIS_TIMEOUT_S
 from kvtransfer.registry import transport_unavailable
 
 logger = logging.getLogger(__name__)
@@ -62,13 +64,19 @@ def gateway_access(spec: ClusterSpec, api_key: str | None) -> dict:
         check_key_strength(api_key, "--api-key/$PDSERVE_API_KEY")
     return {"api_keys": configured_keys(api_key, spec.api_keys_file), "max_request_bytes": spec.max_request_bytes,
             "max_prompt_tokens": spec.max_prompt_tokens, "session_affinity": spec.session_affinity,
-            "return_timings": spec.return_timings, "limits_redis_url": limits_redis_url(spec)}
+            "return_timings": spec.return_timings,
+            "shared_limits": shared_limits(spec.redis_url or os.environ.get(URL_ENV))}
 
 
-def limits_redis_url(spec: ClusterSpec) -> str | None:
-    """The Redis that holds the API keys' limits for every gateway: the cluster state's (None: in memory)."""
-    url = spec.redis_url or os.environ.get(URL_ENV)
-    return url if url is not None and url.startswith(("redis://", "rediss://", "unix://")) else None
+def shared_limits(url: str | None) -> SharedLimits | None:
+    """The API keys' limits held for every gateway in the cluster state's Redis at `url` (its credentials
+    and TLS from the environment, cluster/redis_client.py); None without one (memory:// or none)."""
+    if url is None or not url.startswith(("redis://", "rediss://", "unix://")):
+        return None
+    import redis.asyncio
+    return SharedLimits(redis.asyncio.Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S,
+                                                     socket_connect_timeout=REDIS_TIMEOUT_S,
+                                                     **connection_options(url, os.environ)))
 
 
 def watch_keys(app, spec: ClusterSpec, api_key: str | None, interval_s: float = KEYS_POLL_S) -> KeysFileWatcher | None:

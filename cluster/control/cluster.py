@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 
 from cluster.control.controller import Controller
+from cluster.control.flip import flip_instance
 from cluster.control.frontend import create_router, publish_stats
 from cluster.control.membership import Membership
 from cluster.control.serving import Serving
@@ -87,6 +88,10 @@ class Cluster(Serving):
 
     def drain_instance(self, instance_id: str, timeout_s: float = 120.0) -> bool:
         return self.controller.drain_instance(instance_id, timeout_s)
+
+    def flip_instance(self, instance_id: str, role: str, timeout_s: float = 120.0) -> dict[str, float]:
+        """Changes an instance's role in place (cluster/control/flip.py): the seconds it took."""
+        return flip_instance(self.controller, instance_id, role, timeout_s)
 
     def kill_instance(self, instance_id: str) -> None:
         self.controller.kill_instance(instance_id)

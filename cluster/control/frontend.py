@@ -119,6 +119,11 @@ class Frontend(Serving):
                 self.router.remove_instance(iid)
             elif record.health == "draining" and not inst.client.info.draining:
                 self.router.drain(iid)
+            elif record.role != inst.role and record.health == "healthy":  # flipped (cluster/control/flip.py)
+                logger.info("instance %s is a %s instance now", iid, record.role)
+                self.instances.pop(iid)
+                self.router.remove_instance(iid)
+                self._attach(record)
             elif not inst.client.info.healthy:
                 self._lost.setdefault(iid, record.updated_at)
         for iid, record in records.items():

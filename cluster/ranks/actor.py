@@ -110,6 +110,17 @@ class RankActor:
         cpu_plan.set_niceness(self._cpu.niceness)  # threads Ray started meanwhile, too
         return self.host.kv_endpoint()
 
+    def expect_flip(self, role: str, config: EngineConfig) -> None:
+        """Ranks > 0, before rank 0's `flip`: rebuild as `role` when rank 0 releases this rank's loop."""
+        self.host.expect_flip(role, config)
+
+    def flip(self, role: str, config: EngineConfig) -> KVEndpoint | None:
+        """Changes this rank's role in place (RankHost.flip; the instance drained first). Returns its KV
+        endpoint in the new role."""
+        self.host.flip(role, config)
+        self._args = (config, role, *self._args[2:])  # (what an adopting controller reads: describe)
+        return self.host.kv_endpoint()
+
     def cpu(self) -> dict:
         """How this rank shares its host's CPUs (cluster/ranks/cpu_plan.py cpu_state), for /status."""
         runner = self.host.runner

@@ -17,7 +17,7 @@ import logging
 import secrets
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -121,6 +121,14 @@ def join_tp_group(device: torch.device, rank: int, tp_size: int, address: TPRend
     return TPGroup(rank, tp_size, dist.group.WORLD, control, device, **wire)
 
 
+@dataclass
+class _Flip:
+    role: str
+    config: EngineConfig
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
 class RankHost:
     def __init__(self, config: EngineConfig, role: str, instance_id: str, rank: int = 0, tp_size: int = 1,
                  tp_address: TPRendezvous | str | None = None, host: str = "127.0.0.1", kv_timeout_s: float = 10.0,
@@ -141,6 +149,7 @@ class RankHost:
         self.sender = self.receiver = None
         self.kv_same_device_off: str | None = None  # why kv_same_device was asked for and is off here
         self._stop = threading.Event()
+        self._flip: _Flip | None = None  # a role flip asked for (`flip`): the loop rebuilds, then goes on
         # NOTE: everything that runs the model, its load included, runs on this one thread. An
         # OpenMP team belongs to the thread that started it, and libgomp keeps it while that thread
         # lives: a model built on the caller's thread (a Ray actor's pool thread) left a second team
@@ -182,8 +191,15 @@ class RankHost:
                               kv_layout=mc.kv_layout.signature, kv_checksum=kv_checksum, kv_format=mc.kv_format,
                               trailer_format=trailer_format(rows_signature(config.speculative or config.ship_proposer_rows,
                                                                            mc, self.runner.dtype, self.runner.kv_dtype)))
+        self._compat, self._kv_same_device = compat, kv_same_device
+        self._setting = RankSetting(config, instance_id, rank, tp_size, host, kv_timeout_s, kv_transport,
+                                    kv_same_device, client_ttl_s, text=rank == 0 and model_config is None)
+        self._build_role(role, config)
+
+    def _build_role(self, role: str, config: EngineConfig) -> None:
+        """The role's KV transport end and worker over the runner (at start, and at a flip)."""
         backend, role_of = self.runner.backend, ROLES[role]
-        kv_views = None
+        kv_views, kv_same_device = None, self._kv_same_device
         if backend.own_kv_layout and role_of.moves_kv:  # the transfer reads and writes through them
             kv_views = backend.kv_views
             if kv_same_device:  # same-device writes copy torch's layout into the decode's blocks
@@ -192,10 +208,9 @@ class RankHost:
                 logger.warning("KV same-device transport off: %s; KV goes over the data channel",
                                self.kv_same_device_off)
             kv_same_device = False
-        built = role_of.build(self.runner, compat, kv_views, RankSetting(
-            config, instance_id, rank, tp_size, host, kv_timeout_s, kv_transport, kv_same_device, client_ttl_s,
-            text=rank == 0 and model_config is None))
-        self.worker, self.sender, self.receiver = built.worker, built.sender, built.receiver
+        setting = replace(self._setting, config=config, kv_same_device=kv_same_device)
+        built = role_of.build(self.runner, self._compat, kv_views, setting)
+        self.role, self.worker, self.sender, self.receiver = role, built.worker, built.sender, built.receiver
 
     @property
     def step_thread_id(self) -> int:
@@ -232,11 +247,57 @@ class RankHost:
 
     def _loop(self) -> None:
         try:
-            self.worker.run(self._stop)  # rank 0 drives, the others follow (engine/runner/worker_base.py)
+            while True:
+                self.worker.run(self._stop)  # rank 0 drives, the others follow (engine/runner/worker_base.py)
+                if self._flip is None:
+                    return
+                self._rebuild(self._flip)
         except Exception:  # a dead loop must be loud, and must not leave a live-looking instance
             logger.exception("%s rank %d loop died", self.instance_id, self.rank)
             if self.on_loop_death is not None:
                 self.on_loop_death()
+
+    def flip(self, role: str, config: EngineConfig, timeout_s: float = 60.0) -> None:
+        """Changes the rank's role in place, keeping its model (weights, compiled kernels, KV pool): its
+        loop stops, its KV ends and worker go, the new role's are built over the same runner on the loop's
+        thread (with `config`'s scheduler, the new role's), and the loop goes on. The instance must be drained
+        first: requests still here are dropped with the old worker. Ranks > 0 are asked first; their
+        loops end when rank 0's stops (the owner asks every rank: cluster/control/flip.py).
+        Raises RuntimeError when the rebuild failed or took over `timeout_s` (the rank is then dead)."""
+        flip = self._flip if self._flip is not None and self._flip.role == role else self.expect_flip(role, config)
+        if self.rank == 0:
+            self._stop.set()  # (its loop releases the followers as it ends)
+        if not flip.done.wait(timeout_s):
+            raise RuntimeError(f"{self.instance_id} rank {self.rank}: the flip to {role} took over {timeout_s:g} s")
+        if flip.error is not None:
+            raise RuntimeError(f"{self.instance_id} rank {self.rank}: the flip to {role} failed: {flip.error}")
+
+    def expect_flip(self, role: str, config: EngineConfig) -> _Flip:
+        """Ranks > 0, before rank 0 flips: when rank 0's loop releases this one's, it rebuilds as `role`."""
+        if role not in ROLES:
+            raise ValueError(f"unknown instance role {role!r}: one of {', '.join(ROLES)}")
+        self._flip = _Flip(role, config)
+        return self._flip
+
+    def _rebuild(self, flip: _Flip) -> None:
+        """On the loop's thread: the old role's ends and worker closed, the runner's per-request state
+        dropped, the new role built; the flip's waiter told (the error too, then re-raised)."""
+        try:
+            for end in (self.sender, self.receiver):
+                if end is not None:
+                    end.close()
+            self.worker.close()
+            self.runner.requests.clear()  # (a drained instance holds none; a dropped one's go)
+            # the runner's settings stay (device, threads, cache, graphs); the new role's scheduler applies
+            self._build_role(flip.role, replace(self._setting.config, scheduler=flip.config.scheduler))
+            logger.info("%s rank %d: now %s", self.instance_id, self.rank, flip.role)
+        except BaseException as exc:
+            flip.error = exc
+            raise
+        finally:
+            self._flip = None
+            self._stop.clear()
+            flip.done.set()
 
     def wait_stopped(self, timeout_s: float) -> bool:
         """Whether the rank's loop ended within `timeout_s` (a follower's ends when rank 0 stops)."""

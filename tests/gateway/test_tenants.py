@@ -11,6 +11,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
+from cluster.cli.serve import shared_limits
 from gateway.api_keys import load_api_keys
 from tests.conftest import _start_redis, stop_server
 from tests.gateway.fakes import FakeCluster
@@ -106,7 +107,7 @@ def test_two_gateways_share_a_keys_rate_through_redis(tokenizer, private_redis, 
     each gateway falls back to its own bucket, says so once in its log, and counts its decisions."""
     proc, url = private_redis
     rate = {"requests_per_second": 0.2, "burst": 4}
-    one, two = (TestClient(app(FakeCluster(), tokenizer, api_keys=keys(a=rate), limits_redis_url=url))
+    one, two = (TestClient(app(FakeCluster(), tokenizer, api_keys=keys(a=rate), shared_limits=shared_limits(url)))
                 for _ in range(2))
     with one, two:
         start = time.monotonic()
@@ -135,8 +136,8 @@ def test_concurrency_and_token_budget_hold_across_gateways(tokenizer, private_re
     _, url = private_redis
     held = HoldingCluster()
     limits = keys(a={"token_budget": 300}, b={"max_concurrent": 1})
-    one = TestClient(app(held, tokenizer, api_keys=limits, limits_redis_url=url))
-    two = TestClient(app(FakeCluster(), tokenizer, api_keys=limits, limits_redis_url=url))
+    one = TestClient(app(held, tokenizer, api_keys=limits, shared_limits=shared_limits(url)))
+    two = TestClient(app(FakeCluster(), tokenizer, api_keys=limits, shared_limits=shared_limits(url)))
     with one, two:
         with one.stream("POST", "/v1/chat/completions", json=chat(stream=True, max_tokens=200), headers=A) as ra, \
                 one.stream("POST", "/v1/chat/completions", json=chat(stream=True), headers=B) as rb:

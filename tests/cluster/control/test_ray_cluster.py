@@ -260,3 +260,25 @@ def test_smollm2_heterogeneous_tp(ray_session, smollm2_heads_path, ptp, dtp):
         got = checked(c.generate(prompts, params, timeout_s=240))
         c.assert_no_leaks()
     assert got == colocated_tokens(smollm2_heads_path, prompts, params)
+
+
+def test_a_tp2_pair_swaps_roles_by_two_flips_under_load(ray_session, tiny_path):
+    """1P1D, both TP 2 on Ray: the prefill instance flips to decode, then the decode one to prefill,
+    while requests stream (between the flips, prompts are computed on a decode instance); every
+    request equals colocated, the pools are swapped, and the flipped ranks (followers rebuilt when
+    rank 0 released them) serve the next requests."""
+    prompts = random_prompts(12, [20, 60], seed=12)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with Cluster(spec_for(tiny_path, prefill_tp=2, decode_tp=2)) as c:
+        streams = [c.submit(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        first = c.flip_instance("prefill-0", "decode")
+        second = c.flip_instance("decode-0", "prefill")
+        got = checked([s.result(timeout=120) for s in streams])
+        more = checked(c.generate(prompts[:4], params, timeout_s=120))
+        assert {i: inst.role for i, inst in c.instances.items()} == {"prefill-0": "decode", "decode-0": "prefill"}
+        assert set(c.router.prefill) == {"decode-0"} and set(c.router.decode) == {"prefill-0"}
+        assert c.state.get("prefill-0").role == "decode" and c.state.get("prefill-0").health == "healthy"
+        c.assert_no_leaks()
+    ref = colocated_tokens(tiny_path, prompts, params)
+    assert got == ref and more == ref[:4]
+    assert first["rebuild_s"] < 30 and second["rebuild_s"] < 30
