@@ -56,10 +56,14 @@ class DryRunActuator(Actuator):
 
 class RayActuator(Actuator):
     """Adds and removes instances of a running `Cluster`. A pool shrinks by draining its least
-    loaded instance (no new requests; it leaves once its requests have finished)."""
+    loaded instance (no new requests; it leaves once its requests have finished). With `flips`, a
+    decision that grows one pool and shrinks the other flips the shrinking pool's least loaded
+    instances to the growing role first (cluster/control/flip.py: a drain and a rebuild of its
+    worker, no model load), then adds or removes what is left; a flip the cluster refuses (TP sizes
+    that differ, speculative decoding) falls back to adding and removing, said in the log."""
 
-    def __init__(self, cluster, drain_timeout_s: float = 120.0):
-        self.cluster, self.drain_timeout_s = cluster, drain_timeout_s
+    def __init__(self, cluster, drain_timeout_s: float = 120.0, flips: bool = True):
+        self.cluster, self.drain_timeout_s, self.flips = cluster, drain_timeout_s, flips
 
     def _serving(self, role: str) -> list:
         """The InstanceInfos of `role` that take requests (healthy, not draining)."""
@@ -72,6 +76,8 @@ class RayActuator(Actuator):
         return PoolSizes(len(self._ids("prefill")), len(self._ids("decode")))
 
     def apply(self, target: PoolSizes) -> None:
+        if self.flips:
+            self._flip_toward(target)
         for role in ("prefill", "decode"):
             ids, want = self._ids(role), getattr(target, role)
             for _ in range(want - len(ids)):
@@ -82,11 +88,26 @@ class RayActuator(Actuator):
             if want < len(ids):
                 self.drain(role, len(ids) - want)
 
+    def _flip_toward(self, target: PoolSizes) -> None:
+        """Flips instances from the pool over its target to the pool under it, least loaded first."""
+        now = self.current()
+        for src, dst in (("prefill", "decode"), ("decode", "prefill")):
+            count = min(getattr(now, src) - getattr(target, src), getattr(target, dst) - getattr(now, dst))
+            for iid in self._least_loaded(src)[:max(0, count)]:
+                try:
+                    took = self.cluster.flip_instance(iid, dst, self.drain_timeout_s)
+                except ValueError as exc:  # the cluster cannot flip (its spec): add and remove instead
+                    logger.info("autoscaler: no flip (%s); adding and removing instead", exc)
+                    return
+                logger.info("autoscaler: flipped %s from %s to %s in %.2f s", iid, src, dst, took["total_s"])
+
+    def _least_loaded(self, role: str) -> list[str]:
+        key = "queued_prefill_tokens" if role == "prefill" else "running"
+        return [i.instance_id for i in sorted(self._serving(role), key=lambda i: getattr(i.load, key))]
+
     def drain(self, role: str, count: int) -> None:
         """Drains and removes `count` instances of `role`, least loaded first, one at a time."""
-        key = "queued_prefill_tokens" if role == "prefill" else "running"
-        ids = [i.instance_id for i in sorted(self._serving(role), key=lambda i: getattr(i.load, key))]
-        for iid in ids[:count]:
+        for iid in self._least_loaded(role)[:count]:
             drained = self.cluster.drain_instance(iid, self.drain_timeout_s)
             logger.info("autoscaler: removed %s (%s)", iid, "drained" if drained else "drain timed out")
 

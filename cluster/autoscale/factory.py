@@ -24,7 +24,7 @@ def _ray(cluster, spec: ClusterSpec) -> Actuator:
 def _kubernetes(cluster, spec: ClusterSpec) -> Actuator:
     """Worker Deployments sized first, instances placed on their pods (PodsThenInstances)."""
     from cluster.autoscale.kubernetes_actuator import KubernetesActuator  # the kubernetes client only when asked
-    ray_side = RayActuator(cluster)
+    ray_side = RayActuator(cluster, flips=False)  # (a pod carries its role's Ray resources: no flips)
     pods = KubernetesActuator(spec.k8s_prefill_deployment, spec.k8s_decode_deployment, spec.k8s_namespace,
                               drain=ray_side.drain)
     return PodsThenInstances(pods, ray_side)
