@@ -64,7 +64,7 @@ class ColocatedEngine:
         self.speculator = None if config.speculative is None or self.runner.tp.rank > 0 else \
             Speculator.build(config.speculative, self.runner)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.speculator,
-                                   kv_delta=config.cache.kv_delta)
+                                   kv_delta=config.cache.kv_delta, vocab_size=mc.vocab_size)
         self.output = OutputProcessor()  # token ids only: text is the front end's (engine/text/tokenizer.py)
         self.eos_token_ids = frozenset(mc.eos_token_ids)  # the model's one EOS set (ModelConfig)
 

@@ -38,13 +38,13 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 speculator: Speculator | None = None, kv_delta: bool = True):
+                 speculator: Speculator | None = None, kv_delta: bool = True, vocab_size: int | None = None):
         """`speculator`: speculative decoding (engine/speculative): decoding sequences compute their
         last token and its drafts in one step, and keep the drafts the target agrees with. `kv_delta`:
         `reserve` takes a remote prompt's leading blocks from the prefix cache (CacheConfig.kv_delta)."""
         self.config, self.speculator, self.kv_delta = config, speculator, kv_delta
         self.kv = kv
-        self.max_model_len = max_model_len
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size  # (check_admission's)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -62,7 +62,7 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         """Colocated: queues a prompt to prefill here; ValueError (engine.core.request.check_admission) if it
         cannot be taken (its n choices run side by side once forked)."""
-        check_admission(req, self.max_model_len, self.requests, max_num_choices=self.config.max_num_seqs)
+        check_admission(req, self.max_model_len, self.requests, self.config.max_num_seqs, self.vocab_size)
         self.requests[req.request_id] = req
         enqueue(self.waiting, req)
 
@@ -71,7 +71,7 @@ class Scheduler:
         ValueError if it cannot be taken at all (as `add_request`). The leading blocks this
         instance's prefix cache holds are taken from it (`req.num_cached_tokens`: the prefill
         instance ships only the tokens after them; delta transfer), unless `kv_delta` is off."""
-        check_admission(req, self.max_model_len, self.requests, max_num_choices=self.config.max_num_seqs)
+        check_admission(req, self.max_model_len, self.requests, self.config.max_num_seqs, self.vocab_size)
         if self._seats_taken() + req.sampling_params.n > self.config.max_num_seqs:
             return self._want_room(req)
         n, tier = req.num_prompt_tokens, self.kv.tier

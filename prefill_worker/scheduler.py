@@ -37,10 +37,11 @@ class Fetch:
 
 
 class PrefillScheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 vocab_size: int | None = None):
         self.config = config
         self.kv = kv
-        self.max_model_len = max_model_len
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size  # (check_admission's)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted, prompt not finished
         self.done: dict[str, Request] = {}  # prompt finished, KV still being delivered
@@ -65,7 +66,7 @@ class PrefillScheduler:
         from (those before it, this instance's prefix cache holds); None when there is nothing to
         fetch (its cache holds as much, or `num_tokens` leaves no token to compute) or no room (the
         caller then queues it with `add_request`). ValueError (check_admission) if it cannot be taken."""
-        check_admission(req, self.max_model_len, self.request_ids)
+        check_admission(req, self.max_model_len, self.request_ids, vocab_size=self.vocab_size)
         hit_blocks, num_hit = self.kv.get_computed_blocks(req)
         if not num_hit < num_tokens < req.num_tokens or \
                 self.kv.allocate_slots(req, req.num_tokens - num_hit, hit_blocks, num_tokens_to_cache=num_hit) is None:
@@ -98,7 +99,7 @@ class PrefillScheduler:
     def add_request(self, req: Request) -> None:
         """Queues a prompt; ValueError (engine.core.request.check_admission) if it cannot be taken. An
         n > 1 request is one prompt here: every choice's first token comes from its logits."""
-        check_admission(req, self.max_model_len, self.request_ids)
+        check_admission(req, self.max_model_len, self.request_ids, vocab_size=self.vocab_size)
         enqueue(self.waiting, req)  # by class, then arrival (engine/core/priority.py)
 
     def has_work(self) -> bool:

@@ -102,7 +102,8 @@ class PrefillWorker(BaseWorker):
             kv = attach_tier(KVCacheManager(runner.num_blocks, runner.block_size,
                                             runner.config.cache.enable_prefix_caching, runner.model_config.kv_layout.windows),
                              runner)
-            self.scheduler = PrefillScheduler(runner.config.scheduler, kv, runner.max_model_len)
+            self.scheduler = PrefillScheduler(runner.config.scheduler, kv, runner.max_model_len,
+                                              runner.model_config.vocab_size)
         self._inbox: queue.Queue = queue.Queue()
         # blocks this instance holds, shipped for another instance's fetch (ship_held), held until delivered
         self.held = HeldKV(connector, mc.num_layers, mc.kv_layout.num_groups, runner.device, instance_id)

@@ -149,7 +149,7 @@ def prompt_misfit(num_prompt_tokens: int, max_model_len: int) -> str | None:
 
 
 def check_admission(req: Request, max_model_len: int, known_ids: Container[str] = (),
-                    max_num_choices: int | None = None) -> None:
+                    max_num_choices: int | None = None, vocab_size: int | None = None) -> None:
     """The one check an instance's scheduler (prefill or decode) makes before taking a request.
 
     Args:
@@ -159,6 +159,7 @@ def check_admission(req: Request, max_model_len: int, known_ids: Container[str] 
         max_num_choices: how many sequences the instance runs side by side (a decode instance's
             `max_num_seqs`, which an n > 1 request's choices must fit); None where choices never run
             side by side (a prefill samples every choice's first token from one prompt's logits).
+        vocab_size: the model's; a prompt token outside [0, vocab_size) is refused (None: not checked).
     Raises:
         ValueError: one line naming why the request is refused.
     """
@@ -166,6 +167,8 @@ def check_admission(req: Request, max_model_len: int, known_ids: Container[str] 
         raise ValueError(f"duplicate request id {req.request_id!r}")
     if why := prompt_misfit(len(req.prompt_token_ids), max_model_len):
         raise ValueError(why)
+    if vocab_size is not None and not 0 <= min(req.prompt_token_ids) <= max(req.prompt_token_ids) < vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size}): the model's vocabulary")
     n = req.sampling_params.n
     if max_num_choices is not None and n > max_num_choices:
         raise ValueError(f"n={n} is more choices than this instance runs at once (max_num_seqs {max_num_choices})")

@@ -282,3 +282,12 @@ def test_a_tp2_pair_swaps_roles_by_two_flips_under_load(ray_session, tiny_path):
     ref = colocated_tokens(tiny_path, prompts, params)
     assert got == ref and more == ref[:4]
     assert first["rebuild_s"] < 30 and second["rebuild_s"] < 30
+
+
+def test_a_token_outside_the_vocabulary_is_refused_and_the_instances_live(ray_session, tiny_path):
+    """Through the router (no gateway in front to check it): a prompt id past the tiny model's 256 is a
+    bad request ending its stream, not an embedding lookup that would take the instance's process down."""
+    with Cluster(spec_for(tiny_path)) as c:
+        bad = c.submit("bad", [1, 2, 300], GREEDY).result(timeout=60)
+        assert bad.finish_reason == "error" and "prompt token ids must be in [0, 256)" in bad.error
+        assert checked(c.generate([[1, 2, 3]], GREEDY, timeout_s=60)) and c.router.stats["instance_deaths"] == 0

@@ -66,3 +66,12 @@ def test_a_cache_salt_that_cannot_work_is_refused(salt):
     with pytest.raises(ValueError, match="cache_salt must be 1 to 1024 characters"):
         SamplingParams(cache_salt=salt)
     assert SamplingParams(cache_salt="t").choice(1).cache_salt == "t"  # every choice of n > 1 keeps it
+
+
+@pytest.mark.parametrize("prompt", [[1, 2, 300], [-1, 2]])
+def test_a_token_outside_the_vocabulary_is_refused_where_the_vocabulary_is_known(prompt):
+    """Both schedulers pass their model's vocab_size: an id outside it would index past the embedding
+    (an instance's process lost); refused in one line instead. Unchecked without a vocab_size."""
+    with pytest.raises(ValueError, match=re.escape("prompt token ids must be in [0, 256)")):
+        check_admission(Request("r", prompt, SamplingParams()), max_model_len=16, vocab_size=256)
+    check_admission(Request("r", prompt, SamplingParams()), max_model_len=16)
