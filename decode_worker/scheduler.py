@@ -140,6 +140,8 @@ class Scheduler:
         if self.waiting and any(r.priority > self.waiting[0].priority for r in self.running):
             head = self.waiting[0]
             wants.append(RoomWanted(head.priority, 1, self._blocks_for(head.num_tokens), now))
+        if not wants:  # (every step where no more urgent class waits)
+            return
         seats, blocks = self._seats_taken(), 0
         by_class(self.running)
         for want in sorted(wants, key=lambda w: w.priority):

@@ -204,9 +204,13 @@ class Controller:
         self._destroy(inst, dead)
 
     def drain_instance(self, instance_id: str, timeout_s: float = 120.0) -> bool:
-        """Scale-down: no new requests go to the instance (routers elsewhere learn it from the
-        cluster state within DRAIN_GRACE_S), the running ones finish, then it is removed. Returns
-        False when `timeout_s` ran out first (what was left is retried elsewhere)."""
+        """Scale-down: `drain`, then remove it. False: `timeout_s` ran out first (the rest is retried elsewhere)."""
+        drained = self.drain(instance_id, timeout_s)
+        self.remove_instance(instance_id)
+        return drained
+
+    def drain(self, instance_id: str, timeout_s: float) -> bool:
+        """No new requests go there (other gateways see it within DRAIN_GRACE_S): whether its own end in `timeout_s`."""
         inst = self.instances[instance_id]
         inst.client.info.draining = True
         self._set_health(instance_id, "draining")
@@ -226,7 +230,6 @@ class Controller:
         if not drained:
             logger.warning("%s not drained after %.0f s; its remaining requests are retried elsewhere",
                            instance_id, timeout_s)
-        self.remove_instance(instance_id)
         return drained
 
     def kill_instance(self, instance_id: str) -> None:

@@ -6,7 +6,7 @@ model for tens of them.
     flip_instance(controller, "prefill-1", "decode")
 
 Steps: the instance stops admitting (routers in this process at once; elsewhere through the cluster
-state's "draining") and its requests run to their end, as for a scale-down (`Controller.drain_instance`);
+state's "draining") and its requests run to their end, as for a scale-down (`Controller.drain`);
 the routers forget it (what is left after `timeout_s` is retried elsewhere); every rank rebuilds, the
 followers first told, then rank 0, whose loop releases theirs; the instance registers again, same id,
 new role and KV endpoints; routers take it in its new pool. Its prefix cache starts empty. A flip that
@@ -22,8 +22,6 @@ from router.client import InstanceDeadError, InstanceInfo
 
 if TYPE_CHECKING:
     from cluster.control.controller import Controller
-
-DRAIN_GRACE_S = 1.5  # as Controller.drain_instance's: three gateway sync periods
 
 logger = logging.getLogger(__name__)
 FLIP_RANK_TIMEOUT_S = 120.0  # a rank's rebuild (no model load: its worker, KV ends and scheduler)
@@ -45,7 +43,7 @@ def flip_instance(ctl: Controller, instance_id: str, role: str, timeout_s: float
     if ctl.spec.tp_size(role) != inst.tp_size:
         raise ValueError(f"{instance_id} runs TP {inst.tp_size}; a {role} instance runs TP {ctl.spec.tp_size(role)}")
     start = time.monotonic()
-    drained = _drain(ctl, inst, timeout_s)
+    drained = ctl.drain(instance_id, timeout_s)
     ctl.membership.removed(instance_id)  # (what is left is retried elsewhere)
     drained_at = time.monotonic()
     try:
@@ -65,26 +63,6 @@ def flip_instance(ctl: Controller, instance_id: str, role: str, timeout_s: float
     logger.info("%s: now a %s instance (drained%s in %.2f s, rebuilt in %.2f s)", instance_id, role,
                 "" if drained else " only partly", drained_at - start, done - drained_at)
     return {"drain_s": drained_at - start, "rebuild_s": done - drained_at, "total_s": done - start}
-
-
-def _drain(ctl: Controller, inst, timeout_s: float) -> bool:
-    """No new requests go to it; whether its requests ended within `timeout_s`."""
-    inst.client.info.draining = True
-    ctl._set_health(inst.instance_id, "draining")
-    ctl.membership.draining(inst.instance_id)
-    deadline = time.monotonic() + timeout_s
-    if ctl.detached:  # gateways elsewhere learn it from the cluster state first
-        time.sleep(DRAIN_GRACE_S)
-    while time.monotonic() < deadline:
-        try:
-            if ctl._is_drained(inst):
-                return True
-        except InstanceDeadError:
-            return False
-        time.sleep(0.05)
-    logger.warning("%s not drained after %.0f s; its remaining requests are retried elsewhere", inst.instance_id,
-                   timeout_s)
-    return False
 
 
 def _rebuild(ctl: Controller, inst, role: str) -> list:
