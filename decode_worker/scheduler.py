@@ -143,7 +143,7 @@ class Scheduler:
         if not wants:  # (every step where no more urgent class waits)
             return
         seats, blocks = self._seats_taken(), 0
-        by_class(self.running)
+        self.running = by_class(self.running)
         for want in sorted(wants, key=lambda w: w.priority):
             seats, blocks = seats + want.seats, blocks + want.blocks
             while self.running and self.running[-1].priority > want.priority and \
@@ -265,7 +265,7 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int, ks: dict[str, int]) -> int:
         """`ks`: speculating requests, id -> at most how many drafts (slots for them are taken here)."""
         scheduled: list[Request] = []
-        by_class(self.running)  # the tail is preempted first: the lowest class's last admitted
+        self.running = by_class(self.running)  # the tail is preempted first: the lowest class's last admitted
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]

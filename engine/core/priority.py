@@ -37,10 +37,14 @@ def enqueue(queue: deque[Request], req: Request, ahead: bool = False) -> None:
     queue.insert(i, req)
 
 
-def by_class(running: list[Request]) -> None:
-    """Orders `running` by class, keeping the order within a class (admission): its tail is then the
-    request to preempt first (the lowest class's last admitted)."""
-    running.sort(key=_priority)
+def by_class(running: list[Request]) -> list[Request]:
+    """`running` ordered by class, the order within a class kept (admission): its tail is then the
+    request to preempt first (the lowest class's last admitted). The same list when it is in order
+    (always, with one class), else a new one: never sorted in place, where a reader on another
+    thread (load figures) would see it empty while the sort runs."""
+    if all(a.priority <= b.priority for a, b in zip(running, running[1:])):
+        return running
+    return sorted(running, key=_priority)
 
 
 def _priority(req: Request) -> int:
