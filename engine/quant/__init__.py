@@ -13,7 +13,8 @@ to Q4_1 at load); for the quantized ones the kernel is measured per batch size. 
 (GPUs), calibrated activation scales, AWQ / GPTQ checkpoints.
 
 Also here: a GGUF's 4-bit codes (gguf_codes.py) and the file's reader and tensor names
-(gguf_file.py, which the float loader in engine/loading reads too); the batch-invariant linear.
+(gguf_file.py over gguf_header.py, which the float loader in engine/loading reads too); the
+batch-invariant linear.
 
 May import: engine.core.
 """

@@ -62,8 +62,8 @@ def gguf_code_plan(path: str | os.PathLike) -> CodePlan:
     """Which decoder linears of the GGUF at `path` run on their codes (the module docstring's rules)."""
     from engine.quant.q4 import Q4_TYPE_NAMES
     reader = open_gguf(path)
-    arch = reader.fields["general.architecture"].contents()
-    layers = reader.fields[f"{arch}.block_count"].contents()
+    arch = reader.metadata["general.architecture"]
+    layers = reader.metadata[f"{arch}.block_count"]
     groups: dict[tuple, list] = {}
     for t in decoder_linears(reader):
         m = _LAYER_RE.match(t.name)
@@ -100,12 +100,10 @@ def iter_q4_linears(path: Path, plan: CodePlan) -> Iterator[tuple[str, torch.Ten
     experts cut into HF's per-expert names (`...mlp.experts.5.gate_proj.qweight`)."""
     from engine.quant.q4 import decode_q4_blocks
     reader = open_gguf(path)
-    field = reader.fields.get  # a few keys, not the whole metadata (its vocabulary takes seconds to read)
-    arch = field("general.architecture").contents()
-    num_heads = field(f"{arch}.attention.head_count").contents()
-    num_layers = field(f"{arch}.block_count").contents()
-    kv = field(f"{arch}.attention.head_count_kv")
-    num_kv_heads = num_heads if kv is None else kv.contents()
+    meta = reader.metadata
+    arch = meta["general.architecture"]
+    num_heads, num_layers = meta[f"{arch}.attention.head_count"], meta[f"{arch}.block_count"]
+    num_kv_heads = meta.get(f"{arch}.attention.head_count_kv", num_heads)
     for tensor in decoder_linears(reader):
         if tensor.name not in plan.codes:
             continue

@@ -11,6 +11,8 @@ from pathlib import Path
 import gguf
 import torch
 
+from engine.quant.gguf_header import GgufFile, read_gguf_header
+
 # The HF modules pdserve's families load; gguf's own tensor name maps say which GGUF tensor each
 # one is in a given architecture (Gemma 2's post_attention_layernorm is not Llama's).
 _HF_LAYER_MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -34,10 +36,9 @@ def _hf_modules(arch: str, num_layers: int) -> dict[str, str]:
     return {g: name for name in hf if (g := tensor_map.get_name(name)) is not None}
 
 
-def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
-    """A reader of the GGUF at `path`, shared by every caller in this process until the file
-    changes: parsing the metadata (a 49k-token vocabulary) takes seconds, and the config, the
-    tokenizer and the weights all need it."""
+def open_gguf(path: str | os.PathLike) -> GgufFile:
+    """The header of the GGUF at `path` (engine/quant/gguf_header.py), shared by every caller in
+    this process until the file changes: the config, the tokenizer and the weights all need it."""
     path = Path(path).resolve()
     stat = path.stat()
     return _open_gguf(str(path), stat.st_size, stat.st_mtime_ns)
@@ -49,13 +50,14 @@ def forget_open_readers() -> None:
 
 
 @functools.lru_cache(maxsize=4)
-def _open_gguf(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
-    return gguf.GGUFReader(path)
+def _open_gguf(path: str, size: int, mtime_ns: int) -> GgufFile:
+    return read_gguf_header(path)
 
 
-def read_gguf_metadata(reader: gguf.GGUFReader) -> dict:
-    """All key/value fields of a GGUF as plain Python values (str, int, float, bool, lists)."""
-    return {name: field.contents() for name, field in reader.fields.items()}
+def read_gguf_metadata(reader: GgufFile) -> dict:
+    """All key/value fields of a GGUF as plain Python values (str, int, float, bool, lists); the
+    lists are the caller's own (the header is shared)."""
+    return {key: list(value) if isinstance(value, list) else value for key, value in reader.metadata.items()}
 
 
 def hf_param_name(gguf_name: str, arch: str = "llama", num_layers: int | None = None) -> str | None:

@@ -32,7 +32,7 @@ def decode_q4_blocks(raw: np.ndarray, kind, shape: tuple[int, int]) -> tuple[tor
     """Q4_0 / Q4_1 / Q4_K blocks as codes, scales and mins.
 
     Args:
-        raw: the tensor's bytes, any shape (one row of blocks per output row, as GGUFReader gives).
+        raw: the tensor's bytes, any shape (one row of blocks per output row, as the GGUF header reader gives).
         kind: gguf.GGMLQuantizationType Q4_0, Q4_1 or Q4_K.
         shape: (out_features, in_features); in_features a multiple of the type's block.
     Returns:
