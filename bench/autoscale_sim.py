@@ -6,8 +6,11 @@ Model (tick `dt`): Poisson arrivals at the trace's rate -> admission (a decode i
 slot and KV for prompt + output reserves it) -> the least-queued ready prefill instance computes the
 prompt at the profile's tokens/s (FIFO) -> first token (TTFT) -> the decode instance generates the
 rest at itl(batch) per token. New instances serve `startup_s` after they are asked for; a shrinking
-pool drains its least loaded instance (no new work, leaves when empty). A request meets the SLO
-when its TTFT and its mean time between tokens are both within target.
+pool drains its least loaded instance (no new work, leaves when empty). With `flips`, a decision that
+grows one pool and shrinks the other flips instances instead, as RayActuator does: the shrinking
+pool's least loaded instance drains, then serves in the other role `flip_s` later. A request meets
+the SLO when its TTFT and its mean time between tokens are both within target. A phase may set its
+own request shape (prompt and output tokens): bench/shifting_mix.py runs a trace whose mix shifts.
 """
 from __future__ import annotations
 
@@ -16,17 +19,22 @@ import json
 import math
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cluster.autoscale.actuators import PoolSizes
 from cluster.autoscale.autoscaler import Observation, Policy, Profile, QueueThreshold, ScalingLimits, SLOPlanner
+from cluster.autoscale.forecast import LinearTrend
+
+WINDOW_S = 10.0  # SimResult.windows: SLO attainment of the requests arriving in each
 
 
 @dataclass(frozen=True)
 class Phase:
     duration_s: float
-    start_rate: float  # requests/s, as a multiple of one prefill instance's capacity
+    start_rate: float  # requests/s, as a multiple of one prefill instance's capacity (at the default prompt)
     end_rate: float
+    prompt_tokens: int | None = None  # None: simulate()'s
+    output_tokens: int | None = None
 
 
 # ramp up, hold, spike, fall back, quiet: rates in units of one prefill instance's capacity
@@ -37,6 +45,8 @@ STANDARD_TRACE = (Phase(120, 0.3, 0.3), Phase(300, 0.3, 2.4), Phase(120, 2.4, 2.
 @dataclass
 class _Req:
     arrival: float
+    prompt: int = 0
+    output: int = 0
     decode: "_Instance | None" = None
     ttft: float | None = None
     tokens_left: float = 0.0
@@ -49,6 +59,7 @@ class _Req:
 class _Instance:
     ready_at: float
     draining: bool = False
+    becomes: "_Instance | None" = None  # a flipping instance: the other role's, ready flip_s after it drains
     queue: deque = field(default_factory=deque)  # prefill: [request, tokens left]
     running: list = field(default_factory=list)  # decode: requests generating
     reserved_tokens: float = 0.0  # decode: KV held by admitted requests
@@ -67,13 +78,16 @@ class SimResult:
     instance_seconds: float
     timeline: list  # (t, rate, prefill, decode)
     num_requests: int
+    windows: list = field(default_factory=list)  # (start s, requests arriving in the next 10 s, fraction met)
+    moves: dict = field(default_factory=dict)  # instances flipped, added, removed (the policy's counts)
 
 
-def _arrivals(trace, base_rate: float, rng: random.Random) -> list[float]:
-    """Poisson arrivals with a piecewise-linear rate (thinning)."""
+def _arrivals(trace, base_rate: float, rng: random.Random, prompt_tokens: int, output_tokens: int) -> list[_Req]:
+    """Poisson arrivals with a piecewise-linear rate (thinning), each with its phase's shape."""
     out, t0 = [], 0.0
     for ph in trace:
         peak = max(ph.start_rate, ph.end_rate) * base_rate
+        shape = (ph.prompt_tokens or prompt_tokens, ph.output_tokens or output_tokens)
         t = t0
         while peak > 0:
             t += rng.expovariate(peak)
@@ -81,7 +95,7 @@ def _arrivals(trace, base_rate: float, rng: random.Random) -> list[float]:
                 break
             rate = (ph.start_rate + (ph.end_rate - ph.start_rate) * (t - t0) / ph.duration_s) * base_rate
             if rng.random() < rate / peak:
-                out.append(t)
+                out.append(_Req(t, *shape))
         t0 += ph.duration_s
     return out
 
@@ -97,64 +111,86 @@ def _rate_at(trace, t: float) -> float:
 
 def simulate(policy: Policy, profile: Profile, trace=STANDARD_TRACE, prompt_tokens: int = 512, output_tokens: int = 64,
              ttft_slo_s: float = 4.0, tbt_slo_s: float = 0.3, start: PoolSizes = PoolSizes(1, 1),
-             interval_s: float = 10.0, dt: float = 0.1, seed: int = 0) -> SimResult:
+             interval_s: float = 10.0, dt: float = 0.1, seed: int = 0, flips: bool = False) -> SimResult:
+    """`flips`: a decision that grows one pool and shrinks the other flips instances (RayActuator's way)."""
     base_rate = profile.prefill_tokens_per_s / prompt_tokens  # requests/s one prefill instance sustains
-    reqs = [_Req(a) for a in _arrivals(trace, base_rate, random.Random(seed))]
+    reqs = _arrivals(trace, base_rate, random.Random(seed), prompt_tokens, output_tokens)
     end_s = sum(ph.duration_s for ph in trace)
     pools = {"prefill": [_Instance(0.0) for _ in range(start.prefill)],
              "decode": [_Instance(0.0) for _ in range(start.decode)]}
-    kv_per_req = prompt_tokens + output_tokens
-    waiting, next_arrival, arrived_since = deque(), 0, 0
+    waiting, seen = deque(), _Seen(prompt_tokens, output_tokens)
     timeline, changes, instance_s, t, next_decision = [], 0, 0.0, 0.0, interval_s
-    while t < end_s or any(r.done_at is None for r in reqs[:next_arrival]):
+    while t < end_s or any(r.done_at is None for r in reqs[:seen.arrived]):
         if t > end_s + 600:
             break  # a policy that never catches up: the rest count as misses
-        while next_arrival < len(reqs) and reqs[next_arrival].arrival <= t:
-            waiting.append(reqs[next_arrival])
-            next_arrival += 1
-            arrived_since += 1
-        _admit(waiting, pools, profile, kv_per_req, prompt_tokens, t)
-        _run_prefill(pools["prefill"], profile, output_tokens, t, dt)
-        _run_decode(pools["decode"], profile, kv_per_req, t, dt)
+        while seen.arrived < len(reqs) and reqs[seen.arrived].arrival <= t:
+            waiting.append(reqs[seen.arrived])
+            seen.arrive(reqs[seen.arrived])
+        _admit(waiting, pools, profile, t)
+        _run_prefill(pools["prefill"], profile, t, dt)
+        seen.done(_run_decode(pools["decode"], profile, t, dt))
         for role in pools:
-            pools[role] = [i for i in pools[role] if not (i.draining and not i.queue and not i.running
-                                                          and i.reserved_tokens <= 0)]
-            instance_s += len(pools[role]) * dt
+            pools[role] = _settle(pools[role], t, profile.flip_s)
+            instance_s += sum(i.ready_at != math.inf for i in pools[role]) * dt  # (not a flip's other half yet)
         if t >= next_decision:
             sizes = PoolSizes(*(sum(not i.draining for i in pools[r]) for r in ("prefill", "decode")))
-            decode = [i for i in pools["decode"] if not i.draining]
-            obs = Observation(
-                now=t, sizes=sizes, arrival_rate=arrived_since / interval_s, mean_prompt_tokens=prompt_tokens,
-                mean_uncached_tokens=prompt_tokens, mean_output_tokens=output_tokens,
-                queued_prefill_tokens=sum(left for i in pools["prefill"] for _, left in i.queue),
-                decode_running=sum(len(i.running) for i in decode), decode_waiting=len(waiting),
-                decode_kv_usage=sum(i.reserved_tokens for i in decode) / max(len(decode), 1) / profile.kv_capacity_tokens)
-            target = policy.decide(obs)
-            changes += _apply(pools, sizes, target, t + profile.startup_s)
-            arrived_since, next_decision = 0, next_decision + interval_s
+            target = policy.decide(seen.observe(t, sizes, pools, waiting, interval_s, profile))
+            changes += _apply(pools, sizes, target, t + profile.startup_s, flips)
+            next_decision += interval_s
             timeline.append((round(t, 1), _rate_at(trace, t) * base_rate, target.prefill, target.decode))
         t += dt
-    return _result(reqs, ttft_slo_s, tbt_slo_s, changes, instance_s, timeline)
+    return _result(reqs, ttft_slo_s, tbt_slo_s, changes, instance_s, timeline, dict(policy.moves))
 
 
-def _admit(waiting, pools, profile, kv_per_req, prompt_tokens, t) -> None:
+class _Seen:
+    """What the autoscaler's LoadWindow sees: arrivals and their prompts per interval, the outputs of
+    the requests that completed (the last known shape while none did)."""
+
+    def __init__(self, prompt_tokens: int, output_tokens: int):
+        self.arrived, self.count, self.prompt_sum, self.outputs = 0, 0, 0.0, []
+        self.shape = [float(prompt_tokens), float(output_tokens)]
+
+    def arrive(self, req: _Req) -> None:
+        self.arrived, self.count, self.prompt_sum = self.arrived + 1, self.count + 1, self.prompt_sum + req.prompt
+
+    def done(self, reqs: list[_Req]) -> None:
+        self.outputs.extend(r.output for r in reqs)
+
+    def observe(self, t, sizes, pools, waiting, interval_s, profile) -> Observation:
+        if self.count:
+            self.shape[0] = self.prompt_sum / self.count
+        if self.outputs:
+            self.shape[1] = sum(self.outputs) / len(self.outputs)
+        decode = [i for i in pools["decode"] if not i.draining and t >= i.ready_at]
+        obs = Observation(
+            now=t, sizes=sizes, arrival_rate=self.count / interval_s, mean_prompt_tokens=self.shape[0],
+            mean_uncached_tokens=self.shape[0], mean_output_tokens=self.shape[1],
+            queued_prefill_tokens=sum(left for i in pools["prefill"] for _, left in i.queue),
+            decode_running=sum(len(i.running) for i in decode), decode_waiting=len(waiting),
+            decode_kv_usage=sum(i.reserved_tokens for i in decode) / max(len(decode), 1) / profile.kv_capacity_tokens)
+        self.count, self.prompt_sum, self.outputs = 0, 0.0, []
+        return obs
+
+
+def _admit(waiting, pools, profile, t) -> None:
     while waiting:
+        kv = waiting[0].prompt + waiting[0].output
         decodes = [i for i in pools["decode"] if i.ready(t) and len(i.running) + _n_reserved(i, pools) <
-                   profile.max_num_seqs and i.reserved_tokens + kv_per_req <= profile.kv_capacity_tokens]
+                   profile.max_num_seqs and i.reserved_tokens + kv <= profile.kv_capacity_tokens]
         prefills = [i for i in pools["prefill"] if i.ready(t)]
         if not decodes or not prefills:
             return
         req = waiting.popleft()
         req.decode = min(decodes, key=lambda i: i.reserved_tokens)
-        req.decode.reserved_tokens += kv_per_req
-        min(prefills, key=lambda i: sum(left for _, left in i.queue)).queue.append([req, float(prompt_tokens)])
+        req.decode.reserved_tokens += kv
+        min(prefills, key=lambda i: sum(left for _, left in i.queue)).queue.append([req, float(req.prompt)])
 
 
 def _n_reserved(inst, pools) -> int:
     return sum(1 for p in pools["prefill"] for r, _ in p.queue if r.decode is inst)
 
 
-def _run_prefill(prefills, profile, output_tokens, t, dt) -> None:
+def _run_prefill(prefills, profile, t, dt) -> None:
     for inst in prefills:
         budget = profile.prefill_tokens_per_s * dt if t >= inst.ready_at else 0.0
         while inst.queue and budget > 0:
@@ -165,11 +201,13 @@ def _run_prefill(prefills, profile, output_tokens, t, dt) -> None:
             if item[1] <= 0:
                 req = inst.queue.popleft()[0]
                 req.ttft = t + dt - req.arrival
-                req.tokens_left = output_tokens - 1
+                req.tokens_left = req.output - 1
                 req.decode.running.append(req)
 
 
-def _run_decode(decodes, profile, kv_per_req, t, dt) -> None:
+def _run_decode(decodes, profile, t, dt) -> list[_Req]:
+    """One tick of every decode instance; the requests that finished."""
+    finished = []
     for inst in decodes:
         if not inst.running:
             continue
@@ -183,20 +221,43 @@ def _run_decode(decodes, profile, kv_per_req, t, dt) -> None:
                 req.done_at = t + dt
         for req in [r for r in inst.running if r.done_at is not None]:
             inst.running.remove(req)
-            inst.reserved_tokens -= kv_per_req
+            inst.reserved_tokens -= req.prompt + req.output
+            finished.append(req)
+    return finished
 
 
-def _apply(pools, sizes: PoolSizes, target: PoolSizes, ready_at: float) -> int:
-    changes = 0
-    for role in ("prefill", "decode"):
-        diff = getattr(target, role) - getattr(sizes, role)
-        changes += diff != 0
-        for _ in range(diff):
+def _settle(pool: list[_Instance], t: float, flip_s: float) -> list[_Instance]:
+    """Drained instances leave; a flipping one's other half serves `flip_s` after."""
+    keep = []
+    for inst in pool:
+        if inst.draining and not inst.queue and not inst.running and inst.reserved_tokens <= 0:
+            if inst.becomes is not None:
+                inst.becomes.ready_at = t + flip_s
+            continue
+        keep.append(inst)
+    return keep
+
+
+def _apply(pools, sizes: PoolSizes, target: PoolSizes, ready_at: float, flips: bool) -> int:
+    changes, diff = 0, {role: getattr(target, role) - getattr(sizes, role) for role in pools}
+    for src, dst in (("prefill", "decode"), ("decode", "prefill")):
+        for inst in _least_loaded(pools[src])[:max(0, min(-diff[src], diff[dst])) if flips else 0]:
+            inst.draining, inst.becomes = True, _Instance(math.inf)
+            pools[dst].append(inst.becomes)
+            diff[src], diff[dst] = diff[src] + 1, diff[dst] - 1
+            changes += 1
+    for role in pools:
+        changes += diff[role] != 0
+        for _ in range(diff[role]):
             pools[role].append(_Instance(ready_at))
-        live = [i for i in pools[role] if not i.draining]
-        for inst in sorted(live, key=lambda i: len(i.queue) + len(i.running) + i.reserved_tokens)[:max(0, -diff)]:
+        for inst in _least_loaded(pools[role])[:max(0, -diff[role])]:
             inst.draining = True
     return changes
+
+
+def _least_loaded(pool: list[_Instance]) -> list[_Instance]:
+    live = [i for i in pool if not i.draining]
+    return sorted(live, key=lambda i: len(i.queue) + len(i.running) + i.reserved_tokens)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -206,13 +267,27 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def _result(reqs, ttft_slo_s, tbt_slo_s, changes, instance_s, timeline) -> SimResult:
+def _result(reqs, ttft_slo_s, tbt_slo_s, changes, instance_s, timeline, moves) -> SimResult:
     inf = math.inf
     ttft = [r.ttft if r.ttft is not None else inf for r in reqs]
     tbt = [r.itl_sum / r.tokens if r.tokens else (0.0 if r.done_at else inf) for r in reqs]
-    met = sum(1 for a, b in zip(ttft, tbt) if a <= ttft_slo_s and b <= tbt_slo_s)
-    return SimResult(met / max(len(reqs), 1), _pct(ttft, 0.99), _pct(tbt, 0.99), changes, _reversals(timeline),
-                     instance_s, timeline, len(reqs))
+    ok = [a <= ttft_slo_s and b <= tbt_slo_s for a, b in zip(ttft, tbt)]
+    windows: dict[int, list[bool]] = {}
+    for req, met in zip(reqs, ok):
+        windows.setdefault(int(req.arrival // WINDOW_S), []).append(met)
+    return SimResult(sum(ok) / max(len(reqs), 1), _pct(ttft, 0.99), _pct(tbt, 0.99), changes, _reversals(timeline),
+                     instance_s, timeline, len(reqs),
+                     [(k * WINDOW_S, len(v), sum(v) / len(v)) for k, v in sorted(windows.items())], moves)
+
+
+def recovered_after(result: SimResult, t0: float, level: float = 0.9, runs: int = 3) -> float:
+    """Seconds from `t0` until `runs` windows in a row of arriving requests meet the SLO at `level`
+    (inf: never)."""
+    after = [(start, frac) for start, _, frac in result.windows if start >= t0]
+    for k in range(len(after) - runs + 1):
+        if all(frac >= level for _, frac in after[k:k + runs]):
+            return after[k][0] - t0
+    return math.inf
 
 
 def _reversals(timeline) -> int:
@@ -228,15 +303,21 @@ def main() -> None:
     ap.add_argument("--profile", required=True, help="JSON written by `pdserve bench --profile`")
     ap.add_argument("--ttft-slo", type=float, default=4.0)
     ap.add_argument("--tbt-slo", type=float, default=0.3)
-    ap.add_argument("--json", help="write both results (with timelines) here")
+    ap.add_argument("--startup-s", type=float, help="the cold start to simulate (default: the profile's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the results (with timelines) here")
     args = ap.parse_args()
     profile = Profile.load(args.profile)
+    if args.startup_s is not None:
+        profile = replace(profile, startup_s=args.startup_s)
     limits = ScalingLimits(min_prefill=1, max_prefill=6, min_decode=1, max_decode=6, headroom=0.2,
                            scale_up_cooldown_s=10, scale_down_cooldown_s=60)
-    results = {"slo_planner": simulate(SLOPlanner(profile, limits, args.ttft_slo, args.tbt_slo), profile,
-                                       ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo),
-               "queue_threshold": simulate(QueueThreshold(limits), profile, ttft_slo_s=args.ttft_slo,
-                                           tbt_slo_s=args.tbt_slo)}
+    slos = dict(ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo, seed=args.seed)
+    policies = {"slo_planner": SLOPlanner(profile, limits, args.ttft_slo, args.tbt_slo),
+                "slo_trend": SLOPlanner(profile, limits, args.ttft_slo, args.tbt_slo, forecaster=LinearTrend(10.0)),
+                "queue_threshold": QueueThreshold(limits)}
+    results = {name: simulate(policy, profile, **slos) for name, policy in policies.items()}
+    print(f"cold start {profile.startup_s:.1f} s; slo_planner: the rate now; slo_trend: the trend forecast")
     print(f"{'policy':<16}{'SLO met':>9}{'TTFT p99':>10}{'TBT p99':>9}{'changes':>9}{'reversals':>10}{'inst-s':>9}"
           "  requests")
     for name, r in results.items():

@@ -37,6 +37,7 @@ ROLES = ("prefill", "decode", "colocated")
 ROUTER_POLICIES = ("least_loaded", "prefix_aware", "round_robin")  # router/policy.py ROUTING_POLICIES
 AUTOSCALE_POLICIES = ("slo", "queue")  # cluster/autoscale/factory.py POLICIES
 AUTOSCALE_ACTUATORS = ("ray", "kubernetes", "dry_run")  # cluster/autoscale/factory.py ACTUATORS
+AUTOSCALE_FORECASTS = ("mean", "trend")  # cluster/autoscale/forecast.py FORECASTS
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # gateway/tool_parsers.py TOOL_PARSERS
 REASONING_PARSERS = ("deepseek_r1", "openai_gptoss", "qwen3")  # gateway/reasoning.py REASONING_PARSERS
 # kvtransfer/registry.py TRANSPORTS (auto: same-device pairs write into the cache; nixl: the decode reads over NIXL)
@@ -52,6 +53,7 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 CHOICES = MappingProxyType({
     "dtype": DTYPE_CHOICES, "mode": MODES, "router_policy": ROUTER_POLICIES, "attention_backend": ATTENTION_BACKENDS,
     "autoscale_policy": AUTOSCALE_POLICIES, "autoscale_actuator": AUTOSCALE_ACTUATORS,
+    "autoscale_forecast": AUTOSCALE_FORECASTS,
     "kv_load_failure_policy": KV_LOAD_FAILURE_POLICIES, "kv_transport": KV_TRANSPORTS,
     "kv_cache_dtype": KV_CACHE_DTYPE_CHOICES, "quantization": QUANTIZATION_CHOICES, "omp_wait_policy": WAIT_POLICIES,
     "expert_method": EXPERT_METHOD_CHOICES, "speculative_method": SPECULATIVE_METHODS,
@@ -164,12 +166,14 @@ class ClusterSpec:
     autoscale_actuator: str = "ray"
     autoscale_interval_s: float = 10.0
     autoscale_profile: str | None = None
+    autoscale_forecast: str = "trend"  # the arrival rate one cold start ahead (cluster/autoscale/forecast.py)
     ttft_slo_s: float = 2.0
     tbt_slo_s: float = 0.1
     min_prefill: int = 1
     max_prefill: int = 4
     min_decode: int = 1
     max_decode: int = 4
+    max_instances: int = 0  # both pools together (a fixed fleet: a pool grows by flipping); 0: no bound
     scale_headroom: float = 0.2
     scale_up_cooldown_s: float = 10.0
     scale_down_cooldown_s: float = 60.0
@@ -229,7 +233,8 @@ class ClusterSpec:
                    "disagg_threshold_tokens": 0, "kv_recompute_max_tokens": 0,
                    "max_request_bytes": 1, "max_prompt_tokens": 1, "router_max_queued": 1,
                    "num_prefill": 1 if self.mode == "disaggregated" else 0,
-                   "min_prefill": 0, "min_decode": 1, "max_prefill": self.min_prefill, "max_decode": self.min_decode}
+                   "min_prefill": 0, "min_decode": 1, "max_prefill": self.min_prefill, "max_decode": self.min_decode,
+                   "max_instances": self.min_prefill + self.min_decode if self.max_instances else 0}
         for name, low in minimum.items():
             value = getattr(self, name)
             if value is not None and value < low:

@@ -10,7 +10,10 @@ only logs. The policies that decide live in cluster/autoscale/autoscaler.py.
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -38,6 +41,12 @@ class Actuator(ABC):
     def apply(self, target: PoolSizes) -> None:
         """Move to `target`. Raises ActuatorError when that cannot be done."""
 
+    def measured(self) -> dict[str, float]:
+        """What this actuator's moves took, for the planner: `startup_s` (an added instance, from the
+        ask to serving) and `flip_s` (a drained instance's rebuild), the median of the last few;
+        a key only once measured."""
+        return {}
+
 
 class DryRunActuator(Actuator):
     """Logs each decision and pretends it happened (so the planner sees its own decisions)."""
@@ -64,6 +73,10 @@ class RayActuator(Actuator):
 
     def __init__(self, cluster, drain_timeout_s: float = 120.0, flips: bool = True):
         self.cluster, self.drain_timeout_s, self.flips = cluster, drain_timeout_s, flips
+        self.times: dict[str, deque[float]] = {"startup_s": deque(maxlen=8), "flip_s": deque(maxlen=8)}
+
+    def measured(self) -> dict[str, float]:
+        return {key: statistics.median(times) for key, times in self.times.items() if times}
 
     def _serving(self, role: str) -> list:
         """The InstanceInfos of `role` that take requests (healthy, not draining)."""
@@ -81,10 +94,13 @@ class RayActuator(Actuator):
         for role in ("prefill", "decode"):
             ids, want = self._ids(role), getattr(target, role)
             for _ in range(want - len(ids)):
+                start = time.monotonic()
                 try:
-                    logger.info("autoscaler: adding a %s instance -> %s", role, self.cluster.add_instance(role))
+                    iid = self.cluster.add_instance(role)
                 except Exception as exc:  # no room in Ray, model load failed: say so, keep serving
                     raise ActuatorError(f"cannot add a {role} instance: {exc}") from exc
+                self.times["startup_s"].append(time.monotonic() - start)
+                logger.info("autoscaler: added a %s instance %s in %.1f s", role, iid, self.times["startup_s"][-1])
             if want < len(ids):
                 self.drain(role, len(ids) - want)
 
@@ -99,7 +115,9 @@ class RayActuator(Actuator):
                 except ValueError as exc:  # the cluster cannot flip (its spec): add and remove instead
                     logger.info("autoscaler: no flip (%s); adding and removing instead", exc)
                     return
-                logger.info("autoscaler: flipped %s from %s to %s in %.2f s", iid, src, dst, took["total_s"])
+                self.times["flip_s"].append(took["rebuild_s"])  # (the planner models the drain itself)
+                logger.info("autoscaler: flipped %s from %s to %s in %.2f s (drain %.2f s)", iid, src, dst,
+                            took["total_s"], took["drain_s"])
 
     def _least_loaded(self, role: str) -> list[str]:
         key = "queued_prefill_tokens" if role == "prefill" else "running"
@@ -128,3 +146,7 @@ class PodsThenInstances(Actuator):
     def apply(self, target: PoolSizes) -> None:
         self.pods.apply(target)
         self.instances.apply(target)
+
+    def measured(self) -> dict[str, float]:
+        """(An instance's start only: a pod's own start is not yet measured here.)"""
+        return self.instances.measured()

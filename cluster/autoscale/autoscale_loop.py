@@ -10,11 +10,13 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from cluster.autoscale.actuators import Actuator, PoolSizes
-from cluster.autoscale.autoscaler import Observation, Policy, Profile, ScalingLimits, SLOPlanner, fit_line
+from cluster.autoscale.autoscaler import Observation, Policy, Profile, ScalingLimits, SLOPlanner
+from cluster.autoscale.forecast import fit_line
 from cluster.autoscale.factory import create_actuator, create_policy
 
 logger = logging.getLogger(__name__)
@@ -101,6 +103,7 @@ class Autoscaler:
         self.decisions = {(role, d): 0 for role in ("prefill", "decode") for d in ("up", "down")}
         self.errors = 0
         self._said_profiling = False
+        self._measured: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -110,6 +113,12 @@ class Autoscaler:
         obs = self.window.observe(current)
         if self.online is not None:
             self.profile = self.online.update(self.cluster) or self.profile
+        measured = self.actuator.measured()
+        if measured != self._measured:
+            logger.info("autoscaler: measured %s", ", ".join(f"{k} {v:.2f}" for k, v in measured.items()))
+            self._measured = measured
+        if self.profile is not None:
+            self.profile = replace(self.profile, **measured)
         self.last = obs
         if isinstance(self.policy, SLOPlanner):
             if self.profile is None:
@@ -164,15 +173,30 @@ class Autoscaler:
             decisions.add_metric([role, direction], n)
         rate = GaugeMetricFamily("pdserve_autoscaler_arrival_rate", "requests/s over the last interval")
         rate.add_metric([], self.last.arrival_rate if self.last else 0.0)
-        families = [desired, current, decisions, rate]
+        moves = CounterMetricFamily("pdserve_autoscaler_moves", "instances flipped to the other role, added, "
+                                    "removed", labels=["move"])
+        for move, n in self.policy.moves.items():
+            moves.add_metric([move], n)
+        families = [desired, current, decisions, rate, moves]
         if isinstance(self.policy, SLOPlanner) and self.profile is not None and self.last is not None:
-            ttft = GaugeMetricFamily("pdserve_autoscaler_predicted_ttft_seconds",
-                                     "queue-inclusive TTFT predicted at the current prefill pool size")
-            ttft.add_metric([], min(self.policy.predicted_ttft(self.last.sizes.prefill, self.last), 1e9))
-            families.append(ttft)
+            families.extend(self._planner_families())
         errors = CounterMetricFamily("pdserve_autoscaler_errors", "autoscaler steps that failed")
         errors.add_metric([], self.errors)
         yield from [*families, errors]
+
+    def _planner_families(self):
+        ttft = GaugeMetricFamily("pdserve_autoscaler_predicted_ttft_seconds",
+                                 "queue-inclusive TTFT predicted at the current prefill pool size")
+        ttft.add_metric([], min(self.policy.predicted_ttft(self.last.sizes.prefill, self.last), 1e9))
+        standby = GaugeMetricFamily("pdserve_autoscaler_standby_instances", "instances asked for ahead of the "
+                                    "load, for the rate forecast one cold start ahead", labels=["role"])
+        for role, n in self.policy.standby.items():
+            standby.add_metric([role], n)
+        start = GaugeMetricFamily("pdserve_autoscaler_start_seconds", "what the planner counts for a new "
+                                  "instance (cold) and a flip (rebuild, drain not included)", labels=["kind"])
+        start.add_metric(["cold"], self.profile.startup_s)
+        start.add_metric(["flip"], self.profile.flip_s)
+        return [ttft, standby, start]
 
     def describe(self):
         return []
@@ -184,7 +208,10 @@ def create_autoscaler(cluster, spec) -> Autoscaler:
     profile = Profile.load(spec.autoscale_profile) if spec.autoscale_profile else None
     policy, actuator = create_policy(spec, profile, limits), create_actuator(cluster, spec)
     online = OnlineProfile(spec.max_num_seqs) if isinstance(policy, SLOPlanner) and profile is None else None
-    logger.info("autoscaler: %s policy, %s actuator, every %.0f s, pools %d-%d prefill, %d-%d decode",
+    logger.info("autoscaler: %s policy, %s actuator, every %.0f s, pools %d-%d prefill, %d-%d decode, %s instances "
+                "in all, %s forecast; a cold start counts %.1f s and a flip %.2f s until one is measured (%s)",
                 spec.autoscale_policy, spec.autoscale_actuator, spec.autoscale_interval_s, limits.min_prefill,
-                limits.max_prefill, limits.min_decode, limits.max_decode)
+                limits.max_prefill, limits.min_decode, limits.max_decode, limits.max_instances or "any",
+                spec.autoscale_forecast, (profile or Profile(0, 0, 0, 1, 1)).startup_s,
+                (profile or Profile(0, 0, 0, 1, 1)).flip_s, "the profile's" if profile else "assumed")
     return Autoscaler(cluster, policy, actuator, spec.autoscale_interval_s, profile, online)

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from cluster.autoscale.actuators import PoolSizes
+from cluster.autoscale.forecast import Forecaster
 from cluster.spec import ClusterSpec
 
 HYSTERESIS = 0.25  # extra headroom a lower target must show before a pool shrinks
@@ -39,7 +40,8 @@ class Profile:
     decode_itl_per_seq_s: float
     max_num_seqs: int  # the engine's batch limit
     kv_capacity_tokens: int  # KV cache of one decode instance, tokens
-    startup_s: float = 30.0  # from asking for an instance to it serving (used by the simulator)
+    startup_s: float = 30.0  # cold start: from asking for an instance to it serving (assumed until measured)
+    flip_s: float = 1.0  # a drained instance's role change (cluster/control/flip.py; assumed until measured)
 
     def itl(self, batch: float) -> float:
         return self.decode_itl_base_s + self.decode_itl_per_seq_s * batch
@@ -58,22 +60,10 @@ class Profile:
     def load(cls, path: str | Path) -> Profile:
         data = json.loads(Path(path).read_text())
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
-        missing = set(cls.__dataclass_fields__) - set(known) - {"startup_s"}
+        missing = set(cls.__dataclass_fields__) - set(known) - {"startup_s", "flip_s"}
         if missing:
             raise ValueError(f"{path}: profile lacks {', '.join(sorted(missing))}")
         return cls(**known)
-
-
-def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of y over x; slope 0 through the mean for one distinct x."""
-    n = len(points)
-    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    if sxx == 0:
-        return my, 0.0
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
-    slope = max(slope, 0.0)  # a step never gets cheaper with more sequences
-    return my - slope * mx, slope
 
 
 @dataclass(frozen=True)
@@ -103,11 +93,12 @@ class ScalingLimits:
     headroom: float = ClusterSpec.scale_headroom
     scale_up_cooldown_s: float = ClusterSpec.scale_up_cooldown_s
     scale_down_cooldown_s: float = ClusterSpec.scale_down_cooldown_s
+    max_instances: int = ClusterSpec.max_instances  # both pools together (a fixed fleet); 0: no bound
 
     @classmethod
     def from_spec(cls, spec) -> ScalingLimits:
         return cls(spec.min_prefill, spec.max_prefill, spec.min_decode, spec.max_decode, spec.scale_headroom,
-                   spec.scale_up_cooldown_s, spec.scale_down_cooldown_s)
+                   spec.scale_up_cooldown_s, spec.scale_down_cooldown_s, spec.max_instances)
 
     def clamp(self, pool: str, n: int) -> int:
         lo, hi = (self.min_prefill, self.max_prefill) if pool == "prefill" else (self.min_decode, self.max_decode)
@@ -121,10 +112,13 @@ class _PoolState:
 
 
 class Policy(ABC):
-    """Turns observations into pool sizes, with cool-downs, hysteresis and bounds.
+    """Turns observations into pool sizes, with cool-downs, hysteresis, flips and bounds.
 
     A pool shrinks by one when its scale-down target is below its size, nothing changed for
     `scale_down_cooldown_s` and (`persist_lower`) the lower target has held that long too.
+    A pool that must grow takes the other pool's spare instances (above that pool's scale-down
+    target) by flipping them when `flip_time` says a flip serves sooner than a cold start, or when
+    `max_instances` leaves no room to add; what is left it adds (within `max_instances`).
     """
 
     persist_lower = True
@@ -133,46 +127,124 @@ class Policy(ABC):
         self.limits = limits
         self._pools = {"prefill": _PoolState(), "decode": _PoolState()}
         self.last_targets: dict[str, int] = {}
+        self.moves = {"flip": 0, "add": 0, "remove": 0}  # instances, over all decisions
 
     @abstractmethod
     def targets(self, obs: Observation) -> dict[str, tuple[int, int]]:
         """Per pool (scale-up target, scale-down target); the second is the stricter one."""
 
+    def flip_time(self, src: str, obs: Observation) -> float | None:
+        """Seconds until an instance of `src` serves as the other role (its drain and its flip);
+        None: this policy does not flip."""
+        return None
+
     def decide(self, obs: Observation) -> PoolSizes:
-        out = {}
-        for pool, (up, down) in self.targets(obs).items():
-            cur, st = getattr(obs.sizes, pool), self._pools[pool]
-            up, down = self.limits.clamp(pool, up), self.limits.clamp(pool, down)
-            self.last_targets[pool] = up
-            new = cur
-            if up > cur:
-                st.lower_since_s = None
-                if obs.now - st.last_change_s >= self.limits.scale_up_cooldown_s:
-                    new = up
-            elif down < cur:
-                st.lower_since_s = obs.now if st.lower_since_s is None else st.lower_since_s
-                quiet = obs.now - st.last_change_s
-                if self.persist_lower:
-                    quiet = min(quiet, obs.now - st.lower_since_s)
-                if quiet >= self.limits.scale_down_cooldown_s:
-                    new = cur - 1
-            else:
-                st.lower_since_s = None
-            if new != cur:
+        targets = {pool: (self.limits.clamp(pool, up), self.limits.clamp(pool, down))
+                   for pool, (up, down) in self.targets(obs).items()}
+        cur = {pool: getattr(obs.sizes, pool) for pool in targets}
+        out = {pool: self._resize(pool, cur[pool], up, down, obs.now) for pool, (up, down) in targets.items()}
+        flipped = self._flips(obs, targets, cur, out)
+        self._cap(cur, out)
+        for pool, st in self._pools.items():
+            self.last_targets[pool] = targets[pool][0]
+            if out[pool] != cur[pool]:
                 st.last_change_s, st.lower_since_s = obs.now, None
-            out[pool] = new
+        grown = sum(max(0, out[p] - cur[p]) for p in out)
+        self.moves["flip"] += flipped
+        self.moves["add"] += grown - flipped
+        self.moves["remove"] += sum(max(0, cur[p] - out[p]) for p in out) - flipped
         return PoolSizes(**out)
+
+    def _resize(self, pool: str, cur: int, up: int, down: int, now: float) -> int:
+        """The pool on its own: up after the cool-down, down by one after the quiet time."""
+        st = self._pools[pool]
+        if up > cur:
+            st.lower_since_s = None
+            return up if now - st.last_change_s >= self.limits.scale_up_cooldown_s else cur
+        if down < cur:
+            st.lower_since_s = now if st.lower_since_s is None else st.lower_since_s
+            quiet = now - st.last_change_s
+            if self.persist_lower:
+                quiet = min(quiet, now - st.lower_since_s)
+            # (never quicker than a cold start: what leaves could not come back sooner)
+            return cur - 1 if quiet >= max(self.limits.scale_down_cooldown_s, self.startup_s()) else cur
+        st.lower_since_s = None
+        return cur
+
+    def _flips(self, obs: Observation, targets: dict, cur: dict, out: dict) -> int:
+        """Moves spare instances to the pool that must grow, where a flip beats a cold start; how many."""
+        for src, dst in (("prefill", "decode"), ("decode", "prefill")):
+            short = targets[dst][0] - cur[dst]
+            spare = cur[src] - max(targets[src])
+            cooled = obs.now - self._pools[dst].last_change_s >= self.limits.scale_up_cooldown_s
+            full = self.limits.max_instances and sum(cur.values()) + short > self.limits.max_instances
+            if full and short > 0 and spare <= 0 and cur[src] > self.limits.clamp(src, 0) \
+                    and not self.meets_slo(dst, cur[dst], obs) and self.meets_slo(src, cur[src] - 1, obs):
+                spare = 1  # a full fleet: the pool missing its SLO now takes one the other can spare now
+            n = min(short, spare)
+            took = self.flip_time(src, obs)
+            if n <= 0 or not cooled or took is None:
+                continue
+            if took >= self.startup_s() and not full:
+                continue  # a cold start serves as soon: add, and let the spare go after its quiet time
+            out[src], out[dst] = min(out[src], cur[src] - n), max(out[dst], cur[dst] + n)
+            return n
+        return 0
+
+    def startup_s(self) -> float:
+        """Seconds from asking for a new instance to it serving (0: unknown)."""
+        return 0.0
+
+    def meets_slo(self, pool: str, n: int, obs: Observation) -> bool:
+        """Whether `n` instances of `pool` serve the load now within the SLO (no headroom, no forecast)."""
+        return True
+
+    def _cap(self, cur: dict, out: dict) -> None:
+        """Growth trimmed to `max_instances` in all (the pool grown most first); shrinking is never held."""
+        cap = self.limits.max_instances
+        while cap and sum(out.values()) > max(cap, sum(cur.values())):
+            pool = max(out, key=lambda p: out[p] - cur[p])
+            out[pool] -= 1
 
 
 class SLOPlanner(Policy):
     def __init__(self, profile: Profile, limits: ScalingLimits, ttft_slo_s: float, tbt_slo_s: float,
-                 rate_window_s: float = 30.0):
-        """`rate_window_s`: the arrival rate is the mean over this window (one interval's count is noisy)."""
+                 rate_window_s: float = 30.0, forecaster: Forecaster | None = None, flips: bool = True):
+        """`rate_window_s`: the arrival rate is the mean over this window (one interval's count is noisy).
+        `forecaster`: the rate one cold start ahead (cluster/autoscale/forecast.py); None: no forecast.
+        `flips`: whether a pool may grow by flipping the other's spare instances (else add and remove)."""
         super().__init__(limits)
         self.profile, self.ttft_slo_s, self.tbt_slo_s = profile, ttft_slo_s, tbt_slo_s
-        self.rate_window_s = rate_window_s
+        self.rate_window_s, self.forecaster, self.flips = rate_window_s, forecaster, flips
         # (now, arrival rate, its mean over rate_window_s) for the longer of the two windows
         self._history: deque[tuple[float, float, float]] = deque()
+        self.standby = {"prefill": 0, "decode": 0}  # instances the forecast asks for beyond the rate now
+
+    def startup_s(self) -> float:
+        return self.profile.startup_s
+
+    def meets_slo(self, pool: str, n: int, obs: Observation) -> bool:
+        """Prefill: the predicted TTFT (its queue included). Decode: the step time at the batch that is
+        there (running and waiting), and the KV in use fits."""
+        if pool == "prefill":
+            return self.predicted_ttft(n, obs) <= self.ttft_slo_s
+        if n < 1:
+            return False
+        batch = (obs.decode_running + obs.decode_waiting) / n
+        return self.profile.itl(batch) <= self.tbt_slo_s and obs.decode_kv_usage * obs.sizes.decode / n <= 1
+
+    def flip_time(self, src: str, obs: Observation) -> float | None:
+        """The least loaded instance's drain (a decode one: its sequences' remaining tokens; a prefill
+        one: its queue) and the measured flip."""
+        p = self.profile
+        if not self.flips:
+            return None
+        if src == "decode":
+            per_instance = obs.decode_running / max(obs.sizes.decode, 1)
+            drain = obs.mean_output_tokens * p.itl(per_instance)
+        else:
+            drain = obs.queued_prefill_tokens / max(obs.sizes.prefill, 1) / p.prefill_tokens_per_s
+        return drain + p.flip_s
 
     def predicted_ttft(self, n: int, obs: Observation) -> float:
         """Queue-inclusive TTFT with `n` prefill instances (inf when they cannot keep up)."""
@@ -218,8 +290,18 @@ class SLOPlanner(Policy):
         self._history.append((obs.now, obs.arrival_rate, now.arrival_rate))
         peak = replace(obs, arrival_rate=max(mean for *_, mean in self._history))
         h = self.limits.headroom
-        return {"prefill": (self._prefill_needed(now, h), self._prefill_needed(peak, h + HYSTERESIS)),
-                "decode": (self._decode_needed(now, h), self._decode_needed(peak, h + HYSTERESIS))}
+        out = {"prefill": (self._prefill_needed(now, h), self._prefill_needed(peak, h + HYSTERESIS)),
+               "decode": (self._decode_needed(now, h), self._decode_needed(peak, h + HYSTERESIS))}
+        if self.forecaster is None:
+            return out
+        self.forecaster.observe(obs.now, obs.arrival_rate)
+        ahead = replace(obs, arrival_rate=self.forecaster.predict(self.profile.startup_s))
+        if ahead.arrival_rate <= now.arrival_rate:
+            self.standby = {"prefill": 0, "decode": 0}
+            return out
+        up = {"prefill": self._prefill_needed(ahead, h), "decode": self._decode_needed(ahead, h)}
+        self.standby = {pool: max(0, up[pool] - out[pool][0]) for pool in out}
+        return {pool: (max(up[pool], out[pool][0]), max(up[pool], out[pool][1])) for pool in out}
 
 
 class QueueThreshold(Policy):

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from cluster.autoscale.actuators import Actuator, DryRunActuator, PodsThenInstances, RayActuator
 from cluster.autoscale.autoscaler import Policy, Profile, QueueThreshold, ScalingLimits, SLOPlanner
+from cluster.autoscale.forecast import create_forecaster
 from cluster.spec import ClusterSpec, spec_registry
 
 
 def _slo(spec: ClusterSpec, profile: Profile | None, limits: ScalingLimits) -> Policy:
-    """TTFT/TBT targets from a profile (None: measured online until there is one)."""
-    return SLOPlanner(profile, limits, spec.ttft_slo_s, spec.tbt_slo_s, rate_window_s=3 * spec.autoscale_interval_s)
+    """TTFT/TBT targets from a profile (None: measured online until there is one), the load forecast
+    `autoscale_forecast` names; flips where the actuator can flip (not Kubernetes: cluster/autoscale/actuators.py)."""
+    return SLOPlanner(profile, limits, spec.ttft_slo_s, spec.tbt_slo_s, rate_window_s=3 * spec.autoscale_interval_s,
+                      forecaster=create_forecaster(spec.autoscale_forecast, spec.autoscale_interval_s),
+                      flips=spec.autoscale_actuator != "kubernetes")
 
 
 def _queue(spec: ClusterSpec, profile: Profile | None, limits: ScalingLimits) -> Policy:

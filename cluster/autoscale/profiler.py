@@ -13,7 +13,8 @@ import logging
 import random
 import time
 
-from cluster.autoscale.autoscaler import Profile, fit_line
+from cluster.autoscale.autoscaler import Profile
+from cluster.autoscale.forecast import fit_line
 from cluster.spec import ClusterSpec
 
 logger = logging.getLogger(__name__)

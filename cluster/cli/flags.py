@@ -181,6 +181,10 @@ _HELP = {
     "autoscale_actuator": "ray (add/remove instances here), kubernetes (patch worker Deployments) or dry_run",
     "autoscale_interval_s": "seconds between autoscaling decisions",
     "autoscale_profile": "JSON profile from `pdserve bench --profile` (None: measured online)",
+    "autoscale_forecast": "the arrival rate one cold start ahead: trend (a line through the last minute) or mean "
+                          "(the last 30 s, no trend)",
+    "max_instances": "prefill and decode instances together at most (a fixed fleet: a pool then grows by flipping "
+                     "the other's spare instances); 0: no bound",
     "ttft_slo_s": "time-to-first-token target, seconds (queueing included)",
     "tbt_slo_s": "time-between-tokens target, seconds",
     "scale_headroom": "capacity kept spare above the predicted need (0.2 = 20 percent)",

@@ -208,6 +208,8 @@ def test_cli_rejects_bad_values():
     ({"api_keys_file": ""}, "api_keys_file must not be empty"),
     ({"max_request_bytes": 0}, "max_request_bytes must be >= 1, got 0"),
     ({"max_prompt_tokens": 0}, "max_prompt_tokens must be >= 1, got 0"),
+    ({"max_instances": 1}, "max_instances must be >= 2, got 1"),  # (min_prefill + min_decode: one each)
+    ({"autoscale_forecast": "arima"}, "autoscale_forecast"),
     ({"speculative_method": "medusa"}, "speculative_method must be one of ngram, draft_model"),
     ({"speculative_method": "draft_model"}, "draft_model needs --speculative-model"),
     ({"speculative_method": "eagle3"}, "eagle3 needs --speculative-model"),

@@ -18,7 +18,9 @@ DASHBOARD = json.loads((Path(__file__).resolve().parents[2] / "deploy" / "grafan
 # The autoscaler's metrics (cluster/autoscale/autoscale_loop.py `Autoscaler.collect`), on the gateway's /metrics.
 AUTOSCALER_SERIES = {"pdserve_autoscaler_desired_instances", "pdserve_autoscaler_current_instances",
                      "pdserve_autoscaler_decisions_total", "pdserve_autoscaler_predicted_ttft_seconds",
-                     "pdserve_autoscaler_arrival_rate", "pdserve_autoscaler_errors_total"}
+                     "pdserve_autoscaler_arrival_rate", "pdserve_autoscaler_errors_total",
+                     "pdserve_autoscaler_moves_total", "pdserve_autoscaler_standby_instances",
+                     "pdserve_autoscaler_start_seconds"}
 HISTOGRAMS = ("pdserve_time_to_first_token_seconds", "pdserve_inter_token_latency_seconds",
               "pdserve_e2e_request_latency_seconds")
 

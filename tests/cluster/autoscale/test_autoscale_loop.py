@@ -45,7 +45,12 @@ def test_slo_planner_grows_and_shrinks_a_live_cluster(tiny_path, tmp_path):
         assert "pdserve_autoscaler_predicted_ttft_seconds" in text
         assert all(s.error is None for s in c.generate(random_prompts(4, [20], seed=2), params, timeout_s=60))
         assert scaler.step() == PoolSizes(2, 1)  # 4 short prompts in a short interval: still 2
+        assert scaler.profile.startup_s == scaler.actuator.measured()["startup_s"] < 30  # the add, measured
+        assert f'pdserve_autoscaler_start_seconds{{kind="cold"}} {scaler.profile.startup_s}' in \
+            generate_latest(metrics.registry).decode()
         time.sleep(0.5)
-        assert scaler.step() == PoolSizes(1, 1)  # nothing arrived since: the pool shrinks by draining
+        assert scaler.step() == PoolSizes(2, 1)  # nothing arrived since: a lower target, which must hold...
+        time.sleep(scaler.profile.startup_s)  # ...for a cold start (what leaves could not come back sooner)
+        assert scaler.step() == PoolSizes(1, 1)  # the pool shrinks by draining
         assert len([i for i in c.instances if i.startswith("prefill")]) == 1
         c.assert_no_leaks()

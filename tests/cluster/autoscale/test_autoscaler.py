@@ -8,7 +8,8 @@ import pytest
 
 from cluster.autoscale.actuators import DryRunActuator, PoolSizes
 from cluster.autoscale.autoscale_loop import OnlineProfile
-from cluster.autoscale.autoscaler import Observation, Profile, QueueThreshold, ScalingLimits, SLOPlanner, fit_line
+from cluster.autoscale.autoscaler import Observation, Profile, QueueThreshold, ScalingLimits, SLOPlanner
+from cluster.autoscale.forecast import fit_line
 from router.client import InstanceInfo, InstanceLoad
 
 PROFILE = Profile(prefill_tokens_per_s=1000.0, decode_itl_base_s=0.02, decode_itl_per_seq_s=0.001,

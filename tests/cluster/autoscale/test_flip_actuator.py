@@ -28,7 +28,7 @@ class Pools:
             raise ValueError(self.refuse)
         self.calls.append(("flip", iid, role))
         self.infos[iid].role = role
-        return {"total_s": 0.1}
+        return {"drain_s": 0.02, "rebuild_s": 0.08, "total_s": 0.1}  # (flip_instance's keys)
 
     def add_instance(self, role: str) -> str:
         iid = f"{role}-new{len(self.infos)}"
@@ -56,7 +56,9 @@ def test_moving_capacity_between_pools_flips_the_least_loaded():
     act = RayActuator(pools)
     act.apply(PoolSizes(1, 3))
     assert pools.calls == [("flip", "prefill-1", "decode")] and act.current() == PoolSizes(1, 3)
+    assert act.measured() == {"flip_s": 0.08}  # the rebuild, for the planner (which models the drain)
     act.apply(PoolSizes(2, 3))  # one pool grows alone: an add
+    assert set(act.measured()) == {"flip_s", "startup_s"} and act.measured()["startup_s"] >= 0
     act.apply(PoolSizes(3, 1))  # decode shrinks by 2, prefill grows by 1: one flip, one drain
     assert pools.calls[1:] == [("add", "prefill"), ("flip", "decode-0", "prefill"), ("drain", "prefill-1")]
     assert act.current() == PoolSizes(3, 1)
