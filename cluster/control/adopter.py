@@ -89,7 +89,8 @@ class Adopter:
                                   node.node_id)
             slots = self.planner.core_slots
             if slots is not None and all(d.get("cpu_slot") is not None for d in described):
-                slots.hold(node.node_id, iid, [d["cpu_slot"] for d in described])
+                with self.planner.cores_lock:
+                    slots.hold(node.node_id, iid, [d["cpu_slot"] for d in described])
         endpoints = tuple(d["kv_endpoint"] for d in described) if role == "decode" else ()
         info = InstanceInfo(iid, role, tp, endpoints, max_model_len=head["max_model_len"],
                             block_size=head.get("block_size", 0), engine=head.get("engine", {}))

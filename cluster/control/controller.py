@@ -16,12 +16,12 @@ Otherwise (Ray started here, or in-process) instances live and die with this pro
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import secrets
 import threading
 import time
-from dataclasses import replace
 
 from cluster.control import model_fit
 from cluster.control.adopter import Adopter
@@ -29,6 +29,7 @@ from cluster.control.serving import local_client, ray_client
 from cluster.control.instance import Instance, init_ray, rank_actor_name, setup_ray_auth  # noqa: F401 (re-exported)
 from cluster.control.membership import Membership
 from cluster.control.rank_planner import RankPlanner
+from cluster.control.ray_start import RayStarter, start_each
 from cluster.ranks import cpu_plan, nodes
 from cluster.spec import ClusterSpec
 from cluster.state import ClusterState, InstanceRecord
@@ -60,6 +61,7 @@ class Controller:
         self.autoscaler = None  # cluster/autoscale/autoscale_loop.Autoscaler when the spec asks for one
         self._started_ray = False
         self._next_id = {"prefill": 0, "decode": 0, "colocated": 0}
+        self._id_lock = threading.Lock()
         self._nodes = nodes.PlacementManager()
         self.planner = RankPlanner(spec, self.multihost)  # GPU plan, engine configs, pinned cores of the ranks
         self._start_lock = threading.Lock()  # one instance starts at a time on shared GPUs
@@ -70,6 +72,8 @@ class Controller:
         # not joined: a namespace of our own, so leftovers of another cluster on this Ray never collide
         self._namespace = spec.cluster_name if self.detached else f"pdserve-{secrets.token_hex(4)}"
         self.adopter = Adopter(spec, self.state, self._namespace, self.planner, self._nodes, self._ray_client)
+        self.starter = RayStarter(spec, self.planner, self._nodes, self._namespace, self.multihost, log_level,
+                                  self._ray_client)
 
     @property
     def multihost(self) -> bool:
@@ -110,21 +114,34 @@ class Controller:
         return self
 
     def _create_missing(self) -> None:
-        """Starts the instances of the spec that are not up (adopted), one after the other: each
-        is set up (its KV pool sized) before the next starts; decode first on shared GPUs
-        (gpu_share.GpuPlan.start_order says why)."""
+        """Starts the instances of the spec that are not up (adopted): at once where they share no
+        device (`starts_at_once`), else one after the other, each set up (its KV pool sized) before
+        the next starts, decode first on shared GPUs (gpu_share.GpuPlan.start_order says why). An
+        instance no node has room for is owed (`wait_for_room`), in the spec's order."""
         counts = self.spec.instance_counts
         plan = self.planner.plan
         order = plan.start_order if plan is not None else tuple(counts)
-        for role in order:
-            for _ in range(counts[role] - sum(i.role == role for i in self.instances.values())):
-                try:
-                    self._create(role)
-                except nodes.PlacementError as exc:
-                    if not self.wait_for_room:
-                        raise
-                    logger.warning("%s; waiting for a node with room", exc)
-                    self.owed.append(role)
+        up = [i.role for i in self.instances.values()]
+        roles = [role for role in order for _ in range(counts[role] - up.count(role))]
+        placed = start_each([functools.partial(self._create_or_owe, role) for role in roles], self.starts_at_once)
+        self.owed += [role for role, ok in zip(roles, placed) if not ok]
+
+    @property
+    def starts_at_once(self) -> bool:
+        """Whether instances start in parallel: ranks in processes of their own (Ray) that share no
+        device (CPUs, or a GPU each); not on shared GPUs, nor in this process (cluster/control/ray_start.py)."""
+        return self.use_ray and not (self.planner.plan is not None and self.planner.plan.shared)
+
+    def _create_or_owe(self, role: str) -> bool:
+        """Starts one instance of `role`; False: no node has room for it yet, and `wait_for_room`."""
+        try:
+            self._create(role)
+            return True
+        except nodes.PlacementError as exc:
+            if not self.wait_for_room:
+                raise
+            logger.warning("%s; waiting for a node with room", exc)
+            return False
 
     def _check_unique_addresses(self, wait_s: float = 60.0) -> None:
         """Among the nodes that can run ranks (drivers' nodes have no CPUs). A node restarted in
@@ -266,8 +283,9 @@ class Controller:
 
     # -- creating and adopting -------------------------------------------------------------------
     def _create(self, role: str) -> Instance:
-        iid = f"{role}-{self._next_id[role]}"
-        self._next_id[role] += 1
+        with self._id_lock:  # instances start at once (`_create_missing`), additions race
+            iid = f"{role}-{self._next_id[role]}"
+            self._next_id[role] += 1
         tp = self.spec.tp_size(role)
         # NOTE: additions may race (autoscaler, replacements); on shared GPUs they wait for each other,
         # so that two ranks' weight loading and CUDA graph capture (outside the per-rank memory
@@ -309,57 +327,7 @@ class Controller:
             self.mark_lost(iid, InstanceDeadError(iid, "its step loop died"))
 
     def _create_ray(self, role: str, iid: str, tp: int) -> Instance:
-        """Chooses a node, reserves a STRICT_PACK placement group on it, starts the ranks there."""
-        import ray
-        gpu = self.planner.use_gpus()
-        per_rank = self.planner.rank_resources(role, gpu)
-        pg_name = f"{self._namespace}/{iid}" if self.detached else ""
-        node, pg = self._nodes.place(iid, role, tp, per_rank, pg_name)
-        actors: list = []
-        try:
-            return self._start_ranks(role, iid, tp, gpu, node, pg, actors)
-        except BaseException:
-            for actor in actors:
-                ray.kill(actor, no_restart=True)
-            self._nodes.release(iid, pg)
-            self.planner.release_cores(iid)
-            raise
-
-    def _start_ranks(self, role: str, iid: str, tp: int, gpu: bool, node: nodes.NodeInfo, pg,
-                     actors: list) -> Instance:
-        """One RankActor per bundle of `pg` (appended to `actors` as they start); returns the ready instance."""
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        from cluster.ranks.actor import RankActor
-        planner = self.planner
-        config, num_gpus = planner.engine_config(role, gpu, node), planner.rank_resources(role, gpu).get("GPU", 0)
-        cpu_plans = planner.rank_cpu_plans(iid, tp, node)
-        for r in range(tp):
-            actors.append(RankActor.options(
-                num_cpus=1, num_gpus=num_gpus, name=rank_actor_name(iid, r), namespace=self._namespace,
-                lifetime="detached" if self.detached else None, runtime_env=planner.rank_runtime_env,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote(
-                config, role, iid, r, tp, self.spec.kv_transfer_timeout_s, self.log_level, not self.multihost,
-                self.spec.client_ttl_s, planner.kv_same_device(gpu), cpu_plans[r], kv_checksum=self.spec.kv_checksum,
-                kv_transport=self.spec.kv_transport, trace_to=self.spec.tracing))
-        start = time.monotonic()
-        placements = ray.get([a.placement.remote() for a in actors], timeout=300)
-        address = ray.get(actors[0].rendezvous_address.remote()) if tp > 1 else None
-        logger.info("%s: %d rank actors up on %s (interface %s, pids %s) in %.1f s", iid, tp, placements[0].node_ip,
-                    ray.get(actors[0].socket_interface.remote()), [p.pid for p in placements], time.monotonic() - start)
-        endpoints = ray.get([a.setup.remote(address) for a in actors], timeout=600)
-        placements = [replace(p, cpu=c) for p, c in zip(placements, ray.get([a.cpu.remote() for a in actors]))]
-        logger.info("%s: ranks' CPUs %s", iid, [p.cpu for p in placements])
-        engine = ray.get(actors[0].engine.remote())  # logged here: rank actors' own logs may not reach the driver
-        logger.info("%s: ranks ready in %.1f s, engine %s", iid, time.monotonic() - start, engine)
-        if tp > 1:  # a decode's reservations and a prefill's fetches reach every rank
-            ray.get(actors[0].set_followers.remote(actors[1:]))
-        ray.get(actors[0].mark_complete.remote())
-        info = InstanceInfo(iid, role, tp, tuple(e for e in endpoints if e is not None),
-                            max_model_len=ray.get(actors[0].max_model_len.remote()),
-                            block_size=ray.get(actors[0].block_size.remote()), engine=engine)
-        return Instance(iid, role, tp, actors, self._ray_client(info, actors[0]), pg, placements=placements,
-                        node_id=node.node_id)
+        return self.starter.start(role, iid, tp)
 
     def _adopt(self) -> None:
         """The instances an earlier controller left in this namespace become this one's."""
@@ -377,7 +345,8 @@ class Controller:
     def _note_id(self, iid: str) -> None:
         role, _, n = iid.rpartition("-")
         if role in self._next_id and n.isdigit():
-            self._next_id[role] = max(self._next_id[role], int(n) + 1)
+            with self._id_lock:
+                self._next_id[role] = max(self._next_id[role], int(n) + 1)
 
     # -- watching --------------------------------------------------------------------------------
     def _supervise(self, retry_s: float = 5.0) -> None:

@@ -3,6 +3,7 @@ memory share, CPU threads) and how its process shares the host's CPUs (cluster/r
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import replace
 
 from cluster.control import gpu_share
@@ -21,6 +22,7 @@ class RankPlanner:
         self.plan: gpu_share.GpuPlan | None = None  # how ranks use the GPUs (on GPU, once Ray is up)
         self.core_slots = (cpu_plan.CoreSlots(spec.cpus_per_rank, spec.reserved_cpus)
                            if spec.cpus_per_rank is not None else None)  # each node's pinned cores
+        self.cores_lock = threading.Lock()  # instances start at once (cluster/control/ray_start.py)
 
     def gpu_plan(self) -> gpu_share.GpuPlan:
         """How the ranks use the Ray cluster's GPUs (all nodes'), worked out once: in `start`,
@@ -70,14 +72,16 @@ class RankPlanner:
         if spec.cpus_per_rank is None:
             return [cpu_plan.RankCpuPlan(spec.rank_niceness)] * tp
         try:
-            slots = self.core_slots.take(node.node_id, self.node_cpus(node), iid, tp)
+            with self.cores_lock:
+                slots = self.core_slots.take(node.node_id, self.node_cpus(node), iid, tp)
         except ValueError as exc:
             raise nodes.PlacementError(str(exc)) from None
         return [cpu_plan.RankCpuPlan(spec.rank_niceness, s, spec.cpus_per_rank, spec.reserved_cpus) for s in slots]
 
     def release_cores(self, iid: str) -> None:
         if self.core_slots is not None:
-            self.core_slots.release(iid)
+            with self.cores_lock:
+                self.core_slots.release(iid)
 
     @property
     def rank_runtime_env(self) -> dict | None:

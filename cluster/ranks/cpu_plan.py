@@ -162,7 +162,7 @@ def cpu_state(step_tid: int, intraop_threads: int | None, adapt_threads: bool = 
 
 class CoreSlots:
     """Which core slots of each node the controller's ranks hold (pinning on: `cpus_per_rank`).
-    Not thread-safe: the controller calls it under its own lock."""
+    Not thread-safe: the controller calls it under its lock (cluster/control/rank_planner.py cores_lock)."""
 
     def __init__(self, cpus_per_rank: int, reserved_cpus: int):
         self.cpus_per_rank, self.reserved_cpus = cpus_per_rank, reserved_cpus

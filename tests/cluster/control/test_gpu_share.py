@@ -3,9 +3,14 @@ with that plan: pure functions, and the controller's own methods with Ray's GPU 
 started, no GPU needed)."""
 from __future__ import annotations
 
+import threading
+import time
+from types import SimpleNamespace
+
 import pytest
 
 from cluster.control.controller import Controller
+from cluster.control.instance import Instance
 from cluster.control.gpu_share import GpuPlan, RoleShare, gpu_plan
 from cluster.ranks import nodes
 from cluster.spec import ClusterSpec
@@ -182,20 +187,54 @@ def test_controller_adopts_only_what_it_would_start(controller_on):
 
 
 def test_controller_starts_decode_first_one_at_a_time(controller_on):
-    """On a shared GPU the initial instances start decode first, each under the start lock (so
-    no other addition overlaps it); with a GPU each, in the spec's order and without the lock."""
+    """On a shared GPU the initial instances start decode first, one at a time, each under the start
+    lock (so no other addition overlaps it); with a GPU each, all at once (each on a thread of its
+    own, all waited for) without the lock. Either way the instances owed are in the start order."""
     for gpus, order, locked in ((1, ["decode", "decode", "prefill"], True), (3, ["prefill", "decode", "decode"], False)):
         c = controller_on(gpus, num_decode=2)
         c.planner.gpu_plan()
-        started = []
+        started, inside, most = [], [0], [0]
+        lock = threading.Lock()
 
         def no_room(role, iid, tp, c=c, started=started):
-            started.append((role, c._start_lock.locked()))
+            with lock:
+                started.append((role, c._start_lock.locked(), threading.current_thread() is threading.main_thread()))
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.2)  # long enough for the others to start meanwhile, when they start at once
+            with lock:
+                inside[0] -= 1
             raise nodes.PlacementError("no room")  # nothing starts; the instance is owed
         c._create_ray = no_room
         c.wait_for_room = True
         c._create_missing()
-        assert started == [(r, locked) for r in order] and c.owed == order
+        assert c.starts_at_once is not locked and c.owed == order
+        if locked:
+            assert started == [(r, True, True) for r in order] and most[0] == 1
+        else:
+            assert sorted(started) == sorted((r, False, False) for r in order) and most[0] == len(order)
+
+
+def test_a_failed_start_among_several_at_once_is_raised_after_all_are_done(controller_on):
+    """Instances starting at once: the first failure (in the start order) is raised once every
+    other start has ended, and the instances that did start are the controller's (start()'s
+    shutdown stops them); ids stay unique across the threads."""
+    c = controller_on(3, num_decode=2)
+    c.planner.gpu_plan()
+    ended = []
+
+    def start(role, iid, tp):
+        if role == "prefill":
+            raise RuntimeError("prefill model failed to load")
+        time.sleep(0.2)
+        ended.append(iid)
+        return Instance(iid, role, tp, [], SimpleNamespace(info=SimpleNamespace(
+            kv_endpoints=(), max_model_len=64, block_size=16, engine={})))
+    c._create_ray = start
+    c._register = lambda inst: None
+    with pytest.raises(RuntimeError, match="prefill model failed to load"):
+        c._create_missing()
+    assert sorted(ended) == ["decode-0", "decode-1"] and sorted(c.instances) == ["decode-0", "decode-1"]
 
 
 def test_start_refuses_the_plan_before_any_instance(controller_on, monkeypatch):
