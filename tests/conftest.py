@@ -31,6 +31,15 @@ def _linear_kernels_cache(tmp_path_factory):
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _prepared_layers_cache(tmp_path_factory):
+    """Prepared linear layers (engine/quant/prepared.py) are cached in a session-private folder, never
+    the user's ~/.cache: a test's checkpoints live in its own temporary folder, new every session."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PDSERVE_PREPARED_CACHE_DIR", str(tmp_path_factory.mktemp("prepared_layers")))
+        yield
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -151,11 +151,13 @@ def linear_layers(model: nn.Module) -> dict[BaseLinearMethod, list[nn.Module]]:
     return groups
 
 
-def process_weights_after_loading(model: nn.Module) -> str:
+def process_weights_after_loading(model: nn.Module, prepared=None) -> str:
     """Runs each method's `process_layers` on its layers once every shard is loaded; returns what
-    runs where, for the load log (layers that run alike counted together)."""
+    runs where, for the load log (layers that run alike counted together). `prepared`: where the
+    quantized methods cache their prepared layers (engine/quant/prepared.py PreparedCache), or None."""
     counts: dict[str, int] = {}
     for method, layers in linear_layers(model).items():
+        method.prepared = prepared
         method.process_layers(layers)
         text = method.describe(layers)
         counts[text] = counts.get(text, 0) + len(layers)

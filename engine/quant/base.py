@@ -48,6 +48,9 @@ class BaseLinearMethod(ABC):
     keeps itself (e.g. the kernel chosen per batch size) is shared by all of them."""
 
     name: str = "base"
+    # where a method that caches its prepared layers does so (engine/quant/prepared.py PreparedCache),
+    # set before `process_layers` by engine/quant's process_weights_after_loading; None: no cache
+    prepared = None
     # True: a row-parallel layer keeps its whole weight on every rank and gathers its input
     # (engine/parallel/layers.py), instead of summing the ranks' partial products (the batch-invariant method)
     replicates_row_parallel: bool = False
@@ -214,6 +217,18 @@ class LinearKernel(ABC):
     def run(self, state: Any, x: torch.Tensor) -> torch.Tensor:
         """x: (num_tokens, in) -> (num_tokens, out), in x's dtype, no bias."""
 
+    def state_tensors(self, state: Any) -> list[torch.Tensor] | None:
+        """The tensors `restore` rebuilds `prepare`'s state from (the prepared-layer cache on disk:
+        engine/quant/prepared.py); None: the state is not plain tensors and is not cached. This
+        default takes a tuple of tensors."""
+        if isinstance(state, tuple) and all(isinstance(t, torch.Tensor) for t in state):
+            return list(state)
+        return None
+
+    def restore(self, tensors: list[torch.Tensor]) -> Any:
+        """`prepare`'s state from `state_tensors`' tensors, read back: what `run` takes."""
+        return tuple(tensors)
+
 
 @functools.cache
 def cpu_has_vnni() -> bool:
@@ -314,6 +329,12 @@ class UnquantizedBaseline(LinearKernel):
 
     def prepare(self, qweight, scale, dtype):
         return self.unquantized_state(dequantize(qweight, scale, dtype))
+
+    def state_tensors(self, state):
+        return [state.weight]  # oneDNN's packed copy is opaque: packed again on restore (cheap)
+
+    def restore(self, tensors):
+        return self.unquantized_state(tensors[0])
 
     @staticmethod
     def unquantized_state(weight: torch.Tensor) -> SimpleNamespace:

@@ -70,6 +70,7 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         self.choices: list[KernelChoice] = []
         self.kernels: dict[str, LinearKernel] = {}
         self.dtype: torch.dtype | None = None  # the activations' (the model's), known at load
+        self._store = None  # while process_layers runs with a prepared-layer cache: its file
 
     def process_layers(self, layers) -> None:
         if not layers:
@@ -91,8 +92,14 @@ class Int8LinearMethod(UnquantizedLinearMethod):
                                           random_weights=self.random_weights)
             self.kernels = {k.name: k for k in [*usable, self.fallback()]}
             _warn_if_slower(self.name, self.choices)
+        self._store = None if self.prepared is None else self.prepared.open(
+            self.name, self.cache_options(), {layer.layer_name: self.layer_shape(layer) for layer in layers},
+            self.kernels, self.choices)
         for layer in layers:
             self.process_weights_after_loading(layer)
+        if self._store is not None:
+            self._store.finish()
+            self._store = None
 
     def layer_shape(self, layer) -> tuple[int, int]:
         """(out, in) of this rank's shard."""
@@ -109,9 +116,22 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         """This rank's loaded shard in the method's format (the tensors kernels `prepare` from)."""
         return quantize_per_channel(layer.weight.data)
 
+    def cache_options(self) -> dict:
+        """What else of this method the prepared layers depend on (engine/quant/prepared.py's key)."""
+        return {}
+
     def process_weights_after_loading(self, layer) -> None:
-        weights, dtype = self.quantize(layer), self.layer_dtype(layer)
-        layer.quant_state = {c.kernel: self.kernels[c.kernel].prepare(*weights, dtype) for c in self.choices}
+        """The layer's state for each kernel chosen (once per kernel, whatever ranges it runs): read
+        from the prepared-layer cache where it holds them, else prepared from its weights (and kept)."""
+        names = list(dict.fromkeys(c.kernel for c in self.choices))
+        store = self._store
+        states = store.states(layer.layer_name, names) if store is not None else None
+        if states is None:
+            weights, dtype = self.quantize(layer), self.layer_dtype(layer)
+            states = {name: self.kernels[name].prepare(*weights, dtype) for name in names}
+            if store is not None:
+                store.keep(layer.layer_name, states)
+        layer.quant_state = states
         layer.weight = None  # the float weight is no longer used; free it
 
     def kernel_for(self, num_tokens: int) -> str:
@@ -290,6 +310,9 @@ class Int4LinearMethod(Int8LinearMethod):
         w = layer.weight.data.float()
         self.errors.append(((dequantize_q4(*weights) - w).norm() / w.norm().clamp_min(1e-30)).item())
         return weights
+
+    def cache_options(self) -> dict:
+        return {"prequantized": self.prequantized}
 
     def process_weights_after_loading(self, layer) -> None:
         super().process_weights_after_loading(layer)

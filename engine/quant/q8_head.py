@@ -78,6 +78,13 @@ class Q8Int4PlanesKernel(LinearKernel):
         hi, lo = state
         return _INT4.run(hi, x) + _INT4.run(lo, x)
 
+    def state_tensors(self, state):
+        hi, lo = state
+        return [*hi, *lo]
+
+    def restore(self, tensors):
+        return tuple(tensors[:2]), tuple(tensors[2:])
+
 
 class DequantizedQ8Kernel(UnquantizedBaseline):
     name, label = "dequantized", "dequantized at load"
@@ -113,8 +120,19 @@ class Q8HeadMethod(BaseLinearMethod):
         usable = [k for k in self.kernels.values() if not skip_kernel(self.name, k, device, [shape], self.dtype)]
         self.choices = choose_kernels([shape], usable, self.dtype, device,
                                       fallback=self.kernels["dequantized"], random_weights=random_q8_0)
-        codes, scales = self.codes.to(device), self.scales.to(device)
-        layer.quant_state = {c.kernel: self.kernels[c.kernel].prepare(codes, scales, self.dtype) for c in self.choices}
+        names = list(dict.fromkeys(c.kernel for c in self.choices))  # each kernel once, whatever ranges it runs
+        name = getattr(layer, "layer_name", "lm_head")
+        store = None if self.prepared is None else self.prepared.open(self.name, {}, {name: shape}, self.kernels,
+                                                                      self.choices)
+        states = store.states(name, names) if store is not None else None
+        if states is None:
+            codes, scales = self.codes.to(device), self.scales.to(device)
+            states = {n: self.kernels[n].prepare(codes, scales, self.dtype) for n in names}
+            if store is not None:
+                store.keep(name, states)
+        if store is not None:
+            store.finish()
+        layer.quant_state = states
         self.codes = self.scales = None  # prepared; the embedding keeps its own (dense) copy
 
     def apply(self, layer, x, bias) -> torch.Tensor:

@@ -20,6 +20,7 @@ from engine.quant import (create_linear_method, expert_scheme, method_reads_q4_c
                           resolve_quantization)
 from engine.quant.base import BaseLinearMethod
 from engine.quant.batch_invariant import BatchInvariantLinearMethod
+from engine.quant.prepared import PreparedCache
 from engine.quant.q8_head import q8_head_method
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,8 @@ def load_model(config: EngineConfig, model_config: ModelConfig, tp: TPGroup, dev
     elif weights_from_file and (head := q8_head_method(path, method, dtype, device, tp.size)) is not None:
         model.lm_head.linear_method = head
     # after every shard is in, so a quantizing method sees exactly this rank's slice
-    described = process_weights_after_loading(model)
+    prepared = PreparedCache.for_model(path if weights_from_file else None, tp.rank, tp.size, dtype, device)
+    described = process_weights_after_loading(model, prepared)
     logger.info("linear layers: %s; prepared in %.2f s", described, time.perf_counter() - start)
     quantize_model_experts(model, expert_scheme(method), dtype)
     select_expert_methods(model, config.expert_method)
