@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.core.config import cache_dir
@@ -133,7 +133,7 @@ class PreparedFile:
                     return None
                 self.aliases = json.loads(meta.get("aliases", "{}"))
                 return {name: f.get_tensor(name) for name in f.keys()}
-        except (OSError, SafetensorError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a cache: whatever it holds, the layers can be prepared instead
             logger.warning("prepared layers (%s): %s unreadable (%s: %s); preparing them again", self.what, self.path,
                            type(exc).__name__, exc)
             return None
@@ -148,12 +148,15 @@ class PreparedFile:
             tensors = []
             while (t := self._found(f"{prefix}{len(tensors)}")) is not None:
                 tensors.append(t)
-            if not tensors:
+            try:
+                if not tensors:
+                    raise KeyError("no tensors")
+                states[name] = self.kernels[name].restore(tensors)
+            except Exception as exc:  # noqa: BLE001 - see _read
                 self.missing += 1
-                logger.warning("prepared layers (%s): %s lacks %s (%s); preparing it, the file is written again",
-                               self.what, self.path, layer_name, name)
+                logger.warning("prepared layers (%s): %s lacks %s (%s: %s); preparing it, the file is written again",
+                               self.what, self.path, layer_name, name, exc)
                 return None
-            states[name] = self.kernels[name].restore(tensors)
         self.read += 1
         return states
 
@@ -200,9 +203,9 @@ class PreparedFile:
         try:
             _write_atomically(self.new, self.path, {"key": self.key, "format": FORMAT,
                                                     "aliases": json.dumps(self.aliases)})
-        except OSError as exc:
-            logger.warning("prepared layers (%s): cannot write %s (%s); the next start prepares them again",
-                           self.what, self.path, exc)
+        except Exception as exc:  # noqa: BLE001 - a full disk, a read-only folder: serving goes on uncached
+            logger.warning("prepared layers (%s): cannot write %s (%s: %s); the next start prepares them again",
+                           self.what, self.path, type(exc).__name__, exc)
             return
         logger.info("prepared layers (%s): written to %s", self.what, self.path)
         self.new = {}

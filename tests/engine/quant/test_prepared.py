@@ -127,3 +127,12 @@ def test_a_kernel_state_of_more_than_tensors_is_not_cached_and_says_so(tmp_path,
         pytest.skip("fbgemm not chosen on this machine")
     assert "not cached: kernel fbgemm keeps more than plain tensors" in caplog.text
     assert list((tmp_path / "prepared").glob("*.safetensors")) == []
+
+
+def test_an_unwritable_cache_is_said_and_the_model_serves_uncached(gguf_path, tmp_path, caplog, monkeypatch):
+    """A cache folder that cannot be made (a file stands in its way): a warning per file, the same logits."""
+    want, _ = load(gguf_path, caplog)
+    (tmp_path / "blocked").write_text("a file, not a folder")
+    monkeypatch.setenv("PDSERVE_PREPARED_CACHE_DIR", str(tmp_path / "blocked" / "prepared"))
+    got, log = load(gguf_path, caplog)
+    assert log.count("cannot write") == 2 and torch.equal(got, want)
