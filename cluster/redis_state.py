@@ -107,6 +107,7 @@ class RedisState(ClusterState):
             pipe.delete(self._key("inst", i), self._key("hb", i))
             pipe.hset(self._key("inst", i), mapping={k: _pack(v) for k, v in fields.items()})
             pipe.sadd(self._key("instances"), i)
+            pipe.incr(self._key("version"))
             pipe.execute()
 
     def _hset(self, instance_id: str, fields: dict) -> None:
@@ -120,6 +121,25 @@ class RedisState(ClusterState):
     def set_health(self, instance_id: str, health: str) -> None:
         _check_health(health)
         self._hset(instance_id, {"health": health, "updated_at": time.time()})
+        self._redis.incr(self._key("version"))  # (after the change: a reader that sees it sees the change)
+
+    def version(self) -> int:
+        return int(self._redis.get(self._key("version")) or 0)
+
+    def report(self, loads: dict[str, dict[str, float]], ttl_s: float) -> list[str]:
+        """In one round trip (the scripts of `heartbeat` and `update_load`, pipelined)."""
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        ids, now = list(loads), time.time()
+        with self._redis.pipeline(transaction=False) as pipe:
+            for i in ids:
+                keys = [self._key("inst", i), self._key("hb", i)]
+                self._heartbeat(keys=keys, args=[max(1, round(ttl_s * 1000)), _pack(True), _pack(now)], client=pipe)
+                fields = {**{_LOAD_PREFIX + str(k): float(v) for k, v in loads[i].items()}, "updated_at": now}
+                self._hset_if_exists(keys=keys[:1], args=[x for k, v in fields.items() for x in (k, _pack(v))],
+                                     client=pipe)
+            replies = pipe.execute()
+        return [i for i, ok in zip(ids, replies[0::2]) if not ok]
 
     def get(self, instance_id: str) -> InstanceRecord | None:
         return self._decode(instance_id, self._redis.hgetall(self._key("inst", instance_id)))
@@ -149,6 +169,7 @@ class RedisState(ClusterState):
         with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(self._key("inst", instance_id), self._key("hb", instance_id))
             pipe.srem(self._key("instances"), instance_id)
+            pipe.incr(self._key("version"))
             pipe.execute()
 
     def heartbeat(self, instance_id: str, ttl_s: float) -> None:

@@ -141,6 +141,23 @@ class ClusterState(ABC):
         """Forgets the instance: its record and heartbeat."""
 
     @abstractmethod
+    def version(self) -> int:
+        """A number that changes whenever an instance is registered, removed or changes health (not
+        with loads or heartbeats): a reader of the membership re-reads the records when it moved."""
+
+    def report(self, loads: dict[str, dict[str, float]], ttl_s: float) -> list[str]:
+        """The controller's probe: `heartbeat` and `update_load` of every instance of `loads` (id ->
+        figures). Returns the ids the state does not have (a restarted Redis lost them), in order."""
+        missing = []
+        for instance_id, load in loads.items():
+            try:
+                self.heartbeat(instance_id, ttl_s)
+                self.update_load(instance_id, load)
+            except KeyError:
+                missing.append(instance_id)
+        return missing
+
+    @abstractmethod
     def heartbeat(self, instance_id: str, ttl_s: float) -> None:
         """Marks the instance alive for the next `ttl_s` seconds. An instance that has never
         sent a heartbeat is not subject to expiry; after its first one it expires unless it
@@ -196,6 +213,7 @@ class MemoryState(ClusterState):
         self._deadlines: dict[str, float] = {}  # instance_id -> time.monotonic() deadline
         self._metrics: dict[str, list[tuple[float, float]]] = {}  # sorted by ts
         self._routers: dict[str, tuple[float, dict[str, float]]] = {}  # id -> (monotonic deadline, stats)
+        self._version = 0
 
     def _record(self, instance_id: str) -> InstanceRecord:
         record = self._records.get(instance_id)
@@ -208,6 +226,7 @@ class MemoryState(ClusterState):
         with self._lock:
             self._records[record.instance_id] = record
             self._deadlines.pop(record.instance_id, None)
+            self._version += 1
 
     def update_load(self, instance_id: str, load: dict[str, float]) -> None:
         with self._lock:
@@ -221,6 +240,7 @@ class MemoryState(ClusterState):
             record = self._record(instance_id)
             record.health = health
             record.updated_at = time.time()
+            self._version += 1
 
     def get(self, instance_id: str) -> InstanceRecord | None:
         with self._lock:
@@ -239,6 +259,11 @@ class MemoryState(ClusterState):
         with self._lock:
             self._records.pop(instance_id, None)
             self._deadlines.pop(instance_id, None)
+            self._version += 1
+
+    def version(self) -> int:
+        with self._lock:
+            return self._version
 
     def _expired(self, instance_id: str, now: float) -> bool:
         deadline = self._deadlines.get(instance_id)

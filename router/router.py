@@ -33,10 +33,11 @@ from dataclasses import dataclass, replace
 from engine.core import tracing
 from engine.core.request import RequestMessage, SamplingParams, choice_id
 from kvtransfer.params import KVTransferParams
-from router.client import DecodeClient, InstanceDeadError, InstanceLoad, PrefillClient
+from router.client import DecodeClient, InstanceDeadError, PrefillClient
 from router.failures import Failpoints, Failures
 from router.fetch import Fetches, FetchPlan
 from router.flow import QUEUE_TIMEOUT
+from router.loads import count_placement, refresh_loads
 from router.policy import BaseRoutingPolicy, SessionAffinity
 from router.spans import decoding, first_token, open_attempt, placed
 from router.tables import RequestStream, RouterTables, StreamEvent, Tracked, indexed
@@ -70,13 +71,14 @@ class Router:
     def __init__(self, prefill: list[PrefillClient], decode: list[DecodeClient], policy: BaseRoutingPolicy,
                  mode: str = "disaggregated", disagg_threshold_tokens: int = 0, max_attempts: int = 3,
                  max_queued: int = 4096, poll_s: float = 0.2, kv_recompute_max_tokens: int = 0, kv_fetch: bool = True,
-                 queue_timeout_s: float = math.inf):
+                 queue_timeout_s: float = math.inf, long_poll_s: float | None = None):
         """`max_queued`: requests of one priority class that may wait to be placed (more: QueueFullError);
-        `queue_timeout_s`: how long one may wait (then it fails: "queue_timeout")."""
+        `queue_timeout_s`: how long one may wait (then "queue_timeout"). `long_poll_s` (default `poll_s`): a
+        collector's wait for an idle instance's output; longer asks idle ones less, closes slower."""
         self.client_id = f"router-{uuid.uuid4().hex[:12]}"  # instances send this router only its own requests' outputs
-        self.policy, self.mode = policy, mode
-        self.sessions = SessionAffinity()
+        self.policy, self.mode, self.sessions = policy, mode, SessionAffinity()
         self.disagg_threshold_tokens, self.poll_s = disagg_threshold_tokens, poll_s
+        self.long_poll_s = long_poll_s or poll_s
         self.failpoints = Failpoints.from_env()  # off unless PDSERVE_FAILPOINTS (router/failures.py)
         self.tables = t = RouterTables(prefill, decode, max_queued, queue_timeout_s)
         self.failures = Failures(t, max_attempts, kv_recompute_max_tokens, self.failpoints)
@@ -112,7 +114,7 @@ class Router:
         self._stop.set()
         with self._lock:
             self._wake.notify_all()
-        self._supervisor.join(timeout_s=2 * self.poll_s + 1)
+        self._supervisor.join(timeout_s=2 * max(self.poll_s, self.long_poll_s) + 1)
 
     def add_instance(self, client: PrefillClient | DecodeClient) -> None:
         """A new instance joins while serving (placement starts using it at once)."""
@@ -361,6 +363,8 @@ class Router:
             tracked.prefill_id = None
             return False
         else:
+            count_placement(plan.prefill and plan.prefill.info, outcome.decode.info, len(plan.msg.prompt_token_ids),
+                            plan.msg.sampling_params.max_tokens)
             if tracked.session and self.sessions.placed(tracked.session, tracked.prefill_id, tracked.decode_id):
                 self.stats["session_placements"] += 1
             for client in (plan.prefill, outcome.decode):
@@ -403,7 +407,7 @@ class Router:
             return  # removed before its collector started
         while not self._stop.is_set() and client.info.healthy:
             try:
-                events = client.poll_outputs(self.poll_s, self.client_id)
+                events = client.poll_outputs(self.long_poll_s, self.client_id)
             except InstanceDeadError as exc:
                 self.failures.mark_dead(iid, exc)
                 return
@@ -482,17 +486,4 @@ class Router:
             tracked.stream.put(StreamEvent(list(token_ids), extras=extras, num_cached_tokens=num_cached_tokens))
 
     def _refresh_loads(self) -> None:
-        while not self._stop.wait(0.1):
-            for client in list(self.prefill.values()) + list(self.decode.values()):
-                if client.info.healthy:
-                    try:
-                        client.info.load = InstanceLoad.of(client.load())
-                        self.policy.observe(client)  # a prefix-aware policy follows its cache
-                        self.fetches.observe(client)  # (the fetches' own index, under another policy)
-                    except InstanceDeadError as exc:
-                        self.failures.mark_dead(client.info.instance_id, exc)
-                    except Exception:  # the thread must go on (the policy reads these loads)
-                        logger.exception("reading the load of %s failed", client.info.instance_id)
-                        with self._locked():
-                            self.handler_errors["load"] += 1
-
+        refresh_loads(self)  # (router/loads.py: paced over many instances)

@@ -14,9 +14,11 @@ import statistics
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
+MAX_PARALLEL_ADDS = 64  # instances a RayActuator starts at once
 
 
 @dataclass(frozen=True)
@@ -93,16 +95,27 @@ class RayActuator(Actuator):
             self._flip_toward(target)
         for role in ("prefill", "decode"):
             ids, want = self._ids(role), getattr(target, role)
-            for _ in range(want - len(ids)):
-                start = time.monotonic()
-                try:
-                    iid = self.cluster.add_instance(role)
-                except Exception as exc:  # no room in Ray, model load failed: say so, keep serving
-                    raise ActuatorError(f"cannot add a {role} instance: {exc}") from exc
-                self.times["startup_s"].append(time.monotonic() - start)
-                logger.info("autoscaler: added a %s instance %s in %.1f s", role, iid, self.times["startup_s"][-1])
+            self._add(role, want - len(ids))
             if want < len(ids):
                 self.drain(role, len(ids) - want)
+
+    def _add(self, role: str, count: int) -> None:
+        """`count` instances of `role`, started at once (up to MAX_PARALLEL_ADDS): a step of load needs
+        them all, and one after the other a step of n would take n cold starts (instances that share
+        a GPU still start one at a time: the controller's lock)."""
+        if count <= 0:
+            return
+        with ThreadPoolExecutor(max_workers=min(count, MAX_PARALLEL_ADDS), thread_name_prefix="autoscaler-add") as pool:
+            futures = [pool.submit(self._add_one, role) for _ in range(count)]
+        failed = [f.exception() for f in futures if f.exception() is not None]
+        if failed:  # no room in Ray, model load failed: say so, keep serving
+            raise ActuatorError(f"cannot add {len(failed)} of {count} {role} instances: {failed[0]}") from failed[0]
+
+    def _add_one(self, role: str) -> None:
+        start = time.monotonic()
+        iid = self.cluster.add_instance(role)
+        self.times["startup_s"].append(time.monotonic() - start)
+        logger.info("autoscaler: added a %s instance %s in %.1f s", role, iid, self.times["startup_s"][-1])
 
     def _flip_toward(self, target: PoolSizes) -> None:
         """Flips instances from the pool over its target to the pool under it, least loaded first."""

@@ -37,6 +37,7 @@ from cluster.state_factory import create_state
 from router.client import InstanceDeadError, InstanceInfo, InstanceLoad
 
 logger = logging.getLogger(__name__)
+MASS_SILENCE_PROBES = 3  # probes in a row that must find most instances silent before they are dead
 DRAIN_GRACE_S = 1.5  # gateways see a draining instance within their sync interval (cluster/control/frontend.py)
 
 
@@ -67,6 +68,7 @@ class Controller:
         self._start_lock = threading.Lock()  # one instance starts at a time on shared GPUs
         self._dead_ids: list[str] = []  # dead instances, kept in the cluster state as such until shutdown
         self.supervise_errors = 0  # faults the supervisor survived (pdserve_controller_supervise_errors_total)
+        self.mass_silences = 0  # probes in a row that found most instances silent at once (_spare_the_silent)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         # not joined: a namespace of our own, so leftovers of another cluster on this Ray never collide
@@ -401,6 +403,8 @@ class Controller:
                     answers[iid] = exc
         else:
             answers = {i.instance_id: i.client.load() for i in live}
+        self._spare_the_silent(answers)
+        loads = {}
         for iid, answer in answers.items():
             if iid not in self.instances:
                 continue
@@ -408,22 +412,37 @@ class Controller:
                 logger.error("instance %s does not answer (%s)", iid, type(answer).__name__)
                 self.mark_lost(iid, InstanceDeadError(iid, type(answer).__name__))
                 continue
-            inst = self.instances[iid]
-            inst.client.info.load = InstanceLoad.of(answer)
-            try:
-                try:
-                    self.state.heartbeat(iid, ttl)
-                except KeyError:  # the state lost it (a Redis restarted without persistence)
-                    if iid not in self.instances:
-                        continue
+            self.instances[iid].client.info.load = InstanceLoad.of(answer)
+            loads[iid] = answer
+        try:
+            missing = self.state.report(loads, ttl)  # (every heartbeat and load in one round trip)
+            for iid in missing:  # the state lost it (a Redis restarted without persistence)
+                if (inst := self.instances.get(iid)) is not None:
                     logger.warning("%s is missing from the cluster state: registering it again", iid)
                     self._register(inst)
-                    self.state.heartbeat(iid, ttl)
-                self.state.update_load(iid, answer)
-            except KeyError:  # removed meanwhile
-                pass
-            except Exception:  # the state store is down: serving goes on, say so
-                logger.warning("cannot publish %s to the cluster state", iid, exc_info=True)
+                    self.state.report({iid: loads[iid]}, ttl)
+        except Exception:  # the state store is down: serving goes on, say so
+            logger.warning("cannot publish %d instances' heartbeats to the cluster state", len(loads), exc_info=True)
+
+    def _spare_the_silent(self, answers: dict) -> None:
+        """Most instances silent in one probe (more than half, three or more) says more of this
+        controller's view (its host overloaded, its link cut) than of them: they are not declared dead
+        (and replaced, all at once) before MASS_SILENCE_PROBES probes in a row found it so. An answer
+        that says an instance is dead (its actor gone) counts as ever."""
+        silent = [iid for iid, answer in answers.items() if isinstance(answer, TimeoutError)]
+        if len(silent) < 3 or 2 * len(silent) <= len(answers):
+            self.mass_silences = 0
+            return
+        self.mass_silences += 1
+        if self.mass_silences >= MASS_SILENCE_PROBES:
+            logger.error("%d of %d instances silent in %d probes in a row: declaring them dead", len(silent),
+                         len(answers), self.mass_silences)
+            return
+        logger.error("%d of %d instances silent in one probe: suspecting this controller's view (overloaded, cut "
+                     "off), not them; dead only if %d probes in a row find it so", len(silent), len(answers),
+                     MASS_SILENCE_PROBES)
+        for iid in silent:
+            del answers[iid]
 
     # -- internals -------------------------------------------------------------------------------
     def _set_health(self, instance_id: str, health: str) -> None:

@@ -15,6 +15,7 @@ heartbeat_ttl_s past that moment: then it answers the controller, so it is attac
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 
@@ -35,16 +36,19 @@ SYNC_S = 0.5
 STATS_S = 1.0
 
 
-def create_router(spec: ClusterSpec, prefill: list, decode: list) -> Router:
+LONG_POLL_S = 2.0  # a gateway's poll of an idle instance, at most (and a tenth of the spec's client TTL)
+
+
+def create_router(spec: ClusterSpec, prefill: list, decode: list, long_poll_s: float | None = None) -> Router:
     """The router the spec asks for (a prefix-aware policy keeps its own index, fed by the prefill
-    engines' KV events: router/prefix_index.py)."""
+    engines' KV events: router/prefix_index.py). `long_poll_s`: Router's (None: its poll_s)."""
     recompute = spec.kv_recompute_max_tokens if spec.kv_load_failure_policy == "recompute" else 0
     if spec.tracing is not None and not tracing.enabled():  # this process's spans (a test may have set its own)
         tracing.configure(spec.tracing)
     return Router(prefill, decode, create_routing_policy(spec.router_policy), mode=spec.mode,
                   disagg_threshold_tokens=spec.disagg_threshold_tokens, kv_recompute_max_tokens=recompute,
                   kv_fetch=spec.kv_fetch, max_queued=spec.router_max_queued,
-                  queue_timeout_s=spec.router_queue_timeout_s)
+                  queue_timeout_s=spec.router_queue_timeout_s, long_poll_s=long_poll_s)
 
 
 def publish_stats(router: Router, state: ClusterState, stop: threading.Event, ttl_s: float) -> None:
@@ -70,12 +74,15 @@ class Frontend(Serving):
         self._lost: dict[str, float] = {}  # ids this router found dead -> their record's updated_at then
         self._missing: set[str] = set()  # records without actors (logged once)
         self._absent: dict[str, float] = {}  # attached instances whose record vanished: since when
+        self._version, self._read_at = -1, -math.inf  # the state's version when the records were last read
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
     def start(self) -> Frontend:
         init_ray(self.spec, self.log_level)
-        self.router = create_router(self.spec, [], [])
+        # (a gateway over many instances: idle ones are asked less often; in-process clusters keep poll_s,
+        # so that closing one does not wait for the long polls)
+        self.router = create_router(self.spec, [], [], min(LONG_POLL_S, self.spec.client_ttl_s / 10))
         self.router.start()
         self.sync()
         for target, args in ((self._sync_loop, ()),
@@ -103,9 +110,15 @@ class Frontend(Serving):
                 logger.warning("cannot read the cluster state", exc_info=True)
 
     def sync(self) -> None:
-        """Brings the router's instances in line with the cluster state's records."""
+        """Brings the router's instances in line with the cluster state's records: read again when
+        the membership moved (the state's version: an instance registered, removed, its health
+        changed), and every heartbeat TTL / 2 (an expiry, a restarted store, this router's own
+        losses: what no version tells)."""
+        now, version = time.monotonic(), self.state.version()
+        if version == self._version and now - self._read_at < self.spec.heartbeat_ttl_s / 2:
+            return
+        self._version, self._read_at = version, now  # (before reading: a change meanwhile moves it again)
         records = {r.instance_id: r for r in self.state.list_instances()}
-        now = time.monotonic()
         for iid, inst in list(self.instances.items()):
             record = records.get(iid)
             if record is not None:
@@ -143,11 +156,15 @@ class Frontend(Serving):
         self.router.remove_instance(iid)
         self._attach(record)
 
-    def _attach(self, record: InstanceRecord) -> None:
+    def rank0_actor(self, instance_id: str):
+        """The instance's rank-0 actor handle, found by name; ValueError when Ray has none by it."""
         import ray
+        return ray.get_actor(rank_actor_name(instance_id, 0), namespace=self.spec.cluster_name)
+
+    def _attach(self, record: InstanceRecord) -> None:
         iid = record.instance_id
         try:
-            actor = ray.get_actor(rank_actor_name(iid, 0), namespace=self.spec.cluster_name)
+            actor = self.rank0_actor(iid)
         except ValueError:  # registered before its actors were named (or already gone)
             if iid not in self._missing:
                 logger.warning("instance %s is in the cluster state but has no actor in Ray namespace %s",

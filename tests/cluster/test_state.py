@@ -125,6 +125,38 @@ def test_register_replaces_record_and_heartbeat(state):
     assert state.expired_instances() == [] and ids(state.list_instances(healthy_only=True)) == ["d0"]
 
 
+def test_version_moves_with_membership_not_with_loads(state):
+    """Register, health and remove move the version (a gateway re-reads then); heartbeats and loads
+    (every probe) do not."""
+    seen = [state.version()]
+    state.register(create_record("d0"))
+    seen.append(state.version())
+    state.heartbeat("d0", 5.0)
+    state.update_load("d0", {"running": 2})
+    state.report({"d0": {"running": 3}}, 5.0)
+    seen.append(state.version())
+    state.set_health("d0", "draining")
+    seen.append(state.version())
+    state.remove("d0")
+    seen.append(state.version())
+    assert seen[0] != seen[1] == seen[2] != seen[3] != seen[4] and len(set(seen)) == 4
+
+
+def test_report_heartbeats_and_loads_many_and_names_the_missing(state):
+    """One call for a probe's answers: each known instance heartbeated with its figures merged;
+    the unknown ones named (the controller registers them again)."""
+    for iid in ("d0", "d1"):
+        state.register(create_record(iid, load={"kv_usage": 0.5}))
+    assert state.report({"d0": {"running": 1}, "gone": {"running": 9}, "d1": {"running": 4}}, 0.5) == ["gone"]
+    assert [(r.instance_id, r.load) for r in state.list_instances()] == [
+        ("d0", {"kv_usage": 0.5, "running": 1.0}), ("d1", {"kv_usage": 0.5, "running": 4.0})]
+    assert state.expired_instances() == []
+    time.sleep(0.7)
+    assert state.expired_instances() == ["d0", "d1"]  # (the TTL of the report's heartbeats)
+    with pytest.raises(ValueError):
+        state.report({"d0": {}}, 0)
+
+
 def test_unknown_instance(state):
     """Writes to an unknown instance raise KeyError; removals of one are no-ops."""
     for call in (lambda: state.update_load("x", {"running": 1}), lambda: state.set_health("x", "dead"),

@@ -73,3 +73,33 @@ def test_no_flips_when_asked_for_none_or_refused(caplog):
         act_of(pools).apply(PoolSizes(1, 3))
         assert pools.calls == [("drain", "prefill-1"), ("add", "decode")]
     assert "no flip (a flip is not with speculative decoding on)" in caplog.text
+
+
+def test_adds_start_at_once_and_a_failure_is_reported():
+    """Three instances for a step of load start together (each waits for the other two here: one
+    after the other, the first would wait alone and fail); one add that fails fails the apply, said."""
+    import threading
+
+    import pytest
+
+    from cluster.autoscale.actuators import ActuatorError
+
+    pools = two_by_two()
+    together = threading.Barrier(3, timeout=10)
+    add = pools.add_instance
+
+    def add_together(role):
+        together.wait()
+        return add(role)
+
+    pools.add_instance = add_together
+    act = RayActuator(pools, flips=False)
+    act.apply(PoolSizes(2, 5))
+    assert act.current() == PoolSizes(2, 5) and len(act.times["startup_s"]) == 3
+
+    def no_room(role):
+        raise RuntimeError("no node has room")
+
+    pools.add_instance = no_room
+    with pytest.raises(ActuatorError, match="cannot add 2 of 2 decode instances: no node has room"):
+        act.apply(PoolSizes(2, 7))

@@ -204,3 +204,22 @@ def test_a_cuda_index_under_ray_is_refused_before_anything_starts(device):
         Controller(spec, use_ray=True)
     assert Controller(spec, use_ray=False).spec.device == device
     assert Controller(replace(spec, device="cuda:0"), use_ray=True).spec.device == "cuda:0"
+
+
+def test_most_instances_silent_at_once_are_spared_until_it_persists():
+    """Five of six instances silent in one probe says more of the controller's view than of them: not
+    dead until three probes in a row find it so; one silent alone, or an answer that says dead (an
+    actor gone), is dead at once."""
+    ctl = Controller(ClusterSpec(model="smollm2", device="cpu"), use_ray=False)
+
+    def probe(silent: int, gone: int = 0) -> dict:
+        answers = {f"d{k}": TimeoutError("silent") for k in range(silent)}
+        answers.update({f"g{k}": RuntimeError("actor died") for k in range(gone)})
+        answers.update({f"ok{k}": {"running": 0.0} for k in range(6 - silent - gone)})
+        ctl._spare_the_silent(answers)
+        return answers
+
+    assert sorted(probe(5)) == ["ok0"] and sorted(probe(4, gone=1)) == ["g0", "ok0"]
+    assert len(probe(5)) == 6  # the third in a row: declared dead
+    assert len(probe(1)) == 6 and ctl.mass_silences == 0  # one silent instance: dead as ever
+    assert len(probe(2)) == 6  # (fewer than three)
