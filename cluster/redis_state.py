@@ -111,12 +111,10 @@ class RedisState(ClusterState):
             pipe.execute()
 
     def _hset(self, instance_id: str, fields: dict) -> None:
-        args = [x for k, v in fields.items() for x in (k, _pack(v))]
-        _found(self._hset_if_exists(keys=[self._key("inst", instance_id)], args=args), instance_id)
+        _found(self._hset_if_exists(keys=[self._key("inst", instance_id)], args=_hset_args(fields)), instance_id)
 
     def update_load(self, instance_id: str, load: dict[str, float]) -> None:
-        self._hset(instance_id, {**{_LOAD_PREFIX + str(k): float(v) for k, v in load.items()},
-                                 "updated_at": time.time()})
+        self._hset(instance_id, _load_fields(load, time.time()))
 
     def set_health(self, instance_id: str, health: str) -> None:
         _check_health(health)
@@ -128,16 +126,13 @@ class RedisState(ClusterState):
 
     def report(self, loads: dict[str, dict[str, float]], ttl_s: float) -> list[str]:
         """In one round trip (the scripts of `heartbeat` and `update_load`, pipelined)."""
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         ids, now = list(loads), time.time()
+        beat = _heartbeat_args(ttl_s, now)
         with self._redis.pipeline(transaction=False) as pipe:
             for i in ids:
                 keys = [self._key("inst", i), self._key("hb", i)]
-                self._heartbeat(keys=keys, args=[max(1, round(ttl_s * 1000)), _pack(True), _pack(now)], client=pipe)
-                fields = {**{_LOAD_PREFIX + str(k): float(v) for k, v in loads[i].items()}, "updated_at": now}
-                self._hset_if_exists(keys=keys[:1], args=[x for k, v in fields.items() for x in (k, _pack(v))],
-                                     client=pipe)
+                self._heartbeat(keys=keys, args=beat, client=pipe)
+                self._hset_if_exists(keys=keys[:1], args=_hset_args(_load_fields(loads[i], now)), client=pipe)
             replies = pipe.execute()
         return [i for i, ok in zip(ids, replies[0::2]) if not ok]
 
@@ -173,10 +168,8 @@ class RedisState(ClusterState):
             pipe.execute()
 
     def heartbeat(self, instance_id: str, ttl_s: float) -> None:
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         ok = self._heartbeat(keys=[self._key("inst", instance_id), self._key("hb", instance_id)],
-                             args=[max(1, round(ttl_s * 1000)), _pack(True), _pack(time.time())])
+                             args=_heartbeat_args(ttl_s, time.time()))
         _found(ok, instance_id)
 
     def expired_instances(self) -> list[str]:
@@ -207,3 +200,20 @@ class RedisState(ClusterState):
 
     def close(self) -> None:
         self._redis.close()
+
+
+def _hset_args(fields: dict) -> list:
+    """The _HSET_IF_EXISTS script's arguments: field, packed value, ..."""
+    return [x for k, v in fields.items() for x in (k, _pack(v))]
+
+
+def _load_fields(load: dict[str, float], now: float) -> dict:
+    """A record's fields for load figures written at `now`."""
+    return {**{_LOAD_PREFIX + str(k): float(v) for k, v in load.items()}, "updated_at": now}
+
+
+def _heartbeat_args(ttl_s: float, now: float) -> list:
+    """The _HEARTBEAT script's arguments (its TTL in ms); ValueError for a TTL that is not > 0."""
+    if ttl_s <= 0:
+        raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+    return [max(1, round(ttl_s * 1000)), _pack(True), _pack(now)]

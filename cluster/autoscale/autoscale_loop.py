@@ -208,10 +208,10 @@ def create_autoscaler(cluster, spec) -> Autoscaler:
     profile = Profile.load(spec.autoscale_profile) if spec.autoscale_profile else None
     policy, actuator = create_policy(spec, profile, limits), create_actuator(cluster, spec)
     online = OnlineProfile(spec.max_num_seqs) if isinstance(policy, SLOPlanner) and profile is None else None
+    times = profile or Profile  # (the class: its defaults, the times assumed until measured)
     logger.info("autoscaler: %s policy, %s actuator, every %.0f s, pools %d-%d prefill, %d-%d decode, %s instances "
                 "in all, %s forecast; a cold start counts %.1f s and a flip %.2f s until one is measured (%s)",
                 spec.autoscale_policy, spec.autoscale_actuator, spec.autoscale_interval_s, limits.min_prefill,
                 limits.max_prefill, limits.min_decode, limits.max_decode, limits.max_instances or "any",
-                spec.autoscale_forecast, (profile or Profile(0, 0, 0, 1, 1)).startup_s,
-                (profile or Profile(0, 0, 0, 1, 1)).flip_s, "the profile's" if profile else "assumed")
+                spec.autoscale_forecast, times.startup_s, times.flip_s, "the profile's" if profile else "assumed")
     return Autoscaler(cluster, policy, actuator, spec.autoscale_interval_s, profile, online)
