@@ -81,8 +81,8 @@ BED_VALUES = {
          "requests_per_second": 0.05, "burst": 1}]}},
 }
 BED_AUTH = {"Authorization": f"Bearer {BED_API_KEY}"}
-STAGES = (("redis", "ray-head"), ("prefill", "decode"), ("controller",), ("gateway",))
-SHORT = {"ray-head": "head", "controller": "ctl", "gateway": "gw", "prefill": "pf", "decode": "dc"}
+STAGES = (("redis", "ray-head"), ("prefill", "decode", "worker"), ("controller",), ("gateway",))
+SHORT = {"ray-head": "head", "controller": "ctl", "gateway": "gw", "prefill": "pf", "decode": "dc", "worker": "wk"}
 PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
 _VAR = re.compile(r"\$\$|\$\(([-._a-zA-Z][-._a-zA-Z0-9]*)\)")
 _UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}

@@ -46,6 +46,7 @@ KV_TRANSPORTS = ("auto", "torch", "nixl")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "retry")  # cluster/control/frontend.py: a decode instance's failed KV load
 WAIT_POLICIES = ("passive", "active", "inherit")  # cluster/ranks/cpu_plan.py: OMP_WAIT_POLICY of rank processes
 SESSION_AFFINITY = ("header", "user", "off")  # gateway/app.py: what names a request's session (router/policy.py)
+WORKER_PODS = ("per_role", "shared")  # cluster/ranks/nodes.py role_resource: the Ray resource a rank asks for
 
 STATE_URL_SCHEMES = ("memory://", "redis://", "rediss://", "unix://")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -53,7 +54,7 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 CHOICES = MappingProxyType({
     "dtype": DTYPE_CHOICES, "mode": MODES, "router_policy": ROUTER_POLICIES, "attention_backend": ATTENTION_BACKENDS,
     "autoscale_policy": AUTOSCALE_POLICIES, "autoscale_actuator": AUTOSCALE_ACTUATORS,
-    "autoscale_forecast": AUTOSCALE_FORECASTS,
+    "autoscale_forecast": AUTOSCALE_FORECASTS, "worker_pods": WORKER_PODS,
     "kv_load_failure_policy": KV_LOAD_FAILURE_POLICIES, "kv_transport": KV_TRANSPORTS,
     "kv_cache_dtype": KV_CACHE_DTYPE_CHOICES, "quantization": QUANTIZATION_CHOICES, "omp_wait_policy": WAIT_POLICIES,
     "expert_method": EXPERT_METHOD_CHOICES, "speculative_method": SPECULATIVE_METHODS,
@@ -155,7 +156,8 @@ class ClusterSpec:
     chat_template: str | None = None  # a Jinja file in place of the model's chat template
     tool_call_parser: str | None = None  # gateway/tool_parsers.py: tool_choice auto reads calls with it
     reasoning_parser: str | None = None  # gateway/reasoning.py: <think> ... </think> -> reasoning_content
-    ray_resources: bool = False  # Kubernetes: actors land on worker pods carrying `prefill`/`decode`
+    ray_resources: bool = False  # Kubernetes: actors land on worker pods carrying `prefill`/`decode` (or `worker`)
+    worker_pods: str = "per_role"  # with ray_resources: per_role pods carry one role's resource, shared pods `worker`
     # observability (engine/core/tracing.py, gateway/trace.py): OTLP/HTTP traces, off without an endpoint
     otlp_traces_endpoint: str | None = None
     trace_sample_ratio: float = 1.0  # of new traces (a client's traceparent decides its own)
@@ -180,6 +182,7 @@ class ClusterSpec:
     k8s_namespace: str | None = None
     k8s_prefill_deployment: str = "pdserve-prefill"
     k8s_decode_deployment: str = "pdserve-decode"
+    k8s_worker_deployment: str = "pdserve-worker"  # worker_pods shared: the one worker Deployment
 
     def __post_init__(self):
         self._check_types()
@@ -219,7 +222,8 @@ class ClusterSpec:
         self.speculative  # raises on speculative keys that cannot work together
         for name in ("model", "host", "ray_address", "api_key", "autoscale_profile", "k8s_namespace", "chat_template",
                      "expert_placement", "speculative_model", "api_keys_file", "kv_disk_tier_dir",
-                     "k8s_prefill_deployment", "k8s_decode_deployment", "otlp_traces_endpoint"):
+                     "k8s_prefill_deployment", "k8s_decode_deployment", "k8s_worker_deployment",
+                     "otlp_traces_endpoint"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name} must not be empty")
         if not 0 < self.trace_sample_ratio <= 1:

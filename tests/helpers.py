@@ -135,11 +135,13 @@ def save_tiny(path: Path, family: str = "llama", seed: int = 0, **overrides) -> 
 
 @contextlib.contextmanager
 def local_ray():
-    """A local Ray for a fixture's scope, token auth on (a fresh token, nothing written to ~/.ray)."""
+    """A local Ray for a fixture's scope, token auth on (a fresh token, nothing written to ~/.ray); its
+    node carries 8 units of `worker`, the Ray resource of shared worker pods (spec worker_pods)."""
     from cluster.control.instance import setup_ray_auth
     setup_ray_auth()
     import ray
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(num_cpus=8, resources={"worker": 8}, include_dashboard=False, logging_level="WARNING",
+             log_to_driver=False)
     try:
         yield
     finally:

@@ -144,21 +144,21 @@ class RayActuator(Actuator):
 
 
 class PodsThenInstances(Actuator):
-    """Kubernetes: `pods` (a KubernetesActuator) sizes the worker Deployments whose pods carry the
-    `prefill`/`decode` Ray resources, `instances` (a RayActuator) places instances on them. A
-    shrinking pool is drained by `instances` before its Deployment is scaled down (the pods
-    actuator's drain hook); a growing one gets its pods first, then its instances (whose
-    placement groups wait for the new pods' resources)."""
+    """Kubernetes: `pods` (a KubernetesActuator) sizes the worker Deployments, `instances` (a RayActuator)
+    moves the instances on their pods: the Deployments that grow first (the new instances' placement
+    groups wait for the new pods' Ray resources), then the instances (flips where the pods are shared,
+    adds, drains), then the Deployments that shrink, by the pods left with no instance."""
 
-    def __init__(self, pods: Actuator, instances: RayActuator):
+    def __init__(self, pods, instances: RayActuator):
         self.pods, self.instances = pods, instances
 
     def current(self) -> PoolSizes:
         return self.instances.current()
 
     def apply(self, target: PoolSizes) -> None:
-        self.pods.apply(target)
+        self.pods.grow(target)
         self.instances.apply(target)
+        self.pods.shrink(target)
 
     def measured(self) -> dict[str, float]:
         """(An instance's start only: a pod's own start is not yet measured here.)"""

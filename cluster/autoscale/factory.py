@@ -11,10 +11,16 @@ from cluster.spec import ClusterSpec, spec_registry
 
 def _slo(spec: ClusterSpec, profile: Profile | None, limits: ScalingLimits) -> Policy:
     """TTFT/TBT targets from a profile (None: measured online until there is one), the load forecast
-    `autoscale_forecast` names; flips where the actuator can flip (not Kubernetes: cluster/autoscale/actuators.py)."""
+    `autoscale_forecast` names; flips where instances can flip (not on per-role worker pods)."""
     return SLOPlanner(profile, limits, spec.ttft_slo_s, spec.tbt_slo_s, rate_window_s=3 * spec.autoscale_interval_s,
                       forecaster=create_forecaster(spec.autoscale_forecast, spec.autoscale_interval_s),
-                      flips=spec.autoscale_actuator != "kubernetes")
+                      flips=_can_flip(spec))
+
+
+def _can_flip(spec: ClusterSpec) -> bool:
+    """Whether an instance may change role where it runs: not when its worker pod carries one role's
+    Ray resource (cluster/control/flip.py refuses those)."""
+    return not spec.ray_resources or spec.worker_pods == "shared"
 
 
 def _queue(spec: ClusterSpec, profile: Profile | None, limits: ScalingLimits) -> Policy:
@@ -26,11 +32,16 @@ def _ray(cluster, spec: ClusterSpec) -> Actuator:
 
 
 def _kubernetes(cluster, spec: ClusterSpec) -> Actuator:
-    """Worker Deployments sized first, instances placed on their pods (PodsThenInstances)."""
+    """Worker Deployments sized around the instances' own moves (PodsThenInstances): the two per-role
+    Deployments, or with worker_pods shared the one whose pods serve either role (and flips)."""
     from cluster.autoscale.kubernetes_actuator import KubernetesActuator  # the kubernetes client only when asked
-    ray_side = RayActuator(cluster, flips=False)  # (a pod carries its role's Ray resources: no flips)
-    pods = KubernetesActuator(spec.k8s_prefill_deployment, spec.k8s_decode_deployment, spec.k8s_namespace,
-                              drain=ray_side.drain)
+    from cluster.autoscale.kubernetes_pods import placed_roles
+    ray_side = RayActuator(cluster, flips=_can_flip(spec))
+    if spec.worker_pods == "shared":
+        deployments = {"worker": spec.k8s_worker_deployment}
+    else:
+        deployments = {"prefill": spec.k8s_prefill_deployment, "decode": spec.k8s_decode_deployment}
+    pods = KubernetesActuator(deployments, spec.k8s_namespace, placed=lambda: placed_roles(cluster.instance_status()))
     return PodsThenInstances(pods, ray_side)
 
 

@@ -165,7 +165,10 @@ _HELP = {
                         "(None: auto is refused; required and named choices need no parser)",
     "reasoning_parser": "reasoning_content from <think> (deepseek_r1, qwen3) or gpt-oss's analysis channel "
                         "(openai_gptoss); None: all content",
-    "ray_resources": "rank actors need a `prefill` or `decode` Ray resource (worker pods that carry it)",
+    "ray_resources": "rank actors need a `prefill` or `decode` Ray resource (worker pods that carry it), or a "
+                     "`worker` one with worker_pods shared",
+    "worker_pods": "with ray_resources: per_role (a worker pod serves one role: its Ray resource) or shared (any "
+                   "worker pod serves either role, and instances flip roles in place: docs/autoscaling.md)",
     "otlp_traces_endpoint": "send OpenTelemetry traces (one per request across gateway, router, prefill, KV transfer "
                             "and decode) to this OTLP/HTTP endpoint, e.g. http://collector:4318 (off when unset); "
                             "docs/observability.md",
@@ -191,6 +194,7 @@ _HELP = {
     "scale_up_cooldown_s": "least seconds between two scale-ups of a pool",
     "scale_down_cooldown_s": "least seconds after any change before a pool shrinks",
     "k8s_namespace": "namespace of the worker Deployments (None: this pod's own)",
+    "k8s_worker_deployment": "worker_pods shared: the one worker Deployment the kubernetes actuator sizes",
 }
 
 

@@ -40,6 +40,9 @@ def flip_instance(ctl: Controller, instance_id: str, role: str, timeout_s: float
                          f"got {role!r} in mode {ctl.spec.mode}")
     if ctl.spec.speculative is not None:
         raise ValueError("a flip rebuilds no speculative proposer: not with speculative decoding on")
+    if ctl.spec.ray_resources and ctl.spec.worker_pods != "shared":
+        raise ValueError(f"{instance_id} holds its worker pod's {inst.role} Ray resource (worker_pods per_role): "
+                         "flips need worker_pods shared")
     if ctl.spec.tp_size(role) != inst.tp_size:
         raise ValueError(f"{instance_id} runs TP {inst.tp_size}; a {role} instance runs TP {ctl.spec.tp_size(role)}")
     start = time.monotonic()

@@ -37,7 +37,7 @@ class RankPlanner:
     def rank_resources(self, role: str, gpu: bool) -> dict[str, float]:
         """What one rank of `role` asks of its node (its placement group bundle and its actor)."""
         num_gpus = self.gpu_plan().roles[role].num_gpus if gpu else 0.0
-        return nodes.rank_resources(role, gpu, self.spec.ray_resources, num_gpus)
+        return nodes.rank_resources(role, gpu, self.spec.ray_resources, num_gpus, self.spec.worker_pods == "shared")
 
     def role_engine_config(self, role: str, gpu: bool):
         """The spec's engine config of `role`; on GPU with the plan's gpu_memory_utilization."""

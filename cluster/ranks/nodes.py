@@ -84,17 +84,21 @@ def check_unique_addresses(nodes: Iterable[NodeInfo]) -> None:
         seen[n.address] = n.node_id
 
 
-def role_resource(role: str) -> str:
-    """The custom Ray resource that marks nodes for a role (colocated instances use decode's)."""
+def role_resource(role: str, shared: bool = False) -> str:
+    """The custom Ray resource that marks nodes for a role (colocated instances use decode's); with
+    `shared` worker pods (spec worker_pods), `worker` for every role: an instance may flip in place."""
+    if shared:
+        return "worker"
     return "prefill" if role == "prefill" else "decode"
 
 
-def rank_resources(role: str, gpu: bool, ray_resources: bool, num_gpus: float = 1.0) -> dict[str, float]:
+def rank_resources(role: str, gpu: bool, ray_resources: bool, num_gpus: float = 1.0,
+                   shared: bool = False) -> dict[str, float]:
     """What one rank's bundle asks of its node: a CPU, and on GPU `num_gpus` (a GPU, or a rank's
     share of one when ranks share GPUs: cluster/control/gpu_share.py)."""
     need = {"CPU": 1.0, "GPU": num_gpus} if gpu else {"CPU": 1.0}
-    if ray_resources:  # Kubernetes: only worker pods of this role carry the resource
-        need[role_resource(role)] = 1.0
+    if ray_resources:  # Kubernetes: only worker pods of this role (or shared ones) carry the resource
+        need[role_resource(role, shared)] = 1.0
     return need
 
 

@@ -29,7 +29,8 @@ DRIVERS = ("pdserve-controller", "pdserve-gateway")  # Ray drivers: `ray start` 
 CHART_OWNED_SPEC_KEYS = {
     "host", "port", "ray_address", "redis_url", "api_key", "ray_resources", "autoscale", "autoscale_policy",
     "autoscale_actuator", "ttft_slo_s", "tbt_slo_s", "min_prefill", "max_prefill", "min_decode", "max_decode",
-    "k8s_namespace", "k8s_prefill_deployment", "k8s_decode_deployment", "api_keys_file",
+    "k8s_namespace", "k8s_prefill_deployment", "k8s_decode_deployment", "k8s_worker_deployment", "worker_pods",
+    "api_keys_file",
 }
 AUTOSCALED = {"autoscaler": {"enabled": True, "policy": "queue", "ttftSloS": 1.5, "minDecode": 2, "maxDecode": 6},
               "decode": {"replicas": 2}}
@@ -242,13 +243,14 @@ def test_autoscaler_keys_reach_the_spec():
 
 
 def test_autoscaler_rbac_is_least_privilege():
-    """The autoscaler may only get and patch the scale of the two worker Deployments, in its own
-    namespace, and the controller pod (where it runs) uses that ServiceAccount; without it, no RBAC
-    and no token. The gateways never mount a token."""
+    """The autoscaler may only get and patch the scale of the two worker Deployments and list and
+    annotate pods, in its own namespace, and the controller pod (where it runs) uses that
+    ServiceAccount; without it, no RBAC and no token. The gateways never mount a token."""
     objects = manifests(AUTOSCALED)
     (role,) = find(objects, "Role")
     assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["deployments/scale"],
-                              "resourceNames": ["pdserve-prefill", "pdserve-decode"], "verbs": ["get", "patch"]}]
+                              "resourceNames": ["pdserve-prefill", "pdserve-decode"], "verbs": ["get", "patch"]},
+                             {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "patch"]}]
     assert not find(objects, "ClusterRole") and not find(objects, "ClusterRoleBinding")
     (binding,) = find(objects, "RoleBinding")
     (account,) = find(objects, "ServiceAccount")

@@ -1,13 +1,11 @@
-"""KubernetesActuator: the real `kubernetes` client against a fake apps/v1 API server that
-implements the deployments/scale subresource (GET and PATCH) on loopback."""
+"""KubernetesActuator with per-role Deployments: the real `kubernetes` client against a fake apps/v1 API
+server that implements the deployments/scale subresource (GET and PATCH) on loopback (fake_kube.py).
+Pod marks and shared worker pods: test_kubernetes_pods.py."""
 from __future__ import annotations
 
 import json
 import logging
 import socket
-import threading
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from kubernetes import client
@@ -15,113 +13,20 @@ from kubernetes import client
 from cluster.autoscale.actuators import ActuatorError, PoolSizes
 from cluster.autoscale.kubernetes_actuator import KubernetesActuator
 import cluster.autoscale.kubernetes_actuator as kubernetes_actuator
+from tests.cluster.autoscale.fake_kube import MERGE_PATCH_TYPES, NS, SCALE_PATH, FakeKubeAPI, serve
 
 pytestmark = pytest.mark.timeout(60)
-
-NS = "pd"
-SCALE_PATH = "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale"
-MERGE_PATCH_TYPES = ("application/merge-patch+json", "application/strategic-merge-patch+json")
-
-
-@dataclass
-class RecordedRequest:
-    method: str
-    path: str
-    content_type: str | None
-    body: dict | None
-
-
-class FakeKubeAPI:
-    """Replicas per (namespace, name); every request recorded; `timeline` also gets
-    ("PATCH", name) for each applied patch, so tests can interleave their own events."""
-
-    def __init__(self, replicas: dict[tuple[str, str], int], forbidden_namespaces=()):
-        self.replicas = dict(replicas)
-        self.forbidden_namespaces = set(forbidden_namespaces)
-        self.requests: list[RecordedRequest] = []
-        self.timeline: list[tuple] = []
-        self.resource_version = 1
-        self.lock = threading.Lock()
-
-    def patches(self) -> list[RecordedRequest]:
-        return [r for r in self.requests if r.method == "PATCH"]
-
-    def handle(self, method: str, path: str, content_type: str | None, raw: bytes) -> tuple[int, dict]:
-        body = json.loads(raw) if raw else None
-        with self.lock:
-            self.requests.append(RecordedRequest(method, path, content_type, body))
-            parts = path.split("?")[0].strip("/").split("/")
-            # apis/apps/v1/namespaces/{ns}/deployments/{name}/scale
-            if len(parts) != 8 or parts[:4] != ["apis", "apps", "v1", "namespaces"] or parts[5] != "deployments" \
-                    or parts[7] != "scale":
-                return 404, status(404, "NotFound", f"the server could not find the requested resource {path}")
-            ns, name = parts[4], parts[6]
-            if ns in self.forbidden_namespaces:
-                verb = "get" if method == "GET" else "patch"
-                return 403, status(403, "Forbidden", f'deployments.apps "{name}" is forbidden: User '
-                                   f'"system:serviceaccount:{ns}:autoscaler" cannot {verb} resource '
-                                   f'"deployments/scale" in API group "apps" in the namespace "{ns}"')
-            if (ns, name) not in self.replicas:
-                return 404, status(404, "NotFound", f'deployments.apps "{name}" not found')
-            if method == "PATCH":
-                if content_type not in MERGE_PATCH_TYPES or not isinstance(body, dict):
-                    return 415, status(415, "UnsupportedMediaType", f"unsupported patch {content_type}")
-                self.replicas[(ns, name)] = body["spec"]["replicas"]
-                self.resource_version += 1
-                self.timeline.append(("PATCH", name))
-            return 200, self.scale(ns, name)
-
-    def scale(self, ns: str, name: str) -> dict:
-        n = self.replicas[(ns, name)]
-        return {
-            "kind": "Scale", "apiVersion": "autoscaling/v1",
-            "metadata": {"name": name, "namespace": ns, "resourceVersion": str(self.resource_version)},
-            "spec": {"replicas": n} if n else {},  # like the real API: replicas is omitempty
-            "status": {"replicas": n},
-        }
-
-
-def status(code: int, reason: str, message: str) -> dict:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-            "message": message, "reason": reason, "code": code}
-
-
-def make_handler(api: FakeKubeAPI):
-    class Handler(BaseHTTPRequestHandler):
-        def _serve(self):
-            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            code, obj = api.handle(self.command, self.path, self.headers.get("Content-Type"), raw)
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        do_GET = do_PATCH = _serve
-
-        def log_message(self, *args):  # keep pytest output clean
-            pass
-
-    return Handler
-
+DEPLOYMENTS = {"prefill": "pd-prefill", "decode": "pd-decode"}
 
 @pytest.fixture
 def fake_api(monkeypatch):
     """Starts a FakeKubeAPI with pd-prefill=1 and pd-decode=1 in namespace "pd", namespace "locked"
     forbidden. Yields (api, host)."""
-    for var in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
-        monkeypatch.delenv(var, raising=False)
     api = FakeKubeAPI({(NS, "pd-prefill"): 1, (NS, "pd-decode"): 1,
                        ("locked", "pd-prefill"): 1, ("locked", "pd-decode"): 1},
                       forbidden_namespaces={"locked"})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(api))
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    yield api, f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
+    for host in serve(api, monkeypatch):
+        yield api, host
 
 
 @pytest.fixture
@@ -134,7 +39,7 @@ def api_client(fake_api):
 
 def create_actuator(api_client, **knobs) -> KubernetesActuator:
     knobs = {"namespace": NS, **knobs}
-    return KubernetesActuator("pd-prefill", "pd-decode", api_client=api_client, **knobs)
+    return KubernetesActuator(DEPLOYMENTS, api_client=api_client, **knobs)
 
 
 def test_current_reads_both_deployments(fake_api, api_client):
@@ -213,7 +118,8 @@ def test_dry_run_logs_and_patches_nothing(fake_api, api_client, caplog):
 
 def test_unknown_deployment_raises_404(api_client):
     """A missing Deployment is an ActuatorError naming it, its namespace and the 404."""
-    actuator = KubernetesActuator("pd-prefill", "no-such-decode", namespace=NS, api_client=api_client)
+    actuator = KubernetesActuator({"prefill": "pd-prefill", "decode": "no-such-decode"}, namespace=NS,
+                                  api_client=api_client)
     with pytest.raises(ActuatorError) as excinfo:
         actuator.current()
     message = str(excinfo.value)
@@ -278,7 +184,7 @@ def test_loads_kubeconfig_outside_a_pod(fake_api, tmp_path, monkeypatch):
         "users": [{"name": "u", "user": {"token": "t"}}],
         "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u"}}]}))
     monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
-    actuator = KubernetesActuator("pd-prefill", "pd-decode", namespace=NS)
+    actuator = KubernetesActuator(DEPLOYMENTS, namespace=NS)
     assert actuator.current() == PoolSizes(1, 1) and len(api.requests) == 2
 
 
@@ -287,4 +193,4 @@ def test_no_config_raises_actuator_error(tmp_path, monkeypatch):
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "none"))
     with pytest.raises(ActuatorError, match="kubeconfig"):
-        KubernetesActuator("pd-prefill", "pd-decode", namespace=NS)
+        KubernetesActuator(DEPLOYMENTS, namespace=NS)

@@ -55,3 +55,15 @@ def test_a_prefill_instance_flips_to_decode_under_load_and_loses_nothing(tiny_pa
             cluster.flip_instance("prefill-1", "decode")
         with pytest.raises(ValueError, match="no instance 'decode-9'"):
             cluster.flip_instance("decode-9", "prefill")
+
+
+def test_an_instance_on_a_per_role_worker_pod_does_not_flip():
+    """With ray_resources and per-role worker pods, an instance holds its pod's role resource: a flip
+    is refused in one line before anything drains (worker_pods shared lets it flip)."""
+    from types import SimpleNamespace
+
+    from cluster.control.flip import flip_instance
+    inst = SimpleNamespace(role="prefill", tp_size=1)
+    ctl = SimpleNamespace(instances={"prefill-0": inst}, spec=ClusterSpec(ray_resources=True))
+    with pytest.raises(ValueError, match="holds its worker pod's prefill Ray resource .* worker_pods shared"):
+        flip_instance(ctl, "prefill-0", "decode")

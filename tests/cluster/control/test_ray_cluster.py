@@ -263,13 +263,16 @@ def test_smollm2_heterogeneous_tp(ray_session, smollm2_heads_path, ptp, dtp):
 
 
 def test_a_tp2_pair_swaps_roles_by_two_flips_under_load(ray_session, tiny_path):
-    """1P1D, both TP 2 on Ray: the prefill instance flips to decode, then the decode one to prefill,
-    while requests stream (between the flips, prompts are computed on a decode instance); every
-    request equals colocated, the pools are swapped, and the flipped ranks (followers rebuilt when
-    rank 0 released them) serve the next requests."""
+    """1P1D, both TP 2 on Ray, placed as on shared worker pods (every rank holds a unit of the node's
+    `worker` resource, the chart's workerPods shared): the prefill instance flips to decode, then the
+    decode one to prefill, while requests stream (between the flips, prompts are computed on a decode
+    instance); every request equals colocated, the pools are swapped, and the flipped ranks (followers
+    rebuilt when rank 0 released them) serve the next requests."""
     prompts = random_prompts(12, [20, 60], seed=12)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    with Cluster(spec_for(tiny_path, prefill_tp=2, decode_tp=2)) as c:
+    with Cluster(spec_for(tiny_path, prefill_tp=2, decode_tp=2, ray_resources=True, worker_pods="shared")) as c:
+        import ray
+        assert ray.available_resources().get("worker", 0) == 8 - 4  # the four ranks' units
         streams = [c.submit(f"r{i}", p, params) for i, p in enumerate(prompts)]
         first = c.flip_instance("prefill-0", "decode")
         second = c.flip_instance("decode-0", "prefill")

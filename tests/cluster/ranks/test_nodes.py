@@ -88,6 +88,17 @@ def test_role_resources_and_gpus_restrict_nodes():
         ["10.0.0.4", "10.0.0.4"]
 
 
+def test_shared_worker_pods_take_either_role():
+    """With worker_pods shared, every role asks for `worker`: a node carrying it takes prefill and decode
+    instances alike, and a per-role node takes neither."""
+    p, shared = create_node("10.0.0.1", prefill=4), create_node("10.0.0.2", worker=2)
+    per_rank = {role: nodes.rank_resources(role, False, True, shared=True) for role in ("prefill", "decode")}
+    assert per_rank["prefill"] == per_rank["decode"] == {"CPU": 1.0, "worker": 1.0}
+    assert place_many([p, shared], ["prefill", "decode"], per_rank["prefill"]) == ["10.0.0.2", "10.0.0.2"]
+    with pytest.raises(PlacementError, match="worker"):
+        place_many([p, shared], ["prefill"] * 3, per_rank["prefill"])
+
+
 def test_shares_of_one_gpu_fit_on_a_one_gpu_node():
     """Ranks asking for shares of a GPU (cluster/control/gpu_share.py: 1P1D on one GPU) both fit on a
     node with one GPU; a third share that does not fit names the GPU left."""

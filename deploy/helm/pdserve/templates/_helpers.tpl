@@ -62,6 +62,38 @@ helm.sh/chart: {{ include "pdserve.chart" .root }}
 {{ include "pdserve.fullname" .root }}-{{ .role }}
 {{- end }}
 
+{{/* The roles of the worker Deployments, a JSON list: prefill and decode, or the one shared "worker" (workerPods). */}}
+{{- define "pdserve.workerRoles" -}}
+{{- if eq .Values.workerPods "shared" }}["worker"]{{ else }}["prefill", "decode"]{{ end }}
+{{- end }}
+
+{{/*
+A worker Deployment's pool values, as JSON. "worker" (workerPods shared): the prefill pool's pod shape,
+which the decode pool's must equal (any pod may serve either role), and the replicas of both.
+Call with (dict "root" $ "role" "worker").
+*/}}
+{{- define "pdserve.workerPool" -}}
+{{- $values := .root.Values }}
+{{- if ne .role "worker" }}
+{{- toJson (index $values .role) }}
+{{- else }}
+{{- range $key := list "instancesPerPod" "cpus" "gpu" "resources" "shmSize" "drainSeconds" "nodeSelector" "tolerations" "affinity" }}
+{{- $a := toJson (index $values.prefill $key) }}
+{{- $b := toJson (index $values.decode $key) }}
+{{- if ne $a $b }}
+{{- fail (printf "workerPods shared runs every instance on one pod shape: prefill.%s (%s) differs from decode.%s (%s)" $key $a $key $b) }}
+{{- end }}
+{{- end }}
+{{- $tp := list (int ($values.spec.prefill_tp | default 1)) (int ($values.spec.decode_tp | default 1)) }}
+{{- if ne (first $tp) (last $tp) }}
+{{- fail (printf "workerPods shared flips instances between roles: spec.prefill_tp (%d) and spec.decode_tp (%d) must be equal" (first $tp) (last $tp)) }}
+{{- end }}
+{{- $pool := deepCopy $values.prefill }}
+{{- $_ := set $pool "replicas" (add $values.prefill.replicas $values.decode.replicas) }}
+{{- toJson $pool }}
+{{- end }}
+{{- end }}
+
 {{- define "pdserve.rayAuthSecret" -}}
 {{ .Values.ray.auth.existingSecret | default (printf "%s-ray-auth" (include "pdserve.fullname" .)) }}
 {{- end }}
@@ -321,8 +353,14 @@ releases may share an external Redis. */}}
 {{- if gt (float64 (default 0 $spec.kv_disk_tier_gib)) 0.0 }}
 {{- $_ = set $spec "kv_disk_tier_dir" .Values.kvDiskTier.mountPath }}
 {{- end }}
+{{- if eq .Values.workerPods "shared" }}
+{{- $_ = set $spec "worker_pods" "shared" }}
+{{- $_ = set $spec "k8s_worker_deployment" (include "pdserve.workerName" (dict "root" . "role" "worker")) }}
+{{- else }}
+{{- $_ = set $spec "worker_pods" "per_role" }}
 {{- $_ = set $spec "k8s_prefill_deployment" (include "pdserve.workerName" (dict "root" . "role" "prefill")) }}
 {{- $_ = set $spec "k8s_decode_deployment" (include "pdserve.workerName" (dict "root" . "role" "decode")) }}
+{{- end }}
 {{- with .Values.autoscaler }}
 {{- if .enabled }}
 {{- /* The Kubernetes actuator sets replicas to the number of instances it wants. */}}
