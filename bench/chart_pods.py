@@ -36,6 +36,8 @@ What a kubelet would do, and what happens here:
 - Probes: httpGet (path, port by number or name, scheme, headers), tcpSocket (both from the root
   namespace against the pod's address) and exec (inside the pod, with its env), each with its
   timeoutSeconds; success as kubelet counts it (HTTP 200-399).
+- Service accounts: with a `kube_api` (bench/bed_kube_api.py), a pod that mounts its token gets it as
+  kubelet mounts it, and the API's address; else no token.
 - Runs as root: securityContext, resources, scheduling, postStart hooks and imagePullPolicy are
   ignored; preStop and the grace period only through `terminate_pod`. Needs root, as the bed does.
 """
@@ -146,6 +148,7 @@ class ChartPods:
         self.objects = render_chart(values, release, namespace, chart)
         self._pods: dict[str, Pod] = {}
         self._made: list[Path] = []  # created on the shared filesystem: removed at down()
+        self.kube_api = None  # a bench.bed_kube_api.BedKubeAPI: pods with a service account mount its token
 
     # -- the API ----------------------------------------------------------------------------------
     @property
@@ -350,6 +353,14 @@ class ChartPods:
         scratch.mkdir(parents=True)
         self._write_hosts()
         mounts = self._volume_mounts(pod, c) + [["mount", "--bind", str(self._hosts_file(pod.name)), "/etc/hosts"]]
+        spec = pod.template["spec"]
+        if self.kube_api is not None and spec.get("serviceAccountName") and spec.get("automountServiceAccountToken",
+                                                                                     True):
+            from bench.bed_kube_api import SERVICE_ACCOUNT_DIR
+            source, env = self.kube_api.service_account(pod.name)
+            self._make_dir(Path(SERVICE_ACCOUNT_DIR))
+            mounts.append(["mount", "--bind", str(source), SERVICE_ACCOUNT_DIR])
+            pod.env.update(env)
         for keep in _under_tmp(REPO, BIN.parent):  # the image's files (this checkout, its venv) stay in sight
             mounts += [["mkdir", "-p", str(scratch / keep)], ["mount", "--bind", str(Path("/tmp") / keep),
                                                                str(scratch / keep)]]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import threading
 
 from cluster.control.controller import Controller
-from cluster.control.flip import flip_instance
 from cluster.control.frontend import create_router, publish_stats
 from cluster.control.membership import Membership
 from cluster.control.serving import Serving
@@ -91,7 +90,7 @@ class Cluster(Serving):
 
     def flip_instance(self, instance_id: str, role: str, timeout_s: float = 120.0) -> dict[str, float]:
         """Changes an instance's role in place (cluster/control/flip.py): the seconds it took."""
-        return flip_instance(self.controller, instance_id, role, timeout_s)
+        return self.controller.flip_instance(instance_id, role, timeout_s)
 
     def kill_instance(self, instance_id: str) -> None:
         self.controller.kill_instance(instance_id)

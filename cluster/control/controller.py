@@ -25,6 +25,7 @@ import time
 
 from cluster.control import model_fit
 from cluster.control.adopter import Adopter
+from cluster.control.flip import flip_instance
 from cluster.control.serving import local_client, ray_client
 from cluster.control.instance import Instance, init_ray, rank_actor_name, setup_ray_auth  # noqa: F401 (re-exported)
 from cluster.control.membership import Membership
@@ -227,6 +228,10 @@ class Controller:
         drained = self.drain(instance_id, timeout_s)
         self.remove_instance(instance_id)
         return drained
+
+    def flip_instance(self, instance_id: str, role: str, timeout_s: float = 120.0) -> dict[str, float]:
+        """Changes an instance's role in place (cluster/control/flip.py): the seconds it took."""
+        return flip_instance(self, instance_id, role, timeout_s)
 
     def drain(self, instance_id: str, timeout_s: float) -> bool:
         """No new requests go there (other gateways see it within DRAIN_GRACE_S): whether its own end in `timeout_s`."""
