@@ -86,8 +86,7 @@ class KubernetesActuator(Actuator):
         if self.shared:
             roles = self._call("list pods of", SHARED, lambda: self.pod_marks.roles(self._selector(SHARED)))
             return PoolSizes(prefill=roles.get("prefill", 0), decode=roles.get("decode", 0))
-        return PoolSizes(prefill=self._scale("prefill").spec.replicas or 0,
-                         decode=self._scale("decode").spec.replicas or 0)
+        return PoolSizes(prefill=self._replicas("prefill"), decode=self._replicas("decode"))
 
     def apply(self, target: PoolSizes) -> None:
         """Grows what grows, drains what shrinks (`drain`), then shrinks. Raises ActuatorError on any

@@ -16,20 +16,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from router.client import InstanceDeadError, InstanceInfo
-
-if TYPE_CHECKING:
-    from cluster.control.controller import Controller
 
 logger = logging.getLogger(__name__)
 FLIP_RANK_TIMEOUT_S = 120.0  # a rank's rebuild (no model load: its worker, KV ends and scheduler)
 
 
-def flip_instance(ctl: Controller, instance_id: str, role: str, timeout_s: float = 120.0) -> dict[str, float]:
-    """Flips `instance_id` to `role` while serving. Returns the seconds it took: draining, rebuilding, in all.
-    Raises ValueError (one line) for an unknown instance, its own role, or a role the spec cannot run."""
+def flip_instance(ctl, instance_id: str, role: str, timeout_s: float = 120.0) -> dict[str, float]:
+    """Flips `instance_id` of `ctl` (the Controller: Controller.flip_instance, which imports this) to `role`
+    while serving. Returns the seconds it took: draining, rebuilding, in all. Raises ValueError (one line)
+    for an unknown instance, its own role, or a role the spec cannot run."""
     inst = ctl.instances.get(instance_id)
     if inst is None:
         raise ValueError(f"no instance {instance_id!r} (instances: {', '.join(sorted(ctl.instances))})")
@@ -68,7 +65,7 @@ def flip_instance(ctl: Controller, instance_id: str, role: str, timeout_s: float
     return {"drain_s": drained_at - start, "rebuild_s": done - drained_at, "total_s": done - start}
 
 
-def _rebuild(ctl: Controller, inst, role: str) -> list:
+def _rebuild(ctl, inst, role: str) -> list:
     """Every rank rebuilt as `role` (followers told first: rank 0's loop releases theirs); their KV endpoints."""
     config = ctl.spec.engine_config(role)
     if not ctl.use_ray:
@@ -86,7 +83,7 @@ def _rebuild(ctl: Controller, inst, role: str) -> list:
     return endpoints
 
 
-def _client(ctl: Controller, inst, info: InstanceInfo):
+def _client(ctl, inst, info: InstanceInfo):
     if ctl.use_ray:
         return ctl._ray_client(info, inst.ranks[0])
     from cluster.control.serving import local_client
