@@ -91,7 +91,7 @@ class BedKubeAPI:
         url = urlsplit(path)
         parts = url.path.strip("/").split("/")
         if token != self.token:
-            return 401, _status(401, "Unauthorized", "bad bearer token")
+            return 401, status(401, "Unauthorized", "bad bearer token")
         if parts[:3] == ["api", "v1", "namespaces"] and parts[4:5] == ["pods"]:
             group, resource, ns, name = "", "pods", parts[3], (parts[5] if len(parts) > 5 else None)
             verb = "list" if method == "GET" else "patch"
@@ -100,10 +100,10 @@ class BedKubeAPI:
             group, resource, ns, name = "apps", "deployments/scale", parts[4], parts[6]
             verb = "get" if method == "GET" else "patch"
         else:
-            return 404, _status(404, "NotFound", f"not served here: {url.path}")
+            return 404, status(404, "NotFound", f"not served here: {url.path}")
         if ns != self.pods.namespace or not self._allowed(group, resource, verb, name):
             self.forbidden.append(f"{verb} {resource} {name}")
-            return 403, _status(403, "Forbidden", f"the Role does not allow {verb} on {resource} {name}")
+            return 403, status(403, "Forbidden", f"the Role does not allow {verb} on {resource} {name}")
         with self.lock:
             if resource == "pods":
                 if name is None:
@@ -111,7 +111,7 @@ class BedKubeAPI:
                                  "items": self._pod_list(parse_qs(url.query).get("labelSelector", [""])[0])}
                 return self._annotate(name, body)
             if name not in self.replicas:
-                return 404, _status(404, "NotFound", f'deployments.apps "{name}" not found')
+                return 404, status(404, "NotFound", f'deployments.apps "{name}" not found')
             if method == "PATCH":
                 self._scale(name, int(body["spec"]["replicas"]))
             return 200, self._scale_object(name)
@@ -180,9 +180,9 @@ class BedKubeAPI:
 
     def _annotate(self, name: str, body: dict | None) -> tuple[int, dict]:
         if name not in self.pods.pods:
-            return 404, _status(404, "NotFound", f'pods "{name}" not found')
+            return 404, status(404, "NotFound", f'pods "{name}" not found')
         if not body or body.keys() != {"metadata"} or body["metadata"].keys() != {"annotations"}:
-            return 422, _status(422, "Invalid", "this API takes annotation merge patches only")
+            return 422, status(422, "Invalid", "this API takes annotation merge patches only")
         meta = self.meta.setdefault(name, {"annotations": {}})
         for key, value in body["metadata"]["annotations"].items():
             if value is None:
@@ -192,22 +192,23 @@ class BedKubeAPI:
         return 200, self._pod_list("")[list(self.pods.pods).index(name)]
 
 
-def _status(code: int, reason: str, message: str) -> dict:
+def status(code: int, reason: str, message: str) -> dict:
+    """A Kubernetes Status object: the body of every error the API server answers."""
     return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
             "reason": reason, "code": code}
 
 
-def _handler(api: BedKubeAPI):
+def json_handler(handle):
+    """A BaseHTTPRequestHandler class that answers GET and PATCH with `handle(method, path, headers, raw body)`
+    -> (HTTP code, JSON object); an exception in it is a 500 with a Status, not a hung client."""
     class Handler(BaseHTTPRequestHandler):
         def _serve(self):
             raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
-            token = token if scheme.lower() == "bearer" else ""  # (the client writes "bearer")
             try:
-                code, obj = api.handle(self.command, self.path, token, json.loads(raw) if raw else None)
-            except Exception as exc:  # a bug here must show as the API's error, not a hung client
-                logger.exception("bed kube API: %s %s", self.command, self.path)
-                code, obj = 500, _status(500, "InternalError", repr(exc))
+                code, obj = handle(self.command, self.path, self.headers, raw)
+            except Exception as exc:
+                logger.exception("kube API: %s %s", self.command, self.path)
+                code, obj = 500, status(500, "InternalError", repr(exc))
             data = json.dumps(obj).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
@@ -221,3 +222,11 @@ def _handler(api: BedKubeAPI):
             pass
 
     return Handler
+
+
+def _handler(api: BedKubeAPI):
+    def handle(method: str, path: str, headers, raw: bytes) -> tuple[int, dict]:
+        scheme, _, token = (headers.get("Authorization") or "").partition(" ")
+        token = token if scheme.lower() == "bearer" else ""  # (the client writes "bearer")
+        return api.handle(method, path, token, json.loads(raw) if raw else None)
+    return json_handler(handle)

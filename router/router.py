@@ -398,25 +398,29 @@ class Router:
 
     # -- events from instances -------------------------------------------------------------------------
     def _collect(self, iid: str) -> None:
-        """One thread per instance: long-polls its events (decode outputs or prefill results)."""
-        if (client := self.prefill.get(iid)) is not None:
-            handler, handle = "prefill_result", self._on_prefill_result
-        elif (client := self.decode.get(iid)) is not None:
-            handler, handle = "decode_output", self._on_decode_output
-        else:
+        """One thread per instance client: long-polls its events while the router holds that client. Each
+        goes to the handler of its kind (a prefill result carries `first_token`), not of the role the client
+        had: a flip re-adds the instance with a new client, whose collector takes over once this one ends."""
+        if (client := self.tables.client(iid)) is None:
             return  # removed before its collector started
         while not self._stop.is_set() and client.info.healthy:
             try:
                 events = client.poll_outputs(self.long_poll_s, self.client_id)
             except InstanceDeadError as exc:
-                self.failures.mark_dead(iid, exc)
+                if self.tables.client(iid) is client:  # (not an instance that came back as another)
+                    self.failures.mark_dead(iid, exc)
                 return
             except Exception:  # anything else must not end the thread: its streams would hang
                 logger.exception("collecting from %s failed; polling again", iid)
                 self._stop.wait(self.poll_s)
                 continue
             with self._locked():
-                self.failures.handle_events(handler, handle, events)
+                firsts = [e for e in events if hasattr(e, "first_token")]
+                self.failures.handle_events("prefill_result", self._on_prefill_result, firsts)
+                self.failures.handle_events("decode_output", self._on_decode_output,
+                                            [e for e in events if not hasattr(e, "first_token")])
+                if self.tables.client(iid) is not client:
+                    return  # removed, or flipped: a new client polls it
 
     def _on_prefill_result(self, r) -> None:
         tracked = self._by_attempt.get(r.request_id)

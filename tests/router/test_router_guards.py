@@ -114,3 +114,30 @@ def test_a_thread_that_dies_is_restarted_and_counted(thread):
     assert all(t.is_alive() for t in r.threads)
     r.close()
     assert not any(t.is_alive() for t in r.threads)  # stopped, not restarted
+
+
+def test_a_flipped_instance_s_old_collector_hands_its_last_events_on_and_ends():
+    """A flip re-adds instance x with a new client (prefill -> decode) while the old client's collector is
+    still in its long poll on the same instance: whichever collector takes x's decode outputs, each goes to
+    the decode handler (the old one read them as prefill results, and the stream failed); the old collector
+    then ends, and no handler error is counted."""
+    old, p1, d0 = FakePrefill("x"), FakePrefill("p1"), FakeDecode("d0", capacity=0)
+    r = Router([old, p1], [d0], create_routing_policy("round_robin"), poll_s=0.02, long_poll_s=0.05)
+    r.start()
+    r.remove_instance("x")
+    new = FakeDecode("x")
+    new.events = new.outputs = old.events  # one instance: both clients poll its one event queue
+    r.add_instance(new)
+    streams = [r.submit(f"r{i}", [1, 2, 3], PARAMS) for i in range(6)]
+    _wait_until(lambda: len(p1.submitted) == 6 and len(new.reserved) == 6)
+    assert len(new.reserved) == 6  # every request decodes on x, each first token from p1
+    for msg, _ in p1.submitted:
+        p1.results.put(PrefillResult(msg.request_id, 11))
+        old.events.put(RequestOutput(msg.request_id, [12, 13], True, "length", start=1))
+    ends = [s.result(timeout=10) for s in streams]
+    assert [(s.finish_reason, s.token_ids) for s in ends] == [("length", [11, 12, 13])] * 6
+    assert sum(r.handler_errors.values()) == 0
+    stopped = lambda: [t for t in r.threads if not t.is_alive()]  # noqa: E731
+    _wait_until(lambda: len(stopped()) == 1)
+    assert [t.name for t in stopped()] == ["router-collect"]  # x's old one; x's new, p1's, d0's go on
+    r.close()

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
+
+from bench.bed_kube_api import json_handler, status
 
 NS = "pd"
 SCALE_PATH = "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale"
@@ -138,36 +140,12 @@ class FakeKubeAPI:
         return 404, status(404, "NotFound", f"pods {parts[4:]} not found")
 
 
-def status(code: int, reason: str, message: str) -> dict:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-            "message": message, "reason": reason, "code": code}
-
-
-def make_handler(api: FakeKubeAPI):
-    class Handler(BaseHTTPRequestHandler):
-        def _serve(self):
-            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            code, obj = api.handle(self.command, self.path, self.headers.get("Content-Type"), raw)
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        do_GET = do_PATCH = _serve
-
-        def log_message(self, *args):  # keep pytest output clean
-            pass
-
-    return Handler
-
-
 def serve(api: FakeKubeAPI, monkeypatch):
     """Serves `api` on loopback (no proxy): yields its URL, then stops it."""
     for var in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(var, raising=False)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(api))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), json_handler(
+        lambda method, path, headers, raw: api.handle(method, path, headers.get("Content-Type"), raw)))
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
