@@ -150,8 +150,7 @@ class BedKubeAPI:
         self.scale_patches.append((name, n))
         have = self._pods_of(self._deployment(name))
         self.replicas[name] = n
-        component = self.pods.pods[have[0]] if have else self._deployment(name)["spec"]["template"]["metadata"][
-            "labels"]["app.kubernetes.io/component"]
+        component = self.pods._component(self._deployment(name)["spec"]["template"])
         for _ in range(n - len(have)):
             started = self.pods.start_pod(component)
             logger.info("bed kube API: %s scaled up: pod %s", name, started)
@@ -168,15 +167,16 @@ class BedKubeAPI:
 
     def _pod_list(self, selector: str) -> list[dict]:
         want = dict(kv.split("=", 1) for kv in selector.split(",") if kv)
-        out = []
-        for name, pod in self.pods._pods.items():
-            if want.items() <= pod.template["metadata"]["labels"].items():
-                out.append({"metadata": {"name": name, "namespace": self.pods.namespace,
-                                         "labels": pod.template["metadata"]["labels"],
-                                         "annotations": self.annotations(name) or None},
-                            "status": {"podIP": self.pods.address(name),
-                                       "phase": "Running" if self.pods.running(name) else "Failed"}})
-        return out
+        return [self._pod_object(name) for name, pod in self.pods._pods.items()
+                if want.items() <= pod.template["metadata"]["labels"].items()]
+
+    def _pod_object(self, name: str) -> dict:
+        """The pod as the API shows it: name, labels, annotations, address and phase."""
+        return {"metadata": {"name": name, "namespace": self.pods.namespace,
+                             "labels": self.pods._pods[name].template["metadata"]["labels"],
+                             "annotations": self.annotations(name) or None},
+                "status": {"podIP": self.pods.address(name),
+                           "phase": "Running" if self.pods.running(name) else "Failed"}}
 
     def _annotate(self, name: str, body: dict | None) -> tuple[int, dict]:
         if name not in self.pods.pods:
@@ -189,7 +189,7 @@ class BedKubeAPI:
                 meta["annotations"].pop(key, None)
             else:
                 meta["annotations"][key] = str(value)
-        return 200, self._pod_list("")[list(self.pods.pods).index(name)]
+        return 200, self._pod_object(name)
 
 
 def status(code: int, reason: str, message: str) -> dict:
